@@ -1,0 +1,50 @@
+//! # tp-core
+//!
+//! Tensors and tensor shards for **tp**, a tensor-parallel stack in Rust.
+//!
+//! * [`DType`] (`f32`, `f16`, `bf16`) and the [`Element`] trait tying Rust types to them.
+//! * [`Shape`] with checked arithmetic: an overflowing shape is an error, never a wrap.
+//! * [`Device`] and [`Tensor`]: a contiguous row-major array. Host storage today; CUDA storage
+//!   joins behind the same API.
+//! * Ops: [`Tensor::matmul_t`] (`y = x W^T`, weight `[N, K]` as checkpoints store it),
+//!   [`Tensor::matmul`] (weight `[K, N]`), [`Tensor::linear`] (fused bias), [`Tensor::narrow`],
+//!   [`Tensor::cat`], [`Tensor::to_dtype`] (round to nearest even). `f16`/`bf16` products
+//!   accumulate in `f32`. The host GEMM is threaded over all cores ([`cpu_gemm`]).
+//! * [`TensorShard`]: which slice of which dimension a rank holds, under one balanced split
+//!   policy, with [`TensorShard::shard`] and [`TensorShard::unshard`] as exact inverses.
+//!
+//! Every function that takes user input returns [`Result`] with a typed [`Error`]; none panics
+//! on bad input. This crate needs no CUDA, nvcc or GPU to build or to test.
+//!
+//! ```
+//! use tp_core::{DType, Device, Tensor, TensorShard};
+//! # fn main() -> tp_core::Result<()> {
+//! let x = Tensor::rand(&[4, 16], DType::F32, 1, &Device::Cpu)?; // [tokens, in]
+//! let w = Tensor::rand(&[10, 16], DType::F32, 2, &Device::Cpu)?; // [out, in]
+//! // Column parallelism over 3 ranks: rank r holds rows start..end of W (uneven: 4, 3, 3).
+//! let parts = (0..3)
+//!     .map(|r| x.matmul_t(&TensorShard::new(0, 10, r, 3)?.shard(&w)?))
+//!     .collect::<tp_core::Result<Vec<_>>>()?;
+//! let y = TensorShard::unshard(&parts, 1)?; // all-gather along the last dim
+//! assert_eq!(y.dims(), &[4, 10]);
+//! # Ok(()) }
+//! ```
+
+pub mod cpu_gemm;
+mod device;
+mod dtype;
+mod error;
+mod ops;
+pub mod rng;
+mod shape;
+mod shard;
+mod storage;
+mod tensor;
+
+pub use device::Device;
+pub use dtype::{DType, Element, bf16, f16};
+pub use error::{Error, Result};
+pub use ops::WeightLayout;
+pub use shape::Shape;
+pub use shard::TensorShard;
+pub use tensor::Tensor;

@@ -1,0 +1,137 @@
+//! Matrix products against a 2-D weight, on the host backend.
+//!
+//! `x` is `[.., M, K]` (any number of leading dims, flattened into `M`; a 1-D `x` is one row).
+//! The weight is either `[N, K]`, the PyTorch / Hugging Face `nn.Linear` layout, giving
+//! `y = x W^T`, or `[K, N]`, giving `y = x W`. `y` is `[.., M, N]` in `x`'s dtype.
+//! `f16`/`bf16` operands are widened to `f32`, multiplied with `f32` accumulation, and the
+//! result rounded once (nearest even) back to the dtype.
+
+use crate::cpu_gemm::{MatRef, sgemm};
+use crate::storage::CpuStorage;
+use crate::{DType, Element, Error, Result, Tensor, with_dtype};
+use std::borrow::Cow;
+
+/// How a 2-D weight is laid out in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `[N, K]` row-major (`nn.Linear`, checkpoints): `y = x W^T`.
+    Nk,
+    /// `[K, N]` row-major: `y = x W`.
+    Kn,
+}
+
+impl Tensor {
+    /// `y = x W^T` for `x: [.., M, K]`, `w: [N, K]`; `y: [.., M, N]`.
+    pub fn matmul_t(&self, w: &Tensor) -> Result<Tensor> {
+        self.matmul_layout(w, WeightLayout::Nk, None)
+    }
+
+    /// `y = x W` for `x: [.., M, K]`, `w: [K, N]`; `y: [.., M, N]`.
+    pub fn matmul(&self, w: &Tensor) -> Result<Tensor> {
+        self.matmul_layout(w, WeightLayout::Kn, None)
+    }
+
+    /// `y = x W^T + b` for `x: [.., M, K]`, `w: [N, K]`, `b: [N]`: `nn.Linear`'s forward. The
+    /// bias is fused: it seeds the accumulator, so no second pass runs over `y`.
+    pub fn linear(&self, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.matmul_layout(w, WeightLayout::Nk, bias)
+    }
+
+    /// The general form behind [`matmul`](Self::matmul), [`matmul_t`](Self::matmul_t) and
+    /// [`linear`](Self::linear).
+    pub fn matmul_layout(&self, w: &Tensor, layout: WeightLayout, bias: Option<&Tensor>) -> Result<Tensor> {
+        const OP: &str = "matmul";
+        super::same_dtype_device(OP, self, w)?;
+        let mismatch = |why| Error::ShapeMismatch { op: OP, lhs: self.dims().to_vec(), rhs: w.dims().to_vec(), why };
+        let (&k, lead) = self.dims().split_last().ok_or(Error::RankMismatch {
+            op: OP,
+            expected: "at least 1 (x: [.., M, K])",
+            dims: self.dims().to_vec(),
+        })?;
+        let &[w0, w1] = w.dims() else {
+            return Err(Error::RankMismatch { op: OP, expected: "2 (weight)", dims: w.dims().to_vec() });
+        };
+        let (wk, n) = match layout {
+            WeightLayout::Nk => (w1, w0),
+            WeightLayout::Kn => (w0, w1),
+        };
+        if wk != k {
+            return Err(mismatch(match layout {
+                WeightLayout::Nk => "x's last dim (K) must equal the weight's dim 1 ([N, K] layout)",
+                WeightLayout::Kn => "x's last dim (K) must equal the weight's dim 0 ([K, N] layout)",
+            }));
+        }
+        if let Some(b) = bias {
+            super::same_dtype_device(OP, self, b)?;
+            if b.dims() != [n] {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    lhs: w.dims().to_vec(),
+                    rhs: b.dims().to_vec(),
+                    why: "bias must be [N]",
+                });
+            }
+        }
+        let mut out_dims = lead.to_vec();
+        out_dims.push(n);
+        let out_shape = crate::Shape::new(&out_dims)?;
+        let m = lead.iter().product::<usize>();
+
+        let x_s = self.cpu_storage(OP)?;
+        let w_s = w.cpu_storage(OP)?;
+        let b_s = bias.map(|b| b.cpu_storage(OP)).transpose()?;
+        let out = with_dtype!(x_s.dtype(), T => {
+            let b = b_s.map(|b| b.as_slice::<T>().unwrap_or_default());
+            let x = x_s.as_slice::<T>().unwrap_or_default();
+            let w = w_s.as_slice::<T>().unwrap_or_default();
+            CpuStorage::from_vec(host_matmul::<T>(x, w, b, m, k, n, layout))
+        });
+        Ok(Tensor::from_cpu(out_shape, out))
+    }
+}
+
+/// Widens to `f32` without copying when the data already is `f32`.
+fn widen<T: Element>(s: &[T]) -> Cow<'_, [f32]> {
+    match bytemuck::try_cast_slice::<T, f32>(s) {
+        Ok(f) if T::DTYPE == DType::F32 => Cow::Borrowed(f),
+        _ => {
+            let mut v = vec![0f32; s.len()];
+            T::slice_to_f32(s, &mut v);
+            Cow::Owned(v)
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn host_matmul<T: Element>(
+    x: &[T],
+    w: &[T],
+    bias: Option<&[T]>,
+    m: usize,
+    k: usize,
+    n: usize,
+    layout: WeightLayout,
+) -> Vec<T> {
+    let (x, w) = (widen(x), widen(w));
+    let a = MatRef::new(&x, m, k, k, 1);
+    let b = match layout {
+        WeightLayout::Nk => MatRef::new(&w, k, n, 1, k),
+        WeightLayout::Kn => MatRef::new(&w, k, n, n, 1),
+    };
+    let mut y = vec![0f32; m * n];
+    let beta = match bias {
+        Some(bias) => {
+            let bias = widen(bias);
+            y.chunks_exact_mut(n.max(1)).for_each(|row| row.copy_from_slice(&bias));
+            1.0
+        }
+        None => 0.0,
+    };
+    sgemm(a, b, beta, &mut y);
+    if T::DTYPE == DType::F32 {
+        return bytemuck::allocation::cast_vec(y); // f32 -> f32: a move, not a copy
+    }
+    let mut out = vec![T::from_f32(0.0); y.len()];
+    T::slice_from_f32(&y, &mut out);
+    out
+}

@@ -1,0 +1,21 @@
+//! Tensor operations. Each file holds one family; all of them validate their inputs and return
+//! typed errors before touching data.
+
+mod cast;
+mod layout;
+mod matmul;
+
+pub use matmul::WeightLayout;
+
+use crate::{Error, Result, Tensor};
+
+/// Checks that `a` and `b` share dtype and device.
+pub(crate) fn same_dtype_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch { op, lhs: a.dtype(), rhs: b.dtype() });
+    }
+    if a.device() != b.device() {
+        return Err(Error::DeviceMismatch { op, lhs: a.device(), rhs: b.device() });
+    }
+    Ok(())
+}

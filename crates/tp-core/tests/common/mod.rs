@@ -1,0 +1,57 @@
+//! Helpers shared by the integration tests: an independent float64 reference and tolerances.
+#![allow(dead_code)]
+
+use tp_core::{DType, Tensor};
+
+/// `y[i, j] = sum_l x[i, l] * w(l, j)` in f64, with `w(l, j)` read from an `[N, K]` (`nk`) or
+/// `[K, N]` weight; returns `(y, sum_l |x[i,l]·w(l,j)|)` for error bounds.
+pub fn matmul_f64(x: &[f64], w: &[f64], m: usize, k: usize, n: usize, nk: bool) -> (Vec<f64>, Vec<f64>) {
+    let mut y = vec![0.0; m * n];
+    let mut abs = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut a) = (0.0, 0.0);
+            for l in 0..k {
+                let wv = if nk { w[j * k + l] } else { w[l * n + j] };
+                s += x[i * k + l] * wv;
+                a += (x[i * k + l] * wv).abs();
+            }
+            y[i * n + j] = s;
+            abs[i * n + j] = a;
+        }
+    }
+    (y, abs)
+}
+
+/// Error bound of an f32-accumulated dot product of length `k` rounded once to `dtype`:
+/// `u_dtype·|ref| + (k + 2)·2^-24·Σ|x·w|` (the standard `γ_k` bound plus the output rounding),
+/// plus half the subnormal spacing of `dtype`, where relative rounding no longer holds.
+pub fn matmul_tol(dtype: DType, k: usize, reference: f64, abs_sum: f64) -> f64 {
+    let half_subnormal_gap = match dtype {
+        DType::F16 => 2f64.powi(-25),
+        DType::BF16 | DType::F32 => 2f64.powi(-150),
+    };
+    dtype.unit_roundoff() * reference.abs()
+        + (k as f64 + 2.0) * DType::F32.unit_roundoff() * abs_sum
+        + half_subnormal_gap
+}
+
+/// Asserts every element of `got` is within `tol(i)` of `want[i]`; reports the first failure.
+pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: impl Fn(usize) -> f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let t = tol(i);
+        assert!((g - w).abs() <= t, "{what}: element {i}: got {g}, want {w}, |diff| {} > tol {t}", (g - w).abs());
+    }
+}
+
+/// The tensor's elements as f64, panicking on error (tests only).
+pub fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_f64_vec().expect("to_f64_vec")
+}
+
+/// Asserts the data is not degenerate (random tests must not run on all zeros).
+pub fn assert_nonzero(t: &Tensor) {
+    let v = f64s(t);
+    assert!(v.iter().filter(|x| **x != 0.0).count() * 2 >= v.len(), "test data is mostly zeros");
+}

@@ -1,0 +1,111 @@
+//! Host matmul against an independent float64 reference, at shapes off every tile multiple.
+
+mod common;
+use common::*;
+use tp_core::{DType, Device, Tensor, WeightLayout};
+
+const SIZES: [usize; 5] = [1, 3, 17, 64, 129];
+const CPU: Device = Device::Cpu;
+
+fn check(m: usize, k: usize, n: usize, dtype: DType, layout: WeightLayout, with_bias: bool, seed: u64) {
+    let x = Tensor::randn(&[m, k], dtype, seed, &CPU).unwrap();
+    let w_dims = match layout {
+        WeightLayout::Nk => [n, k],
+        WeightLayout::Kn => [k, n],
+    };
+    let w = Tensor::randn(&w_dims, dtype, seed + 1, &CPU).unwrap();
+    let b = Tensor::randn(&[n], dtype, seed + 2, &CPU).unwrap();
+    let bias = with_bias.then_some(&b);
+    let y = x.matmul_layout(&w, layout, bias).unwrap();
+    assert_eq!(y.dims(), &[m, n]);
+    assert_eq!(y.dtype(), dtype);
+
+    let (mut want, abs) = matmul_f64(&f64s(&x), &f64s(&w), m, k, n, layout == WeightLayout::Nk);
+    if with_bias {
+        let bv = f64s(&b);
+        want.iter_mut().enumerate().for_each(|(i, v)| *v += bv[i % n]);
+    }
+    let what = format!("{m}x{k}x{n} {dtype} {layout:?} bias={with_bias}");
+    assert_close(&what, &f64s(&y), &want, |i| matmul_tol(dtype, k + 1, want[i], abs[i] + want[i].abs()));
+}
+
+#[test]
+fn matmul_matches_f64_reference_at_every_size_and_dtype() {
+    let mut seed = 100;
+    for dtype in DType::ALL {
+        for m in SIZES {
+            for k in SIZES {
+                for n in SIZES {
+                    for layout in [WeightLayout::Nk, WeightLayout::Kn] {
+                        seed += 3;
+                        check(m, k, n, dtype, layout, seed % 2 == 0, seed);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn large_threaded_shapes_match_reference() {
+    // Big enough to take both threaded cuts of the host GEMM (rows, then columns), off tile sizes.
+    for (m, k, n) in [(263, 301, 257), (5, 1031, 1543)] {
+        check(m, k, n, DType::F32, WeightLayout::Nk, true, 7);
+        check(m, k, n, DType::BF16, WeightLayout::Nk, false, 8);
+    }
+}
+
+#[test]
+fn small_integers_are_exact_in_f32() {
+    let (m, k, n) = (37, 129, 65);
+    let x = Tensor::rand_int(&[m, k], DType::F32, -4, 4, 1, &CPU).unwrap();
+    let w = Tensor::rand_int(&[n, k], DType::F32, -4, 4, 2, &CPU).unwrap();
+    assert_nonzero(&x);
+    let (want, _) = matmul_f64(&f64s(&x), &f64s(&w), m, k, n, true);
+    assert_eq!(f64s(&x.matmul_t(&w).unwrap()), want);
+}
+
+#[test]
+fn leading_dims_are_flattened_into_m() {
+    let x = Tensor::randn(&[2, 3, 17, 33], DType::F32, 5, &CPU).unwrap();
+    let w = Tensor::randn(&[19, 33], DType::F32, 6, &CPU).unwrap();
+    let y = x.matmul_t(&w).unwrap();
+    assert_eq!(y.dims(), &[2, 3, 17, 19]);
+    let flat = x.reshape(&[102, 33]).unwrap().matmul_t(&w).unwrap();
+    assert_eq!(f64s(&y), f64s(&flat));
+    // A 1-D x is one row.
+    let v = Tensor::randn(&[33], DType::F32, 7, &CPU).unwrap();
+    let y = v.matmul_t(&w).unwrap();
+    assert_eq!(y.dims(), &[19]);
+    let (want, abs) = matmul_f64(&f64s(&v), &f64s(&w), 1, 33, 19, true);
+    assert_close("1-D x", &f64s(&y), &want, |i| matmul_tol(DType::F32, 33, want[i], abs[i]));
+}
+
+#[test]
+fn nk_and_kn_layouts_agree() {
+    let x = Tensor::randn(&[17, 64], DType::F32, 9, &CPU).unwrap();
+    let w_nk = Tensor::randn(&[129, 64], DType::F32, 10, &CPU).unwrap();
+    // Transpose by hand: w_kn[l, j] = w_nk[j, l].
+    let v = f64s(&w_nk);
+    let w_kn = Tensor::from_fn_f64(&[64, 129], DType::F32, &CPU, |i| v[(i % 129) * 64 + i / 129]).unwrap();
+    let (a, b) = (f64s(&x.matmul_t(&w_nk).unwrap()), f64s(&x.matmul(&w_kn).unwrap()));
+    let (want, abs) = matmul_f64(&f64s(&x), &v, 17, 64, 129, true);
+    assert_close("nk", &a, &want, |i| matmul_tol(DType::F32, 64, want[i], abs[i]));
+    assert_close("kn", &b, &want, |i| matmul_tol(DType::F32, 64, want[i], abs[i]));
+}
+
+#[test]
+fn empty_dimensions_give_empty_or_bias_only_results() {
+    let w = Tensor::randn(&[5, 0], DType::F32, 1, &CPU).unwrap();
+    let x = Tensor::randn(&[3, 0], DType::F32, 2, &CPU).unwrap();
+    let b = Tensor::randn(&[5], DType::F32, 3, &CPU).unwrap();
+    // K = 0: the product is all zeros, plus the bias when given.
+    assert_eq!(f64s(&x.matmul_t(&w).unwrap()), vec![0.0; 15]);
+    let with_bias = f64s(&x.linear(&w, Some(&b)).unwrap());
+    let bv = f64s(&b);
+    assert_eq!(with_bias, (0..15).map(|i| bv[i % 5]).collect::<Vec<_>>());
+    // M = 0.
+    let x = Tensor::randn(&[0, 4], DType::BF16, 4, &CPU).unwrap();
+    let w = Tensor::randn(&[6, 4], DType::BF16, 5, &CPU).unwrap();
+    assert_eq!(x.matmul_t(&w).unwrap().dims(), &[0, 6]);
+}

@@ -1,0 +1,56 @@
+//! `cargo xtask <task>`: project tasks in Rust, so they run wherever cargo does.
+//!
+//! * `cargo xtask test`: the whole test command: `cargo fmt --check`, `cargo clippy -D warnings`
+//!   on every target, and `cargo test` on the workspace.
+//! * `cargo xtask bench [--quick]`: GEMM throughput table (GFLOP/s), with numpy measured beside
+//!   it in the same run when numpy is installed.
+
+mod bench;
+mod test;
+
+use anyhow::{Context, Result, bail};
+use std::path::PathBuf;
+use std::process::Command;
+
+const USAGE: &str = "usage: cargo xtask <test | bench [--quick]>";
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("xtask: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (task, rest) = args.split_first().map(|(t, r)| (t.as_str(), r)).unwrap_or(("", &[]));
+    match task {
+        "test" => test::run(rest),
+        "bench" => bench::run(rest),
+        "" | "-h" | "--help" | "help" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown task {other:?}\n{USAGE}"),
+    }
+}
+
+/// The workspace root (xtask lives one level below it).
+pub fn workspace_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+/// Runs `program args..` in the workspace root, echoing it, and fails if it fails.
+pub fn run_step(program: &str, args: &[&str]) -> Result<()> {
+    println!("\n==> {program} {}", args.join(" "));
+    let status = Command::new(program)
+        .args(args)
+        .current_dir(workspace_root())
+        .status()
+        .with_context(|| format!("cannot start {program}"))?;
+    if !status.success() {
+        bail!("`{program} {}` failed ({status})", args.join(" "));
+    }
+    Ok(())
+}

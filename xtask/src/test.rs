@@ -1,0 +1,58 @@
+//! `cargo xtask test`: formatting, lints on every target, then the whole workspace's tests.
+//! This is the test command README.md gives and `.ci/run` calls. It ends with one line
+//! `tests: N passed, N failed` summed over every test binary and doc-test run.
+
+use anyhow::{Context, Result, bail};
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+pub fn run(args: &[String]) -> Result<()> {
+    if let Some(a) = args.first() {
+        bail!("cargo xtask test takes no arguments (got {a:?})");
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    crate::run_step(&cargo, &["fmt", "--all", "--", "--check"])?;
+    crate::run_step(&cargo, &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"])?;
+    let (passed, failed, ok) = cargo_test(&cargo, &["test", "--workspace", "--locked"])?;
+    println!("\ntests: {passed} passed, {failed} failed");
+    if !ok || failed > 0 {
+        bail!("cargo test failed");
+    }
+    if passed == 0 {
+        bail!("cargo test ran no test");
+    }
+    Ok(())
+}
+
+/// Runs `cargo test`, echoing its output, and sums the `test result:` lines.
+fn cargo_test(cargo: &str, args: &[&str]) -> Result<(u64, u64, bool)> {
+    println!("\n==> {cargo} {}", args.join(" "));
+    let mut child = Command::new(cargo)
+        .args(args)
+        .current_dir(crate::workspace_root())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("cannot start cargo test")?;
+    let (mut passed, mut failed) = (0, 0);
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines() {
+            let line = line?;
+            println!("{line}");
+            if let Some(rest) = line.strip_prefix("test result: ") {
+                passed += count(rest, " passed");
+                failed += count(rest, " failed");
+            }
+        }
+    }
+    Ok((passed, failed, child.wait()?.success()))
+}
+
+/// The number before `label` in a `test result:` line (`ok. 5 passed; 0 failed; ...`).
+fn count(line: &str, label: &str) -> u64 {
+    line.split(';')
+        .find_map(|part| {
+            part.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").strip_suffix(label.trim())
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
