@@ -103,6 +103,30 @@ pub(crate) fn sgemm(a: MatRef<'_>, b: MatRef<'_>, beta: f32, c: &mut [f32]) {
     }
 }
 
+/// Calls `f(first_row, rows)` on `data` cut into groups of whole rows of `row_len` elements (the
+/// last row may be short), one group per thread when the data is large enough to pay for the
+/// threads.
+pub(crate) fn par_rows<E: Send, F>(data: &mut [E], row_len: usize, f: F)
+where
+    F: Fn(usize, &mut [E]) + Sync,
+{
+    let rows = data.len().div_ceil(row_len.max(1));
+    let threads = num_threads();
+    if threads == 1 || data.len() < PARALLEL_MIN_FLOPS / 64 || rows < 2 {
+        f(0, data);
+        return;
+    }
+    std::thread::scope(|scope| {
+        let mut rest = data;
+        for (start, len) in balanced_blocks(rows, threads) {
+            let (group, tail) = rest.split_at_mut((len * row_len).min(rest.len()));
+            rest = tail;
+            let f = &f;
+            scope.spawn(move || f(start, group));
+        }
+    });
+}
+
 /// A pointer that may cross to a scoped thread; see the SAFETY note at its only use.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -182,6 +206,17 @@ mod tests {
             for (got, want) in c.iter().zip(&want) {
                 assert!((f64::from(*got) - want).abs() <= 1e-5 * k as f64, "{got} vs {want}");
             }
+        }
+    }
+
+    #[test]
+    fn par_rows_visits_every_element_once() {
+        for len in [0, 5, 4096, 300_001] {
+            let mut v = vec![0u32; len];
+            par_rows(&mut v, 4096, |r0, rows| {
+                rows.iter_mut().enumerate().for_each(|(i, x)| *x += (r0 * 4096 + i) as u32 + 1)
+            });
+            assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32 + 1), "len {len}");
         }
     }
 

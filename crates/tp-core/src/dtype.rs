@@ -144,11 +144,25 @@ impl Element for bf16 {
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
     }
+    /// bf16 is the top half of an f32: widening is a shift (exact, NaN payloads kept). Written
+    /// as a plain loop so it vectorizes.
     fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+        }
     }
+    /// Round to nearest even on the bit pattern (add `0x7fff` plus the lowest kept bit, then
+    /// truncate); NaNs stay NaN (quieted). Same results as `bf16::from_f32`, but vectorizes.
     fn slice_from_f32(src: &[f32], dst: &mut [Self]) {
-        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
+        for (d, s) in dst.iter_mut().zip(src) {
+            let bits = s.to_bits();
+            let out = if s.is_nan() {
+                (bits >> 16) as u16 | 0x0040
+            } else {
+                (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+            };
+            *d = bf16::from_bits(out);
+        }
     }
 }
 

@@ -31,6 +31,7 @@
 //! ```
 
 pub mod cpu_gemm;
+mod cpu_gemv;
 mod device;
 mod dtype;
 mod error;

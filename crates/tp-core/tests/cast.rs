@@ -60,3 +60,23 @@ fn random_casts_are_within_half_an_ulp() {
         assert_close("cast", &got, &v, |i| to.unit_roundoff() * v[i].abs() + 2f64.powi(-25));
     }
 }
+
+#[test]
+fn bulk_bf16_conversion_matches_scalar_rounding_on_edge_patterns() {
+    // Ties, near-ties, the largest finite values (which round to infinity), subnormals, NaN.
+    let mut values = vec![f32::MAX, -f32::MAX, f32::MIN_POSITIVE, 1e-40, -1e-42, 0.0, -0.0, f32::INFINITY];
+    for base in [0x3f80_0000u32, 0x4049_0fdb, 0x7f7f_0000, 0x0080_0000] {
+        for low in [0x7fff, 0x8000, 0x8001, 0x18000, 0x17fff, 0xffff] {
+            values.push(f32::from_bits(base | low));
+        }
+    }
+    // And a spread of about a million bit patterns across every exponent.
+    values.extend((0..u32::MAX / 4093).map(|i| f32::from_bits(i * 4093)).filter(|v| !v.is_nan()));
+    let t = Tensor::from_slice(&values, &[values.len()], &CPU).unwrap();
+    let got = t.to_dtype(DType::BF16).unwrap().to_vec::<bf16>().unwrap();
+    for (v, g) in values.iter().zip(&got) {
+        assert_eq!(g.to_bits(), bf16::from_f32(*v).to_bits(), "{v:e} ({:#x})", v.to_bits());
+    }
+    let nan = Tensor::from_slice(&[f32::NAN], &[1], &CPU).unwrap().to_dtype(DType::BF16).unwrap();
+    assert!(nan.to_vec::<bf16>().unwrap()[0].is_nan());
+}

@@ -49,7 +49,8 @@ fn matmul_matches_f64_reference_at_every_size_and_dtype() {
 #[test]
 fn large_threaded_shapes_match_reference() {
     // Big enough to take both threaded cuts of the host GEMM (rows, then columns), off tile sizes.
-    for (m, k, n) in [(263, 301, 257), (5, 1031, 1543)] {
+    // And the few-row path (M <= 4), threaded by output columns.
+    for (m, k, n) in [(263, 301, 257), (5, 1031, 1543), (1, 517, 1031), (4, 333, 901)] {
         check(m, k, n, DType::F32, WeightLayout::Nk, true, 7);
         check(m, k, n, DType::BF16, WeightLayout::Nk, false, 8);
     }

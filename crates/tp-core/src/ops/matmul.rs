@@ -6,7 +6,8 @@
 //! `f16`/`bf16` operands are widened to `f32`, multiplied with `f32` accumulation, and the
 //! result rounded once (nearest even) back to the dtype.
 
-use crate::cpu_gemm::{MatRef, sgemm};
+use crate::cpu_gemm::{MatRef, par_rows, sgemm};
+use crate::cpu_gemv;
 use crate::storage::CpuStorage;
 use crate::{DType, Element, Error, Result, Tensor, with_dtype};
 use std::borrow::Cow;
@@ -90,13 +91,21 @@ impl Tensor {
     }
 }
 
+/// Depth of one widened weight block for f16/bf16 products (matrixmultiply's own KC is 256).
+const K_BLOCK: usize = 512;
+
+/// Granule of the threaded whole-buffer conversions (elements).
+const CONVERT_ROWS: usize = 4096;
+
 /// Widens to `f32` without copying when the data already is `f32`.
 fn widen<T: Element>(s: &[T]) -> Cow<'_, [f32]> {
     match bytemuck::try_cast_slice::<T, f32>(s) {
         Ok(f) if T::DTYPE == DType::F32 => Cow::Borrowed(f),
         _ => {
             let mut v = vec![0f32; s.len()];
-            T::slice_to_f32(s, &mut v);
+            par_rows(&mut v, CONVERT_ROWS, |r0, dst| {
+                T::slice_to_f32(&s[r0 * CONVERT_ROWS..r0 * CONVERT_ROWS + dst.len()], dst)
+            });
             Cow::Owned(v)
         }
     }
@@ -112,14 +121,16 @@ fn host_matmul<T: Element>(
     n: usize,
     layout: WeightLayout,
 ) -> Vec<T> {
-    let (x, w) = (widen(x), widen(w));
-    let a = MatRef::new(&x, m, k, k, 1);
-    let b = match layout {
-        WeightLayout::Nk => MatRef::new(&w, k, n, 1, k),
-        WeightLayout::Kn => MatRef::new(&w, k, n, n, 1),
-    };
+    if layout == WeightLayout::Nk && m <= cpu_gemv::MAX_ROWS {
+        let x = widen(x);
+        let bias = bias.map(widen);
+        let mut y = vec![0f32; m * n];
+        cpu_gemv::skinny_nk(&x, w, bias.as_deref(), m, k, n, &mut y);
+        return narrow_output(y);
+    }
+    let x = widen(x);
     let mut y = vec![0f32; m * n];
-    let beta = match bias {
+    let mut beta = match bias {
         Some(bias) => {
             let bias = widen(bias);
             y.chunks_exact_mut(n.max(1)).for_each(|row| row.copy_from_slice(&bias));
@@ -127,11 +138,55 @@ fn host_matmul<T: Element>(
         }
         None => 0.0,
     };
-    sgemm(a, b, beta, &mut y);
+    if T::DTYPE == DType::F32 {
+        let w = widen(w); // borrowed, no copy
+        let b = match layout {
+            WeightLayout::Nk => MatRef::new(&w, k, n, 1, k),
+            WeightLayout::Kn => MatRef::new(&w, k, n, n, 1),
+        };
+        sgemm(MatRef::new(&x, m, k, k, 1), b, beta, &mut y);
+        return narrow_output(y);
+    }
+    // f16/bf16: widen the weight one K-block at a time into a buffer that stays in cache, and
+    // accumulate the blocks' products into y (beta = 1 after the first). Widening the whole
+    // weight at once would cost a pass over memory and a fresh N·K·4-byte allocation per call.
+    let kb = K_BLOCK.min(k).max(1);
+    let mut wide = vec![0f32; n * kb];
+    for k0 in (0..k).step_by(kb) {
+        let kc = kb.min(k - k0);
+        let b = match layout {
+            WeightLayout::Nk => {
+                par_rows(&mut wide[..n * kc], kc, |j0, rows| {
+                    for (j, dst) in (j0..).zip(rows.chunks_exact_mut(kc)) {
+                        T::slice_to_f32(&w[j * k + k0..j * k + k0 + kc], dst);
+                    }
+                });
+                MatRef::new(&wide, kc, n, 1, kc)
+            }
+            WeightLayout::Kn => {
+                par_rows(&mut wide[..kc * n], n, |r0, rows| {
+                    T::slice_to_f32(&w[(k0 + r0) * n..(k0 + r0) * n + rows.len()], rows);
+                });
+                MatRef::new(&wide, kc, n, n, 1)
+            }
+        };
+        sgemm(MatRef::new(&x[k0..], m, kc, k, 1), b, beta, &mut y);
+        beta = 1.0;
+    }
+    if k == 0 {
+        sgemm(MatRef::new(&x, m, 0, 0, 1), MatRef::new(&wide, 0, n, n, 1), beta, &mut y);
+    }
+    narrow_output(y)
+}
+
+/// The f32 result in the output dtype (rounded once, to nearest even).
+fn narrow_output<T: Element>(y: Vec<f32>) -> Vec<T> {
     if T::DTYPE == DType::F32 {
         return bytemuck::allocation::cast_vec(y); // f32 -> f32: a move, not a copy
     }
     let mut out = vec![T::from_f32(0.0); y.len()];
-    T::slice_from_f32(&y, &mut out);
+    par_rows(&mut out, CONVERT_ROWS, |r0, dst| {
+        T::slice_from_f32(&y[r0 * CONVERT_ROWS..r0 * CONVERT_ROWS + dst.len()], dst)
+    });
     out
 }
