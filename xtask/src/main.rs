@@ -4,15 +4,18 @@
 //!   on every target, and `cargo test` on the workspace.
 //! * `cargo xtask bench [--quick]`: GEMM throughput table (GFLOP/s), with numpy measured beside
 //!   it in the same run when numpy is installed.
+//! * `cargo xtask ptx`: `ptxas -v` report of every kernel for sm_80 and sm_90a; fails on spills.
 
 mod bench;
+mod cuda;
+mod ptx;
 mod test;
 
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 use std::process::Command;
 
-const USAGE: &str = "usage: cargo xtask <test | bench [--quick]>";
+const USAGE: &str = "usage: cargo xtask <test | bench [--quick] | ptx>";
 
 fn main() {
     if let Err(e) = run() {
@@ -27,6 +30,7 @@ fn run() -> Result<()> {
     match task {
         "test" => test::run(rest),
         "bench" => bench::run(rest),
+        "ptx" => ptx::run(rest),
         "" | "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())
@@ -41,14 +45,21 @@ pub fn workspace_root() -> PathBuf {
     manifest.parent().map(PathBuf::from).unwrap_or(manifest)
 }
 
+/// `program args..` to run in the workspace root, with `NVCC` set to the compiler
+/// [`cuda::ensure_nvcc`] settled on, if it ran.
+pub fn command(program: &str, args: &[&str]) -> Command {
+    let mut c = Command::new(program);
+    c.args(args).current_dir(workspace_root());
+    if let Some(nvcc) = cuda::NVCC.get() {
+        c.env("NVCC", nvcc);
+    }
+    c
+}
+
 /// Runs `program args..` in the workspace root, echoing it, and fails if it fails.
 pub fn run_step(program: &str, args: &[&str]) -> Result<()> {
     println!("\n==> {program} {}", args.join(" "));
-    let status = Command::new(program)
-        .args(args)
-        .current_dir(workspace_root())
-        .status()
-        .with_context(|| format!("cannot start {program}"))?;
+    let status = command(program, args).status().with_context(|| format!("cannot start {program}"))?;
     if !status.success() {
         bail!("`{program} {}` failed ({status})", args.join(" "));
     }

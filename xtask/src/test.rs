@@ -4,7 +4,7 @@
 
 use anyhow::{Context, Result, bail};
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 pub fn run(args: &[String]) -> Result<()> {
     if let Some(a) = args.first() {
@@ -12,6 +12,10 @@ pub fn run(args: &[String]) -> Result<()> {
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     crate::run_step(&cargo, &["fmt", "--all", "--", "--check"])?;
+    // The kernels are compiled and resource-checked on every machine, GPU or not.
+    let nvcc = crate::cuda::ensure_nvcc()?;
+    println!("\n==> nvcc: {}", nvcc.display());
+    crate::ptx::check(&nvcc)?;
     crate::run_step(&cargo, &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"])?;
     let (passed, failed, ok) = cargo_test(&cargo, &["test", "--workspace", "--locked"])?;
     println!("\ntests: {passed} passed, {failed} failed");
@@ -27,12 +31,7 @@ pub fn run(args: &[String]) -> Result<()> {
 /// Runs `cargo test`, echoing its output, and sums the `test result:` lines.
 fn cargo_test(cargo: &str, args: &[&str]) -> Result<(u64, u64, bool)> {
     println!("\n==> {cargo} {}", args.join(" "));
-    let mut child = Command::new(cargo)
-        .args(args)
-        .current_dir(crate::workspace_root())
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("cannot start cargo test")?;
+    let mut child = crate::command(cargo, args).stdout(Stdio::piped()).spawn().context("cannot start cargo test")?;
     let (mut passed, mut failed) = (0, 0);
     if let Some(out) = child.stdout.take() {
         for line in BufReader::new(out).lines() {

@@ -1,25 +1,24 @@
 //! # tp-kernels
 //!
-//! The leaf crate of tp: it embeds the CUDA kernels in `kernels/*.cu`, compiled to PTX by the
-//! workspace `build.rs` (with `nvcc` found through `NVCC`, `CUDA_HOME/bin` or `PATH`), and, once
-//! the CUDA backend lands, loads them through `cudarc` and exposes typed launchers. All `unsafe`
-//! of the GPU path will live here.
+//! The leaf crate of tp: it embeds the CUDA kernels in `kernels/*.cu`, compiled to fatbins by the
+//! workspace `build.rs` (nvcc found through `NVCC`, `CUDA_HOME/bin` or `PATH`; SASS for sm_80
+//! and sm_90a plus compute_80 PTX), and will load them through `cudarc` with typed launchers.
+//! All `unsafe` of the GPU path lives here.
 //!
-//! Today it holds the list of embedded kernel modules, which is empty when the build had no
-//! `nvcc` (the build prints a cargo warning) or when `kernels/` holds no `.cu` file yet.
+//! When the build had no nvcc, [`MODULES`] is empty and [`NOT_COMPILED`] says why.
 
-/// A kernel module compiled at build time: its file stem and its PTX per target architecture.
+/// A kernel module compiled at build time.
 #[derive(Debug, Clone, Copy)]
 pub struct KernelModule {
-    /// File stem of the `.cu` source in `kernels/`.
+    /// File stem of the `.cu` source in `kernels/` (e.g. `gemm_mma`).
     pub name: &'static str,
-    /// `(arch, ptx)` pairs, e.g. `("sm_80", "...")`.
-    pub ptx: &'static [(&'static str, &'static str)],
+    /// The fatbin nvcc produced: SASS for sm_80 and sm_90a, PTX for compute_80.
+    pub fatbin: &'static [u8],
 }
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
-/// Why no kernels are embedded, or `None` when the build compiled them.
-pub fn build_note() -> Option<&'static str> {
-    BUILD_NOTE
+/// The embedded module named `name`, if the build compiled it.
+pub fn module(name: &str) -> Option<&'static KernelModule> {
+    MODULES.iter().find(|m| m.name == name)
 }

@@ -1,0 +1,77 @@
+//! Finding, or installing, the pinned CUDA compiler.
+//!
+//! nvcc 13.0 is pinned: its PTX (`.version 9.0`) loads on CUDA 13.0 drivers, newer nvcc's does
+//! not. When none is found it is installed from PyPI (no GPU needed) into
+//! `target/cuda-13.0/`, with `pip install --target`, as DESIGN.md gives.
+
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The nvcc that [`ensure_nvcc`] found or installed; passed to child cargo runs as `NVCC`.
+pub static NVCC: OnceLock<PathBuf> = OnceLock::new();
+
+/// The pip requirements of the pinned compiler.
+const PIP_PACKAGES: &[&str] = &[
+    "nvidia-cuda-nvcc==13.0.88",
+    "nvidia-cuda-crt==13.0.88",
+    "nvidia-cuda-runtime==13.0.*",
+    "nvidia-cuda-cccl==13.0.*",
+    "nvidia-nvvm==13.0.88",
+];
+
+/// The pip cache of the pinned compiler, under the workspace's target directory.
+pub fn pip_root() -> PathBuf {
+    crate::workspace_root().join("target/cuda-13.0")
+}
+
+fn runs(nvcc: &Path) -> bool {
+    Command::new(nvcc).arg("--version").output().is_ok_and(|o| o.status.success())
+}
+
+/// nvcc as build.rs finds it (`NVCC`, `CUDA_HOME/bin`, `PATH`), else the cached pip install.
+pub fn find_nvcc() -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("NVCC") {
+        candidates.push(p.into());
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(root) = std::env::var_os(var) {
+            candidates.push(PathBuf::from(root).join("bin/nvcc"));
+        }
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        candidates.extend(std::env::split_paths(&path).map(|d| d.join("nvcc")));
+    }
+    candidates.push(pip_root().join("nvidia/cu13/bin/nvcc"));
+    candidates.into_iter().find(|c| runs(c))
+}
+
+/// nvcc, installing the pinned one from PyPI first if none is found.
+pub fn ensure_nvcc() -> Result<PathBuf> {
+    let nvcc = find_or_install()?;
+    Ok(NVCC.get_or_init(|| nvcc).clone())
+}
+
+fn find_or_install() -> Result<PathBuf> {
+    if let Some(nvcc) = find_nvcc() {
+        return Ok(nvcc);
+    }
+    let root = pip_root();
+    println!("==> no nvcc found: installing CUDA 13.0 nvcc from PyPI into {}", root.display());
+    let status = Command::new("python3")
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
+        .arg(&root)
+        .args(PIP_PACKAGES)
+        .status()
+        .context("cannot run python3 -m pip (a Python with pip is needed to install nvcc)")?;
+    if !status.success() {
+        bail!("pip could not install {} ({status})", PIP_PACKAGES.join(" "));
+    }
+    let nvcc = root.join("nvidia/cu13/bin/nvcc");
+    if !runs(&nvcc) {
+        bail!("installed nvcc at {} does not run (it needs the host g++)", nvcc.display());
+    }
+    Ok(nvcc)
+}

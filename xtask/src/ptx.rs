@@ -1,0 +1,136 @@
+//! `cargo xtask ptx`: the `ptxas -v` resource report of every kernel for every target
+//! architecture, failing if any kernel spills registers or uses a stack frame.
+
+use anyhow::{Context, Result, bail};
+use std::path::Path;
+use std::process::Command;
+
+/// Architectures checked, as the build compiles them.
+const ARCHS: &[&str] = &["sm_80", "sm_90a"];
+
+/// One kernel's figures from ptxas.
+#[derive(Debug, Default)]
+struct Report {
+    kernel: String,
+    arch: String,
+    registers: u32,
+    stack: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+    smem: u32,
+}
+
+pub fn run(args: &[String]) -> Result<()> {
+    if let Some(a) = args.first() {
+        bail!("cargo xtask ptx takes no arguments (got {a:?})");
+    }
+    let nvcc = crate::cuda::ensure_nvcc()?;
+    check(&nvcc)
+}
+
+/// Prints the report and fails on spills or stack frames.
+pub fn check(nvcc: &Path) -> Result<()> {
+    let dir = crate::workspace_root().join("kernels");
+    let mut sources: Vec<_> = std::fs::read_dir(&dir)
+        .with_context(|| format!("cannot read {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .collect();
+    sources.sort();
+    let tmp = crate::workspace_root().join("target/ptx-check");
+    std::fs::create_dir_all(&tmp)?;
+    let mut reports = Vec::new();
+    for src in &sources {
+        for arch in ARCHS {
+            let out = tmp.join(format!("{}.{arch}.cubin", src.file_stem().and_then(|s| s.to_str()).unwrap_or("k")));
+            let o = Command::new(nvcc)
+                .args(["-cubin", &format!("-arch={arch}"), "-O3", "-std=c++17", "-Xptxas", "-v", "-I"])
+                .arg(&dir)
+                .arg("-o")
+                .arg(&out)
+                .arg(src)
+                .output()
+                .with_context(|| format!("cannot run {}", nvcc.display()))?;
+            let text = String::from_utf8_lossy(&o.stderr);
+            if !o.status.success() {
+                bail!("nvcc failed on {} for {arch}:\n{text}", src.display());
+            }
+            reports.extend(parse(&text, arch));
+        }
+    }
+    println!(
+        "{:<36} {:<7} {:>5} {:>6} {:>7} {:>7} {:>7}",
+        "kernel", "arch", "regs", "stack", "spill-st", "spill-ld", "smem"
+    );
+    let mut bad = Vec::new();
+    for r in &reports {
+        println!(
+            "{:<36} {:<7} {:>5} {:>6} {:>7} {:>7} {:>7}",
+            r.kernel, r.arch, r.registers, r.stack, r.spill_stores, r.spill_loads, r.smem
+        );
+        if r.stack > 0 || r.spill_stores > 0 || r.spill_loads > 0 {
+            bad.push(format!("{} ({})", r.kernel, r.arch));
+        }
+    }
+    if reports.is_empty() {
+        bail!("ptxas reported no kernels in {}", dir.display());
+    }
+    if !bad.is_empty() {
+        bail!("kernels with spills or a stack frame: {}", bad.join(", "));
+    }
+    println!("ptx: {} kernel builds, no spills, no stack frames", reports.len());
+    Ok(())
+}
+
+/// Parses `ptxas -v` output: "Compiling entry function 'X' for 'sm_90a'", then "N bytes stack
+/// frame, N bytes spill stores, N bytes spill loads", then "Used N registers, ... N bytes smem".
+fn parse(text: &str, arch: &str) -> Vec<Report> {
+    let num_before = |line: &str, label: &str| -> u32 {
+        line.split(',')
+            .find(|p| p.contains(label))
+            .and_then(|p| p.split_whitespace().find_map(|w| w.parse().ok()))
+            .unwrap_or(0)
+    };
+    let mut out: Vec<Report> = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let kernel = rest.split('\'').next().unwrap_or("?").to_string();
+            out.push(Report { kernel, arch: arch.into(), ..Default::default() });
+        } else if let Some(r) = out.last_mut() {
+            if line.contains("stack frame") {
+                r.stack = num_before(line, "stack frame");
+                r.spill_stores = num_before(line, "spill stores");
+                r.spill_loads = num_before(line, "spill loads");
+            } else if line.contains("Used") && line.contains("registers") {
+                r.registers = line
+                    .split("Used")
+                    .nth(1)
+                    .and_then(|s| s.split_whitespace().next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+                r.smem = num_before(line, "smem");
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn parses_ptxas_output() {
+        let text = "ptxas info    : Compiling entry function 'k1' for 'sm_90a'\n\
+                    ptxas info    : Function properties for k1\n    \
+                    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+                    ptxas info    : Used 141 registers, used 1 barriers, 16384 bytes smem, 408 bytes cmem[0]\n\
+                    ptxas info    : Compiling entry function 'k2' for 'sm_90a'\n\
+                    ptxas info    : Function properties for k2\n    \
+                    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+                    ptxas info    : Used 10 registers, used 0 barriers\n";
+        let r = super::parse(text, "sm_90a");
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].kernel.as_str(), r[0].stack, r[0].spill_stores, r[0].spill_loads), ("k1", 8, 4, 12));
+        assert_eq!((r[0].registers, r[0].smem), (141, 16384));
+        assert_eq!((r[1].kernel.as_str(), r[1].registers, r[1].stack, r[1].smem), ("k2", 10, 0, 0));
+    }
+}
