@@ -16,7 +16,21 @@ pub fn run(args: &[String]) -> Result<()> {
     let nvcc = crate::cuda::ensure_nvcc()?;
     println!("\n==> nvcc: {}", nvcc.display());
     crate::ptx::check(&nvcc)?;
-    crate::run_step(&cargo, &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"])?;
+    // Lints every target, the GPU suite included: it is compiled here even where it cannot run.
+    crate::run_step(
+        &cargo,
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--features",
+            "tp-core/gpu-tests",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
     let (passed, failed, ok) = cargo_test(&cargo, &["test", "--workspace", "--locked"])?;
     println!("\ntests: {passed} passed, {failed} failed");
     if !ok || failed > 0 {

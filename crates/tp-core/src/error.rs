@@ -65,7 +65,23 @@ pub enum Error {
     #[error("{op}: not supported on device {device}")]
     UnsupportedDevice { op: &'static str, device: Device },
 
-    /// CUDA was asked for but cannot be used (no driver, no device, or built without it).
+    /// CUDA was asked for but cannot be used (no driver, no such device, or kernels not built).
     #[error("CUDA unavailable: {reason}")]
     CudaUnavailable { reason: String },
+
+    /// A CUDA operation failed (driver error, or a launch refused by its checks).
+    #[error("CUDA error: {0}")]
+    Cuda(tp_kernels::KernelError),
+}
+
+impl From<tp_kernels::KernelError> for Error {
+    fn from(e: tp_kernels::KernelError) -> Self {
+        use tp_kernels::KernelError as K;
+        match e {
+            K::CudaUnavailable { .. } | K::NoSuchDevice { .. } | K::NotCompiled { .. } => {
+                Error::CudaUnavailable { reason: e.to_string() }
+            }
+            other => Error::Cuda(other),
+        }
+    }
 }

@@ -1,7 +1,9 @@
-//! Backing memory of a tensor. Host memory today; the CUDA variant joins [`Storage`] without
-//! changing the public `Tensor` API.
+//! Backing memory of a tensor: host vectors, or bytes on a CUDA device.
 
-use crate::{DType, Device, Element, bf16, f16};
+use crate::{DType, Device, Element, Error, Result, bf16, f16};
+use std::sync::Arc;
+use tp_kernels::Gpu;
+use tp_kernels::cudarc::driver::CudaSlice;
 
 /// Host buffer of one dtype. Always exactly `numel` elements, row-major.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,6 +59,16 @@ impl CpuStorage {
         }
     }
 
+    /// A host buffer of `dtype` from raw little-endian bytes (`bytes.len()` a multiple of the
+    /// element size; checked by the caller).
+    pub(crate) fn from_bytes(dtype: DType, bytes: &[u8]) -> Self {
+        match dtype {
+            DType::F32 => CpuStorage::F32(bytemuck::pod_collect_to_vec(bytes)),
+            DType::F16 => CpuStorage::F16(bytemuck::pod_collect_to_vec(bytes)),
+            DType::BF16 => CpuStorage::BF16(bytemuck::pod_collect_to_vec(bytes)),
+        }
+    }
+
     /// The raw bytes, little-endian as the host stores them.
     pub(crate) fn as_bytes(&self) -> &[u8] {
         match self {
@@ -67,22 +79,79 @@ impl CpuStorage {
     }
 }
 
+/// Elements on a CUDA device: `len` bytes of `buf` (which may be longer: empty tensors hold
+/// one byte), shared and immutable, so cloning a tensor is cheap and never fails.
+#[derive(Clone)]
+pub(crate) struct CudaStorage {
+    pub(crate) buf: Arc<CudaSlice<u8>>,
+    pub(crate) len: usize,
+    pub(crate) dtype: DType,
+    pub(crate) gpu: Arc<Gpu>,
+}
+
+impl std::fmt::Debug for CudaStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaStorage({} bytes of {} on {:?})", self.len, self.dtype, self.gpu)
+    }
+}
+
+impl CudaStorage {
+    /// Wraps a freshly written device buffer.
+    pub(crate) fn new(buf: CudaSlice<u8>, len: usize, dtype: DType, gpu: Arc<Gpu>) -> Self {
+        CudaStorage { buf: Arc::new(buf), len, dtype, gpu }
+    }
+
+    /// A copy of the elements on the host.
+    pub(crate) fn to_host(&self) -> Result<CpuStorage> {
+        let bytes = self.gpu.dtoh(&self.buf, self.len)?;
+        Ok(CpuStorage::from_bytes(self.dtype, &bytes))
+    }
+
+    /// The device's handle.
+    pub(crate) fn device(&self) -> Device {
+        Device::Cuda(self.gpu.ordinal())
+    }
+}
+
+/// The GPU behind `Device::Cuda(ordinal)`: a typed error on machines without CUDA.
+pub(crate) fn gpu_for(ordinal: usize) -> Result<Arc<Gpu>> {
+    Gpu::get(ordinal).map_err(Error::from)
+}
+
 /// Where a tensor's elements are.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub(crate) enum Storage {
     Cpu(CpuStorage),
+    Cuda(CudaStorage),
 }
 
 impl Storage {
     pub(crate) fn dtype(&self) -> DType {
         match self {
             Storage::Cpu(s) => s.dtype(),
+            Storage::Cuda(s) => s.dtype,
         }
     }
 
     pub(crate) fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
+            Storage::Cuda(s) => s.device(),
+        }
+    }
+
+    /// Host storages with identical bytes (device storages never compare equal here).
+    pub(crate) fn byte_eq(&self, other: &Storage) -> bool {
+        match (self, other) {
+            (Storage::Cpu(a), Storage::Cpu(b)) => a.as_bytes() == b.as_bytes(),
+            _ => false,
+        }
+    }
+
+    pub(crate) fn byte_len(&self) -> usize {
+        match self {
+            Storage::Cpu(s) => s.as_bytes().len(),
+            Storage::Cuda(s) => s.len,
         }
     }
 }

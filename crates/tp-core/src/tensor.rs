@@ -1,16 +1,19 @@
 //! [`Tensor`]: a contiguous, row-major n-dimensional array of one dtype on one device.
 
 use crate::rng::SplitMix64;
-use crate::storage::{CpuStorage, Storage};
+use crate::storage::{CpuStorage, CudaStorage, Storage, gpu_for};
 use crate::{DType, Device, Element, Error, Result, Shape, with_dtype};
 use std::fmt;
 
 /// A contiguous, row-major n-dimensional array of one [`DType`] on one [`Device`].
 ///
-/// Operations return new tensors; `Clone` copies the elements. Every constructor validates the
-/// shape ([`Shape::new`]) and the data length, so a `Tensor` always holds exactly `numel`
-/// elements.
-#[derive(Clone, PartialEq)]
+/// Operations return new tensors. `Clone` copies host elements and shares (immutable) device
+/// buffers. Every constructor validates the shape ([`Shape::new`]) and the data length, so a
+/// `Tensor` always holds exactly `numel` elements.
+///
+/// Equality compares shape, dtype, device and the elements' bits (device elements are copied to
+/// the host to compare; a failed copy compares unequal).
+#[derive(Clone)]
 pub struct Tensor {
     shape: Shape,
     storage: Storage,
@@ -19,12 +22,16 @@ pub struct Tensor {
 /// Constructors.
 impl Tensor {
     pub(crate) fn from_parts(shape: Shape, storage: Storage) -> Self {
-        debug_assert_eq!(storage.dtype().size_in_bytes() * shape.numel(), storage_bytes(&storage));
+        debug_assert_eq!(storage.dtype().size_in_bytes() * shape.numel(), storage.byte_len());
         Tensor { shape, storage }
     }
 
     pub(crate) fn from_cpu(shape: Shape, storage: CpuStorage) -> Self {
         Self::from_parts(shape, Storage::Cpu(storage))
+    }
+
+    pub(crate) fn from_cuda(shape: Shape, storage: CudaStorage) -> Self {
+        Self::from_parts(shape, Storage::Cuda(storage))
     }
 
     /// A tensor of shape `dims` holding `data` in row-major order, on `device`.
@@ -120,11 +127,16 @@ impl Tensor {
         self.numel() * self.dtype().size_in_bytes()
     }
 
-    /// The host storage; the CUDA backend adds an `UnsupportedDevice` arm here.
-    pub(crate) fn cpu_storage(&self, _op: &'static str) -> Result<&CpuStorage> {
+    /// The host storage, or [`Error::UnsupportedDevice`] for a device tensor.
+    pub(crate) fn cpu_storage(&self, op: &'static str) -> Result<&CpuStorage> {
         match &self.storage {
             Storage::Cpu(s) => Ok(s),
+            Storage::Cuda(_) => Err(Error::UnsupportedDevice { op, device: self.device() }),
         }
+    }
+
+    pub(crate) fn storage(&self) -> &Storage {
+        &self.storage
     }
 
     /// The host elements as `&[T]`. Errors if `T` is not the dtype or the tensor is not on the host.
@@ -139,9 +151,10 @@ impl Tensor {
 
     /// The host elements as `&mut [T]`, for writing results in place.
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
-        let dtype = self.dtype();
+        let (dtype, device) = (self.dtype(), self.device());
         match &mut self.storage {
             Storage::Cpu(s) => s.as_mut_slice::<T>(),
+            Storage::Cuda(_) => return Err(Error::UnsupportedDevice { op: "as_mut_slice", device }),
         }
         .ok_or(Error::DTypeMismatch { op: "as_mut_slice", lhs: dtype, rhs: T::DTYPE })
     }
@@ -163,18 +176,30 @@ impl Tensor {
         Ok(with_dtype!(s.dtype(), T => s.as_slice::<T>().unwrap_or_default().iter().map(|v| v.to_f64()).collect()))
     }
 
-    /// This tensor on `device` (a copy if it moves, a clone if it is already there).
+    /// This tensor on `device`: a copy if it moves, a cheap clone if it is already there.
+    ///
+    /// Errors: [`Error::CudaUnavailable`] when the CUDA device cannot be used (no driver, no such
+    /// device, kernels not built), [`Error::Cuda`] when a copy fails.
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
-        match (self.device(), *device) {
-            (a, b) if a == b => Ok(self.clone()),
-            (_, Device::Cuda(ordinal)) => Err(Error::CudaUnavailable {
-                reason: format!(
-                    "cannot place a tensor on cuda:{ordinal}: this build of tp-core has no CUDA backend yet; \
-                     use Device::Cpu"
-                ),
-            }),
-            (from, Device::Cpu) => Err(Error::UnsupportedDevice { op: "to_device", device: from }),
+        if self.device() == *device {
+            return Ok(self.clone());
         }
+        let storage = match (&self.storage, *device) {
+            (Storage::Cpu(s), Device::Cuda(ordinal)) => {
+                let gpu = gpu_for(ordinal)?;
+                let buf = gpu.htod(s.as_bytes())?;
+                Storage::Cuda(CudaStorage::new(buf, s.as_bytes().len(), s.dtype(), gpu))
+            }
+            (Storage::Cuda(s), Device::Cpu) => Storage::Cpu(s.to_host()?),
+            (Storage::Cuda(s), Device::Cuda(ordinal)) => {
+                let host = s.to_host()?;
+                let gpu = gpu_for(ordinal)?;
+                let buf = gpu.htod(host.as_bytes())?;
+                Storage::Cuda(CudaStorage::new(buf, s.len, s.dtype, gpu))
+            }
+            (Storage::Cpu(_), Device::Cpu) => self.storage.clone(),
+        };
+        Ok(Tensor::from_parts(self.shape.clone(), storage))
     }
 
     /// The same elements viewed with new dimensions of equal element count.
@@ -192,9 +217,18 @@ impl Tensor {
     }
 }
 
-fn storage_bytes(storage: &Storage) -> usize {
-    match storage {
-        Storage::Cpu(s) => s.as_bytes().len(),
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Self) -> bool {
+        if self.shape != other.shape || self.dtype() != other.dtype() || self.device() != other.device() {
+            return false;
+        }
+        match (&self.storage, &other.storage) {
+            (Storage::Cpu(_), Storage::Cpu(_)) => self.storage.byte_eq(&other.storage),
+            _ => match (self.to_device(&Device::Cpu), other.to_device(&Device::Cpu)) {
+                (Ok(a), Ok(b)) => a.storage.byte_eq(&b.storage),
+                _ => false,
+            },
+        }
     }
 }
 

@@ -1,11 +1,27 @@
 //! # tp-kernels
 //!
-//! The leaf crate of tp: it embeds the CUDA kernels in `kernels/*.cu`, compiled to fatbins by the
-//! workspace `build.rs` (nvcc found through `NVCC`, `CUDA_HOME/bin` or `PATH`; SASS for sm_80
-//! and sm_90a plus compute_80 PTX), and will load them through `cudarc` with typed launchers.
-//! All `unsafe` of the GPU path lives here.
+//! The leaf crate of tp. It embeds the CUDA kernels in `kernels/*.cu`, compiled by the
+//! workspace `build.rs` into fatbins (nvcc found through `NVCC`, `CUDA_HOME/bin` or `PATH`; SASS
+//! for sm_80 and sm_90a plus compute_80 PTX), loads them through `cudarc` once per device
+//! ([`Gpu`]), and launches them through typed launchers that check sizes, alignment and grid
+//! limits first ([`Gpu::row_copy`], [`Gpu::gather_interleave`], [`Gpu::cast`],
+//! [`Gpu::gemm_simt_f32`], [`Gpu::gemm_mma`]). All `unsafe` of the GPU path lives here.
 //!
-//! When the build had no nvcc, [`MODULES`] is empty and [`NOT_COMPILED`] says why.
+//! Without a GPU: [`driver_available`] and [`Gpu::get`] return
+//! [`KernelError::CudaUnavailable`] (cudarc itself would panic); when the build had no nvcc,
+//! [`MODULES`] is empty and every launch returns [`KernelError::NotCompiled`].
+//!
+//! [`host_index`] is the kernels' index arithmetic compiled for the host, for CPU tests.
+
+mod error;
+mod gpu;
+pub mod host_index;
+mod launch;
+
+pub use cudarc;
+pub use error::{KernelError, Result};
+pub use gpu::{Gpu, device_count, driver_available, set_poison_allocations};
+pub use launch::{ElemType, MMA_SMEM_BYTES, RowCopy};
 
 /// A kernel module compiled at build time.
 #[derive(Debug, Clone, Copy)]

@@ -1,7 +1,7 @@
 //! Dtype conversion. Widening is exact; narrowing rounds to nearest, ties to even, once (a
 //! `f16 -> bf16` cast goes through the exact `f32` value, so it too rounds only once).
 
-use crate::storage::CpuStorage;
+use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Element, Result, Tensor, with_dtype};
 
 /// Elements converted per chunk through the `f32` staging buffer.
@@ -12,6 +12,9 @@ impl Tensor {
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.clone());
+        }
+        if let Storage::Cuda(s) = self.storage() {
+            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::cast(s, self.numel(), dtype)?));
         }
         let src = self.cpu_storage("to_dtype")?;
         let out = with_dtype!(src.dtype(), S => with_dtype!(dtype, D => {

@@ -4,8 +4,8 @@
 //! elements (`Shape::split_at_dim`). `narrow` copies rows `start..start+len` of every block;
 //! `cat` appends each input's block in turn, block by block.
 
-use crate::storage::CpuStorage;
-use crate::{Element, Error, Result, Shape, Tensor, with_dtype};
+use crate::storage::{CpuStorage, Storage};
+use crate::{Device, Element, Error, Result, Shape, Tensor, with_dtype};
 use std::borrow::Borrow;
 
 impl Tensor {
@@ -18,6 +18,9 @@ impl Tensor {
             return Err(Error::NarrowOutOfBounds { dim, start, len, size });
         }
         let shape = self.shape().with_dim(dim, len)?;
+        if let Storage::Cuda(s) = self.storage() {
+            return Ok(Tensor::from_cuda(shape, super::cuda::narrow(s, (outer, size, inner), start, len)?));
+        }
         let src = self.cpu_storage("narrow")?;
         let out = with_dtype!(src.dtype(), T => {
             let s = src.as_slice::<T>().unwrap_or_default();
@@ -56,6 +59,16 @@ impl Tensor {
             total = total.checked_add(t.dims()[dim]).ok_or_else(|| Error::ShapeOverflow { dims: t.dims().to_vec() })?;
         }
         let shape: Shape = first.shape().with_dim(dim, total)?;
+        if let Storage::Cuda(_) = first.storage() {
+            let parts = tensors
+                .iter()
+                .map(|t| match t.borrow().storage() {
+                    Storage::Cuda(s) => Ok((s, t.borrow().dims()[dim])),
+                    Storage::Cpu(_) => Err(Error::DeviceMismatch { op: "cat", lhs: first.device(), rhs: Device::Cpu }),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Tensor::from_cuda(shape, super::cuda::cat(&parts, outer, inner, total)?));
+        }
         let out = with_dtype!(first.dtype(), E => CpuStorage::from_vec(cat_blocks::<E, T>(tensors, dim, outer, inner, shape.numel())?));
         Ok(Tensor::from_cpu(shape, out))
     }
@@ -79,4 +92,48 @@ fn cat_blocks<E: Element, T: Borrow<Tensor>>(
         }
     }
     Ok(out)
+}
+
+impl Tensor {
+    /// Interleaves a rank-major all-gather buffer into the gathered tensor.
+    ///
+    /// `self` holds, rank after rank, each rank's `[rows, cols_r]` block (any shape with
+    /// `rows * cols` elements), where `cols_r` is rank `r`'s length under `TensorShard`'s balanced
+    /// split of `cols` over `world`. The result is `[rows, cols]` with rank `r`'s block in columns
+    /// `start_r..start_r + cols_r`: what an all-gather along the last dimension must return. On a
+    /// GPU this is one pass of the gather-interleave kernel.
+    ///
+    /// Errors: [`Error::ZeroWorldSize`], [`Error::ElementCountMismatch`].
+    pub fn interleave_rank_major(&self, rows: usize, cols: usize, world: usize) -> Result<Tensor> {
+        const OP: &str = "interleave_rank_major";
+        if world == 0 {
+            return Err(Error::ZeroWorldSize { op: OP });
+        }
+        let shape = Shape::new(&[rows, cols])?;
+        if shape.numel() != self.numel() {
+            return Err(Error::ElementCountMismatch {
+                op: OP,
+                dims: vec![rows, cols],
+                expected: shape.numel(),
+                got: self.numel(),
+            });
+        }
+        if let Storage::Cuda(s) = self.storage() {
+            return Ok(Tensor::from_cuda(shape, super::cuda::interleave(s, rows, cols, world)?));
+        }
+        let shards = crate::TensorShard::for_all_ranks(1, cols, world)?;
+        let src = self.cpu_storage(OP)?;
+        let out = with_dtype!(src.dtype(), T => {
+            let v = src.as_slice::<T>().unwrap_or_default();
+            let mut out = Vec::with_capacity(rows * cols);
+            for row in 0..rows {
+                for s in &shards {
+                    let block = rows * s.start() + row * s.len();
+                    out.extend_from_slice(&v[block..block + s.len()]);
+                }
+            }
+            CpuStorage::from_vec(out)
+        });
+        Ok(Tensor::from_cpu(shape, out))
+    }
 }

@@ -8,7 +8,7 @@
 
 use crate::cpu_gemm::{MatRef, par_rows, sgemm};
 use crate::cpu_gemv;
-use crate::storage::CpuStorage;
+use crate::storage::{CpuStorage, CudaStorage, Storage};
 use crate::{DType, Element, Error, Result, Tensor, with_dtype};
 use std::borrow::Cow;
 
@@ -78,6 +78,16 @@ impl Tensor {
         let out_shape = crate::Shape::new(&out_dims)?;
         let m = lead.iter().product::<usize>();
 
+        if let Storage::Cuda(xs) = self.storage() {
+            fn cuda<'t>(x: &Tensor, t: &'t Tensor) -> Result<&'t CudaStorage> {
+                match t.storage() {
+                    Storage::Cuda(s) => Ok(s),
+                    Storage::Cpu(_) => Err(Error::DeviceMismatch { op: "matmul", lhs: x.device(), rhs: t.device() }),
+                }
+            }
+            let (ws, bs) = (cuda(self, w)?, bias.map(|b| cuda(self, b)).transpose()?);
+            return Ok(Tensor::from_cuda(out_shape, super::cuda::matmul(xs, ws, bs, (m, k, n), layout)?));
+        }
         let x_s = self.cpu_storage(OP)?;
         let w_s = w.cpu_storage(OP)?;
         let b_s = bias.map(|b| b.cpu_storage(OP)).transpose()?;

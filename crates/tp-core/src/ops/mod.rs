@@ -2,6 +2,7 @@
 //! typed errors before touching data.
 
 mod cast;
+mod cuda;
 mod layout;
 mod matmul;
 

@@ -1,0 +1,137 @@
+//! The CUDA versions of the ops, on `tp-kernels`' launchers. Called by the op functions when
+//! their operands are on a GPU; inputs are validated there, before anything runs here.
+
+use crate::storage::CudaStorage;
+use crate::{DType, Error, Result, WeightLayout};
+use tp_kernels::{ElemType, RowCopy};
+
+pub(crate) fn elem_type(d: DType) -> ElemType {
+    match d {
+        DType::F32 => ElemType::F32,
+        DType::F16 => ElemType::F16,
+        DType::BF16 => ElemType::BF16,
+    }
+}
+
+fn alloc_like(
+    s: &CudaStorage,
+    bytes: usize,
+    dtype: DType,
+) -> Result<(tp_kernels::cudarc::driver::CudaSlice<u8>, CudaStorageParts)> {
+    Ok((s.gpu.alloc(bytes)?, CudaStorageParts { len: bytes, dtype, gpu: s.gpu.clone() }))
+}
+
+/// What a new storage needs besides its buffer.
+pub(crate) struct CudaStorageParts {
+    len: usize,
+    dtype: DType,
+    gpu: std::sync::Arc<tp_kernels::Gpu>,
+}
+
+impl CudaStorageParts {
+    fn finish(self, buf: tp_kernels::cudarc::driver::CudaSlice<u8>) -> CudaStorage {
+        CudaStorage::new(buf, self.len, self.dtype, self.gpu)
+    }
+}
+
+/// `narrow`: rows `start..start+len` of each of `outer` blocks of `size` rows of `inner` elements.
+pub(crate) fn narrow(
+    s: &CudaStorage,
+    (outer, size, inner): (usize, usize, usize),
+    start: usize,
+    len: usize,
+) -> Result<CudaStorage> {
+    let eb = s.dtype.size_in_bytes();
+    let row_bytes = len * inner * eb;
+    let (mut buf, parts) = alloc_like(s, outer * row_bytes, s.dtype)?;
+    let copy = RowCopy {
+        rows: outer,
+        row_bytes,
+        src_pitch: size * inner * eb,
+        src_off: start * inner * eb,
+        dst_pitch: row_bytes,
+        dst_off: 0,
+    };
+    s.gpu.row_copy(&mut buf, &s.buf, copy)?;
+    Ok(parts.finish(buf))
+}
+
+/// `cat`: each part, `outer` blocks of `len_i * inner` elements, into its slot of the output.
+pub(crate) fn cat(parts: &[(&CudaStorage, usize)], outer: usize, inner: usize, total: usize) -> Result<CudaStorage> {
+    let first = parts.first().ok_or(Error::CatEmpty)?.0;
+    let eb = first.dtype.size_in_bytes();
+    let (mut buf, out) = alloc_like(first, outer * total * inner * eb, first.dtype)?;
+    let mut offset = 0;
+    for &(s, len) in parts {
+        if s.gpu.ordinal() != first.gpu.ordinal() {
+            return Err(Error::DeviceMismatch { op: "cat", lhs: first.device(), rhs: s.device() });
+        }
+        let row_bytes = len * inner * eb;
+        let copy = RowCopy {
+            rows: outer,
+            row_bytes,
+            src_pitch: row_bytes,
+            src_off: 0,
+            dst_pitch: total * inner * eb,
+            dst_off: offset * inner * eb,
+        };
+        first.gpu.row_copy(&mut buf, &s.buf, copy)?;
+        offset += len;
+    }
+    Ok(out.finish(buf))
+}
+
+/// Dtype conversion of `numel` elements.
+pub(crate) fn cast(s: &CudaStorage, numel: usize, to: DType) -> Result<CudaStorage> {
+    let (mut buf, parts) = alloc_like(s, numel * to.size_in_bytes(), to)?;
+    s.gpu.cast(&mut buf, &s.buf, numel, elem_type(s.dtype), elem_type(to))?;
+    Ok(parts.finish(buf))
+}
+
+/// The rank-major all-gather buffer `(world, rows, cols_r)` interleaved to `(rows, cols)`.
+pub(crate) fn interleave(s: &CudaStorage, rows: usize, cols: usize, world: usize) -> Result<CudaStorage> {
+    let eb = s.dtype.size_in_bytes();
+    let (mut buf, parts) = alloc_like(s, rows * cols * eb, s.dtype)?;
+    s.gpu.gather_interleave(&mut buf, &s.buf, rows, cols, world, eb)?;
+    Ok(parts.finish(buf))
+}
+
+/// `y = x op(W) + b` with `x: m×k`, `W` in `layout`, all of one dtype, on one device.
+///
+/// f32 runs the SIMT kernel (either layout); f16/bf16 with the `[N, K]` layout run the
+/// tensor-core kernel. f16/bf16 with `[K, N]` widen to f32, run SIMT and round back once, which
+/// is exact to the same single rounding but slower: checkpoints use `[N, K]`.
+pub(crate) fn matmul(
+    x: &CudaStorage,
+    w: &CudaStorage,
+    bias: Option<&CudaStorage>,
+    (m, k, n): (usize, usize, usize),
+    layout: WeightLayout,
+) -> Result<CudaStorage> {
+    for other in std::iter::once(w).chain(bias) {
+        if other.gpu.ordinal() != x.gpu.ordinal() {
+            return Err(Error::DeviceMismatch { op: "matmul", lhs: x.device(), rhs: other.device() });
+        }
+    }
+    let gpu = &x.gpu;
+    let dtype = x.dtype;
+    match (dtype, layout) {
+        (DType::F32, _) => {
+            let (mut buf, parts) = alloc_like(x, m * n * 4, dtype)?;
+            gpu.gemm_simt_f32(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), layout == WeightLayout::Nk)?;
+            Ok(parts.finish(buf))
+        }
+        (_, WeightLayout::Nk) => {
+            let (mut buf, parts) = alloc_like(x, m * n * dtype.size_in_bytes(), dtype)?;
+            gpu.gemm_mma(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), elem_type(dtype))?;
+            Ok(parts.finish(buf))
+        }
+        (_, WeightLayout::Kn) => {
+            let xf = cast(x, m * k, DType::F32)?;
+            let wf = cast(w, k * n, DType::F32)?;
+            let bf = bias.map(|b| cast(b, n, DType::F32)).transpose()?;
+            let yf = matmul(&xf, &wf, bf.as_ref(), (m, k, n), layout)?;
+            cast(&yf, m * n, dtype)
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! GPU test suite: every CUDA kernel against the host backend and a float64 reference, on random
+//! data, at shapes off every tile multiple, with output buffers poisoned (NaN) before each
+//! kernel writes them, and every element checked.
+//!
+//! Built only with `--features gpu-tests` (`cargo xtask bundle` does). It FAILS, never skips,
+//! when no GPU, driver or compiled kernels are present.
+
+mod common;
+use common::*;
+use tp_core::{DType, Device, Tensor, TensorShard, WeightLayout};
+
+const GPU: Device = Device::Cuda(0);
+const CPU: Device = Device::Cpu;
+
+fn setup() {
+    let n = tp_kernels::device_count().expect("the GPU suite needs a CUDA device and driver");
+    assert!(n > 0, "no CUDA device");
+    assert!(tp_kernels::NOT_COMPILED.is_none(), "kernels not compiled: {:?}", tp_kernels::NOT_COMPILED);
+    tp_kernels::set_poison_allocations(true);
+}
+
+fn gpu(t: &Tensor) -> Tensor {
+    t.to_device(&GPU).expect("host -> device")
+}
+
+fn host(t: &Tensor) -> Tensor {
+    t.to_device(&CPU).expect("device -> host")
+}
+
+#[test]
+fn device_reports_itself_and_round_trips_bytes() {
+    setup();
+    let g = tp_kernels::Gpu::get(0).unwrap();
+    eprintln!(
+        "device: {} sm_{}{} with {} SMs",
+        g.name(),
+        g.compute_capability().0,
+        g.compute_capability().1,
+        g.sm_count()
+    );
+    for dtype in DType::ALL {
+        let t = Tensor::randn(&[3, 1031], dtype, 1, &CPU).unwrap();
+        let d = gpu(&t);
+        assert_eq!(d.device(), GPU);
+        assert_eq!(host(&d), t);
+    }
+    let missing = tp_kernels::device_count().unwrap();
+    assert!(matches!(
+        Tensor::zeros(&[1], DType::F32, &Device::Cuda(missing)),
+        Err(tp_core::Error::CudaUnavailable { .. })
+    ));
+}
+
+#[test]
+fn narrow_matches_host_bit_for_bit() {
+    setup();
+    for dtype in DType::ALL {
+        for dims in [vec![3usize, 17, 5], vec![129, 64], vec![7, 1, 33, 3]] {
+            let t = Tensor::randn(&dims, dtype, 2, &CPU).unwrap();
+            let d = gpu(&t);
+            for dim in 0..dims.len() {
+                let size = dims[dim];
+                for (start, len) in [(0, size), (0, 1), (size / 3, size - size / 3), (size - 1, 1), (size / 2, 0)] {
+                    let want = t.narrow(dim, start, len).unwrap();
+                    let got = host(&d.narrow(dim, start, len).unwrap());
+                    assert_eq!(got, want, "{dtype} {dims:?} dim {dim} {start}+{len}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn shard_and_unshard_on_gpu_are_exact_for_every_world_size() {
+    setup();
+    for dtype in DType::ALL {
+        let t = Tensor::randn(&[5, 131, 3], dtype, 3, &CPU).unwrap();
+        let d = gpu(&t);
+        for dim in 0..3 {
+            for world in 1..=8 {
+                let parts = TensorShard::shard_all(&d, dim, world).unwrap();
+                let host_parts = TensorShard::shard_all(&t, dim, world).unwrap();
+                for (p, h) in parts.iter().zip(&host_parts) {
+                    assert_eq!(&host(p), h);
+                }
+                assert_eq!(host(&TensorShard::unshard(&parts, dim).unwrap()), t, "{dtype} dim {dim} world {world}");
+            }
+        }
+    }
+}
+
+#[test]
+fn gather_interleave_matches_host_even_and_uneven() {
+    setup();
+    for dtype in DType::ALL {
+        // Even splits with 16-byte units, even with narrow units, and uneven splits.
+        for (rows, cols, world) in [(33, 4096, 8), (7, 24, 3), (65, 1000, 7), (3, 5, 8), (1, 129, 2), (257, 17, 4)] {
+            let buf = Tensor::randn(&[rows * cols], dtype, 4, &CPU).unwrap();
+            let want = buf.interleave_rank_major(rows, cols, world).unwrap();
+            let got = host(&gpu(&buf).interleave_rank_major(rows, cols, world).unwrap());
+            assert_eq!(got, want, "{dtype} rows {rows} cols {cols} world {world}");
+        }
+    }
+}
+
+#[test]
+fn casts_match_host_rounding() {
+    setup();
+    let mut values: Vec<f32> =
+        (0..u32::MAX / 65521).map(|i| f32::from_bits(i * 65521)).filter(|v| !v.is_nan()).collect();
+    values.extend([f32::MAX, -f32::MAX, 65504.0, 65520.0, 1.0 + 2f32.powi(-11), 1.0 + 2f32.powi(-8), 0.0, -0.0]);
+    let t = Tensor::from_slice(&values, &[values.len()], &CPU).unwrap();
+    let d = gpu(&t);
+    for to in [DType::F16, DType::BF16] {
+        let want = t.to_dtype(to).unwrap();
+        let got = host(&d.to_dtype(to).unwrap());
+        assert_eq!(got, want, "f32 -> {to}");
+        // And back, and across.
+        assert_eq!(host(&gpu(&want).to_dtype(DType::F32).unwrap()), want.to_dtype(DType::F32).unwrap());
+        let other = if to == DType::F16 { DType::BF16 } else { DType::F16 };
+        assert_eq!(host(&gpu(&want).to_dtype(other).unwrap()), want.to_dtype(other).unwrap(), "{to} -> {other}");
+    }
+}
+
+fn check_matmul(m: usize, k: usize, n: usize, dtype: DType, layout: WeightLayout, with_bias: bool, seed: u64) {
+    let x = Tensor::randn(&[m, k], dtype, seed, &CPU).unwrap();
+    let w_dims = if layout == WeightLayout::Nk { [n, k] } else { [k, n] };
+    let w = Tensor::randn(&w_dims, dtype, seed + 1, &CPU).unwrap();
+    let b = Tensor::randn(&[n], dtype, seed + 2, &CPU).unwrap();
+    let bias = with_bias.then(|| gpu(&b));
+    let y = host(&gpu(&x).matmul_layout(&gpu(&w), layout, bias.as_ref()).unwrap());
+    assert_eq!(y.dims(), &[m, n]);
+    let (mut want, abs) = matmul_f64(&f64s(&x), &f64s(&w), m, k, n, layout == WeightLayout::Nk);
+    if with_bias {
+        let bv = f64s(&b);
+        want.iter_mut().enumerate().for_each(|(i, v)| *v += bv[i % n]);
+    }
+    let what = format!("gpu {m}x{k}x{n} {dtype} {layout:?} bias={with_bias}");
+    assert_close(&what, &f64s(&y), &want, |i| matmul_tol(dtype, k + 1, want[i], abs[i] + want[i].abs()));
+}
+
+#[test]
+fn matmul_matches_f64_reference_at_small_sizes() {
+    setup();
+    let sizes = [1, 3, 17, 64, 129];
+    let mut seed = 1000;
+    for dtype in DType::ALL {
+        for m in sizes {
+            for k in sizes {
+                for n in sizes {
+                    for layout in [WeightLayout::Nk, WeightLayout::Kn] {
+                        seed += 3;
+                        check_matmul(m, k, n, dtype, layout, seed % 2 == 0, seed);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_matches_f64_reference_at_large_edge_shapes() {
+    setup();
+    // Several tiles with ragged edges in every dim; K both a multiple of 8 (cp.async path) and
+    // not (element path), and K = 0 (bias only).
+    for (m, k, n) in [(257, 1000, 383), (300, 1027, 129), (128, 512, 256), (1, 4096, 1031), (513, 8, 77), (5, 0, 9)] {
+        for dtype in DType::ALL {
+            check_matmul(m, k, n, dtype, WeightLayout::Nk, true, 7);
+            check_matmul(m, k, n, dtype, WeightLayout::Nk, false, 8);
+        }
+        check_matmul(m, k, n, DType::F32, WeightLayout::Kn, true, 9);
+    }
+}
+
+#[test]
+fn small_integer_products_are_exact_on_tensor_cores() {
+    setup();
+    // Integers in [-4, 4] with K = 104: every partial sum (|y| <= 1664) is exact in the f32
+    // accumulator, so the output must be exactly one rounding of the exact sum: exact in f16,
+    // rounded to nearest even in bf16 (8 significant bits), bit for bit.
+    let (m, k, n) = (200, 104, 136);
+    for dtype in [DType::F16, DType::BF16] {
+        let x = Tensor::rand_int(&[m, k], dtype, -4, 4, 1, &CPU).unwrap();
+        let w = Tensor::rand_int(&[n, k], dtype, -4, 4, 2, &CPU).unwrap();
+        let y = host(&gpu(&x).matmul_t(&gpu(&w)).unwrap());
+        let (want, _) = matmul_f64(&f64s(&x), &f64s(&w), m, k, n, true);
+        let want = Tensor::from_fn_f64(&[m, n], dtype, &CPU, |i| want[i]).unwrap();
+        assert_eq!(y, want, "{dtype}: one rounding of the exact sum");
+    }
+}
+
+#[test]
+fn bad_inputs_on_gpu_are_typed_errors() {
+    setup();
+    let x = gpu(&Tensor::randn(&[4, 8], DType::F32, 1, &CPU).unwrap());
+    let w_cpu = Tensor::randn(&[5, 8], DType::F32, 2, &CPU).unwrap();
+    assert!(matches!(x.matmul_t(&w_cpu), Err(tp_core::Error::DeviceMismatch { .. })));
+    assert!(matches!(
+        x.matmul_t(&gpu(&w_cpu.to_dtype(DType::BF16).unwrap())),
+        Err(tp_core::Error::DTypeMismatch { .. })
+    ));
+    assert!(matches!(x.narrow(1, 7, 2), Err(tp_core::Error::NarrowOutOfBounds { .. })));
+    assert!(matches!(Tensor::cat(&[&x, &w_cpu], 0), Err(tp_core::Error::DeviceMismatch { .. })));
+    assert!(x.as_slice::<f32>().is_err());
+}

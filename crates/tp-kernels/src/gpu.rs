@@ -1,0 +1,178 @@
+//! [`Gpu`]: one CUDA device as tp uses it: its context, a stream, the embedded kernel modules
+//! (loaded lazily, once) and the facts launchers need (SM count, shared-memory limit).
+
+use crate::error::{KernelError, Result, driver};
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+static POISON: AtomicBool = AtomicBool::new(false);
+
+/// Test support: when on, [`Gpu::alloc`] fills new buffers with `0xFF` bytes (NaN in f32, f16
+/// and bf16) instead of zeros, so an output element a kernel forgot to write cannot pass as a
+/// plausible value. Off by default; the GPU test suite turns it on.
+pub fn set_poison_allocations(on: bool) {
+    POISON.store(on, Ordering::Relaxed);
+}
+
+/// Checks that the CUDA driver can be used at all, without panicking when it is absent.
+///
+/// cudarc's dynamic loader panics on the first driver call if `libcuda` cannot be opened, so
+/// this probes for the library first and turns its absence into [`KernelError::CudaUnavailable`].
+pub fn driver_available() -> Result<()> {
+    // SAFETY: `is_culib_present` only attempts to dlopen the driver library by its known names
+    // and reports whether that worked; it calls no driver function.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(KernelError::CudaUnavailable {
+            reason: "the NVIDIA driver library (libcuda.so) was not found on this machine".into(),
+        });
+    }
+    cudarc::driver::result::init()
+        .map_err(|e| KernelError::CudaUnavailable { reason: format!("cuInit failed: {e:?} (no usable GPU?)") })
+}
+
+/// Number of CUDA devices, or the reason there are none.
+pub fn device_count() -> Result<usize> {
+    driver_available()?;
+    let n = CudaContext::device_count().map_err(driver("cuDeviceGetCount"))?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// One CUDA device. Obtained with [`Gpu::get`], shared (`Arc`) by every tensor on the device.
+pub struct Gpu {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    name: String,
+    sm_count: u32,
+    compute_capability: (i32, i32),
+    smem_optin: u32,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu({}: {}, sm_{}{})", self.ordinal, self.name, self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+impl Gpu {
+    /// The device with this ordinal, created on first use and cached for the process.
+    ///
+    /// Errors: [`KernelError::CudaUnavailable`] (no driver, no device),
+    /// [`KernelError::NoSuchDevice`], [`KernelError::Driver`].
+    pub fn get(ordinal: usize) -> Result<Arc<Gpu>> {
+        static GPUS: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(KernelError::NoSuchDevice { ordinal, count });
+        }
+        let mut gpus = GPUS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(g) = gpus.get(&ordinal) {
+            return Ok(g.clone());
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver("cuCtxCreate"))?;
+        let attr = |a| ctx.attribute(a).map_err(driver("cuDeviceGetAttribute"));
+        let sm_count = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let smem_optin = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let gpu = Arc::new(Gpu {
+            ordinal,
+            name: ctx.name().map_err(driver("cuDeviceGetName"))?,
+            compute_capability: ctx.compute_capability().map_err(driver("cuDeviceGetAttribute"))?,
+            sm_count: u32::try_from(sm_count).unwrap_or(1).max(1),
+            smem_optin: u32::try_from(smem_optin).unwrap_or(0),
+            stream: ctx.default_stream(),
+            ctx,
+            modules: Mutex::new(HashMap::new()),
+        });
+        gpus.insert(ordinal, gpu.clone());
+        Ok(gpu)
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    /// Device name as the driver reports it (e.g. "NVIDIA H200").
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Number of streaming multiprocessors.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+    /// Compute capability `(major, minor)`.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.compute_capability
+    }
+    /// Largest dynamic shared memory a block may opt into, in bytes.
+    pub fn smem_optin(&self) -> u32 {
+        self.smem_optin
+    }
+    /// The stream every tp operation on this device runs on, in order.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    /// The CUDA context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Waits for all work queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver("cuStreamSynchronize"))
+    }
+
+    /// `len` bytes on the device, zeroed (or poisoned, see [`set_poison_allocations`]). At least
+    /// one byte is allocated, so empty tensors work. Allocations are at least 256-byte aligned,
+    /// which the launchers' alignment checks rely on.
+    pub fn alloc(&self, len: usize) -> Result<CudaSlice<u8>> {
+        if POISON.load(Ordering::Relaxed) {
+            return self.stream.clone_htod(&vec![0xFFu8; len.max(1)]).map_err(driver("cuMemcpyHtoD"));
+        }
+        self.stream.alloc_zeros::<u8>(len.max(1)).map_err(driver("cuMemAlloc"))
+    }
+
+    /// A device copy of `bytes` (synchronous with respect to `bytes`).
+    pub fn htod(&self, bytes: &[u8]) -> Result<CudaSlice<u8>> {
+        if bytes.is_empty() {
+            return self.alloc(0);
+        }
+        self.stream.clone_htod(bytes).map_err(driver("cuMemcpyHtoD"))
+    }
+
+    /// The first `len` bytes of `buf`, copied to the host.
+    pub fn dtoh(&self, buf: &CudaSlice<u8>, len: usize) -> Result<Vec<u8>> {
+        if len > buf.len() {
+            return Err(KernelError::InvalidLaunch {
+                kernel: "dtoh",
+                why: format!("asked for {len} bytes of a {}-byte buffer", buf.len()),
+            });
+        }
+        let mut v = self.stream.clone_dtoh(buf).map_err(driver("cuMemcpyDtoH"))?;
+        v.truncate(len);
+        Ok(v)
+    }
+
+    /// The kernel `name` of embedded module `module`, loading the module on first use.
+    pub fn function(&self, module: &'static str, name: &str) -> Result<CudaFunction> {
+        if let Some(reason) = crate::NOT_COMPILED {
+            return Err(KernelError::NotCompiled { reason });
+        }
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        let m = match modules.get(module) {
+            Some(m) => m.clone(),
+            None => {
+                let km = crate::module(module).ok_or_else(|| KernelError::MissingKernel { name: module.into() })?;
+                let m =
+                    self.ctx.load_module(Ptx::from_binary(km.fatbin.to_vec())).map_err(driver("cuModuleLoadData"))?;
+                modules.insert(module, m.clone());
+                m
+            }
+        };
+        m.load_function(name).map_err(|_| KernelError::MissingKernel { name: format!("{module}::{name}") })
+    }
+}

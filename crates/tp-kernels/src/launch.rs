@@ -1,0 +1,342 @@
+//! Typed launchers. Each checks its arguments against the kernel's contract (sizes, alignment,
+//! grid limits) and returns [`KernelError::InvalidLaunch`] instead of launching a kernel that
+//! would read or write out of bounds. Every `unsafe` launch carries a SAFETY note.
+
+use crate::error::{KernelError, Result, driver};
+use crate::gpu::Gpu;
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Element types the kernels know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ElemType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl ElemType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            ElemType::F32 => 4,
+            ElemType::F16 | ElemType::BF16 => 2,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            ElemType::F32 => "f32",
+            ElemType::F16 => "f16",
+            ElemType::BF16 => "bf16",
+        }
+    }
+}
+
+/// A strided copy of `rows` rows of `row_bytes` bytes: row `j` is read at
+/// `src_off + j * src_pitch` and written at `dst_off + j * dst_pitch` (all in bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowCopy {
+    pub rows: usize,
+    pub row_bytes: usize,
+    pub src_pitch: usize,
+    pub src_off: usize,
+    pub dst_pitch: usize,
+    pub dst_off: usize,
+}
+
+/// Threads per block of the 1-D grid-stride kernels.
+const BLOCK: u32 = 256;
+/// Grid-stride grids get at most this many blocks per SM.
+const BLOCKS_PER_SM: u64 = 32;
+/// Tile edge of both GEMM kernels.
+const TILE: usize = 128;
+/// Dynamic shared memory of the mma.sync GEMM (kernels/gemm_mma.cu, SMEM_BYTES).
+pub const MMA_SMEM_BYTES: u32 = 81920;
+
+fn invalid(kernel: &'static str, why: impl Into<String>) -> KernelError {
+    KernelError::InvalidLaunch { kernel, why: why.into() }
+}
+
+/// `a * b + c` with overflow as an error.
+fn span(kernel: &'static str, a: usize, b: usize, c: usize) -> Result<usize> {
+    a.checked_mul(b).and_then(|x| x.checked_add(c)).ok_or_else(|| invalid(kernel, "size overflows usize"))
+}
+
+fn i64_of(kernel: &'static str, v: usize) -> Result<i64> {
+    i64::try_from(v).map_err(|_| invalid(kernel, format!("{v} does not fit in a 64-bit signed index")))
+}
+
+/// The widest unit (16, 8, 4, 2 or 1 bytes) dividing every value.
+fn unit_for(values: &[usize]) -> usize {
+    [16, 8, 4, 2, 1].into_iter().find(|u| values.iter().all(|v| v % u == 0)).unwrap_or(1)
+}
+
+impl Gpu {
+    fn grid_stride(&self, items: u64) -> LaunchConfig {
+        let blocks = items.div_ceil(u64::from(BLOCK)).clamp(1, u64::from(self.sm_count()) * BLOCKS_PER_SM);
+        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// Strided row copy from `src` to `dst` (`kernels/shard_copy.cu`, `tp_row_copy_uN`): narrow
+    /// into a contiguous shard, or scatter a shard into its slot of a full tensor.
+    pub fn row_copy(&self, dst: &mut CudaSlice<u8>, src: &CudaSlice<u8>, c: RowCopy) -> Result<()> {
+        const K: &str = "row_copy";
+        if c.rows == 0 || c.row_bytes == 0 {
+            return Ok(());
+        }
+        let src_end = span(K, c.rows - 1, c.src_pitch, c.src_off + c.row_bytes)?;
+        let dst_end = span(K, c.rows - 1, c.dst_pitch, c.dst_off + c.row_bytes)?;
+        if src_end > src.len() || dst_end > dst.len() {
+            return Err(invalid(
+                K,
+                format!("copy reaches byte {src_end} of src ({}) / {dst_end} of dst ({})", src.len(), dst.len()),
+            ));
+        }
+        if c.rows > 1 && (c.src_pitch < c.row_bytes || c.dst_pitch < c.row_bytes) {
+            return Err(invalid(K, "pitches shorter than a row would overlap rows"));
+        }
+        let (sp, dp) = if c.rows == 1 { (c.row_bytes, c.row_bytes) } else { (c.src_pitch, c.dst_pitch) };
+        let unit = unit_for(&[c.row_bytes, sp, dp, c.src_off, c.dst_off]);
+        let name = format!("tp_row_copy_u{unit}");
+        let f = self.function("shard_copy", &name)?;
+        let (rows, units) = (i64_of(K, c.rows)?, i64_of(K, c.row_bytes / unit)?);
+        let (sp, so) = (i64_of(K, sp / unit)?, i64_of(K, c.src_off / unit)?);
+        let (dp, doff) = (i64_of(K, dp / unit)?, i64_of(K, c.dst_off / unit)?);
+        let cfg = self.grid_stride((c.rows as u64).saturating_mul(units as u64));
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(dst).arg(src).arg(&rows).arg(&units).arg(&sp).arg(&so).arg(&dp).arg(&doff);
+        // SAFETY: argument order and types match tp_row_copy_uN(U* dst, const U* src, int64 rows,
+        // row_units, src_pitch, src_off, dst_pitch, dst_off). Every unit read lies below
+        // `src_end <= src.len()` and every write below `dst_end <= dst.len()` (checked above),
+        // and all offsets and pitches are multiples of `unit` while allocations are 256-byte
+        // aligned, so each `U` access is aligned. `dst` is borrowed mutably and `src` shared,
+        // so the two buffers are distinct. The buffers outlive the launch: cudarc records their
+        // use on the stream.
+        unsafe { b.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_row_copy)"))
+    }
+
+    /// Gather-interleave (`tp_gather_uN`): `src` is a rank-major all-gather buffer
+    /// `(world, rows, cols_r)` of `elem` bytes per element, `cols_r` the balanced split of `cols`;
+    /// `dst` receives `(rows, cols)` row-major.
+    pub fn gather_interleave(
+        &self,
+        dst: &mut CudaSlice<u8>,
+        src: &CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+        world: usize,
+        elem: usize,
+    ) -> Result<()> {
+        const K: &str = "gather_interleave";
+        if world == 0 || elem == 0 {
+            return Err(invalid(K, "world size and element size must be positive"));
+        }
+        let bytes = span(K, rows, cols, 0)?.checked_mul(elem).ok_or_else(|| invalid(K, "size overflows"))?;
+        if bytes > src.len() || bytes > dst.len() {
+            return Err(invalid(K, format!("needs {bytes} bytes; src has {}, dst {}", src.len(), dst.len())));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        // Even shards may move in wide units: every shard width, in bytes, must be a multiple.
+        // (For power-of-two `elem`, `elem` divides `q * elem`, so the unit is never narrower.)
+        let unit = if cols % world == 0 { unit_for(&[(cols / world) * elem]) } else { elem };
+        if ![1, 2, 4, 8, 16].contains(&unit) || unit % elem != 0 {
+            return Err(invalid(K, format!("no gather kernel for {elem}-byte elements")));
+        }
+        let cols_u = cols * elem / unit;
+        let (q, r) = (cols_u / world, cols_u % world);
+        let f = self.function("shard_copy", &format!("tp_gather_u{unit}"))?;
+        let [rows_i, cols_i, q_i, r_i] = [i64_of(K, rows)?, i64_of(K, cols_u)?, i64_of(K, q)?, i64_of(K, r)?];
+        let cfg = self.grid_stride((rows as u64).saturating_mul(cols_u as u64));
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(dst).arg(src).arg(&rows_i).arg(&cols_i).arg(&q_i).arg(&r_i);
+        // SAFETY: matches tp_gather_uN(U* dst, const U* src, int64 rows, cols, q, r). The kernel
+        // writes dst[0 .. rows*cols_u) and reads src at gather_src(), a permutation of the same
+        // range (index_math.cuh; checked on the host by tp-core's tests), and rows*cols_u*unit =
+        // `bytes` fits both buffers (checked above). Units are 1 byte or divide every shard's
+        // byte width, and the buffers are 256-byte aligned, so accesses are aligned.
+        unsafe { b.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gather)"))
+    }
+
+    /// `dst[i] = src[i]` converted from `from` to `to` (`kernels/cast.cu`), `n` elements.
+    pub fn cast(
+        &self,
+        dst: &mut CudaSlice<u8>,
+        src: &CudaSlice<u8>,
+        n: usize,
+        from: ElemType,
+        to: ElemType,
+    ) -> Result<()> {
+        const K: &str = "cast";
+        if from == to {
+            return Err(invalid(K, "source and destination types are equal; copy instead"));
+        }
+        if span(K, n, from.size(), 0)? > src.len() || span(K, n, to.size(), 0)? > dst.len() {
+            return Err(invalid(K, format!("{n} elements do not fit the buffers")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("cast", &format!("tp_cast_{}_{}", from.name(), to.name()))?;
+        let n_i = i64_of(K, n)?;
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(dst).arg(src).arg(&n_i);
+        // SAFETY: matches tp_cast_S_D(D* dst, const S* src, int64 n); n elements of each type fit
+        // the buffers (checked above), which are 256-byte aligned and distinct (& vs &mut).
+        unsafe { b.launch(self.grid_stride(n as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_cast)"))
+    }
+
+    /// fp32 SIMT GEMM with fused bias (`kernels/gemm_simt.cu`): `C = A op(B) + bias` where `A` is
+    /// `m×k`, `B` is `n×k` when `nk` (so `C = A B^T`) or `k×n` otherwise, `bias` has `n` entries.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_simt_f32(
+        &self,
+        c: &mut CudaSlice<u8>,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        bias: Option<&CudaSlice<u8>>,
+        (m, n, k): (usize, usize, usize),
+        nk: bool,
+    ) -> Result<()> {
+        const K: &str = "gemm_simt_f32";
+        check_gemm(K, c, a, b, bias, (m, n, k), 4)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let grid = gemm_grid(K, m, n)?;
+        let vec_a = k % 4 == 0;
+        let vec_b = if nk { k % 4 == 0 } else { n % 4 == 0 };
+        let vec = i32::from(vec_a) | (i32::from(vec_b) << 1);
+        let f = self.function("gemm_simt", if nk { "tp_gemm_simt_f32_nk" } else { "tp_gemm_simt_f32_kn" })?;
+        let [m_i, n_i, k_i] = [i64_of(K, m)?, i64_of(K, n)?, i64_of(K, k)?];
+        let null = 0u64;
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(c).arg(a).arg(b);
+        match bias {
+            Some(bias) => l.arg(bias),
+            None => l.arg(&null),
+        };
+        l.arg(&m_i).arg(&n_i).arg(&k_i).arg(&vec);
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: matches tp_gemm_simt_f32_xx(float* C, const float* A, const float* B,
+        // const float* bias_or_null, int64 M, N, K, int vec). check_gemm verified that A holds
+        // m*k, B n*k, C m*n and bias n floats; the kernel bounds-checks every tile edge against
+        // M, N, K. Vector (16-byte) loads are enabled only when every row start is a multiple of
+        // 4 floats from a 256-byte aligned base. C is the only buffer written and is borrowed
+        // mutably, so it aliases no input.
+        unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_simt)"))
+    }
+
+    /// bf16/f16 tensor-core GEMM with fused bias (`kernels/gemm_mma.cu`): `C = A B^T + bias`,
+    /// `A` `m×k`, `B` `n×k` (nn.Linear layout), `C` `m×n`, all of element type `ty`.
+    /// Needs compute capability 8.0 or later.
+    pub fn gemm_mma(
+        &self,
+        c: &mut CudaSlice<u8>,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        bias: Option<&CudaSlice<u8>>,
+        (m, n, k): (usize, usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "gemm_mma";
+        if ty == ElemType::F32 {
+            return Err(invalid(K, "the mma.sync kernel takes f16 or bf16; use gemm_simt_f32"));
+        }
+        if self.compute_capability().0 < 8 {
+            return Err(invalid(
+                K,
+                format!(
+                    "needs sm_80 or later, device is sm_{}{}",
+                    self.compute_capability().0,
+                    self.compute_capability().1
+                ),
+            ));
+        }
+        if self.smem_optin() < MMA_SMEM_BYTES {
+            return Err(invalid(
+                K,
+                format!("needs {MMA_SMEM_BYTES} B of shared memory per block, device allows {}", self.smem_optin()),
+            ));
+        }
+        check_gemm(K, c, a, b, bias, (m, n, k), 2)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let grid = gemm_grid(K, m, n)?;
+        let aligned = k % 8 == 0; // rows of A and B start on 16-byte boundaries
+        let name = format!("tp_gemm_mma_{}_nk{}", ty.name(), if aligned { "" } else { "_unaligned" });
+        let f = self.function("gemm_mma", &name)?;
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MMA_SMEM_BYTES as i32)
+            .map_err(driver("cuFuncSetAttribute"))?;
+        let [m_i, n_i, k_i] = [i64_of(K, m)?, i64_of(K, n)?, i64_of(K, k)?];
+        let null = 0u64;
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(c).arg(a).arg(b);
+        match bias {
+            Some(bias) => l.arg(bias),
+            None => l.arg(&null),
+        };
+        l.arg(&m_i).arg(&n_i).arg(&k_i);
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: MMA_SMEM_BYTES };
+        // SAFETY: matches tp_gemm_mma_T_nk[_unaligned](T* C, const T* A, const T* B,
+        // const T* bias_or_null, int64 M, N, K). check_gemm verified the buffer sizes; the
+        // kernel zero-fills loads past M, N, K and skips stores past M, N. The 16-byte cp.async
+        // path is chosen only when K % 8 == 0, so every row of A and B starts 16-byte aligned
+        // from a 256-byte aligned allocation. The dynamic shared memory requested is the
+        // kernel's SMEM_BYTES (static_assert there) and within the device's opt-in limit, which
+        // the function attribute was raised to above. C is borrowed mutably: no aliasing.
+        unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_mma)"))
+    }
+}
+
+/// Buffer-size checks shared by the GEMM launchers (`elem` bytes per element).
+fn check_gemm(
+    kernel: &'static str,
+    c: &CudaSlice<u8>,
+    a: &CudaSlice<u8>,
+    b: &CudaSlice<u8>,
+    bias: Option<&CudaSlice<u8>>,
+    (m, n, k): (usize, usize, usize),
+    elem: usize,
+) -> Result<()> {
+    let need = |rows: usize, cols: usize| span(kernel, rows, cols, 0).and_then(|x| span(kernel, x, elem, 0));
+    for (what, have, want) in [("A", a.len(), need(m, k)?), ("B", b.len(), need(n, k)?), ("C", c.len(), need(m, n)?)] {
+        if have < want {
+            return Err(invalid(kernel, format!("{what} holds {have} bytes, needs {want}")));
+        }
+    }
+    if let Some(bias) = bias
+        && bias.len() < need(1, n)?
+    {
+        return Err(invalid(kernel, format!("bias holds {} bytes, needs {}", bias.len(), n * elem)));
+    }
+    Ok(())
+}
+
+/// `(ceil(n / 128), ceil(m / 128), 1)`, within CUDA's grid limits.
+fn gemm_grid(kernel: &'static str, m: usize, n: usize) -> Result<(u32, u32, u32)> {
+    let (gx, gy) = (n.div_ceil(TILE), m.div_ceil(TILE));
+    if gx > i32::MAX as usize || gy > 65535 {
+        return Err(invalid(kernel, format!("grid {gx} x {gy} exceeds CUDA's limits (2^31-1 x 65535)")));
+    }
+    Ok((gx as u32, gy as u32, 1))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn unit_is_the_widest_common_divisor_power() {
+        assert_eq!(super::unit_for(&[32, 64, 16]), 16);
+        assert_eq!(super::unit_for(&[24, 8]), 8);
+        assert_eq!(super::unit_for(&[6, 4]), 2);
+        assert_eq!(super::unit_for(&[3]), 1);
+    }
+
+    #[test]
+    fn grids_respect_limits() {
+        assert_eq!(super::gemm_grid("t", 129, 1).unwrap(), (1, 2, 1));
+        assert!(super::gemm_grid("t", 65536 * 128, 1).is_err());
+    }
+}
