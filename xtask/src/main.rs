@@ -2,11 +2,13 @@
 //!
 //! * `cargo xtask test`: the whole test command: `cargo fmt --check`, `cargo clippy -D warnings`
 //!   on every target, and `cargo test` on the workspace.
-//! * `cargo xtask bench [--quick]`: GEMM throughput table (GFLOP/s), with numpy measured beside
-//!   it in the same run when numpy is installed.
+//! * `cargo xtask bench [--quick] [--cpu] [--out DIR]`: runs `tp-bench`: on a GPU our kernels
+//!   beside cuBLAS and cuMemcpyDtoD, otherwise the host GEMM beside numpy.
 //! * `cargo xtask ptx`: `ptxas -v` report of every kernel for sm_80 and sm_90a; fails on spills.
+//! * `cargo xtask bundle [--out DIR]`: GPU suite + tp-bench + run.sh for a GPU host.
 
 mod bench;
+mod bundle;
 mod cuda;
 mod ptx;
 mod test;
@@ -15,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 use std::process::Command;
 
-const USAGE: &str = "usage: cargo xtask <test | bench [--quick] | ptx>";
+const USAGE: &str = "usage: cargo xtask <test | bench [--quick] [--cpu] [--out DIR] | ptx | bundle [--out DIR]>";
 
 fn main() {
     if let Err(e) = run() {
@@ -31,6 +33,7 @@ fn run() -> Result<()> {
         "test" => test::run(rest),
         "bench" => bench::run(rest),
         "ptx" => ptx::run(rest),
+        "bundle" => bundle::run(rest),
         "" | "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

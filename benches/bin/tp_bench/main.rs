@@ -1,0 +1,154 @@
+//! `tp-bench`: the project's main job (`cargo xtask bench` runs it; the GPU bundle carries it).
+//!
+//! On a GPU: shard-copy and gather-interleave bandwidth beside `cuMemcpyDtoD` on the same bytes,
+//! and our GEMM kernels beside cuBLAS in the same process (TFLOP/s, ratio, outputs compared).
+//! Without a GPU it says why in its first line and runs the host GEMM table, with numpy beside
+//! it when installed. Results: a table on stdout, and `results.json` / `results.csv` in `--out`.
+//!
+//! Usage: `tp-bench [--quick] [--cpu] [--out DIR]`.
+
+mod cpu;
+mod gpu;
+
+use anyhow::{Context, Result, bail};
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+/// One measured row.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// What was measured (`gemm`, `copy`).
+    pub kind: &'static str,
+    /// Kernel or operation name.
+    pub name: String,
+    /// Problem shape, e.g. `4096x4096x4096` or `256 MiB`.
+    pub shape: String,
+    pub dtype: String,
+    /// Our figure and its unit (`TFLOP/s`, `GFLOP/s`, `GB/s`).
+    pub ours: f64,
+    pub unit: &'static str,
+    /// The reference measured in the same run (`cuBLAS`, `cuMemcpyDtoD`, `numpy`), if any.
+    pub baseline_name: &'static str,
+    pub baseline: Option<f64>,
+    /// Whether our output matched the reference's (None where not compared).
+    pub matched: Option<bool>,
+}
+
+impl Row {
+    fn ratio(&self) -> Option<f64> {
+        self.baseline.map(|b| self.ours / b)
+    }
+}
+
+struct Args {
+    quick: bool,
+    cpu_only: bool,
+    out: PathBuf,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args { quick: false, cpu_only: false, out: PathBuf::from("target/bench") };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--quick" => a.quick = true,
+            "--cpu" => a.cpu_only = true,
+            "--out" => a.out = it.next().context("--out needs a directory")?.into(),
+            other => bail!("unknown argument {other:?}; usage: tp-bench [--quick] [--cpu] [--out DIR]"),
+        }
+    }
+    Ok(a)
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("tp-bench: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let args = parse_args()?;
+    let gpu =
+        if args.cpu_only { Err("--cpu given".to_string()) } else { tp_kernels::Gpu::get(0).map_err(|e| e.to_string()) };
+    let rows = match gpu {
+        Ok(g) => {
+            println!(
+                "GPU 0: {} (sm_{}{}, {} SMs); commit {}",
+                g.name(),
+                g.compute_capability().0,
+                g.compute_capability().1,
+                g.sm_count(),
+                option_env!("TP_COMMIT").unwrap_or("unknown")
+            );
+            gpu::run(&g, args.quick)?
+        }
+        Err(why) => {
+            println!("no GPU: {why}; running the CPU backend");
+            cpu::run(args.quick)?
+        }
+    };
+    print_table(&rows);
+    write_results(&args.out, &rows)
+}
+
+fn print_table(rows: &[Row]) {
+    println!(
+        "\n{:<6} {:<28} {:<16} {:<5} {:>10} {:<8} {:>10} {:<13} {:>7} {:>6}",
+        "kind", "name", "shape", "dtype", "ours", "unit", "reference", "(what)", "ratio", "match"
+    );
+    for r in rows {
+        let base = r.baseline.map_or("-".into(), |b| format!("{b:.1}"));
+        let ratio = r.ratio().map_or("-".into(), |x| format!("{x:.2}x"));
+        let matched = r.matched.map_or("-", |m| if m { "yes" } else { "NO" });
+        println!(
+            "{:<6} {:<28} {:<16} {:<5} {:>10.1} {:<8} {:>10} {:<13} {:>7} {:>6}",
+            r.kind, r.name, r.shape, r.dtype, r.ours, r.unit, base, r.baseline_name, ratio, matched
+        );
+    }
+}
+
+fn write_results(dir: &std::path::Path, rows: &[Row]) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let num = |v: Option<f64>| v.filter(|x| x.is_finite()).map_or("null".to_string(), |x| format!("{x}"));
+    let mut json = String::from("[\n");
+    let mut csv = String::from("kind,name,shape,dtype,ours,unit,reference_name,reference,ratio,matched\n");
+    for (i, r) in rows.iter().enumerate() {
+        let matched = r.matched.map_or("null".into(), |m| m.to_string());
+        let _ = write!(
+            json,
+            "  {{\"kind\": {:?}, \"name\": {:?}, \"shape\": {:?}, \"dtype\": {:?}, \"ours\": {}, \"unit\": {:?}, \
+             \"reference_name\": {:?}, \"reference\": {}, \"ratio\": {}, \"matched\": {}}}{}\n",
+            r.kind,
+            r.name,
+            r.shape,
+            r.dtype,
+            num(Some(r.ours)),
+            r.unit,
+            r.baseline_name,
+            num(r.baseline),
+            num(r.ratio()),
+            matched,
+            if i + 1 < rows.len() { "," } else { "" }
+        );
+        let _ = writeln!(
+            csv,
+            "{},{},{},{},{},{},{},{},{},{}",
+            r.kind,
+            r.name,
+            r.shape,
+            r.dtype,
+            r.ours,
+            r.unit,
+            r.baseline_name,
+            r.baseline.map_or(String::new(), |b| b.to_string()),
+            r.ratio().map_or(String::new(), |b| b.to_string()),
+            r.matched.map_or(String::new(), |m| m.to_string())
+        );
+    }
+    json.push_str("]\n");
+    std::fs::write(dir.join("results.json"), json)?;
+    std::fs::write(dir.join("results.csv"), csv)?;
+    println!("\nwrote {}/results.json and results.csv", dir.display());
+    Ok(())
+}

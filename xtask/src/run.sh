@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# run.sh RESULTS_DIR -- runs tp's GPU test suite and benchmark on a GPU host with no Rust
+# toolchain, and writes everything under RESULTS_DIR. Made by `cargo xtask bundle`.
+#
+# It finds libcuda, libnvrtc, libcublas(Lt) and libnccl in the system library paths, under
+# CUDA_HOME, and in Python's site-packages (nvidia/*/lib, as the NVIDIA wheels install them),
+# puts those folders on LD_LIBRARY_PATH, records what it found, then runs:
+#   gpu-tests   -> RESULTS_DIR/gpu-tests.txt (exit status in gpu-tests.rc)
+#   tp-bench    -> RESULTS_DIR/bench.txt, results.json, results.csv
+set -u
+out=${1:?usage: run.sh RESULTS_DIR}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+
+dirs=()
+for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib/wsl/lib; do
+  [ -d "$d" ] && dirs+=("$d")
+done
+for py in python3 python; do
+  command -v "$py" >/dev/null 2>&1 || continue
+  for site in $("$py" -c 'import site; print(" ".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null); do
+    for d in "$site"/nvidia/*/lib "$site"/nvidia/cu13/lib; do [ -d "$d" ] && dirs+=("$d"); done
+  done
+  break
+done
+joined=$(IFS=:; echo "${dirs[*]}")
+export LD_LIBRARY_PATH="${joined}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(cat "$here/COMMIT" 2>/dev/null || echo unknown)"
+  echo "host: $(uname -a)"
+  for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+    found=""
+    IFS=: read -ra search <<< "$LD_LIBRARY_PATH"
+    for d in "${search[@]}"; do [ -e "$d/$lib" ] && { found="$d/$lib"; break; }; done
+    echo "$lib: ${found:-not found}"
+  done
+} > "$out/env.txt"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,temperature.gpu \
+    --format=csv > "$out/gpu.csv" 2>&1
+fi
+cat "$out/env.txt"
+
+"$here/gpu-tests" --test-threads=1 > "$out/gpu-tests.txt" 2>&1
+echo $? > "$out/gpu-tests.rc"
+tail -n 5 "$out/gpu-tests.txt"
+
+"$here/tp-bench" --out "$out" > "$out/bench.txt" 2>&1
+echo $? > "$out/bench.rc"
+cat "$out/bench.txt"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv >> "$out/gpu.csv" 2>&1
+fi
