@@ -108,6 +108,20 @@ fn print_table(rows: &[Row]) {
     }
 }
 
+/// A JSON string literal.
+fn json_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out + "\""
+}
+
 fn write_results(dir: &std::path::Path, rows: &[Row]) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let num = |v: Option<f64>| v.filter(|x| x.is_finite()).map_or("null".to_string(), |x| format!("{x}"));
@@ -115,17 +129,17 @@ fn write_results(dir: &std::path::Path, rows: &[Row]) -> Result<()> {
     let mut csv = String::from("kind,name,shape,dtype,ours,unit,reference_name,reference,ratio,matched\n");
     for (i, r) in rows.iter().enumerate() {
         let matched = r.matched.map_or("null".into(), |m| m.to_string());
-        let _ = write!(
+        let _ = writeln!(
             json,
-            "  {{\"kind\": {:?}, \"name\": {:?}, \"shape\": {:?}, \"dtype\": {:?}, \"ours\": {}, \"unit\": {:?}, \
-             \"reference_name\": {:?}, \"reference\": {}, \"ratio\": {}, \"matched\": {}}}{}\n",
-            r.kind,
-            r.name,
-            r.shape,
-            r.dtype,
+            "  {{\"kind\": {}, \"name\": {}, \"shape\": {}, \"dtype\": {}, \"ours\": {}, \"unit\": {}, \
+             \"reference_name\": {}, \"reference\": {}, \"ratio\": {}, \"matched\": {}}}{}",
+            json_str(r.kind),
+            json_str(&r.name),
+            json_str(&r.shape),
+            json_str(&r.dtype),
             num(Some(r.ours)),
-            r.unit,
-            r.baseline_name,
+            json_str(r.unit),
+            json_str(r.baseline_name),
             num(r.baseline),
             num(r.ratio()),
             matched,
