@@ -1,12 +1,25 @@
 //! # tp-comm
 //!
-//! Collectives for tp. This crate will hold the `Communicator` trait (`all_gather` along a dim
-//! with uneven shards, `all_reduce`, `reduce_scatter`, `broadcast`, `barrier`), `LocalGroup`
-//! (ranks as threads of one process), the NCCL backend (`libnccl.so.2` loaded at run time), the
-//! torchrun-style rendezvous (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and
-//! `DeviceGroup`, the user-facing group. Every wait will carry a deadline.
+//! Collectives for tp.
 //!
-//! It is empty until the collectives issue lands; today it only re-exports `tp-core`, on which
-//! it builds.
+//! * [`Communicator`]: `all_gather` along a dim (uneven shards exact), `all_reduce` (sum, max,
+//!   min, avg), `reduce_scatter`, `broadcast`, `barrier`, and `_into` variants that write into a
+//!   caller's tensor.
+//! * [`LocalGroup`]: N ranks as threads of one process, host or CUDA tensors (ranks may share a
+//!   GPU). A rank that fails, panics or times out poisons the group; no wait is unbounded.
+//! * [`DeviceGroup`]: what a layer holds: a communicator and this rank's device.
+//!
+//! The torchrun-style rendezvous (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and the
+//! NCCL backend (loaded at run time) come next in this crate.
 
+mod communicator;
+mod error;
+mod group;
+mod local;
+mod reduce;
+
+pub use communicator::{Communicator, ReduceOp};
+pub use error::{CommError, Result};
+pub use group::DeviceGroup;
+pub use local::{DEFAULT_TIMEOUT, LocalGroup};
 pub use tp_core;

@@ -202,6 +202,43 @@ impl Tensor {
         Ok(Tensor::from_parts(self.shape.clone(), storage))
     }
 
+    /// Overwrites this tensor's elements with `src`'s (same shape and dtype; `src` may be on
+    /// another device). Host tensors are written in place, so a caller's buffer is reused; a
+    /// device tensor takes a copy of `src` on its own device (device buffers are shared and
+    /// immutable in this version).
+    ///
+    /// Errors: [`Error::ShapeMismatch`], [`Error::DTypeMismatch`], and copy failures.
+    pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
+        if src.dims() != self.dims() {
+            return Err(Error::ShapeMismatch {
+                op: "copy_from",
+                lhs: self.dims().to_vec(),
+                rhs: src.dims().to_vec(),
+                why: "source and destination shapes must be equal",
+            });
+        }
+        if src.dtype() != self.dtype() {
+            return Err(Error::DTypeMismatch { op: "copy_from", lhs: self.dtype(), rhs: src.dtype() });
+        }
+        let device = self.device();
+        match &mut self.storage {
+            Storage::Cpu(dst) => {
+                let moved = src.to_device(&Device::Cpu)?;
+                let bytes = moved.as_bytes()?;
+                with_dtype!(dst.dtype(), T => {
+                    if let Some(d) = dst.as_mut_slice::<T>() {
+                        d.copy_from_slice(bytemuck::cast_slice(bytes));
+                    }
+                });
+                Ok(())
+            }
+            Storage::Cuda(_) => {
+                self.storage = src.to_device(&device)?.storage;
+                Ok(())
+            }
+        }
+    }
+
     /// The same elements viewed with new dimensions of equal element count.
     pub fn reshape(&self, dims: &[usize]) -> Result<Tensor> {
         let shape = Shape::new(dims)?;

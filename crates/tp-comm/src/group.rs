@@ -1,0 +1,119 @@
+//! [`DeviceGroup`]: the group a user holds: a communicator plus the device this rank computes on.
+
+use crate::communicator::{Communicator, ReduceOp};
+use crate::error::{CommError, Result, tensor_err};
+use crate::local::LocalGroup;
+use std::sync::Arc;
+use std::time::Duration;
+use tp_core::{Device, Tensor};
+
+/// This rank's view of a tensor-parallel group: who it is, where its tensors live, and the
+/// collectives that join the shards. Tensors passed in must be on [`DeviceGroup::device`].
+#[derive(Clone)]
+pub struct DeviceGroup {
+    comm: Arc<dyn Communicator>,
+    device: Device,
+}
+
+impl std::fmt::Debug for DeviceGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceGroup(rank {} of {} on {})", self.rank(), self.world_size(), self.device)
+    }
+}
+
+impl DeviceGroup {
+    /// Wraps any communicator; this rank computes on `device`.
+    pub fn new(comm: Arc<dyn Communicator>, device: Device) -> Self {
+        DeviceGroup { comm, device }
+    }
+
+    /// `world_size` ranks as threads of this process ([`LocalGroup`]); rank `r` computes on
+    /// `device(r)` (several ranks may share one GPU). Move each handle into its own thread.
+    pub fn local(world_size: usize, timeout: Duration, device: impl Fn(usize) -> Device) -> Result<Vec<DeviceGroup>> {
+        Ok(LocalGroup::with_timeout(world_size, timeout)?
+            .into_iter()
+            .enumerate()
+            .map(|(r, g)| DeviceGroup::new(Arc::new(g), device(r)))
+            .collect())
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+    /// Where this rank's tensors live.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    /// The underlying communicator.
+    pub fn communicator(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
+    fn check(&self, op: &'static str, x: &Tensor) -> Result<()> {
+        if x.device() != self.device {
+            return Err(CommError::Tensor {
+                op,
+                source: tp_core::Error::DeviceMismatch { op, lhs: self.device, rhs: x.device() },
+            });
+        }
+        Ok(())
+    }
+
+    /// Gathers every rank's `x` along `dim` in rank order (uneven lengths exact). In a
+    /// column-parallel layer this joins the output shards: `Y = [Y_0, .., Y_{p-1}]`.
+    pub fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
+        self.check("all_gather", x)?;
+        self.comm.all_gather(x, dim)
+    }
+
+    /// Element-wise reduction over ranks; in a row-parallel layer, `Y = Σ_r X_r A_r`.
+    pub fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.check("all_reduce", x)?;
+        self.comm.all_reduce(x, op)
+    }
+
+    /// The reduction over ranks, of which this rank keeps its balanced shard along `dim`.
+    pub fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        self.check("reduce_scatter", x)?;
+        self.comm.reduce_scatter(x, dim, op)
+    }
+
+    /// Rank `root`'s `x` on every rank.
+    pub fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
+        self.check("broadcast", x)?;
+        self.comm.broadcast(x, root)
+    }
+
+    /// Waits for every rank.
+    pub fn barrier(&self) -> Result<()> {
+        self.comm.barrier()
+    }
+
+    /// Fails the group for every rank (see [`Communicator::abort`]).
+    pub fn abort(&self, reason: &str) {
+        self.comm.abort(reason)
+    }
+
+    /// `all_reduce` into `x` itself.
+    pub fn all_reduce_into(&self, x: &mut Tensor, op: ReduceOp) -> Result<()> {
+        self.check("all_reduce_into", x)?;
+        self.comm.all_reduce_into(x, op)
+    }
+
+    /// `all_gather` into `out`, which must have the gathered shape.
+    pub fn all_gather_into(&self, x: &Tensor, dim: usize, out: &mut Tensor) -> Result<()> {
+        self.check("all_gather_into", x)?;
+        self.check("all_gather_into", out)?;
+        self.comm.all_gather_into(x, dim, out)
+    }
+
+    /// Moves `x` to this rank's device (a cheap clone when already there).
+    pub fn to_local(&self, x: &Tensor) -> Result<Tensor> {
+        x.to_device(&self.device).map_err(tensor_err("to_local"))
+    }
+}
