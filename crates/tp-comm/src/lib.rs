@@ -9,17 +9,25 @@
 //!   GPU). A rank that fails, panics or times out poisons the group; no wait is unbounded.
 //! * [`DeviceGroup`]: what a layer holds: a communicator and this rank's device.
 //!
-//! The torchrun-style rendezvous (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and the
-//! NCCL backend (loaded at run time) come next in this crate.
+//! * [`LaunchEnv`] and [`Rendezvous`]: torchrun-style launching (`RANK`, `WORLD_SIZE`,
+//!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); rank 0 serves a small TCP store
+//!   ([`store`]) through which ranks register and opaque ids travel, all with deadlines.
+//!
+//! The NCCL backend (loaded at run time) comes next in this crate.
 
 mod communicator;
+mod env;
 mod error;
 mod group;
 mod local;
 mod reduce;
+mod rendezvous;
+pub mod store;
 
 pub use communicator::{Communicator, ReduceOp};
+pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv};
 pub use error::{CommError, Result};
 pub use group::DeviceGroup;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup};
+pub use rendezvous::Rendezvous;
 pub use tp_core;
