@@ -41,8 +41,11 @@ fn write_frame(s: &mut TcpStream, op: u8, key: &[u8], value: &[u8]) -> std::io::
     s.write_all(&buf)
 }
 
+/// One decoded frame: op, key, value.
+type Frame = (u8, Vec<u8>, Vec<u8>);
+
 /// Reads one frame. `Ok(None)` on a clean close before the first byte.
-fn read_frame(s: &mut TcpStream) -> std::result::Result<Option<(u8, Vec<u8>, Vec<u8>)>, String> {
+fn read_frame(s: &mut TcpStream) -> std::result::Result<Option<Frame>, String> {
     let mut head = [0u8; 5];
     match s.read(&mut head[..1]) {
         Ok(0) => return Ok(None),
