@@ -1,5 +1,5 @@
 //! `cargo xtask bundle [--out DIR]`: everything a GPU host without a Rust toolchain needs, in one
-//! folder (default `target/bundle/`): the GPU test suite and `tp-bench` built in release mode and
+//! folder (default `target/bundle/`): the GPU test suites and `tp-bench` built in release mode and
 //! stripped, and `run.sh`, which finds libcuda, libnvrtc, libcublas and libnccl (system paths,
 //! `CUDA_HOME`, Python's `nvidia/*/lib`), runs both and writes results to the folder it is given.
 
@@ -26,6 +26,22 @@ pub fn run(args: &[String]) -> Result<()> {
         &["test", "--release", "--locked", "-p", "tp-core", "--features", "gpu-tests", "--test", "gpu", "--no-run"],
         &commit,
     )?;
+    let comm_tests = build_executables(
+        &cargo,
+        &[
+            "test",
+            "--release",
+            "--locked",
+            "-p",
+            "tp-comm",
+            "--features",
+            "gpu-tests",
+            "--test",
+            "gpu_comm",
+            "--no-run",
+        ],
+        &commit,
+    )?;
     let bench = build_executables(
         &cargo,
         &["build", "--release", "--locked", "-p", "tp-benches", "--bin", "tp-bench"],
@@ -34,11 +50,12 @@ pub fn run(args: &[String]) -> Result<()> {
     let gpu_tests = tests.first().context("cargo built no GPU test binary")?;
     let tp_bench = bench.first().context("cargo built no tp-bench binary")?;
     install(gpu_tests, &out.join("gpu-tests"))?;
+    install(comm_tests.first().context("cargo built no tp-comm GPU test binary")?, &out.join("gpu-comm-tests"))?;
     install(tp_bench, &out.join("tp-bench"))?;
     std::fs::write(out.join("run.sh"), RUN_SH)?;
     set_executable(&out.join("run.sh"))?;
     std::fs::write(out.join("COMMIT"), format!("{commit}\n"))?;
-    let size: u64 = ["gpu-tests", "tp-bench", "run.sh"]
+    let size: u64 = ["gpu-tests", "gpu-comm-tests", "tp-bench", "run.sh"]
         .iter()
         .filter_map(|f| std::fs::metadata(out.join(f)).ok())
         .map(|m| m.len())

@@ -6,8 +6,10 @@
 //!   beside cuBLAS and cuMemcpyDtoD, otherwise the host GEMM beside numpy.
 //! * `cargo xtask ptx`: `ptxas -v` report of every kernel for sm_80 and sm_90a; fails on spills.
 //! * `cargo xtask bundle [--out DIR]`: GPU suite + tp-bench + run.sh for a GPU host.
+//! * `cargo xtask bindgen [--check]`: (re)generates tp-comm's NCCL bindings, or checks them.
 
 mod bench;
+mod bindgen;
 mod bundle;
 mod cuda;
 mod ptx;
@@ -17,7 +19,8 @@ use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 use std::process::Command;
 
-const USAGE: &str = "usage: cargo xtask <test | bench [--quick] [--cpu] [--out DIR] | ptx | bundle [--out DIR]>";
+const USAGE: &str =
+    "usage: cargo xtask <test | bench [--quick] [--cpu] [--out DIR] | ptx | bundle [--out DIR] | bindgen [--check]>";
 
 fn main() {
     if let Err(e) = run() {
@@ -34,6 +37,7 @@ fn run() -> Result<()> {
         "bench" => bench::run(rest),
         "ptx" => ptx::run(rest),
         "bundle" => bundle::run(rest),
+        "bindgen" => bindgen::run(rest),
         "" | "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

@@ -5,7 +5,8 @@
 # It finds libcuda, libnvrtc, libcublas(Lt) and libnccl in the system library paths, under
 # CUDA_HOME, and in Python's site-packages (nvidia/*/lib, as the NVIDIA wheels install them),
 # puts those folders on LD_LIBRARY_PATH, records what it found, then runs:
-#   gpu-tests   -> RESULTS_DIR/gpu-tests.txt (exit status in gpu-tests.rc)
+#   gpu-tests       -> RESULTS_DIR/gpu-tests.txt (exit status in gpu-tests.rc)
+#   gpu-comm-tests  -> RESULTS_DIR/gpu-comm-tests.txt (NCCL at world 1, LocalGroup on one GPU)
 #   tp-bench    -> RESULTS_DIR/bench.txt, results.json, results.csv
 set -u
 out=${1:?usage: run.sh RESULTS_DIR}
@@ -44,9 +45,12 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 cat "$out/env.txt"
 
-"$here/gpu-tests" --test-threads=1 > "$out/gpu-tests.txt" 2>&1
-echo $? > "$out/gpu-tests.rc"
-tail -n 5 "$out/gpu-tests.txt"
+for suite in gpu-tests gpu-comm-tests; do
+  "$here/$suite" --test-threads=1 > "$out/$suite.txt" 2>&1
+  echo $? > "$out/$suite.rc"
+  echo "== $suite (exit $(cat "$out/$suite.rc"))"
+  tail -n 5 "$out/$suite.txt"
+done
 
 "$here/tp-bench" --out "$out" > "$out/bench.txt" 2>&1
 echo $? > "$out/bench.rc"

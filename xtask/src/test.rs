@@ -16,22 +16,26 @@ pub fn run(args: &[String]) -> Result<()> {
     let nvcc = crate::cuda::ensure_nvcc()?;
     println!("\n==> nvcc: {}", nvcc.display());
     crate::ptx::check(&nvcc)?;
-    // Lints every target, the GPU suite included: it is compiled here even where it cannot run.
+    // The real NCCL library (the pinned wheel) for tp-comm's loader tests, and the bindings'
+    // freshness against its header.
+    let nccl = crate::bindgen::ensure_nccl()?;
+    let nccl_lib = nccl.join("lib/libnccl.so.2");
+    println!("\n==> NCCL: {}", nccl_lib.display());
+    if crate::bindgen::libclang_available() {
+        crate::bindgen::check()?;
+    } else {
+        println!(
+            "\n!!! NCCL bindings freshness NOT checked: libclang missing (apt-get install libclang-dev); CI installs it"
+        );
+    }
+    // Lints every target, the GPU suites included: they are compiled here even where they
+    // cannot run.
     crate::run_step(
         &cargo,
-        &[
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--features",
-            "tp-core/gpu-tests",
-            "--locked",
-            "--",
-            "-D",
-            "warnings",
-        ],
+        &["clippy", "--workspace", "--all-targets", "--features", FEATURES, "--locked", "--", "-D", "warnings"],
     )?;
-    let (passed, failed, ok) = cargo_test(&cargo, &["test", "--workspace", "--locked"])?;
+    let (passed, failed, ok) =
+        cargo_test(&cargo, &["test", "--workspace", "--locked", "--features", "tp-comm/nccl-tests"], &nccl_lib)?;
     println!("\ntests: {passed} passed, {failed} failed");
     if !ok || failed > 0 {
         bail!("cargo test failed");
@@ -43,9 +47,17 @@ pub fn run(args: &[String]) -> Result<()> {
 }
 
 /// Runs `cargo test`, echoing its output, and sums the `test result:` lines.
-fn cargo_test(cargo: &str, args: &[&str]) -> Result<(u64, u64, bool)> {
-    println!("\n==> {cargo} {}", args.join(" "));
-    let mut child = crate::command(cargo, args).stdout(Stdio::piped()).spawn().context("cannot start cargo test")?;
+/// Features compiled by clippy: the GPU suites (compiled, not run, here) and the NCCL tests.
+const FEATURES: &str = "tp-core/gpu-tests,tp-comm/gpu-tests,tp-comm/nccl-tests";
+
+/// Runs `cargo test` with `TP_NCCL_LIB` set, echoing its output, and sums the `test result:` lines.
+fn cargo_test(cargo: &str, args: &[&str], nccl_lib: &std::path::Path) -> Result<(u64, u64, bool)> {
+    println!("\n==> TP_NCCL_LIB={} {cargo} {}", nccl_lib.display(), args.join(" "));
+    let mut child = crate::command(cargo, args)
+        .env("TP_NCCL_LIB", nccl_lib)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("cannot start cargo test")?;
     let (mut passed, mut failed) = (0, 0);
     if let Some(out) = child.stdout.take() {
         for line in BufReader::new(out).lines() {

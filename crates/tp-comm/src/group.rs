@@ -13,6 +13,8 @@ use tp_core::{Device, Tensor};
 pub struct DeviceGroup {
     comm: Arc<dyn Communicator>,
     device: Device,
+    /// Keeps rank 0's rendezvous store alive for the group's life (from_env).
+    _rendezvous: Option<Arc<std::sync::Mutex<crate::Rendezvous>>>,
 }
 
 impl std::fmt::Debug for DeviceGroup {
@@ -24,7 +26,7 @@ impl std::fmt::Debug for DeviceGroup {
 impl DeviceGroup {
     /// Wraps any communicator; this rank computes on `device`.
     pub fn new(comm: Arc<dyn Communicator>, device: Device) -> Self {
-        DeviceGroup { comm, device }
+        DeviceGroup { comm, device, _rendezvous: None }
     }
 
     /// `world_size` ranks as threads of this process ([`LocalGroup`]); rank `r` computes on
@@ -35,6 +37,46 @@ impl DeviceGroup {
             .enumerate()
             .map(|(r, g)| DeviceGroup::new(Arc::new(g), device(r)))
             .collect())
+    }
+
+    /// The torchrun way: reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+    /// `MASTER_PORT` (and `TP_TIMEOUT_SECS`), joins the rendezvous, takes GPU `LOCAL_RANK`,
+    /// checks that no two ranks share a GPU (NCCL refuses that, NVIDIA/nccl#1241), passes rank
+    /// 0's NCCL unique id to everyone and creates the NCCL communicator, all within the deadline.
+    pub fn from_env() -> Result<DeviceGroup> {
+        Self::from_launch_env(&crate::LaunchEnv::from_env()?)
+    }
+
+    /// [`from_env`](Self::from_env) with the launch settings given explicitly.
+    pub fn from_launch_env(env: &crate::LaunchEnv) -> Result<DeviceGroup> {
+        let mut rdv = crate::Rendezvous::join(env)?;
+        let gpu =
+            tp_kernels::Gpu::get(env.local_rank).map_err(|e| CommError::Tensor { op: "from_env", source: e.into() })?;
+        // The GPU's UUID: the same physical device gives the same id in every process.
+        let uuid = gpu.uuid().map_err(|e| CommError::Tensor { op: "from_env", source: e.into() })?;
+        let me = format!("GPU {uuid} ({}, cuda:{} of rank {})", gpu.name(), gpu.ordinal(), env.rank);
+        let all = rdv.all_gather_bytes("gpu", me.as_bytes())?;
+        let same_gpu = |r: usize| String::from_utf8_lossy(&all[r]).split(' ').nth(1) == Some(uuid.as_str());
+        if let Some(other) = (0..env.world_size).find(|&r| r != env.rank && same_gpu(r)) {
+            return Err(CommError::Nccl {
+                op: "from_env",
+                message: format!(
+                    "ranks {} and {other} are both on {me}; NCCL needs one GPU per rank (check LOCAL_RANK, or use \
+                     LocalGroup to share a GPU)",
+                    env.rank
+                ),
+            });
+        }
+        let nccl = crate::nccl::Nccl::get()?;
+        let id = if env.rank == 0 { Some(nccl.unique_id()?) } else { None };
+        let id = rdv.broadcast_bytes("nccl-id", 0, id.as_ref().map(|i| &i[..]))?;
+        let id: [u8; 128] = id
+            .try_into()
+            .map_err(|v: Vec<u8>| CommError::Rendezvous(format!("NCCL id of {} bytes, expected 128", v.len())))?;
+        let comm = crate::nccl::NcclComm::init(id, env.rank, env.world_size, gpu.clone(), env.timeout)?;
+        rdv.barrier("nccl-ready")?;
+        let device = Device::Cuda(gpu.ordinal());
+        Ok(DeviceGroup { comm: Arc::new(comm), device, _rendezvous: Some(Arc::new(std::sync::Mutex::new(rdv))) })
     }
 
     /// This rank.

@@ -13,13 +13,16 @@
 //!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); rank 0 serves a small TCP store
 //!   ([`store`]) through which ranks register and opaque ids travel, all with deadlines.
 //!
-//! The NCCL backend (loaded at run time) comes next in this crate.
+//! * [`nccl`]: the NCCL backend, `libnccl.so.2` loaded at run time ([`nccl::Nccl`]) and a
+//!   [`Communicator`] over it ([`nccl::NcclComm`]); [`DeviceGroup::from_env`] sets it all up the
+//!   torchrun way.
 
 mod communicator;
 mod env;
 mod error;
 mod group;
 mod local;
+pub mod nccl;
 mod reduce;
 mod rendezvous;
 pub mod store;

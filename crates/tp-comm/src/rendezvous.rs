@@ -127,6 +127,24 @@ impl Rendezvous {
             .ok_or_else(|| CommError::Rendezvous(format!("rank {root} never published {key:?} before the deadline")))
     }
 
+    /// Every rank's `mine` under `key`, in rank order (for small blobs: device ids, addresses).
+    pub fn all_gather_bytes(&mut self, key: &str, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let deadline = Instant::now() + self.env.timeout;
+        self.client.set(&format!("gather/{key}/{}", self.env.rank), mine, deadline)?;
+        let mut out = Vec::with_capacity(self.env.world_size);
+        let mut missing = Vec::new();
+        for r in 0..self.env.world_size {
+            match self.client.get(&format!("gather/{key}/{r}"), deadline)? {
+                Some(v) => out.push(v),
+                None => missing.push(r),
+            }
+        }
+        if !missing.is_empty() {
+            return Err(CommError::Rendezvous(format!("rank(s) {missing:?} never published {key:?}")));
+        }
+        Ok(out)
+    }
+
     /// Returns once every rank has reached the barrier `name` (each name used once per job).
     pub fn barrier(&mut self, name: &str) -> Result<()> {
         let deadline = Instant::now() + self.env.timeout;

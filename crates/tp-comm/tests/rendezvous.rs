@@ -198,12 +198,14 @@ fn a_world_size_mismatch_is_reported() {
 
 #[test]
 fn two_processes_claiming_one_rank_are_reported() {
+    // World 3 with rank 2 absent keeps the store up until the deadline, so the second claimant
+    // of rank 1 always reaches it, however late it starts.
     let port = free_port();
-    let kids = vec![probe(1, 2, port, 5), probe(1, 2, port, 5), probe(0, 2, port, 5)];
+    let kids = vec![probe(0, 3, port, 6), probe(1, 3, port, 6), probe(1, 3, port, 6)];
     let results = finish(kids, Duration::from_secs(40));
-    let dup: Vec<_> = results.iter().filter(|(ok, _, err)| !ok && err.contains("two processes claim rank 1")).collect();
+    let dup: Vec<_> = results.iter().filter(|(_, _, err)| err.contains("two processes claim rank 1")).collect();
     assert_eq!(dup.len(), 1, "{results:?}");
-    assert!(results.iter().filter(|(ok, _, _)| *ok).count() == 2, "rank 0 and the first rank 1 finish: {results:?}");
+    assert!(results.iter().all(|(ok, _, _)| !ok), "no rank can finish without rank 2: {results:?}");
 }
 
 #[test]

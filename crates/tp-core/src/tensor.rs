@@ -202,6 +202,39 @@ impl Tensor {
         Ok(Tensor::from_parts(self.shape.clone(), storage))
     }
 
+    /// For backends that drive CUDA themselves (NCCL): the device and raw bytes of a CUDA
+    /// tensor (`numel * dtype size` bytes are valid), or `None` for a host tensor.
+    pub fn cuda_buffer(
+        &self,
+    ) -> Option<(&std::sync::Arc<tp_kernels::Gpu>, &tp_kernels::cudarc::driver::CudaSlice<u8>)> {
+        match &self.storage {
+            Storage::Cuda(s) => Some((&s.gpu, &s.buf)),
+            Storage::Cpu(_) => None,
+        }
+    }
+
+    /// A CUDA tensor of shape `dims` and `dtype` over `buf`, which a backend has filled.
+    ///
+    /// Errors: [`Error::ElementCountMismatch`] if `buf` is shorter than the shape needs.
+    pub fn from_cuda_buffer(
+        buf: tp_kernels::cudarc::driver::CudaSlice<u8>,
+        dims: &[usize],
+        dtype: DType,
+        gpu: std::sync::Arc<tp_kernels::Gpu>,
+    ) -> Result<Tensor> {
+        let shape = Shape::new(dims)?;
+        let len = shape.numel() * dtype.size_in_bytes();
+        if buf.len() < len {
+            return Err(Error::ElementCountMismatch {
+                op: "from_cuda_buffer",
+                dims: dims.to_vec(),
+                expected: shape.numel(),
+                got: buf.len() / dtype.size_in_bytes(),
+            });
+        }
+        Ok(Tensor::from_cuda(shape, CudaStorage::new(buf, len, dtype, gpu)))
+    }
+
     /// Overwrites this tensor's elements with `src`'s (same shape and dtype; `src` may be on
     /// another device). Host tensors are written in place, so a caller's buffer is reused; a
     /// device tensor takes a copy of `src` on its own device (device buffers are shared and

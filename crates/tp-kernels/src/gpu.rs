@@ -100,6 +100,12 @@ impl Gpu {
     pub fn name(&self) -> &str {
         &self.name
     }
+    /// The device's UUID as hex (stable across processes, whatever CUDA_VISIBLE_DEVICES says).
+    pub fn uuid(&self) -> Result<String> {
+        let u = self.ctx.uuid().map_err(driver("cuDeviceGetUuid"))?;
+        Ok(u.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect())
+    }
+
     /// Number of streaming multiprocessors.
     pub fn sm_count(&self) -> u32 {
         self.sm_count

@@ -1,0 +1,75 @@
+//! GPU suite of the collectives: NCCL at world size 1 (one GPU: NCCL refuses two ranks on one
+//! device) for every collective and dtype, and LocalGroup with 2, 4 and 8 ranks sharing GPU 0,
+//! each checked against the same collectives run on the CPU.
+
+use std::time::Duration;
+use tp_comm::{DeviceGroup, LaunchEnv, ReduceOp};
+use tp_core::{DType, Device, Tensor};
+
+const GPU: Device = Device::Cuda(0);
+const CPU: Device = Device::Cpu;
+
+fn value(rank: usize, i: usize) -> f64 {
+    ((rank * 7 + i * 3) % 11) as f64 - 5.0
+}
+
+/// Runs every collective on `groups` (one thread per rank) and returns each rank's results on
+/// the host, in a fixed order.
+fn exercise(groups: Vec<DeviceGroup>, dtype: DType) -> Vec<Vec<Tensor>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                s.spawn(move || {
+                    let r = g.rank();
+                    let x = Tensor::from_fn_f64(&[6, 10 + r], dtype, &CPU, |i| value(r, i)).unwrap();
+                    let y = Tensor::from_fn_f64(&[12, 5], dtype, &CPU, |i| value(r, i)).unwrap();
+                    let (x, y) = (g.to_local(&x).unwrap(), g.to_local(&y).unwrap());
+                    let mut out = vec![g.all_gather(&x, 1).unwrap(), g.all_gather(&y, 0).unwrap()];
+                    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
+                        out.push(g.all_reduce(&y, op).unwrap());
+                        out.push(g.reduce_scatter(&y, 0, op).unwrap());
+                        out.push(g.reduce_scatter(&y, 1, op).unwrap());
+                    }
+                    for root in 0..g.world_size() {
+                        out.push(g.broadcast(&y, root).unwrap());
+                    }
+                    g.barrier().unwrap();
+                    out.into_iter().map(|t| t.to_device(&CPU).unwrap()).collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+    })
+}
+
+#[test]
+fn local_group_ranks_sharing_one_gpu_match_the_cpu() {
+    assert!(tp_kernels::device_count().expect("needs a CUDA device") > 0);
+    for world in [2, 4, 8] {
+        for dtype in DType::ALL {
+            let on_gpu = exercise(DeviceGroup::local(world, Duration::from_secs(60), |_| GPU).unwrap(), dtype);
+            let on_cpu = exercise(DeviceGroup::local(world, Duration::from_secs(60), |_| CPU).unwrap(), dtype);
+            assert_eq!(on_gpu, on_cpu, "world {world} {dtype}");
+        }
+    }
+}
+
+#[test]
+fn nccl_at_world_size_one_runs_every_collective() {
+    assert!(tp_kernels::device_count().expect("needs a CUDA device") > 0);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let vars = [("RANK", "0".to_string()), ("WORLD_SIZE", "1".into()), ("MASTER_PORT", port.to_string())];
+    let env = LaunchEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap();
+    let g = DeviceGroup::from_launch_env(&env).expect("NCCL group of one");
+    eprintln!("NCCL {:?}", tp_comm::nccl::Nccl::get().unwrap().version());
+    assert_eq!((g.rank(), g.world_size(), g.device()), (0, 1, GPU));
+    for dtype in DType::ALL {
+        let on_gpu = exercise(vec![g.clone()], dtype);
+        let on_cpu = exercise(DeviceGroup::local(1, Duration::from_secs(60), |_| CPU).unwrap(), dtype);
+        assert_eq!(on_gpu, on_cpu, "{dtype}");
+    }
+    // A host tensor is refused with a typed error.
+    let host = Tensor::zeros(&[2], DType::F32, &CPU).unwrap();
+    assert!(g.communicator().all_reduce(&host, ReduceOp::Sum).is_err());
+}
