@@ -79,6 +79,46 @@ impl DeviceGroup {
         Ok(DeviceGroup { comm: Arc::new(comm), device, _rendezvous: Some(Arc::new(std::sync::Mutex::new(rdv))) })
     }
 
+    /// One process driving several GPUs: an NCCL group with one rank per entry of `ordinals`
+    /// (rank `r` on GPU `ordinals[r]`), each communicator created on its own thread within
+    /// `timeout`. Move each returned group into the thread that drives its GPU.
+    ///
+    /// Errors: an empty or repeated ordinal list (NCCL needs one GPU per rank), CUDA and NCCL
+    /// errors.
+    pub fn nccl_local(ordinals: &[usize], timeout: Duration) -> Result<Vec<DeviceGroup>> {
+        if ordinals.is_empty() {
+            return Err(CommError::ZeroWorldSize { op: "DeviceGroup::nccl_local" });
+        }
+        if let Some(dup) = ordinals.iter().enumerate().find(|(i, o)| ordinals[..*i].contains(o)) {
+            return Err(CommError::Nccl {
+                op: "DeviceGroup::nccl_local",
+                message: format!("GPU {} is listed twice; NCCL needs one GPU per rank", dup.1),
+            });
+        }
+        let gpus = ordinals
+            .iter()
+            .map(|&o| tp_kernels::Gpu::get(o).map_err(|e| CommError::Tensor { op: "nccl_local", source: e.into() }))
+            .collect::<Result<Vec<_>>>()?;
+        let id = crate::nccl::Nccl::get()?.unique_id()?;
+        let world = ordinals.len();
+        let comms: Vec<Result<crate::nccl::NcclComm>> = std::thread::scope(|s| {
+            let handles: Vec<_> = gpus
+                .iter()
+                .enumerate()
+                .map(|(rank, gpu)| s.spawn(move || crate::nccl::NcclComm::init(id, rank, world, gpu.clone(), timeout)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CommError::Nccl { op: "nccl_local", message: "an init thread panicked".into() })
+                    })
+                })
+                .collect()
+        });
+        comms.into_iter().zip(ordinals).map(|(c, &o)| Ok(DeviceGroup::new(Arc::new(c?), Device::Cuda(o)))).collect()
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.comm.rank()

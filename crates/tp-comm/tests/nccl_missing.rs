@@ -18,3 +18,13 @@ fn a_file_that_is_not_nccl_is_rejected() {
     let e = Nccl::open(&["libm.so.6".into()]).unwrap_err();
     assert!(matches!(e, CommError::NcclUnavailable(ref m) if m.contains("libm.so.6")), "{e:?}");
 }
+
+#[test]
+fn one_process_many_gpus_refuses_bad_device_lists_before_touching_cuda() {
+    use std::time::Duration;
+    use tp_comm::DeviceGroup;
+    let e = DeviceGroup::nccl_local(&[], Duration::from_secs(1)).unwrap_err();
+    assert!(matches!(e, CommError::ZeroWorldSize { .. }), "{e:?}");
+    let e = DeviceGroup::nccl_local(&[0, 1, 0], Duration::from_secs(1)).unwrap_err();
+    assert!(e.to_string().contains("GPU 0 is listed twice"), "{e}");
+}
