@@ -44,18 +44,21 @@ pub fn run(args: &[String]) -> Result<()> {
     )?;
     let bench = build_executables(
         &cargo,
-        &["build", "--release", "--locked", "-p", "tp-benches", "--bin", "tp-bench"],
+        &["build", "--release", "--locked", "-p", "tp-benches", "--bin", "tp-bench", "--bin", "tp-comm-bench"],
         &commit,
     )?;
     let gpu_tests = tests.first().context("cargo built no GPU test binary")?;
-    let tp_bench = bench.first().context("cargo built no tp-bench binary")?;
+    let find = |name: &str| bench.iter().find(|p| p.file_name().is_some_and(|f| f == name)).cloned();
+    let tp_bench = find("tp-bench").context("cargo built no tp-bench binary")?;
+    let comm_bench = find("tp-comm-bench").context("cargo built no tp-comm-bench binary")?;
     install(gpu_tests, &out.join("gpu-tests"))?;
     install(comm_tests.first().context("cargo built no tp-comm GPU test binary")?, &out.join("gpu-comm-tests"))?;
-    install(tp_bench, &out.join("tp-bench"))?;
+    install(&tp_bench, &out.join("tp-bench"))?;
+    install(&comm_bench, &out.join("tp-comm-bench"))?;
     std::fs::write(out.join("run.sh"), RUN_SH)?;
     set_executable(&out.join("run.sh"))?;
     std::fs::write(out.join("COMMIT"), format!("{commit}\n"))?;
-    let size: u64 = ["gpu-tests", "gpu-comm-tests", "tp-bench", "run.sh"]
+    let size: u64 = ["gpu-tests", "gpu-comm-tests", "tp-bench", "tp-comm-bench", "run.sh"]
         .iter()
         .filter_map(|f| std::fs::metadata(out.join(f)).ok())
         .map(|m| m.len())

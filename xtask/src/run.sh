@@ -7,7 +7,8 @@
 # puts those folders on LD_LIBRARY_PATH, records what it found, then runs:
 #   gpu-tests       -> RESULTS_DIR/gpu-tests.txt (exit status in gpu-tests.rc)
 #   gpu-comm-tests  -> RESULTS_DIR/gpu-comm-tests.txt (NCCL at world 1, LocalGroup on one GPU)
-#   tp-bench    -> RESULTS_DIR/bench.txt, results.json, results.csv
+#   tp-bench        -> RESULTS_DIR/bench.txt, results.json, results.csv
+#   tp-comm-bench   -> RESULTS_DIR/comm-bench.txt (NCCL on every GPU, nccl-tests style)
 set -u
 out=${1:?usage: run.sh RESULTS_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -55,6 +56,9 @@ done
 "$here/tp-bench" --out "$out" > "$out/bench.txt" 2>&1
 echo $? > "$out/bench.rc"
 cat "$out/bench.txt"
+"$here/tp-comm-bench" --max-bytes 1073741824 > "$out/comm-bench.txt" 2>&1
+echo $? > "$out/comm-bench.rc"
+tail -n 3 "$out/comm-bench.txt"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv >> "$out/gpu.csv" 2>&1
 fi
