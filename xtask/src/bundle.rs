@@ -42,6 +42,22 @@ pub fn run(args: &[String]) -> Result<()> {
         ],
         &commit,
     )?;
+    let layer_tests = build_executables(
+        &cargo,
+        &[
+            "test",
+            "--release",
+            "--locked",
+            "-p",
+            "tp-layers",
+            "--features",
+            "gpu-tests",
+            "--test",
+            "gpu_layers",
+            "--no-run",
+        ],
+        &commit,
+    )?;
     let bench = build_executables(
         &cargo,
         &["build", "--release", "--locked", "-p", "tp-benches", "--bin", "tp-bench", "--bin", "tp-comm-bench"],
@@ -53,12 +69,13 @@ pub fn run(args: &[String]) -> Result<()> {
     let comm_bench = find("tp-comm-bench").context("cargo built no tp-comm-bench binary")?;
     install(gpu_tests, &out.join("gpu-tests"))?;
     install(comm_tests.first().context("cargo built no tp-comm GPU test binary")?, &out.join("gpu-comm-tests"))?;
+    install(layer_tests.first().context("cargo built no tp-layers GPU test binary")?, &out.join("gpu-layer-tests"))?;
     install(&tp_bench, &out.join("tp-bench"))?;
     install(&comm_bench, &out.join("tp-comm-bench"))?;
     std::fs::write(out.join("run.sh"), RUN_SH)?;
     set_executable(&out.join("run.sh"))?;
     std::fs::write(out.join("COMMIT"), format!("{commit}\n"))?;
-    let size: u64 = ["gpu-tests", "gpu-comm-tests", "tp-bench", "tp-comm-bench", "run.sh"]
+    let size: u64 = ["gpu-tests", "gpu-comm-tests", "gpu-layer-tests", "tp-bench", "tp-comm-bench", "run.sh"]
         .iter()
         .filter_map(|f| std::fs::metadata(out.join(f)).ok())
         .map(|m| m.len())

@@ -7,6 +7,7 @@
 # puts those folders on LD_LIBRARY_PATH, records what it found, then runs:
 #   gpu-tests       -> RESULTS_DIR/gpu-tests.txt (exit status in gpu-tests.rc)
 #   gpu-comm-tests  -> RESULTS_DIR/gpu-comm-tests.txt (NCCL at world 1, LocalGroup on one GPU)
+#   gpu-layer-tests -> RESULTS_DIR/gpu-layer-tests.txt (layers on LocalGroup ranks sharing GPU 0)
 #   tp-bench        -> RESULTS_DIR/bench.txt, results.json, results.csv
 #   tp-comm-bench   -> RESULTS_DIR/comm-bench.txt (NCCL on every GPU, nccl-tests style)
 set -u
@@ -46,7 +47,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 cat "$out/env.txt"
 
-for suite in gpu-tests gpu-comm-tests; do
+for suite in gpu-tests gpu-comm-tests gpu-layer-tests; do
   "$here/$suite" --test-threads=1 > "$out/$suite.txt" 2>&1
   echo $? > "$out/$suite.rc"
   echo "== $suite (exit $(cat "$out/$suite.rc"))"

@@ -56,6 +56,22 @@ impl Tensor {
         Self::from_vec(data.to_vec(), dims, device)
     }
 
+    /// A tensor of `dtype` from its raw little-endian bytes (as safetensors stores them).
+    ///
+    /// Errors: [`Error::ElementCountMismatch`] if `bytes` is not exactly `numel` elements.
+    pub fn from_bytes(bytes: &[u8], dims: &[usize], dtype: DType, device: &Device) -> Result<Self> {
+        let shape = Shape::new(dims)?;
+        if bytes.len() != shape.numel() * dtype.size_in_bytes() {
+            return Err(Error::ElementCountMismatch {
+                op: "from_bytes",
+                dims: dims.to_vec(),
+                expected: shape.numel(),
+                got: bytes.len() / dtype.size_in_bytes(),
+            });
+        }
+        Tensor::from_cpu(shape, CpuStorage::from_bytes(dtype, bytes)).to_device(device)
+    }
+
     /// A tensor of zeros.
     pub fn zeros(dims: &[usize], dtype: DType, device: &Device) -> Result<Self> {
         Self::from_fn_f64(dims, dtype, device, |_| 0.0)

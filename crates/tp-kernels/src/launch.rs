@@ -77,6 +77,12 @@ impl Gpu {
         LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
     }
 
+    /// A grid of one block per row, capped at `BLOCKS_PER_SM` per SM (blocks stride over rows).
+    fn grid_rows(&self, rows: u64) -> LaunchConfig {
+        let blocks = rows.clamp(1, u64::from(self.sm_count()) * BLOCKS_PER_SM);
+        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+    }
+
     /// Strided row copy from `src` to `dst` (`kernels/shard_copy.cu`, `tp_row_copy_uN`): narrow
     /// into a contiguous shard, or scatter a shard into its slot of a full tensor.
     pub fn row_copy(&self, dst: &mut CudaSlice<u8>, src: &CudaSlice<u8>, c: RowCopy) -> Result<()> {
@@ -185,6 +191,62 @@ impl Gpu {
         // SAFETY: matches tp_cast_S_D(D* dst, const S* src, int64 n); n elements of each type fit
         // the buffers (checked above), which are 256-byte aligned and distinct (& vs &mut).
         unsafe { b.launch(self.grid_stride(n as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_cast)"))
+    }
+
+    /// `out = silu(gate) * up` over `rows` rows of `[gate | up]` (`inner` each), element type
+    /// `ty` (`kernels/elementwise.cu`, `tp_swiglu_T`).
+    pub fn swiglu(
+        &self,
+        out: &mut CudaSlice<u8>,
+        input: &CudaSlice<u8>,
+        rows: usize,
+        inner: usize,
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "swiglu";
+        let n = span(K, rows, inner, 0)?;
+        if span(K, n, 2 * ty.size(), 0)? > input.len() || span(K, n, ty.size(), 0)? > out.len() {
+            return Err(invalid(K, format!("{rows} x {inner} does not fit the buffers")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("elementwise", &format!("tp_swiglu_{}", ty.name()))?;
+        let (r, i) = (i64_of(K, rows)?, i64_of(K, inner)?);
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(out).arg(input).arg(&r).arg(&i);
+        // SAFETY: matches tp_swiglu_T(T* out, const T* in, int64 rows, int64 inner); `in` holds
+        // rows*2*inner and `out` rows*inner elements (checked above); distinct buffers (& vs
+        // &mut), 256-byte aligned.
+        unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_swiglu)"))
+    }
+
+    /// `out[r, c] = input[r, c] + bias[c]` (`kernels/elementwise.cu`, `tp_add_row_T`).
+    pub fn add_row(
+        &self,
+        out: &mut CudaSlice<u8>,
+        input: &CudaSlice<u8>,
+        bias: &CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "add_row";
+        let n = span(K, rows, cols, 0)?;
+        let bytes = span(K, n, ty.size(), 0)?;
+        if bytes > input.len() || bytes > out.len() || span(K, cols, ty.size(), 0)? > bias.len() {
+            return Err(invalid(K, format!("{rows} x {cols} does not fit the buffers")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("elementwise", &format!("tp_add_row_{}", ty.name()))?;
+        let (r, c) = (i64_of(K, rows)?, i64_of(K, cols)?);
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(out).arg(input).arg(bias).arg(&r).arg(&c);
+        // SAFETY: matches tp_add_row_T(T* out, const T* in, const T* bias, int64 rows, cols);
+        // sizes checked above; `out` is the only buffer written and is borrowed mutably.
+        unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_add_row)"))
     }
 
     /// fp32 SIMT GEMM with fused bias (`kernels/gemm_simt.cu`): `C = A op(B) + bias` where `A` is

@@ -3,6 +3,7 @@
 
 mod cast;
 mod cuda;
+mod elementwise;
 mod layout;
 mod matmul;
 

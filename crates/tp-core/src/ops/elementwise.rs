@@ -1,0 +1,92 @@
+//! Element-wise ops between GEMMs: SwiGLU on a merged `[gate | up]` output, and a row-broadcast
+//! bias add. Both compute in f32 and round once to the dtype.
+
+use crate::storage::{CpuStorage, CudaStorage, Storage};
+use crate::{Element, Error, Result, Shape, Tensor, with_dtype};
+
+impl Tensor {
+    /// `silu(gate) * up` where the last dim of `self` is `[gate | up]` (even length `2I`):
+    /// `[.., 2I] -> [.., I]`, `silu(g) = g / (1 + e^-g)`. The activation of a SwiGLU MLP after a
+    /// merged gate/up projection.
+    ///
+    /// Errors: [`Error::RankMismatch`] for a scalar, [`Error::ShapeMismatch`] for an odd last dim.
+    pub fn swiglu(&self) -> Result<Tensor> {
+        const OP: &str = "swiglu";
+        let (&two_i, lead) = self.dims().split_last().ok_or(Error::RankMismatch {
+            op: OP,
+            expected: "at least 1",
+            dims: self.dims().to_vec(),
+        })?;
+        if two_i % 2 != 0 {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: vec![two_i / 2, two_i / 2],
+                why: "the last dim must be an even [gate | up] pair",
+            });
+        }
+        let inner = two_i / 2;
+        let rows: usize = lead.iter().product();
+        let mut dims = lead.to_vec();
+        dims.push(inner);
+        let shape = Shape::new(&dims)?;
+        if let Storage::Cuda(s) = self.storage() {
+            let mut buf = s.gpu.alloc(shape.numel() * self.dtype().size_in_bytes())?;
+            s.gpu.swiglu(&mut buf, &s.buf, rows, inner, super::cuda::elem_type(self.dtype()))?;
+            return Ok(Tensor::from_cuda(
+                shape.clone(),
+                CudaStorage::new(buf, shape.numel() * self.dtype().size_in_bytes(), self.dtype(), s.gpu.clone()),
+            ));
+        }
+        let src = self.cpu_storage(OP)?;
+        let out = with_dtype!(src.dtype(), T => CpuStorage::from_vec(host_swiglu::<T>(src.as_slice::<T>().unwrap_or_default(), rows, inner)));
+        Ok(Tensor::from_cpu(shape, out))
+    }
+
+    /// `self + bias`, `bias` of shape `[N]` broadcast over the rows of `self: [.., N]`.
+    ///
+    /// Errors: dtype/device mismatch, [`Error::ShapeMismatch`] if `bias` is not `[N]`.
+    pub fn add_row(&self, bias: &Tensor) -> Result<Tensor> {
+        const OP: &str = "add_row";
+        super::same_dtype_device(OP, self, bias)?;
+        let n = *self.dims().last().ok_or(Error::RankMismatch { op: OP, expected: "at least 1", dims: vec![] })?;
+        if bias.dims() != [n] {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: bias.dims().to_vec(),
+                why: "bias must be [N] for a [.., N] tensor",
+            });
+        }
+        let rows = self.numel().checked_div(n).unwrap_or(0);
+        if let (Storage::Cuda(s), Storage::Cuda(b)) = (self.storage(), bias.storage()) {
+            let bytes = self.size_in_bytes();
+            let mut buf = s.gpu.alloc(bytes)?;
+            s.gpu.add_row(&mut buf, &s.buf, &b.buf, rows, n, super::cuda::elem_type(self.dtype()))?;
+            return Ok(Tensor::from_cuda(
+                self.shape().clone(),
+                CudaStorage::new(buf, bytes, self.dtype(), s.gpu.clone()),
+            ));
+        }
+        let (x, b) = (self.cpu_storage(OP)?, bias.cpu_storage(OP)?);
+        let out = with_dtype!(x.dtype(), T => {
+            let (xs, bs) = (x.as_slice::<T>().unwrap_or_default(), b.as_slice::<T>().unwrap_or_default());
+            let v: Vec<T> = xs.iter().enumerate().map(|(i, v)| T::from_f32(v.to_f32() + bs[i % n.max(1)].to_f32())).collect();
+            CpuStorage::from_vec(v)
+        });
+        Ok(Tensor::from_cpu(self.shape().clone(), out))
+    }
+}
+
+fn host_swiglu<T: Element>(x: &[T], rows: usize, inner: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(rows * inner);
+    for r in 0..rows {
+        let row = &x[r * 2 * inner..(r + 1) * 2 * inner];
+        let (gate, up) = row.split_at(inner);
+        out.extend(gate.iter().zip(up).map(|(g, u)| {
+            let g = g.to_f32();
+            T::from_f32(g / (1.0 + (-g).exp()) * u.to_f32())
+        }));
+    }
+    out
+}

@@ -1,0 +1,212 @@
+//! The `mlp` example's program, kept in the library so that tests run the very code the example
+//! binary runs (`examples/mlp.rs` is a two-line wrapper).
+//!
+//! ```text
+//! mlp --checkpoint PATH --prefix PREFIX --input X --world-size N [--backend local|nccl]
+//!     [--device cpu|cuda] [--dtype f32|f16|bf16] --output Y
+//! ```
+//! `X` is a safetensors file with one tensor `x: [tokens, hidden]`; `Y` receives `y: [tokens,
+//! hidden]` in the chosen dtype. `local` runs the N ranks as threads (on `cuda` they share the
+//! GPUs round-robin); `nccl` runs them as processes, either started by torchrun (`RANK` is set)
+//! or by this program itself, one GPU each.
+
+use crate::{Checkpoint, ParallelMlp, save};
+use std::time::Duration;
+use tp_comm::DeviceGroup;
+use tp_core::{DType, Device, Tensor};
+
+/// Parsed command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Args {
+    pub checkpoint: String,
+    pub prefix: String,
+    pub input: String,
+    pub world_size: usize,
+    pub backend: Backend,
+    pub device: DeviceKind,
+    pub dtype: DType,
+    pub output: String,
+}
+
+/// How ranks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Local,
+    Nccl,
+}
+
+/// Where ranks compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+const USAGE: &str = "usage: mlp --checkpoint PATH --prefix PREFIX --input X --world-size N [--backend local|nccl] \
+                     [--device cpu|cuda] [--dtype f32|f16|bf16] --output Y";
+
+/// Parses the flags; every problem is one line.
+pub fn parse(args: &[String]) -> Result<Args, String> {
+    let (mut ckpt, mut prefix, mut input, mut world, mut output) = (None, None, None, None, None);
+    let (mut backend, mut device, mut dtype) = (Backend::Local, DeviceKind::Cpu, DType::F32);
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().cloned().ok_or_else(|| format!("{flag} needs a value; {USAGE}"));
+        match flag.as_str() {
+            "--checkpoint" => ckpt = Some(value()?),
+            "--prefix" => prefix = Some(value()?),
+            "--input" => input = Some(value()?),
+            "--output" => output = Some(value()?),
+            "--world-size" => {
+                let v = value()?;
+                let n: usize = v.parse().map_err(|_| format!("--world-size {v:?} is not a number"))?;
+                if n == 0 {
+                    return Err("--world-size must be at least 1".into());
+                }
+                world = Some(n);
+            }
+            "--backend" => {
+                backend = match value()?.as_str() {
+                    "local" => Backend::Local,
+                    "nccl" => Backend::Nccl,
+                    other => return Err(format!("--backend {other:?}: expected local or nccl")),
+                }
+            }
+            "--device" => {
+                device = match value()?.as_str() {
+                    "cpu" => DeviceKind::Cpu,
+                    "cuda" => DeviceKind::Cuda,
+                    other => return Err(format!("--device {other:?}: expected cpu or cuda")),
+                }
+            }
+            "--dtype" => dtype = value()?.parse().map_err(|e| format!("--dtype: {e}"))?,
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument {other:?}; {USAGE}")),
+        }
+    }
+    let need = |v: Option<String>, name: &str| v.ok_or_else(|| format!("{name} is required; {USAGE}"));
+    Ok(Args {
+        checkpoint: need(ckpt, "--checkpoint")?,
+        prefix: need(prefix, "--prefix")?,
+        input: need(input, "--input")?,
+        world_size: world.ok_or_else(|| format!("--world-size is required; {USAGE}"))?,
+        output: need(output, "--output")?,
+        backend,
+        device,
+        dtype,
+    })
+}
+
+/// Runs the example with `args` (without the program name).
+pub fn run(args: &[String]) -> Result<(), String> {
+    let a = parse(args)?;
+    let e = |e: crate::LayerError| e.to_string();
+    if a.backend == Backend::Nccl && a.device != DeviceKind::Cuda {
+        return Err("--backend nccl needs --device cuda (NCCL moves GPU memory)".into());
+    }
+    let x = Checkpoint::open(&a.input).map_err(e)?;
+    let (_, x_dims) = x.info("x").map_err(e)?;
+    if x_dims.len() != 2 {
+        return Err(format!("{}: x must be [tokens, hidden], got {x_dims:?}", a.input));
+    }
+    let x = x.load("x", Some(a.dtype), &Device::Cpu).map_err(e)?;
+    let ckpt = Checkpoint::open(&a.checkpoint).map_err(e)?;
+    let y = match a.backend {
+        Backend::Local => run_local(&a, &ckpt, &x)?,
+        Backend::Nccl if std::env::var_os("RANK").is_some() => match run_nccl_rank(&a, &ckpt, &x)? {
+            Some(y) => y,
+            None => return Ok(()), // not rank 0: rank 0 writes the output
+        },
+        Backend::Nccl => return spawn_ranks(&a, args),
+    };
+    save(&a.output, &[("y", &y)]).map_err(e)
+}
+
+fn device_for(kind: DeviceKind, rank: usize) -> Result<Device, String> {
+    match kind {
+        DeviceKind::Cpu => Ok(Device::Cpu),
+        DeviceKind::Cuda => match tp_kernels::device_count() {
+            Ok(n) if n > 0 => Ok(Device::Cuda(rank % n)),
+            Ok(_) => Err("--device cuda: no CUDA device found".into()),
+            Err(e) => Err(format!("--device cuda: {e}")),
+        },
+    }
+}
+
+/// N ranks as threads; every rank must produce the same output.
+fn run_local(a: &Args, ckpt: &Checkpoint, x: &Tensor) -> Result<Tensor, String> {
+    let devices = (0..a.world_size).map(|r| device_for(a.device, r)).collect::<Result<Vec<_>, _>>()?;
+    let groups =
+        DeviceGroup::local(a.world_size, Duration::from_secs(300), |r| devices[r]).map_err(|e| e.to_string())?;
+    let results: Vec<Result<Tensor, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                s.spawn(move || {
+                    let out = one_rank(a, ckpt, x, &g);
+                    if out.is_err() {
+                        g.abort("this rank failed"); // the others stop waiting for it
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into()))).collect()
+    });
+    let mut ys = Vec::with_capacity(results.len());
+    for (r, res) in results.into_iter().enumerate() {
+        ys.push(res.map_err(|m| format!("rank {r}: {m}"))?);
+    }
+    if ys.iter().any(|y| y != &ys[0]) {
+        return Err("ranks disagree on the output".into());
+    }
+    Ok(ys.swap_remove(0))
+}
+
+fn one_rank(a: &Args, ckpt: &Checkpoint, x: &Tensor, g: &DeviceGroup) -> Result<Tensor, String> {
+    let e = |e: crate::LayerError| e.to_string();
+    let mlp = ParallelMlp::load(ckpt, &a.prefix, g.rank(), g.world_size(), Some(a.dtype), &g.device()).map_err(e)?;
+    let x = x.to_device(&g.device()).map_err(|e| e.to_string())?;
+    let y = mlp.forward(&x, g).map_err(e)?;
+    y.to_device(&Device::Cpu).map_err(|e| e.to_string())
+}
+
+/// One process of an NCCL job (RANK etc. set by torchrun or by `spawn_ranks`).
+fn run_nccl_rank(a: &Args, ckpt: &Checkpoint, x: &Tensor) -> Result<Option<Tensor>, String> {
+    let g = DeviceGroup::from_env().map_err(|e| e.to_string())?;
+    if g.world_size() != a.world_size {
+        return Err(format!("--world-size {} but WORLD_SIZE is {}", a.world_size, g.world_size()));
+    }
+    let y = one_rank(a, ckpt, x, &g)?;
+    Ok((g.rank() == 0).then_some(y))
+}
+
+/// Starts `world_size` copies of this program as an NCCL job on this machine and waits for them.
+fn spawn_ranks(a: &Args, args: &[String]) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free port: {e}"))?
+        .port();
+    let mut children = Vec::new();
+    for r in 0..a.world_size {
+        let child = std::process::Command::new(&exe)
+            .args(args)
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", a.world_size.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .spawn()
+            .map_err(|e| format!("cannot start rank {r}: {e}"))?;
+        children.push(child);
+    }
+    let mut failed = Vec::new();
+    for (r, mut c) in children.into_iter().enumerate() {
+        match c.wait() {
+            Ok(s) if s.success() => {}
+            _ => failed.push(r),
+        }
+    }
+    if failed.is_empty() { Ok(()) } else { Err(format!("rank(s) {failed:?} failed")) }
+}

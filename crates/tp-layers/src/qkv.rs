@@ -1,0 +1,185 @@
+//! [`QkvParallel`]: the query/key/value projections split by whole attention heads.
+//!
+//! Queries: `num_heads` heads of `head_dim`, split over ranks by the balanced policy on heads.
+//! Keys/values (grouped-query attention, `num_kv_heads` dividing `num_heads`): split the same way
+//! when `num_kv_heads >= world`; when the TP degree exceeds them (Llama 3 70B has 8 KV heads),
+//! each KV head is replicated on `world / num_kv_heads` consecutive ranks, as vLLM does. Every
+//! rank must hold the KV heads its query heads attend with; layouts where that fails are errors.
+//! Rank `r`'s GEMM gives `[Q_r | K_r | V_r]`.
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{LayerError, Result};
+use crate::linear::Linear;
+use tp_core::{DType, Device, Tensor, TensorShard};
+
+/// Which heads a rank holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QkvLayout {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rank: usize,
+    pub world_size: usize,
+    /// Query heads `q_start..q_start + q_len`.
+    pub q_start: usize,
+    pub q_len: usize,
+    /// KV heads `kv_start..kv_start + kv_len`.
+    pub kv_start: usize,
+    pub kv_len: usize,
+}
+
+impl QkvLayout {
+    /// The heads of rank `rank` out of `world_size`.
+    pub fn new(
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<QkvLayout> {
+        if num_heads == 0 || num_kv_heads == 0 || head_dim == 0 || num_heads % num_kv_heads != 0 {
+            return Err(LayerError::Config(format!(
+                "need num_heads ({num_heads}) a positive multiple of num_kv_heads ({num_kv_heads}) and head_dim > 0"
+            )));
+        }
+        let q = TensorShard::new(0, num_heads, rank, world_size)?;
+        let (kv_start, kv_len) = if num_kv_heads >= world_size {
+            let kv = TensorShard::new(0, num_kv_heads, rank, world_size)?;
+            (kv.start(), kv.len())
+        } else {
+            if world_size % num_kv_heads != 0 {
+                return Err(LayerError::Config(format!(
+                    "{num_kv_heads} KV heads cannot be replicated evenly over {world_size} ranks"
+                )));
+            }
+            (rank / (world_size / num_kv_heads), 1)
+        };
+        let group = num_heads / num_kv_heads; // query heads per KV head
+        for h in q.start()..q.end() {
+            let needed = h / group;
+            if !(kv_start..kv_start + kv_len).contains(&needed) {
+                return Err(LayerError::Config(format!(
+                    "rank {rank}: query head {h} needs KV head {needed}, which it does not hold \
+                     ({num_heads} query / {num_kv_heads} KV heads over {world_size} ranks)"
+                )));
+            }
+        }
+        Ok(QkvLayout {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rank,
+            world_size,
+            q_start: q.start(),
+            q_len: q.len(),
+            kv_start,
+            kv_len,
+        })
+    }
+
+    fn rows(&self, start: usize, len: usize) -> (usize, usize) {
+        (start * self.head_dim, len * self.head_dim)
+    }
+}
+
+/// Rank `r`'s fused Q/K/V projection.
+#[derive(Debug, Clone)]
+pub struct QkvParallel {
+    linear: Linear,
+    layout: QkvLayout,
+}
+
+impl QkvParallel {
+    /// Rank `layout.rank`'s heads of full projections `q: [heads*hd, H]`, `k`, `v:
+    /// [kv_heads*hd, H]`.
+    pub fn from_full(q: &Linear, k: &Linear, v: &Linear, layout: QkvLayout) -> Result<QkvParallel> {
+        let (hd, nq, nkv) = (layout.head_dim, layout.num_heads, layout.num_kv_heads);
+        if q.out_features() != nq * hd || k.out_features() != nkv * hd || v.out_features() != nkv * hd {
+            return Err(LayerError::Config(format!(
+                "q/k/v have {}/{}/{} rows; the layout needs {}/{}/{}",
+                q.out_features(),
+                k.out_features(),
+                v.out_features(),
+                nq * hd,
+                nkv * hd,
+                nkv * hd
+            )));
+        }
+        let (qs, ql) = layout.rows(layout.q_start, layout.q_len);
+        let (ks, kl) = layout.rows(layout.kv_start, layout.kv_len);
+        let take = |l: &Linear, s: usize, n: usize| -> Result<(Tensor, Option<Tensor>)> {
+            Ok((l.weight().narrow(0, s, n)?, l.bias().map(|b| b.narrow(0, s, n)).transpose()?))
+        };
+        let parts = [take(q, qs, ql)?, take(k, ks, kl)?, take(v, ks, kl)?];
+        Self::assemble(parts, layout)
+    }
+
+    /// Loads `{prefix}.q_proj`, `.k_proj`, `.v_proj` (weights and optional biases), reading only
+    /// this rank's heads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        rank: usize,
+        world_size: usize,
+        dtype: Option<DType>,
+        device: &Device,
+    ) -> Result<QkvParallel> {
+        let layout = QkvLayout::new(num_heads, num_kv_heads, head_dim, rank, world_size)?;
+        let read = |proj: &str, heads: usize, start: usize, len: usize| -> Result<(Tensor, Option<Tensor>)> {
+            let name = format!("{prefix}.{proj}.weight");
+            let (_, dims) = ckpt.info(&name)?;
+            if dims.len() != 2 || dims[0] != heads * head_dim {
+                return Err(LayerError::WrongShape {
+                    name,
+                    found: dims.clone(),
+                    expected: vec![heads * head_dim, dims.get(1).copied().unwrap_or(0)],
+                });
+            }
+            let (rs, rl) = (start * head_dim, len * head_dim);
+            let w = ckpt.load_range(&name, 0, rs, rl, dtype, device)?.0;
+            let bias_name = format!("{prefix}.{proj}.bias");
+            let b = if ckpt.contains(&bias_name) {
+                ckpt.expect(&bias_name, &[heads * head_dim], None)?;
+                Some(ckpt.load_range(&bias_name, 0, rs, rl, dtype, device)?.0)
+            } else {
+                None
+            };
+            Ok((w, b))
+        };
+        let parts = [
+            read("q_proj", num_heads, layout.q_start, layout.q_len)?,
+            read("k_proj", num_kv_heads, layout.kv_start, layout.kv_len)?,
+            read("v_proj", num_kv_heads, layout.kv_start, layout.kv_len)?,
+        ];
+        Self::assemble(parts, layout)
+    }
+
+    fn assemble(parts: [(Tensor, Option<Tensor>); 3], layout: QkvLayout) -> Result<QkvParallel> {
+        let weight = Tensor::cat(&[&parts[0].0, &parts[1].0, &parts[2].0], 0)?;
+        let biases: Vec<&Tensor> = parts.iter().filter_map(|p| p.1.as_ref()).collect();
+        let bias = match biases.len() {
+            0 => None,
+            3 => Some(Tensor::cat(&biases, 0)?),
+            _ => return Err(LayerError::Config("q/k/v must all have biases or none".into())),
+        };
+        Ok(QkvParallel { linear: Linear::new(weight, bias)?, layout })
+    }
+
+    /// Which heads this rank holds.
+    pub fn layout(&self) -> &QkvLayout {
+        &self.layout
+    }
+
+    /// `[Q_r | K_r | V_r]` for `x: [.., H]`, then split: `(Q_r, K_r, V_r)` with
+    /// `q_len * head_dim` and `kv_len * head_dim` features.
+    pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let y = self.linear.forward(x)?;
+        let last = y.ndim() - 1;
+        let (q, kv) = (self.layout.q_len * self.layout.head_dim, self.layout.kv_len * self.layout.head_dim);
+        Ok((y.narrow(last, 0, q)?, y.narrow(last, q, kv)?, y.narrow(last, q + kv, kv)?))
+    }
+}

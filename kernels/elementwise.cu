@@ -1,0 +1,46 @@
+// elementwise.cu -- the small element-wise ops the layers need between GEMMs.
+//
+// * tp_swiglu_T(out, in, rows, inner): in is rows x (2*inner) row-major holding [gate | up] per
+//   row (a merged gate/up projection's output); out is rows x inner with
+//   out[r, j] = silu(gate[r, j]) * up[r, j], silu(g) = g / (1 + exp(-g)), computed in f32 and
+//   rounded once (nearest even) to T.
+// * tp_add_row_T(out, in, bias, rows, cols): out[r, c] = in[r, c] + bias[c] (f32 add, one
+//   rounding): the bias a row-parallel layer adds once, after its all-reduce.
+// Launch: blocks stride over rows, threads over the columns of a row (no integer division in
+// the loop), 256 threads per block, grid = min(rows, 32 * SMs); 64-bit indices.
+#include "common.cuh"
+
+template <typename T>
+__device__ __forceinline__ void swiglu(T* __restrict__ out, const T* __restrict__ in, int64_t rows, int64_t inner) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* gate = in + r * 2 * inner;
+        const T* up = gate + inner;
+        for (int64_t j = threadIdx.x; j < inner; j += blockDim.x) {
+            const float g = tp::to_f32(gate[j]);
+            out[r * inner + j] = tp::from_f32<T>(g / (1.0f + expf(-g)) * tp::to_f32(up[j]));
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void add_row(T* __restrict__ out, const T* __restrict__ in, const T* __restrict__ bias,
+                                        int64_t rows, int64_t cols) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            out[r * cols + c] = tp::from_f32<T>(tp::to_f32(in[r * cols + c]) + tp::to_f32(bias[c]));
+        }
+    }
+}
+
+#define TP_ELEMENTWISE(SUFFIX, T)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) tp_swiglu_##SUFFIX(T* out, const T* in, int64_t rows,   \
+                                                                         int64_t inner) {                     \
+        swiglu<T>(out, in, rows, inner);                                                                      \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) tp_add_row_##SUFFIX(T* out, const T* in, const T* bias, \
+                                                                          int64_t rows, int64_t cols) {      \
+        add_row<T>(out, in, bias, rows, cols);                                                                \
+    }
+TP_ELEMENTWISE(f32, float)
+TP_ELEMENTWISE(f16, __half)
+TP_ELEMENTWISE(bf16, __nv_bfloat16)
