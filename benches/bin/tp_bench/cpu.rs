@@ -1,60 +1,135 @@
-//! The host half of tp-bench: host GEMM throughput over a few shapes and dtypes.
+//! The host half of tp-bench: host GEMM throughput over the shape set and dtypes, with the
+//! roofline column from ceilings measured at start, and the column/row-parallel layers over
+//! LocalGroup threads.
 //!
 //! Each figure is the median of 7 samples after 2 warm-up runs; a sample repeats the product
 //! until it lasts at least 20 ms. FLOPs are `2·M·N·K`. When `python3` has numpy, the same f32
 //! products (`x @ w.T`) are timed there with the same method, in the same run, and the ratio is
 //! printed: numpy's OpenBLAS is the well-known CPU reference.
 
-use crate::Row;
+use crate::shapes::Gemm;
+use crate::{Args, Ceilings, Row};
 use anyhow::Result;
 use std::process::Command;
 use std::time::{Duration, Instant};
+use tp_comm::DeviceGroup;
 use tp_core::{DType, Device, Tensor};
+use tp_layers::{ColumnParallel, Linear, RowParallel};
 
 const SAMPLES: usize = 7;
 const MIN_SAMPLE: Duration = Duration::from_millis(20);
 
-/// `(label, M, N, K)`. TP shapes: Llama 3 8B (hidden 4096, fused QKV 6144, MLP 14336) sharded
-/// over 2 ranks: column-parallel QKV `N = 3072, K = 4096`; row-parallel down `N = 4096, K = 7168`.
-const SHAPES: &[(&str, usize, usize, usize)] = &[
-    ("square", 256, 256, 256),
-    ("square", 512, 512, 512),
-    ("square", 1024, 1024, 1024),
-    ("square", 2048, 2048, 2048),
-    ("8B qkv tp2", 1, 3072, 4096),
-    ("8B qkv tp2", 16, 3072, 4096),
-    ("8B qkv tp2", 128, 3072, 4096),
-    ("8B down tp2", 128, 4096, 7168),
-];
-const QUICK: usize = 3; // --quick: the first squares only, up to 1024³
-
-pub fn run(quick: bool) -> Result<Vec<Row>> {
-    let shapes = if quick { &SHAPES[..QUICK] } else { SHAPES };
+pub fn run(args: &Args) -> Result<Vec<Row>> {
+    let gemms = args.gemms(false)?;
     println!("host GEMM y = x W^T on {} threads", tp_core::cpu_gemm::num_threads());
-    let numpy = numpy_baseline(shapes);
+    let numpy = numpy_baseline(&gemms);
     if let Err(why) = &numpy {
         println!("numpy baseline skipped: {why}");
     }
+    let ceil = ceilings(numpy.as_ref().ok().and_then(|v| v.iter().copied().reduce(f64::max)))?;
+    println!(
+        "ceilings: {:.0} GFLOP/s (best f32 GEMM measured), {:.1} GB/s (host copy, read + write)",
+        ceil.compute, ceil.memory
+    );
     let mut rows = Vec::new();
-    for (i, &(label, m, n, k)) in shapes.iter().enumerate() {
-        for dtype in DType::ALL {
-            eprint!("\r  measuring {label} {m}x{n}x{k} {dtype}...          ");
-            let gflops = time_tp(m, n, k, dtype)?;
+    for (i, g) in gemms.iter().enumerate() {
+        for &dtype in &args.dtypes {
+            eprint!("\r  measuring {} {} {dtype}...          ", g.label, g.shape());
+            let gflops = time_tp(g.m, g.n, g.k, dtype)?;
             let base = numpy.as_ref().ok().filter(|_| dtype == DType::F32).map(|v| v[i]);
+            let (roof, bound) = ceil.place(gflops, g.flops(), g.bytes(dtype.size_in_bytes()));
             rows.push(Row {
                 kind: "gemm",
-                name: format!("cpu x_wT {label}"),
-                shape: format!("{m}x{n}x{k}"),
+                name: format!("cpu x_wT {}", g.label),
+                shape: g.shape(),
                 dtype: dtype.to_string(),
                 ours: gflops,
                 unit: "GFLOP/s",
                 baseline_name: if base.is_some() { "numpy" } else { "-" },
                 baseline: base,
                 matched: None,
+                roofline: Some(roof),
+                bound: Some(bound),
             });
         }
     }
+    rows.extend(layer_rows(args)?);
     eprintln!();
+    Ok(rows)
+}
+
+/// The compute ceiling (best of a 1024^3 f32 GEMM of ours and numpy's best) and the host memory
+/// bandwidth (a 256 MiB copy, bytes read + written).
+fn ceilings(numpy_best: Option<f64>) -> Result<Ceilings> {
+    let ours = time_tp(1024, 1024, 1024, DType::F32)?;
+    let src = vec![1u8; 256 << 20];
+    let mut dst = vec![0u8; 256 << 20];
+    let secs = median_seconds(|| {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        Ok(())
+    })?;
+    Ok(Ceilings { compute: ours.max(numpy_best.unwrap_or(0.0)), memory: 2.0 * src.len() as f64 / secs / 1e9 })
+}
+
+/// ColumnParallel and RowParallel forwards over 2 LocalGroup ranks (threads): GFLOP/s of the
+/// whole layer, wall time of the slowest rank, the all-reduce included for RowParallel.
+fn layer_rows(args: &Args) -> Result<Vec<Row>> {
+    let (tokens, hidden, inter, world) = if args.quick { (16, 1024, 2816, 2) } else { (64, 4096, 14336, 2) };
+    let mut rows = Vec::new();
+    for &dtype in &args.dtypes {
+        eprint!("\r  measuring layers {dtype}...                       ");
+        let w = Tensor::rand(&[inter, hidden], dtype, 1, &Device::Cpu)?;
+        let x = Tensor::rand(&[tokens, hidden], dtype, 2, &Device::Cpu)?;
+        let a = Tensor::rand(&[tokens, inter], dtype, 3, &Device::Cpu)?;
+        let wd = Tensor::rand(&[hidden, inter], dtype, 4, &Device::Cpu)?;
+        let full = Linear::new(w, None)?;
+        let flops = 2.0 * (tokens * hidden * inter) as f64;
+        for (name, is_col) in [("ColumnParallel::forward w2", true), ("RowParallel::forward w2", false)] {
+            let groups = DeviceGroup::local(world, Duration::from_secs(120), |_| Device::Cpu)?;
+            let times: Vec<Result<f64>> = std::thread::scope(|s| {
+                let hs: Vec<_> = groups
+                    .into_iter()
+                    .map(|g| {
+                        let (full, x, a, wd) = (&full, &x, &a, &wd);
+                        s.spawn(move || -> Result<f64> {
+                            let col = ColumnParallel::from_full(full, g.rank(), world)?;
+                            let row = RowParallel::from_full(wd, None, g.rank(), world)?;
+                            median_seconds(|| {
+                                g.barrier()?;
+                                if is_col {
+                                    std::hint::black_box(col.forward(x)?);
+                                } else {
+                                    std::hint::black_box(row.forward_split(a, &g)?);
+                                }
+                                g.barrier()?;
+                                Ok(())
+                            })
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("rank panicked")))).collect()
+            });
+            let secs = times.into_iter().collect::<Result<Vec<_>>>()?.into_iter().fold(0.0, f64::max);
+            rows.push(Row {
+                kind: "layer",
+                name: name.into(),
+                shape: format!(
+                    "{tokens}x{}x{}",
+                    if is_col { inter } else { hidden },
+                    if is_col { hidden } else { inter }
+                ),
+                dtype: dtype.to_string(),
+                ours: flops / secs / 1e9,
+                unit: "GFLOP/s",
+                baseline_name: "-",
+                baseline: None,
+                matched: None,
+                roofline: None,
+                bound: None,
+            });
+        }
+    }
     Ok(rows)
 }
 
@@ -116,11 +191,11 @@ for arg in sys.argv[1:]:
 /// numpy's GFLOP/s for each shape, f32, `x @ w.T`. OpenBLAS tuning variables that this
 /// workplace sets for old OpenBLAS builds are removed for this command only, so numpy runs its
 /// best kernel for the CPU.
-fn numpy_baseline(shapes: &[(&str, usize, usize, usize)]) -> Result<Vec<f64>, String> {
+fn numpy_baseline(shapes: &[Gemm]) -> Result<Vec<f64>, String> {
     let out = Command::new("python3")
         .arg("-c")
         .arg(NUMPY_SCRIPT)
-        .args(shapes.iter().map(|&(_, m, n, k)| format!("{m},{n},{k}")))
+        .args(shapes.iter().map(|g| format!("{},{},{}", g.m, g.n, g.k)))
         .env_remove("OPENBLAS_CORETYPE")
         .env_remove("OPENBLAS_L2_SIZE")
         .output()

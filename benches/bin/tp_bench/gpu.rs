@@ -1,11 +1,15 @@
-//! The GPU half of tp-bench: our kernels beside their references, measured in the same process.
+//! The GPU half of tp-bench: our kernels beside their references, measured in the same process,
+//! over the shape set (squares 1024..16384, Llama 3 8B/70B projections at TP 1, 2, 4, 8 with 1 to
+//! 4096 tokens) and dtypes, with the roofline column from ceilings measured at start (cuBLAS on
+//! a large square per dtype; cuMemcpyDtoD bandwidth).
 //!
 //! Method: CUDA events around each run on the device's stream; 3 warm-up runs, then the median of
 //! 20 (5 with --quick). Before every timed run a 256 MiB buffer is cleared, which evicts the
 //! operands from the 50 MB L2, so no run is timed from cache. GEMM throughput is 2·M·N·K / time;
 //! copy bandwidth counts the bytes read plus the bytes written.
 
-use crate::Row;
+use crate::shapes::Gemm as Problem;
+use crate::{Args, Ceilings, Row};
 use anyhow::{Context, Result, anyhow};
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
@@ -48,26 +52,66 @@ impl Timer {
     }
 }
 
-pub fn run(gpu: &Arc<Gpu>, quick: bool) -> Result<Vec<Row>> {
-    let mut timer = Timer { gpu: gpu.clone(), flush: gpu.alloc(256 * MIB)?, reps: if quick { 5 } else { 20 } };
+pub fn run(gpu: &Arc<Gpu>, args: &Args) -> Result<Vec<Row>> {
+    let mut timer = Timer { gpu: gpu.clone(), flush: gpu.alloc(256 * MIB)?, reps: 20 };
+    let blas = CudaBlas::new(gpu.stream().clone()).map_err(|e| anyhow!("cuBLAS unavailable: {e:?}"))?;
     let mut rows = Vec::new();
-    copies(gpu, &mut timer, quick, &mut rows)?;
-    gemms(gpu, &mut timer, quick, &mut rows)?;
+    let memcpy_tbps = copies(gpu, &mut timer, args.quick, &mut rows)?;
+    let gemms = args.gemms(true)?;
+    // Compute ceilings: cuBLAS on a large square, per dtype, measured now.
+    let edge = if args.quick { 4096 } else { 8192 };
+    let mut ceilings = Vec::new();
+    for dtype in &args.dtypes {
+        let ty = elem(*dtype);
+        let probe = Problem { label: "ceiling".into(), m: edge, n: edge, k: edge };
+        let row = gemm_row(gpu, &mut timer, &blas, ty, &probe, None)?;
+        let peak = row.baseline.unwrap_or(row.ours).max(row.ours);
+        println!("ceiling {dtype}: {peak:.0} TFLOP/s (cuBLAS {edge}^3), memory {memcpy_tbps:.2} TB/s (cuMemcpyDtoD)");
+        ceilings.push(Ceilings { compute: peak, memory: memcpy_tbps });
+    }
+    for (i, g) in gemms.iter().enumerate() {
+        for (dtype, ceil) in args.dtypes.iter().zip(&ceilings) {
+            eprint!("\r  [{}/{}] gemm {} {} {dtype}        ", i + 1, gemms.len(), g.label, g.shape());
+            rows.push(gemm_row(gpu, &mut timer, &blas, elem(*dtype), g, Some(ceil))?);
+        }
+    }
+    eprintln!();
     Ok(rows)
 }
 
-/// Random bytes on the device, `n` elements of `ty` drawn from [-1, 1).
+fn elem(d: tp_core::DType) -> ElemType {
+    match d {
+        tp_core::DType::F32 => ElemType::F32,
+        tp_core::DType::F16 => ElemType::F16,
+        tp_core::DType::BF16 => ElemType::BF16,
+    }
+}
+
+/// `n` random elements of `ty` on the device, with magnitudes in [2^-8, 1) and random signs,
+/// built from random bits (fast enough for 16384^2 operands).
 fn random(gpu: &Gpu, ty: ElemType, n: usize, seed: u64) -> Result<CudaSlice<u8>> {
     let mut rng = SplitMix64::new(seed);
-    let bytes: Vec<u8> = match ty {
-        ElemType::F32 => (0..n).flat_map(|_| (rng.uniform(-1.0, 1.0) as f32).to_le_bytes()).collect(),
-        ElemType::F16 => (0..n).flat_map(|_| f16::from_f64(rng.uniform(-1.0, 1.0)).to_le_bytes()).collect(),
-        ElemType::BF16 => (0..n).flat_map(|_| bf16::from_f64(rng.uniform(-1.0, 1.0)).to_le_bytes()).collect(),
-    };
+    let mut bytes = Vec::with_capacity(n * ty.size());
+    for _ in 0..n {
+        let r = rng.next_u64();
+        let (sign, exp, mant) = (r & 1, (r >> 1) & 7, r >> 4);
+        match ty {
+            ElemType::F32 => bytes
+                .extend_from_slice(&(((sign << 31) | ((119 + exp) << 23) | (mant & 0x7f_ffff)) as u32).to_le_bytes()),
+            ElemType::F16 => {
+                bytes.extend_from_slice(&(((sign << 15) | ((7 + exp) << 10) | (mant & 0x3ff)) as u16).to_le_bytes())
+            }
+            ElemType::BF16 => {
+                bytes.extend_from_slice(&(((sign << 15) | ((119 + exp) << 7) | (mant & 0x7f)) as u16).to_le_bytes())
+            }
+        }
+    }
     Ok(gpu.htod(&bytes)?)
 }
 
-fn copies(gpu: &Arc<Gpu>, timer: &mut Timer, quick: bool, rows: &mut Vec<Row>) -> Result<()> {
+/// Copy rows; returns the memcpy bandwidth of the largest size (TB/s, read + write).
+fn copies(gpu: &Arc<Gpu>, timer: &mut Timer, quick: bool, rows: &mut Vec<Row>) -> Result<f64> {
+    let mut memcpy_tbps = 0.0;
     let sizes: &[usize] = if quick { &[256 * MIB] } else { &[256 * MIB, 1024 * MIB] };
     for &bytes in sizes {
         let label = format!("{} MiB", bytes / MIB);
@@ -80,6 +124,7 @@ fn copies(gpu: &Arc<Gpu>, timer: &mut Timer, quick: bool, rows: &mut Vec<Row>) -
             let mut d = dst.slice_mut(0..bytes);
             stream.memcpy_dtod(&s, &mut d).map_err(|e| anyhow!("cuMemcpyDtoD: {e:?}"))
         })?;
+        memcpy_tbps = gbps(memcpy) / 1e3;
         let mut push = |name: &str, ms: f64| {
             rows.push(Row {
                 kind: "copy",
@@ -91,6 +136,8 @@ fn copies(gpu: &Arc<Gpu>, timer: &mut Timer, quick: bool, rows: &mut Vec<Row>) -
                 baseline_name: "cuMemcpyDtoD",
                 baseline: Some(gbps(memcpy)),
                 matched: None,
+                roofline: None,
+                bound: None,
             })
         };
         // A [R, 2C] bf16 tensor split in two along its last dim: narrow copies one half out,
@@ -116,28 +163,20 @@ fn copies(gpu: &Arc<Gpu>, timer: &mut Timer, quick: bool, rows: &mut Vec<Row>) -
             timer.median_ms(|| Ok(gpu.gather_interleave(&mut dst, &src, rows_g, cols_u, 7, 2)?))?,
         );
     }
-    Ok(())
+    Ok(memcpy_tbps)
 }
 
-fn gemms(gpu: &Arc<Gpu>, timer: &mut Timer, quick: bool, rows: &mut Vec<Row>) -> Result<()> {
-    let blas = CudaBlas::new(gpu.stream().clone()).map_err(|e| anyhow!("cuBLAS unavailable: {e:?}"))?;
-    let f32_sizes: &[usize] = if quick { &[2048] } else { &[2048, 4096] };
-    let half_sizes: &[usize] = if quick { &[4096] } else { &[4096, 8192] };
-    for &s in f32_sizes {
-        rows.push(gemm_row(gpu, timer, &blas, ElemType::F32, s)?);
-    }
-    for ty in [ElemType::BF16, ElemType::F16] {
-        for &s in half_sizes {
-            rows.push(gemm_row(gpu, timer, &blas, ty, s)?);
-        }
-    }
-    Ok(())
-}
-
-/// Our kernel and cuBLAS on the same square problem `C = A B^T` (B as `[N, K]`).
-fn gemm_row(gpu: &Arc<Gpu>, timer: &mut Timer, blas: &CudaBlas, ty: ElemType, s: usize) -> Result<Row> {
-    let (m, n, k) = (s, s, s);
-    eprint!("\r  measuring gemm {s}^3 {ty:?}...        ");
+/// Our kernel and cuBLAS on the same problem `C = A B^T` (B as `[N, K]`), with the roofline
+/// placement when `ceil` is given.
+fn gemm_row(
+    gpu: &Arc<Gpu>,
+    timer: &mut Timer,
+    blas: &CudaBlas,
+    ty: ElemType,
+    g: &Problem,
+    ceil: Option<&Ceilings>,
+) -> Result<Row> {
+    let (m, n, k) = (g.m, g.n, g.k);
     let a = random(gpu, ty, m * k, 1)?;
     let b = random(gpu, ty, n * k, 2)?;
     let mut c_ours = gpu.alloc(m * n * ty.size())?;
@@ -162,16 +201,20 @@ fn gemm_row(gpu: &Arc<Gpu>, timer: &mut Timer, blas: &CudaBlas, ty: ElemType, s:
         })?,
     };
     let matched = outputs_match(gpu, &c_ours, &c_ref, m * n, ty)?;
+    let ours = tflops(ours_ms);
+    let placed = ceil.map(|c| c.place(ours, g.flops(), g.bytes(ty.size())));
     Ok(Row {
         kind: "gemm",
-        name: name.into(),
-        shape: format!("{m}x{n}x{k}"),
+        name: format!("{name} {}", g.label),
+        shape: g.shape(),
         dtype: format!("{ty:?}").to_lowercase(),
-        ours: tflops(ours_ms),
+        ours,
         unit: "TFLOP/s",
         baseline_name: "cuBLAS",
         baseline: Some(tflops(ref_ms)),
         matched: Some(matched),
+        roofline: placed.map(|p| p.0),
+        bound: placed.map(|p| p.1),
     })
 }
 

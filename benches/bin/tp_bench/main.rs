@@ -5,10 +5,14 @@
 //! Without a GPU it says why in its first line and runs the host GEMM table, with numpy beside
 //! it when installed. Results: a table on stdout, and `results.json` / `results.csv` in `--out`.
 //!
-//! Usage: `tp-bench [--quick] [--cpu] [--out DIR]`.
+//! Usage: `tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..]
+//! [--out DIR]`. Writes `results.json`, `results.csv` and `results.svg` (throughput against size,
+//! ours beside the reference, one panel per dtype) into DIR (default `target/bench`).
 
 mod cpu;
 mod gpu;
+mod shapes;
+mod svg;
 
 use anyhow::{Context, Result, bail};
 use std::fmt::Write as _;
@@ -32,6 +36,28 @@ pub struct Row {
     pub baseline: Option<f64>,
     /// Whether our output matched the reference's (None where not compared).
     pub matched: Option<bool>,
+    /// Our figure as a fraction of the roofline (min of the measured compute ceiling and
+    /// arithmetic intensity x the measured memory bandwidth), and which of the two binds.
+    pub roofline: Option<f64>,
+    pub bound: Option<&'static str>,
+}
+
+/// Ceilings measured at the start of a run, for the roofline column.
+#[derive(Debug, Clone, Copy)]
+pub struct Ceilings {
+    /// Peak throughput measured, in the rows' unit (TFLOP/s on GPU, GFLOP/s on CPU).
+    pub compute: f64,
+    /// Memory bandwidth measured, in bytes per second divided by the same scale (TB/s, GB/s).
+    pub memory: f64,
+}
+
+impl Ceilings {
+    /// `(fraction of the roofline, "compute" | "memory")` for a GEMM of `flops` over `bytes`
+    /// that ran at `ours`.
+    pub fn place(&self, ours: f64, flops: f64, bytes: f64) -> (f64, &'static str) {
+        let mem_roof = flops / bytes * self.memory;
+        if mem_roof < self.compute { (ours / mem_roof, "memory") } else { (ours / self.compute, "compute") }
+    }
 }
 
 impl Row {
@@ -40,24 +66,48 @@ impl Row {
     }
 }
 
-struct Args {
-    quick: bool,
-    cpu_only: bool,
-    out: PathBuf,
+/// What to run.
+pub struct Args {
+    pub quick: bool,
+    pub cpu_only: bool,
+    pub dtypes: Vec<tp_core::DType>,
+    pub shapes: Option<String>,
+    pub out: PathBuf,
 }
 
+const USAGE: &str =
+    "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] [--out DIR]";
+
 fn parse_args() -> Result<Args> {
-    let mut a = Args { quick: false, cpu_only: false, out: PathBuf::from("target/bench") };
+    let mut a = Args {
+        quick: false,
+        cpu_only: false,
+        dtypes: tp_core::DType::ALL.to_vec(),
+        shapes: None,
+        out: PathBuf::from("target/bench"),
+    };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--quick" => a.quick = true,
             "--cpu" => a.cpu_only = true,
+            "--dtype" => a.dtypes = shapes::parse_dtypes(&it.next().context("--dtype needs a list")?)?,
+            "--shapes" => a.shapes = Some(it.next().context("--shapes needs a value")?),
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
-            other => bail!("unknown argument {other:?}; usage: tp-bench [--quick] [--cpu] [--out DIR]"),
+            other => bail!("unknown argument {other:?}; {USAGE}"),
         }
     }
     Ok(a)
+}
+
+impl Args {
+    /// The GEMM problems to run on this backend.
+    pub fn gemms(&self, gpu: bool) -> Result<Vec<shapes::Gemm>> {
+        match &self.shapes {
+            Some(spec) => shapes::parse_shapes(spec, gpu, self.quick),
+            None => Ok(shapes::default_set(gpu, self.quick)),
+        }
+    }
 }
 
 fn main() {
@@ -81,11 +131,11 @@ fn run() -> Result<()> {
                 g.sm_count(),
                 option_env!("TP_COMMIT").unwrap_or("unknown")
             );
-            gpu::run(&g, args.quick)?
+            gpu::run(&g, &args)?
         }
         Err(why) => {
             println!("no GPU: {why}; running the CPU backend");
-            cpu::run(args.quick)?
+            cpu::run(&args)?
         }
     };
     print_table(&rows);
@@ -94,16 +144,20 @@ fn run() -> Result<()> {
 
 fn print_table(rows: &[Row]) {
     println!(
-        "\n{:<6} {:<28} {:<16} {:<5} {:>10} {:<8} {:>10} {:<13} {:>7} {:>6}",
-        "kind", "name", "shape", "dtype", "ours", "unit", "reference", "(what)", "ratio", "match"
+        "\n{:<6} {:<28} {:<18} {:<5} {:>10} {:<8} {:>10} {:<13} {:>7} {:>6} {:>9}",
+        "kind", "name", "shape", "dtype", "ours", "unit", "reference", "(what)", "ratio", "match", "roofline"
     );
     for r in rows {
         let base = r.baseline.map_or("-".into(), |b| format!("{b:.1}"));
         let ratio = r.ratio().map_or("-".into(), |x| format!("{x:.2}x"));
         let matched = r.matched.map_or("-", |m| if m { "yes" } else { "NO" });
+        let roof = match (r.roofline, r.bound) {
+            (Some(f), Some(b)) => format!("{:.0}% {}", 100.0 * f, &b[..3]),
+            _ => "-".into(),
+        };
         println!(
-            "{:<6} {:<28} {:<16} {:<5} {:>10.1} {:<8} {:>10} {:<13} {:>7} {:>6}",
-            r.kind, r.name, r.shape, r.dtype, r.ours, r.unit, base, r.baseline_name, ratio, matched
+            "{:<6} {:<28} {:<18} {:<5} {:>10.1} {:<8} {:>10} {:<13} {:>7} {:>6} {:>9}",
+            r.kind, r.name, r.shape, r.dtype, r.ours, r.unit, base, r.baseline_name, ratio, matched, roof
         );
     }
 }
@@ -126,13 +180,15 @@ fn write_results(dir: &std::path::Path, rows: &[Row]) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let num = |v: Option<f64>| v.filter(|x| x.is_finite()).map_or("null".to_string(), |x| format!("{x}"));
     let mut json = String::from("[\n");
-    let mut csv = String::from("kind,name,shape,dtype,ours,unit,reference_name,reference,ratio,matched\n");
+    let mut csv =
+        String::from("kind,name,shape,dtype,ours,unit,reference_name,reference,ratio,matched,roofline,bound\n");
     for (i, r) in rows.iter().enumerate() {
         let matched = r.matched.map_or("null".into(), |m| m.to_string());
         let _ = writeln!(
             json,
             "  {{\"kind\": {}, \"name\": {}, \"shape\": {}, \"dtype\": {}, \"ours\": {}, \"unit\": {}, \
-             \"reference_name\": {}, \"reference\": {}, \"ratio\": {}, \"matched\": {}}}{}",
+             \"reference_name\": {}, \"reference\": {}, \"ratio\": {}, \"matched\": {}, \"roofline\": {}, \
+             \"bound\": {}}}{}",
             json_str(r.kind),
             json_str(&r.name),
             json_str(&r.shape),
@@ -143,11 +199,13 @@ fn write_results(dir: &std::path::Path, rows: &[Row]) -> Result<()> {
             num(r.baseline),
             num(r.ratio()),
             matched,
+            num(r.roofline),
+            r.bound.map_or("null".into(), json_str),
             if i + 1 < rows.len() { "," } else { "" }
         );
         let _ = writeln!(
             csv,
-            "{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{}",
             r.kind,
             r.name,
             r.shape,
@@ -157,12 +215,17 @@ fn write_results(dir: &std::path::Path, rows: &[Row]) -> Result<()> {
             r.baseline_name,
             r.baseline.map_or(String::new(), |b| b.to_string()),
             r.ratio().map_or(String::new(), |b| b.to_string()),
-            r.matched.map_or(String::new(), |m| m.to_string())
+            r.matched.map_or(String::new(), |m| m.to_string()),
+            r.roofline.map_or(String::new(), |f| f.to_string()),
+            r.bound.unwrap_or("")
         );
     }
     json.push_str("]\n");
     std::fs::write(dir.join("results.json"), json)?;
     std::fs::write(dir.join("results.csv"), csv)?;
-    println!("\nwrote {}/results.json and results.csv", dir.display());
+    if let Some(svg) = svg::chart(rows) {
+        std::fs::write(dir.join("results.svg"), svg)?;
+    }
+    println!("\nwrote {}/results.json, results.csv and results.svg", dir.display());
     Ok(())
 }
