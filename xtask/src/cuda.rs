@@ -75,3 +75,27 @@ fn find_or_install() -> Result<PathBuf> {
     }
     Ok(nvcc)
 }
+
+/// The pinned SASS tools (cuobjdump + nvdisasm from PyPI; 13.2 reads sm_90a cubins from nvcc 13.0).
+const SASS_PACKAGES: &[&str] = &["nvidia-cuda-cuobjdump==13.2.86", "nvidia-cuda-nvdisasm==13.2.86"];
+
+/// `cuobjdump` (with `nvdisasm` beside it), installed from PyPI into `target/cuda-tools/` when
+/// missing. Returns the folder holding both.
+pub fn ensure_sass_tools() -> Result<PathBuf> {
+    let root = crate::workspace_root().join("target/cuda-tools");
+    let bin = root.join("nvidia/cu13/bin");
+    if bin.join("cuobjdump").exists() && bin.join("nvdisasm").exists() {
+        return Ok(bin);
+    }
+    println!("==> installing cuobjdump and nvdisasm from PyPI into {}", root.display());
+    let status = Command::new("python3")
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
+        .arg(&root)
+        .args(SASS_PACKAGES)
+        .status()
+        .context("cannot run python3 -m pip")?;
+    if !status.success() || !bin.join("cuobjdump").exists() {
+        bail!("pip could not install {}", SASS_PACKAGES.join(" "));
+    }
+    Ok(bin)
+}

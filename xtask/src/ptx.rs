@@ -1,5 +1,7 @@
 //! `cargo xtask ptx`: the `ptxas -v` resource report of every kernel for every target
-//! architecture, failing if any kernel spills registers or uses a stack frame.
+//! architecture, failing if any kernel spills registers or uses a stack frame; then the SASS
+//! (cuobjdump) of the GEMM kernels, failing unless each uses the instructions it exists for:
+//! `HMMA` (mma.sync) and, on sm_90a, `HGMMA` (wgmma) with `UTMALDG` (TMA loads).
 
 use anyhow::{Context, Result, bail};
 use std::path::Path;
@@ -7,6 +9,13 @@ use std::process::Command;
 
 /// Architectures checked, as the build compiles them.
 const ARCHS: &[&str] = &["sm_80", "sm_90a"];
+
+/// (kernel file stem, arch, SASS mnemonics that must appear).
+const SASS_EXPECT: &[(&str, &str, &[&str])] = &[
+    ("gemm_mma", "sm_80", &["HMMA.16816.F32.BF16", "LDSM", "LDGSTS"]),
+    ("gemm_mma", "sm_90a", &["HMMA.16816.F32.BF16", "LDSM", "LDGSTS"]),
+    ("gemm_wgmma", "sm_90a", &["HGMMA.64x128x16.F32.BF16", "UTMALDG.2D", "SYNCS", "USETMAXREG"]),
+];
 
 /// One kernel's figures from ptxas.
 #[derive(Debug, Default)]
@@ -79,6 +88,31 @@ pub fn check(nvcc: &Path) -> Result<()> {
         bail!("kernels with spills or a stack frame: {}", bad.join(", "));
     }
     println!("ptx: {} kernel builds, no spills, no stack frames", reports.len());
+    check_sass(&tmp)
+}
+
+/// Disassembles the GEMM cubins and checks each uses its instructions.
+fn check_sass(cubins: &Path) -> Result<()> {
+    let tools = crate::cuda::ensure_sass_tools()?;
+    let path = format!("{}:{}", tools.display(), std::env::var("PATH").unwrap_or_default());
+    for (stem, arch, needles) in SASS_EXPECT {
+        let cubin = cubins.join(format!("{stem}.{arch}.cubin"));
+        let out = Command::new(tools.join("cuobjdump"))
+            .arg("-sass")
+            .arg(&cubin)
+            .env("PATH", &path)
+            .output()
+            .with_context(|| format!("cannot run cuobjdump on {}", cubin.display()))?;
+        let sass = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() || sass.trim().is_empty() {
+            bail!("cuobjdump failed on {}: {}", cubin.display(), String::from_utf8_lossy(&out.stderr));
+        }
+        let counts: Vec<String> = needles.iter().map(|n| format!("{n} x{}", sass.matches(n).count())).collect();
+        println!("sass {stem} {arch}: {}", counts.join(", "));
+        if let Some(missing) = needles.iter().find(|n| !sass.contains(**n)) {
+            bail!("{stem} for {arch} has no {missing} in its SASS");
+        }
+    }
     Ok(())
 }
 

@@ -64,7 +64,7 @@ pub fn run(gpu: &Arc<Gpu>, args: &Args) -> Result<Vec<Row>> {
     for dtype in &args.dtypes {
         let ty = elem(*dtype);
         let probe = Problem { label: "ceiling".into(), m: edge, n: edge, k: edge };
-        let row = gemm_row(gpu, &mut timer, &blas, ty, &probe, None)?;
+        let row = gemm_row(gpu, &mut timer, &blas, ty, &probe, None, false)?;
         let peak = row.baseline.unwrap_or(row.ours).max(row.ours);
         println!("ceiling {dtype}: {peak:.0} TFLOP/s (cuBLAS {edge}^3), memory {memcpy_tbps:.2} TB/s (cuMemcpyDtoD)");
         ceilings.push(Ceilings { compute: peak, memory: memcpy_tbps });
@@ -72,7 +72,11 @@ pub fn run(gpu: &Arc<Gpu>, args: &Args) -> Result<Vec<Row>> {
     for (i, g) in gemms.iter().enumerate() {
         for (dtype, ceil) in args.dtypes.iter().zip(&ceilings) {
             eprint!("\r  [{}/{}] gemm {} {} {dtype}        ", i + 1, gemms.len(), g.label, g.shape());
-            rows.push(gemm_row(gpu, &mut timer, &blas, elem(*dtype), g, Some(ceil))?);
+            rows.push(gemm_row(gpu, &mut timer, &blas, elem(*dtype), g, Some(ceil), false)?);
+            // On Hopper, the wgmma kernel beside the mma.sync one, against the same cuBLAS.
+            if *dtype != tp_core::DType::F32 && gpu.compute_capability() == (9, 0) && g.k % 8 == 0 {
+                rows.push(gemm_row(gpu, &mut timer, &blas, elem(*dtype), g, Some(ceil), true)?);
+            }
         }
     }
     eprintln!();
@@ -166,8 +170,8 @@ fn copies(gpu: &Arc<Gpu>, timer: &mut Timer, quick: bool, rows: &mut Vec<Row>) -
     Ok(memcpy_tbps)
 }
 
-/// Our kernel and cuBLAS on the same problem `C = A B^T` (B as `[N, K]`), with the roofline
-/// placement when `ceil` is given.
+/// Our kernel (SIMT for f32; mma.sync, or wgmma when `wgmma`, for f16/bf16) and cuBLAS on the
+/// same problem `C = A B^T` (B as `[N, K]`), with the roofline placement when `ceil` is given.
 fn gemm_row(
     gpu: &Arc<Gpu>,
     timer: &mut Timer,
@@ -175,6 +179,7 @@ fn gemm_row(
     ty: ElemType,
     g: &Problem,
     ceil: Option<&Ceilings>,
+    wgmma: bool,
 ) -> Result<Row> {
     let (m, n, k) = (g.m, g.n, g.k);
     let a = random(gpu, ty, m * k, 1)?;
@@ -185,6 +190,8 @@ fn gemm_row(
 
     let (name, ours_ms) = if ty == ElemType::F32 {
         ("gemm_simt_f32 (NT)", timer.median_ms(|| Ok(gpu.gemm_simt_f32(&mut c_ours, &a, &b, None, (m, n, k), true)?))?)
+    } else if wgmma {
+        ("gemm_wgmma (NT)", timer.median_ms(|| Ok(gpu.gemm_wgmma(&mut c_ours, &a, &b, None, (m, n, k), ty)?))?)
     } else {
         ("gemm_mma (NT)", timer.median_ms(|| Ok(gpu.gemm_mma(&mut c_ours, &a, &b, None, (m, n, k), ty)?))?)
     };

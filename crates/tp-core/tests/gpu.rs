@@ -203,3 +203,52 @@ fn bad_inputs_on_gpu_are_typed_errors() {
     assert!(matches!(Tensor::cat(&[&x, &w_cpu], 0), Err(tp_core::Error::DeviceMismatch { .. })));
     assert!(x.as_slice::<f32>().is_err());
 }
+
+#[test]
+fn hopper_wgmma_kernel_matches_f64_or_refuses_other_devices() {
+    setup();
+    let g = tp_kernels::Gpu::get(0).unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        let ty = if dtype == DType::BF16 { tp_kernels::ElemType::BF16 } else { tp_kernels::ElemType::F16 };
+        // Ragged in every dim (TMA zero-fills), several persistent tiles per CTA, K % 8 == 0.
+        for (m, n, k, with_bias) in
+            [(300, 520, 1000, true), (129, 257, 72, false), (1, 1031, 4096, true), (4096, 4096, 8192, false)]
+        {
+            let x = Tensor::randn(&[m, k], dtype, 3, &CPU).unwrap();
+            let w = Tensor::randn(&[n, k], dtype, 4, &CPU).unwrap();
+            let b = Tensor::randn(&[n], dtype, 5, &CPU).unwrap();
+            let (xd, wd, bd) = (gpu(&x), gpu(&w), gpu(&b));
+            let mut out = g.alloc(m * n * 2).unwrap();
+            let r = g.gemm_wgmma(
+                &mut out,
+                xd.cuda_buffer().unwrap().1,
+                wd.cuda_buffer().unwrap().1,
+                with_bias.then(|| bd.cuda_buffer().unwrap().1),
+                (m, n, k),
+                ty,
+            );
+            if g.compute_capability() != (9, 0) {
+                assert!(matches!(r, Err(tp_kernels::KernelError::InvalidLaunch { .. })), "{r:?}");
+                return;
+            }
+            r.unwrap();
+            let y = host(&Tensor::from_cuda_buffer(out, &[m, n], dtype, g.clone()).unwrap());
+            if m * n * k > 1 << 30 {
+                // The big case: compare with the mma.sync kernel instead of a slow f64 loop.
+                let want = host(&xd.matmul_t(&wd).unwrap());
+                let (a, b) = (f64s(&y), f64s(&want));
+                let rms = (b.iter().map(|v| v * v).sum::<f64>() / b.len() as f64).sqrt();
+                assert_close("wgmma vs mma 4096x4096x8192", &a, &b, |_| rms * 2f64.powi(-5));
+                continue;
+            }
+            let (mut want, abs) = matmul_f64(&f64s(&x), &f64s(&w), m, k, n, true);
+            if with_bias {
+                let bv = f64s(&b);
+                want.iter_mut().enumerate().for_each(|(i, v)| *v += bv[i % n]);
+            }
+            assert_close(&format!("wgmma {m}x{k}x{n} {dtype}"), &f64s(&y), &want, |i| {
+                matmul_tol(dtype, k + 1, want[i], abs[i] + want[i].abs())
+            });
+        }
+    }
+}

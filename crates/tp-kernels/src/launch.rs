@@ -52,6 +52,27 @@ const BLOCKS_PER_SM: u64 = 32;
 const TILE: usize = 128;
 /// Dynamic shared memory of the mma.sync GEMM (kernels/gemm_mma.cu, SMEM_BYTES).
 pub const MMA_SMEM_BYTES: u32 = 81920;
+/// Dynamic shared memory of the Hopper GEMM (kernels/gemm_wgmma.cu, SMEM_BYTES).
+pub const WGMMA_SMEM_BYTES: u32 = 197696;
+
+/// A TMA descriptor as a kernel parameter (`const __grid_constant__ CUtensorMap`).
+#[repr(C, align(128))]
+#[derive(Clone, Copy)]
+struct TensorMap(cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: CUtensorMap is 128 bytes of plain data that the kernel receives by value; the
+// wrapper keeps its 128-byte alignment, and it holds no host pointers the device would follow
+// (the global address inside is a device address).
+unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
+/// The tensor-core GEMM kernels, for [`Gpu::gemm_tensor_core`]'s choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmKernel {
+    /// Ampere-style mma.sync + ldmatrix + cp.async (sm_80 and later).
+    MmaSync,
+    /// Hopper wgmma + TMA, warp-specialised and persistent (sm_90a).
+    Wgmma,
+}
 
 fn invalid(kernel: &'static str, why: impl Into<String>) -> KernelError {
     KernelError::InvalidLaunch { kernel, why: why.into() }
@@ -350,6 +371,145 @@ impl Gpu {
         // kernel's SMEM_BYTES (static_assert there) and within the device's opt-in limit, which
         // the function attribute was raised to above. C is borrowed mutably: no aliasing.
         unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_mma)"))
+    }
+}
+
+impl Gpu {
+    /// The kernel that `gemm_tensor_core` uses for this shape on this device: `TP_GEMM_KERNEL`
+    /// (`mma` or `wgmma`) when set; otherwise mma.sync. The Hopper kernel becomes the sm_90
+    /// default once it has passed the GPU suite on an H200 (it compiles and its SASS is checked
+    /// in CI, but it has not run yet); it needs K % 8 == 0 either way.
+    pub fn gemm_kernel_for(&self, k: usize) -> GemmKernel {
+        let wgmma_ok = self.compute_capability() == (9, 0) && k % 8 == 0;
+        match std::env::var("TP_GEMM_KERNEL").as_deref() {
+            Ok("wgmma") if wgmma_ok => GemmKernel::Wgmma,
+            _ => GemmKernel::MmaSync,
+        }
+    }
+
+    /// bf16/f16 `C = A B^T + bias` on the kernel [`gemm_kernel_for`](Self::gemm_kernel_for)
+    /// picks.
+    pub fn gemm_tensor_core(
+        &self,
+        c: &mut CudaSlice<u8>,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        bias: Option<&CudaSlice<u8>>,
+        (m, n, k): (usize, usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        match self.gemm_kernel_for(k) {
+            GemmKernel::Wgmma => self.gemm_wgmma(c, a, b, bias, (m, n, k), ty),
+            GemmKernel::MmaSync => self.gemm_mma(c, a, b, bias, (m, n, k), ty),
+        }
+    }
+
+    /// A 2-D TMA descriptor over a row-major `rows x k` matrix of 2-byte elements at `buf`, box
+    /// `64 x box_rows`, 128-byte swizzle, zero fill past the edges.
+    fn tensor_map(&self, buf: &CudaSlice<u8>, ty: ElemType, rows: usize, k: usize, box_rows: u32) -> Result<TensorMap> {
+        use cudarc::driver::DevicePtr;
+        use cudarc::driver::sys::{
+            CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
+            CUtensorMapSwizzle,
+        };
+        let dt = match ty {
+            ElemType::BF16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            ElemType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            ElemType::F32 => return Err(invalid("gemm_wgmma", "TMA maps here are for 2-byte types")),
+        };
+        let (ptr, _sync) = buf.device_ptr(self.stream());
+        let dims = [k as u64, rows as u64];
+        let strides = [(k * ty.size()) as u64]; // bytes between rows; dim 0 is contiguous
+        let boxes = [64u32, box_rows];
+        let elem_strides = [1u32, 1];
+        // SAFETY: all-zero bytes are a valid (if meaningless) CUtensorMap, fully overwritten by
+        // a successful cuTensorMapEncodeTiled below.
+        let mut map: cudarc::driver::sys::CUtensorMap = unsafe { std::mem::zeroed() };
+        // SAFETY: the arrays hold `rank` = 2 entries each and outlive the call; `ptr` is the
+        // device address of `buf`, which holds rows*k elements (checked by check_gemm), is
+        // 256-byte aligned, and has a row stride that is a multiple of 16 bytes (k % 8 == 0,
+        // checked by the caller), as TMA requires.
+        let r = unsafe {
+            cudarc::driver::sys::cuTensorMapEncodeTiled(
+                &mut map,
+                dt,
+                2,
+                ptr as usize as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elem_strides.as_ptr(),
+                CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        r.result().map_err(driver("cuTensorMapEncodeTiled"))?;
+        Ok(TensorMap(map))
+    }
+
+    /// Hopper bf16/f16 GEMM with fused bias (`kernels/gemm_wgmma.cu`): `C = A B^T + bias`,
+    /// `A: m x k`, `B: n x k`. Needs sm_90 and `k % 8 == 0`.
+    pub fn gemm_wgmma(
+        &self,
+        c: &mut CudaSlice<u8>,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        bias: Option<&CudaSlice<u8>>,
+        (m, n, k): (usize, usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "gemm_wgmma";
+        if ty == ElemType::F32 {
+            return Err(invalid(K, "the wgmma kernel takes f16 or bf16"));
+        }
+        if self.compute_capability() != (9, 0) {
+            let (ma, mi) = self.compute_capability();
+            return Err(invalid(K, format!("needs sm_90 (Hopper), device is sm_{ma}{mi}")));
+        }
+        if k % 8 != 0 {
+            return Err(invalid(K, format!("K = {k} is not a multiple of 8 (TMA needs 16-byte row strides)")));
+        }
+        if self.smem_optin() < WGMMA_SMEM_BYTES {
+            return Err(invalid(
+                K,
+                format!("needs {WGMMA_SMEM_BYTES} B of shared memory per block, device allows {}", self.smem_optin()),
+            ));
+        }
+        check_gemm(K, c, a, b, bias, (m, n, k), 2)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let too_big = |v: usize| i32::try_from(v).is_err();
+        if too_big(m) || too_big(n) || too_big(k) {
+            return Err(invalid(K, "M, N and K must fit in 32-bit ints"));
+        }
+        let tiles = m.div_ceil(128) * n.div_ceil(256);
+        let grid = (tiles.min(self.sm_count() as usize)) as u32;
+        let (map_a, map_b) = (self.tensor_map(a, ty, m, k, 128)?, self.tensor_map(b, ty, n, k, 256)?);
+        let name = format!("tp_gemm_wgmma_{}", ty.name());
+        let f = self.function("gemm_wgmma", &name)?;
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, WGMMA_SMEM_BYTES as i32)
+            .map_err(driver("cuFuncSetAttribute"))?;
+        let [m_i, n_i, k_i] = [m as i32, n as i32, k as i32];
+        let null = 0u64;
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(c);
+        match bias {
+            Some(bias) => l.arg(bias),
+            None => l.arg(&null),
+        };
+        l.arg(&map_a).arg(&map_b).arg(&m_i).arg(&n_i).arg(&k_i);
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (384, 1, 1), shared_mem_bytes: WGMMA_SMEM_BYTES };
+        // SAFETY: matches tp_gemm_wgmma_T(T* C, const T* bias_or_null, CUtensorMap tma_a,
+        // CUtensorMap tma_b, int M, N, K). The maps describe exactly A (m x k) and B (n x k),
+        // whose sizes check_gemm verified; TMA never reads outside them (it zero-fills past the
+        // edges). C holds m*n elements and the kernel skips stores past M and N. The dynamic
+        // shared memory equals the kernel's SMEM_BYTES (static_assert there), within the device
+        // limit the attribute was raised to; 384 threads is the kernel's __launch_bounds__.
+        // C is borrowed mutably, so it aliases neither A nor B.
+        unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_wgmma)"))
     }
 }
 

@@ -5,7 +5,7 @@
 //! for sm_80 and sm_90a plus compute_80 PTX), loads them through `cudarc` once per device
 //! ([`Gpu`]), and launches them through typed launchers that check sizes, alignment and grid
 //! limits first ([`Gpu::row_copy`], [`Gpu::gather_interleave`], [`Gpu::cast`],
-//! [`Gpu::gemm_simt_f32`], [`Gpu::gemm_mma`]). All `unsafe` of the GPU path lives here.
+//! [`Gpu::gemm_simt_f32`], [`Gpu::gemm_mma`], [`Gpu::gemm_wgmma`], [`Gpu::gemm_tensor_core`]). All `unsafe` of the GPU path lives here.
 //!
 //! Without a GPU: [`driver_available`] and [`Gpu::get`] return
 //! [`KernelError::CudaUnavailable`] (cudarc itself would panic); when the build had no nvcc,
@@ -21,7 +21,7 @@ mod launch;
 pub use cudarc;
 pub use error::{KernelError, Result};
 pub use gpu::{Gpu, device_count, driver_available, set_poison_allocations};
-pub use launch::{ElemType, MMA_SMEM_BYTES, RowCopy};
+pub use launch::{ElemType, GemmKernel, MMA_SMEM_BYTES, RowCopy, WGMMA_SMEM_BYTES};
 
 /// A kernel module compiled at build time.
 #[derive(Debug, Clone, Copy)]

@@ -123,7 +123,7 @@ pub(crate) fn matmul(
         }
         (_, WeightLayout::Nk) => {
             let (mut buf, parts) = alloc_like(x, m * n * dtype.size_in_bytes(), dtype)?;
-            gpu.gemm_mma(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), elem_type(dtype))?;
+            gpu.gemm_tensor_core(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), elem_type(dtype))?;
             Ok(parts.finish(buf))
         }
         (_, WeightLayout::Kn) => {
