@@ -8,7 +8,10 @@
 #   gpu-tests       -> RESULTS_DIR/gpu-tests.txt (exit status in gpu-tests.rc)
 #   gpu-comm-tests  -> RESULTS_DIR/gpu-comm-tests.txt (NCCL at world 1, LocalGroup on one GPU)
 #   gpu-layer-tests -> RESULTS_DIR/gpu-layer-tests.txt (layers on LocalGroup ranks sharing GPU 0)
-#   tp-bench        -> RESULTS_DIR/bench.txt, results.json, results.csv
+#   gpu-tests again with TP_GEMM_KERNEL=wgmma -> RESULTS_DIR/gpu-tests-wgmma.txt
+#   tp-bench --quick -> RESULTS_DIR/bench.txt, results.json, results.csv, results.svg
+#     (the full shape set takes longer than one device call: run `tp-bench --shapes squares`
+#      and `tp-bench --shapes tp` as separate calls)
 #   tp-comm-bench   -> RESULTS_DIR/comm-bench.txt (NCCL on every GPU, nccl-tests style)
 set -u
 out=${1:?usage: run.sh RESULTS_DIR}
@@ -54,7 +57,13 @@ for suite in gpu-tests gpu-comm-tests gpu-layer-tests; do
   tail -n 5 "$out/$suite.txt"
 done
 
-"$here/tp-bench" --out "$out" > "$out/bench.txt" 2>&1
+# The Hopper kernel is opt-in until it has passed here: run the main suite again through it.
+TP_GEMM_KERNEL=wgmma "$here/gpu-tests" --test-threads=1 > "$out/gpu-tests-wgmma.txt" 2>&1
+echo $? > "$out/gpu-tests-wgmma.rc"
+echo "== gpu-tests with TP_GEMM_KERNEL=wgmma (exit $(cat "$out/gpu-tests-wgmma.rc"))"
+tail -n 5 "$out/gpu-tests-wgmma.txt"
+
+"$here/tp-bench" --quick --out "$out" > "$out/bench.txt" 2>&1
 echo $? > "$out/bench.rc"
 cat "$out/bench.txt"
 "$here/tp-comm-bench" --max-bytes 1073741824 > "$out/comm-bench.txt" 2>&1
