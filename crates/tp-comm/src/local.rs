@@ -1,9 +1,9 @@
 //! [`LocalGroup`]: `world_size` ranks as threads of one process.
 //!
 //! Each collective is one exchange: every rank deposits its tensor in a shared slot; the last to
-//! arrive publishes all deposits at once and wakes the others; each rank then computes its
-//! result from them (gather = `cat`, reduce = host reduction in rank order, so all ranks agree
-//! bit for bit). Host tensors pass by reference-counted clone; CUDA tensors stay on their device
+//! arrive publishes all deposits at once and wakes the others; each rank then takes its result
+//! from them (gather = `cat`; a reduction is computed once, in rank order, by the first rank to
+//! need it and shared, so all ranks agree bit for bit). Host tensors pass by reference-counted clone; CUDA tensors stay on their device
 //! for gathers and broadcasts (ranks may share one GPU: device-to-device copies) and are reduced
 //! through the host.
 //!
@@ -13,7 +13,7 @@
 
 use crate::communicator::{Communicator, ReduceOp};
 use crate::error::{CommError, Result, tensor_err};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 use tp_core::{DType, Device, Tensor, TensorShard};
 
@@ -27,12 +27,19 @@ struct Deposit {
     tensor: Tensor,
 }
 
+/// One completed exchange: every rank's deposit, and the reduction of them, computed once by
+/// whichever rank asks first and shared by the others (all ranks made the same call).
+struct Round {
+    deposits: Vec<Deposit>,
+    reduced: OnceLock<Result<Tensor>>,
+}
+
 struct State {
     /// Completed exchanges so far; a waiter knows its round finished when this moves on.
     generation: u64,
     slots: Vec<Option<Deposit>>,
-    /// The deposits of the last completed exchange.
-    published: Arc<Vec<Deposit>>,
+    /// The last completed exchange.
+    published: Arc<Round>,
     poisoned: Option<String>,
 }
 
@@ -89,7 +96,7 @@ impl LocalGroup {
             state: Mutex::new(State {
                 generation: 0,
                 slots: vec![None; world_size],
-                published: Arc::new(Vec::new()),
+                published: Arc::new(Round { deposits: Vec::new(), reduced: OnceLock::new() }),
                 poisoned: None,
             }),
             arrived: Condvar::new(),
@@ -104,7 +111,7 @@ impl LocalGroup {
 
     /// Deposits `tensor` for collective `call` and returns every rank's deposit once all have
     /// arrived, or an error at the deadline or when the group is poisoned.
-    fn exchange(&self, op: &'static str, call: String, tensor: Tensor) -> Result<Arc<Vec<Deposit>>> {
+    fn exchange(&self, op: &'static str, call: String, tensor: Tensor) -> Result<Arc<Round>> {
         let sh = &self.shared;
         let deadline = Instant::now() + sh.timeout;
         let mut st = sh.lock();
@@ -121,7 +128,7 @@ impl LocalGroup {
         let generation = st.generation;
         if st.slots.iter().all(Option::is_some) {
             let all: Vec<Deposit> = st.slots.iter_mut().filter_map(Option::take).collect();
-            st.published = Arc::new(all);
+            st.published = Arc::new(Round { deposits: all, reduced: OnceLock::new() });
             st.generation += 1;
             let published = st.published.clone();
             drop(st);
@@ -153,15 +160,27 @@ impl LocalGroup {
     }
 
     /// Runs one exchange and checks that every rank called the same thing.
-    fn collective(&self, op: &'static str, call: String, tensor: &Tensor) -> Result<Arc<Vec<Deposit>>> {
-        let all = self.exchange(op, call, tensor.clone())?;
+    fn collective(&self, op: &'static str, call: String, tensor: &Tensor) -> Result<Arc<Round>> {
+        let round = self.exchange(op, call, tensor.clone())?;
+        let all = &round.deposits;
         if let Some((r, d)) = all.iter().enumerate().find(|(_, d)| d.call != all[0].call) {
             return Err(CommError::Mismatch {
                 op: op.into(),
                 why: format!("rank 0 called {} but rank {r} called {}", all[0].call, d.call),
             });
         }
-        Ok(all)
+        Ok(round)
+    }
+
+    /// The round's reduction, computed by the first rank to ask.
+    fn reduced(op: &'static str, round: &Round, red: ReduceOp) -> Result<Tensor> {
+        round
+            .reduced
+            .get_or_init(|| {
+                let parts: Vec<&Tensor> = round.deposits.iter().map(|d| &d.tensor).collect();
+                crate::reduce::reduce(op, &parts, red)
+            })
+            .clone()
     }
 
     /// `t` on `device` (a cheap clone when already there).
@@ -189,24 +208,22 @@ impl Communicator for LocalGroup {
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
         const OP: &str = "all_gather";
-        let all = self.collective(OP, format!("all_gather(dim {dim}, {})", x.dtype()), x)?;
+        let round = self.collective(OP, format!("all_gather(dim {dim}, {})", x.dtype()), x)?;
         let device = x.device();
-        let parts = all.iter().map(|d| Self::on(OP, &d.tensor, device)).collect::<Result<Vec<_>>>()?;
+        let parts = round.deposits.iter().map(|d| Self::on(OP, &d.tensor, device)).collect::<Result<Vec<_>>>()?;
         Tensor::cat(&parts, dim).map_err(|e| CommError::Mismatch { op: OP.into(), why: e.to_string() })
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "all_reduce";
-        let all = self.collective(OP, format!("all_reduce({op:?})"), x)?;
-        let parts: Vec<&Tensor> = all.iter().map(|d| &d.tensor).collect();
-        Self::on(OP, &crate::reduce::reduce(OP, &parts, op)?, x.device())
+        let round = self.collective(OP, format!("all_reduce({op:?})"), x)?;
+        Self::on(OP, &Self::reduced(OP, &round, op)?, x.device())
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "reduce_scatter";
-        let all = self.collective(OP, format!("reduce_scatter(dim {dim}, {op:?})"), x)?;
-        let parts: Vec<&Tensor> = all.iter().map(|d| &d.tensor).collect();
-        let reduced = crate::reduce::reduce(OP, &parts, op)?;
+        let round = self.collective(OP, format!("reduce_scatter(dim {dim}, {op:?})"), x)?;
+        let reduced = Self::reduced(OP, &round, op)?;
         let len = reduced.shape().dim(OP, dim).map_err(tensor_err(OP))?;
         let shard = TensorShard::new(dim, len, self.rank, self.shared.world).map_err(tensor_err(OP))?;
         Self::on(OP, &shard.shard(&reduced).map_err(tensor_err(OP))?, x.device())
@@ -218,8 +235,8 @@ impl Communicator for LocalGroup {
             return Err(CommError::RankOutOfRange { op: OP, rank: root, world_size: self.shared.world });
         }
         let call = format!("broadcast(root {root}, {:?} {})", x.dims(), x.dtype());
-        let all = self.collective(OP, call, x)?;
-        Self::on(OP, &all[root].tensor, x.device())
+        let round = self.collective(OP, call, x)?;
+        Self::on(OP, &round.deposits[root].tensor, x.device())
     }
 
     fn abort(&self, reason: &str) {

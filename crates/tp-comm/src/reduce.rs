@@ -4,7 +4,7 @@
 //! gets bit-identical results, and sums of small integers are exact in every dtype.
 
 use crate::{CommError, ReduceOp, Result};
-use tp_core::{Device, Tensor};
+use tp_core::{Device, Element, Tensor};
 
 /// `parts[0] op parts[1] op ...`, element by element, as a host tensor of `parts[0]`'s dtype.
 pub(crate) fn reduce(op_name: &'static str, parts: &[&Tensor], op: ReduceOp) -> Result<Tensor> {
@@ -23,22 +23,27 @@ pub(crate) fn reduce(op_name: &'static str, parts: &[&Tensor], op: ReduceOp) -> 
             });
         }
     }
-    let values = parts.iter().map(|p| p.to_f64_vec()).collect::<tp_core::Result<Vec<_>>>();
-    let values = values.map_err(crate::error::tensor_err(op_name))?;
-    let mut acc = values[0].clone();
-    for v in &values[1..] {
-        for (a, b) in acc.iter_mut().zip(v) {
-            *a = match op {
-                ReduceOp::Sum | ReduceOp::Avg => *a + b,
-                ReduceOp::Max => a.max(*b),
-                ReduceOp::Min => a.min(*b),
-            };
+    let hosts = parts.iter().map(|p| p.to_device(&Device::Cpu)).collect::<tp_core::Result<Vec<_>>>();
+    let hosts = hosts.map_err(crate::error::tensor_err(op_name))?;
+    let n = first.numel();
+    let out = tp_core::with_dtype!(first.dtype(), T => {
+        let slices = hosts.iter().map(|h| h.as_slice::<T>()).collect::<tp_core::Result<Vec<_>>>();
+        let slices = slices.map_err(crate::error::tensor_err(op_name))?;
+        let count = parts.len() as f64;
+        let mut out: Vec<T> = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut acc = slices[0][i].to_f64();
+            for s in &slices[1..] {
+                let v = s[i].to_f64();
+                acc = match op {
+                    ReduceOp::Sum | ReduceOp::Avg => acc + v,
+                    ReduceOp::Max => acc.max(v),
+                    ReduceOp::Min => acc.min(v),
+                };
+            }
+            out.push(T::from_f64(if op == ReduceOp::Avg { acc / count } else { acc }));
         }
-    }
-    if op == ReduceOp::Avg {
-        let n = parts.len() as f64;
-        acc.iter_mut().for_each(|a| *a /= n);
-    }
-    Tensor::from_fn_f64(first.dims(), first.dtype(), &Device::Cpu, |i| acc[i])
-        .map_err(crate::error::tensor_err(op_name))
+        Tensor::from_vec(out, first.dims(), &Device::Cpu)
+    });
+    out.map_err(crate::error::tensor_err(op_name))
 }

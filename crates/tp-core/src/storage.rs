@@ -118,10 +118,11 @@ pub(crate) fn gpu_for(ordinal: usize) -> Result<Arc<Gpu>> {
     Gpu::get(ordinal).map_err(Error::from)
 }
 
-/// Where a tensor's elements are.
+/// Where a tensor's elements are. Both kinds are reference-counted: cloning a tensor shares its
+/// elements; the rare in-place writes (`as_mut_slice`, `copy_from`) copy first if shared.
 #[derive(Clone, Debug)]
 pub(crate) enum Storage {
-    Cpu(CpuStorage),
+    Cpu(Arc<CpuStorage>),
     Cuda(CudaStorage),
 }
 

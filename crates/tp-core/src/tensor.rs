@@ -7,8 +7,8 @@ use std::fmt;
 
 /// A contiguous, row-major n-dimensional array of one [`DType`] on one [`Device`].
 ///
-/// Operations return new tensors. `Clone` copies host elements and shares (immutable) device
-/// buffers. Every constructor validates the shape ([`Shape::new`]) and the data length, so a
+/// Operations return new tensors. `Clone` shares the elements (host or device); writing through
+/// [`Tensor::as_mut_slice`] or [`Tensor::copy_from`] copies them first if they are shared. Every constructor validates the shape ([`Shape::new`]) and the data length, so a
 /// `Tensor` always holds exactly `numel` elements.
 ///
 /// Equality compares shape, dtype, device and the elements' bits (device elements are copied to
@@ -27,7 +27,7 @@ impl Tensor {
     }
 
     pub(crate) fn from_cpu(shape: Shape, storage: CpuStorage) -> Self {
-        Self::from_parts(shape, Storage::Cpu(storage))
+        Self::from_parts(shape, Storage::Cpu(std::sync::Arc::new(storage)))
     }
 
     pub(crate) fn from_cuda(shape: Shape, storage: CudaStorage) -> Self {
@@ -169,7 +169,7 @@ impl Tensor {
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
         let (dtype, device) = (self.dtype(), self.device());
         match &mut self.storage {
-            Storage::Cpu(s) => s.as_mut_slice::<T>(),
+            Storage::Cpu(s) => std::sync::Arc::make_mut(s).as_mut_slice::<T>(),
             Storage::Cuda(_) => return Err(Error::UnsupportedDevice { op: "as_mut_slice", device }),
         }
         .ok_or(Error::DTypeMismatch { op: "as_mut_slice", lhs: dtype, rhs: T::DTYPE })
@@ -206,7 +206,7 @@ impl Tensor {
                 let buf = gpu.htod(s.as_bytes())?;
                 Storage::Cuda(CudaStorage::new(buf, s.as_bytes().len(), s.dtype(), gpu))
             }
-            (Storage::Cuda(s), Device::Cpu) => Storage::Cpu(s.to_host()?),
+            (Storage::Cuda(s), Device::Cpu) => Storage::Cpu(std::sync::Arc::new(s.to_host()?)),
             (Storage::Cuda(s), Device::Cuda(ordinal)) => {
                 let host = s.to_host()?;
                 let gpu = gpu_for(ordinal)?;
@@ -272,6 +272,7 @@ impl Tensor {
         let device = self.device();
         match &mut self.storage {
             Storage::Cpu(dst) => {
+                let dst = std::sync::Arc::make_mut(dst);
                 let moved = src.to_device(&Device::Cpu)?;
                 let bytes = moved.as_bytes()?;
                 with_dtype!(dst.dtype(), T => {
