@@ -89,23 +89,25 @@ impl ColumnParallel {
     /// The full `Y`: the local block, then an all-gather of every rank's block along the last
     /// dim through `group`.
     pub fn forward_gathered(&self, x: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
-        self.check_group(group)?;
+        check_group(&self.shard, group)?;
         let y = self.forward(x)?;
         Ok(group.all_gather(&y, y.ndim() - 1)?)
     }
 
-    fn check_group(&self, group: &DeviceGroup) -> Result<()> {
-        if group.rank() != self.shard.rank() || group.world_size() != self.shard.world_size() {
-            return Err(LayerError::Config(format!(
-                "layer is rank {} of {}, group is rank {} of {}",
-                self.shard.rank(),
-                self.shard.world_size(),
-                group.rank(),
-                group.world_size()
-            )));
-        }
-        Ok(())
+}
+
+/// Checks that a layer built for `shard`'s rank and world size is used with a matching group.
+pub(crate) fn check_group(shard: &TensorShard, group: &DeviceGroup) -> Result<()> {
+    if group.rank() != shard.rank() || group.world_size() != shard.world_size() {
+        return Err(LayerError::Config(format!(
+            "layer is rank {} of {}, group is rank {} of {}",
+            shard.rank(),
+            shard.world_size(),
+            group.rank(),
+            group.world_size()
+        )));
     }
+    Ok(())
 }
 
 /// Rows `shard` of a `[out, in]` weight, checking `in` when given.

@@ -105,15 +105,7 @@ impl RowParallel {
 
     /// `Y = Σ_r X_r A_r^T + b` from this rank's input block `x_local: [.., in_r]`.
     pub fn forward(&self, x_local: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
-        if group.rank() != self.shard.rank() || group.world_size() != self.shard.world_size() {
-            return Err(LayerError::Config(format!(
-                "layer is rank {} of {}, group is rank {} of {}",
-                self.shard.rank(),
-                self.shard.world_size(),
-                group.rank(),
-                group.world_size()
-            )));
-        }
+        crate::column::check_group(&self.shard, group)?;
         let partial = self.forward_partial(x_local)?;
         let y = group.all_reduce(&partial, ReduceOp::Sum)?;
         Ok(match &self.bias {
