@@ -188,12 +188,21 @@ fn gemm_row(
     let mut c_ref = gpu.alloc(m * n * ty.size())?;
     let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
 
-    let (name, ours_ms) = if ty == ElemType::F32 {
-        ("gemm_simt_f32 (NT)", timer.median_ms(|| Ok(gpu.gemm_simt_f32(&mut c_ours, &a, &b, None, (m, n, k), true)?))?)
-    } else if wgmma {
-        ("gemm_wgmma (NT)", timer.median_ms(|| Ok(gpu.gemm_wgmma(&mut c_ours, &a, &b, None, (m, n, k), ty)?))?)
+    // What tp-core runs for this shape (gemm_nt's choice), or the Hopper kernel when asked.
+    let (name, ours_ms) = if wgmma {
+        ("gemm_wgmma", timer.median_ms(|| Ok(gpu.gemm_wgmma(&mut c_ours, &a, &b, None, (m, n, k), ty)?))?)
     } else {
-        ("gemm_mma (NT)", timer.median_ms(|| Ok(gpu.gemm_mma(&mut c_ours, &a, &b, None, (m, n, k), ty)?))?)
+        let name = if m <= tp_kernels::SMALL_M_MAX {
+            "gemm_small_m"
+        } else if ty == ElemType::F32 {
+            "gemm_simt_f32"
+        } else {
+            match gpu.gemm_kernel_for(k) {
+                tp_kernels::GemmKernel::Wgmma => "gemm_wgmma",
+                tp_kernels::GemmKernel::MmaSync => "gemm_mma",
+            }
+        };
+        (name, timer.median_ms(|| Ok(gpu.gemm_nt(&mut c_ours, &a, &b, None, (m, n, k), ty)?))?)
     };
     let mnk = (m, n, k);
     let ref_ms = match ty {

@@ -252,3 +252,17 @@ fn hopper_wgmma_kernel_matches_f64_or_refuses_other_devices() {
         }
     }
 }
+
+#[test]
+fn decode_shapes_match_reference_on_both_sides_of_the_small_m_cutoff() {
+    setup();
+    // M <= 8 takes the decode kernel, M = 9 the tiled ones; K 4096 takes 16-byte loads, K 4100
+    // (not a multiple of 8) the scalar variant for half types and the vector one for f32.
+    for dtype in DType::ALL {
+        for m in [1, 2, 5, 8, 9] {
+            for k in [4096, 4100] {
+                check_matmul(m, k, 777, dtype, WeightLayout::Nk, m % 2 == 1, 40 + m as u64);
+            }
+        }
+    }
+}

@@ -65,6 +65,9 @@ struct TensorMap(cudarc::driver::sys::CUtensorMap);
 // (the global address inside is a device address).
 unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
 
+/// Largest M the decode-shaped kernel takes (`kernels/gemm_small_m.cu`, MAX_M).
+pub const SMALL_M_MAX: usize = 8;
+
 /// The tensor-core GEMM kernels, for [`Gpu::gemm_tensor_core`]'s choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmKernel {
@@ -402,6 +405,69 @@ impl Gpu {
             GemmKernel::Wgmma => self.gemm_wgmma(c, a, b, bias, (m, n, k), ty),
             GemmKernel::MmaSync => self.gemm_mma(c, a, b, bias, (m, n, k), ty),
         }
+    }
+
+    /// `C = A B^T + bias` for the `[N, K]` weight layout, on the kernel that suits the shape:
+    /// the decode kernel for `m <= 8` (any dtype), the SIMT kernel for f32, and the tensor-core
+    /// kernel [`gemm_kernel_for`](Self::gemm_kernel_for) picks for f16/bf16.
+    pub fn gemm_nt(
+        &self,
+        c: &mut CudaSlice<u8>,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        bias: Option<&CudaSlice<u8>>,
+        (m, n, k): (usize, usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        if (1..=SMALL_M_MAX).contains(&m) {
+            return self.gemm_small_m(c, a, b, bias, (m, n, k), ty);
+        }
+        match ty {
+            ElemType::F32 => self.gemm_simt_f32(c, a, b, bias, (m, n, k), true),
+            _ => self.gemm_tensor_core(c, a, b, bias, (m, n, k), ty),
+        }
+    }
+
+    /// Decode-shaped `C = A B^T + bias` for `1 <= m <= 8` (`kernels/gemm_small_m.cu`): one
+    /// warp per weight row, 16-byte loads, so the weight streams from memory once.
+    pub fn gemm_small_m(
+        &self,
+        c: &mut CudaSlice<u8>,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        bias: Option<&CudaSlice<u8>>,
+        (m, n, k): (usize, usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "gemm_small_m";
+        if !(1..=SMALL_M_MAX).contains(&m) {
+            return Err(invalid(K, format!("M = {m}; this kernel takes 1..={SMALL_M_MAX}")));
+        }
+        check_gemm(K, c, a, b, bias, (m, n, k), ty.size())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let vec = k % (16 / ty.size()) == 0; // every row starts 16-byte aligned
+        let name = format!("tp_gemm_small_m_{}{}", ty.name(), if vec { "" } else { "_unaligned" });
+        let f = self.function("gemm_small_m", &name)?;
+        let (m_i, n_i, k_i) = (m as i32, i64_of(K, n)?, i64_of(K, k)?);
+        let blocks = (n as u64).div_ceil(8).clamp(1, u64::from(self.sm_count()) * BLOCKS_PER_SM);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let null = 0u64;
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(c).arg(a).arg(b);
+        match bias {
+            Some(bias) => l.arg(bias),
+            None => l.arg(&null),
+        };
+        l.arg(&m_i).arg(&n_i).arg(&k_i);
+        // SAFETY: matches tp_gemm_small_m_T[_unaligned](T* C, const T* A, const T* B,
+        // const T* bias_or_null, int M, int64 N, int64 K). check_gemm verified that A holds m*k,
+        // B n*k, C m*n and bias n elements; the kernel reads rows of A and B only below K and
+        // writes C[m][n] only for m < M (<= 8) and n < N. The 16-byte vector variant is chosen only
+        // when K is a multiple of the vector width, so every vector is in bounds and aligned
+        // (allocations are 256-byte aligned). C is borrowed mutably: no aliasing.
+        unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_small_m)"))
     }
 
     /// A 2-D TMA descriptor over a row-major `rows x k` matrix of 2-byte elements at `buf`, box

@@ -21,7 +21,7 @@ mod launch;
 pub use cudarc;
 pub use error::{KernelError, Result};
 pub use gpu::{Gpu, device_count, driver_available, set_poison_allocations};
-pub use launch::{ElemType, GemmKernel, MMA_SMEM_BYTES, RowCopy, WGMMA_SMEM_BYTES};
+pub use launch::{ElemType, GemmKernel, MMA_SMEM_BYTES, RowCopy, SMALL_M_MAX, WGMMA_SMEM_BYTES};
 
 /// A kernel module compiled at build time.
 #[derive(Debug, Clone, Copy)]

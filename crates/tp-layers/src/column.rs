@@ -93,7 +93,6 @@ impl ColumnParallel {
         let y = self.forward(x)?;
         Ok(group.all_gather(&y, y.ndim() - 1)?)
     }
-
 }
 
 /// Checks that a layer built for `shard`'s rank and world size is used with a matching group.

@@ -98,9 +98,9 @@ pub(crate) fn interleave(s: &CudaStorage, rows: usize, cols: usize, world: usize
 
 /// `y = x op(W) + b` with `x: m×k`, `W` in `layout`, all of one dtype, on one device.
 ///
-/// f32 runs the SIMT kernel (either layout); f16/bf16 with the `[N, K]` layout run the
-/// tensor-core kernel. f16/bf16 with `[K, N]` widen to f32, run SIMT and round back once, which
-/// is exact to the same single rounding but slower: checkpoints use `[N, K]`.
+/// The `[N, K]` layout goes to `Gpu::gemm_nt` (decode kernel for M <= 8, SIMT for f32,
+/// tensor cores for f16/bf16). `[K, N]`: f32 runs SIMT; f16/bf16 widen to f32, run SIMT and round
+/// back once, the same single rounding but slower (checkpoints use `[N, K]`).
 pub(crate) fn matmul(
     x: &CudaStorage,
     w: &CudaStorage,
@@ -116,14 +116,15 @@ pub(crate) fn matmul(
     let gpu = &x.gpu;
     let dtype = x.dtype;
     match (dtype, layout) {
-        (DType::F32, _) => {
-            let (mut buf, parts) = alloc_like(x, m * n * 4, dtype)?;
-            gpu.gemm_simt_f32(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), layout == WeightLayout::Nk)?;
+        (_, WeightLayout::Nk) => {
+            // Decode shapes, SIMT f32 or tensor cores: tp-kernels picks per shape and device.
+            let (mut buf, parts) = alloc_like(x, m * n * dtype.size_in_bytes(), dtype)?;
+            gpu.gemm_nt(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), elem_type(dtype))?;
             Ok(parts.finish(buf))
         }
-        (_, WeightLayout::Nk) => {
-            let (mut buf, parts) = alloc_like(x, m * n * dtype.size_in_bytes(), dtype)?;
-            gpu.gemm_tensor_core(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), elem_type(dtype))?;
+        (DType::F32, WeightLayout::Kn) => {
+            let (mut buf, parts) = alloc_like(x, m * n * 4, dtype)?;
+            gpu.gemm_simt_f32(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), false)?;
             Ok(parts.finish(buf))
         }
         (_, WeightLayout::Kn) => {
