@@ -204,6 +204,11 @@ impl NcclComm {
         call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> ncclResult_t::Type,
     ) -> Result<()> {
         self.check_usable(op)?;
+        // NCCL enqueues on the calling thread's current device: make it this rank's.
+        self.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(|e| CommError::Nccl { op: "cuCtxSetCurrent", message: format!("{e:?}") })?;
         let deadline = Instant::now() + self.timeout;
         let stream = self.gpu.stream();
         let raw_stream = stream.cu_stream() as sys::cudaStream_t;
