@@ -109,16 +109,6 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 template <int REGS>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 
-// Tile t of a (tiles_m x tiles_n) grid in grouped order: GROUP_M tile-rows at a time.
-__device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int& tm, int& tn) {
-    const int per_group = GROUP_M * tiles_n;
-    const int first_m = (t / per_group) * GROUP_M;
-    const int group_m = min(tiles_m - first_m, GROUP_M);
-    const int in_group = t % per_group;
-    tm = first_m + in_group % group_m;
-    tn = in_group / group_m;
-}
-
 template <typename T>
 __device__ __forceinline__ void gemm_wgmma(T* __restrict__ C, const T* __restrict__ bias, const CUtensorMap* tma_a,
                                            const CUtensorMap* tma_b, int M, int N, int K) {
@@ -150,7 +140,7 @@ __device__ __forceinline__ void gemm_wgmma(T* __restrict__ C, const T* __restric
             int it = 0;
             for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
                 int tm, tn;
-                tile_coords(t, tiles_m, tiles_n, tm, tn);
+                tp::grouped_tile(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
                 for (int kt = 0; kt < ktiles; ++kt, ++it) {
                     const int s = it % STAGES;
                     mbar_wait(&empty[s], (it / STAGES) & 1);
@@ -169,7 +159,7 @@ __device__ __forceinline__ void gemm_wgmma(T* __restrict__ C, const T* __restric
         int it = 0;
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
             int tm, tn;
-            tile_coords(t, tiles_m, tiles_n, tm, tn);
+            tp::grouped_tile(t, tiles_m, tiles_n, GROUP_M, &tm, &tn);
             float acc[2][64];
 #pragma unroll
             for (int h = 0; h < 2; ++h)

@@ -63,4 +63,18 @@ TP_HD int64_t gather_src(Split s, int64_t rows, int64_t row, int64_t col) {
     return rows * start + row * width + (col - start);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Grouped tile order of the persistent GEMM (gemm_wgmma.cu): tile t of a tiles_m x tiles_n grid
+// walks `group` tile-rows at a time, column-major inside the group, so CTAs running at once
+// share B tiles in L2. A bijection of [0, tiles_m * tiles_n) onto the grid.
+// ---------------------------------------------------------------------------------------------
+TP_HD void grouped_tile(int t, int tiles_m, int tiles_n, int group, int* tm, int* tn) {
+    const int per_group = group * tiles_n;
+    const int first_m = (t / per_group) * group;
+    const int group_m = (tiles_m - first_m) < group ? (tiles_m - first_m) : group;
+    const int in_group = t % per_group;
+    *tm = first_m + in_group % group_m;
+    *tn = in_group / group_m;
+}
+
 }  // namespace tp

@@ -52,3 +52,22 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn persistent_gemm_tile_order_visits_every_tile_once() {
+    for tiles_m in 1..40 {
+        for tiles_n in 1..12 {
+            let mut seen = vec![false; (tiles_m * tiles_n) as usize];
+            for t in 0..tiles_m * tiles_n {
+                let (tm, tn) = host_index::grouped_tile(t, tiles_m, tiles_n, 8);
+                assert!((0..tiles_m).contains(&tm) && (0..tiles_n).contains(&tn), "t {t}: ({tm}, {tn})");
+                let i = (tm * tiles_n + tn) as usize;
+                assert!(!seen[i], "tile ({tm}, {tn}) visited twice");
+                seen[i] = true;
+                // Consecutive tiles stay within a group of 8 tile-rows.
+                assert_eq!(tm / 8, (t / (8 * tiles_n)), "t {t}");
+            }
+            assert!(seen.iter().all(|&s| s));
+        }
+    }
+}

@@ -15,6 +15,9 @@ int64_t tp_host_split_owner(int64_t len, int64_t world, int64_t i) {
 int64_t tp_host_gather_src(int64_t rows, int64_t cols, int64_t world, int64_t row, int64_t col) {
     return tp::gather_src(tp::make_split(cols, world), rows, row, col);
 }
+void tp_host_grouped_tile(int t, int tiles_m, int tiles_n, int group, int* tm, int* tn) {
+    tp::grouped_tile(t, tiles_m, tiles_n, group, tm, tn);
+}
 int64_t tp_host_row_copy_src(int64_t rows, int64_t row_units, int64_t src_pitch, int64_t src_off, int64_t dst_pitch,
                              int64_t dst_off, int64_t u) {
     return tp::row_copy_src(tp::RowCopy{rows, row_units, src_pitch, src_off, dst_pitch, dst_off}, u);

@@ -7,6 +7,7 @@ unsafe extern "C" {
     fn tp_host_split_len(len: i64, world: i64, rank: i64) -> i64;
     fn tp_host_split_owner(len: i64, world: i64, i: i64) -> i64;
     fn tp_host_gather_src(rows: i64, cols: i64, world: i64, row: i64, col: i64) -> i64;
+    fn tp_host_grouped_tile(t: i32, tiles_m: i32, tiles_n: i32, group: i32, tm: *mut i32, tn: *mut i32);
     fn tp_host_row_copy_src(rows: i64, units: i64, sp: i64, so: i64, dp: i64, dof: i64, u: i64) -> i64;
     fn tp_host_row_copy_dst(rows: i64, units: i64, sp: i64, so: i64, dp: i64, dof: i64, u: i64) -> i64;
 }
@@ -59,4 +60,15 @@ pub fn row_copy(
             tp_host_row_copy_dst(rows, units, src_pitch, src_off, dst_pitch, dst_off, u),
         )
     }
+}
+
+/// `(tile_m, tile_n)` of tile `t` in the persistent GEMM's grouped order (`group` tile-rows at a
+/// time); `t < tiles_m * tiles_n`, all positive.
+pub fn grouped_tile(t: i32, tiles_m: i32, tiles_n: i32, group: i32) -> (i32, i32) {
+    assert!(tiles_m > 0 && tiles_n > 0 && group > 0 && (0..tiles_m * tiles_n).contains(&t));
+    let (mut tm, mut tn) = (0, 0);
+    // SAFETY: integer arithmetic writing two ints through valid pointers to locals; the assert
+    // rules out division by zero.
+    unsafe { tp_host_grouped_tile(t, tiles_m, tiles_n, group, &mut tm, &mut tn) };
+    (tm, tn)
 }
