@@ -54,6 +54,12 @@ fn large_threaded_shapes_match_reference() {
         check(m, k, n, DType::F32, WeightLayout::Nk, true, 7);
         check(m, k, n, DType::BF16, WeightLayout::Nk, false, 8);
     }
+    // f16/bf16 widen the weight in K blocks of at most 2048 (fewer for wide weights): K = 3001
+    // with N = 2100 takes two blocks, in both layouts.
+    for dtype in [DType::BF16, DType::F16] {
+        check(7, 3001, 2100, dtype, WeightLayout::Nk, true, 9);
+        check(7, 3001, 2100, dtype, WeightLayout::Kn, false, 10);
+    }
 }
 
 #[test]

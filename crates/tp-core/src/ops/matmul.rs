@@ -101,8 +101,12 @@ impl Tensor {
     }
 }
 
-/// Depth of one widened weight block for f16/bf16 products (matrixmultiply's own KC is 256).
-const K_BLOCK: usize = 512;
+/// Depth of one widened weight block for f16/bf16 products: as deep as fits `WIDE_BUDGET`
+/// f32 elements (16 MiB), between 256 (matrixmultiply's own KC) and 2048. Fewer, deeper blocks
+/// mean fewer GEMM calls; the budget bounds the buffer for very wide weights.
+const K_BLOCK_MAX: usize = 2048;
+const K_BLOCK_MIN: usize = 256;
+const WIDE_BUDGET: usize = 4 << 20;
 
 /// Granule of the threaded whole-buffer conversions (elements).
 const CONVERT_ROWS: usize = 4096;
@@ -160,7 +164,7 @@ fn host_matmul<T: Element>(
     // f16/bf16: widen the weight one K-block at a time into a buffer that stays in cache, and
     // accumulate the blocks' products into y (beta = 1 after the first). Widening the whole
     // weight at once would cost a pass over memory and a fresh N·K·4-byte allocation per call.
-    let kb = K_BLOCK.min(k).max(1);
+    let kb = (WIDE_BUDGET / n.max(1)).clamp(K_BLOCK_MIN, K_BLOCK_MAX).min(k).max(1);
     let mut wide = vec![0f32; n * kb];
     for k0 in (0..k).step_by(kb) {
         let kc = kb.min(k - k0);
