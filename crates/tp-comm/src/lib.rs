@@ -17,6 +17,23 @@
 //!   [`Communicator`] over it ([`nccl::NcclComm`]); [`DeviceGroup::from_env`] sets it all up the
 //!   torchrun way.
 
+//! ```
+//! use std::time::Duration;
+//! use tp_comm::{DeviceGroup, ReduceOp};
+//! use tp_core::{DType, Device, Tensor};
+//! // Four ranks as threads; each contributes [r, r] and receives the sum [6, 6].
+//! let groups = DeviceGroup::local(4, Duration::from_secs(10), |_| Device::Cpu).unwrap();
+//! std::thread::scope(|s| {
+//!     for g in groups {
+//!         s.spawn(move || {
+//!             let x = Tensor::from_vec(vec![g.rank() as f32; 2], &[2], &Device::Cpu).unwrap();
+//!             let y = g.all_reduce(&x, ReduceOp::Sum).unwrap();
+//!             assert_eq!(y.to_vec::<f32>().unwrap(), vec![6.0, 6.0]);
+//!         });
+//!     }
+//! });
+//! ```
+
 mod communicator;
 mod env;
 mod error;

@@ -15,6 +15,39 @@
 //!   bytes of each tensor.
 //!
 //! Every rank uses `tp_core::TensorShard`'s balanced split, so shards may be uneven.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tp_comm::DeviceGroup;
+//! use tp_core::{DType, Device, Tensor};
+//! use tp_layers::{ColumnParallel, Linear};
+//! # fn main() -> tp_layers::Result<()> {
+//! let cpu = Device::Cpu;
+//! // A full [out = 10, in = 8] layer; 3 ranks hold 4, 3 and 3 of its output rows.
+//! let full = Linear::new(Tensor::rand(&[10, 8], DType::F32, 1, &cpu)?, Some(Tensor::rand(&[10], DType::F32, 2, &cpu)?))?;
+//! let x = Tensor::rand(&[5, 8], DType::F32, 3, &cpu)?;
+//! let groups = DeviceGroup::local(3, Duration::from_secs(10), |_| cpu)?;
+//! let outputs = std::thread::scope(|s| {
+//!     let handles: Vec<_> = groups
+//!         .into_iter()
+//!         .map(|g| {
+//!             let (full, x) = (&full, &x);
+//!             s.spawn(move || -> tp_layers::Result<Tensor> {
+//!                 let layer = ColumnParallel::from_full(full, g.rank(), g.world_size())?;
+//!                 assert_eq!(layer.forward(x)?.dims(), &[5, layer.shard().len()]); // local block
+//!                 layer.forward_gathered(x, &g) // all ranks get the full [5, 10]
+//!             })
+//!         })
+//!         .collect();
+//!     handles.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+//! });
+//! let want = full.forward(&x)?.to_f64_vec()?;
+//! for y in outputs {
+//!     let got = y?.to_f64_vec()?;
+//!     assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5));
+//! }
+//! # Ok(()) }
+//! ```
 
 mod checkpoint;
 mod column;
