@@ -292,34 +292,70 @@ impl Communicator for NcclComm {
         self.world
     }
 
+    /// An all-gather of arbitrary per-rank lengths (NCCL's own needs equal ones): the lengths
+    /// are shared first, then every rank broadcasts its block, all in one NCCL group, into a
+    /// rank-major buffer `(rank, outer, len_r, inner)`, with no padding. Gathering along the
+    /// outermost non-trivial dim, that buffer is the result; along the last dim with balanced
+    /// shards, the gather-interleave kernel makes it `(outer, total)` in one pass; otherwise
+    /// each rank's block is placed with device copies.
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
         const OP: &str = "all_gather";
         let len = x.shape().dim(OP, dim).map_err(tensor_err(OP))?;
-        // Lengths along `dim` may differ: share them first, then gather padded blocks.
         let lens = self.all_gather_lengths(len)?;
-        let max = lens.iter().copied().max().unwrap_or(0);
-        let padded = if len == max {
-            x.clone()
-        } else {
-            let mut pad_dims = x.dims().to_vec();
-            pad_dims[dim] = max - len;
-            let pad = Tensor::zeros(&pad_dims, x.dtype(), &x.device()).map_err(tensor_err(OP))?;
-            Tensor::cat(&[x, &pad], dim).map_err(tensor_err(OP))?
-        };
-        let src = self.device_input(OP, &padded)?;
-        let block = padded.numel();
-        let out = self.alloc(block * self.world * x.dtype().size_in_bytes())?;
-        let (s, d, dt) = (self.ptr(src), self.ptr(&out) as *mut c_void, nccl_dtype(x.dtype()));
-        // SAFETY: every rank sends `block` elements (the padded shapes agree, checked by the
-        // shared lengths); `out` holds world * block elements, as ncclAllGather writes.
-        self.run(OP, |comm, stream| unsafe { self.nccl.lib().ncclAllGather(s, d, block, dt, comm, stream) })?;
-        let mut all_dims = vec![self.world];
-        all_dims.extend_from_slice(padded.dims());
-        let all = self.wrap(OP, out, &all_dims, x.dtype())?;
+        let total: usize = lens.iter().sum();
+        let dims = x.dims();
+        let outer: usize = dims[..dim].iter().product();
+        let inner: usize = dims[dim + 1..].iter().product();
+        let eb = x.dtype().size_in_bytes();
+        let counts: Vec<usize> = lens.iter().map(|l| outer * l * inner).collect();
+        let offsets: Vec<usize> = counts.iter().scan(0, |acc, c| Some(std::mem::replace(acc, *acc + c))).collect();
+        let src = self.device_input(OP, x)?;
+        let buf = self.alloc(outer * total * inner * eb)?;
+        let (s_ptr, d_ptr, dt) = (self.ptr(src) as usize, self.ptr(&buf) as usize, nccl_dtype(x.dtype()));
+        let me = self.rank;
+        self.run(OP, |comm, stream| {
+            let lib = self.nccl.lib();
+            // SAFETY: group calls take no pointers.
+            let mut first = unsafe { lib.ncclGroupStart() };
+            for r in 0..self.world {
+                if counts[r] == 0 {
+                    continue;
+                }
+                let recv = (d_ptr + offsets[r] * eb) as *mut c_void;
+                let send = if r == me { s_ptr as *const c_void } else { recv as *const c_void };
+                // SAFETY: `recv` is rank r's block of `buf`, counts[r] elements inside its
+                // outer*total*inner; on the root, `send` is this rank's input of exactly
+                // counts[me] = x.numel() elements (the shared lengths say so); elsewhere NCCL
+                // ignores it. Both buffers live until `run` has waited for completion.
+                let res = unsafe { lib.ncclBroadcast(send, recv, counts[r], dt, to_i32(r).unwrap_or(0), comm, stream) };
+                if first == ncclResult_t::ncclSuccess {
+                    first = res;
+                }
+            }
+            // SAFETY: closes the group opened above; always called, even after an error.
+            let end = unsafe { lib.ncclGroupEnd() };
+            if first == ncclResult_t::ncclSuccess { end } else { first }
+        })?;
+        let mut out_dims = dims.to_vec();
+        out_dims[dim] = total;
+        if outer == 1 {
+            return self.wrap(OP, buf, &out_dims, x.dtype());
+        }
+        let flat = self.wrap(OP, buf, &[outer * total * inner], x.dtype())?;
+        let balanced = tp_core::TensorShard::for_all_ranks(0, total, self.world)
+            .map_err(tensor_err(OP))?
+            .iter()
+            .zip(&lens)
+            .all(|(s, &l)| s.len() == l);
+        if inner == 1 && balanced {
+            let y = flat.interleave_rank_major(outer, total, self.world).map_err(tensor_err(OP))?;
+            return y.reshape(&out_dims).map_err(tensor_err(OP));
+        }
         let parts = (0..self.world)
             .map(|r| {
-                let one = all.narrow(0, r, 1)?.reshape(padded.dims())?;
-                one.narrow(dim, 0, lens[r])
+                let mut d = dims.to_vec();
+                d[dim] = lens[r];
+                flat.narrow(0, offsets[r], counts[r])?.reshape(&d)
             })
             .collect::<tp_core::Result<Vec<_>>>()
             .map_err(tensor_err(OP))?;
