@@ -54,6 +54,11 @@ impl Timer {
 
 pub fn run(gpu: &Arc<Gpu>, args: &Args) -> Result<Vec<Row>> {
     let mut timer = Timer { gpu: gpu.clone(), flush: gpu.alloc(256 * MIB)?, reps: 20 };
+    // cudarc panics on first use when libcublas cannot be loaded: probe for it first.
+    // SAFETY: is_culib_present only tries to dlopen libcublas by its known names.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        anyhow::bail!("cuBLAS (libcublas.so.13) not found: put the CUDA libraries on LD_LIBRARY_PATH (run.sh does)");
+    }
     let blas = CudaBlas::new(gpu.stream().clone()).map_err(|e| anyhow!("cuBLAS unavailable: {e:?}"))?;
     let mut rows = Vec::new();
     let memcpy_tbps = copies(gpu, &mut timer, args.quick, &mut rows)?;
