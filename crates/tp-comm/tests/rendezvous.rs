@@ -215,3 +215,26 @@ fn rank_zero_reports_a_busy_port() {
     let results = finish(vec![probe(0, 1, port, 3)], Duration::from_secs(20));
     assert!(!results[0].0 && results[0].2.contains("port in use"), "{:?}", results[0]);
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Whatever bytes arrive — random, or a valid header announcing absurd lengths — the store
+    /// drops that connection and keeps serving everyone else.
+    #[test]
+    fn random_bytes_never_hurt_the_store(noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+                                         with_magic in proptest::prelude::any::<bool>()) {
+        let server = StoreServer::start("127.0.0.1:0").unwrap();
+        let addr = server.addr().to_string();
+        let mut raw = TcpStream::connect(&addr).unwrap();
+        if with_magic {
+            raw.write_all(b"TPS1").unwrap();
+        }
+        let _ = raw.write_all(&noise);
+        let _ = raw.shutdown(std::net::Shutdown::Write);
+        let soon = || Instant::now() + Duration::from_secs(5);
+        let mut c = StoreClient::connect(&addr, soon()).unwrap();
+        c.set("k", b"v", soon()).unwrap();
+        proptest::prop_assert_eq!(c.get("k", soon()).unwrap(), Some(b"v".to_vec()));
+    }
+}
