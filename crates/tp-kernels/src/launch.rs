@@ -10,8 +10,11 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 /// Element types the kernels know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ElemType {
+    /// IEEE binary32.
     F32,
+    /// IEEE binary16.
     F16,
+    /// bfloat16.
     BF16,
 }
 
@@ -36,11 +39,17 @@ impl ElemType {
 /// `src_off + j * src_pitch` and written at `dst_off + j * dst_pitch` (all in bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowCopy {
+    /// Number of rows.
     pub rows: usize,
+    /// Bytes copied per row.
     pub row_bytes: usize,
+    /// Bytes between the starts of consecutive source rows.
     pub src_pitch: usize,
+    /// Byte offset of the first source row.
     pub src_off: usize,
+    /// Bytes between the starts of consecutive destination rows.
     pub dst_pitch: usize,
+    /// Byte offset of the first destination row.
     pub dst_off: usize,
 }
 

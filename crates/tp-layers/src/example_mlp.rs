@@ -18,27 +18,39 @@ use tp_core::{DType, Device, Tensor};
 /// Parsed command line.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Args {
+    /// `--checkpoint`: safetensors file, index json or folder.
     pub checkpoint: String,
+    /// `--prefix`: the MLP's name prefix, e.g. `model.layers.0.mlp`.
     pub prefix: String,
+    /// `--input`: safetensors file holding `x: [tokens, hidden]`.
     pub input: String,
+    /// `--world-size`: number of ranks.
     pub world_size: usize,
+    /// `--backend`.
     pub backend: Backend,
+    /// `--device`.
     pub device: DeviceKind,
+    /// `--dtype` of the computation and of `y`.
     pub dtype: DType,
+    /// `--output`: safetensors file to write `y` to.
     pub output: String,
 }
 
 /// How ranks run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
+    /// Ranks as threads of this process (LocalGroup).
     Local,
+    /// Ranks as processes over NCCL, one GPU each.
     Nccl,
 }
 
 /// Where ranks compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceKind {
+    /// The host backend.
     Cpu,
+    /// CUDA GPUs (ranks round-robin over them with the local backend).
     Cuda,
 }
 

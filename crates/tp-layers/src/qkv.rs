@@ -15,16 +15,23 @@ use tp_core::{DType, Device, Tensor, TensorShard};
 /// Which heads a rank holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QkvLayout {
+    /// Query heads in the model.
     pub num_heads: usize,
+    /// Key/value heads in the model (divides `num_heads`).
     pub num_kv_heads: usize,
+    /// Features per head.
     pub head_dim: usize,
+    /// This rank.
     pub rank: usize,
+    /// Tensor-parallel degree.
     pub world_size: usize,
-    /// Query heads `q_start..q_start + q_len`.
+    /// First query head this rank holds.
     pub q_start: usize,
+    /// Number of query heads this rank holds.
     pub q_len: usize,
-    /// KV heads `kv_start..kv_start + kv_len`.
+    /// First KV head this rank holds.
     pub kv_start: usize,
+    /// Number of KV heads this rank holds (1 when replicated).
     pub kv_len: usize,
 }
 
