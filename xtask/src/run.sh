@@ -36,10 +36,13 @@ export LD_LIBRARY_PATH="${joined}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(cat "$here/COMMIT" 2>/dev/null || echo unknown)"
   echo "host: $(uname -a)"
-  for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+  # Any version counts (cudarc also loads e.g. libcublas.so.12); report what the loader will see.
+  for lib in libcuda.so libnvrtc.so libcublas.so libcublasLt.so libnccl.so; do
     found=""
     IFS=: read -ra search <<< "$LD_LIBRARY_PATH"
-    for d in "${search[@]}"; do [ -e "$d/$lib" ] && { found="$d/$lib"; break; }; done
+    for d in "${search[@]}"; do
+      for f in "$d/$lib".*; do [ -e "$f" ] && { found="$f"; break 2; }; done
+    done
     echo "$lib: ${found:-not found}"
   done
 } > "$out/env.txt"
