@@ -9,7 +9,6 @@
 
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
-use std::process::Command;
 
 /// The NCCL wheel the bindings are generated from.
 pub const NCCL_WHEEL: &str = "nvidia-nccl-cu13==2.32.3";
@@ -31,14 +30,9 @@ pub fn ensure_nccl() -> Result<PathBuf> {
         return Ok(dir);
     }
     println!("==> installing {NCCL_WHEEL} from PyPI into {}", nccl_root().display());
-    let status = Command::new("python3")
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--target"])
-        .arg(nccl_root())
-        .arg(NCCL_WHEEL)
-        .status()
-        .context("cannot run python3 -m pip")?;
-    if !status.success() || !dir.join("include/nccl.h").exists() {
-        bail!("pip could not install {NCCL_WHEEL}");
+    crate::cuda::pip_install(&nccl_root(), &[NCCL_WHEEL])?;
+    if !dir.join("include/nccl.h").exists() {
+        bail!("{NCCL_WHEEL} installed no nccl.h under {}", nccl_root().display());
     }
     Ok(dir)
 }

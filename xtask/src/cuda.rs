@@ -21,6 +21,21 @@ const PIP_PACKAGES: &[&str] = &[
     "nvidia-nvvm==13.0.88",
 ];
 
+/// `python3 -m pip install --target root packages..` (no dependencies pulled in: every pinned
+/// package is named), failing with the package list when pip fails.
+pub fn pip_install(root: &Path, packages: &[&str]) -> Result<()> {
+    let status = Command::new("python3")
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--target"])
+        .arg(root)
+        .args(packages)
+        .status()
+        .context("cannot run python3 -m pip (a Python with pip is needed to install the CUDA tools)")?;
+    if !status.success() {
+        bail!("pip could not install {} ({status})", packages.join(" "));
+    }
+    Ok(())
+}
+
 /// The pip cache of the pinned compiler, under the workspace's target directory.
 pub fn pip_root() -> PathBuf {
     crate::workspace_root().join("target/cuda-13.0")
@@ -60,15 +75,7 @@ fn find_or_install() -> Result<PathBuf> {
     }
     let root = pip_root();
     println!("==> no nvcc found: installing CUDA 13.0 nvcc from PyPI into {}", root.display());
-    let status = Command::new("python3")
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
-        .arg(&root)
-        .args(PIP_PACKAGES)
-        .status()
-        .context("cannot run python3 -m pip (a Python with pip is needed to install nvcc)")?;
-    if !status.success() {
-        bail!("pip could not install {} ({status})", PIP_PACKAGES.join(" "));
-    }
+    pip_install(&root, PIP_PACKAGES)?;
     let nvcc = root.join("nvidia/cu13/bin/nvcc");
     if !runs(&nvcc) {
         bail!("installed nvcc at {} does not run (it needs the host g++)", nvcc.display());
@@ -88,14 +95,9 @@ pub fn ensure_sass_tools() -> Result<PathBuf> {
         return Ok(bin);
     }
     println!("==> installing cuobjdump and nvdisasm from PyPI into {}", root.display());
-    let status = Command::new("python3")
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
-        .arg(&root)
-        .args(SASS_PACKAGES)
-        .status()
-        .context("cannot run python3 -m pip")?;
-    if !status.success() || !bin.join("cuobjdump").exists() {
-        bail!("pip could not install {}", SASS_PACKAGES.join(" "));
+    pip_install(&root, SASS_PACKAGES)?;
+    if !bin.join("cuobjdump").exists() {
+        bail!("{} installed no cuobjdump under {}", SASS_PACKAGES.join(" "), root.display());
     }
     Ok(bin)
 }
