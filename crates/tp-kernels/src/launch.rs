@@ -5,7 +5,7 @@
 use crate::error::{KernelError, Result, driver};
 use crate::gpu::Gpu;
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 
 /// Element types the kernels know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -305,13 +305,9 @@ impl Gpu {
         let vec = i32::from(vec_a) | (i32::from(vec_b) << 1);
         let f = self.function("gemm_simt", if nk { "tp_gemm_simt_f32_nk" } else { "tp_gemm_simt_f32_kn" })?;
         let [m_i, n_i, k_i] = [i64_of(K, m)?, i64_of(K, n)?, i64_of(K, k)?];
-        let null = 0u64;
         let mut l = self.stream().launch_builder(&f);
         l.arg(c).arg(a).arg(b);
-        match bias {
-            Some(bias) => l.arg(bias),
-            None => l.arg(&null),
-        };
+        push_bias(&mut l, bias);
         l.arg(&m_i).arg(&n_i).arg(&k_i).arg(&vec);
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: matches tp_gemm_simt_f32_xx(float* C, const float* A, const float* B,
@@ -366,13 +362,9 @@ impl Gpu {
         f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MMA_SMEM_BYTES as i32)
             .map_err(driver("cuFuncSetAttribute"))?;
         let [m_i, n_i, k_i] = [i64_of(K, m)?, i64_of(K, n)?, i64_of(K, k)?];
-        let null = 0u64;
         let mut l = self.stream().launch_builder(&f);
         l.arg(c).arg(a).arg(b);
-        match bias {
-            Some(bias) => l.arg(bias),
-            None => l.arg(&null),
-        };
+        push_bias(&mut l, bias);
         l.arg(&m_i).arg(&n_i).arg(&k_i);
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: MMA_SMEM_BYTES };
         // SAFETY: matches tp_gemm_mma_T_nk[_unaligned](T* C, const T* A, const T* B,
@@ -462,13 +454,9 @@ impl Gpu {
         let (m_i, n_i, k_i) = (m as i32, i64_of(K, n)?, i64_of(K, k)?);
         let blocks = (n as u64).div_ceil(8).clamp(1, u64::from(self.sm_count()) * BLOCKS_PER_SM);
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let null = 0u64;
         let mut l = self.stream().launch_builder(&f);
         l.arg(c).arg(a).arg(b);
-        match bias {
-            Some(bias) => l.arg(bias),
-            None => l.arg(&null),
-        };
+        push_bias(&mut l, bias);
         l.arg(&m_i).arg(&n_i).arg(&k_i);
         // SAFETY: matches tp_gemm_small_m_T[_unaligned](T* C, const T* A, const T* B,
         // const T* bias_or_null, int M, int64 N, int64 K). check_gemm verified that A holds m*k,
@@ -568,13 +556,9 @@ impl Gpu {
         f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, WGMMA_SMEM_BYTES as i32)
             .map_err(driver("cuFuncSetAttribute"))?;
         let [m_i, n_i, k_i] = [m as i32, n as i32, k as i32];
-        let null = 0u64;
         let mut l = self.stream().launch_builder(&f);
         l.arg(c);
-        match bias {
-            Some(bias) => l.arg(bias),
-            None => l.arg(&null),
-        };
+        push_bias(&mut l, bias);
         l.arg(&map_a).arg(&map_b).arg(&m_i).arg(&n_i).arg(&k_i);
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (384, 1, 1), shared_mem_bytes: WGMMA_SMEM_BYTES };
         // SAFETY: matches tp_gemm_wgmma_T(T* C, const T* bias_or_null, CUtensorMap tma_a,
@@ -586,6 +570,17 @@ impl Gpu {
         // C is borrowed mutably, so it aliases neither A nor B.
         unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_wgmma)"))
     }
+}
+
+/// A null device pointer, passed where a kernel's optional bias is absent.
+static NULL_PTR: u64 = 0;
+
+/// Pushes the GEMM kernels' `const T* bias` argument: the bias buffer, or a null pointer.
+fn push_bias<'a>(l: &mut LaunchArgs<'a>, bias: Option<&'a CudaSlice<u8>>) {
+    match bias {
+        Some(bias) => l.arg(bias),
+        None => l.arg(&NULL_PTR),
+    };
 }
 
 /// Buffer-size checks shared by the GEMM launchers (`elem` bytes per element).
