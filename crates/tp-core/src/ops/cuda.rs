@@ -88,6 +88,23 @@ pub(crate) fn cast(s: &CudaStorage, numel: usize, to: DType) -> Result<CudaStora
     Ok(parts.finish(buf))
 }
 
+/// `silu(gate) * up` over `rows` rows of `[gate | up]`, `inner` each.
+pub(crate) fn swiglu(s: &CudaStorage, rows: usize, inner: usize) -> Result<CudaStorage> {
+    let (mut buf, parts) = alloc_like(s, rows * inner * s.dtype.size_in_bytes(), s.dtype)?;
+    s.gpu.swiglu(&mut buf, &s.buf, rows, inner, elem_type(s.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// `x + bias` over `rows` rows of `cols`.
+pub(crate) fn add_row(x: &CudaStorage, bias: &CudaStorage, rows: usize, cols: usize) -> Result<CudaStorage> {
+    if bias.gpu.ordinal() != x.gpu.ordinal() {
+        return Err(Error::DeviceMismatch { op: "add_row", lhs: x.device(), rhs: bias.device() });
+    }
+    let (mut buf, parts) = alloc_like(x, rows * cols * x.dtype.size_in_bytes(), x.dtype)?;
+    x.gpu.add_row(&mut buf, &x.buf, &bias.buf, rows, cols, elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
 /// The rank-major all-gather buffer `(world, rows, cols_r)` interleaved to `(rows, cols)`.
 pub(crate) fn interleave(s: &CudaStorage, rows: usize, cols: usize, world: usize) -> Result<CudaStorage> {
     let eb = s.dtype.size_in_bytes();

@@ -1,7 +1,7 @@
 //! Element-wise ops between GEMMs: SwiGLU on a merged `[gate | up]` output, and a row-broadcast
 //! bias add. Both compute in f32 and round once to the dtype.
 
-use crate::storage::{CpuStorage, CudaStorage, Storage};
+use crate::storage::{CpuStorage, Storage};
 use crate::{Element, Error, Result, Shape, Tensor, with_dtype};
 
 impl Tensor {
@@ -31,12 +31,7 @@ impl Tensor {
         dims.push(inner);
         let shape = Shape::new(&dims)?;
         if let Storage::Cuda(s) = self.storage() {
-            let mut buf = s.gpu.alloc(shape.numel() * self.dtype().size_in_bytes())?;
-            s.gpu.swiglu(&mut buf, &s.buf, rows, inner, super::cuda::elem_type(self.dtype()))?;
-            return Ok(Tensor::from_cuda(
-                shape.clone(),
-                CudaStorage::new(buf, shape.numel() * self.dtype().size_in_bytes(), self.dtype(), s.gpu.clone()),
-            ));
+            return Ok(Tensor::from_cuda(shape, super::cuda::swiglu(s, rows, inner)?));
         }
         let src = self.cpu_storage(OP)?;
         let out = with_dtype!(src.dtype(), T => CpuStorage::from_vec(host_swiglu::<T>(src.as_slice::<T>().unwrap_or_default(), rows, inner)));
@@ -60,13 +55,7 @@ impl Tensor {
         }
         let rows = self.numel().checked_div(n).unwrap_or(0);
         if let (Storage::Cuda(s), Storage::Cuda(b)) = (self.storage(), bias.storage()) {
-            let bytes = self.size_in_bytes();
-            let mut buf = s.gpu.alloc(bytes)?;
-            s.gpu.add_row(&mut buf, &s.buf, &b.buf, rows, n, super::cuda::elem_type(self.dtype()))?;
-            return Ok(Tensor::from_cuda(
-                self.shape().clone(),
-                CudaStorage::new(buf, bytes, self.dtype(), s.gpu.clone()),
-            ));
+            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::add_row(s, b, rows, n)?));
         }
         let (x, b) = (self.cpu_storage(OP)?, bias.cpu_storage(OP)?);
         let out = with_dtype!(x.dtype(), T => {
