@@ -122,23 +122,6 @@ fn casts_match_host_rounding() {
     }
 }
 
-fn check_matmul(m: usize, k: usize, n: usize, dtype: DType, layout: WeightLayout, with_bias: bool, seed: u64) {
-    let x = Tensor::randn(&[m, k], dtype, seed, &CPU).unwrap();
-    let w_dims = if layout == WeightLayout::Nk { [n, k] } else { [k, n] };
-    let w = Tensor::randn(&w_dims, dtype, seed + 1, &CPU).unwrap();
-    let b = Tensor::randn(&[n], dtype, seed + 2, &CPU).unwrap();
-    let bias = with_bias.then(|| gpu(&b));
-    let y = host(&gpu(&x).matmul_layout(&gpu(&w), layout, bias.as_ref()).unwrap());
-    assert_eq!(y.dims(), &[m, n]);
-    let (mut want, abs) = matmul_f64(&f64s(&x), &f64s(&w), m, k, n, layout == WeightLayout::Nk);
-    if with_bias {
-        let bv = f64s(&b);
-        want.iter_mut().enumerate().for_each(|(i, v)| *v += bv[i % n]);
-    }
-    let what = format!("gpu {m}x{k}x{n} {dtype} {layout:?} bias={with_bias}");
-    assert_close(&what, &f64s(&y), &want, |i| matmul_tol(dtype, k + 1, want[i], abs[i] + want[i].abs()));
-}
-
 #[test]
 fn matmul_matches_f64_reference_at_small_sizes() {
     setup();
@@ -150,7 +133,7 @@ fn matmul_matches_f64_reference_at_small_sizes() {
                 for n in sizes {
                     for layout in [WeightLayout::Nk, WeightLayout::Kn] {
                         seed += 3;
-                        check_matmul(m, k, n, dtype, layout, seed % 2 == 0, seed);
+                        check_matmul(GPU, m, k, n, dtype, layout, seed % 2 == 0, seed);
                     }
                 }
             }
@@ -165,10 +148,10 @@ fn matmul_matches_f64_reference_at_large_edge_shapes() {
     // not (element path), and K = 0 (bias only).
     for (m, k, n) in [(257, 1000, 383), (300, 1027, 129), (128, 512, 256), (1, 4096, 1031), (513, 8, 77), (5, 0, 9)] {
         for dtype in DType::ALL {
-            check_matmul(m, k, n, dtype, WeightLayout::Nk, true, 7);
-            check_matmul(m, k, n, dtype, WeightLayout::Nk, false, 8);
+            check_matmul(GPU, m, k, n, dtype, WeightLayout::Nk, true, 7);
+            check_matmul(GPU, m, k, n, dtype, WeightLayout::Nk, false, 8);
         }
-        check_matmul(m, k, n, DType::F32, WeightLayout::Kn, true, 9);
+        check_matmul(GPU, m, k, n, DType::F32, WeightLayout::Kn, true, 9);
     }
 }
 
@@ -261,7 +244,7 @@ fn decode_shapes_match_reference_on_both_sides_of_the_small_m_cutoff() {
     for dtype in DType::ALL {
         for m in [1, 2, 5, 8, 9] {
             for k in [4096, 4100] {
-                check_matmul(m, k, 777, dtype, WeightLayout::Nk, m % 2 == 1, 40 + m as u64);
+                check_matmul(GPU, m, k, 777, dtype, WeightLayout::Nk, m % 2 == 1, 40 + m as u64);
             }
         }
     }

@@ -8,25 +8,7 @@ const SIZES: [usize; 5] = [1, 3, 17, 64, 129];
 const CPU: Device = Device::Cpu;
 
 fn check(m: usize, k: usize, n: usize, dtype: DType, layout: WeightLayout, with_bias: bool, seed: u64) {
-    let x = Tensor::randn(&[m, k], dtype, seed, &CPU).unwrap();
-    let w_dims = match layout {
-        WeightLayout::Nk => [n, k],
-        WeightLayout::Kn => [k, n],
-    };
-    let w = Tensor::randn(&w_dims, dtype, seed + 1, &CPU).unwrap();
-    let b = Tensor::randn(&[n], dtype, seed + 2, &CPU).unwrap();
-    let bias = with_bias.then_some(&b);
-    let y = x.matmul_layout(&w, layout, bias).unwrap();
-    assert_eq!(y.dims(), &[m, n]);
-    assert_eq!(y.dtype(), dtype);
-
-    let (mut want, abs) = matmul_f64(&f64s(&x), &f64s(&w), m, k, n, layout == WeightLayout::Nk);
-    if with_bias {
-        let bv = f64s(&b);
-        want.iter_mut().enumerate().for_each(|(i, v)| *v += bv[i % n]);
-    }
-    let what = format!("{m}x{k}x{n} {dtype} {layout:?} bias={with_bias}");
-    assert_close(&what, &f64s(&y), &want, |i| matmul_tol(dtype, k + 1, want[i], abs[i] + want[i].abs()));
+    check_matmul(CPU, m, k, n, dtype, layout, with_bias, seed);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Helpers shared by the integration tests: an independent float64 reference and tolerances.
 #![allow(dead_code)]
 
-use tp_core::{DType, Tensor};
+use tp_core::{DType, Device, Tensor, WeightLayout};
 
 /// `y[i, j] = sum_l x[i, l] * w(l, j)` in f64, with `w(l, j)` read from an `[N, K]` (`nk`) or
 /// `[K, N]` weight; returns `(y, sum_l |x[i,l]·w(l,j)|)` for error bounds.
@@ -54,4 +54,40 @@ pub fn f64s(t: &Tensor) -> Vec<f64> {
 pub fn assert_nonzero(t: &Tensor) {
     let v = f64s(t);
     assert!(v.iter().filter(|x| **x != 0.0).count() * 2 >= v.len(), "test data is mostly zeros");
+}
+
+/// One `matmul_layout` on `device` (random `x: [m, k]`, weight in `layout`, optional bias, all
+/// of `dtype`, made on the host and moved over) against the f64 reference, every element.
+#[allow(clippy::too_many_arguments)]
+pub fn check_matmul(
+    device: Device,
+    m: usize,
+    k: usize,
+    n: usize,
+    dtype: DType,
+    layout: WeightLayout,
+    with_bias: bool,
+    seed: u64,
+) {
+    let cpu = Device::Cpu;
+    let x = Tensor::randn(&[m, k], dtype, seed, &cpu).unwrap();
+    let w_dims = match layout {
+        WeightLayout::Nk => [n, k],
+        WeightLayout::Kn => [k, n],
+    };
+    let w = Tensor::randn(&w_dims, dtype, seed + 1, &cpu).unwrap();
+    let b = Tensor::randn(&[n], dtype, seed + 2, &cpu).unwrap();
+    let on = |t: &Tensor| t.to_device(&device).unwrap();
+    let bias = with_bias.then(|| on(&b));
+    let y = on(&x).matmul_layout(&on(&w), layout, bias.as_ref()).unwrap().to_device(&cpu).unwrap();
+    assert_eq!(y.dims(), &[m, n]);
+    assert_eq!(y.dtype(), dtype);
+
+    let (mut want, abs) = matmul_f64(&f64s(&x), &f64s(&w), m, k, n, layout == WeightLayout::Nk);
+    if with_bias {
+        let bv = f64s(&b);
+        want.iter_mut().enumerate().for_each(|(i, v)| *v += bv[i % n]);
+    }
+    let what = format!("{device} {m}x{k}x{n} {dtype} {layout:?} bias={with_bias}");
+    assert_close(&what, &f64s(&y), &want, |i| matmul_tol(dtype, k + 1, want[i], abs[i] + want[i].abs()));
 }
