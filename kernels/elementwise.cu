@@ -4,8 +4,11 @@
 //   row (a merged gate/up projection's output); out is rows x inner with
 //   out[r, j] = silu(gate[r, j]) * up[r, j], silu(g) = g / (1 + exp(-g)), computed in f32 and
 //   rounded once (nearest even) to T.
+//   silu(gate) is rounded to T before the product, as PyTorch's separate silu op rounds it.
 // * tp_add_row_T(out, in, bias, rows, cols): out[r, c] = in[r, c] + bias[c] (f32 add, one
 //   rounding): the bias a row-parallel layer adds once, after its all-reduce.
+// * tp_add_T(x, y, n): x[i] += y[i] in place (f32 add, one rounding): the residual add.
+//   Launch: grid-stride over n.
 // Launch: blocks stride over rows, threads over the columns of a row (no integer division in
 // the loop), 256 threads per block, grid = min(rows, 32 * SMs); 64-bit indices.
 #include "common.cuh"
@@ -17,7 +20,8 @@ __device__ __forceinline__ void swiglu(T* __restrict__ out, const T* __restrict_
         const T* up = gate + inner;
         for (int64_t j = threadIdx.x; j < inner; j += blockDim.x) {
             const float g = tp::to_f32(gate[j]);
-            out[r * inner + j] = tp::from_f32<T>(g / (1.0f + expf(-g)) * tp::to_f32(up[j]));
+            const float silu = tp::to_f32(tp::from_f32<T>(g / (1.0f + expf(-g))));
+            out[r * inner + j] = tp::from_f32<T>(silu * tp::to_f32(up[j]));
         }
     }
 }
@@ -32,6 +36,13 @@ __device__ __forceinline__ void add_row(T* __restrict__ out, const T* __restrict
     }
 }
 
+template <typename T>
+__device__ __forceinline__ void add_inplace(T* __restrict__ x, const T* __restrict__ y, int64_t n) {
+    for (int64_t i = tp::global_thread(); i < n; i += tp::grid_stride()) {
+        x[i] = tp::from_f32<T>(tp::to_f32(x[i]) + tp::to_f32(y[i]));
+    }
+}
+
 #define TP_ELEMENTWISE(SUFFIX, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(256) tp_swiglu_##SUFFIX(T* out, const T* in, int64_t rows,   \
                                                                          int64_t inner) {                     \
@@ -40,6 +51,9 @@ __device__ __forceinline__ void add_row(T* __restrict__ out, const T* __restrict
     extern "C" __global__ void __launch_bounds__(256) tp_add_row_##SUFFIX(T* out, const T* in, const T* bias, \
                                                                           int64_t rows, int64_t cols) {      \
         add_row<T>(out, in, bias, rows, cols);                                                                \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) tp_add_##SUFFIX(T* x, const T* y, int64_t n) {          \
+        add_inplace<T>(x, y, n);                                                                              \
     }
 TP_ELEMENTWISE(f32, float)
 TP_ELEMENTWISE(f16, __half)

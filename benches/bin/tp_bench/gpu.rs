@@ -93,12 +93,17 @@ fn elem(d: tp_core::DType) -> ElemType {
         tp_core::DType::F32 => ElemType::F32,
         tp_core::DType::F16 => ElemType::F16,
         tp_core::DType::BF16 => ElemType::BF16,
+        tp_core::DType::I32 => ElemType::I32,
+        tp_core::DType::I64 => ElemType::I64,
     }
 }
 
 /// `n` random elements of `ty` on the device, with magnitudes in [2^-8, 1) and random signs,
 /// built from random bits (fast enough for 16384^2 operands).
 fn random(gpu: &Gpu, ty: ElemType, n: usize, seed: u64) -> Result<CudaSlice<u8>> {
+    if !ty.is_float() {
+        anyhow::bail!("GEMM benchmarks take float types, not {ty:?}");
+    }
     let mut rng = SplitMix64::new(seed);
     let mut bytes = Vec::with_capacity(n * ty.size());
     for _ in 0..n {
@@ -113,6 +118,7 @@ fn random(gpu: &Gpu, ty: ElemType, n: usize, seed: u64) -> Result<CudaSlice<u8>>
             ElemType::BF16 => {
                 bytes.extend_from_slice(&(((sign << 15) | ((119 + exp) << 7) | (mant & 0x7f)) as u16).to_le_bytes())
             }
+            ElemType::I32 | ElemType::I64 => {}
         }
     }
     Ok(gpu.htod(&bytes)?)
@@ -220,6 +226,7 @@ fn gemm_row(
         ElemType::F16 => timer.median_ms(|| {
             cublas_gemm::<f16>(blas, nt_config(mnk, f16::ONE, f16::ZERO), &b, &a, &mut c_ref, (m, n, k))
         })?,
+        ElemType::I32 | ElemType::I64 => anyhow::bail!("GEMM benchmarks take float types, not {ty:?}"),
     };
     let matched = outputs_match(gpu, &c_ours, &c_ref, m * n, ty)?;
     let ours = tflops(ours_ms);
@@ -292,6 +299,7 @@ fn outputs_match(gpu: &Gpu, ours: &CudaSlice<u8>, reference: &CudaSlice<u8>, n: 
             }
             ElemType::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64()).collect(),
             ElemType::BF16 => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64()).collect(),
+            ElemType::I32 | ElemType::I64 => Vec::new(), // never reached: `random` refuses them
         }
     };
     let a = widen(gpu.dtoh(ours, n * ty.size())?);

@@ -82,7 +82,7 @@ fn parse_args() -> Result<Args> {
     let mut a = Args {
         quick: false,
         cpu_only: false,
-        dtypes: tp_core::DType::ALL.to_vec(),
+        dtypes: tp_core::DType::FLOATS.to_vec(),
         shapes: None,
         out: PathBuf::from("target/bench"),
     };

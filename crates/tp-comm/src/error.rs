@@ -55,3 +55,11 @@ pub type Result<T> = std::result::Result<T, CommError>;
 pub(crate) fn tensor_err(op: &'static str) -> impl Fn(tp_core::Error) -> CommError {
     move |source| CommError::Tensor { op, source }
 }
+
+/// A `tp_core` error raised outside any one collective's bookkeeping (e.g. an integer tensor
+/// given to a reduction).
+impl From<tp_core::Error> for CommError {
+    fn from(source: tp_core::Error) -> Self {
+        CommError::Tensor { op: "tensor", source }
+    }
+}

@@ -1,7 +1,10 @@
-//! Element types: the [`DType`] tag and the [`Element`] trait that ties a Rust type to it.
+//! Element types: the [`DType`] tag, the [`Storable`] trait that ties a Rust type to it, and
+//! the [`Element`] trait of the floating-point ones.
 //!
 //! Reduced-precision types (`f16`, `bf16`) are stored as themselves and converted to `f32` for
-//! arithmetic; conversions to them round to nearest, ties to even (IEEE 754 default).
+//! arithmetic; conversions to them round to nearest, ties to even (IEEE 754 default). The
+//! integer types (`i32`, `i64`) hold token ids: they are stored, copied, sliced, joined and
+//! moved between devices, but take no part in arithmetic.
 
 use std::fmt;
 
@@ -16,18 +19,31 @@ pub enum DType {
     F16,
     /// bfloat16: binary32's exponent with a 7-bit mantissa.
     BF16,
+    /// 32-bit signed integer (token ids).
+    I32,
+    /// 64-bit signed integer (token ids, as PyTorch's `long`).
+    I64,
 }
 
 impl DType {
-    /// Every dtype, in a fixed order (handy for tests and benchmarks).
-    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+    /// Every floating-point dtype, in a fixed order (handy for tests and benchmarks).
+    pub const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// The integer dtypes.
+    pub const INTS: [DType; 2] = [DType::I32, DType::I64];
 
     /// Bytes per element.
     pub const fn size_in_bytes(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::I64 => 8,
         }
+    }
+
+    /// Whether this is a floating-point dtype (one that arithmetic accepts).
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
 
     /// Lower-case name as used by PyTorch and safetensors docs (`f32`, `f16`, `bf16`).
@@ -36,15 +52,19 @@ impl DType {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
         }
     }
 
-    /// Relative rounding error of one conversion into this dtype (half an ulp at 1.0).
+    /// Relative rounding error of one conversion into this dtype (half an ulp at 1.0; 0 for the
+    /// integer dtypes, which are never rounded into).
     pub const fn unit_roundoff(self) -> f64 {
         match self {
             DType::F32 => 5.960_464_477_539_063e-8, // 2^-24
             DType::F16 => 4.882_812_5e-4,           // 2^-11
             DType::BF16 => 3.906_25e-3,             // 2^-8
+            DType::I32 | DType::I64 => 0.0,
         }
     }
 }
@@ -62,7 +82,9 @@ impl std::str::FromStr for DType {
             "f32" | "float32" => Ok(DType::F32),
             "f16" | "float16" | "half" => Ok(DType::F16),
             "bf16" | "bfloat16" => Ok(DType::BF16),
-            other => Err(format!("unknown dtype {other:?}; expected f32, f16 or bf16")),
+            "i32" | "int32" => Ok(DType::I32),
+            "i64" | "int64" | "long" => Ok(DType::I64),
+            other => Err(format!("unknown dtype {other:?}; expected f32, f16, bf16, i32 or i64")),
         }
     }
 }
@@ -72,13 +94,51 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for super::f16 {}
     impl Sealed for super::bf16 {}
+    impl Sealed for i32 {}
+    impl Sealed for i64 {}
 }
 
-/// A Rust type that is the element of some [`DType`]. Plain old data, so buffers of it can be
-/// viewed as bytes (`bytemuck`) for I/O and device copies.
-pub trait Element: bytemuck::Pod + Copy + Send + Sync + PartialEq + fmt::Debug + 'static + sealed::Sealed {
+/// A Rust type that is the element of some [`DType`]: `f32`, `f16`, `bf16`, `i32`, `i64`. Plain
+/// old data, so buffers of it can be viewed as bytes (`bytemuck`) for I/O and device copies.
+pub trait Storable: bytemuck::Pod + Copy + Send + Sync + PartialEq + fmt::Debug + 'static + sealed::Sealed {
     /// The dtype tag of this type.
     const DTYPE: DType;
+}
+
+/// An integer element (`i32`, `i64`): token ids.
+pub trait IntElement: Storable {
+    /// The value as `i64` (exact).
+    fn to_i64(self) -> i64;
+    /// `v` as this type, or `None` if it does not fit.
+    fn from_i64(v: i64) -> Option<Self>;
+}
+
+impl Storable for i32 {
+    const DTYPE: DType = DType::I32;
+}
+impl Storable for i64 {
+    const DTYPE: DType = DType::I64;
+}
+impl IntElement for i32 {
+    fn to_i64(self) -> i64 {
+        i64::from(self)
+    }
+    fn from_i64(v: i64) -> Option<Self> {
+        i32::try_from(v).ok()
+    }
+}
+impl IntElement for i64 {
+    fn to_i64(self) -> i64 {
+        self
+    }
+    fn from_i64(v: i64) -> Option<Self> {
+        Some(v)
+    }
+}
+
+/// A floating-point element (`f32`, `f16`, `bf16`): the types arithmetic runs on, always
+/// computing in `f32` (or `f64` for references) and rounding back.
+pub trait Element: Storable {
     /// Exact widening to `f32`.
     fn to_f32(self) -> f32;
     /// Narrowing from `f32`, round to nearest even.
@@ -95,8 +155,11 @@ pub trait Element: bytemuck::Pod + Copy + Send + Sync + PartialEq + fmt::Debug +
     fn slice_from_f32(src: &[f32], dst: &mut [Self]);
 }
 
-impl Element for f32 {
+impl Storable for f32 {
     const DTYPE: DType = DType::F32;
+}
+
+impl Element for f32 {
     fn to_f32(self) -> f32 {
         self
     }
@@ -114,8 +177,11 @@ impl Element for f32 {
     }
 }
 
-impl Element for f16 {
+impl Storable for f16 {
     const DTYPE: DType = DType::F16;
+}
+
+impl Element for f16 {
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
@@ -133,8 +199,11 @@ impl Element for f16 {
     }
 }
 
-impl Element for bf16 {
+impl Storable for bf16 {
     const DTYPE: DType = DType::BF16;
+}
+
+impl Element for bf16 {
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
@@ -166,9 +235,11 @@ impl Element for bf16 {
     }
 }
 
-/// Runs `$body` with the type alias `$T` bound to the Rust element type of `$dtype`.
-/// This is the one place that turns a runtime [`DType`] into a compile-time type; every
-/// dtype-generic operation goes through it.
+/// Runs `$body` with the type alias `$T` bound to the Rust element type of the floating-point
+/// dtype `$dtype`. For an integer dtype the enclosing function returns
+/// `Err(Error::NotFloat { .. }.into())` instead: arithmetic takes floats only. Together with
+/// [`with_storable!`](crate::with_storable) this is the one place that turns a runtime
+/// [`DType`] into a compile-time type; every dtype-generic operation goes through them.
 #[macro_export]
 macro_rules! with_dtype {
     ($dtype:expr, $T:ident => $body:expr) => {
@@ -183,6 +254,39 @@ macro_rules! with_dtype {
             }
             $crate::DType::BF16 => {
                 type $T = $crate::bf16;
+                $body
+            }
+            dtype @ ($crate::DType::I32 | $crate::DType::I64) => {
+                return Err($crate::Error::NotFloat { dtype }.into());
+            }
+        }
+    };
+}
+
+/// Runs `$body` with `$T` bound to the Rust element type of any `$dtype`, integers included
+/// (`$T: Storable`): for operations that only move elements (copies, narrow, cat).
+#[macro_export]
+macro_rules! with_storable {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = $crate::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = $crate::bf16;
+                $body
+            }
+            $crate::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
                 $body
             }
         }

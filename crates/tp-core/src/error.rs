@@ -69,6 +69,28 @@ pub enum Error {
     #[error("CUDA unavailable: {reason}")]
     CudaUnavailable { reason: String },
 
+    /// An arithmetic operation was given an integer tensor (integer dtypes hold token ids and
+    /// are only copied, sliced, joined and moved).
+    #[error("dtype {dtype} is an integer type; this operation needs f32, f16 or bf16")]
+    NotFloat { dtype: DType },
+
+    /// An operation that takes integer tensors (token ids) was given another dtype.
+    #[error("{op}: expected an integer tensor (i32 or i64), got {dtype}")]
+    NotInteger { op: &'static str, dtype: DType },
+
+    /// A token id outside `0..vocab`.
+    #[error("{op}: token id {id} at position {position} is out of range for a vocabulary of {vocab}")]
+    TokenOutOfRange { op: &'static str, id: i64, position: usize, vocab: usize },
+
+    /// A rotary-embedding scaling kind that tp does not implement (it knows `default` and
+    /// `llama3`), or invalid parameters for one it does.
+    #[error("rope scaling {kind:?} is not supported: {why}")]
+    UnsupportedRopeScaling { kind: String, why: String },
+
+    /// An argument is out of its valid range (a head count of zero, a position past a limit...).
+    #[error("{op}: {why}")]
+    InvalidArgument { op: &'static str, why: String },
+
     /// A CUDA operation failed (driver error, or a launch refused by its checks).
     #[error("CUDA error: {0}")]
     Cuda(tp_kernels::KernelError),

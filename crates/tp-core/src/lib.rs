@@ -43,9 +43,9 @@ mod storage;
 mod tensor;
 
 pub use device::Device;
-pub use dtype::{DType, Element, bf16, f16};
+pub use dtype::{DType, Element, IntElement, Storable, bf16, f16};
 pub use error::{Error, Result};
-pub use ops::WeightLayout;
+pub use ops::{AttentionSpec, RopeScaling, RotaryEmbedding, WeightLayout};
 pub use shape::Shape;
 pub use shard::TensorShard;
 pub use tensor::Tensor;

@@ -1,6 +1,6 @@
 //! Backing memory of a tensor: host vectors, or bytes on a CUDA device.
 
-use crate::{DType, Device, Element, Error, Result, bf16, f16};
+use crate::{DType, Device, Error, Result, Storable, bf16, f16};
 use std::sync::Arc;
 use tp_kernels::Gpu;
 use tp_kernels::cudarc::driver::CudaSlice;
@@ -11,6 +11,21 @@ pub(crate) enum CpuStorage {
     F32(Vec<f32>),
     F16(Vec<f16>),
     BF16(Vec<bf16>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
+}
+
+/// Applies `$f` to the inner vector of a `CpuStorage`, whatever its type.
+macro_rules! each_vec {
+    ($s:expr, $v:ident => $f:expr) => {
+        match $s {
+            CpuStorage::F32($v) => $f,
+            CpuStorage::F16($v) => $f,
+            CpuStorage::BF16($v) => $f,
+            CpuStorage::I32($v) => $f,
+            CpuStorage::I64($v) => $f,
+        }
+    };
 }
 
 impl CpuStorage {
@@ -19,44 +34,40 @@ impl CpuStorage {
             CpuStorage::F32(_) => DType::F32,
             CpuStorage::F16(_) => DType::F16,
             CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::I32(_) => DType::I32,
+            CpuStorage::I64(_) => DType::I64,
         }
     }
 
     /// Wraps a typed vector (no copy).
-    pub(crate) fn from_vec<T: Element>(v: Vec<T>) -> Self {
+    pub(crate) fn from_vec<T: Storable>(v: Vec<T>) -> Self {
         // `cast_vec` between identical types is a no-op move; the dtype match makes it so.
-        fn same<T: Element, U: Element>(v: Vec<T>) -> Vec<U> {
+        fn same<T: Storable, U: Storable>(v: Vec<T>) -> Vec<U> {
             bytemuck::allocation::cast_vec(v)
         }
         match T::DTYPE {
             DType::F32 => CpuStorage::F32(same(v)),
             DType::F16 => CpuStorage::F16(same(v)),
             DType::BF16 => CpuStorage::BF16(same(v)),
+            DType::I32 => CpuStorage::I32(same(v)),
+            DType::I64 => CpuStorage::I64(same(v)),
         }
     }
 
     /// The elements as `&[T]`, or `None` if `T` is not this storage's dtype.
-    pub(crate) fn as_slice<T: Element>(&self) -> Option<&[T]> {
+    pub(crate) fn as_slice<T: Storable>(&self) -> Option<&[T]> {
         if T::DTYPE != self.dtype() {
             return None;
         }
-        match self {
-            CpuStorage::F32(v) => bytemuck::try_cast_slice(v).ok(),
-            CpuStorage::F16(v) => bytemuck::try_cast_slice(v).ok(),
-            CpuStorage::BF16(v) => bytemuck::try_cast_slice(v).ok(),
-        }
+        each_vec!(self, v => bytemuck::try_cast_slice(v).ok())
     }
 
     /// The elements as `&mut [T]`, or `None` if `T` is not this storage's dtype.
-    pub(crate) fn as_mut_slice<T: Element>(&mut self) -> Option<&mut [T]> {
+    pub(crate) fn as_mut_slice<T: Storable>(&mut self) -> Option<&mut [T]> {
         if T::DTYPE != self.dtype() {
             return None;
         }
-        match self {
-            CpuStorage::F32(v) => bytemuck::try_cast_slice_mut(v).ok(),
-            CpuStorage::F16(v) => bytemuck::try_cast_slice_mut(v).ok(),
-            CpuStorage::BF16(v) => bytemuck::try_cast_slice_mut(v).ok(),
-        }
+        each_vec!(self, v => bytemuck::try_cast_slice_mut(v).ok())
     }
 
     /// A host buffer of `dtype` from raw little-endian bytes (`bytes.len()` a multiple of the
@@ -66,16 +77,14 @@ impl CpuStorage {
             DType::F32 => CpuStorage::F32(bytemuck::pod_collect_to_vec(bytes)),
             DType::F16 => CpuStorage::F16(bytemuck::pod_collect_to_vec(bytes)),
             DType::BF16 => CpuStorage::BF16(bytemuck::pod_collect_to_vec(bytes)),
+            DType::I32 => CpuStorage::I32(bytemuck::pod_collect_to_vec(bytes)),
+            DType::I64 => CpuStorage::I64(bytemuck::pod_collect_to_vec(bytes)),
         }
     }
 
     /// The raw bytes, little-endian as the host stores them.
     pub(crate) fn as_bytes(&self) -> &[u8] {
-        match self {
-            CpuStorage::F32(v) => bytemuck::cast_slice(v),
-            CpuStorage::F16(v) => bytemuck::cast_slice(v),
-            CpuStorage::BF16(v) => bytemuck::cast_slice(v),
-        }
+        each_vec!(self, v => bytemuck::cast_slice(v))
     }
 }
 
@@ -99,6 +108,31 @@ impl CudaStorage {
     /// Wraps a freshly written device buffer.
     pub(crate) fn new(buf: CudaSlice<u8>, len: usize, dtype: DType, gpu: Arc<Gpu>) -> Self {
         CudaStorage { buf: Arc::new(buf), len, dtype, gpu }
+    }
+
+    /// The buffer, owned by this storage alone (copied on the device first if it is shared),
+    /// for an in-place write.
+    pub(crate) fn unique_buf(&mut self) -> Result<&mut CudaSlice<u8>> {
+        if Arc::get_mut(&mut self.buf).is_none() {
+            let mut copy = self.gpu.alloc(self.len)?;
+            let whole = tp_kernels::RowCopy {
+                rows: 1,
+                row_bytes: self.len,
+                src_pitch: self.len,
+                src_off: 0,
+                dst_pitch: self.len,
+                dst_off: 0,
+            };
+            self.gpu.row_copy(&mut copy, &self.buf, whole)?;
+            self.buf = Arc::new(copy);
+        }
+        // A fresh `Arc` has one owner and no weak references, so this cannot fail.
+        Arc::get_mut(&mut self.buf).ok_or_else(|| {
+            Error::Cuda(tp_kernels::KernelError::InvalidLaunch {
+                kernel: "in-place write",
+                why: "buffer shared".into(),
+            })
+        })
     }
 
     /// A copy of the elements on the host.

@@ -2,7 +2,7 @@
 
 use crate::rng::SplitMix64;
 use crate::storage::{CpuStorage, CudaStorage, Storage, gpu_for};
-use crate::{DType, Device, Element, Error, Result, Shape, with_dtype};
+use crate::{DType, Device, Element, Error, IntElement, Result, Shape, Storable, with_dtype, with_storable};
 use std::fmt;
 
 /// A contiguous, row-major n-dimensional array of one [`DType`] on one [`Device`].
@@ -38,7 +38,7 @@ impl Tensor {
     ///
     /// Errors: [`Error::ElementCountMismatch`] if `data.len()` is not the product of `dims`,
     /// [`Error::ShapeOverflow`] if that product overflows.
-    pub fn from_vec<T: Element>(data: Vec<T>, dims: &[usize], device: &Device) -> Result<Self> {
+    pub fn from_vec<T: Storable>(data: Vec<T>, dims: &[usize], device: &Device) -> Result<Self> {
         let shape = Shape::new(dims)?;
         if data.len() != shape.numel() {
             return Err(Error::ElementCountMismatch {
@@ -52,7 +52,7 @@ impl Tensor {
     }
 
     /// Like [`Tensor::from_vec`], copying from a slice.
-    pub fn from_slice<T: Element>(data: &[T], dims: &[usize], device: &Device) -> Result<Self> {
+    pub fn from_slice<T: Storable>(data: &[T], dims: &[usize], device: &Device) -> Result<Self> {
         Self::from_vec(data.to_vec(), dims, device)
     }
 
@@ -96,12 +96,16 @@ impl Tensor {
         Self::from_fn_f64(dims, dtype, device, |_| rng.int_in(lo, hi) as f64)
     }
 
-    /// A tensor whose element at flat index `i` is `f(i)` rounded to `dtype`.
+    /// A tensor whose element at flat index `i` is `f(i)` rounded to `dtype` (for the integer
+    /// dtypes: rounded to the nearest integer, saturating at the type's range, NaN as 0).
     pub fn from_fn_f64(dims: &[usize], dtype: DType, device: &Device, mut f: impl FnMut(usize) -> f64) -> Result<Self> {
         let shape = Shape::new(dims)?;
         let n = shape.numel();
-        let storage =
-            with_dtype!(dtype, T => CpuStorage::from_vec((0..n).map(|i| T::from_f64(f(i))).collect::<Vec<T>>()));
+        let storage = match dtype {
+            DType::I32 => CpuStorage::from_vec((0..n).map(|i| f(i).round() as i32).collect::<Vec<i32>>()),
+            DType::I64 => CpuStorage::from_vec((0..n).map(|i| f(i).round() as i64).collect::<Vec<i64>>()),
+            _ => with_dtype!(dtype, T => CpuStorage::from_vec((0..n).map(|i| T::from_f64(f(i))).collect::<Vec<T>>())),
+        };
         Tensor::from_cpu(shape, storage).to_device(device)
     }
 }
@@ -143,6 +147,11 @@ impl Tensor {
         self.numel() * self.dtype().size_in_bytes()
     }
 
+    /// [`Error::NotFloat`] unless this tensor has a floating-point dtype (arithmetic's check).
+    pub(crate) fn require_float(&self) -> Result<()> {
+        if self.dtype().is_float() { Ok(()) } else { Err(Error::NotFloat { dtype: self.dtype() }) }
+    }
+
     /// The host storage, or [`Error::UnsupportedDevice`] for a device tensor.
     pub(crate) fn cpu_storage(&self, op: &'static str) -> Result<&CpuStorage> {
         match &self.storage {
@@ -151,12 +160,22 @@ impl Tensor {
         }
     }
 
+    /// The device storage, for in-place device writes (which go through
+    /// `CudaStorage::unique_buf`); [`Error::UnsupportedDevice`] for a host tensor.
+    pub(crate) fn cuda_storage_mut(&mut self, op: &'static str) -> Result<&mut CudaStorage> {
+        let device = self.device();
+        match &mut self.storage {
+            Storage::Cuda(s) => Ok(s),
+            Storage::Cpu(_) => Err(Error::UnsupportedDevice { op, device }),
+        }
+    }
+
     pub(crate) fn storage(&self) -> &Storage {
         &self.storage
     }
 
     /// The host elements as `&[T]`. Errors if `T` is not the dtype or the tensor is not on the host.
-    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+    pub fn as_slice<T: Storable>(&self) -> Result<&[T]> {
         let dtype = self.dtype();
         self.cpu_storage("as_slice")?.as_slice::<T>().ok_or(Error::DTypeMismatch {
             op: "as_slice",
@@ -166,7 +185,7 @@ impl Tensor {
     }
 
     /// The host elements as `&mut [T]`, for writing results in place.
-    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+    pub fn as_mut_slice<T: Storable>(&mut self) -> Result<&mut [T]> {
         let (dtype, device) = (self.dtype(), self.device());
         match &mut self.storage {
             Storage::Cpu(s) => std::sync::Arc::make_mut(s).as_mut_slice::<T>(),
@@ -181,15 +200,38 @@ impl Tensor {
     }
 
     /// Copies the elements out as `Vec<T>`, from any device. `T` must be the tensor's dtype.
-    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+    pub fn to_vec<T: Storable>(&self) -> Result<Vec<T>> {
         self.to_device(&Device::Cpu)?.as_slice::<T>().map(<[T]>::to_vec)
     }
 
-    /// Copies the elements out widened to `f64` (exact for every dtype), from any device.
+    /// Copies the elements out widened to `f64` (exact for every float dtype and for integers
+    /// up to 2^53 in magnitude), from any device.
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         let host = self.to_device(&Device::Cpu)?;
         let s = host.cpu_storage("to_f64_vec")?;
-        Ok(with_dtype!(s.dtype(), T => s.as_slice::<T>().unwrap_or_default().iter().map(|v| v.to_f64()).collect()))
+        Ok(match s.dtype() {
+            DType::I32 => s.as_slice::<i32>().unwrap_or_default().iter().map(|&v| f64::from(v)).collect(),
+            DType::I64 => s.as_slice::<i64>().unwrap_or_default().iter().map(|&v| v as f64).collect(),
+            dtype => {
+                with_dtype!(dtype, T => s.as_slice::<T>().unwrap_or_default().iter().map(|v| v.to_f64()).collect())
+            }
+        })
+    }
+
+    /// The elements of an integer tensor (`i32` or `i64`) as `i64`, from any device.
+    ///
+    /// Errors: [`Error::NotInteger`] for a float tensor.
+    pub fn to_i64_vec(&self) -> Result<Vec<i64>> {
+        fn widen<T: IntElement>(v: &[T]) -> Vec<i64> {
+            v.iter().map(|x| x.to_i64()).collect()
+        }
+        let host = self.to_device(&Device::Cpu)?;
+        let s = host.cpu_storage("to_i64_vec")?;
+        match s.dtype() {
+            DType::I32 => Ok(widen(s.as_slice::<i32>().unwrap_or_default())),
+            DType::I64 => Ok(widen(s.as_slice::<i64>().unwrap_or_default())),
+            dtype => Err(Error::NotInteger { op: "to_i64_vec", dtype }),
+        }
     }
 
     /// This tensor on `device`: a copy if it moves, a cheap clone if it is already there.
@@ -275,7 +317,7 @@ impl Tensor {
                 let dst = std::sync::Arc::make_mut(dst);
                 let moved = src.to_device(&Device::Cpu)?;
                 let bytes = moved.as_bytes()?;
-                with_dtype!(dst.dtype(), T => {
+                with_storable!(dst.dtype(), T => {
                     if let Some(d) = dst.as_mut_slice::<T>() {
                         d.copy_from_slice(bytemuck::cast_slice(bytes));
                     }

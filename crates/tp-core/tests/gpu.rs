@@ -38,7 +38,7 @@ fn device_reports_itself_and_round_trips_bytes() {
         g.compute_capability().1,
         g.sm_count()
     );
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         let t = Tensor::randn(&[3, 1031], dtype, 1, &CPU).unwrap();
         let d = gpu(&t);
         assert_eq!(d.device(), GPU);
@@ -54,7 +54,7 @@ fn device_reports_itself_and_round_trips_bytes() {
 #[test]
 fn narrow_matches_host_bit_for_bit() {
     setup();
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         for dims in [vec![3usize, 17, 5], vec![129, 64], vec![7, 1, 33, 3]] {
             let t = Tensor::randn(&dims, dtype, 2, &CPU).unwrap();
             let d = gpu(&t);
@@ -73,7 +73,7 @@ fn narrow_matches_host_bit_for_bit() {
 #[test]
 fn shard_and_unshard_on_gpu_are_exact_for_every_world_size() {
     setup();
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         let t = Tensor::randn(&[5, 131, 3], dtype, 3, &CPU).unwrap();
         let d = gpu(&t);
         for dim in 0..3 {
@@ -92,7 +92,7 @@ fn shard_and_unshard_on_gpu_are_exact_for_every_world_size() {
 #[test]
 fn gather_interleave_matches_host_even_and_uneven() {
     setup();
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         // Even splits with 16-byte units, even with narrow units, and uneven splits.
         for (rows, cols, world) in [(33, 4096, 8), (7, 24, 3), (65, 1000, 7), (3, 5, 8), (1, 129, 2), (257, 17, 4)] {
             let buf = Tensor::randn(&[rows * cols], dtype, 4, &CPU).unwrap();
@@ -127,7 +127,7 @@ fn matmul_matches_f64_reference_at_small_sizes() {
     setup();
     let sizes = [1, 3, 17, 64, 129];
     let mut seed = 1000;
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         for m in sizes {
             for k in sizes {
                 for n in sizes {
@@ -147,7 +147,7 @@ fn matmul_matches_f64_reference_at_large_edge_shapes() {
     // Several tiles with ragged edges in every dim; K both a multiple of 8 (cp.async path) and
     // not (element path), and K = 0 (bias only).
     for (m, k, n) in [(257, 1000, 383), (300, 1027, 129), (128, 512, 256), (1, 4096, 1031), (513, 8, 77), (5, 0, 9)] {
-        for dtype in DType::ALL {
+        for dtype in DType::FLOATS {
             check_matmul(GPU, m, k, n, dtype, WeightLayout::Nk, true, 7);
             check_matmul(GPU, m, k, n, dtype, WeightLayout::Nk, false, 8);
         }
@@ -241,11 +241,106 @@ fn decode_shapes_match_reference_on_both_sides_of_the_small_m_cutoff() {
     setup();
     // M <= 8 takes the decode kernel, M = 9 the tiled ones; K 4096 takes 16-byte loads, K 4100
     // (not a multiple of 8) the scalar variant for half types and the vector one for f32.
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         for m in [1, 2, 5, 8, 9] {
             for k in [4096, 4100] {
                 check_matmul(GPU, m, k, 777, dtype, WeightLayout::Nk, m % 2 == 1, 40 + m as u64);
             }
         }
     }
+}
+
+fn llama3() -> tp_core::RopeScaling {
+    tp_core::RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    }
+}
+
+/// GPU result within `ulps` ulps of the host's, element by element.
+fn assert_near_host(what: &str, g: &Tensor, h: &Tensor, ulps: f64) {
+    let (gv, hv) = (f64s(&host(g)), f64s(h));
+    assert_close(what, &gv, &hv, |i| ulps * common::decoder::ulp(h.dtype(), hv[i]));
+}
+
+#[test]
+fn decoder_kernels_match_f64_references() {
+    use common::decoder::*;
+    setup();
+    for dtype in DType::FLOATS {
+        for (rows, h) in [(1, 1), (3, 17), (5, 129), (2, 4099)] {
+            check_rms_norm(GPU, rows, h, dtype, 3 + h as u64);
+        }
+        for scaling in [tp_core::RopeScaling::Default, llama3()] {
+            for d in [2, 10, 64, 128, 256] {
+                check_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, d, scaling, dtype, d as u64);
+            }
+        }
+        for (hq, hkv) in [(4, 4), (6, 2), (5, 1)] {
+            for d in [10, 64, 128, 256] {
+                check_attention(GPU, 7, 7, hq, hkv, d, None, dtype, d as u64);
+                check_attention(GPU, 1, 300, hq, hkv, d, None, dtype, 1 + d as u64);
+                check_attention(GPU, 3, 11, hq, hkv, d, None, dtype, 2 + d as u64);
+            }
+        }
+        for world in [1, 3, 8] {
+            check_embedding(GPU, 1001, 13, dtype, world);
+        }
+        check_argmax(GPU, 3, 1001, dtype);
+        check_argmax(GPU, 2, 70_000, dtype);
+        check_add(GPU, dtype);
+    }
+    for w in [1, 3, 64] {
+        check_attention(GPU, 9, 20, 4, 2, 16, Some(w), DType::F32, w as u64);
+    }
+    for (hq, hkv, d) in [(4, 4, 10), (6, 2, 64), (3, 1, 128)] {
+        check_prefill_equals_decode(GPU, 9, hq, hkv, d);
+    }
+}
+
+#[test]
+fn decoder_kernels_agree_with_the_host() {
+    setup();
+    for dtype in DType::FLOATS {
+        let x = Tensor::randn(&[37, 4099], dtype, 1, &CPU).unwrap();
+        let w = Tensor::rand(&[4099], dtype, 2, &CPU).unwrap();
+        assert_near_host(
+            &format!("rms_norm {dtype}"),
+            &gpu(&x).rms_norm(&gpu(&w), 1e-6).unwrap(),
+            &x.rms_norm(&w, 1e-6).unwrap(),
+            1.0,
+        );
+        let rope = tp_core::RotaryEmbedding::new(128, 500_000.0, llama3()).unwrap();
+        let q = Tensor::randn(&[33, 5, 128], dtype, 3, &CPU).unwrap();
+        let pos: Vec<usize> = (1000..1033).collect();
+        assert_near_host(
+            &format!("rope {dtype}"),
+            &gpu(&q).rope(&pos, &rope).unwrap(),
+            &q.rope(&pos, &rope).unwrap(),
+            1.0,
+        );
+        // Bit-exact ones: lookups, argmax, adds, in-place writes.
+        let ids = Tensor::from_vec((0..77i64).map(|i| (i * 13) % 1001).collect::<Vec<_>>(), &[7, 11], &CPU).unwrap();
+        let table = Tensor::randn(&[500, 31], dtype, 4, &CPU).unwrap();
+        assert_eq!(host(&gpu(&table).embedding(&gpu(&ids), 400).unwrap()), table.embedding(&ids, 400).unwrap());
+        let logits = Tensor::randn(&[9, 32_003], dtype, 5, &CPU).unwrap();
+        assert_eq!(host(&gpu(&logits).argmax().unwrap()), logits.argmax().unwrap());
+        let mut a = gpu(&x);
+        a.add_assign(&gpu(&x.rms_norm(&w, 1e-6).unwrap())).unwrap();
+        let mut b = x.clone();
+        b.add_assign(&x.rms_norm(&w, 1e-6).unwrap()).unwrap();
+        assert_near_host(&format!("add {dtype}"), &a, &b, 1.0);
+        let mut cache = gpu(&Tensor::zeros(&[64, 4, 32], dtype, &CPU).unwrap());
+        let rows = Tensor::randn(&[5, 4, 32], dtype, 6, &CPU).unwrap();
+        cache.slice_set(&gpu(&rows), 0, 40).unwrap();
+        assert_eq!(host(&cache.narrow(0, 40, 5).unwrap()), rows);
+        assert_eq!(host(&cache.narrow(0, 0, 40).unwrap()), Tensor::zeros(&[40, 4, 32], dtype, &CPU).unwrap());
+    }
+    // Integer tensors move and slice on the device too.
+    let ids = Tensor::from_vec(vec![1i32, 2, 3, 4, 5, 6], &[2, 3], &CPU).unwrap();
+    assert_eq!(host(&gpu(&ids).narrow(1, 1, 2).unwrap()).to_vec::<i32>().unwrap(), vec![2, 3, 5, 6]);
+    let joined = Tensor::cat(&[gpu(&ids), gpu(&ids)], 0).unwrap();
+    assert_eq!(host(&joined).to_vec::<i32>().unwrap(), [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6]);
 }

@@ -21,7 +21,7 @@ fn from_vec_round_trips_every_dtype() {
 
 #[test]
 fn seeded_generators_are_deterministic_and_not_degenerate() {
-    for dtype in DType::ALL {
+    for dtype in DType::FLOATS {
         let a = Tensor::rand(&[1000], dtype, 42, &CPU).unwrap();
         assert_eq!(a, Tensor::rand(&[1000], dtype, 42, &CPU).unwrap());
         assert_ne!(a, Tensor::rand(&[1000], dtype, 43, &CPU).unwrap());

@@ -16,23 +16,39 @@ pub enum ElemType {
     F16,
     /// bfloat16.
     BF16,
+    /// 32-bit signed integer (token ids).
+    I32,
+    /// 64-bit signed integer (token ids).
+    I64,
 }
 
 impl ElemType {
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            ElemType::F32 => 4,
+            ElemType::F32 | ElemType::I32 => 4,
             ElemType::F16 | ElemType::BF16 => 2,
+            ElemType::I64 => 8,
         }
     }
-    fn name(self) -> &'static str {
+    /// Whether this is one of the floating-point types the arithmetic kernels take.
+    pub fn is_float(self) -> bool {
+        matches!(self, ElemType::F32 | ElemType::F16 | ElemType::BF16)
+    }
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ElemType::F32 => "f32",
             ElemType::F16 => "f16",
             ElemType::BF16 => "bf16",
+            ElemType::I32 => "i32",
+            ElemType::I64 => "i64",
         }
     }
+}
+
+/// Refuses an integer type for a float-only kernel.
+pub(crate) fn require_float(kernel: &'static str, ty: ElemType) -> Result<()> {
+    if ty.is_float() { Ok(()) } else { Err(invalid(kernel, format!("takes f32, f16 or bf16, not {}", ty.name()))) }
 }
 
 /// A strided copy of `rows` rows of `row_bytes` bytes: row `j` is read at
@@ -86,16 +102,16 @@ pub enum GemmKernel {
     Wgmma,
 }
 
-fn invalid(kernel: &'static str, why: impl Into<String>) -> KernelError {
+pub(crate) fn invalid(kernel: &'static str, why: impl Into<String>) -> KernelError {
     KernelError::InvalidLaunch { kernel, why: why.into() }
 }
 
 /// `a * b + c` with overflow as an error.
-fn span(kernel: &'static str, a: usize, b: usize, c: usize) -> Result<usize> {
+pub(crate) fn span(kernel: &'static str, a: usize, b: usize, c: usize) -> Result<usize> {
     a.checked_mul(b).and_then(|x| x.checked_add(c)).ok_or_else(|| invalid(kernel, "size overflows usize"))
 }
 
-fn i64_of(kernel: &'static str, v: usize) -> Result<i64> {
+pub(crate) fn i64_of(kernel: &'static str, v: usize) -> Result<i64> {
     i64::try_from(v).map_err(|_| invalid(kernel, format!("{v} does not fit in a 64-bit signed index")))
 }
 
@@ -105,13 +121,13 @@ fn unit_for(values: &[usize]) -> usize {
 }
 
 impl Gpu {
-    fn grid_stride(&self, items: u64) -> LaunchConfig {
+    pub(crate) fn grid_stride(&self, items: u64) -> LaunchConfig {
         let blocks = items.div_ceil(u64::from(BLOCK)).clamp(1, u64::from(self.sm_count()) * BLOCKS_PER_SM);
         LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
     }
 
     /// A grid of one block per row, capped at `BLOCKS_PER_SM` per SM (blocks stride over rows).
-    fn grid_rows(&self, rows: u64) -> LaunchConfig {
+    pub(crate) fn grid_rows(&self, rows: u64) -> LaunchConfig {
         let blocks = rows.clamp(1, u64::from(self.sm_count()) * BLOCKS_PER_SM);
         LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
     }
@@ -208,6 +224,8 @@ impl Gpu {
         to: ElemType,
     ) -> Result<()> {
         const K: &str = "cast";
+        require_float(K, from)?;
+        require_float(K, to)?;
         if from == to {
             return Err(invalid(K, "source and destination types are equal; copy instead"));
         }
@@ -237,6 +255,7 @@ impl Gpu {
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "swiglu";
+        require_float(K, ty)?;
         let n = span(K, rows, inner, 0)?;
         if span(K, n, 2 * ty.size(), 0)? > input.len() || span(K, n, ty.size(), 0)? > out.len() {
             return Err(invalid(K, format!("{rows} x {inner} does not fit the buffers")));
@@ -265,6 +284,7 @@ impl Gpu {
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "add_row";
+        require_float(K, ty)?;
         let n = span(K, rows, cols, 0)?;
         let bytes = span(K, n, ty.size(), 0)?;
         if bytes > input.len() || bytes > out.len() || span(K, cols, ty.size(), 0)? > bias.len() {
@@ -332,7 +352,7 @@ impl Gpu {
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "gemm_mma";
-        if ty == ElemType::F32 {
+        if !matches!(ty, ElemType::F16 | ElemType::BF16) {
             return Err(invalid(K, "the mma.sync kernel takes f16 or bf16; use gemm_simt_f32"));
         }
         if self.compute_capability().0 < 8 {
@@ -425,7 +445,8 @@ impl Gpu {
         }
         match ty {
             ElemType::F32 => self.gemm_simt_f32(c, a, b, bias, (m, n, k), true),
-            _ => self.gemm_tensor_core(c, a, b, bias, (m, n, k), ty),
+            ElemType::F16 | ElemType::BF16 => self.gemm_tensor_core(c, a, b, bias, (m, n, k), ty),
+            ElemType::I32 | ElemType::I64 => require_float("gemm_nt", ty),
         }
     }
 
@@ -441,6 +462,7 @@ impl Gpu {
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "gemm_small_m";
+        require_float(K, ty)?;
         if !(1..=SMALL_M_MAX).contains(&m) {
             return Err(invalid(K, format!("M = {m}; this kernel takes 1..={SMALL_M_MAX}")));
         }
@@ -478,7 +500,7 @@ impl Gpu {
         let dt = match ty {
             ElemType::BF16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
             ElemType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-            ElemType::F32 => return Err(invalid("gemm_wgmma", "TMA maps here are for 2-byte types")),
+            _ => return Err(invalid("gemm_wgmma", "TMA maps here are for 2-byte types")),
         };
         let (ptr, _sync) = buf.device_ptr(self.stream());
         let dims = [k as u64, rows as u64];
@@ -524,7 +546,7 @@ impl Gpu {
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "gemm_wgmma";
-        if ty == ElemType::F32 {
+        if !matches!(ty, ElemType::F16 | ElemType::BF16) {
             return Err(invalid(K, "the wgmma kernel takes f16 or bf16"));
         }
         if self.compute_capability() != (9, 0) {

@@ -13,12 +13,14 @@
 //!
 //! [`host_index`] is the kernels' index arithmetic compiled for the host, for CPU tests.
 
+mod decoder;
 mod error;
 mod gpu;
 pub mod host_index;
 mod launch;
 
 pub use cudarc;
+pub use decoder::{ATTENTION_MAX_HEAD_DIM, AttentionShape};
 pub use error::{KernelError, Result};
 pub use gpu::{Gpu, device_count, driver_available, set_poison_allocations};
 pub use launch::{ElemType, GemmKernel, MMA_SMEM_BYTES, RowCopy, SMALL_M_MAX, WGMMA_SMEM_BYTES};

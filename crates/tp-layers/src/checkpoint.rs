@@ -58,6 +58,8 @@ fn dtype_of(d: Dtype) -> Option<DType> {
         Dtype::F32 => Some(DType::F32),
         Dtype::F16 => Some(DType::F16),
         Dtype::BF16 => Some(DType::BF16),
+        Dtype::I32 => Some(DType::I32),
+        Dtype::I64 => Some(DType::I64),
         _ => None,
     }
 }
@@ -153,7 +155,7 @@ impl Checkpoint {
         let dtype = dtype_of(view.dtype()).ok_or_else(|| LayerError::WrongDtype {
             name: name.into(),
             found: format!("{:?}", view.dtype()),
-            expected: "F32, F16 or BF16".into(),
+            expected: "F32, F16, BF16, I32 or I64".into(),
         })?;
         // Rebuild the view over the map's lifetime (the parsed `st` is local).
         let view = TensorView::new(view.dtype(), view.shape().to_vec(), view.data()).map_err(|e| err(&f.path, e))?;
@@ -265,6 +267,8 @@ pub fn save(path: impl AsRef<Path>, tensors: &[(&str, &Tensor)]) -> Result<()> {
                 DType::F32 => Dtype::F32,
                 DType::F16 => Dtype::F16,
                 DType::BF16 => Dtype::BF16,
+                DType::I32 => Dtype::I32,
+                DType::I64 => Dtype::I64,
             };
             let view = TensorView::new(dt, t.dims().to_vec(), t.as_bytes()?).map_err(|e| err(path, e))?;
             Ok((n.to_string(), view))

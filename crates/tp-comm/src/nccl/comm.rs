@@ -49,6 +49,8 @@ fn nccl_dtype(d: DType) -> ncclDataType_t::Type {
         DType::F32 => ncclDataType_t::ncclFloat32,
         DType::F16 => ncclDataType_t::ncclFloat16,
         DType::BF16 => ncclDataType_t::ncclBfloat16,
+        DType::I32 => ncclDataType_t::ncclInt32,
+        DType::I64 => ncclDataType_t::ncclInt64,
     }
 }
 

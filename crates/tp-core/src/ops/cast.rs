@@ -13,6 +13,12 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        // Integers hold token ids; converting them to or from floats is not an operation tp has.
+        for d in [self.dtype(), dtype] {
+            if !d.is_float() {
+                return Err(crate::Error::NotFloat { dtype: d });
+            }
+        }
         if let Storage::Cuda(s) = self.storage() {
             return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::cast(s, self.numel(), dtype)?));
         }

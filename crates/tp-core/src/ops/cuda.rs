@@ -10,6 +10,8 @@ pub(crate) fn elem_type(d: DType) -> ElemType {
         DType::F32 => ElemType::F32,
         DType::F16 => ElemType::F16,
         DType::BF16 => ElemType::BF16,
+        DType::I32 => ElemType::I32,
+        DType::I64 => ElemType::I64,
     }
 }
 
@@ -152,4 +154,118 @@ pub(crate) fn matmul(
             cast(&yf, m * n, dtype)
         }
     }
+}
+
+/// `x += y` in place over `n` elements.
+pub(crate) fn add_assign(x: &mut CudaStorage, y: &CudaStorage, n: usize) -> Result<()> {
+    if y.gpu.ordinal() != x.gpu.ordinal() {
+        return Err(Error::DeviceMismatch { op: "add", lhs: x.device(), rhs: y.device() });
+    }
+    let (gpu, ty) = (x.gpu.clone(), elem_type(x.dtype));
+    gpu.add_inplace(x.unique_buf()?, &y.buf, n, ty)?;
+    Ok(())
+}
+
+/// RMSNorm of `rows` rows of `h`.
+pub(crate) fn rms_norm(x: &CudaStorage, w: &CudaStorage, rows: usize, h: usize, eps: f32) -> Result<CudaStorage> {
+    same_gpu("rms_norm", x, w)?;
+    let (mut buf, parts) = alloc_like(x, rows * h * x.dtype.size_in_bytes(), x.dtype)?;
+    x.gpu.rms_norm(&mut buf, &x.buf, &w.buf, rows, h, eps, elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// RoPE of `x: [tokens, heads, d]` at `positions`.
+pub(crate) fn rope(
+    x: &CudaStorage,
+    positions: &[usize],
+    inv_freq: &[f32],
+    (t, h, d): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let pos: Vec<i64> = positions.iter().map(|&p| i64::try_from(p).unwrap_or(i64::MAX)).collect();
+    let pos = x.gpu.htod(bytemuck::cast_slice(&pos))?;
+    let freq = x.gpu.htod(bytemuck::cast_slice(inv_freq))?;
+    let (mut buf, parts) = alloc_like(x, t * h * d * x.dtype.size_in_bytes(), x.dtype)?;
+    x.gpu.rope(&mut buf, &x.buf, &pos, &freq, (t, h, d / 2), elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// Attention of `q: [t, hq, d]` over the first `spec.kv_len` rows of `k, v: [.., hkv, d]`.
+pub(crate) fn attention(
+    q: &CudaStorage,
+    k: &CudaStorage,
+    v: &CudaStorage,
+    (t, hq, hkv, d): (usize, usize, usize, usize),
+    spec: &crate::AttentionSpec,
+) -> Result<CudaStorage> {
+    same_gpu("attention", q, k)?;
+    same_gpu("attention", q, v)?;
+    let shape = tp_kernels::AttentionShape {
+        tokens: t,
+        q_heads: hq,
+        kv_heads: hkv,
+        head_dim: d,
+        kv_len: spec.kv_len,
+        scale: spec.scale,
+        window: spec.sliding_window,
+    };
+    let (mut buf, parts) = alloc_like(q, t * hq * d * q.dtype.size_in_bytes(), q.dtype)?;
+    q.gpu.attention(&mut buf, &q.buf, &k.buf, &v.buf, shape, elem_type(q.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// Embedding rows of `table: [rows, h]` for `n` ids.
+pub(crate) fn embedding(
+    table: &CudaStorage,
+    ids: &CudaStorage,
+    n: usize,
+    (rows, h): (usize, usize),
+    offset: i64,
+) -> Result<CudaStorage> {
+    same_gpu("embedding", table, ids)?;
+    let (mut buf, parts) = alloc_like(table, n * h * table.dtype.size_in_bytes(), table.dtype)?;
+    let (ty, id_ty) = (elem_type(table.dtype), elem_type(ids.dtype));
+    table.gpu.embedding(&mut buf, &table.buf, &ids.buf, n, (rows, h), offset, ty, id_ty)?;
+    Ok(parts.finish(buf))
+}
+
+/// Row maxima (f32) and their first indices (i64) of `x: [rows, n]`.
+pub(crate) fn max_with_index(x: &CudaStorage, rows: usize, n: usize) -> Result<(CudaStorage, CudaStorage)> {
+    let (mut vals, vparts) = alloc_like(x, rows * 4, DType::F32)?;
+    let (mut idx, iparts) = alloc_like(x, rows * 8, DType::I64)?;
+    x.gpu.max_index(&mut vals, &mut idx, &x.buf, (rows, n), elem_type(x.dtype))?;
+    Ok((vparts.finish(vals), iparts.finish(idx)))
+}
+
+/// Writes `src` (`outer` blocks of `len * inner` elements) into rows `start..start + len` of
+/// each block of `dst` (`outer` blocks of `size * inner`), in place.
+pub(crate) fn slice_set(
+    dst: &mut CudaStorage,
+    src: &CudaStorage,
+    (outer, size, inner): (usize, usize, usize),
+    start: usize,
+    len: usize,
+) -> Result<()> {
+    if src.gpu.ordinal() != dst.gpu.ordinal() {
+        return Err(Error::DeviceMismatch { op: "slice_set", lhs: dst.device(), rhs: src.device() });
+    }
+    let eb = dst.dtype.size_in_bytes();
+    let row_bytes = len * inner * eb;
+    let copy = RowCopy {
+        rows: outer,
+        row_bytes,
+        src_pitch: row_bytes,
+        src_off: 0,
+        dst_pitch: size * inner * eb,
+        dst_off: start * inner * eb,
+    };
+    let gpu = dst.gpu.clone();
+    gpu.row_copy(dst.unique_buf()?, &src.buf, copy)?;
+    Ok(())
+}
+
+fn same_gpu(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()> {
+    if a.gpu.ordinal() != b.gpu.ordinal() {
+        return Err(Error::DeviceMismatch { op, lhs: a.device(), rhs: b.device() });
+    }
+    Ok(())
 }

@@ -1,5 +1,7 @@
-//! Element-wise ops between GEMMs: SwiGLU on a merged `[gate | up]` output, and a row-broadcast
-//! bias add. Both compute in f32 and round once to the dtype.
+//! Element-wise ops between GEMMs: SwiGLU on a merged `[gate | up]` output, a row-broadcast
+//! bias add, and the residual add. All compute in f32 and round to the dtype at the points
+//! PyTorch does: once per op (SwiGLU is two ops there, `silu(gate)` then `* up`, so it rounds
+//! twice, as Hugging Face's MLP does).
 
 use crate::storage::{CpuStorage, Storage};
 use crate::{Element, Error, Result, Shape, Tensor, with_dtype};
@@ -12,6 +14,7 @@ impl Tensor {
     /// Errors: [`Error::RankMismatch`] for a scalar, [`Error::ShapeMismatch`] for an odd last dim.
     pub fn swiglu(&self) -> Result<Tensor> {
         const OP: &str = "swiglu";
+        self.require_float()?;
         let (&two_i, lead) = self.dims().split_last().ok_or(Error::RankMismatch {
             op: OP,
             expected: "at least 1",
@@ -43,6 +46,7 @@ impl Tensor {
     /// Errors: dtype/device mismatch, [`Error::ShapeMismatch`] if `bias` is not `[N]`.
     pub fn add_row(&self, bias: &Tensor) -> Result<Tensor> {
         const OP: &str = "add_row";
+        self.require_float()?;
         super::same_dtype_device(OP, self, bias)?;
         let n = *self.dims().last().ok_or(Error::RankMismatch { op: OP, expected: "at least 1", dims: vec![] })?;
         if bias.dims() != [n] {
@@ -67,6 +71,48 @@ impl Tensor {
     }
 }
 
+impl Tensor {
+    /// `self + other`, element by element (same shape, dtype and device): the residual add.
+    ///
+    /// Errors: dtype/device mismatch, [`Error::ShapeMismatch`], [`Error::NotFloat`].
+    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        let mut out = self.clone();
+        out.add_assign(other)?;
+        Ok(out)
+    }
+
+    /// `self += other` in place: the elements are overwritten where this tensor is their only
+    /// owner (host or device); shared elements are copied first, as for every in-place write.
+    ///
+    /// Errors: as [`add`](Self::add); on error `self` is unchanged.
+    pub fn add_assign(&mut self, other: &Tensor) -> Result<()> {
+        const OP: &str = "add";
+        self.require_float()?;
+        super::same_dtype_device(OP, self, other)?;
+        if self.dims() != other.dims() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: other.dims().to_vec(),
+                why: "element-wise add needs equal shapes",
+            });
+        }
+        let n = self.numel();
+        if let Storage::Cuda(o) = other.storage() {
+            return super::cuda::add_assign(self.cuda_storage_mut(OP)?, o, n);
+        }
+        let o = other.cpu_storage(OP)?;
+        with_dtype!(self.dtype(), T => {
+            let theirs = o.as_slice::<T>().unwrap_or_default();
+            let mine = self.as_mut_slice::<T>()?;
+            for (a, b) in mine.iter_mut().zip(theirs) {
+                *a = T::from_f32(a.to_f32() + b.to_f32());
+            }
+        });
+        Ok(())
+    }
+}
+
 fn host_swiglu<T: Element>(x: &[T], rows: usize, inner: usize) -> Vec<T> {
     let mut out = Vec::with_capacity(rows * inner);
     for r in 0..rows {
@@ -74,7 +120,8 @@ fn host_swiglu<T: Element>(x: &[T], rows: usize, inner: usize) -> Vec<T> {
         let (gate, up) = row.split_at(inner);
         out.extend(gate.iter().zip(up).map(|(g, u)| {
             let g = g.to_f32();
-            T::from_f32(g / (1.0 + (-g).exp()) * u.to_f32())
+            let silu = T::from_f32(g / (1.0 + (-g).exp())); // rounded, as torch's silu output
+            T::from_f32(silu.to_f32() * u.to_f32())
         }));
     }
     out

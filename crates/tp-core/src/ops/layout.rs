@@ -5,7 +5,7 @@
 //! `cat` appends each input's block in turn, block by block.
 
 use crate::storage::{CpuStorage, Storage};
-use crate::{Device, Element, Error, Result, Shape, Tensor, with_dtype};
+use crate::{Device, Error, Result, Shape, Storable, Tensor, with_storable};
 use std::borrow::Borrow;
 
 impl Tensor {
@@ -22,7 +22,7 @@ impl Tensor {
             return Ok(Tensor::from_cuda(shape, super::cuda::narrow(s, (outer, size, inner), start, len)?));
         }
         let src = self.cpu_storage("narrow")?;
-        let out = with_dtype!(src.dtype(), T => {
+        let out = with_storable!(src.dtype(), T => {
             let s = src.as_slice::<T>().unwrap_or_default();
             let mut out = Vec::with_capacity(shape.numel());
             for o in 0..outer {
@@ -69,12 +69,12 @@ impl Tensor {
                 .collect::<Result<Vec<_>>>()?;
             return Ok(Tensor::from_cuda(shape, super::cuda::cat(&parts, outer, inner, total)?));
         }
-        let out = with_dtype!(first.dtype(), E => CpuStorage::from_vec(cat_blocks::<E, T>(tensors, dim, outer, inner, shape.numel())?));
+        let out = with_storable!(first.dtype(), E => CpuStorage::from_vec(cat_blocks::<E, T>(tensors, dim, outer, inner, shape.numel())?));
         Ok(Tensor::from_cpu(shape, out))
     }
 }
 
-fn cat_blocks<E: Element, T: Borrow<Tensor>>(
+fn cat_blocks<E: Storable, T: Borrow<Tensor>>(
     tensors: &[T],
     dim: usize,
     outer: usize,
@@ -123,7 +123,7 @@ impl Tensor {
         }
         let shards = crate::TensorShard::for_all_ranks(1, cols, world)?;
         let src = self.cpu_storage(OP)?;
-        let out = with_dtype!(src.dtype(), T => {
+        let out = with_storable!(src.dtype(), T => {
             let v = src.as_slice::<T>().unwrap_or_default();
             let mut out = Vec::with_capacity(rows * cols);
             for row in 0..rows {
@@ -135,5 +135,48 @@ impl Tensor {
             CpuStorage::from_vec(out)
         });
         Ok(Tensor::from_cpu(shape, out))
+    }
+}
+
+impl Tensor {
+    /// Writes `src` into elements `start..start + len` of dimension `dim` of `self`, in place
+    /// (`len` is `src`'s size in `dim`; every other dim must match): the inverse of
+    /// [`narrow`](Self::narrow), and how a KV cache appends. Host and device elements are
+    /// overwritten where this tensor owns them alone, copied first if shared.
+    ///
+    /// Errors: [`Error::DimOutOfRange`], [`Error::NarrowOutOfBounds`], [`Error::ShapeMismatch`],
+    /// dtype/device mismatches; `self` is unchanged on error.
+    pub fn slice_set(&mut self, src: &Tensor, dim: usize, start: usize) -> Result<()> {
+        const OP: &str = "slice_set";
+        super::same_dtype_device(OP, self, src)?;
+        let (outer, size, inner) = self.shape().split_at_dim(OP, dim)?;
+        let len = src.shape().dim(OP, dim)?;
+        if start.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::NarrowOutOfBounds { dim, start, len, size });
+        }
+        let fits = src.ndim() == self.ndim()
+            && src.dims().iter().zip(self.dims()).enumerate().all(|(d, (a, b))| d == dim || a == b);
+        if !fits {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: src.dims().to_vec(),
+                why: "every dimension but the written one must match",
+            });
+        }
+        if let Storage::Cuda(s) = src.storage() {
+            return super::cuda::slice_set(self.cuda_storage_mut(OP)?, s, (outer, size, inner), start, len);
+        }
+        let from = src.cpu_storage(OP)?;
+        with_storable!(self.dtype(), T => {
+            let s = from.as_slice::<T>().unwrap_or_default();
+            let d = self.as_mut_slice::<T>()?;
+            let block = len * inner;
+            for o in 0..outer {
+                let at = (o * size + start) * inner;
+                d[at..at + block].copy_from_slice(&s[o * block..(o + 1) * block]);
+            }
+        });
+        Ok(())
     }
 }

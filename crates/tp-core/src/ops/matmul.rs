@@ -42,6 +42,7 @@ impl Tensor {
     /// [`linear`](Self::linear).
     pub fn matmul_layout(&self, w: &Tensor, layout: WeightLayout, bias: Option<&Tensor>) -> Result<Tensor> {
         const OP: &str = "matmul";
+        self.require_float()?;
         super::same_dtype_device(OP, self, w)?;
         let mismatch = |why| Error::ShapeMismatch { op: OP, lhs: self.dims().to_vec(), rhs: w.dims().to_vec(), why };
         let (&k, lead) = self.dims().split_last().ok_or(Error::RankMismatch {

@@ -1,13 +1,19 @@
 //! Tensor operations. Each file holds one family; all of them validate their inputs and return
 //! typed errors before touching data.
 
+mod attention;
 mod cast;
 mod cuda;
 mod elementwise;
 mod layout;
 mod matmul;
+mod norm;
+mod rope;
+mod tokens;
 
+pub use attention::AttentionSpec;
 pub use matmul::WeightLayout;
+pub use rope::{RopeScaling, RotaryEmbedding};
 
 use crate::{Error, Result, Tensor};
 

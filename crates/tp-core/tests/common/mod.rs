@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: an independent float64 reference and tolerances.
 #![allow(dead_code)]
 
+pub mod decoder;
+
 use tp_core::{DType, Device, Tensor, WeightLayout};
 
 /// `y[i, j] = sum_l x[i, l] * w(l, j)` in f64, with `w(l, j)` read from an `[N, K]` (`nk`) or
@@ -30,6 +32,7 @@ pub fn matmul_tol(dtype: DType, k: usize, reference: f64, abs_sum: f64) -> f64 {
     let half_subnormal_gap = match dtype {
         DType::F16 => 2f64.powi(-25),
         DType::BF16 | DType::F32 => 2f64.powi(-150),
+        DType::I32 | DType::I64 => 0.0,
     };
     dtype.unit_roundoff() * reference.abs()
         + (k as f64 + 2.0) * DType::F32.unit_roundoff() * abs_sum

@@ -1,0 +1,299 @@
+//! Checks of the decoder ops (RMSNorm, RoPE, attention, embedding, argmax, add, slice_set)
+//! against independent float64 references, written once and run on every device: the host
+//! suite calls them with `Device::Cpu`, the GPU suite with `Device::Cuda(0)`.
+
+use super::{assert_close, f64s};
+use tp_core::{AttentionSpec, DType, Device, RopeScaling, RotaryEmbedding, Tensor, bf16, f16};
+
+/// `v` rounded once (nearest even) to `dtype`, back in f64.
+pub fn round_to(dtype: DType, v: f64) -> f64 {
+    match dtype {
+        DType::F32 => f64::from(v as f32),
+        DType::F16 => f16::from_f64(v).to_f64(),
+        DType::BF16 => bf16::from_f64(v).to_f64(),
+        DType::I32 | DType::I64 => v.round(),
+    }
+}
+
+/// The spacing of `dtype`'s values around `v` (one ulp), subnormals included.
+pub fn ulp(dtype: DType, v: f64) -> f64 {
+    let (mantissa, min_exp) = match dtype {
+        DType::F32 => (23, -126),
+        DType::F16 => (10, -14),
+        DType::BF16 => (7, -126),
+        DType::I32 | DType::I64 => return 1.0,
+    };
+    let e = if v == 0.0 { min_exp } else { (v.abs().log2().floor() as i32).max(min_exp) };
+    2f64.powi(e - mantissa)
+}
+
+fn on(t: &Tensor, device: Device) -> Tensor {
+    t.to_device(&device).expect("to device")
+}
+
+/// RMSNorm against the f64 computation rounded at Hugging Face's two points: within one ulp in
+/// f16/bf16, a few f32 ulps in f32 (where the normalisation itself is f32).
+pub fn check_rms_norm(device: Device, rows: usize, h: usize, dtype: DType, seed: u64) {
+    let x = Tensor::randn(&[rows, h], dtype, seed, &Device::Cpu).unwrap();
+    let w = Tensor::rand(&[h], dtype, seed + 1, &Device::Cpu).unwrap();
+    let eps = 1e-5;
+    let y = on(&x, device).rms_norm(&on(&w, device), eps).unwrap();
+    assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
+    let (xv, wv) = (f64s(&x), f64s(&w));
+    let mut want = Vec::with_capacity(rows * h);
+    for row in xv.chunks(h) {
+        let rstd = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / h as f64 + eps).sqrt();
+        want.extend(row.iter().zip(&wv).map(|(v, w)| round_to(dtype, w * round_to(dtype, v * rstd))));
+    }
+    let ulps = if dtype == DType::F32 { 8.0 } else { 1.0 };
+    assert_close(&format!("rms_norm {device} {rows}x{h} {dtype}"), &f64s(&y), &want, |i| ulps * ulp(dtype, want[i]));
+}
+
+/// The f64 rotary frequencies, written from the formulas (not from tp's code).
+pub fn inv_freq_f64(head_dim: usize, theta: f64, scaling: RopeScaling) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let f = theta.powf(-((2 * i) as f64) / head_dim as f64);
+            match scaling {
+                RopeScaling::Default => f,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings: old,
+                } => {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < old / high_freq_factor {
+                        f
+                    } else if wavelen > old / low_freq_factor {
+                        f / factor
+                    } else {
+                        let s = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - s) * f / factor + s * f
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// RoPE on `[tokens, heads, d]` at `positions` against the f64 rotation. The bound covers the
+/// four roundings to the dtype (cos/sin, both products, the sum) and the f32 angle.
+pub fn check_rope(
+    device: Device,
+    positions: &[usize],
+    heads: usize,
+    d: usize,
+    scaling: RopeScaling,
+    dtype: DType,
+    seed: u64,
+) {
+    let theta = 500_000.0;
+    let rope = RotaryEmbedding::new(d, theta, scaling).unwrap();
+    let t = positions.len();
+    let x = Tensor::randn(&[t, heads, d], dtype, seed, &Device::Cpu).unwrap();
+    let y = on(&x, device).rope(positions, &rope).unwrap();
+    assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
+    let (xv, freq) = (f64s(&x), inv_freq_f64(d, theta, scaling));
+    let (half, u) = (d / 2, dtype.unit_roundoff());
+    let mut want = vec![0.0; xv.len()];
+    let mut tol = vec![0.0; xv.len()];
+    for (tok, &p) in positions.iter().enumerate() {
+        for h in 0..heads {
+            let base = (tok * heads + h) * d;
+            for i in 0..half {
+                let angle = p as f64 * freq[i];
+                let (c, s) = (angle.cos(), angle.sin());
+                let (x1, x2) = (xv[base + i], xv[base + half + i]);
+                want[base + i] = x1 * c - x2 * s;
+                want[base + half + i] = x2 * c + x1 * s;
+                let bound = (x1.abs() + x2.abs()) * (5.0 * u + 8.0 * 2f64.powi(-24) * (1.0 + angle.abs())) + 1e-30;
+                tol[base + i] = bound + ulp(dtype, want[base + i]);
+                tol[base + half + i] = bound + ulp(dtype, want[base + half + i]);
+            }
+        }
+    }
+    assert_close(&format!("rope {device} {positions:?} h{heads} d{d} {scaling:?} {dtype}"), &f64s(&y), &want, |i| {
+        tol[i]
+    });
+}
+
+/// Causal GQA attention in f64: `q: [t, hq, d]` over the first `kv_len` rows of `k, v`.
+pub fn attention_f64(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    (t, hq, hkv, d): (usize, usize, usize, usize),
+    spec: &AttentionSpec,
+) -> Vec<f64> {
+    let mut out = vec![0.0; t * hq * d];
+    for tok in 0..t {
+        let p = spec.kv_len - t + tok;
+        let lo = spec.sliding_window.map_or(0, |w| (p + 1).saturating_sub(w));
+        for h in 0..hq {
+            let g = h / (hq / hkv);
+            let qv = &q[(tok * hq + h) * d..][..d];
+            let scores: Vec<f64> = (lo..=p)
+                .map(|j| {
+                    qv.iter().zip(&k[(j * hkv + g) * d..][..d]).map(|(a, b)| a * b).sum::<f64>() * f64::from(spec.scale)
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for (j, w) in (lo..=p).zip(&e) {
+                for i in 0..d {
+                    out[(tok * hq + h) * d + i] += w / z * v[(j * hkv + g) * d + i];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Attention of `t` queries over a cache of `cap >= kv_len` rows (rows past `kv_len` hold
+/// garbage that must not be read) against the f64 reference.
+#[allow(clippy::too_many_arguments)]
+pub fn check_attention(
+    device: Device,
+    t: usize,
+    kv_len: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    window: Option<usize>,
+    dtype: DType,
+    seed: u64,
+) {
+    let cap = kv_len + 3;
+    let cpu = Device::Cpu;
+    let q = Tensor::randn(&[t, hq, d], dtype, seed, &cpu).unwrap();
+    let mut k = Tensor::randn(&[cap, hkv, d], dtype, seed + 1, &cpu).unwrap();
+    let mut v = Tensor::randn(&[cap, hkv, d], dtype, seed + 2, &cpu).unwrap();
+    // Garbage (huge values) past kv_len: any read of it shows in the output.
+    let junk = Tensor::from_fn_f64(&[3, hkv, d], dtype, &cpu, |_| 1e4).unwrap();
+    k.slice_set(&junk, 0, kv_len).unwrap();
+    v.slice_set(&junk, 0, kv_len).unwrap();
+    let spec = AttentionSpec { kv_len, scale: 1.0 / (d as f32).sqrt(), sliding_window: window };
+    let y = on(&q, device).attention(&on(&k, device), &on(&v, device), &spec).unwrap();
+    assert_eq!((y.dims(), y.dtype()), (q.dims(), dtype));
+    let want = attention_f64(&f64s(&q), &f64s(&k), &f64s(&v), (t, hq, hkv, d), &spec);
+    // f32 scores of D products, softmax and a weighted sum of |v| <= ~5: a few e-6 in f32,
+    // plus the output rounding and the inputs' own dtype.
+    let tol = |i: usize| 2e-5 * (1.0 + (d as f64).sqrt()) + 2.0 * ulp(dtype, want[i]);
+    assert_close(
+        &format!("attention {device} t{t} L{kv_len} hq{hq} hkv{hkv} d{d} w{window:?} {dtype}"),
+        &f64s(&y),
+        &want,
+        tol,
+    );
+}
+
+/// A prefill of `t` tokens through a cache equals `t` single-token decode steps, each appending
+/// its key and value to the cache first (f32, so only summation order differs).
+pub fn check_prefill_equals_decode(device: Device, t: usize, hq: usize, hkv: usize, d: usize) {
+    let cpu = Device::Cpu;
+    let q = Tensor::randn(&[t, hq, d], DType::F32, 11, &cpu).unwrap();
+    let k = Tensor::randn(&[t, hkv, d], DType::F32, 12, &cpu).unwrap();
+    let v = Tensor::randn(&[t, hkv, d], DType::F32, 13, &cpu).unwrap();
+    let (q, k, v) = (on(&q, device), on(&k, device), on(&v, device));
+    let prefill = q.attention(&k, &v, &AttentionSpec::causal(t, d)).unwrap();
+    let mut kc = Tensor::zeros(&[t, hkv, d], DType::F32, &device).unwrap();
+    let mut vc = kc.clone();
+    let mut steps = Vec::new();
+    for i in 0..t {
+        kc.slice_set(&k.narrow(0, i, 1).unwrap(), 0, i).unwrap();
+        vc.slice_set(&v.narrow(0, i, 1).unwrap(), 0, i).unwrap();
+        steps.push(q.narrow(0, i, 1).unwrap().attention(&kc, &vc, &AttentionSpec::causal(i + 1, d)).unwrap());
+    }
+    let decoded = Tensor::cat(&steps, 0).unwrap();
+    let want = f64s(&prefill);
+    assert_close(&format!("prefill vs decode {device} t{t} hq{hq} hkv{hkv} d{d}"), &f64s(&decoded), &want, |i| {
+        1e-5 * (1.0 + want[i].abs())
+    });
+}
+
+/// Vocab-parallel lookups: each shard's rows where the id is local, zeros elsewhere; the sum
+/// over shards equals the full table's rows, bit for bit. Ids in both integer dtypes.
+pub fn check_embedding(device: Device, vocab: usize, h: usize, dtype: DType, world: usize) {
+    let cpu = Device::Cpu;
+    let table = Tensor::randn(&[vocab, h], dtype, 5, &cpu).unwrap();
+    let ids: Vec<i64> = (0..23).map(|i| ((i * 7919 + 3) % vocab) as i64).collect();
+    let tv = f64s(&table);
+    for id_dtype in DType::INTS {
+        let ids_t = Tensor::from_vec(ids.clone(), &[23], &cpu).unwrap();
+        let ids_t = match id_dtype {
+            DType::I32 => Tensor::from_vec(ids.iter().map(|&i| i as i32).collect::<Vec<_>>(), &[23], &cpu).unwrap(),
+            _ => ids_t,
+        };
+        let mut sum = vec![0.0; 23 * h];
+        for shard in tp_core::TensorShard::for_all_ranks(0, vocab, world).unwrap() {
+            let local = on(&shard.shard(&table).unwrap(), device);
+            let y = local.embedding(&on(&ids_t, device), shard.start()).unwrap();
+            assert_eq!((y.dims(), y.dtype()), (&[23, h][..], dtype));
+            let yv = f64s(&y);
+            for (r, &id) in ids.iter().enumerate() {
+                let mine = (shard.start()..shard.end()).contains(&(id as usize));
+                for j in 0..h {
+                    let want = if mine { tv[id as usize * h + j] } else { 0.0 };
+                    assert_eq!(
+                        yv[r * h + j].to_bits(),
+                        want.to_bits(),
+                        "embedding {device} {id_dtype} shard {shard:?} id {id}"
+                    );
+                    sum[r * h + j] += yv[r * h + j];
+                }
+            }
+        }
+        let full: Vec<f64> = ids.iter().flat_map(|&id| tv[id as usize * h..(id as usize + 1) * h].to_vec()).collect();
+        assert_eq!(sum, full, "embedding {device}: the shards' sum is the full lookup");
+    }
+}
+
+/// Argmax against a plain scan, with planted ties (the lowest index wins) and a NaN row.
+pub fn check_argmax(device: Device, rows: usize, n: usize, dtype: DType) {
+    let cpu = Device::Cpu;
+    let mut x = Tensor::rand_int(&[rows, n], dtype, -50, 50, 9, &cpu).unwrap();
+    // Row 0: a tie between two maxima far apart; row 1 (if any): a NaN late in the row.
+    let mut v = f64s(&x);
+    v[n / 3] = 99.0;
+    v[n - 1] = 99.0;
+    if rows > 1 {
+        v[n + n / 2] = f64::NAN;
+    }
+    x = Tensor::from_fn_f64(&[rows, n], dtype, &cpu, |i| v[i]).unwrap();
+    let (vals, idx) = on(&x, device).max_with_index().unwrap();
+    assert_eq!((idx.dims(), idx.dtype(), vals.dtype()), (&[rows][..], DType::I64, DType::F32));
+    let got = idx.to_i64_vec().unwrap();
+    let got_v = f64s(&vals);
+    for r in 0..rows {
+        let row = &v[r * n..(r + 1) * n];
+        let want = row.iter().position(|x| x.is_nan()).unwrap_or_else(|| {
+            let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            row.iter().position(|&x| x == m).unwrap()
+        });
+        assert_eq!(got[r], want as i64, "argmax {device} {dtype} row {r}");
+        assert!(got_v[r].to_bits() == row[want].to_bits() || (got_v[r].is_nan() && row[want].is_nan()));
+    }
+    assert_eq!(on(&x, device).argmax().unwrap().to_i64_vec().unwrap(), got);
+}
+
+/// `add` and `add_assign` against f64 sums rounded once; the in-place form leaves a clone that
+/// shared the elements untouched.
+pub fn check_add(device: Device, dtype: DType) {
+    let cpu = Device::Cpu;
+    let a = Tensor::randn(&[7, 33], dtype, 1, &cpu).unwrap();
+    let b = Tensor::randn(&[7, 33], dtype, 2, &cpu).unwrap();
+    let want: Vec<f64> = f64s(&a).iter().zip(f64s(&b)).map(|(x, y)| round_to(dtype, x + y)).collect();
+    let (ad, bd) = (on(&a, device), on(&b, device));
+    assert_eq!(f64s(&ad.add(&bd).unwrap()), want, "add {device} {dtype}");
+    let mut inplace = ad.clone();
+    inplace.add_assign(&bd).unwrap();
+    assert_eq!(f64s(&inplace), want, "add_assign {device} {dtype}");
+    assert_eq!(f64s(&ad), f64s(&a), "the shared original must not change");
+    // x += x: the operand aliases the target.
+    let mut twice = ad.clone();
+    twice.add_assign(&ad).unwrap();
+    let want2: Vec<f64> = f64s(&a).iter().map(|x| round_to(dtype, 2.0 * x)).collect();
+    assert_eq!(f64s(&twice), want2);
+}

@@ -1,0 +1,247 @@
+//! Launchers of the decoder kernels: the residual add (`kernels/elementwise.cu`), RMSNorm
+//! (`norm.cu`), RoPE (`rope.cu`), attention (`attention.cu`), the embedding lookup and the
+//! argmax (`tokens.cu`). Each checks buffer sizes, types and limits against the kernel's
+//! contract before its `unsafe` launch, as in `launch.rs`.
+
+use crate::error::{Result, driver};
+use crate::gpu::Gpu;
+use crate::launch::{ElemType, i64_of, invalid, require_float, span};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Largest head size the attention kernel takes (`kernels/attention.cu`, ATT_MAX_D).
+pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+/// Threads per block of the attention kernel (ATT_WARPS * 32).
+const ATTENTION_THREADS: u32 = 128;
+
+/// Shape of one attention call: `tokens` queries of `q_heads` heads, `kv_heads` KV heads of
+/// `head_dim`, the first `kv_len` cache rows valid, and an optional sliding window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    /// Query tokens `T` (the last `T` of the `kv_len` cached ones).
+    pub tokens: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key/value heads (divide `q_heads`).
+    pub kv_heads: usize,
+    /// Features per head, at most [`ATTENTION_MAX_HEAD_DIM`].
+    pub head_dim: usize,
+    /// Valid cache rows, `tokens <= kv_len`.
+    pub kv_len: usize,
+    /// Factor on the scores.
+    pub scale: f32,
+    /// Sliding window (most recent keys seen), or `None`.
+    pub window: Option<usize>,
+}
+
+impl Gpu {
+    /// `x[i] += y[i]` for `n` elements of `ty`, in place (`tp_add_T`).
+    pub fn add_inplace(&self, x: &mut CudaSlice<u8>, y: &CudaSlice<u8>, n: usize, ty: ElemType) -> Result<()> {
+        const K: &str = "add";
+        require_float(K, ty)?;
+        let bytes = span(K, n, ty.size(), 0)?;
+        if bytes > x.len() || bytes > y.len() {
+            return Err(invalid(K, format!("{n} elements do not fit the buffers")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("elementwise", &format!("tp_add_{}", ty.name()))?;
+        let n_i = i64_of(K, n)?;
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(x).arg(y).arg(&n_i);
+        // SAFETY: matches tp_add_T(T* x, const T* y, int64 n); both buffers hold n elements
+        // (checked above) and are distinct (`&mut` vs `&`), 256-byte aligned.
+        unsafe { b.launch(self.grid_stride(n as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_add)"))
+    }
+
+    /// RMSNorm of `rows` rows of `h` elements (`tp_rms_norm_T`): `out = w * round(x * rstd)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm(
+        &self,
+        out: &mut CudaSlice<u8>,
+        x: &CudaSlice<u8>,
+        w: &CudaSlice<u8>,
+        rows: usize,
+        h: usize,
+        eps: f32,
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "rms_norm";
+        require_float(K, ty)?;
+        let bytes = span(K, rows, h, 0).and_then(|n| span(K, n, ty.size(), 0))?;
+        if bytes > x.len() || bytes > out.len() || span(K, h, ty.size(), 0)? > w.len() {
+            return Err(invalid(K, format!("{rows} x {h} does not fit the buffers")));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        let f = self.function("norm", &format!("tp_rms_norm_{}", ty.name()))?;
+        let (r, hi) = (i64_of(K, rows)?, i64_of(K, h)?);
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(out).arg(x).arg(w).arg(&r).arg(&hi).arg(&eps);
+        // SAFETY: matches tp_rms_norm_T(T* out, const T* x, const T* w, int64 rows, int64 h,
+        // float eps); x and out hold rows*h elements and w holds h (checked above); out is the
+        // only buffer written and is borrowed mutably. 256 threads: the kernel's launch bounds
+        // and a multiple of 32, as its block reduction needs.
+        unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_rms_norm)"))
+    }
+
+    /// RoPE over `x: [tokens, heads, 2 * inv_freq.len()]` (`tp_rope_T`); `pos` holds `tokens`
+    /// int64 positions and `inv_freq` the f32 frequencies, both on this device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        out: &mut CudaSlice<u8>,
+        x: &CudaSlice<u8>,
+        pos: &CudaSlice<u8>,
+        inv_freq: &CudaSlice<u8>,
+        (tokens, heads, half): (usize, usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "rope";
+        require_float(K, ty)?;
+        let n = span(K, tokens, heads, 0).and_then(|r| span(K, r, 2 * half, 0))?;
+        let bytes = span(K, n, ty.size(), 0)?;
+        if bytes > x.len()
+            || bytes > out.len()
+            || span(K, tokens, 8, 0)? > pos.len()
+            || span(K, half, 4, 0)? > inv_freq.len()
+        {
+            return Err(invalid(K, format!("{tokens} x {heads} x {} does not fit the buffers", 2 * half)));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function("rope", &format!("tp_rope_{}", ty.name()))?;
+        let [t, h, hf] = [i64_of(K, tokens)?, i64_of(K, heads)?, i64_of(K, half)?];
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(out).arg(x).arg(pos).arg(inv_freq).arg(&t).arg(&h).arg(&hf);
+        // SAFETY: matches tp_rope_T(T* out, const T* x, const int64* pos, const float* inv_freq,
+        // int64 tokens, heads, half). x and out hold tokens*heads*2*half elements, pos `tokens`
+        // int64 and inv_freq `half` floats (checked above); only out is written, borrowed
+        // mutably; allocations are 256-byte aligned, so every typed access is aligned.
+        unsafe { b.launch(self.grid_rows((tokens * heads) as u64)) }
+            .map(drop)
+            .map_err(driver("cuLaunchKernel(tp_rope)"))
+    }
+
+    /// Causal GQA attention (`tp_attention_T`): `q, out: [tokens, q_heads, head_dim]`, `k, v`:
+    /// at least `[kv_len, kv_heads, head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        out: &mut CudaSlice<u8>,
+        q: &CudaSlice<u8>,
+        k: &CudaSlice<u8>,
+        v: &CudaSlice<u8>,
+        s: AttentionShape,
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "attention";
+        require_float(K, ty)?;
+        if s.head_dim > ATTENTION_MAX_HEAD_DIM {
+            return Err(invalid(K, format!("head_dim {} exceeds {ATTENTION_MAX_HEAD_DIM}", s.head_dim)));
+        }
+        if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || s.kv_len < s.tokens || s.window == Some(0) {
+            return Err(invalid(K, format!("inconsistent shape {s:?}")));
+        }
+        let q_bytes = span(K, s.tokens, s.q_heads, 0)
+            .and_then(|r| span(K, r, s.head_dim, 0))
+            .and_then(|n| span(K, n, ty.size(), 0))?;
+        let kv_bytes = span(K, s.kv_len, s.kv_heads, 0)
+            .and_then(|r| span(K, r, s.head_dim, 0))
+            .and_then(|n| span(K, n, ty.size(), 0))?;
+        if q_bytes > q.len() || q_bytes > out.len() || kv_bytes > k.len() || kv_bytes > v.len() {
+            return Err(invalid(K, format!("{s:?} does not fit the buffers")));
+        }
+        if q_bytes == 0 {
+            return Ok(());
+        }
+        let f = self.function("attention", &format!("tp_attention_{}", ty.name()))?;
+        let [t, hq, hkv, d, l] = [s.tokens, s.q_heads, s.kv_heads, s.head_dim, s.kv_len].map(|v| i64_of(K, v));
+        let (t, hq, hkv, d, l) = (t?, hq?, hkv?, d?, l?);
+        let window = i64_of(K, s.window.unwrap_or(0))?;
+        let rows = (s.tokens * s.q_heads) as u64;
+        let blocks = rows.clamp(1, u64::from(self.sm_count()) * 32);
+        let cfg =
+            LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (ATTENTION_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(out).arg(q).arg(k).arg(v).arg(&t).arg(&hq).arg(&hkv).arg(&d).arg(&l).arg(&s.scale).arg(&window);
+        // SAFETY: matches tp_attention_T(T* out, const T* q, const T* k, const T* v, int64 tokens,
+        // hq, hkv, d, kv_len, float scale, int64 window). q and out hold tokens*hq*d elements and
+        // k, v at least kv_len*hkv*d (checked above); the kernel reads keys j <= kv_len - 1 only
+        // and head_dim <= 256 fits its shared arrays; hkv divides hq and kv_len >= tokens, so
+        // every query sees at least its own key. 128 threads is its launch bound. Only out is
+        // written, borrowed mutably.
+        unsafe { b.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_attention)"))
+    }
+
+    /// Vocab-parallel embedding lookup (`tp_embedding_T_I`): `n` ids of `id_ty` (i32 or i64)
+    /// into rows of `table: [rows, h]` offset by `offset`; `out: [n, h]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding(
+        &self,
+        out: &mut CudaSlice<u8>,
+        table: &CudaSlice<u8>,
+        ids: &CudaSlice<u8>,
+        n: usize,
+        (rows, h): (usize, usize),
+        offset: i64,
+        ty: ElemType,
+        id_ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "embedding";
+        require_float(K, ty)?;
+        if !matches!(id_ty, ElemType::I32 | ElemType::I64) {
+            return Err(invalid(K, "ids must be i32 or i64"));
+        }
+        let out_bytes = span(K, n, h, 0).and_then(|e| span(K, e, ty.size(), 0))?;
+        let table_bytes = span(K, rows, h, 0).and_then(|e| span(K, e, ty.size(), 0))?;
+        if out_bytes > out.len() || table_bytes > table.len() || span(K, n, id_ty.size(), 0)? > ids.len() {
+            return Err(invalid(K, format!("{n} ids x {h} from {rows} rows do not fit the buffers")));
+        }
+        if out_bytes == 0 {
+            return Ok(());
+        }
+        let f = self.function("tokens", &format!("tp_embedding_{}_{}", ty.name(), id_ty.name()))?;
+        let [n_i, r_i, h_i] = [i64_of(K, n)?, i64_of(K, rows)?, i64_of(K, h)?];
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(out).arg(table).arg(ids).arg(&n_i).arg(&r_i).arg(&h_i).arg(&offset);
+        // SAFETY: matches tp_embedding_T_I(T* out, const T* table, const I* ids, int64 n, rows,
+        // h, offset). out holds n*h elements, table rows*h, ids n of I (checked above); the
+        // kernel reads a table row only when 0 <= id - offset < rows. Only out is written.
+        unsafe { b.launch(self.grid_rows(n as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_embedding)"))
+    }
+
+    /// Per-row maximum and its first index (`tp_max_index_T`) over `x: [rows, n]`, `n >= 1`:
+    /// `vals` receives `rows` f32, `idx` `rows` int64.
+    pub fn max_index(
+        &self,
+        vals: &mut CudaSlice<u8>,
+        idx: &mut CudaSlice<u8>,
+        x: &CudaSlice<u8>,
+        (rows, n): (usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "max_index";
+        require_float(K, ty)?;
+        if n == 0 {
+            return Err(invalid(K, "rows must not be empty"));
+        }
+        let x_bytes = span(K, rows, n, 0).and_then(|e| span(K, e, ty.size(), 0))?;
+        if x_bytes > x.len() || span(K, rows, 4, 0)? > vals.len() || span(K, rows, 8, 0)? > idx.len() {
+            return Err(invalid(K, format!("{rows} x {n} does not fit the buffers")));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function("tokens", &format!("tp_max_index_{}", ty.name()))?;
+        let (r_i, n_i) = (i64_of(K, rows)?, i64_of(K, n)?);
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(vals).arg(idx).arg(x).arg(&r_i).arg(&n_i);
+        // SAFETY: matches tp_max_index_T(float* vals, int64* idx, const T* x, int64 rows, n);
+        // x holds rows*n elements, vals rows floats, idx rows int64 (checked above); vals and idx
+        // are distinct mutable borrows; 256 threads as its reduction expects.
+        unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_max_index)"))
+    }
+}
