@@ -5,7 +5,10 @@
 //! `0..r` hold `q + 1` elements and ranks `r..W` hold `q`; rank `i` starts at `i·q + min(i, r)`.
 //! Shard lengths differ by at most one, every element is held by exactly one rank, and when
 //! `W` divides `L` this is Megatron-LM's and vLLM's even split. When `L < W`, the last ranks
-//! hold empty shards. Every crate of tp uses this policy (`TensorShard::new`), nowhere else.
+//! hold empty shards. Every crate of tp uses this policy (`TensorShard::new`) for every split
+//! it chooses. A split that must follow another one is the one exception, built with
+//! [`TensorShard::with_range`]: attention's output projection takes the features of the query
+//! heads the rank holds (heads are split by this policy, features follow them).
 
 use crate::{Error, Result, Tensor};
 
@@ -37,6 +40,37 @@ impl TensorShard {
         let start = rank * q + rank.min(r);
         let len = q + usize::from(rank < r);
         Ok(TensorShard { dim, rank, world_size, global_len, start, len })
+    }
+
+    /// Rank `rank`'s shard when it holds the given range `start..start + len` of a dimension of
+    /// `global_len`, whatever the policy would give (a split that follows another, such as the
+    /// head-aligned input features of attention's output projection).
+    ///
+    /// Errors: [`Error::ZeroWorldSize`], [`Error::RankOutOfRange`], [`Error::ShardMismatch`] if
+    /// the range does not lie inside the dimension.
+    pub fn with_range(
+        dim: usize,
+        global_len: usize,
+        rank: usize,
+        world_size: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<Self> {
+        const OP: &str = "TensorShard::with_range";
+        Self::new(dim, global_len, rank, world_size)?; // rank and world checks
+        if start.checked_add(len).is_none_or(|end| end > global_len) {
+            return Err(Error::ShardMismatch {
+                op: OP,
+                why: format!("range {start}..{start}+{len} exceeds the dimension's length {global_len}"),
+            });
+        }
+        Ok(TensorShard { dim, rank, world_size, global_len, start, len })
+    }
+
+    /// Whether this shard is the balanced policy's for its rank (false for a
+    /// [`with_range`](Self::with_range) shard that differs from it).
+    pub fn is_balanced(&self) -> bool {
+        Self::new(self.dim, self.global_len, self.rank, self.world_size).is_ok_and(|b| b == *self)
     }
 
     /// The shards of every rank, in rank order.

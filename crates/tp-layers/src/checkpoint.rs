@@ -168,6 +168,20 @@ impl Checkpoint {
         Ok((d, v.shape().to_vec()))
     }
 
+    /// [`info`](Self::info) of a tensor that must be a parameter: a float dtype (f32, f16 or
+    /// bf16), else [`LayerError::WrongDtype`].
+    pub fn param_info(&self, name: &str) -> Result<(DType, Vec<usize>)> {
+        let (d, dims) = self.info(name)?;
+        if !d.is_float() {
+            return Err(LayerError::WrongDtype {
+                name: name.into(),
+                found: dtype_name(d),
+                expected: "f32, f16 or bf16".into(),
+            });
+        }
+        Ok((d, dims))
+    }
+
     /// The whole tensor `name`, converted to `dtype` (if given) and placed on `device`.
     pub fn load(&self, name: &str, dtype: Option<DType>, device: &Device) -> Result<Tensor> {
         let (v, d) = self.view(name)?;

@@ -9,8 +9,9 @@
 use crate::checkpoint::Checkpoint;
 use crate::error::{LayerError, Result};
 use crate::linear::Linear;
+use crate::options::LoadOptions;
 use tp_comm::DeviceGroup;
-use tp_core::{DType, Device, Tensor, TensorShard};
+use tp_core::{Device, Tensor, TensorShard};
 
 /// Rank `shard.rank()`'s part of a column-parallel linear layer.
 #[derive(Debug, Clone)]
@@ -42,30 +43,14 @@ impl ColumnParallel {
         Self::new(Linear::new(weight, bias)?, shard)
     }
 
-    /// Rank `rank`'s shard of `{prefix}.weight` (`[out, in]`) and `{prefix}.bias` (if the
-    /// checkpoint has it), reading only this rank's rows. `in_features` is checked when given.
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        in_features: Option<usize>,
-        rank: usize,
-        world_size: usize,
-        dtype: Option<DType>,
-        device: &Device,
-    ) -> Result<ColumnParallel> {
-        let (weight, shard) =
-            load_rows(ckpt, &format!("{prefix}.weight"), in_features, rank, world_size, dtype, device)?;
+    /// This rank's shard of `{prefix}.weight` (`[out, in]`) and `{prefix}.bias` (if the
+    /// checkpoint has it), reading only this rank's rows; rank, world size and device come from
+    /// `group`.
+    pub fn load(ckpt: &Checkpoint, prefix: &str, group: &DeviceGroup, opts: &LoadOptions) -> Result<ColumnParallel> {
+        let (weight, shard) = load_rows(ckpt, &format!("{prefix}.weight"), group, opts)?;
         let bias_name = format!("{prefix}.bias");
         let bias = if ckpt.contains(&bias_name) {
-            Some(
-                ckpt.load_shard(
-                    &bias_name,
-                    &TensorShard::new(0, shard.global_len(), rank, world_size)?,
-                    dtype,
-                    device,
-                )?
-                .0,
-            )
+            Some(ckpt.load_shard(&bias_name, &shard, opts.dtype, &group.device())?.0)
         } else {
             None
         };
@@ -89,49 +74,41 @@ impl ColumnParallel {
     /// The full `Y`: the local block, then an all-gather of every rank's block along the last
     /// dim through `group`.
     pub fn forward_gathered(&self, x: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
-        check_group(&self.shard, group)?;
+        check_group(&self.shard, self.linear.device(), group)?;
         let y = self.forward(x)?;
         Ok(group.all_gather(&y, y.ndim() - 1)?)
     }
 }
 
-/// Checks that a layer built for `shard`'s rank and world size is used with a matching group.
-pub(crate) fn check_group(shard: &TensorShard, group: &DeviceGroup) -> Result<()> {
-    if group.rank() != shard.rank() || group.world_size() != shard.world_size() {
-        return Err(LayerError::Config(format!(
-            "layer is rank {} of {}, group is rank {} of {}",
-            shard.rank(),
-            shard.world_size(),
-            group.rank(),
-            group.world_size()
-        )));
+/// Checks that a layer built for `shard`'s rank and world size, with parameters on `device`,
+/// is used with a matching group.
+pub(crate) fn check_group(shard: &TensorShard, device: Device, group: &DeviceGroup) -> Result<()> {
+    if group.rank() != shard.rank() || group.world_size() != shard.world_size() || group.device() != device {
+        return Err(LayerError::WrongGroup {
+            layer_rank: shard.rank(),
+            layer_world: shard.world_size(),
+            layer_device: device,
+            group_rank: group.rank(),
+            group_world: group.world_size(),
+            group_device: group.device(),
+        });
     }
     Ok(())
 }
 
-/// Rows `shard` of a `[out, in]` weight, checking `in` when given.
+/// This rank's balanced rows of a 2-D `[out, in]` tensor `name`, on the group's device.
 pub(crate) fn load_rows(
     ckpt: &Checkpoint,
     name: &str,
-    in_features: Option<usize>,
-    rank: usize,
-    world_size: usize,
-    dtype: Option<DType>,
-    device: &Device,
+    group: &DeviceGroup,
+    opts: &LoadOptions,
 ) -> Result<(Tensor, TensorShard)> {
-    let (_, dims) = ckpt.info(name)?;
-    let [out, inp] = dims[..] else {
-        return Err(LayerError::WrongShape {
-            name: name.into(),
-            found: dims,
-            expected: vec![0, in_features.unwrap_or(0)],
-        });
+    let (_, dims) = ckpt.param_info(name)?;
+    let [out, _] = dims[..] else {
+        return Err(LayerError::Config(format!(
+            "checkpoint tensor {name:?} has shape {dims:?}; a 2-D [out, in] weight was expected"
+        )));
     };
-    if let Some(want) = in_features
-        && want != inp
-    {
-        return Err(LayerError::WrongShape { name: name.into(), found: dims, expected: vec![out, want] });
-    }
-    let shard = TensorShard::new(0, out, rank, world_size)?;
-    Ok((ckpt.load_shard(name, &shard, dtype, device)?.0, shard))
+    let shard = TensorShard::new(0, out, group.rank(), group.world_size())?;
+    Ok((ckpt.load_shard(name, &shard, opts.dtype, &group.device())?.0, shard))
 }

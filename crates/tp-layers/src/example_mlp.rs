@@ -10,7 +10,7 @@
 //! GPUs round-robin); `nccl` runs them as processes, either started by torchrun (`RANK` is set)
 //! or by this program itself, one GPU each.
 
-use crate::{Checkpoint, ParallelMlp, save};
+use crate::{Checkpoint, LoadOptions, ParallelMlp, save};
 use std::time::Duration;
 use tp_comm::DeviceGroup;
 use tp_core::{DType, Device, Tensor};
@@ -177,7 +177,7 @@ fn run_local(a: &Args, ckpt: &Checkpoint, x: &Tensor) -> Result<Tensor, String> 
 
 fn one_rank(a: &Args, ckpt: &Checkpoint, x: &Tensor, g: &DeviceGroup) -> Result<Tensor, String> {
     let e = |e: crate::LayerError| e.to_string();
-    let mlp = ParallelMlp::load(ckpt, &a.prefix, g.rank(), g.world_size(), Some(a.dtype), &g.device()).map_err(e)?;
+    let mlp = ParallelMlp::load(ckpt, &a.prefix, g, &LoadOptions::new().with_dtype(a.dtype)).map_err(e)?;
     let x = x.to_device(&g.device()).map_err(|e| e.to_string())?;
     let y = mlp.forward(&x, g).map_err(e)?;
     y.to_device(&Device::Cpu).map_err(|e| e.to_string())

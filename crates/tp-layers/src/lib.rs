@@ -11,8 +11,14 @@
 //! * [`MergedColumnParallel`] (gate and up in one GEMM) and [`QkvParallel`] (whole heads, KV heads
 //!   replicated past their count).
 //! * [`ParallelMlp`]: SwiGLU, `down(silu(gate(x)) * up(x))`, one all-reduce per forward.
+//! * [`VocabParallelEmbedding`] (rows of the table per rank, masked lookup + all-reduce) and
+//!   [`ParallelLmHead`] (logits gathered exactly, or a greedy argmax that gathers only each
+//!   rank's maximum); tied embeddings share the shard.
+//! * [`RmsNorm`] (replicated), [`ParallelAttention`] (heads per rank, RoPE, GQA attention over
+//!   a per-rank [`KvCache`], head-aligned row-parallel output projection), [`DecoderLayer`].
 //! * [`Checkpoint`]: memory-mapped safetensors (single file or index), reading only a rank's
-//!   bytes of each tensor.
+//!   bytes of each tensor. Every layer loads with `load(ckpt, prefix, [config,] &group,
+//!   &LoadOptions)`: rank, world size and device come from the group it will run on.
 //!
 //! Every rank uses `tp_core::TensorShard`'s balanced split, so shards may be uneven.
 //!
@@ -49,23 +55,37 @@
 //! # Ok(()) }
 //! ```
 
+mod attention;
 mod checkpoint;
 mod column;
+mod decoder;
+mod embedding;
 mod error;
 pub mod example_mlp;
+mod kv_cache;
 mod linear;
+mod lm_head;
 mod merged;
 mod mlp;
+mod norm;
+mod options;
 mod qkv;
 mod row;
 
+pub use attention::{AttentionConfig, ParallelAttention};
 pub use checkpoint::{Checkpoint, save};
 pub use column::ColumnParallel;
+pub use decoder::{DecoderConfig, DecoderLayer};
+pub use embedding::VocabParallelEmbedding;
 pub use error::{LayerError, Result};
+pub use kv_cache::KvCache;
 pub use linear::Linear;
+pub use lm_head::ParallelLmHead;
 pub use merged::MergedColumnParallel;
 pub use mlp::ParallelMlp;
-pub use qkv::{QkvLayout, QkvParallel};
+pub use norm::RmsNorm;
+pub use options::LoadOptions;
+pub use qkv::{AttentionHeads, QkvLayout, QkvParallel};
 pub use row::RowParallel;
 pub use tp_comm;
 pub use tp_core;

@@ -8,8 +8,9 @@ use crate::checkpoint::Checkpoint;
 use crate::column::load_rows;
 use crate::error::{LayerError, Result};
 use crate::linear::Linear;
+use crate::options::LoadOptions;
 use tp_comm::DeviceGroup;
-use tp_core::{DType, Device, Tensor, TensorShard};
+use tp_core::{Tensor, TensorShard};
 
 /// Rank `r`'s stacked shards of several column-parallel projections.
 #[derive(Debug, Clone)]
@@ -53,20 +54,26 @@ impl MergedColumnParallel {
     }
 
     /// Loads `{prefix}.weight` of each prefix (and `.bias` when every part has one), reading only
-    /// this rank's rows of each.
+    /// this rank's rows of each; rank, world size and device come from `group`. The parts must
+    /// share their input size.
     pub fn load(
         ckpt: &Checkpoint,
         prefixes: &[&str],
-        in_features: Option<usize>,
-        rank: usize,
-        world_size: usize,
-        dtype: Option<DType>,
-        device: &Device,
+        group: &DeviceGroup,
+        opts: &LoadOptions,
     ) -> Result<MergedColumnParallel> {
         let mut weights = Vec::new();
         let mut shards = Vec::new();
         for p in prefixes {
-            let (w, s) = load_rows(ckpt, &format!("{p}.weight"), in_features, rank, world_size, dtype, device)?;
+            let (w, s) = load_rows(ckpt, &format!("{p}.weight"), group, opts)?;
+            if let Some(first) = weights.first().map(|w: &Tensor| w.dims()[1])
+                && first != w.dims()[1]
+            {
+                return Err(LayerError::Config(format!(
+                    "{prefixes:?} do not share an input size ({first} vs {} in {p})",
+                    w.dims()[1]
+                )));
+            }
             weights.push(w);
             shards.push(s);
         }
@@ -75,7 +82,7 @@ impl MergedColumnParallel {
             let parts = prefixes
                 .iter()
                 .zip(&shards)
-                .map(|(p, s)| Ok(ckpt.load_shard(&format!("{p}.bias"), s, dtype, device)?.0))
+                .map(|(p, s)| Ok(ckpt.load_shard(&format!("{p}.bias"), s, opts.dtype, &group.device())?.0))
                 .collect::<Result<Vec<_>>>()?;
             Some(Tensor::cat(&parts, 0)?)
         } else if has_bias.iter().any(|&b| b) {
@@ -116,6 +123,7 @@ impl MergedColumnParallel {
 
     /// Every part's full output `Y^(i)`, each all-gathered along the last dim.
     pub fn forward_gathered(&self, x: &Tensor, group: &DeviceGroup) -> Result<Vec<Tensor>> {
+        crate::column::check_group(&self.shards[0], self.linear.device(), group)?;
         let y = self.forward(x)?;
         self.split(&y)?.iter().map(|p| Ok(group.all_gather(p, p.ndim() - 1)?)).collect()
     }

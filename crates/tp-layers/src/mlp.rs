@@ -10,9 +10,10 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{LayerError, Result};
 use crate::linear::Linear;
 use crate::merged::MergedColumnParallel;
+use crate::options::LoadOptions;
 use crate::row::RowParallel;
 use tp_comm::DeviceGroup;
-use tp_core::{DType, Device, Tensor};
+use tp_core::Tensor;
 
 /// Rank `r`'s part of a SwiGLU MLP.
 #[derive(Debug, Clone)]
@@ -31,25 +32,20 @@ impl ParallelMlp {
 
     /// Loads `{prefix}.gate_proj`, `{prefix}.up_proj` and `{prefix}.down_proj` (Hugging Face
     /// names; biases optional), reading only this rank's rows/columns, checking that the shapes
-    /// agree (`gate, up: [I, H]`, `down: [H, I]`).
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        rank: usize,
-        world_size: usize,
-        dtype: Option<DType>,
-        device: &Device,
-    ) -> Result<ParallelMlp> {
+    /// agree (`gate, up: [I, H]`, `down: [H, I]`); rank, world size and device come from `group`.
+    pub fn load(ckpt: &Checkpoint, prefix: &str, group: &DeviceGroup, opts: &LoadOptions) -> Result<ParallelMlp> {
         let (gate, up, down) =
             (format!("{prefix}.gate_proj"), format!("{prefix}.up_proj"), format!("{prefix}.down_proj"));
-        let (_, g) = ckpt.info(&format!("{gate}.weight"))?;
+        let (_, g) = ckpt.param_info(&format!("{gate}.weight"))?;
         let [inter, hidden] = g[..] else {
-            return Err(LayerError::WrongShape { name: format!("{gate}.weight"), found: g, expected: vec![0, 0] });
+            return Err(LayerError::Config(format!(
+                "checkpoint tensor \"{gate}.weight\" has shape {g:?}; a 2-D [intermediate, hidden] weight was expected"
+            )));
         };
         ckpt.expect(&format!("{up}.weight"), &[inter, hidden], None)?;
         ckpt.expect(&format!("{down}.weight"), &[hidden, inter], None)?;
-        let gate_up = MergedColumnParallel::load(ckpt, &[&gate, &up], Some(hidden), rank, world_size, dtype, device)?;
-        let down = RowParallel::load(ckpt, &down, Some(hidden), rank, world_size, dtype, device)?;
+        let gate_up = MergedColumnParallel::load(ckpt, &[&gate, &up], group, opts)?;
+        let down = RowParallel::load(ckpt, &down, group, opts)?;
         Self::new(gate_up, down)
     }
 

@@ -10,7 +10,20 @@
 use crate::checkpoint::Checkpoint;
 use crate::error::{LayerError, Result};
 use crate::linear::Linear;
-use tp_core::{DType, Device, Tensor, TensorShard};
+use crate::options::LoadOptions;
+use tp_comm::DeviceGroup;
+use tp_core::{Tensor, TensorShard};
+
+/// The attention heads of a model: query heads, key/value heads (dividing them) and head size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionHeads {
+    /// Query heads (`num_attention_heads`).
+    pub num_heads: usize,
+    /// Key/value heads (`num_key_value_heads`), dividing `num_heads`.
+    pub num_kv_heads: usize,
+    /// Features per head (`head_dim`, or `hidden_size / num_attention_heads`).
+    pub head_dim: usize,
+}
 
 /// Which heads a rank holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,36 +135,36 @@ impl QkvParallel {
     }
 
     /// Loads `{prefix}.q_proj`, `.k_proj`, `.v_proj` (weights and optional biases), reading only
-    /// this rank's heads.
-    #[allow(clippy::too_many_arguments)]
+    /// this rank's heads; rank, world size and device come from `group`.
     pub fn load(
         ckpt: &Checkpoint,
         prefix: &str,
-        num_heads: usize,
-        num_kv_heads: usize,
-        head_dim: usize,
-        rank: usize,
-        world_size: usize,
-        dtype: Option<DType>,
-        device: &Device,
+        heads: AttentionHeads,
+        group: &DeviceGroup,
+        opts: &LoadOptions,
     ) -> Result<QkvParallel> {
-        let layout = QkvLayout::new(num_heads, num_kv_heads, head_dim, rank, world_size)?;
-        let read = |proj: &str, heads: usize, start: usize, len: usize| -> Result<(Tensor, Option<Tensor>)> {
+        let AttentionHeads { num_heads, num_kv_heads, head_dim } = heads;
+        let layout = QkvLayout::new(num_heads, num_kv_heads, head_dim, group.rank(), group.world_size())?;
+        let device = group.device();
+        let mut hidden = None;
+        let mut read = |proj: &str, heads: usize, start: usize, len: usize| -> Result<(Tensor, Option<Tensor>)> {
             let name = format!("{prefix}.{proj}.weight");
-            let (_, dims) = ckpt.info(&name)?;
-            if dims.len() != 2 || dims[0] != heads * head_dim {
+            let (_, dims) = ckpt.param_info(&name)?;
+            let width = dims.get(1).copied().unwrap_or(0);
+            if dims.len() != 2 || dims[0] != heads * head_dim || hidden.is_some_and(|h| h != width) {
                 return Err(LayerError::WrongShape {
                     name,
                     found: dims.clone(),
-                    expected: vec![heads * head_dim, dims.get(1).copied().unwrap_or(0)],
+                    expected: vec![heads * head_dim, hidden.unwrap_or(width)],
                 });
             }
+            hidden = Some(width);
             let (rs, rl) = (start * head_dim, len * head_dim);
-            let w = ckpt.load_range(&name, 0, rs, rl, dtype, device)?.0;
+            let w = ckpt.load_range(&name, 0, rs, rl, opts.dtype, &device)?.0;
             let bias_name = format!("{prefix}.{proj}.bias");
             let b = if ckpt.contains(&bias_name) {
                 ckpt.expect(&bias_name, &[heads * head_dim], None)?;
-                Some(ckpt.load_range(&bias_name, 0, rs, rl, dtype, device)?.0)
+                Some(ckpt.load_range(&bias_name, 0, rs, rl, opts.dtype, &device)?.0)
             } else {
                 None
             };
@@ -179,6 +192,11 @@ impl QkvParallel {
     /// Which heads this rank holds.
     pub fn layout(&self) -> &QkvLayout {
         &self.layout
+    }
+
+    /// The local fused layer (`[Q_r; K_r; V_r]` rows).
+    pub fn local(&self) -> &Linear {
+        &self.linear
     }
 
     /// `[Q_r | K_r | V_r]` for `x: [.., H]`, then split: `(Q_r, K_r, V_r)` with

@@ -4,11 +4,16 @@
 //! split to match, `X = [X_0, .., X_{p-1}]` (balanced `TensorShard` on `in`). Rank `r` holds
 //! `A_r` and computes the partial product `X_r A_r^T`; an all-reduce sums the partials,
 //! `Y = Σ_r X_r A_r^T`, and the full bias `b` is added once, after the reduction.
+//!
+//! The column blocks need not be the balanced ones: any partition of `in` into per-rank ranges
+//! gives the same sum. Attention's output projection uses that: rank `r`'s block is the features
+//! of the query heads it holds ([`RowParallel::load_columns`]), uneven heads included.
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{LayerError, Result};
+use crate::options::LoadOptions;
 use tp_comm::{DeviceGroup, ReduceOp};
-use tp_core::{DType, Device, Tensor, TensorShard};
+use tp_core::{Tensor, TensorShard};
 
 /// Rank `shard.rank()`'s part of a row-parallel linear layer.
 #[derive(Debug, Clone)]
@@ -22,7 +27,8 @@ pub struct RowParallel {
 
 impl RowParallel {
     /// Wraps a local shard: `weight` holds columns `shard.start()..shard.end()` of the full
-    /// `[out, in]` weight; `shard.dim()` must be 1; `bias` is the full `[out]` bias.
+    /// `[out, in]` weight (the balanced shard, or any range built with
+    /// `TensorShard::with_range`); `shard.dim()` must be 1; `bias` is the full `[out]` bias.
     pub fn new(weight: Tensor, bias: Option<Tensor>, shard: TensorShard) -> Result<RowParallel> {
         let &[out, in_r] = weight.dims() else {
             return Err(LayerError::Config(format!("RowParallel weight must be [out, in_r], got {:?}", weight.dims())));
@@ -52,33 +58,59 @@ impl RowParallel {
         Self::new(shard.shard(weight)?, bias.cloned(), shard)
     }
 
-    /// Rank `rank`'s columns of `{prefix}.weight` (only those bytes are read) and the full
-    /// `{prefix}.bias` if present. `out_features` is checked when given.
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        out_features: Option<usize>,
+    /// Rank `rank`'s columns `cols` of a full `[out, in]` weight (and the full bias): the
+    /// [`load_columns`](Self::load_columns) split, from tensors in memory.
+    pub fn from_full_columns(
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        cols: std::ops::Range<usize>,
         rank: usize,
         world_size: usize,
-        dtype: Option<DType>,
-        device: &Device,
     ) -> Result<RowParallel> {
-        let name = format!("{prefix}.weight");
-        let (_, dims) = ckpt.info(&name)?;
-        let [out, inp] = dims[..] else {
-            return Err(LayerError::WrongShape { name, found: dims, expected: vec![out_features.unwrap_or(0), 0] });
-        };
-        if let Some(want) = out_features
-            && want != out
-        {
-            return Err(LayerError::WrongShape { name, found: dims, expected: vec![want, inp] });
-        }
-        let shard = TensorShard::new(1, inp, rank, world_size)?;
-        let weight = ckpt.load_shard(&name, &shard, dtype, device)?.0;
+        let in_features = weight.shape().dim("RowParallel", 1)?;
+        let len = cols.end.saturating_sub(cols.start);
+        let shard = TensorShard::with_range(1, in_features, rank, world_size, cols.start, len)?;
+        Self::new(shard.shard(weight)?, bias.cloned(), shard)
+    }
+
+    /// This rank's balanced columns of `{prefix}.weight` (only those bytes are read) and the
+    /// full `{prefix}.bias` if present; rank, world size and device come from `group`.
+    pub fn load(ckpt: &Checkpoint, prefix: &str, group: &DeviceGroup, opts: &LoadOptions) -> Result<RowParallel> {
+        let (_, inp) = weight_dims(ckpt, prefix)?;
+        let shard = TensorShard::new(1, inp, group.rank(), group.world_size())?;
+        Self::load_shard(ckpt, prefix, shard, group, opts)
+    }
+
+    /// Like [`load`](Self::load), but this rank holds input features `cols` (any range, not
+    /// necessarily the balanced one): the split must follow the layer before it, as attention's
+    /// output projection follows the query heads a rank holds.
+    pub fn load_columns(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        cols: std::ops::Range<usize>,
+        group: &DeviceGroup,
+        opts: &LoadOptions,
+    ) -> Result<RowParallel> {
+        let (_, inp) = weight_dims(ckpt, prefix)?;
+        let len = cols.end.saturating_sub(cols.start);
+        let shard = TensorShard::with_range(1, inp, group.rank(), group.world_size(), cols.start, len)?;
+        Self::load_shard(ckpt, prefix, shard, group, opts)
+    }
+
+    fn load_shard(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        shard: TensorShard,
+        group: &DeviceGroup,
+        opts: &LoadOptions,
+    ) -> Result<RowParallel> {
+        let (name, device) = (format!("{prefix}.weight"), group.device());
+        let (out, _) = weight_dims(ckpt, prefix)?;
+        let weight = ckpt.load_shard(&name, &shard, opts.dtype, &device)?.0;
         let bias_name = format!("{prefix}.bias");
         let bias = if ckpt.contains(&bias_name) {
             ckpt.expect(&bias_name, &[out], None)?;
-            Some(ckpt.load(&bias_name, dtype, device)?)
+            Some(ckpt.load(&bias_name, opts.dtype, &device)?)
         } else {
             None
         };
@@ -105,7 +137,7 @@ impl RowParallel {
 
     /// `Y = Σ_r X_r A_r^T + b` from this rank's input block `x_local: [.., in_r]`.
     pub fn forward(&self, x_local: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
-        crate::column::check_group(&self.shard, group)?;
+        crate::column::check_group(&self.shard, self.weight.device(), group)?;
         let partial = self.forward_partial(x_local)?;
         let y = group.all_reduce(&partial, ReduceOp::Sum)?;
         Ok(match &self.bias {
@@ -117,7 +149,19 @@ impl RowParallel {
     /// [`forward`](Self::forward) from the full input `x: [.., in]`: this rank takes its block.
     pub fn forward_split(&self, x: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
         let last = x.ndim().checked_sub(1).ok_or_else(|| LayerError::Config("input must have a feature dim".into()))?;
-        let shard = TensorShard::new(last, self.shard.global_len(), self.shard.rank(), self.shard.world_size())?;
+        let s = &self.shard;
+        let shard = TensorShard::with_range(last, s.global_len(), s.rank(), s.world_size(), s.start(), s.len())?;
         self.forward(&shard.shard(x)?, group)
+    }
+}
+
+/// `(out, in)` of the 2-D tensor `{prefix}.weight`.
+fn weight_dims(ckpt: &Checkpoint, prefix: &str) -> Result<(usize, usize)> {
+    let name = format!("{prefix}.weight");
+    match ckpt.param_info(&name)?.1[..] {
+        [out, inp] => Ok((out, inp)),
+        ref dims => Err(LayerError::Config(format!(
+            "checkpoint tensor {name:?} has shape {dims:?}; a 2-D [out, in] weight was expected"
+        ))),
     }
 }

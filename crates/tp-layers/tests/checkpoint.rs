@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use std::path::{Path, PathBuf};
 use tp_core::{DType, Tensor, TensorShard};
-use tp_layers::{Checkpoint, ColumnParallel, LayerError, ParallelMlp, RowParallel, save};
+use tp_layers::{Checkpoint, ColumnParallel, LayerError, LoadOptions, ParallelMlp, RowParallel, save};
 
 fn tmpdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tp-layers-{name}-{}", std::process::id()));
@@ -100,25 +100,21 @@ fn layers_load_from_a_single_file_and_from_an_index() {
             let ckpt = Checkpoint::open(&source).unwrap();
             for world in 1..=4 {
                 let got = on_ranks(world, CPU, |g| {
-                    let loaded = ParallelMlp::load(&ckpt, P, g.rank(), world, None, &CPU).unwrap();
+                    let loaded = ParallelMlp::load(&ckpt, P, &g, &LoadOptions::new()).unwrap();
                     let built = ParallelMlp::from_full(&m.gate, &m.up, &m.down, g.rank(), world).unwrap();
                     (loaded.forward(&x, &g).unwrap(), built.forward(&x, &g).unwrap())
                 });
                 for (a, b) in got {
                     assert_eq!(a, b, "{} world {world}", source.display());
                 }
-                let col =
-                    ColumnParallel::load(&ckpt, &format!("{P}.gate_proj"), Some(24), 1 % world, world, None, &CPU)
-                        .unwrap();
-                assert_eq!(
-                    col.forward(&x).unwrap(),
-                    ColumnParallel::from_full(&m.gate, 1 % world, world).unwrap().forward(&x).unwrap()
-                );
-                let row = RowParallel::load(&ckpt, &format!("{P}.down_proj"), Some(24), 0, world, None, &CPU).unwrap();
-                assert_eq!(
-                    row.weight(),
-                    &RowParallel::from_full(m.down.weight(), m.down.bias(), 0, world).unwrap().weight().clone()
-                );
+                let got = on_ranks(world, CPU, |g| {
+                    let col = ColumnParallel::load(&ckpt, &format!("{P}.gate_proj"), &g, &LoadOptions::new()).unwrap();
+                    let full = ColumnParallel::from_full(&m.gate, g.rank(), world).unwrap();
+                    let row = RowParallel::load(&ckpt, &format!("{P}.down_proj"), &g, &LoadOptions::new()).unwrap();
+                    let full_row = RowParallel::from_full(m.down.weight(), m.down.bias(), g.rank(), world).unwrap();
+                    (col.forward(&x).unwrap() == full.forward(&x).unwrap(), row.weight() == full_row.weight())
+                });
+                assert!(got.iter().all(|&(c, r)| c && r), "{} world {world}", source.display());
             }
         }
     }
@@ -140,7 +136,7 @@ fn malformed_checkpoints_are_typed_errors() {
     let ckpt = Checkpoint::open(&file).unwrap();
 
     expect_err(
-        ParallelMlp::load(&ckpt, "model.layers.7.mlp", 0, 1, None, &CPU),
+        on_ranks(1, CPU, |g| ParallelMlp::load(&ckpt, "model.layers.7.mlp", &g, &LoadOptions::new())).remove(0),
         "missing tensor",
         |e| matches!(e, LayerError::MissingTensor { name, .. } if name.contains("layers.7")),
     );
@@ -156,21 +152,33 @@ fn malformed_checkpoints_are_typed_errors() {
     let wrong_shape = dir.join("shape.safetensors");
     write(&wrong_shape, &tensors);
     expect_err(
-        ParallelMlp::load(&Checkpoint::open(&wrong_shape).unwrap(), P, 0, 2, None, &CPU),
+        on_ranks(2, CPU, |g| ParallelMlp::load(&Checkpoint::open(&wrong_shape).unwrap(), P, &g, &LoadOptions::new()))
+            .remove(0),
         "wrong shape",
         |e| matches!(e, LayerError::WrongShape { found, expected, .. } if found == &vec![24, 42] && expected == &vec![24, 43]),
     );
 
-    // Wrong dtype: an integer tensor where a weight should be.
-    let ints: Vec<u8> = (0..24 * 43).flat_map(|i: i32| i.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![24, 43], &ints).unwrap();
-    let int_file = dir.join("ints.safetensors");
-    safetensors::serialize_to_file(vec![("w".to_string(), view)], None, &int_file).unwrap();
-    let ints_ckpt = Checkpoint::open(&int_file).unwrap();
+    // Wrong dtype: a dtype tp has no use for (f64), and an integer tensor where a weight should
+    // be (integers load, as token ids, but are no layer's parameters).
+    let f64s_bytes: Vec<u8> = (0..24 * 43).flat_map(|i| f64::from(i).to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F64, vec![24, 43], &f64s_bytes).unwrap();
+    let f64_file = dir.join("f64.safetensors");
+    safetensors::serialize_to_file(vec![("w".to_string(), view)], None, &f64_file).unwrap();
     expect_err(
-        ints_ckpt.load("w", None, &CPU),
-        "wrong dtype",
-        |e| matches!(e, LayerError::WrongDtype { found, .. } if found == "I32"),
+        Checkpoint::open(&f64_file).unwrap().load("w", None, &CPU),
+        "unsupported dtype",
+        |e| matches!(e, LayerError::WrongDtype { found, .. } if found == "F64"),
+    );
+    let ints: Vec<u8> = (0..43 * 24).flat_map(|i: i32| i.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![43, 24], &ints).unwrap();
+    let int_file = dir.join("ints.safetensors");
+    safetensors::serialize_to_file(vec![("p.weight".to_string(), view)], None, &int_file).unwrap();
+    let ints_ckpt = Checkpoint::open(&int_file).unwrap();
+    assert_eq!(ints_ckpt.load("p.weight", None, &CPU).unwrap().to_i64_vec().unwrap()[..3], [0, 1, 2]);
+    expect_err(
+        on_ranks(2, CPU, |g| ColumnParallel::load(&ints_ckpt, "p", &g, &LoadOptions::new())).remove(0),
+        "integer weight",
+        |e| matches!(e, LayerError::WrongDtype { found, .. } if found == "i32"),
     );
     expect_err(ckpt.expect(&format!("{P}.gate_proj.weight"), &[43, 24], Some(DType::BF16)), "expected dtype", |e| {
         matches!(e, LayerError::WrongDtype { .. })

@@ -3,9 +3,13 @@
 //! `--features gpu-tests`; fails, never skips, without a GPU.
 
 mod common;
+use common::decoder_ref::*;
 use common::*;
-use tp_core::{DType, Device, Tensor};
-use tp_layers::{ColumnParallel, ParallelMlp, RowParallel};
+use tp_core::{DType, Device, RopeScaling, RotaryEmbedding, Tensor};
+use tp_layers::{
+    AttentionConfig, AttentionHeads, Checkpoint, ColumnParallel, DecoderConfig, DecoderLayer, LoadOptions,
+    ParallelLmHead, ParallelMlp, RowParallel, VocabParallelEmbedding, save,
+};
 
 const GPU: Device = Device::Cuda(0);
 
@@ -67,6 +71,72 @@ fn layers_on_ranks_sharing_one_gpu_match_the_host() {
                 });
             }
             assert!(got.iter().all(|g| g.0 == got[0].0 && g.2 == got[0].2), "ranks disagree");
+        }
+    }
+}
+
+#[test]
+fn decoder_layers_on_ranks_sharing_one_gpu_match_f64() {
+    setup();
+    let (hidden, inter, nq, nkv, d) = (48, 77, 12, 4, 16);
+    let dir = std::env::temp_dir().join(format!("tp-gpu-decoder-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bw = BlockWeights::random(hidden, inter, nq, nkv, d, true, DType::F32, 31);
+    let named = bw.named("model.layers.0");
+    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    save(dir.join("model.safetensors"), &refs).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let x = Tensor::randn(&[9, hidden], DType::F32, 32, &CPU).unwrap();
+    let want = block(&f64s(&x), &bw, (nq, nkv, d), 10_000.0, 1e-6);
+    let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
+    let cfg = DecoderConfig {
+        attention: AttentionConfig {
+            heads: AttentionHeads { num_heads: nq, num_kv_heads: nkv, head_dim: d },
+            rope: RotaryEmbedding::new(d, 10_000.0, RopeScaling::Default).unwrap(),
+            sliding_window: None,
+        },
+        rms_norm_eps: 1e-6,
+    };
+    for dtype in DType::FLOATS {
+        for world in [1, 2, 4] {
+            let got = on_ranks(world, GPU, |g| {
+                let opts = LoadOptions::new().with_dtype(dtype);
+                let layer = DecoderLayer::load(&ckpt, "model.layers.0", &cfg, &g, &opts).unwrap();
+                let mut cache = layer.new_cache(12).unwrap();
+                let xg = x.to_dtype(dtype).unwrap().to_device(&GPU).unwrap();
+                let a = layer.forward(&xg.narrow(0, 0, 6).unwrap(), &mut cache, &g).unwrap();
+                let b = layer.forward(&xg.narrow(0, 6, 1).unwrap(), &mut cache, &g).unwrap();
+                let c = layer.forward(&xg.narrow(0, 7, 2).unwrap(), &mut cache, &g).unwrap();
+                Tensor::cat(&[a, b, c], 0).unwrap().to_device(&CPU).unwrap()
+            });
+            let bound = if dtype == DType::F32 { 1e-4 } else { 0.05 };
+            for y in &got {
+                assert_close(&format!("gpu block {dtype} world {world}"), &f64s(y), &want, |_| bound * scale);
+            }
+            assert!(got.iter().all(|y| y == &got[0]), "ranks disagree");
+        }
+    }
+    // Embedding and greedy head on the GPU equal the host's.
+    let table = Tensor::randn(&[1001, hidden], DType::BF16, 33, &CPU).unwrap();
+    let ids = Tensor::from_vec((0..17i64).map(|i| (i * 97) % 1001).collect::<Vec<_>>(), &[17], &CPU).unwrap();
+    let host_emb = table.embedding(&ids, 0).unwrap();
+    let host_top = x.to_dtype(DType::BF16).unwrap().matmul_t(&table).unwrap().argmax().unwrap();
+    for world in [1, 3, 8] {
+        let got = on_ranks(world, GPU, |g| {
+            let emb = VocabParallelEmbedding::from_full(&table.to_device(&GPU).unwrap(), g.rank(), world).unwrap();
+            let head = ParallelLmHead::tied(&emb);
+            let xg = x.to_dtype(DType::BF16).unwrap().to_device(&GPU).unwrap();
+            (emb.forward(&ids, &g).unwrap().to_device(&CPU).unwrap(), head.argmax(&xg, &g).unwrap())
+        });
+        for (e, top) in got {
+            assert_eq!(e, host_emb, "embedding world {world}");
+            // The GPU GEMM may round a logit differently from the host's: the chosen token's
+            // logit must be the maximum within bf16 rounding.
+            let logits = f64s(&x.to_dtype(DType::BF16).unwrap().matmul_t(&table).unwrap());
+            for (r, (&t, &h)) in top.to_i64_vec().unwrap().iter().zip(&host_top.to_i64_vec().unwrap()).enumerate() {
+                let row = &logits[r * 1001..(r + 1) * 1001];
+                assert!(row[t as usize] >= row[h as usize] - 0.02 * row[h as usize].abs(), "row {r}: {t} vs {h}");
+            }
         }
     }
 }

@@ -1,6 +1,8 @@
 //! Shared helpers: random layers, float64 references, threads per rank.
 #![allow(dead_code)]
 
+pub mod decoder_ref;
+
 use std::time::Duration;
 use tp_comm::DeviceGroup;
 use tp_core::{DType, Device, Tensor};

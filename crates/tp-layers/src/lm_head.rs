@@ -1,0 +1,137 @@
+//! [`ParallelLmHead`]: the output projection split over the vocabulary, with a greedy argmax
+//! that never gathers the logits.
+//!
+//! `logits = h W^T` with `W: [V, H]` split by rows like the embedding (balanced, uneven `V`
+//! exact): rank `r` computes `L_r = h W_r^T`, the columns `v_r .. v_{r+1}` of the logits, with
+//! no communication. [`ParallelLmHead::logits`] all-gathers them into `[.., V]` (exact).
+//! [`ParallelLmHead::argmax`] instead takes each rank's local `(max, index)` per row and
+//! all-gathers only those (`2 × world` numbers per token): the global argmax is the best of the
+//! local ones, the lowest index winning ties (the lowest rank holds the lowest indices), NaN
+//! beating numbers, as `torch.argmax` over the full logits. With tied embeddings
+//! (`tie_word_embeddings`), `W` is the embedding table and the rank reuses its shard.
+
+use crate::checkpoint::Checkpoint;
+use crate::column::{check_group, load_rows};
+use crate::embedding::VocabParallelEmbedding;
+use crate::error::{LayerError, Result};
+use crate::options::LoadOptions;
+use tp_comm::DeviceGroup;
+use tp_core::{Device, Tensor, TensorShard};
+
+/// Rank `shard.rank()`'s rows of a vocab-parallel LM head.
+#[derive(Debug, Clone)]
+pub struct ParallelLmHead {
+    /// `W_r: [V_r, H]`.
+    weight: Tensor,
+    shard: TensorShard,
+}
+
+impl ParallelLmHead {
+    /// Wraps a local weight holding rows `shard.start()..shard.end()` of the full `[V, H]`.
+    pub fn new(weight: Tensor, shard: TensorShard) -> Result<ParallelLmHead> {
+        if weight.ndim() != 2 || shard.dim() != 0 || weight.dims()[0] != shard.len() {
+            return Err(LayerError::Config(format!(
+                "LM head weight {:?} does not hold the {} rows of its shard",
+                weight.dims(),
+                shard.len()
+            )));
+        }
+        Ok(ParallelLmHead { weight, shard })
+    }
+
+    /// Rank `rank`'s rows of a full `[V, H]` weight.
+    pub fn from_full(weight: &Tensor, rank: usize, world_size: usize) -> Result<ParallelLmHead> {
+        let shard = TensorShard::new(0, weight.shape().dim("ParallelLmHead", 0)?, rank, world_size)?;
+        Self::new(shard.shard(weight)?, shard)
+    }
+
+    /// This rank's rows of `{prefix}.weight` (e.g. `lm_head`).
+    pub fn load(ckpt: &Checkpoint, prefix: &str, group: &DeviceGroup, opts: &LoadOptions) -> Result<ParallelLmHead> {
+        let (weight, shard) = load_rows(ckpt, &format!("{prefix}.weight"), group, opts)?;
+        Self::new(weight, shard)
+    }
+
+    /// The head of a model with tied embeddings: the embedding's own shard (shared, not copied).
+    pub fn tied(embedding: &VocabParallelEmbedding) -> ParallelLmHead {
+        ParallelLmHead { weight: embedding.table().clone(), shard: *embedding.shard() }
+    }
+
+    /// Vocabulary size `V`.
+    pub fn vocab_size(&self) -> usize {
+        self.shard.global_len()
+    }
+    /// Which rows (vocabulary entries) this rank holds.
+    pub fn shard(&self) -> &TensorShard {
+        &self.shard
+    }
+    /// `W_r`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// `L_r = h W_r^T: [.., V_r]`, this rank's columns of the logits. No communication.
+    pub fn forward_local(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(h.matmul_t(&self.weight)?)
+    }
+
+    /// The full logits `[.., V]` on every rank (an all-gather along the last dim).
+    pub fn logits(&self, h: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
+        check_group(&self.shard, self.weight.device(), group)?;
+        let local = self.forward_local(h)?;
+        if group.world_size() == 1 {
+            return Ok(local);
+        }
+        Ok(group.all_gather(&local, local.ndim() - 1)?)
+    }
+
+    /// The greedy next token of every row of `h: [.., H]`: an `i64` host tensor of the leading
+    /// dims, identical on every rank, equal to `argmax` over the full logits, computed from the
+    /// ranks' local maxima without gathering the logits.
+    pub fn argmax(&self, h: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
+        check_group(&self.shard, self.weight.device(), group)?;
+        let local = self.forward_local(h)?;
+        let lead = &local.dims()[..local.ndim() - 1];
+        let rows: usize = lead.iter().product();
+        let (vals, idx) = if self.shard.is_empty() {
+            // No vocabulary here: a value every real one beats, at an index past every real one.
+            let vals = Tensor::from_vec(vec![f32::NEG_INFINITY; rows], lead, &Device::Cpu)?;
+            (vals, Tensor::from_vec(vec![i64::MAX; rows], lead, &Device::Cpu)?)
+        } else {
+            local.max_with_index()?
+        };
+        let (vals, idx) = (vals.to_device(&Device::Cpu)?, idx.to_device(&Device::Cpu)?);
+        let offset = self.shard.start() as i64;
+        let idx: Vec<i64> = idx.to_i64_vec()?.into_iter().map(|i| if i == i64::MAX { i } else { i + offset }).collect();
+        if group.world_size() == 1 {
+            return Ok(Tensor::from_vec(idx, lead, &Device::Cpu)?);
+        }
+        // [1, rows] per rank, gathered to [world, rows] on the group's device.
+        let to_group = |t: Tensor| -> Result<Tensor> { Ok(group.to_local(&t.reshape(&[1, rows])?)?) };
+        let all_vals = group.all_gather(&to_group(vals)?, 0)?.to_f64_vec()?;
+        let all_idx = group.all_gather(&to_group(Tensor::from_vec(idx, &[rows], &Device::Cpu)?)?, 0)?.to_i64_vec()?;
+        let best: Vec<i64> = (0..rows)
+            .map(|row| {
+                let mut best = (all_vals[row], all_idx[row]);
+                for r in 1..group.world_size() {
+                    let cand = (all_vals[r * rows + row], all_idx[r * rows + row]);
+                    if better(cand, best) {
+                        best = cand;
+                    }
+                }
+                best.1
+            })
+            .collect();
+        Ok(Tensor::from_vec(best, lead, &Device::Cpu)?)
+    }
+}
+
+/// Whether candidate `a` beats `b` as `(value, global index)`: NaN first, then the larger
+/// value, then the lower index.
+fn better(a: (f64, i64), b: (f64, i64)) -> bool {
+    match (a.0.is_nan(), b.0.is_nan()) {
+        (true, false) => true,
+        (false, true) => false,
+        (true, true) => a.1 < b.1,
+        (false, false) => a.0 > b.0 || (a.0 == b.0 && a.1 < b.1),
+    }
+}

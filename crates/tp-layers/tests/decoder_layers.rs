@@ -1,0 +1,330 @@
+//! The decoder layers at world sizes 1..=8 with uneven vocabularies and heads, against the
+//! unsharded computation (float64 references in `common/decoder_ref.rs`); all ranks agree bit
+//! for bit; and every bad input is a typed error.
+
+mod common;
+use common::decoder_ref::*;
+use common::*;
+use tp_core::{DType, Device, RopeScaling, RotaryEmbedding, Tensor};
+use tp_layers::{
+    AttentionConfig, AttentionHeads, Checkpoint, DecoderConfig, DecoderLayer, KvCache, LayerError, LoadOptions,
+    ParallelAttention, ParallelLmHead, RmsNorm, VocabParallelEmbedding, save,
+};
+
+const VOCAB: usize = 1001; // uneven over every world size but 1 and 7
+const HIDDEN: usize = 24;
+
+fn ids(n: usize) -> Tensor {
+    Tensor::from_vec((0..n as i64).map(|i| (i * 389 + 17) % VOCAB as i64).collect::<Vec<_>>(), &[n], &CPU).unwrap()
+}
+
+fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("tp-decoder-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn save_named(path: &std::path::Path, tensors: &[(String, Tensor)]) {
+    let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    save(path, &refs).unwrap();
+}
+
+#[test]
+fn vocab_parallel_embedding_equals_the_full_lookup_bit_for_bit() {
+    for dtype in DType::FLOATS {
+        let table = Tensor::randn(&[VOCAB, HIDDEN], dtype, 1, &CPU).unwrap();
+        let ids = ids(37);
+        let want = table.embedding(&ids, 0).unwrap();
+        for world in 1..=8 {
+            let got = on_ranks(world, CPU, |g| {
+                let e = VocabParallelEmbedding::from_full(&table, g.rank(), world).unwrap();
+                e.forward(&ids, &g).unwrap()
+            });
+            for y in &got {
+                assert_eq!(y, &want, "{dtype} world {world}");
+            }
+        }
+    }
+}
+
+#[test]
+fn out_of_vocabulary_ids_are_named() {
+    let table = Tensor::randn(&[VOCAB, HIDDEN], DType::F32, 1, &CPU).unwrap();
+    for (bad, at) in [(VOCAB as i64, 2), (-1, 0), (i64::MAX, 1)] {
+        let mut v = vec![3i64, 4, 5];
+        v[at] = bad;
+        let ids = Tensor::from_vec(v, &[3], &CPU).unwrap();
+        let errs =
+            on_ranks(2, CPU, |g| VocabParallelEmbedding::from_full(&table, g.rank(), 2).unwrap().forward(&ids, &g));
+        for e in errs {
+            let e = e.unwrap_err();
+            assert!(
+                matches!(e, LayerError::Tensor(tp_core::Error::TokenOutOfRange { id, position, vocab: VOCAB, .. }) if id == bad && position == at),
+                "{e}"
+            );
+            assert!(e.to_string().contains(&bad.to_string()), "{e}");
+        }
+    }
+    let floats = Tensor::rand(&[3], DType::F32, 1, &CPU).unwrap();
+    let e =
+        on_ranks(1, CPU, |g| VocabParallelEmbedding::from_full(&table, 0, 1).unwrap().forward(&floats, &g)).remove(0);
+    assert!(matches!(e, Err(LayerError::Tensor(tp_core::Error::NotInteger { .. }))));
+}
+
+#[test]
+fn lm_head_gathers_exact_logits_and_argmax_without_gathering_them() {
+    for dtype in DType::FLOATS {
+        let w = Tensor::randn(&[VOCAB, HIDDEN], dtype, 2, &CPU).unwrap();
+        let x = Tensor::randn(&[9, HIDDEN], dtype, 3, &CPU).unwrap();
+        let full = x.matmul_t(&w).unwrap();
+        let (want, abs) = linear_f64(&x, &tp_layers::Linear::new(w.clone(), None).unwrap());
+        for world in 1..=8 {
+            let got = on_ranks(world, CPU, |g| {
+                let head = ParallelLmHead::from_full(&w, g.rank(), world).unwrap();
+                (head.logits(&x, &g).unwrap(), head.argmax(&x, &g).unwrap())
+            });
+            for (logits, top) in &got {
+                assert_eq!(logits.dims(), &[9, VOCAB]);
+                assert_close(&format!("{dtype} world {world}"), &f64s(logits), &want, |i| {
+                    tol(dtype, HIDDEN, want[i], abs[i])
+                });
+                // The vocab-parallel argmax is the argmax of the gathered logits, exactly.
+                assert_eq!(top, &logits.argmax().unwrap(), "{dtype} world {world}");
+                assert_eq!(top.dtype(), DType::I64);
+            }
+            assert!(got.iter().all(|r| r.0 == got[0].0 && r.1 == got[0].1), "ranks disagree");
+        }
+        assert_eq!(f64s(&full).len(), 9 * VOCAB);
+    }
+}
+
+#[test]
+fn tied_lm_head_reuses_the_embedding_shard() {
+    let table = Tensor::randn(&[VOCAB, HIDDEN], DType::BF16, 4, &CPU).unwrap();
+    let x = Tensor::randn(&[3, HIDDEN], DType::BF16, 5, &CPU).unwrap();
+    for world in [1, 3, 8] {
+        let got = on_ranks(world, CPU, |g| {
+            let emb = VocabParallelEmbedding::from_full(&table, g.rank(), world).unwrap();
+            let head = ParallelLmHead::tied(&emb);
+            assert_eq!(head.shard(), emb.shard());
+            (head.logits(&x, &g).unwrap(), head.argmax(&x, &g).unwrap())
+        });
+        let full = ParallelLmHead::from_full(&table, 0, 1).unwrap();
+        let one = on_ranks(1, CPU, |g| full.logits(&x, &g).unwrap()).remove(0);
+        for (l, a) in got {
+            assert_close("tied", &f64s(&l), &f64s(&one), |i| 1e-2 * (1.0 + f64s(&one)[i].abs()));
+            assert_eq!(a, l.argmax().unwrap());
+        }
+    }
+}
+
+fn config(nq: usize, nkv: usize, d: usize, window: Option<usize>) -> AttentionConfig {
+    AttentionConfig {
+        heads: AttentionHeads { num_heads: nq, num_kv_heads: nkv, head_dim: d },
+        rope: RotaryEmbedding::new(d, 10_000.0, RopeScaling::Default).unwrap(),
+        sliding_window: window,
+    }
+}
+
+/// Runs `steps` (token counts: a prefill, then decode steps) through an attention layer on
+/// every rank and returns each rank's outputs joined along the tokens.
+fn run_attention(w: &AttnWeights, cfg: &AttentionConfig, x: &Tensor, steps: &[usize], world: usize) -> Vec<Tensor> {
+    on_ranks(world, CPU, |g| {
+        let layer = ParallelAttention::from_full(&w.q, &w.k, &w.v, &w.o, cfg.clone(), g.rank(), world).unwrap();
+        let mut cache = layer.new_cache(steps.iter().sum()).unwrap();
+        let mut outs = Vec::new();
+        let mut at = 0;
+        for &n in steps {
+            outs.push(layer.forward(&x.narrow(0, at, n).unwrap(), &mut cache, &g).unwrap());
+            at += n;
+        }
+        assert_eq!(cache.len(), at);
+        Tensor::cat(&outs, 0).unwrap()
+    })
+}
+
+#[test]
+fn attention_matches_f64_with_uneven_and_replicated_heads() {
+    // (query heads, KV heads, head_dim, worlds): 12 heads of 10 over 1..8 ranks (uneven: at 8,
+    // ranks hold 2,2,2,2,1,1,1,1 heads and o_proj's columns follow); 16/4 GQA with the 4 KV
+    // heads replicated at 8 ranks; MQA.
+    let cases: [(usize, usize, usize, Vec<usize>); 3] =
+        [(12, 12, 10, (1..=8).collect()), (16, 4, 8, vec![1, 2, 4, 8]), (6, 1, 16, vec![1, 2, 3, 6])];
+    for (nq, nkv, d, worlds) in cases {
+        for bias in [false, true] {
+            let w = AttnWeights::random(HIDDEN, nq, nkv, d, bias, DType::F32, 7);
+            let x = Tensor::randn(&[8, HIDDEN], DType::F32, 8, &CPU).unwrap();
+            let want = attention_block(&f64s(&x), &w, (nq, nkv, d), 10_000.0, RopeScaling::Default, None);
+            let cfg = config(nq, nkv, d, None);
+            for world in worlds.iter().copied() {
+                // A prefill of 5 tokens, then three decode steps.
+                let got = run_attention(&w, &cfg, &x, &[5, 1, 1, 1], world);
+                for y in &got {
+                    assert_close(&format!("{nq}/{nkv} d{d} bias {bias} world {world}"), &f64s(y), &want, |i| {
+                        2e-5 * (1.0 + want[i].abs())
+                    });
+                }
+                assert!(got.iter().all(|y| y == &got[0]), "{nq}/{nkv} world {world}: ranks disagree");
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_in_bf16_stays_close_to_f32_across_world_sizes() {
+    let w = AttnWeights::random(HIDDEN, 12, 12, 10, true, DType::BF16, 9);
+    let x = Tensor::randn(&[6, HIDDEN], DType::BF16, 10, &CPU).unwrap();
+    let want = attention_block(&f64s(&x), &w, (12, 12, 10), 10_000.0, RopeScaling::Default, None);
+    let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
+    for world in [1, 2, 5, 8] {
+        let got = run_attention(&w, &config(12, 12, 10, None), &x, &[4, 1, 1], world);
+        assert_close(&format!("bf16 world {world}"), &f64s(&got[0]), &want, |_| 0.05 * scale);
+        assert!(got.iter().all(|y| y == &got[0]));
+    }
+}
+
+#[test]
+fn sliding_window_attention_matches_f64() {
+    let w = AttnWeights::random(HIDDEN, 4, 2, 8, false, DType::F32, 11);
+    let x = Tensor::randn(&[9, HIDDEN], DType::F32, 12, &CPU).unwrap();
+    let want = attention_block(&f64s(&x), &w, (4, 2, 8), 10_000.0, RopeScaling::Default, Some(3));
+    for world in [1, 2] {
+        let got = run_attention(&w, &config(4, 2, 8, Some(3)), &x, &[6, 1, 1, 1], world);
+        assert_close("window 3", &f64s(&got[0]), &want, |i| 2e-5 * (1.0 + want[i].abs()));
+    }
+}
+
+#[test]
+fn decoder_layer_loads_hugging_face_names_and_matches_f64() {
+    let (nq, nkv, d, inter) = (12, 12, 10, 37);
+    let dir = tmpdir("block");
+    let bw = BlockWeights::random(HIDDEN, inter, nq, nkv, d, true, DType::F32, 13);
+    save_named(&dir.join("model.safetensors"), &bw.named("model.layers.0"));
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let x = Tensor::randn(&[7, HIDDEN], DType::F32, 14, &CPU).unwrap();
+    let want = block(&f64s(&x), &bw, (nq, nkv, d), 10_000.0, 1e-6);
+    let cfg = DecoderConfig { attention: config(nq, nkv, d, None), rms_norm_eps: 1e-6 };
+    for world in 1..=8 {
+        let got = on_ranks(world, CPU, |g| {
+            let layer = DecoderLayer::load(&ckpt, "model.layers.0", &cfg, &g, &LoadOptions::new()).unwrap();
+            let mut cache = layer.new_cache(16).unwrap();
+            let a = layer.forward(&x.narrow(0, 0, 4).unwrap(), &mut cache, &g).unwrap();
+            let b = layer.forward(&x.narrow(0, 4, 1).unwrap(), &mut cache, &g).unwrap();
+            let c = layer.forward(&x.narrow(0, 5, 2).unwrap(), &mut cache, &g).unwrap();
+            Tensor::cat(&[a, b, c], 0).unwrap()
+        });
+        for y in &got {
+            assert_close(&format!("block world {world}"), &f64s(y), &want, |i| 5e-5 * (1.0 + want[i].abs()));
+        }
+        assert!(got.iter().all(|y| y == &got[0]), "world {world}: ranks disagree");
+    }
+    // The same through bf16 parameters (converted while loading): close to f64.
+    let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
+    let got = on_ranks(3, CPU, |g| {
+        let layer =
+            DecoderLayer::load(&ckpt, "model.layers.0", &cfg, &g, &LoadOptions::new().with_dtype(DType::BF16)).unwrap();
+        let mut cache = layer.new_cache(7).unwrap();
+        layer.forward(&x.to_dtype(DType::BF16).unwrap(), &mut cache, &g).unwrap()
+    });
+    assert_eq!(got[0].dtype(), DType::BF16);
+    assert_close("block bf16", &f64s(&got[0]), &want, |_| 0.05 * scale);
+}
+
+#[test]
+fn rms_norm_layer_loads_and_normalises() {
+    let dir = tmpdir("norm");
+    let w = Tensor::rand(&[HIDDEN], DType::F32, 1, &CPU).unwrap();
+    save_named(&dir.join("model.safetensors"), &[("model.norm.weight".into(), w.clone())]);
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let x = Tensor::randn(&[3, HIDDEN], DType::F32, 2, &CPU).unwrap();
+    let norm =
+        on_ranks(1, CPU, |g| RmsNorm::load(&ckpt, "model.norm", 1e-5, &g, &LoadOptions::new()).unwrap()).remove(0);
+    let want = rms(&f64s(&x), &f64s(&w), 1e-5);
+    assert_close("norm", &f64s(&norm.forward(&x).unwrap()), &want, |i| 1e-6 * (1.0 + want[i].abs()));
+    assert!(RmsNorm::new(Tensor::zeros(&[2, 2], DType::F32, &CPU).unwrap(), 1e-5).is_err());
+    assert!(RmsNorm::new(w, f64::NAN).is_err());
+}
+
+#[test]
+fn kv_cache_misuse_is_a_typed_error_and_writes_nothing() {
+    let w = AttnWeights::random(HIDDEN, 4, 2, 8, false, DType::F32, 15);
+    let x = Tensor::randn(&[5, HIDDEN], DType::F32, 16, &CPU).unwrap();
+    let cfg = config(4, 2, 8, None);
+    on_ranks(2, CPU, |g| {
+        let a = ParallelAttention::from_full(&w.q, &w.k, &w.v, &w.o, cfg.clone(), g.rank(), 2).unwrap();
+        let b = ParallelAttention::from_full(&w.q, &w.k, &w.v, &w.o, cfg.clone(), g.rank(), 2).unwrap();
+        // Full: 3 + 3 > 4 positions; the failed call leaves the cache as it was.
+        let mut cache = a.new_cache(4).unwrap();
+        a.forward(&x.narrow(0, 0, 3).unwrap(), &mut cache, &g).unwrap();
+        let e = a.forward(&x.narrow(0, 0, 3).unwrap(), &mut cache, &g).unwrap_err();
+        assert!(matches!(e, LayerError::CacheFull { capacity: 4, len: 3, adding: 3 }), "{e}");
+        assert_eq!(cache.len(), 3);
+        // Another layer's cache (same shapes).
+        let e = b.forward(&x.narrow(0, 0, 1).unwrap(), &mut cache, &g).unwrap_err();
+        assert!(matches!(e, LayerError::CacheMismatch(_)), "{e}");
+        // Another shape: a cache of 3 KV heads, or of another dtype.
+        let mut wrong = KvCache::new(8, 3, 8, DType::F32, &Device::Cpu).unwrap();
+        assert!(matches!(a.forward(&x, &mut wrong, &g), Err(LayerError::CacheMismatch(_))));
+        let mut wrong = KvCache::new(8, 1, 8, DType::BF16, &Device::Cpu).unwrap();
+        assert!(matches!(a.forward(&x, &mut wrong, &g), Err(LayerError::CacheMismatch(_))));
+        // Reset keeps the binding and the capacity.
+        cache.reset();
+        assert!(cache.is_empty());
+        a.forward(&x.narrow(0, 0, 4).unwrap(), &mut cache, &g).unwrap();
+        assert!(KvCache::new(4, 0, 8, DType::F32, &Device::Cpu).is_err());
+    });
+}
+
+#[test]
+fn layers_refuse_a_group_of_another_rank_or_size() {
+    let w = AttnWeights::random(HIDDEN, 4, 4, 6, false, DType::F32, 17);
+    let x = Tensor::randn(&[2, HIDDEN], DType::F32, 18, &CPU).unwrap();
+    let table = Tensor::randn(&[VOCAB, HIDDEN], DType::F32, 19, &CPU).unwrap();
+    let errs = on_ranks(2, CPU, |g| {
+        // Built for rank (r + 1) % 2 of 2, or for a world of 3.
+        let other = (g.rank() + 1) % 2;
+        let attn = ParallelAttention::from_full(&w.q, &w.k, &w.v, &w.o, config(4, 4, 6, None), other, 2).unwrap();
+        let mut cache = attn.new_cache(4).unwrap();
+        let a = attn.forward(&x, &mut cache, &g).unwrap_err();
+        let e = VocabParallelEmbedding::from_full(&table, g.rank(), 3).unwrap().forward(&ids(3), &g).unwrap_err();
+        let h = ParallelLmHead::from_full(&table, g.rank(), 3).unwrap().argmax(&x, &g).unwrap_err();
+        [a, e, h]
+    });
+    for e in errs.into_iter().flatten() {
+        assert!(matches!(e, LayerError::WrongGroup { .. }), "{e}");
+    }
+}
+
+#[test]
+fn impossible_attention_layouts_and_shapes_are_typed_errors() {
+    let dir = tmpdir("badattn");
+    let w = AttnWeights::random(HIDDEN, 4, 2, 6, false, DType::F32, 20);
+    let named: Vec<(String, Tensor)> = [("q", &w.q), ("k", &w.k), ("v", &w.v), ("o", &w.o)]
+        .iter()
+        .map(|(n, l)| (format!("a.{n}_proj.weight"), l.weight().clone()))
+        .collect();
+    save_named(&dir.join("model.safetensors"), &named);
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    on_ranks(1, CPU, |g| {
+        let opts = LoadOptions::new();
+        // head_dim 5 does not divide the 24-row q projection into 4 heads.
+        let e = ParallelAttention::load(&ckpt, "a", &config(4, 2, 4, None), &g, &opts).unwrap_err();
+        assert!(matches!(e, LayerError::WrongShape { .. }), "{e}");
+        // 4 query heads over 3 KV heads.
+        let e = ParallelAttention::load(&ckpt, "a", &config(4, 3, 6, None), &g, &opts).unwrap_err();
+        assert!(matches!(e, LayerError::Config(_)), "{e}");
+        // A rope of another head size.
+        let mut c = config(4, 2, 6, None);
+        c.rope = RotaryEmbedding::new(8, 10_000.0, RopeScaling::Default).unwrap();
+        assert!(ParallelAttention::load(&ckpt, "a", &c, &g, &opts).is_err());
+        // A missing tensor names itself.
+        let e = ParallelAttention::load(&ckpt, "b", &config(4, 2, 6, None), &g, &opts).unwrap_err();
+        assert!(matches!(&e, LayerError::MissingTensor { name, .. } if name == "b.q_proj.weight"), "{e}");
+    });
+    // 2 KV heads cannot be placed on 3 ranks.
+    let errs = on_ranks(3, CPU, |g| {
+        ParallelAttention::load(&ckpt, "a", &config(4, 2, 6, None), &g, &LoadOptions::new()).is_err()
+    });
+    assert!(errs.iter().all(|&e| e));
+}
