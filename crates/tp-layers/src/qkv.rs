@@ -50,6 +50,9 @@ pub struct QkvLayout {
 
 impl QkvLayout {
     /// The heads of rank `rank` out of `world_size`.
+    ///
+    /// The layout is checked for every rank of the group, not only this one, so an impossible
+    /// placement is the same error on all ranks (none goes on to wait for the others).
     pub fn new(
         num_heads: usize,
         num_kv_heads: usize,
@@ -62,6 +65,21 @@ impl QkvLayout {
                 "need num_heads ({num_heads}) a positive multiple of num_kv_heads ({num_kv_heads}) and head_dim > 0"
             )));
         }
+        let mine = Self::place(num_heads, num_kv_heads, head_dim, rank, world_size)?;
+        for r in (0..world_size).filter(|&r| r != rank) {
+            Self::place(num_heads, num_kv_heads, head_dim, r, world_size)?;
+        }
+        Ok(mine)
+    }
+
+    /// Rank `rank`'s heads, checked to include every KV head its query heads need.
+    fn place(
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<QkvLayout> {
         let q = TensorShard::new(0, num_heads, rank, world_size)?;
         let (kv_start, kv_len) = if num_kv_heads >= world_size {
             let kv = TensorShard::new(0, num_kv_heads, rank, world_size)?;

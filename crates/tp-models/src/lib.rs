@@ -1,0 +1,46 @@
+//! # tp-models
+//!
+//! Whole tensor-parallel causal language models built from `tp-layers`: a Hugging Face
+//! checkpoint folder (`config.json` plus safetensors) to tokens at any world size.
+//!
+//! * [`ModelConfig`]: `config.json` of `LlamaForCausalLM`, `Qwen2ForCausalLM` and
+//!   `MistralForCausalLM`, in the transformers 4 and 5 forms, validated field by field.
+//! * [`ParallelCausalLm`]: each rank loads only its shards of every tensor;
+//!   [`prefill`](ParallelCausalLm::prefill) (logits of every prompt position),
+//!   [`decode_step`](ParallelCausalLm::decode_step) (the next position's) and
+//!   [`generate`](ParallelCausalLm::generate) (greedy, through the KV caches; every rank gets
+//!   the same tokens).
+//! * [`synthetic`]: random checkpoints in Hugging Face's layout (tests, benchmarks).
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tp_comm::DeviceGroup;
+//! use tp_core::Device;
+//! use tp_models::{GenerateOptions, ModelOptions, ParallelCausalLm};
+//! # fn main() -> tp_models::Result<()> {
+//! // Two ranks as threads on the CPU; every rank runs the same program on its own group.
+//! let groups = DeviceGroup::local(2, Duration::from_secs(60), |_| Device::Cpu)?;
+//! std::thread::scope(|s| {
+//!     for g in groups {
+//!         s.spawn(move || -> tp_models::Result<()> {
+//!             let mut lm = ParallelCausalLm::load("path/to/TinyLlama", &g, &ModelOptions::new())?;
+//!             let out = lm.generate(&[1, 415, 2936], 16, &GenerateOptions::new())?;
+//!             println!("rank {}: {:?}", g.rank(), out.tokens);
+//!             Ok(())
+//!         });
+//!     }
+//! });
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod error;
+mod model;
+pub mod synthetic;
+
+pub use config::{Architecture, ModelConfig};
+pub use error::{ModelError, Result};
+pub use model::{DEFAULT_MAX_SEQ_LEN, GenerateOptions, Generation, ModelOptions, ParallelCausalLm};
+pub use tp_comm;
+pub use tp_core;
+pub use tp_layers;

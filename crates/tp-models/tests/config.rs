@@ -1,0 +1,145 @@
+//! `config.json` in the forms real checkpoints use, and every bad field a typed error naming it.
+
+use serde_json::{Value, json};
+use tp_core::RopeScaling;
+use tp_models::{Architecture, ModelConfig, ModelError};
+
+fn parse(v: Value) -> Result<ModelConfig, ModelError> {
+    ModelConfig::from_json(v.as_object().unwrap())
+}
+
+/// TinyLlama-1.1B's config.json as the Hub serves it (transformers 4 form).
+fn tinyllama() -> Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"], "attention_bias": false, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5632,
+        "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": 32,
+        "num_hidden_layers": 22, "num_key_value_heads": 4, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": null, "rope_theta": 10000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+        "transformers_version": "4.35.0", "use_cache": true, "vocab_size": 32000
+    })
+}
+
+#[test]
+fn tinyllama_config_parses_with_defaults_filled() {
+    let c = parse(tinyllama()).unwrap();
+    assert_eq!(c.architecture, Architecture::Llama);
+    assert_eq!((c.hidden_size, c.intermediate_size, c.num_hidden_layers), (2048, 5632, 22));
+    assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (32, 4, 64));
+    assert_eq!((c.vocab_size, c.max_position_embeddings, c.rms_norm_eps), (32000, 2048, 1e-5));
+    assert_eq!((c.rope_theta, c.rope_scaling), (10000.0, RopeScaling::Default));
+    assert_eq!(c.eos_token_ids, vec![2]);
+    assert!(!c.tie_word_embeddings && !c.qkv_bias && !c.o_bias && !c.mlp_bias);
+    assert_eq!(c.sliding_window, None);
+}
+
+#[test]
+fn llama3_scaling_reads_in_both_config_forms() {
+    let want = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
+    let mut v4 = tinyllama();
+    v4["rope_theta"] = json!(500000.0);
+    v4["rope_scaling"] = json!({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3"});
+    v4["eos_token_id"] = json!([128001, 128008, 128009]);
+    let c = parse(v4.clone()).unwrap();
+    assert_eq!((c.rope_theta, c.rope_scaling), (500000.0, want));
+    assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
+    // Older files name the kind "type".
+    let mut old = v4.clone();
+    old["rope_scaling"]["type"] = old["rope_scaling"]["rope_type"].take();
+    old["rope_scaling"].as_object_mut().unwrap().remove("rope_type");
+    assert_eq!(parse(old).unwrap().rope_scaling, want);
+    // transformers 5: rope_parameters holds the theta and the scaling.
+    let mut v5 = tinyllama();
+    for k in ["rope_theta", "rope_scaling", "torch_dtype"] {
+        v5.as_object_mut().unwrap().remove(k);
+    }
+    v5["dtype"] = json!("bfloat16");
+    v5["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    let c = parse(v5).unwrap();
+    assert_eq!((c.rope_theta, c.rope_scaling), (500000.0, want));
+    let mut v5_default = tinyllama();
+    v5_default.as_object_mut().unwrap().remove("rope_theta");
+    v5_default["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 1e6});
+    assert_eq!(parse(v5_default).unwrap().rope_theta, 1e6);
+}
+
+#[test]
+fn qwen2_and_mistral_take_their_architectures_rules() {
+    let qwen = json!({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+        "sliding_window": 32768, "use_sliding_window": false, "max_window_layers": 21,
+        "tie_word_embeddings": true, "hidden_act": "silu", "eos_token_id": 151643});
+    let c = parse(qwen.clone()).unwrap();
+    assert_eq!(c.architecture, Architecture::Qwen2);
+    assert!(c.qkv_bias && !c.o_bias && !c.mlp_bias && c.tie_word_embeddings);
+    assert_eq!((c.head_dim, c.sliding_window), (64, None));
+    let mut sliding = qwen;
+    sliding["use_sliding_window"] = json!(true);
+    assert!(matches!(parse(sliding), Err(ModelError::Unsupported { field, .. }) if field == "use_sliding_window"));
+    let mistral = json!({"architectures": ["MistralForCausalLM"], "hidden_size": 5120, "head_dim": 128,
+        "intermediate_size": 14336, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 131072, "sliding_window": 4096, "rope_theta": 1000000.0});
+    let c = parse(mistral).unwrap();
+    assert_eq!((c.head_dim, c.sliding_window), (128, Some(4096)));
+    let mut llama_bias = tinyllama();
+    llama_bias["attention_bias"] = json!(true);
+    llama_bias["mlp_bias"] = json!(true);
+    let c = parse(llama_bias).unwrap();
+    assert!(c.qkv_bias && c.o_bias && c.mlp_bias);
+}
+
+#[test]
+fn bad_fields_are_named() {
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("architectures", json!(["BertModel"]), "BertModel"),
+        ("architectures", json!([]), "architectures"),
+        ("architectures", json!("LlamaForCausalLM"), "architectures"),
+        ("hidden_size", json!(0), "hidden_size"),
+        ("hidden_size", json!(-5), "hidden_size"),
+        ("hidden_size", json!("2048"), "hidden_size"),
+        ("num_attention_heads", json!(2.5), "num_attention_heads"),
+        ("num_key_value_heads", json!(3), "num_key_value_heads"),
+        ("vocab_size", Value::Null, "vocab_size"),
+        ("rms_norm_eps", json!("tiny"), "rms_norm_eps"),
+        ("rms_norm_eps", json!(-1.0), "rms_norm_eps"),
+        ("tie_word_embeddings", json!("yes"), "tie_word_embeddings"),
+        ("hidden_act", json!("gelu"), "gelu"),
+        ("rope_scaling", json!({"rope_type": "linear", "factor": 2.0}), "linear"),
+        ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}), "yarn"),
+        ("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
+        ("rope_scaling", json!(7), "rope_scaling"),
+        ("rope_theta", json!(0), "rope_theta"),
+        ("eos_token_id", json!("eos"), "eos_token_id"),
+        ("head_dim", json!(63), "head_dim"),
+    ];
+    for (field, value, named) in cases {
+        let mut c = tinyllama();
+        c[field] = value.clone();
+        let e = parse(c).expect_err(&format!("{field} = {value}"));
+        assert!(e.to_string().contains(named), "{field} = {value}: {e}");
+    }
+    for field in ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"] {
+        let mut c = tinyllama();
+        c.as_object_mut().unwrap().remove(field);
+        let e = parse(c).unwrap_err();
+        assert!(matches!(&e, ModelError::ConfigField { field: f, .. } if f == field), "{e}");
+    }
+    // head_dim absent and hidden not divisible by the heads.
+    let mut c = tinyllama();
+    c["hidden_size"] = json!(2050);
+    assert!(parse(c).unwrap_err().to_string().contains("head_dim"));
+    // No architectures: model_type decides; unknown model_type is named.
+    let mut c = tinyllama();
+    c.as_object_mut().unwrap().remove("architectures");
+    assert_eq!(parse(c.clone()).unwrap().architecture, Architecture::Llama);
+    c["model_type"] = json!("gpt2");
+    assert!(matches!(parse(c), Err(ModelError::UnknownArchitecture { name }) if name == "gpt2"));
+}
