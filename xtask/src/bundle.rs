@@ -1,13 +1,22 @@
 //! `cargo xtask bundle [--out DIR]`: everything a GPU host without a Rust toolchain needs, in one
-//! folder (default `target/bundle/`): the GPU test suites and `tp-bench` built in release mode and
-//! stripped, and `run.sh`, which finds libcuda, libnvrtc, libcublas and libnccl (system paths,
-//! `CUDA_HOME`, Python's `nvidia/*/lib`), runs both and writes results to the folder it is given.
+//! folder (default `target/bundle/`): the GPU test suites, `tp-bench`, `tp-comm-bench` and the
+//! `generate` example built in release mode and stripped, and `run.sh`, which finds libcuda,
+//! libnvrtc, libcublas and libnccl (system paths, `CUDA_HOME`, Python's `nvidia/*/lib`), runs
+//! them and writes results to the folder it is given.
 
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 const RUN_SH: &str = include_str!("run.sh");
+
+/// The GPU suites: (file in the bundle, package, test target). run.sh runs each.
+const SUITES: &[(&str, &str, &str)] = &[
+    ("gpu-tests", "tp-core", "gpu"),
+    ("gpu-comm-tests", "tp-comm", "gpu_comm"),
+    ("gpu-layer-tests", "tp-layers", "gpu_layers"),
+    ("gpu-model-tests", "tp-models", "gpu_models"),
+];
 
 pub fn run(args: &[String]) -> Result<()> {
     let out = match args {
@@ -21,65 +30,36 @@ pub fn run(args: &[String]) -> Result<()> {
     let commit = git_commit();
     std::fs::create_dir_all(&out)?;
 
-    let tests = build_executables(
-        &cargo,
-        &["test", "--release", "--locked", "-p", "tp-core", "--features", "gpu-tests", "--test", "gpu", "--no-run"],
-        &commit,
-    )?;
-    let comm_tests = build_executables(
-        &cargo,
-        &[
-            "test",
-            "--release",
-            "--locked",
-            "-p",
-            "tp-comm",
-            "--features",
-            "gpu-tests",
-            "--test",
-            "gpu_comm",
-            "--no-run",
-        ],
-        &commit,
-    )?;
-    let layer_tests = build_executables(
-        &cargo,
-        &[
-            "test",
-            "--release",
-            "--locked",
-            "-p",
-            "tp-layers",
-            "--features",
-            "gpu-tests",
-            "--test",
-            "gpu_layers",
-            "--no-run",
-        ],
-        &commit,
-    )?;
+    let mut files = Vec::new();
+    for &(name, package, test) in SUITES {
+        let args =
+            ["test", "--release", "--locked", "-p", package, "--features", "gpu-tests", "--test", test, "--no-run"];
+        let built = build_executables(&cargo, &args, &commit)?;
+        let exe = built.first().with_context(|| format!("cargo built no {package} GPU test binary"))?;
+        install(exe, &out.join(name))?;
+        files.push(name);
+    }
     let bench = build_executables(
         &cargo,
         &["build", "--release", "--locked", "-p", "tp-benches", "--bin", "tp-bench", "--bin", "tp-comm-bench"],
         &commit,
     )?;
-    let gpu_tests = tests.first().context("cargo built no GPU test binary")?;
-    let find = |name: &str| bench.iter().find(|p| p.file_name().is_some_and(|f| f == name)).cloned();
-    let tp_bench = find("tp-bench").context("cargo built no tp-bench binary")?;
-    let comm_bench = find("tp-comm-bench").context("cargo built no tp-comm-bench binary")?;
-    install(gpu_tests, &out.join("gpu-tests"))?;
-    install(comm_tests.first().context("cargo built no tp-comm GPU test binary")?, &out.join("gpu-comm-tests"))?;
-    install(layer_tests.first().context("cargo built no tp-layers GPU test binary")?, &out.join("gpu-layer-tests"))?;
-    install(&tp_bench, &out.join("tp-bench"))?;
-    install(&comm_bench, &out.join("tp-comm-bench"))?;
+    let examples = build_executables(
+        &cargo,
+        &["build", "--release", "--locked", "-p", "tp-models", "--example", "generate"],
+        &commit,
+    )?;
+    let find = |list: &[PathBuf], name: &str| list.iter().find(|p| p.file_name().is_some_and(|f| f == name)).cloned();
+    for (list, name) in [(&bench, "tp-bench"), (&bench, "tp-comm-bench"), (&examples, "generate")] {
+        let exe = find(list, name).with_context(|| format!("cargo built no {name} binary"))?;
+        install(&exe, &out.join(name))?;
+        files.push(name);
+    }
     std::fs::write(out.join("run.sh"), RUN_SH)?;
     set_executable(&out.join("run.sh"))?;
     std::fs::write(out.join("COMMIT"), format!("{commit}\n"))?;
-    let size: u64 = ["gpu-tests", "gpu-comm-tests", "gpu-layer-tests", "tp-bench", "tp-comm-bench", "run.sh"]
-        .iter()
-        .filter_map(|f| std::fs::metadata(out.join(f)).ok())
-        .map(|m| m.len())
-        .sum();
+    files.push("run.sh");
+    let size: u64 = files.iter().filter_map(|f| std::fs::metadata(out.join(f)).ok()).map(|m| m.len()).sum();
     println!(
         "bundle: {} ({:.1} MiB, commit {commit}); run it with: {}/run.sh RESULTS_DIR",
         out.display(),

@@ -8,11 +8,15 @@
 #   gpu-tests       -> RESULTS_DIR/gpu-tests.txt (exit status in gpu-tests.rc)
 #   gpu-comm-tests  -> RESULTS_DIR/gpu-comm-tests.txt (NCCL at world 1, LocalGroup on one GPU)
 #   gpu-layer-tests -> RESULTS_DIR/gpu-layer-tests.txt (layers on LocalGroup ranks sharing GPU 0)
+#   gpu-model-tests -> RESULTS_DIR/gpu-model-tests.txt (whole models on GPU 0, 1..4 ranks)
 #   gpu-tests again with TP_GEMM_KERNEL=wgmma -> RESULTS_DIR/gpu-tests-wgmma.txt
 #   tp-bench --quick -> RESULTS_DIR/bench.txt, results.json, results.csv, results.svg
 #     (the full shape set takes longer than one device call: run `tp-bench --shapes squares`
 #      and `tp-bench --shapes tp` as separate calls)
 #   tp-comm-bench   -> RESULTS_DIR/comm-bench.txt (NCCL on every GPU, nccl-tests style)
+# Every step runs under `timeout` (STEP_SECS, default 240 s; the benchmark BENCH_SECS, default
+# 300 s), so a hung kernel costs one step, not the whole device window; exit status 124 in
+# NAME.rc means the step timed out.
 set -u
 out=${1:?usage: run.sh RESULTS_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -53,25 +57,26 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 cat "$out/env.txt"
 
-for suite in gpu-tests gpu-comm-tests gpu-layer-tests; do
-  "$here/$suite" --test-threads=1 > "$out/$suite.txt" 2>&1
-  echo $? > "$out/$suite.rc"
-  echo "== $suite (exit $(cat "$out/$suite.rc"))"
-  tail -n 5 "$out/$suite.txt"
+step_secs=${STEP_SECS:-240}
+# step NAME SECONDS CMD...: runs CMD under a deadline into NAME.txt, its status into NAME.rc.
+step() {
+  local name=$1 secs=$2
+  shift 2
+  timeout --kill-after=10 "$secs" "$@" > "$out/$name.txt" 2>&1
+  echo $? > "$out/$name.rc"
+  echo "== $name (exit $(cat "$out/$name.rc"))"
+  tail -n 5 "$out/$name.txt"
+}
+
+for suite in gpu-tests gpu-comm-tests gpu-layer-tests gpu-model-tests; do
+  step "$suite" "$step_secs" "$here/$suite" --test-threads=1
 done
 
 # The Hopper kernel is opt-in until it has passed here: run the main suite again through it.
-TP_GEMM_KERNEL=wgmma "$here/gpu-tests" --test-threads=1 > "$out/gpu-tests-wgmma.txt" 2>&1
-echo $? > "$out/gpu-tests-wgmma.rc"
-echo "== gpu-tests with TP_GEMM_KERNEL=wgmma (exit $(cat "$out/gpu-tests-wgmma.rc"))"
-tail -n 5 "$out/gpu-tests-wgmma.txt"
+step gpu-tests-wgmma "$step_secs" env TP_GEMM_KERNEL=wgmma "$here/gpu-tests" --test-threads=1
 
-"$here/tp-bench" --quick --out "$out" > "$out/bench.txt" 2>&1
-echo $? > "$out/bench.rc"
-cat "$out/bench.txt"
-"$here/tp-comm-bench" --max-bytes 1073741824 > "$out/comm-bench.txt" 2>&1
-echo $? > "$out/comm-bench.rc"
-tail -n 3 "$out/comm-bench.txt"
+step bench "${BENCH_SECS:-300}" "$here/tp-bench" --quick --out "$out"
+step comm-bench "$step_secs" "$here/tp-comm-bench" --max-bytes 1073741824
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv >> "$out/gpu.csv" 2>&1
 fi

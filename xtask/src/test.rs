@@ -48,7 +48,7 @@ pub fn run(args: &[String]) -> Result<()> {
 
 /// Runs `cargo test`, echoing its output, and sums the `test result:` lines.
 /// Features compiled by clippy: the GPU suites (compiled, not run, here) and the NCCL tests.
-const FEATURES: &str = "tp-core/gpu-tests,tp-comm/gpu-tests,tp-comm/nccl-tests,tp-layers/gpu-tests,tp-benches/gpu";
+const FEATURES: &str = "tp-core/gpu-tests,tp-comm/gpu-tests,tp-comm/nccl-tests,tp-layers/gpu-tests,tp-models/gpu-tests,tp-models/tokenizers,tp-benches/gpu";
 
 /// Runs `cargo test` with `TP_NCCL_LIB` set, echoing its output, and sums the `test result:` lines.
 fn cargo_test(cargo: &str, args: &[&str], nccl_lib: &std::path::Path) -> Result<(u64, u64, bool)> {

@@ -95,7 +95,9 @@ fn layer_rows(args: &Args) -> Result<Vec<Row>> {
                         s.spawn(move || -> Result<f64> {
                             let col = ColumnParallel::from_full(full, g.rank(), world)?;
                             let row = RowParallel::from_full(wd, None, g.rank(), world)?;
-                            median_seconds(|| {
+                            // Every rank must make the same number of calls (each has barriers):
+                            // a fixed repetition count, not one derived from a rank's own timing.
+                            median_seconds_reps(3, || {
                                 g.barrier()?;
                                 if is_col {
                                     std::hint::black_box(col.forward(x)?);
@@ -154,6 +156,11 @@ fn median_seconds(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let one = start.elapsed().max(Duration::from_micros(1));
     let reps = (MIN_SAMPLE.as_secs_f64() / one.as_secs_f64()).ceil().max(1.0) as usize;
+    median_seconds_reps(reps, f)
+}
+
+/// Median seconds per call of `f` over `SAMPLES` samples of `reps` calls each.
+fn median_seconds_reps(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     let mut samples = Vec::with_capacity(SAMPLES);
     for _ in 0..SAMPLES {
         let t = Instant::now();

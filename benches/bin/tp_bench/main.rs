@@ -11,6 +11,7 @@
 
 mod cpu;
 mod gpu;
+mod model;
 mod shapes;
 mod svg;
 
@@ -73,10 +74,12 @@ pub struct Args {
     pub dtypes: Vec<tp_core::DType>,
     pub shapes: Option<String>,
     pub out: PathBuf,
+    /// Whole-model rows (`--model tinyllama|DIR|none`; default tinyllama, none with `--quick`).
+    pub model: Option<model::Which>,
 }
 
-const USAGE: &str =
-    "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] [--out DIR]";
+const USAGE: &str = "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] \
+                     [--model tinyllama|DIR|none] [--out DIR]";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -85,7 +88,9 @@ fn parse_args() -> Result<Args> {
         dtypes: tp_core::DType::FLOATS.to_vec(),
         shapes: None,
         out: PathBuf::from("target/bench"),
+        model: None,
     };
+    let mut model = None;
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -94,9 +99,16 @@ fn parse_args() -> Result<Args> {
             "--dtype" => a.dtypes = shapes::parse_dtypes(&it.next().context("--dtype needs a list")?)?,
             "--shapes" => a.shapes = Some(it.next().context("--shapes needs a value")?),
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
+            "--model" => model = Some(it.next().context("--model needs tinyllama, a folder or none")?),
             other => bail!("unknown argument {other:?}; {USAGE}"),
         }
     }
+    a.model = match model.as_deref() {
+        None if a.quick => None,
+        None | Some("tinyllama") => Some(model::Which::TinyLlama),
+        Some("none") => None,
+        Some(dir) => Some(model::Which::Dir(PathBuf::from(dir))),
+    };
     Ok(a)
 }
 
@@ -121,7 +133,7 @@ fn run() -> Result<()> {
     let args = parse_args()?;
     let gpu =
         if args.cpu_only { Err("--cpu given".to_string()) } else { tp_kernels::Gpu::get(0).map_err(|e| e.to_string()) };
-    let rows = match gpu {
+    let mut rows = match &gpu {
         Ok(g) => {
             println!(
                 "GPU 0: {} (sm_{}{}, {} SMs); commit {}",
@@ -131,13 +143,18 @@ fn run() -> Result<()> {
                 g.sm_count(),
                 option_env!("TP_COMMIT").unwrap_or("unknown")
             );
-            gpu::run(&g, &args)?
+            gpu::run(g, &args)?
         }
         Err(why) => {
             println!("no GPU: {why}; running the CPU backend");
             cpu::run(&args)?
         }
     };
+    if let Some(which) = &args.model {
+        let device = if gpu.is_ok() { tp_core::Device::Cuda(0) } else { tp_core::Device::Cpu };
+        rows.extend(model::rows(&args, which, device)?);
+        eprintln!();
+    }
     print_table(&rows);
     write_results(&args.out, &rows)
 }

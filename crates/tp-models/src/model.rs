@@ -255,7 +255,7 @@ impl ParallelCausalLm {
         if max_new_tokens == 0 {
             return Err(ModelError::Request("max_new_tokens must be at least 1".into()));
         }
-        let total = prompt.len().checked_add(max_new_tokens).unwrap_or(usize::MAX);
+        let total = prompt.len().saturating_add(max_new_tokens);
         if total > self.config.max_position_embeddings {
             return Err(ModelError::Request(format!(
                 "the prompt ({} tokens) plus {max_new_tokens} new tokens exceeds max_position_embeddings ({})",

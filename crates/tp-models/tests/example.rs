@@ -1,0 +1,209 @@
+//! The `generate` example, run as a user runs it (the compiled example binary, which `cargo
+//! test` builds) on models the test writes, at world sizes 1..=4 on the CPU; and its errors,
+//! each one line and exit status 1 with nothing written.
+
+mod common;
+use common::*;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use tp_core::DType;
+use tp_layers::Checkpoint;
+use tp_models::synthetic::SyntheticModel;
+use tp_models::{GenerateOptions, ModelOptions, ParallelCausalLm};
+
+/// target/<profile>/examples/generate, next to this test's binary in target/<profile>/deps.
+fn binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().and_then(|d| d.parent()).unwrap().join("examples").join("generate");
+    assert!(bin.exists(), "{} missing: cargo test builds examples", bin.display());
+    bin
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(binary()).args(args).env("TP_TIMEOUT_SECS", "60").output().unwrap()
+}
+
+fn model(name: &str, spec: &SyntheticModel) -> PathBuf {
+    let dir = tmpdir(name);
+    spec.write(&dir).unwrap();
+    dir
+}
+
+const PROMPT: &str = "1,523,17,999,1000,4";
+
+#[test]
+fn example_matches_the_library_and_the_f64_forward_at_every_world_size() {
+    let spec = SyntheticModel { tie_word_embeddings: true, ..SyntheticModel::tiny() };
+    let dir = model("example", &spec);
+    let prompt: Vec<i64> = PROMPT.split(',').map(|s| s.parse().unwrap()).collect();
+    let want = on_ranks(1, CPU, |g| {
+        let mut lm = ParallelCausalLm::load(&dir, &g, &ModelOptions::new()).unwrap();
+        lm.generate(&prompt, 5, &GenerateOptions::new().ignore_eos(true)).unwrap().tokens
+    })
+    .remove(0);
+    let line: Vec<String> = want.iter().map(i64::to_string).collect();
+    for world in 1..=4 {
+        let out_file = dir.join(format!("logits-{world}.safetensors"));
+        let w = world.to_string();
+        let o = run(&[
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            PROMPT,
+            "--max-new-tokens",
+            "5",
+            "--world-size",
+            &w,
+            "--ignore-eos",
+            "--logits-out",
+            out_file.to_str().unwrap(),
+        ]);
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "world {world}: {}", String::from_utf8_lossy(&o.stderr));
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines[0], line.join(","), "world {world}: the ids line");
+        assert!(lines.iter().any(|l| l.starts_with("prefill: 6 tokens") && l.ends_with("tokens/s")), "{stdout}");
+        assert!(lines.iter().any(|l| l.starts_with("decode: 4 tokens") && l.ends_with("tokens/s")), "{stdout}");
+        // The logits file: tokens, every prompt position, every decode step.
+        let ckpt = Checkpoint::open(&out_file).unwrap();
+        let tokens = ckpt.load("tokens", None, &CPU).unwrap();
+        assert_eq!(tokens.dtype(), DType::I64);
+        assert_eq!(tokens.to_i64_vec().unwrap(), want);
+        let prefill = ckpt.load("prefill_logits", None, &CPU).unwrap();
+        let decode = ckpt.load("decode_logits", None, &CPU).unwrap();
+        assert_eq!((prefill.dtype(), prefill.dims()), (DType::F32, &[6, 1001][..]));
+        assert_eq!((decode.dtype(), decode.dims()), (DType::F32, &[4, 1001][..]));
+        assert_close(&format!("world {world} prefill"), &f64s(&prefill), &reference_logits(&dir, &prompt), 2e-5);
+        // Decode row i: the step that consumed tokens[i] at position prompt_len + i.
+        let seq: Vec<i64> = prompt.iter().chain(&want[..4]).copied().collect();
+        let full = reference_logits(&dir, &seq);
+        assert_close(&format!("world {world} decode"), &f64s(&decode), &full[6 * 1001..], 2e-5);
+    }
+}
+
+#[test]
+fn example_runs_in_bf16_and_stops_at_eos() {
+    let spec = SyntheticModel { eos_token_id: None, ..SyntheticModel::tiny() };
+    let dir = model("example-eos", &spec);
+    let args = |n: &str, extra: &[&str]| {
+        let mut v =
+            vec!["--model", dir.to_str().unwrap(), "--prompt-ids", PROMPT, "--max-new-tokens", n, "--world-size", "2"];
+        v.extend_from_slice(extra);
+        v.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let call = |a: Vec<String>| {
+        let r: Vec<&str> = a.iter().map(String::as_str).collect();
+        run(&r)
+    };
+    let free = call(args("6", &[]));
+    assert!(free.status.success(), "{}", String::from_utf8_lossy(&free.stderr));
+    let ids: Vec<String> =
+        String::from_utf8_lossy(&free.stdout).lines().next().unwrap().split(',').map(String::from).collect();
+    assert_eq!(ids.len(), 6);
+    std::fs::write(
+        dir.join("generation_config.json"),
+        json!({"eos_token_id": ids[1].parse::<i64>().unwrap()}).to_string(),
+    )
+    .unwrap();
+    let stopped = call(args("6", &[]));
+    assert_eq!(String::from_utf8_lossy(&stopped.stdout).lines().next().unwrap(), ids[..2].join(","));
+    let ignored = call(args("6", &["--ignore-eos"]));
+    assert_eq!(String::from_utf8_lossy(&ignored.stdout).lines().next().unwrap(), ids.join(","));
+    let bf16 = call(args("3", &["--dtype", "bf16"]));
+    assert!(bf16.status.success(), "{}", String::from_utf8_lossy(&bf16.stderr));
+}
+
+/// Runs the example expecting failure: exit status 1, one line on stderr containing `needle`,
+/// nothing on stdout, no output file.
+fn expect_failure(args: &[&str], needle: &str, out_file: &Path) {
+    let o = run(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: one line expected, got {err}");
+    assert!(err.contains(needle), "{args:?}: {err:?} should mention {needle:?}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(o.stdout.is_empty(), "{args:?}: stdout {}", String::from_utf8_lossy(&o.stdout));
+    assert!(!out_file.exists(), "{args:?}: {} was written", out_file.display());
+}
+
+#[test]
+fn bad_inputs_are_one_line_errors_and_write_nothing() {
+    let dir = model("example-bad", &SyntheticModel::tiny());
+    let d = dir.to_str().unwrap();
+    let out = dir.join("out.safetensors");
+    let o = out.to_str().unwrap();
+    let base = |extra: &[&'static str]| -> Vec<String> {
+        let mut v: Vec<String> = ["--model", d, "--max-new-tokens", "3", "--world-size", "2", "--logits-out", o]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let check = |args: Vec<String>, needle: &str| {
+        let r: Vec<&str> = args.iter().map(String::as_str).collect();
+        expect_failure(&r, needle, &out);
+    };
+    check(base(&["--prompt-ids", "1,1001"]), "1001");
+    check(base(&["--prompt-ids", "1,x"]), "\"x\"");
+    check(base(&["--prompt-ids", "-4"]), "-4");
+    check(base(&["--prompt-ids", "1", "--max-new-tokens", "0"]), "at least 1");
+    check(base(&["--prompt-ids", "1", "--max-new-tokens", "64"]), "max_position_embeddings");
+    check(base(&["--prompt-ids", "1", "--world-size", "0"]), "--world-size");
+    check(base(&["--prompt-ids", "1", "--dtype", "i64"]), "--dtype");
+    check(base(&["--prompt-ids", "1", "--backend", "nccl"]), "needs --device cuda");
+    check(base(&["--prompt-ids", "1", "--frobnicate"]), "unknown argument");
+    check(base(&[]), "--prompt-ids");
+    check(base(&["--prompt-ids", "1", "--prompt", "hello"]), "--prompt");
+    // Broken model folders.
+    let bad = tmpdir("example-bad-config");
+    check(
+        vec!["--model", bad.to_str().unwrap(), "--prompt-ids", "1", "--max-new-tokens", "2", "--world-size", "1"]
+            .into_iter()
+            .map(String::from)
+            .collect(),
+        "config.json",
+    );
+    std::fs::write(bad.join("config.json"), r#"{"architectures": ["FalconForCausalLM"]}"#).unwrap();
+    check(
+        vec!["--model", bad.to_str().unwrap(), "--prompt-ids", "1", "--max-new-tokens", "2", "--world-size", "1"]
+            .into_iter()
+            .map(String::from)
+            .collect(),
+        "FalconForCausalLM",
+    );
+    // 12 KV heads cannot be replicated over 5 ranks? They can be split: 12 >= 5. A GQA model
+    // with 4 KV heads over 3 ranks cannot.
+    let gqa = model(
+        "example-gqa",
+        &SyntheticModel {
+            num_attention_heads: 16,
+            num_key_value_heads: 4,
+            head_dim: Some(6),
+            ..SyntheticModel::tiny()
+        },
+    );
+    let g = gqa.to_str().unwrap();
+    let args: Vec<String> =
+        ["--model", g, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--world-size", "3", "--logits-out", o]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    check(args, "KV head");
+    // A missing layer tensor: the config claims one more layer than the files hold.
+    let mut c = SyntheticModel::tiny().config_json();
+    c["num_hidden_layers"] = json!(4);
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    check(base(&["--prompt-ids", "1"]), "model.layers.3");
+}
+
+#[cfg(unix)]
+#[test]
+fn a_non_utf8_argument_is_an_error_not_a_panic() {
+    use std::os::unix::ffi::OsStrExt;
+    let o = Command::new(binary()).arg("--model").arg(std::ffi::OsStr::from_bytes(b"\xff\xfe")).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("UTF-8") && !err.contains("panicked"), "{err}");
+}
