@@ -13,8 +13,8 @@
 //   The four warps' states are merged through shared memory at the end.
 #include "common.cuh"
 
-constexpr int ATT_WARPS = 4;
-constexpr int ATT_MAX_D = 256;
+constexpr int ATT_WARPS = ATTENTION_WARPS;
+constexpr int ATT_MAX_D = ATTENTION_MAX_HEAD_DIM;
 constexpr int ATT_PER_LANE = ATT_MAX_D / 32;
 static_assert(ATT_PER_LANE * 32 == ATT_MAX_D, "head_dim bound must be a multiple of the warp size");
 

@@ -13,7 +13,7 @@ __device__ __forceinline__ void cast(D* __restrict__ dst, const S* __restrict__ 
 }
 
 #define TP_CAST(NAME, S, D)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) NAME(D* dst, const S* src, int64_t n) { \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) NAME(D* dst, const S* src, int64_t n) { \
         cast<S, D>(dst, src, n);                                                               \
     }
 TP_CAST(tp_cast_f32_f16, float, __half)

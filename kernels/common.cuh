@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "index_math.cuh"
+#include "launch_config.cuh"
 
 namespace tp {
 

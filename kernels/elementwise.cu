@@ -44,15 +44,15 @@ __device__ __forceinline__ void add_inplace(T* __restrict__ x, const T* __restri
 }
 
 #define TP_ELEMENTWISE(SUFFIX, T)                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) tp_swiglu_##SUFFIX(T* out, const T* in, int64_t rows,   \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_swiglu_##SUFFIX(T* out, const T* in, int64_t rows,   \
                                                                          int64_t inner) {                     \
         swiglu<T>(out, in, rows, inner);                                                                      \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256) tp_add_row_##SUFFIX(T* out, const T* in, const T* bias, \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_add_row_##SUFFIX(T* out, const T* in, const T* bias, \
                                                                           int64_t rows, int64_t cols) {      \
         add_row<T>(out, in, bias, rows, cols);                                                                \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256) tp_add_##SUFFIX(T* x, const T* y, int64_t n) {          \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_add_##SUFFIX(T* x, const T* y, int64_t n) {          \
         add_inplace<T>(x, y, n);                                                                              \
     }
 TP_ELEMENTWISE(f32, float)

@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 32, PAD = 8, LDS = BK + PAD, STAGES = 4, THREADS = 256;
+constexpr int BM = MMA_BM, BN = MMA_BN, BK = 32, PAD = 8, LDS = BK + PAD, STAGES = 4, THREADS = MMA_THREADS;
 constexpr int WARPS_M = 2, WARPS_N = 4, WM = BM / WARPS_M, WN = BN / WARPS_N;  // 64 x 32 per warp
 constexpr int MI = WM / 16, NI = WN / 8;                                        // mma tiles per warp
 constexpr int STAGE_ELEMS = (BM + BN) * LDS;
@@ -28,6 +28,7 @@ constexpr int SMEM_BYTES = STAGES * STAGE_ELEMS * 2;
 static_assert(WARPS_M * WARPS_N * 32 == THREADS, "8 warps");
 static_assert((LDS * 2) % 16 == 0, "padded rows keep 16-byte alignment for cp.async");
 static_assert(SMEM_BYTES <= 227 * 1024, "fits the sm_80/sm_90 shared-memory limit");
+static_assert(SMEM_BYTES == MMA_SMEM_BYTES, "update MMA_SMEM_BYTES in launch_config.cuh");
 static_assert(BM * BK / 8 == 2 * THREADS && BN * BK / 8 == 2 * THREADS, "two 16-byte chunks per thread per operand");
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

@@ -16,7 +16,7 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 8, TM = 8, TN = 8, THREADS = 256;
+constexpr int BM = SIMT_BM, BN = SIMT_BN, BK = 8, TM = 8, TN = 8, THREADS = SIMT_THREADS;
 static_assert((BM / TM) * (BN / TN) == THREADS, "one 8x8 sub-tile per thread");
 static_assert(2 * BK * (BM + BN) * sizeof(float) <= 48 * 1024, "static shared memory budget");
 

@@ -14,7 +14,7 @@
 
 namespace {
 
-constexpr int MAX_M = 8, WARPS = 8;
+constexpr int MAX_M = SMALL_M_MAX, WARPS = SMALL_M_WARPS;
 
 template <typename T>
 struct Vec16 {
@@ -68,7 +68,7 @@ __device__ __forceinline__ void small_m(T* __restrict__ C, const T* __restrict__
 }  // namespace
 
 #define TP_SMALL_M(NAME, T, VEC)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) NAME(T* C, const T* A, const T* B, const T* bias, int M, \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(T* C, const T* A, const T* B, const T* bias, int M, \
                                                            int64_t N, int64_t K) {                           \
         small_m<T, VEC>(C, A, B, bias, M, N, K);                                                              \
     }

@@ -15,7 +15,10 @@
 // byte count and issues two TMA loads. Warpgroups 1 and 2 are consumers: each owns 64 rows of the
 // tile, waits for a full stage, issues 4 x 2 wgmma.m64n128k16 (K 16 per step, N 128 per
 // instruction) from shared-memory descriptors, waits for them, and frees the stage. STAGES = 4
-// stages of 48 KiB. Registers move to the consumers: setmaxnreg 40 (producer) / 232 (consumers).
+// stages of 48 KiB. Registers move to the consumers: setmaxnreg WGMMA_PRODUCER_REGS (40) for the
+// producer, WGMMA_CONSUMER_REGS (232) for the consumers (launch_config.cuh; `cargo xtask ptx`
+// checks the split against the register count ptxas reports). A stuck mbarrier wait traps after
+// 10 s with a message instead of hanging the GPU.
 // The grid is persistent (one CTA per SM, from the launcher) and walks tiles in groups of 8
 // tile-rows so that concurrently running CTAs share B tiles in L2.
 // Launch: grid = min(tiles, SMs), block = 384, dynamic shared memory SMEM_BYTES.
@@ -29,8 +32,9 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, GROUP_M = 8;
-constexpr int THREADS = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int BM = WGMMA_BM, BN = WGMMA_BN, BK = WGMMA_BK, STAGES = 4, GROUP_M = 8;
+constexpr int THREADS = WGMMA_THREADS;  // producer warpgroup + 2 consumer warpgroups
+static_assert(THREADS == 3 * 128, "one producer and two consumer warpgroups");
 constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements
 constexpr int SMEM_DATA = STAGES * (A_STAGE + B_STAGE) * 2;
 constexpr int SMEM_BYTES = SMEM_DATA + 1024 /* alignment slack */ + 2 * STAGES * 8 /* barriers */;
@@ -50,13 +54,42 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
+// Nanoseconds of the global timer.
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Longest an mbarrier wait may take before the kernel gives up (a stage normally completes in
+// microseconds; this only catches a pipeline bug, which would otherwise hang the GPU).
+constexpr uint64_t MBAR_TIMEOUT_NS = 10ull * 1000 * 1000 * 1000;
+
+// Waits for phase `parity` of `bar`; past MBAR_TIMEOUT_NS the kernel traps, and the launch fails
+// with CUDA_ERROR_LAUNCH_FAILED, which tp-kernels reports naming this timeout. (No printf: it is
+// a function call, and any call in this kernel makes ptxas serialise the wgmma pipeline, which
+// `cargo xtask ptx` refuses.)
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)),
-        "r"(parity)
-        : "memory");
+    uint64_t start = 0;
+    for (uint32_t spin = 0;; ++spin) {
+        uint32_t done;
+        asm volatile(
+            "{\n.reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(parity)
+            : "memory");
+        if (done) return;
+        if ((spin & 1023) == 0) {
+            const uint64_t now = global_ns();
+            if (spin == 0) {
+                start = now;
+            } else if (now - start > MBAR_TIMEOUT_NS) {
+                __trap();
+            }
+        }
+    }
 }
 
 // 2-D TMA tile load of box (c0 = K offset, c1 = row offset) into dst, completing on bar.
@@ -135,7 +168,7 @@ __device__ __forceinline__ void gemm_wgmma(T* __restrict__ C, const T* __restric
 
     if (wg == 0) {
         // ---------------- producer ----------------
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<WGMMA_PRODUCER_REGS>();
         if (tid == 0) {
             int it = 0;
             for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -152,7 +185,7 @@ __device__ __forceinline__ void gemm_wgmma(T* __restrict__ C, const T* __restric
         }
     } else {
         // ---------------- consumers ----------------
-        setmaxnreg_inc<232>();
+        setmaxnreg_inc<WGMMA_CONSUMER_REGS>();
         const int c = wg - 1;  // which 64-row half of the tile
         for (int s = 0; s < STAGES; ++s) mbar_arrive(&empty[s]);  // every stage starts free
         const int warp = tid / 32, lane = tid % 32;
@@ -211,8 +244,9 @@ __device__ __forceinline__ void gemm_wgmma(T* __restrict__ C, const T* __restric
 
 }  // namespace
 
-// The launcher's copy of SMEM_BYTES (crates/tp-kernels, WGMMA_SMEM_BYTES) must equal this.
-static_assert(SMEM_BYTES == 197696, "update WGMMA_SMEM_BYTES in tp-kernels");
+// The launcher requests WGMMA_SMEM_BYTES (launch_config.cuh): it must be what the tiles need.
+static_assert(SMEM_BYTES == WGMMA_SMEM_BYTES, "update WGMMA_SMEM_BYTES in launch_config.cuh");
+static_assert(128 * WGMMA_PRODUCER_REGS + 256 * WGMMA_CONSUMER_REGS <= 65536, "the split fits the register file");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define TP_WGMMA_BODY(T) gemm_wgmma<T>(C, bias, &tma_a, &tma_b, M, N, K);

@@ -29,7 +29,7 @@ __device__ __forceinline__ void rms_norm(T* __restrict__ out, const T* __restric
 }
 
 #define TP_NORM(SUFFIX, T)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256)                                                      \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS)                                                      \
         tp_rms_norm_##SUFFIX(T* out, const T* x, const T* w, int64_t rows, int64_t h, float eps) {         \
         rms_norm<T>(out, x, w, rows, h, eps);                                                              \
     }

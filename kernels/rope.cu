@@ -42,7 +42,7 @@ __device__ __forceinline__ void rope(T* __restrict__ out, const T* __restrict__ 
 }
 
 #define TP_ROPE(SUFFIX, T)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) tp_rope_##SUFFIX(T* out, const T* x, const int64_t* pos, \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_rope_##SUFFIX(T* out, const T* x, const int64_t* pos, \
                                                                       const float* inv_freq, int64_t tokens,  \
                                                                       int64_t heads, int64_t half) {          \
         rope<T>(out, x, pos, inv_freq, tokens, heads, half);                                                   \

@@ -51,7 +51,7 @@ __device__ __forceinline__ void gather(U* __restrict__ dst, const U* __restrict_
 }  // namespace tp
 
 #define TP_ROW_COPY(NAME, U)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) NAME(U* dst, const U* src, int64_t rows, int64_t row_units, \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) NAME(U* dst, const U* src, int64_t rows, int64_t row_units, \
                                                            int64_t src_pitch, int64_t src_off, int64_t dst_pitch, \
                                                            int64_t dst_off) {                                \
         tp::row_copy<U>(dst, src, tp::RowCopy{rows, row_units, src_pitch, src_off, dst_pitch, dst_off});   \
@@ -63,7 +63,7 @@ TP_ROW_COPY(tp_row_copy_u2, uint16_t)
 TP_ROW_COPY(tp_row_copy_u1, uint8_t)
 
 #define TP_GATHER(NAME, U)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) NAME(U* dst, const U* src, int64_t rows, int64_t cols, \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) NAME(U* dst, const U* src, int64_t rows, int64_t cols, \
                                                            int64_t q, int64_t r) {                          \
         tp::gather<U>(dst, src, rows, cols, tp::Split{q, r});                                               \
     }

@@ -74,14 +74,14 @@ __device__ __forceinline__ void max_index(float* __restrict__ vals, int64_t* __r
 }
 
 #define TP_EMBEDDING(SUFFIX, T, ISUFFIX, I)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) tp_embedding_##SUFFIX##_##ISUFFIX(                        \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_embedding_##SUFFIX##_##ISUFFIX(                        \
         T* out, const T* table, const I* ids, int64_t n, int64_t rows, int64_t h, int64_t offset) {            \
         embedding<T, I>(out, table, ids, n, rows, h, offset);                                                   \
     }
 #define TP_TOKENS(SUFFIX, T)                                                                                    \
     TP_EMBEDDING(SUFFIX, T, i32, int32_t)                                                                       \
     TP_EMBEDDING(SUFFIX, T, i64, int64_t)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256)                                                           \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS)                                                           \
         tp_max_index_##SUFFIX(float* vals, int64_t* idx, const T* x, int64_t rows, int64_t n) {                 \
         max_index<T>(vals, idx, x, rows, n);                                                                    \
     }

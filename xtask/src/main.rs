@@ -12,6 +12,7 @@ mod bench;
 mod bindgen;
 mod bundle;
 mod cuda;
+mod launch_consts;
 mod ptx;
 mod test;
 

@@ -64,6 +64,10 @@ pub fn check(nvcc: &Path) -> Result<()> {
             if !o.status.success() {
                 bail!("nvcc failed on {} for {arch}:\n{text}", src.display());
             }
+            // ptxas's C7510: a function call made it serialise wgmma (the pipeline is lost).
+            if let Some(line) = text.lines().find(|l| l.contains("C7510")) {
+                bail!("{} for {arch}: {}", src.display(), line.trim());
+            }
             reports.extend(parse(&text, arch));
         }
     }
@@ -88,7 +92,72 @@ pub fn check(nvcc: &Path) -> Result<()> {
         bail!("kernels with spills or a stack frame: {}", bad.join(", "));
     }
     println!("ptx: {} kernel builds, no spills, no stack frames", reports.len());
+    check_register_split(&reports)?;
     check_sass(&tmp)
+}
+
+/// The Hopper GEMM's setmaxnreg split (launch_config.cuh) against the registers ptxas gave it:
+/// the producer warpgroup may only shrink (`P <= R`), the consumers only grow (`C >= R`), and
+/// what they end with must fit what the block was launched with (`128 P + 256 C <= 384 R`,
+/// itself at most the SM's 65536);
+/// setmaxnreg counts are multiples of 8 in 24..=256.
+fn check_register_split(reports: &[Report]) -> Result<()> {
+    let header = crate::workspace_root().join("kernels/launch_config.cuh");
+    let text = std::fs::read_to_string(&header).with_context(|| format!("cannot read {}", header.display()))?;
+    let consts = crate::launch_consts::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", header.display()))?;
+    let get = |name: &str| {
+        consts
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| *v)
+            .with_context(|| format!("{name} missing from {}", header.display()))
+    };
+    let (p, c, threads) = (get("WGMMA_PRODUCER_REGS")?, get("WGMMA_CONSUMER_REGS")?, get("WGMMA_THREADS")?);
+    let kernels: Vec<&Report> =
+        reports.iter().filter(|r| r.arch == "sm_90a" && r.kernel.starts_with("tp_gemm_wgmma")).collect();
+    if kernels.is_empty() {
+        bail!("ptxas reported no tp_gemm_wgmma kernel for sm_90a");
+    }
+    for r in kernels {
+        let regs = r.registers;
+        let problems = split_problems(p, c, threads, regs);
+        if !problems.is_empty() {
+            bail!(
+                "{}: setmaxnreg {p}/{c} does not fit the {regs} registers ptxas reports: {}",
+                r.kernel,
+                problems.join("; ")
+            );
+        }
+        println!(
+            "setmaxnreg {}: producer {p} <= {regs} <= consumers {c}, 128x{p} + 256x{c} <= {threads}x{regs}",
+            r.kernel
+        );
+    }
+    Ok(())
+}
+
+/// What is wrong with a producer/consumer split of `p`/`c` registers for a block of `threads`
+/// launched with `regs` per thread (empty when it is sound).
+fn split_problems(p: u32, c: u32, threads: u32, regs: u32) -> Vec<String> {
+    let mut v = Vec::new();
+    for (what, n) in [("producer", p), ("consumer", c)] {
+        if n % 8 != 0 || !(24..=256).contains(&n) {
+            v.push(format!("the {what} count {n} is not a multiple of 8 in 24..=256"));
+        }
+    }
+    if p > regs {
+        v.push(format!("the producer cannot shrink to {p} from {regs}"));
+    }
+    if c < regs {
+        v.push(format!("the consumers cannot grow to {c} from {regs}"));
+    }
+    if threads * regs > 65536 {
+        v.push(format!("{threads}x{regs} registers exceed the 65536 of an SM"));
+    }
+    if threads != 384 || 128 * p + 256 * c > threads * regs {
+        v.push(format!("128x{p} + 256x{c} = {} exceeds {threads}x{regs} = {}", 128 * p + 256 * c, threads * regs));
+    }
+    v
 }
 
 /// Disassembles the GEMM cubins and checks each uses its instructions.
@@ -151,6 +220,16 @@ fn parse(text: &str, arch: &str) -> Vec<Report> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn register_split_rules() {
+        assert!(super::split_problems(40, 232, 384, 168).is_empty(), "today's split");
+        assert!(!super::split_problems(40, 232, 384, 176).is_empty(), "a block that cannot launch");
+        assert!(!super::split_problems(40, 240, 384, 168).is_empty(), "consumers ending with more than the block has");
+        assert!(!super::split_problems(40, 160, 384, 168).is_empty(), "consumers below the launch count");
+        assert!(!super::split_problems(180, 232, 384, 168).is_empty(), "producer above it");
+        assert!(!super::split_problems(41, 232, 384, 168).is_empty(), "not a multiple of 8");
+    }
+
     #[test]
     fn parses_ptxas_output() {
         let text = "ptxas info    : Compiling entry function 'k1' for 'sm_90a'\n\

@@ -34,5 +34,12 @@ pub type Result<T> = std::result::Result<T, KernelError>;
 
 /// Maps a cudarc driver error into [`KernelError::Driver`], naming the operation.
 pub(crate) fn driver(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
-    move |e| KernelError::Driver { op, message: format!("{e:?}") }
+    move |e| {
+        let mut message = format!("{e:?}");
+        if message.contains("LAUNCH_FAILED") {
+            // A trap in a kernel: the only deliberate one is the Hopper GEMM's stuck-pipeline guard.
+            message.push_str(" (a kernel trapped; tp_gemm_wgmma traps when an mbarrier wait passes 10 s)");
+        }
+        KernelError::Driver { op, message }
+    }
 }

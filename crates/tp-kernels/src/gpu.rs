@@ -2,14 +2,27 @@
 //! (loaded lazily, once) and the facts launchers need (SM count, shared-memory limit).
 
 use crate::error::{KernelError, Result, driver};
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 static POISON: AtomicBool = AtomicBool::new(false);
+static HOST_SYNCS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times this process has made the host wait for a GPU (device-to-host copies,
+/// stream synchronisations, host waits on events), on any device. Tests read it around code that
+/// must not synchronise, such as a layer's forward pass over NCCL.
+pub fn host_syncs() -> u64 {
+    HOST_SYNCS.load(Ordering::Relaxed)
+}
+
+/// Counts one host synchronisation (see [`host_syncs`]).
+pub fn count_host_sync() {
+    HOST_SYNCS.fetch_add(1, Ordering::Relaxed);
+}
 
 /// Test support: when on, [`Gpu::alloc`] fills new buffers with `0xFF` bytes (NaN in f32, f16
 /// and bf16) instead of zeros, so an output element a kernel forgot to write cannot pass as a
@@ -50,7 +63,10 @@ pub struct Gpu {
     sm_count: u32,
     compute_capability: (i32, i32),
     smem_optin: u32,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// One slot per embedded module (`crate::MODULES` order), loaded on first use.
+    modules: Vec<OnceLock<std::result::Result<Arc<CudaModule>, KernelError>>>,
+    /// One slot per kernel function (`crate::kernels::ALL` order), looked up on first use.
+    functions: Vec<OnceLock<std::result::Result<CudaFunction, KernelError>>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -86,7 +102,8 @@ impl Gpu {
             smem_optin: u32::try_from(smem_optin).unwrap_or(0),
             stream: ctx.default_stream(),
             ctx,
-            modules: Mutex::new(HashMap::new()),
+            modules: crate::MODULES.iter().map(|_| OnceLock::new()).collect(),
+            functions: crate::kernels::ALL.iter().map(|_| OnceLock::new()).collect(),
         });
         gpus.insert(ordinal, gpu.clone());
         Ok(gpu)
@@ -127,8 +144,9 @@ impl Gpu {
         &self.ctx
     }
 
-    /// Waits for all work queued on the stream.
+    /// Waits for all work queued on the stream (a host synchronisation, counted).
     pub fn synchronize(&self) -> Result<()> {
+        count_host_sync();
         self.stream.synchronize().map_err(driver("cuStreamSynchronize"))
     }
 
@@ -158,27 +176,49 @@ impl Gpu {
                 why: format!("asked for {len} bytes of a {}-byte buffer", buf.len()),
             });
         }
+        count_host_sync();
         let mut v = self.stream.clone_dtoh(buf).map_err(driver("cuMemcpyDtoH"))?;
         v.truncate(len);
         Ok(v)
     }
 
-    /// The kernel `name` of embedded module `module`, loading the module on first use.
-    pub fn function(&self, module: &'static str, name: &str) -> Result<CudaFunction> {
+    /// The kernel function `name`, its module loaded and the function looked up on first use
+    /// and kept: later calls take no lock and make no driver call. With `smem > 0` the
+    /// function's dynamic shared-memory limit is raised to `smem` bytes once, at that first use
+    /// (every caller of a function asks for the same amount: the kernel's constant).
+    pub(crate) fn function(&self, name: &str, smem: u32) -> Result<&CudaFunction> {
         if let Some(reason) = crate::NOT_COMPILED {
             return Err(KernelError::NotCompiled { reason });
         }
-        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-        let m = match modules.get(module) {
-            Some(m) => m.clone(),
-            None => {
-                let km = crate::module(module).ok_or_else(|| KernelError::MissingKernel { name: module.into() })?;
-                let m =
-                    self.ctx.load_module(Ptx::from_binary(km.fatbin.to_vec())).map_err(driver("cuModuleLoadData"))?;
-                modules.insert(module, m.clone());
-                m
+        let &index = crate::kernels::INDEX.get(name).ok_or_else(|| KernelError::MissingKernel { name: name.into() })?;
+        let slot = self.functions.get(index).ok_or_else(|| KernelError::MissingKernel { name: name.into() })?;
+        slot.get_or_init(|| {
+            let module_name = crate::kernels::ALL[index].0;
+            let m = self.module(module_name)?;
+            let f = m
+                .load_function(name)
+                .map_err(|_| KernelError::MissingKernel { name: format!("{module_name}::{name}") })?;
+            if smem > 0 {
+                f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                    .map_err(driver("cuFuncSetAttribute"))?;
             }
-        };
-        m.load_function(name).map_err(|_| KernelError::MissingKernel { name: format!("{module}::{name}") })
+            Ok(f)
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+    }
+
+    /// The embedded module `name`, loaded into this context on first use.
+    fn module(&self, name: &str) -> Result<Arc<CudaModule>> {
+        let index = crate::MODULES
+            .iter()
+            .position(|m| m.name == name)
+            .ok_or_else(|| KernelError::MissingKernel { name: name.into() })?;
+        self.modules[index]
+            .get_or_init(|| {
+                let fatbin = crate::MODULES[index].fatbin.to_vec();
+                self.ctx.load_module(Ptx::from_binary(fatbin)).map_err(driver("cuModuleLoadData"))
+            })
+            .clone()
     }
 }

@@ -13,17 +13,22 @@
 //!
 //! [`host_index`] is the kernels' index arithmetic compiled for the host, for CPU tests.
 
-mod decoder;
+pub mod consts;
 mod error;
 mod gpu;
 pub mod host_index;
+mod kernels;
 mod launch;
 
 pub use cudarc;
-pub use decoder::{ATTENTION_MAX_HEAD_DIM, AttentionShape};
 pub use error::{KernelError, Result};
-pub use gpu::{Gpu, device_count, driver_available, set_poison_allocations};
-pub use launch::{ElemType, GemmKernel, MMA_SMEM_BYTES, RowCopy, SMALL_M_MAX, WGMMA_SMEM_BYTES};
+pub use gpu::{Gpu, count_host_sync, device_count, driver_available, host_syncs, set_poison_allocations};
+pub use launch::{AttentionShape, ElemType, GemmKernel, RowCopy};
+
+/// Largest M the decode-shaped GEMM takes (`SMALL_M_MAX` of kernels/launch_config.cuh).
+pub const SMALL_M_MAX: usize = consts::SMALL_M_MAX as usize;
+/// Largest head size the attention kernel takes.
+pub const ATTENTION_MAX_HEAD_DIM: usize = consts::ATTENTION_MAX_HEAD_DIM as usize;
 
 /// A kernel module compiled at build time.
 #[derive(Debug, Clone, Copy)]

@@ -1,17 +1,12 @@
-//! Launchers of the decoder kernels: the residual add (`kernels/elementwise.cu`), RMSNorm
-//! (`norm.cu`), RoPE (`rope.cu`), attention (`attention.cu`), the embedding lookup and the
+//! Launchers of the decoder kernels: RMSNorm (`kernels/norm.cu`), RoPE (`rope.cu`), attention (`attention.cu`), the embedding lookup and the
 //! argmax (`tokens.cu`). Each checks buffer sizes, types and limits against the kernel's
 //! contract before its `unsafe` launch, as in `launch.rs`.
 
+use super::{ElemType, i64_of, invalid, require_float, span};
+use crate::consts;
 use crate::error::{Result, driver};
 use crate::gpu::Gpu;
-use crate::launch::{ElemType, i64_of, invalid, require_float, span};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-
-/// Largest head size the attention kernel takes (`kernels/attention.cu`, ATT_MAX_D).
-pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
-/// Threads per block of the attention kernel (ATT_WARPS * 32).
-const ATTENTION_THREADS: u32 = 128;
 
 /// Shape of one attention call: `tokens` queries of `q_heads` heads, `kv_heads` KV heads of
 /// `head_dim`, the first `kv_len` cache rows valid, and an optional sliding window.
@@ -23,7 +18,7 @@ pub struct AttentionShape {
     pub q_heads: usize,
     /// Key/value heads (divide `q_heads`).
     pub kv_heads: usize,
-    /// Features per head, at most [`ATTENTION_MAX_HEAD_DIM`].
+    /// Features per head, at most `consts::ATTENTION_MAX_HEAD_DIM`.
     pub head_dim: usize,
     /// Valid cache rows, `tokens <= kv_len`.
     pub kv_len: usize,
@@ -34,26 +29,6 @@ pub struct AttentionShape {
 }
 
 impl Gpu {
-    /// `x[i] += y[i]` for `n` elements of `ty`, in place (`tp_add_T`).
-    pub fn add_inplace(&self, x: &mut CudaSlice<u8>, y: &CudaSlice<u8>, n: usize, ty: ElemType) -> Result<()> {
-        const K: &str = "add";
-        require_float(K, ty)?;
-        let bytes = span(K, n, ty.size(), 0)?;
-        if bytes > x.len() || bytes > y.len() {
-            return Err(invalid(K, format!("{n} elements do not fit the buffers")));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let f = self.function("elementwise", &format!("tp_add_{}", ty.name()))?;
-        let n_i = i64_of(K, n)?;
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(x).arg(y).arg(&n_i);
-        // SAFETY: matches tp_add_T(T* x, const T* y, int64 n); both buffers hold n elements
-        // (checked above) and are distinct (`&mut` vs `&`), 256-byte aligned.
-        unsafe { b.launch(self.grid_stride(n as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_add)"))
-    }
-
     /// RMSNorm of `rows` rows of `h` elements (`tp_rms_norm_T`): `out = w * round(x * rstd)`.
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm(
@@ -75,9 +50,9 @@ impl Gpu {
         if bytes == 0 {
             return Ok(());
         }
-        let f = self.function("norm", &format!("tp_rms_norm_{}", ty.name()))?;
+        let f = self.function(&format!("tp_rms_norm_{}", ty.name()), 0)?;
         let (r, hi) = (i64_of(K, rows)?, i64_of(K, h)?);
-        let mut b = self.stream().launch_builder(&f);
+        let mut b = self.stream().launch_builder(f);
         b.arg(out).arg(x).arg(w).arg(&r).arg(&hi).arg(&eps);
         // SAFETY: matches tp_rms_norm_T(T* out, const T* x, const T* w, int64 rows, int64 h,
         // float eps); x and out hold rows*h elements and w holds h (checked above); out is the
@@ -112,9 +87,9 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let f = self.function("rope", &format!("tp_rope_{}", ty.name()))?;
+        let f = self.function(&format!("tp_rope_{}", ty.name()), 0)?;
         let [t, h, hf] = [i64_of(K, tokens)?, i64_of(K, heads)?, i64_of(K, half)?];
-        let mut b = self.stream().launch_builder(&f);
+        let mut b = self.stream().launch_builder(f);
         b.arg(out).arg(x).arg(pos).arg(inv_freq).arg(&t).arg(&h).arg(&hf);
         // SAFETY: matches tp_rope_T(T* out, const T* x, const int64* pos, const float* inv_freq,
         // int64 tokens, heads, half). x and out hold tokens*heads*2*half elements, pos `tokens`
@@ -139,8 +114,8 @@ impl Gpu {
     ) -> Result<()> {
         const K: &str = "attention";
         require_float(K, ty)?;
-        if s.head_dim > ATTENTION_MAX_HEAD_DIM {
-            return Err(invalid(K, format!("head_dim {} exceeds {ATTENTION_MAX_HEAD_DIM}", s.head_dim)));
+        if s.head_dim > consts::ATTENTION_MAX_HEAD_DIM as usize {
+            return Err(invalid(K, format!("head_dim {} exceeds {}", s.head_dim, consts::ATTENTION_MAX_HEAD_DIM)));
         }
         if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || s.kv_len < s.tokens || s.window == Some(0) {
             return Err(invalid(K, format!("inconsistent shape {s:?}")));
@@ -157,15 +132,18 @@ impl Gpu {
         if q_bytes == 0 {
             return Ok(());
         }
-        let f = self.function("attention", &format!("tp_attention_{}", ty.name()))?;
+        let f = self.function(&format!("tp_attention_{}", ty.name()), 0)?;
         let [t, hq, hkv, d, l] = [s.tokens, s.q_heads, s.kv_heads, s.head_dim, s.kv_len].map(|v| i64_of(K, v));
         let (t, hq, hkv, d, l) = (t?, hq?, hkv?, d?, l?);
         let window = i64_of(K, s.window.unwrap_or(0))?;
         let rows = (s.tokens * s.q_heads) as u64;
         let blocks = rows.clamp(1, u64::from(self.sm_count()) * 32);
-        let cfg =
-            LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (ATTENTION_THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream().launch_builder(&f);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (consts::ATTENTION_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream().launch_builder(f);
         b.arg(out).arg(q).arg(k).arg(v).arg(&t).arg(&hq).arg(&hkv).arg(&d).arg(&l).arg(&s.scale).arg(&window);
         // SAFETY: matches tp_attention_T(T* out, const T* q, const T* k, const T* v, int64 tokens,
         // hq, hkv, d, kv_len, float scale, int64 window). q and out hold tokens*hq*d elements and
@@ -203,9 +181,9 @@ impl Gpu {
         if out_bytes == 0 {
             return Ok(());
         }
-        let f = self.function("tokens", &format!("tp_embedding_{}_{}", ty.name(), id_ty.name()))?;
+        let f = self.function(&format!("tp_embedding_{}_{}", ty.name(), id_ty.name()), 0)?;
         let [n_i, r_i, h_i] = [i64_of(K, n)?, i64_of(K, rows)?, i64_of(K, h)?];
-        let mut b = self.stream().launch_builder(&f);
+        let mut b = self.stream().launch_builder(f);
         b.arg(out).arg(table).arg(ids).arg(&n_i).arg(&r_i).arg(&h_i).arg(&offset);
         // SAFETY: matches tp_embedding_T_I(T* out, const T* table, const I* ids, int64 n, rows,
         // h, offset). out holds n*h elements, table rows*h, ids n of I (checked above); the
@@ -235,9 +213,9 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let f = self.function("tokens", &format!("tp_max_index_{}", ty.name()))?;
+        let f = self.function(&format!("tp_max_index_{}", ty.name()), 0)?;
         let (r_i, n_i) = (i64_of(K, rows)?, i64_of(K, n)?);
-        let mut b = self.stream().launch_builder(&f);
+        let mut b = self.stream().launch_builder(f);
         b.arg(vals).arg(idx).arg(x).arg(&r_i).arg(&n_i);
         // SAFETY: matches tp_max_index_T(float* vals, int64* idx, const T* x, int64 rows, n);
         // x holds rows*n elements, vals rows floats, idx rows int64 (checked above); vals and idx

@@ -1,0 +1,93 @@
+//! The names of every kernel function tp launches, built from the same helpers the launchers
+//! call, and the index of each: a [`Gpu`](crate::Gpu) keeps one lazily loaded slot per index,
+//! so a launch looks its function up without a lock or a driver call after the first time.
+
+use crate::launch::ElemType;
+use std::collections::HashMap;
+use std::sync::LazyLock;
+
+const FLOATS: [ElemType; 3] = [ElemType::F32, ElemType::F16, ElemType::BF16];
+const HALVES: [ElemType; 2] = [ElemType::F16, ElemType::BF16];
+const UNITS: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// `(module, function)` of every kernel, in a fixed order.
+pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| {
+    let mut v: Vec<(&'static str, String)> = Vec::new();
+    for u in UNITS {
+        v.push(("shard_copy", format!("tp_row_copy_u{u}")));
+        v.push(("shard_copy", format!("tp_gather_u{u}")));
+    }
+    for from in FLOATS {
+        for to in FLOATS.into_iter().filter(|&t| t != from) {
+            v.push(("cast", cast(from, to)));
+        }
+    }
+    for t in FLOATS {
+        v.push(("elementwise", format!("tp_swiglu_{}", t.name())));
+        v.push(("elementwise", format!("tp_add_row_{}", t.name())));
+        v.push(("elementwise", format!("tp_add_{}", t.name())));
+        v.push(("norm", format!("tp_rms_norm_{}", t.name())));
+        v.push(("rope", format!("tp_rope_{}", t.name())));
+        v.push(("attention", format!("tp_attention_{}", t.name())));
+        v.push(("tokens", format!("tp_max_index_{}", t.name())));
+        for id in [ElemType::I32, ElemType::I64] {
+            v.push(("tokens", format!("tp_embedding_{}_{}", t.name(), id.name())));
+        }
+        for vec in [true, false] {
+            v.push(("gemm_small_m", small_m(t, vec)));
+        }
+    }
+    for nk in [true, false] {
+        v.push(("gemm_simt", simt(nk)));
+    }
+    for t in HALVES {
+        for aligned in [true, false] {
+            v.push(("gemm_mma", mma(t, aligned)));
+        }
+        v.push(("gemm_wgmma", format!("tp_gemm_wgmma_{}", t.name())));
+    }
+    v
+});
+
+/// Function name -> its index in [`ALL`].
+pub(crate) static INDEX: LazyLock<HashMap<String, usize>> =
+    LazyLock::new(|| ALL.iter().enumerate().map(|(i, (_, name))| (name.clone(), i)).collect());
+
+pub(crate) fn cast(from: ElemType, to: ElemType) -> String {
+    format!("tp_cast_{}_{}", from.name(), to.name())
+}
+pub(crate) fn small_m(t: ElemType, vec: bool) -> String {
+    format!("tp_gemm_small_m_{}{}", t.name(), if vec { "" } else { "_unaligned" })
+}
+pub(crate) fn simt(nk: bool) -> String {
+    (if nk { "tp_gemm_simt_f32_nk" } else { "tp_gemm_simt_f32_kn" }).to_string()
+}
+pub(crate) fn mma(t: ElemType, aligned: bool) -> String {
+    format!("tp_gemm_mma_{}_nk{}", t.name(), if aligned { "" } else { "_unaligned" })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_name_is_unique_and_in_a_compiled_module() {
+        let names: std::collections::HashSet<&str> = super::ALL.iter().map(|(_, n)| n.as_str()).collect();
+        assert_eq!(names.len(), super::ALL.len());
+        let sources: Vec<String> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "cu"))
+            .map(|e| e.path().file_stem().unwrap().to_string_lossy().into_owned())
+            .collect();
+        for (module, name) in super::ALL.iter() {
+            assert!(sources.iter().any(|s| s == module), "{name}: no kernels/{module}.cu");
+            // With nvcc present, the function's symbol is in the module's (uncompressed) fatbin.
+            if let Some(m) = crate::module(module) {
+                let sym = format!(".text.{name}\0");
+                assert!(m.fatbin.windows(sym.len()).any(|w| w == sym.as_bytes()), "{name} is not in {module}'s fatbin");
+            }
+        }
+        if crate::NOT_COMPILED.is_some() {
+            eprintln!("note: built without nvcc; kernel symbols were not checked against the fatbins");
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Launchers of `kernels/elementwise.cu`: SwiGLU, the row bias, the in-place add.
+
+use super::{ElemType, i64_of, invalid, require_float, span};
+use crate::error::{Result, driver};
+use crate::gpu::Gpu;
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+impl Gpu {
+    /// `out = silu(gate) * up` over `rows` rows of `[gate | up]` (`inner` each), element type
+    /// `ty` (`kernels/elementwise.cu`, `tp_swiglu_T`).
+    pub fn swiglu(
+        &self,
+        out: &mut CudaSlice<u8>,
+        input: &CudaSlice<u8>,
+        rows: usize,
+        inner: usize,
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "swiglu";
+        require_float(K, ty)?;
+        let n = span(K, rows, inner, 0)?;
+        if span(K, n, 2 * ty.size(), 0)? > input.len() || span(K, n, ty.size(), 0)? > out.len() {
+            return Err(invalid(K, format!("{rows} x {inner} does not fit the buffers")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(&format!("tp_swiglu_{}", ty.name()), 0)?;
+        let (r, i) = (i64_of(K, rows)?, i64_of(K, inner)?);
+        let mut b = self.stream().launch_builder(f);
+        b.arg(out).arg(input).arg(&r).arg(&i);
+        // SAFETY: matches tp_swiglu_T(T* out, const T* in, int64 rows, int64 inner); `in` holds
+        // rows*2*inner and `out` rows*inner elements (checked above); distinct buffers (& vs
+        // &mut), 256-byte aligned.
+        unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_swiglu)"))
+    }
+
+    /// `out[r, c] = input[r, c] + bias[c]` (`kernels/elementwise.cu`, `tp_add_row_T`).
+    pub fn add_row(
+        &self,
+        out: &mut CudaSlice<u8>,
+        input: &CudaSlice<u8>,
+        bias: &CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "add_row";
+        require_float(K, ty)?;
+        let n = span(K, rows, cols, 0)?;
+        let bytes = span(K, n, ty.size(), 0)?;
+        if bytes > input.len() || bytes > out.len() || span(K, cols, ty.size(), 0)? > bias.len() {
+            return Err(invalid(K, format!("{rows} x {cols} does not fit the buffers")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(&format!("tp_add_row_{}", ty.name()), 0)?;
+        let (r, c) = (i64_of(K, rows)?, i64_of(K, cols)?);
+        let mut b = self.stream().launch_builder(f);
+        b.arg(out).arg(input).arg(bias).arg(&r).arg(&c);
+        // SAFETY: matches tp_add_row_T(T* out, const T* in, const T* bias, int64 rows, cols);
+        // sizes checked above; `out` is the only buffer written and is borrowed mutably.
+        unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_add_row)"))
+    }
+
+    /// `x[i] += y[i]` for `n` elements of `ty`, in place (`tp_add_T`).
+    pub fn add_inplace(&self, x: &mut CudaSlice<u8>, y: &CudaSlice<u8>, n: usize, ty: ElemType) -> Result<()> {
+        const K: &str = "add";
+        require_float(K, ty)?;
+        let bytes = span(K, n, ty.size(), 0)?;
+        if bytes > x.len() || bytes > y.len() {
+            return Err(invalid(K, format!("{n} elements do not fit the buffers")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(&format!("tp_add_{}", ty.name()), 0)?;
+        let n_i = i64_of(K, n)?;
+        let mut b = self.stream().launch_builder(f);
+        b.arg(x).arg(y).arg(&n_i);
+        // SAFETY: matches tp_add_T(T* x, const T* y, int64 n); both buffers hold n elements
+        // (checked above) and are distinct (`&mut` vs `&`), 256-byte aligned.
+        unsafe { b.launch(self.grid_stride(n as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_add)"))
+    }
+}

@@ -1,0 +1,192 @@
+//! Launchers of the SIMT (`kernels/gemm_simt.cu`), mma.sync (`gemm_mma.cu`) and decode-shaped
+//! (`gemm_small_m.cu`) GEMMs, and the buffer checks every GEMM launcher shares.
+
+use super::{BLOCKS_PER_SM, ElemType, i64_of, invalid, push_bias, require_float, span};
+use crate::consts;
+use crate::error::{Result, driver};
+use crate::gpu::Gpu;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+impl Gpu {
+    /// fp32 SIMT GEMM with fused bias (`kernels/gemm_simt.cu`): `C = A op(B) + bias` where `A` is
+    /// `m×k`, `B` is `n×k` when `nk` (so `C = A B^T`) or `k×n` otherwise, `bias` has `n` entries.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_simt_f32(
+        &self,
+        c: &mut CudaSlice<u8>,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        bias: Option<&CudaSlice<u8>>,
+        (m, n, k): (usize, usize, usize),
+        nk: bool,
+    ) -> Result<()> {
+        const K: &str = "gemm_simt_f32";
+        check_gemm(K, c, a, b, bias, (m, n, k), 4)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let grid = gemm_grid(K, m, n)?;
+        let vec_a = k % 4 == 0;
+        let vec_b = if nk { k % 4 == 0 } else { n % 4 == 0 };
+        let vec = i32::from(vec_a) | (i32::from(vec_b) << 1);
+        let f = self.function(&crate::kernels::simt(nk), 0)?;
+        let [m_i, n_i, k_i] = [i64_of(K, m)?, i64_of(K, n)?, i64_of(K, k)?];
+        let mut l = self.stream().launch_builder(f);
+        l.arg(c).arg(a).arg(b);
+        push_bias(&mut l, bias);
+        l.arg(&m_i).arg(&n_i).arg(&k_i).arg(&vec);
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (consts::SIMT_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: matches tp_gemm_simt_f32_xx(float* C, const float* A, const float* B,
+        // const float* bias_or_null, int64 M, N, K, int vec). check_gemm verified that A holds
+        // m*k, B n*k, C m*n and bias n floats; the kernel bounds-checks every tile edge against
+        // M, N, K. Vector (16-byte) loads are enabled only when every row start is a multiple of
+        // 4 floats from a 256-byte aligned base. C is the only buffer written and is borrowed
+        // mutably, so it aliases no input.
+        unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_simt)"))
+    }
+
+    /// bf16/f16 tensor-core GEMM with fused bias (`kernels/gemm_mma.cu`): `C = A B^T + bias`,
+    /// `A` `m×k`, `B` `n×k` (nn.Linear layout), `C` `m×n`, all of element type `ty`.
+    /// Needs compute capability 8.0 or later.
+    pub fn gemm_mma(
+        &self,
+        c: &mut CudaSlice<u8>,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        bias: Option<&CudaSlice<u8>>,
+        (m, n, k): (usize, usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "gemm_mma";
+        if !matches!(ty, ElemType::F16 | ElemType::BF16) {
+            return Err(invalid(K, "the mma.sync kernel takes f16 or bf16; use gemm_simt_f32"));
+        }
+        if self.compute_capability().0 < 8 {
+            return Err(invalid(
+                K,
+                format!(
+                    "needs sm_80 or later, device is sm_{}{}",
+                    self.compute_capability().0,
+                    self.compute_capability().1
+                ),
+            ));
+        }
+        if self.smem_optin() < consts::MMA_SMEM_BYTES {
+            return Err(invalid(
+                K,
+                format!(
+                    "needs {} B of shared memory per block, device allows {}",
+                    consts::MMA_SMEM_BYTES,
+                    self.smem_optin()
+                ),
+            ));
+        }
+        check_gemm(K, c, a, b, bias, (m, n, k), 2)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let grid = gemm_grid(K, m, n)?;
+        let aligned = k % 8 == 0; // rows of A and B start on 16-byte boundaries
+        let f = self.function(&crate::kernels::mma(ty, aligned), consts::MMA_SMEM_BYTES)?;
+        let [m_i, n_i, k_i] = [i64_of(K, m)?, i64_of(K, n)?, i64_of(K, k)?];
+        let mut l = self.stream().launch_builder(f);
+        l.arg(c).arg(a).arg(b);
+        push_bias(&mut l, bias);
+        l.arg(&m_i).arg(&n_i).arg(&k_i);
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (consts::MMA_THREADS, 1, 1),
+            shared_mem_bytes: consts::MMA_SMEM_BYTES,
+        };
+        // SAFETY: matches tp_gemm_mma_T_nk[_unaligned](T* C, const T* A, const T* B,
+        // const T* bias_or_null, int64 M, N, K). check_gemm verified the buffer sizes; the
+        // kernel zero-fills loads past M, N, K and skips stores past M, N. The 16-byte cp.async
+        // path is chosen only when K % 8 == 0, so every row of A and B starts 16-byte aligned
+        // from a 256-byte aligned allocation. The dynamic shared memory requested is the
+        // kernel's SMEM_BYTES (static_assert there) and within the device's opt-in limit, which
+        // the function attribute was raised to above. C is borrowed mutably: no aliasing.
+        unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_mma)"))
+    }
+
+    /// Decode-shaped `C = A B^T + bias` for `1 <= m <= 8` (`kernels/gemm_small_m.cu`): one
+    /// warp per weight row, 16-byte loads, so the weight streams from memory once.
+    pub fn gemm_small_m(
+        &self,
+        c: &mut CudaSlice<u8>,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        bias: Option<&CudaSlice<u8>>,
+        (m, n, k): (usize, usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "gemm_small_m";
+        require_float(K, ty)?;
+        if !(1..=crate::SMALL_M_MAX).contains(&m) {
+            return Err(invalid(K, format!("M = {m}; this kernel takes 1..={}", crate::SMALL_M_MAX)));
+        }
+        check_gemm(K, c, a, b, bias, (m, n, k), ty.size())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let vec = k % (16 / ty.size()) == 0; // every row starts 16-byte aligned
+        let f = self.function(&crate::kernels::small_m(ty, vec), 0)?;
+        let (m_i, n_i, k_i) = (m as i32, i64_of(K, n)?, i64_of(K, k)?);
+        let warps = consts::SMALL_M_WARPS; // one weight row per warp
+        let blocks = (n as u64).div_ceil(u64::from(warps)).clamp(1, u64::from(self.sm_count()) * BLOCKS_PER_SM);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (warps * 32, 1, 1), shared_mem_bytes: 0 };
+        let mut l = self.stream().launch_builder(f);
+        l.arg(c).arg(a).arg(b);
+        push_bias(&mut l, bias);
+        l.arg(&m_i).arg(&n_i).arg(&k_i);
+        // SAFETY: matches tp_gemm_small_m_T[_unaligned](T* C, const T* A, const T* B,
+        // const T* bias_or_null, int M, int64 N, int64 K). check_gemm verified that A holds m*k,
+        // B n*k, C m*n and bias n elements; the kernel reads rows of A and B only below K and
+        // writes C[m][n] only for m < M (<= 8) and n < N. The 16-byte vector variant is chosen only
+        // when K is a multiple of the vector width, so every vector is in bounds and aligned
+        // (allocations are 256-byte aligned). C is borrowed mutably: no aliasing.
+        unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_small_m)"))
+    }
+}
+
+/// Buffer-size checks shared by the GEMM launchers (`elem` bytes per element).
+pub(super) fn check_gemm(
+    kernel: &'static str,
+    c: &CudaSlice<u8>,
+    a: &CudaSlice<u8>,
+    b: &CudaSlice<u8>,
+    bias: Option<&CudaSlice<u8>>,
+    (m, n, k): (usize, usize, usize),
+    elem: usize,
+) -> Result<()> {
+    let need = |rows: usize, cols: usize| span(kernel, rows, cols, 0).and_then(|x| span(kernel, x, elem, 0));
+    for (what, have, want) in [("A", a.len(), need(m, k)?), ("B", b.len(), need(n, k)?), ("C", c.len(), need(m, n)?)] {
+        if have < want {
+            return Err(invalid(kernel, format!("{what} holds {have} bytes, needs {want}")));
+        }
+    }
+    if let Some(bias) = bias
+        && bias.len() < need(1, n)?
+    {
+        return Err(invalid(kernel, format!("bias holds {} bytes, needs {}", bias.len(), n * elem)));
+    }
+    Ok(())
+}
+
+/// `(ceil(n / BN), ceil(m / BM), 1)` for the SIMT and mma.sync tiles (both 128 x 128), within
+/// CUDA's grid limits.
+pub(super) fn gemm_grid(kernel: &'static str, m: usize, n: usize) -> Result<(u32, u32, u32)> {
+    let (gx, gy) = (n.div_ceil(consts::SIMT_BN as usize), m.div_ceil(consts::SIMT_BM as usize));
+    if gx > i32::MAX as usize || gy > 65535 {
+        return Err(invalid(kernel, format!("grid {gx} x {gy} exceeds CUDA's limits (2^31-1 x 65535)")));
+    }
+    Ok((gx as u32, gy as u32, 1))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn grids_respect_limits() {
+        assert_eq!(super::gemm_grid("t", 129, 1).unwrap(), (1, 2, 1));
+        assert!(super::gemm_grid("t", 65536 * 128, 1).is_err());
+    }
+}
