@@ -4,8 +4,13 @@
 //! collectives in the same order; a rank that calls another one, or passes incompatible tensors,
 //! makes every rank return [`CommError::Mismatch`](crate::CommError::Mismatch). Every call has a
 //! deadline.
+//!
+//! On a GPU backend the calls are stream-ordered: they return once the collective is enqueued,
+//! and its output is valid for later work on the rank's stream (reading it on the host waits for
+//! it). A collective that fails or passes its deadline after that makes the next call, or
+//! [`Work::wait`], return the error. The `_async` forms return a [`Work`] handle to wait on.
 
-use crate::Result;
+use crate::{CommError, Result, Work};
 use tp_core::Tensor;
 
 /// How `all_reduce` and `reduce_scatter` combine the ranks' tensors, element by element.
@@ -53,6 +58,34 @@ pub trait Communicator: Send + Sync {
     /// `reason` (NCCL: `ncclCommAbort`). For a rank whose own work failed, so that its peers
     /// do not wait for it until their deadline.
     fn abort(&self, reason: &str);
+
+    /// [`all_gather`](Self::all_gather) when every rank's length along `dim` is known to the
+    /// caller (`lengths[r]` for rank `r`, the same list on every rank): backends that would
+    /// otherwise exchange the lengths first (NCCL: a tiny collective read back to the host) skip
+    /// that. This rank's own entry is checked.
+    fn all_gather_sized(&self, x: &Tensor, dim: usize, lengths: &[usize]) -> Result<Tensor> {
+        let len = x.shape().dim("all_gather", dim).map_err(crate::error::tensor_err("all_gather"))?;
+        if lengths.len() != self.world_size() || lengths.get(self.rank()) != Some(&len) {
+            return Err(CommError::Mismatch {
+                op: "all_gather".into(),
+                why: format!("rank {} has length {len} but was told lengths {lengths:?}", self.rank()),
+            });
+        }
+        self.all_gather(x, dim)
+    }
+
+    /// [`all_reduce`](Self::all_reduce), issued without waiting for it: the result comes from
+    /// [`Work::wait`], so the caller can do other work meanwhile. Backends without real overlap
+    /// return finished work.
+    fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Result<Work> {
+        Ok(Work::done(self.all_reduce(x, op)))
+    }
+
+    /// [`all_gather`](Self::all_gather), issued without waiting for it (see
+    /// [`all_reduce_async`](Self::all_reduce_async)).
+    fn all_gather_async(&self, x: &Tensor, dim: usize) -> Result<Work> {
+        Ok(Work::done(self.all_gather(x, dim)))
+    }
 
     /// [`all_reduce`](Self::all_reduce) into `x` itself (host tensors are overwritten in place).
     fn all_reduce_into(&self, x: &mut Tensor, op: ReduceOp) -> Result<()> {

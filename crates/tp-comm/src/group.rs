@@ -153,6 +153,38 @@ impl DeviceGroup {
         self.comm.all_gather(x, dim)
     }
 
+    /// [`all_gather`](Self::all_gather) of shards split by the balanced policy of
+    /// `tp_core::TensorShard`: `x` is this rank's shard of a dim of length `global_len`. Every
+    /// rank's length is known, so no backend needs to exchange them (no host synchronisation on
+    /// NCCL). How column-parallel outputs are joined.
+    pub fn all_gather_balanced(&self, x: &Tensor, dim: usize, global_len: usize) -> Result<Tensor> {
+        self.check("all_gather", x)?;
+        let shards = tp_core::TensorShard::for_all_ranks(dim, global_len, self.world_size())
+            .map_err(tensor_err("all_gather"))?;
+        let lengths: Vec<usize> = shards.iter().map(|s| s.len()).collect();
+        self.comm.all_gather_sized(x, dim, &lengths)
+    }
+
+    /// [`all_gather`](Self::all_gather) with every rank's length along `dim` given.
+    pub fn all_gather_sized(&self, x: &Tensor, dim: usize, lengths: &[usize]) -> Result<Tensor> {
+        self.check("all_gather", x)?;
+        self.comm.all_gather_sized(x, dim, lengths)
+    }
+
+    /// [`all_gather`](Self::all_gather) without waiting: the result arrives through
+    /// [`Work::wait`](crate::Work::wait).
+    pub fn all_gather_async(&self, x: &Tensor, dim: usize) -> Result<crate::Work> {
+        self.check("all_gather", x)?;
+        self.comm.all_gather_async(x, dim)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) without waiting: overlap it with other work, then
+    /// [`Work::wait`](crate::Work::wait) for the sum.
+    pub fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Result<crate::Work> {
+        self.check("all_reduce", x)?;
+        self.comm.all_reduce_async(x, op)
+    }
+
     /// Element-wise reduction over ranks; in a row-parallel layer, `Y = Σ_r X_r A_r`.
     pub fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.check("all_reduce", x)?;

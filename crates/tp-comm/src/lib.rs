@@ -43,6 +43,7 @@ pub mod nccl;
 mod reduce;
 mod rendezvous;
 pub mod store;
+mod work;
 
 pub use communicator::{Communicator, ReduceOp};
 pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv};
@@ -51,3 +52,4 @@ pub use group::DeviceGroup;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup};
 pub use rendezvous::Rendezvous;
 pub use tp_core;
+pub use work::Work;

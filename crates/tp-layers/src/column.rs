@@ -76,7 +76,7 @@ impl ColumnParallel {
     pub fn forward_gathered(&self, x: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
         check_group(&self.shard, self.linear.device(), group)?;
         let y = self.forward(x)?;
-        Ok(group.all_gather(&y, y.ndim() - 1)?)
+        Ok(group.all_gather_balanced(&y, y.ndim() - 1, self.shard.global_len())?)
     }
 }
 

@@ -81,7 +81,7 @@ impl ParallelLmHead {
         if group.world_size() == 1 {
             return Ok(local);
         }
-        Ok(group.all_gather(&local, local.ndim() - 1)?)
+        Ok(group.all_gather_balanced(&local, local.ndim() - 1, self.shard.global_len())?)
     }
 
     /// The greedy next token of every row of `h: [.., H]`: an `i64` host tensor of the leading
@@ -107,8 +107,10 @@ impl ParallelLmHead {
         }
         // [1, rows] per rank, gathered to [world, rows] on the group's device.
         let to_group = |t: Tensor| -> Result<Tensor> { Ok(group.to_local(&t.reshape(&[1, rows])?)?) };
-        let all_vals = group.all_gather(&to_group(vals)?, 0)?.to_f64_vec()?;
-        let all_idx = group.all_gather(&to_group(Tensor::from_vec(idx, &[rows], &Device::Cpu)?)?, 0)?.to_i64_vec()?;
+        let ones = vec![1; group.world_size()];
+        let all_vals = group.all_gather_sized(&to_group(vals)?, 0, &ones)?.to_f64_vec()?;
+        let idx = to_group(Tensor::from_vec(idx, &[rows], &Device::Cpu)?)?;
+        let all_idx = group.all_gather_sized(&idx, 0, &ones)?.to_i64_vec()?;
         let best: Vec<i64> = (0..rows)
             .map(|row| {
                 let mut best = (all_vals[row], all_idx[row]);

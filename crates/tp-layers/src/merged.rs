@@ -125,6 +125,11 @@ impl MergedColumnParallel {
     pub fn forward_gathered(&self, x: &Tensor, group: &DeviceGroup) -> Result<Vec<Tensor>> {
         crate::column::check_group(&self.shards[0], self.linear.device(), group)?;
         let y = self.forward(x)?;
-        self.split(&y)?.iter().map(|p| Ok(group.all_gather(p, p.ndim() - 1)?)).collect()
+        let parts = self.split(&y)?;
+        parts
+            .iter()
+            .zip(&self.shards)
+            .map(|(p, s)| Ok(group.all_gather_balanced(p, p.ndim() - 1, s.global_len())?))
+            .collect()
     }
 }

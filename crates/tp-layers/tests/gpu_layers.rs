@@ -140,3 +140,36 @@ fn decoder_layers_on_ranks_sharing_one_gpu_match_f64() {
         }
     }
 }
+
+#[test]
+fn forwards_over_nccl_issue_no_host_synchronisation() {
+    setup();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let vars = [("RANK", "0".to_string()), ("WORLD_SIZE", "1".into()), ("MASTER_PORT", port.to_string())];
+    let env = tp_comm::LaunchEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap();
+    let g = tp_comm::DeviceGroup::from_launch_env(&env).expect("NCCL group of one");
+    let dtype = DType::BF16;
+    let to_gpu = |l: &tp_layers::Linear| l.to(dtype, &GPU).unwrap();
+    let (gate, up, down) = (
+        to_gpu(&linear(200, 64, false, dtype, 1)),
+        to_gpu(&linear(200, 64, false, dtype, 2)),
+        to_gpu(&linear(64, 200, true, dtype, 3)),
+    );
+    let mlp = ParallelMlp::from_full(&gate, &up, &down, 0, 1).unwrap();
+    let col = ColumnParallel::from_full(&gate, 0, 1).unwrap();
+    let row = RowParallel::from_full(down.weight(), down.bias(), 0, 1).unwrap();
+    let x = Tensor::rand(&[9, 64], dtype, 4, &CPU).unwrap().to_device(&GPU).unwrap();
+    let act = Tensor::rand(&[9, 200], dtype, 5, &CPU).unwrap().to_device(&GPU).unwrap();
+    // Warm up (modules load on first use), then count.
+    let _ = (mlp.forward(&x, &g).unwrap(), col.forward_gathered(&x, &g).unwrap(), row.forward(&act, &g).unwrap());
+    let before = tp_kernels::host_syncs();
+    let outs = (mlp.forward(&x, &g).unwrap(), col.forward_gathered(&x, &g).unwrap(), row.forward(&act, &g).unwrap());
+    assert_eq!(tp_kernels::host_syncs(), before, "a forward must not make the host wait for the GPU");
+    // The results are right (reading them back is the first synchronisation).
+    let r = mlp_f64(&x.to_device(&CPU).unwrap(), &gate, &up, &down);
+    let got = f64s(&outs.0.to_device(&CPU).unwrap());
+    assert_close("mlp over nccl", &got, &r.y, |i| {
+        4.0 * dtype.unit_roundoff() * r.scale[i] + 2.0 * dtype.unit_roundoff() * r.y[i].abs() + 1e-5
+    });
+    assert!(tp_kernels::host_syncs() > before);
+}

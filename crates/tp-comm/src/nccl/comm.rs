@@ -1,47 +1,48 @@
 //! [`NcclComm`]: a [`Communicator`] over NCCL for CUDA tensors, one GPU per rank.
 //!
-//! Deadlines everywhere: the communicator is created non-blocking (`ncclCommInitRankConfig`
-//! with `blocking = 0`) and polled; every collective is enqueued, then its completion is polled
-//! together with `ncclCommGetAsyncError`. A deadline passed or an asynchronous error aborts the
-//! communicator (`ncclCommAbort`), so the other ranks' NCCL calls fail instead of hanging, and
-//! the group stays failed. Output buffers are allocated here at exactly the size NCCL writes.
+//! Stream-ordered: a collective is enqueued on the rank's stream and the call returns; its
+//! output is valid for everything later on that stream, and the host waits only where it reads
+//! data back (or in [`Work::wait`]). The communicator is non-blocking (`blocking = 0`), so a call
+//! may return `ncclInProgress` before its work is on the stream: the call then polls
+//! `ncclCommGetAsyncError` until it is, under the deadline, before the work counts as enqueued.
+//! Deadlines belong to a watchdog (`watchdog.rs`): past the deadline, or on an asynchronous
+//! error, it aborts the communicator, and every later call or wait on this rank fails with the
+//! reason; the peers' NCCL operations fail instead of hanging. Every NCCL call holds the
+//! handle's lock (`state.rs`), so clones of a group never overlap calls on one communicator and
+//! nothing can touch an aborted one. Output buffers are allocated here at exactly the size NCCL
+//! writes, and the device buffers' stream-order guards are held until the call has enqueued.
 
 use super::Nccl;
+use super::state::{Handle, Pending, Shared, abort_handle, lock};
 use super::sys::{self, ncclDataType_t, ncclRedOp_t, ncclResult_t};
 use crate::communicator::{Communicator, ReduceOp};
 use crate::error::tensor_err;
+use crate::work::{PendingWork, Work};
 use crate::{CommError, Result};
 use std::os::raw::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tp_core::{DType, Tensor, TensorShard};
 use tp_kernels::Gpu;
-use tp_kernels::cudarc::driver::{CudaSlice, DevicePtr};
+use tp_kernels::cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, DevicePtrMut};
 
 /// One rank of an NCCL communicator.
 pub struct NcclComm {
-    nccl: &'static Nccl,
-    /// The handle; NCCL calls on one communicator are serialised through this lock.
-    comm: Mutex<sys::ncclComm_t>,
+    shared: Arc<Shared>,
     rank: usize,
     world: usize,
-    gpu: Arc<Gpu>,
-    timeout: Duration,
-    failed: AtomicBool,
-    reason: Mutex<Option<String>>,
+    watchdog: Option<std::thread::JoinHandle<()>>,
 }
-
-// SAFETY: the raw communicator handle is only used under `comm`'s mutex, one call at a time,
-// which is how NCCL allows a communicator to be shared between threads. Everything else is Sync.
-unsafe impl Send for NcclComm {}
-// SAFETY: as above.
-unsafe impl Sync for NcclComm {}
 
 impl std::fmt::Debug for NcclComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "NcclComm(rank {} of {} on {:?})", self.rank, self.world, self.gpu)
+        write!(f, "NcclComm(rank {} of {} on {:?})", self.rank, self.world, self.shared.gpu)
     }
+}
+
+fn cuda_err(op: &'static str) -> impl Fn(tp_kernels::cudarc::driver::DriverError) -> CommError {
+    move |e| CommError::Nccl { op, message: format!("{e:?}") }
 }
 
 fn nccl_dtype(d: DType) -> ncclDataType_t::Type {
@@ -98,7 +99,7 @@ fn default_config() -> sys::ncclConfig_t {
 
 impl NcclComm {
     /// Joins communicator `id` as `rank` of `world` on `gpu`, failing (and aborting the
-    /// half-made communicator) at `timeout`.
+    /// half-made communicator) at `timeout`; starts its watchdog.
     pub fn init(id: [u8; 128], rank: usize, world: usize, gpu: Arc<Gpu>, timeout: Duration) -> Result<NcclComm> {
         let nccl = Nccl::get()?;
         if world == 0 {
@@ -107,181 +108,352 @@ impl NcclComm {
         if rank >= world {
             return Err(CommError::RankOutOfRange { op: "NcclComm::init", rank, world_size: world });
         }
-        gpu.context()
-            .bind_to_thread()
-            .map_err(|e| CommError::Nccl { op: "cuCtxSetCurrent", message: format!("{e:?}") })?;
-        let deadline = Instant::now() + timeout;
+        gpu.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let deadline = Instant::now().checked_add(timeout).unwrap_or_else(far_future);
         let mut config = default_config();
         config.blocking = 0;
         let uid = sys::ncclUniqueId { internal: id.map(|b| b as std::os::raw::c_char) };
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        let (world_i, rank_i) = (to_i32(world)?, to_i32(rank)?);
         // SAFETY: `comm` and `config` are valid for writes/reads for the call; `uid` is passed by
-        // value; world and rank fit in i32 (checked below by the conversions).
-        let r =
-            unsafe { nccl.lib().ncclCommInitRankConfig(&mut comm, to_i32(world)?, uid, to_i32(rank)?, &mut config) };
+        // value; world and rank fit in i32 (checked by the conversions above).
+        let r = unsafe { nccl.lib().ncclCommInitRankConfig(&mut comm, world_i, uid, rank_i, &mut config) };
         if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
             let message = nccl.describe(r, comm);
-            abort_raw(nccl, comm);
+            abort_handle(nccl, &mut Handle(comm));
             return Err(CommError::Nccl { op: "ncclCommInitRankConfig", message });
         }
-        let this = NcclComm {
-            nccl,
-            comm: Mutex::new(comm),
-            rank,
-            world,
-            gpu,
-            timeout,
-            failed: AtomicBool::new(false),
-            reason: Mutex::new(None),
-        };
-        this.wait_ready("ncclCommInitRankConfig", deadline, || Ok(true))?;
-        Ok(this)
-    }
-
-    fn handle(&self) -> std::sync::MutexGuard<'_, sys::ncclComm_t> {
-        self.comm.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Polls until `done()` and the communicator has no pending or failed async state; aborts
-    /// the communicator at the deadline or on an error.
-    fn wait_ready(&self, op: &'static str, deadline: Instant, mut done: impl FnMut() -> Result<bool>) -> Result<()> {
-        loop {
-            let comm = *self.handle();
-            let mut state: ncclResult_t::Type = ncclResult_t::ncclSuccess;
-            // SAFETY: `comm` is this communicator's live handle; `state` is a valid out-pointer.
-            let r = unsafe { self.nccl.lib().ncclCommGetAsyncError(comm, &mut state) };
-            if r != ncclResult_t::ncclSuccess {
-                return Err(self.fail(op, self.nccl.describe(r, comm)));
-            }
-            if state != ncclResult_t::ncclSuccess && state != ncclResult_t::ncclInProgress {
-                return Err(self.fail(op, self.nccl.describe(state, comm)));
-            }
-            if state == ncclResult_t::ncclSuccess && done()? {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                let e = self.fail(op, format!("no completion within {:?} (a peer is missing or stuck)", self.timeout));
-                return Err(e);
-            }
-            std::thread::sleep(Duration::from_micros(200));
+        let shared = Arc::new(Shared::new(nccl, gpu, timeout, comm));
+        {
+            let mut h = shared.handle();
+            shared.settle(&mut h, "ncclCommInitRankConfig", deadline)?;
         }
+        let watchdog = super::watchdog::start(shared.clone()).map_err(|e| {
+            let mut h = shared.handle();
+            shared.fail(&mut h, "NcclComm::init", format!("cannot start the watchdog thread: {e}"))
+        })?;
+        Ok(NcclComm { shared, rank, world, watchdog: Some(watchdog) })
     }
 
-    /// Aborts the communicator and records why; returns the error to hand back.
-    fn fail(&self, op: &'static str, message: String) -> CommError {
-        if !self.failed.swap(true, Ordering::SeqCst) {
-            *self.reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{op}: {message}"));
-            abort_raw(self.nccl, *self.handle());
+    /// Enqueues one NCCL call on the GPU's stream and returns the event recorded right after
+    /// it (the watchdog watches it until it completes or passes the deadline). The host does not
+    /// wait for the collective.
+    fn enqueue(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> ncclResult_t::Type,
+    ) -> Result<Arc<CudaEvent>> {
+        let sh = &self.shared;
+        sh.check_usable(op)?;
+        // NCCL enqueues on the calling thread's current device: make it this rank's.
+        sh.gpu.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let stream = sh.gpu.stream();
+        let deadline = Instant::now().checked_add(sh.timeout).unwrap_or_else(far_future);
+        {
+            let mut h = sh.handle();
+            if h.0.is_null() {
+                return Err(sh.poisoned(op));
+            }
+            let r = call(h.0, stream.cu_stream() as sys::cudaStream_t);
+            match r {
+                ncclResult_t::ncclSuccess => {}
+                // Not on the stream yet: wait (briefly, under the deadline) until it is.
+                ncclResult_t::ncclInProgress => sh.settle(&mut h, op, deadline)?,
+                _ => {
+                    let message = sh.nccl.describe(r, h.0);
+                    return Err(sh.fail(&mut h, op, message));
+                }
+            }
         }
-        CommError::Nccl { op, message }
+        let event = Arc::new(sh.gpu.context().new_event(None).map_err(cuda_err("cuEventCreate"))?);
+        event.record(stream).map_err(cuda_err("cuEventRecord"))?;
+        let mut q = lock(&sh.pending);
+        let was_idle = q.is_empty();
+        q.push_back(Pending { event: event.clone(), deadline, op });
+        drop(q);
+        if was_idle {
+            sh.wake.notify_one();
+        }
+        Ok(event)
     }
 
-    fn check_usable(&self, op: &'static str) -> Result<()> {
-        if self.failed.load(Ordering::SeqCst) {
-            let reason = self.reason.lock().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_default();
-            return Err(CommError::Poisoned { op: op.into(), reason });
-        }
-        Ok(())
+    fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>> {
+        self.shared.gpu.alloc(bytes).map_err(|e| CommError::Tensor { op: "alloc", source: e.into() })
+    }
+
+    fn wrap(&self, op: &'static str, buf: CudaSlice<u8>, dims: &[usize], dtype: DType) -> Result<Tensor> {
+        Tensor::from_cuda_buffer(buf, dims, dtype, self.shared.gpu.clone()).map_err(tensor_err(op))
     }
 
     /// `x`'s device buffer, checked to be on this rank's GPU.
     fn device_input<'a>(&self, op: &'static str, x: &'a Tensor) -> Result<&'a CudaSlice<u8>> {
         match x.cuda_buffer() {
-            Some((gpu, buf)) if gpu.ordinal() == self.gpu.ordinal() => Ok(buf),
+            Some((gpu, buf)) if gpu.ordinal() == self.shared.gpu.ordinal() => Ok(buf),
             _ => Err(CommError::Tensor {
                 op,
                 source: tp_core::Error::DeviceMismatch {
                     op,
-                    lhs: tp_core::Device::Cuda(self.gpu.ordinal()),
+                    lhs: tp_core::Device::Cuda(self.shared.gpu.ordinal()),
                     rhs: x.device(),
                 },
             }),
         }
     }
 
-    /// Enqueues one NCCL call on the GPU's stream and waits for it with the deadline.
-    fn run(
+    /// All-reduce of `x` into a new buffer, enqueued.
+    fn all_reduce_enqueue(
         &self,
         op: &'static str,
-        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> ncclResult_t::Type,
-    ) -> Result<()> {
-        self.check_usable(op)?;
-        // NCCL enqueues on the calling thread's current device: make it this rank's.
-        self.gpu
-            .context()
-            .bind_to_thread()
-            .map_err(|e| CommError::Nccl { op: "cuCtxSetCurrent", message: format!("{e:?}") })?;
-        let deadline = Instant::now() + self.timeout;
-        let stream = self.gpu.stream();
-        let raw_stream = stream.cu_stream() as sys::cudaStream_t;
-        {
-            let comm = *self.handle();
-            let r = call(comm, raw_stream);
-            if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
-                return Err(self.fail(op, self.nccl.describe(r, comm)));
-            }
-        }
-        let ctx = self.gpu.context();
-        let event =
-            ctx.new_event(None).map_err(|e| CommError::Nccl { op: "cuEventCreate", message: format!("{e:?}") })?;
-        event.record(stream).map_err(|e| CommError::Nccl { op: "cuEventRecord", message: format!("{e:?}") })?;
-        self.wait_ready(op, deadline, || {
-            event.try_is_complete().map_err(|e| CommError::Nccl { op: "cuEventQuery", message: format!("{e:?}") })
-        })
-    }
-
-    fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>> {
-        self.gpu.alloc(bytes).map_err(|e| CommError::Tensor { op: "alloc", source: e.into() })
-    }
-
-    fn wrap(&self, op: &'static str, buf: CudaSlice<u8>, dims: &[usize], dtype: DType) -> Result<Tensor> {
-        Tensor::from_cuda_buffer(buf, dims, dtype, self.gpu.clone()).map_err(tensor_err(op))
-    }
-
-    /// Device pointer of a buffer for an NCCL call on the GPU's stream.
-    fn ptr(&self, buf: &CudaSlice<u8>) -> *const c_void {
-        let (p, _sync) = buf.device_ptr(self.gpu.stream());
-        p as usize as *const c_void
-    }
-
-    /// All-reduce of a raw buffer of `count` elements into a new buffer.
-    fn all_reduce_raw(&self, op: &'static str, x: &Tensor, red: ReduceOp) -> Result<CudaSlice<u8>> {
+        x: &Tensor,
+        red: ReduceOp,
+    ) -> Result<(CudaSlice<u8>, Arc<CudaEvent>)> {
         let src = self.device_input(op, x)?;
-        let bytes = x.size_in_bytes();
-        let out = self.alloc(bytes)?;
-        let (s, d) = (self.ptr(src), self.ptr(&out) as *mut c_void);
+        let mut out = self.alloc(x.size_in_bytes())?;
+        let stream = self.shared.gpu.stream();
+        let (s, s_guard) = src.device_ptr(stream);
+        let (d, d_guard) = out.device_ptr_mut(stream);
         let (count, dt) = (x.numel(), nccl_dtype(x.dtype()));
         // SAFETY: `src` holds `count` elements of `dt` (a tensor's buffer holds exactly its
         // elements) and `out` was just allocated with the same byte size, so NCCL reads and
-        // writes within both; both live until `run` has waited for completion.
-        self.run(op, |comm, stream| unsafe {
-            self.nccl.lib().ncclAllReduce(s, d, count, dt, nccl_op(red), comm, stream)
+        // writes within both. Both stay allocated in stream order: their guards are held until
+        // the call has enqueued, and freeing a buffer is itself ordered on this stream.
+        let event = self.enqueue(op, |comm, stream| unsafe {
+            self.shared.nccl.lib().ncclAllReduce(
+                s as usize as *const c_void,
+                d as usize as *mut c_void,
+                count,
+                dt,
+                nccl_op(red),
+                comm,
+                stream,
+            )
         })?;
-        Ok(out)
+        drop((s_guard, d_guard));
+        Ok((out, event))
     }
+
+    /// The all-gather of every rank's `x` along `dim`, rank `r` contributing `lengths[r]` rows
+    /// of that dim (its own checked here; the others' trusted: every rank passes the same list).
+    fn all_gather_enqueue(&self, x: &Tensor, dim: usize, lengths: &[usize]) -> Result<(Tensor, Arc<CudaEvent>)> {
+        const OP: &str = "all_gather";
+        let len = x.shape().dim(OP, dim).map_err(tensor_err(OP))?;
+        check_lengths(OP, self.rank, self.world, len, lengths)?;
+        let total: usize = lengths.iter().sum();
+        let dims = x.dims();
+        let outer: usize = dims[..dim].iter().product();
+        let inner: usize = dims[dim + 1..].iter().product();
+        let eb = x.dtype().size_in_bytes();
+        let counts: Vec<usize> = lengths.iter().map(|l| outer * l * inner).collect();
+        let offsets: Vec<usize> = counts.iter().scan(0, |acc, c| Some(std::mem::replace(acc, *acc + c))).collect();
+        let src = self.device_input(OP, x)?;
+        let mut buf = self.alloc(outer * total * inner * eb)?;
+        let stream = self.shared.gpu.stream();
+        let (s_ptr, s_guard) = src.device_ptr(stream);
+        let (d_ptr, d_guard) = buf.device_ptr_mut(stream);
+        let (s_ptr, d_ptr, dt, me) = (s_ptr as usize, d_ptr as usize, nccl_dtype(x.dtype()), self.rank);
+        let event = self.enqueue(OP, |comm, stream| {
+            let lib = self.shared.nccl.lib();
+            // SAFETY: group calls take no pointers.
+            let mut first = unsafe { lib.ncclGroupStart() };
+            for r in 0..self.world {
+                if counts[r] == 0 {
+                    continue;
+                }
+                let recv = (d_ptr + offsets[r] * eb) as *mut c_void;
+                let send = if r == me { s_ptr as *const c_void } else { recv as *const c_void };
+                // SAFETY: `recv` is rank r's block of `buf`, counts[r] elements inside its
+                // outer*total*inner; on the root, `send` is this rank's input of exactly
+                // counts[me] = x.numel() elements (checked by check_lengths); elsewhere NCCL
+                // ignores it. Both buffers' guards are held until the group has enqueued.
+                let res = unsafe { lib.ncclBroadcast(send, recv, counts[r], dt, to_i32(r).unwrap_or(0), comm, stream) };
+                if first == ncclResult_t::ncclSuccess {
+                    first = res;
+                }
+            }
+            // SAFETY: closes the group opened above; always called, even after an error.
+            let end = unsafe { lib.ncclGroupEnd() };
+            if first == ncclResult_t::ncclSuccess { end } else { first }
+        })?;
+        drop((s_guard, d_guard));
+        let mut out_dims = dims.to_vec();
+        out_dims[dim] = total;
+        if outer == 1 {
+            return Ok((self.wrap(OP, buf, &out_dims, x.dtype())?, event));
+        }
+        // The rank-major buffer (rank, outer, len_r, inner), reordered on the stream.
+        let flat = self.wrap(OP, buf, &[outer * total * inner], x.dtype())?;
+        let balanced = TensorShard::for_all_ranks(0, total, self.world)
+            .map_err(tensor_err(OP))?
+            .iter()
+            .zip(lengths)
+            .all(|(s, &l)| s.len() == l);
+        let y = if inner == 1 && balanced {
+            flat.interleave_rank_major(outer, total, self.world).and_then(|y| y.reshape(&out_dims))
+        } else {
+            let parts = (0..self.world)
+                .map(|r| {
+                    let mut d = dims.to_vec();
+                    d[dim] = lengths[r];
+                    flat.narrow(0, offsets[r], counts[r])?.reshape(&d)
+                })
+                .collect::<tp_core::Result<Vec<_>>>();
+            parts.and_then(|p| Tensor::cat(&p, dim))
+        };
+        Ok((y.map_err(tensor_err(OP))?, event))
+    }
+
+    /// Every rank's length along the gathered dim (an all-gather of one u32 each, read back: a
+    /// host synchronisation; callers that know the lengths use `all_gather_sized`).
+    fn exchange_lengths(&self, len: usize) -> Result<Vec<usize>> {
+        const OP: &str = "all_gather";
+        let len =
+            u32::try_from(len).map_err(|_| CommError::Mismatch { op: OP.into(), why: "length exceeds u32".into() })?;
+        let gpu = &self.shared.gpu;
+        let src = gpu.htod(&len.to_le_bytes()).map_err(|e| CommError::Tensor { op: OP, source: e.into() })?;
+        let mut out = self.alloc(4 * self.world)?;
+        let stream = gpu.stream();
+        let (s, s_guard) = src.device_ptr(stream);
+        let (d, d_guard) = out.device_ptr_mut(stream);
+        // SAFETY: one 4-byte element per rank in, world of them out; moved as raw 32-bit words
+        // (ncclUint32), so no float arithmetic touches the length bits; guards held until enqueued.
+        self.enqueue(OP, |comm, stream| unsafe {
+            self.shared.nccl.lib().ncclAllGather(
+                s as usize as *const c_void,
+                d as usize as *mut c_void,
+                1,
+                ncclDataType_t::ncclUint32,
+                comm,
+                stream,
+            )
+        })?;
+        drop((s_guard, d_guard));
+        let bytes = gpu.dtoh(&out, 4 * self.world).map_err(|e| CommError::Tensor { op: OP, source: e.into() })?;
+        self.shared.check_usable(OP)?;
+        Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize).collect())
+    }
+
+    fn work(&self, op: &'static str, output: Tensor, event: Arc<CudaEvent>) -> Work {
+        let deadline = Instant::now().checked_add(self.shared.timeout).unwrap_or_else(far_future);
+        Work::pending(Box::new(NcclWork { shared: self.shared.clone(), event, output, deadline, op }))
+    }
+}
+
+/// A collective's output and the event after it, waited for with the deadline.
+struct NcclWork {
+    shared: Arc<Shared>,
+    event: Arc<CudaEvent>,
+    output: Tensor,
+    deadline: Instant,
+    op: &'static str,
+}
+
+impl PendingWork for NcclWork {
+    fn is_done(&mut self) -> bool {
+        self.shared.has_failed() || self.event.try_is_complete().unwrap_or(true)
+    }
+
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        tp_kernels::count_host_sync();
+        let sh = &self.shared;
+        sh.gpu.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        loop {
+            sh.check_usable(self.op)?;
+            match self.event.try_is_complete() {
+                Ok(true) => {
+                    sh.check_usable(self.op)?; // completed because the watchdog aborted it?
+                    return Ok(self.output);
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    let mut h = sh.handle();
+                    return Err(sh.fail(&mut h, self.op, format!("cuEventQuery failed: {e:?}")));
+                }
+            }
+            // The watchdog aborts at the deadline; this is the backstop if it could not run.
+            if Instant::now() >= self.deadline + Duration::from_secs(1) {
+                let mut h = sh.handle();
+                return Err(sh.fail(&mut h, self.op, format!("not complete within {:?}", sh.timeout)));
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
+/// Checks a caller-provided length list against this rank's own length and the world.
+fn check_lengths(op: &'static str, rank: usize, world: usize, mine: usize, lengths: &[usize]) -> Result<()> {
+    if lengths.len() != world || lengths[rank] != mine {
+        return Err(CommError::Mismatch {
+            op: op.into(),
+            why: format!("rank {rank} has length {mine} but was told lengths {lengths:?} for a world of {world}"),
+        });
+    }
+    lengths
+        .iter()
+        .try_fold(0usize, |a, &l| a.checked_add(l))
+        .map(drop)
+        .ok_or_else(|| CommError::Mismatch { op: op.into(), why: "lengths overflow when summed".into() })
+}
+
+/// An instant far enough ahead to stand for "no deadline" when `now + timeout` overflows.
+fn far_future() -> Instant {
+    let now = Instant::now();
+    now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)).unwrap_or(now)
 }
 
 fn to_i32(v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| CommError::Nccl { op: "argument", message: format!("{v} does not fit in an int") })
 }
 
-fn abort_raw(nccl: &Nccl, comm: sys::ncclComm_t) {
-    if !comm.is_null() {
-        // SAFETY: `comm` is a communicator handle NCCL returned; abort is valid in any state and
-        // makes peers' pending operations fail.
-        unsafe { nccl.lib().ncclCommAbort(comm) };
-    }
-}
-
 impl Drop for NcclComm {
+    /// Never hangs, never panics: the watchdog is stopped; work still outstanding is given
+    /// until its deadline (a peer that is gone cannot complete it), then the communicator is
+    /// finalised and destroyed, or aborted if anything failed, is late, or does not settle.
     fn drop(&mut self) {
-        let comm = *self.handle();
-        if comm.is_null() || self.failed.load(Ordering::SeqCst) {
-            return; // already aborted (which also frees it)
+        let sh = &self.shared;
+        sh.stop.store(true, Ordering::SeqCst);
+        sh.wake.notify_all();
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
         }
-        // Errors here are recorded nowhere to panic from: destroy is best effort at teardown.
-        // SAFETY: the handle is live and no call is in flight (we own `self` exclusively).
-        unsafe { self.nccl.lib().ncclCommDestroy(comm) };
+        if sh.gpu.context().bind_to_thread().is_err() {
+            abort_handle(sh.nccl, &mut sh.handle());
+            return;
+        }
+        let mut h = sh.handle();
+        if h.0.is_null() {
+            return; // aborted already (which freed it)
+        }
+        loop {
+            let mut q = lock(&sh.pending);
+            while q.front().is_some_and(|p| p.event.try_is_complete().unwrap_or(true)) {
+                q.pop_front();
+            }
+            let Some(front) = q.front() else { break };
+            let late = Instant::now() >= front.deadline;
+            drop(q);
+            if late || sh.async_state(&mut h, "drop").is_err() {
+                abort_handle(sh.nccl, &mut h);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // SAFETY: the handle is live (non-null under the lock) and no work is outstanding.
+        let r = unsafe { sh.nccl.lib().ncclCommFinalize(h.0) };
+        let settled = match r {
+            ncclResult_t::ncclSuccess => true,
+            ncclResult_t::ncclInProgress => {
+                let deadline = Instant::now() + sh.timeout.min(Duration::from_secs(10));
+                sh.settle(&mut h, "ncclCommFinalize", deadline).is_ok()
+            }
+            _ => false,
+        };
+        if settled && !h.0.is_null() {
+            // SAFETY: finalised, so destroy only frees resources; the handle is forgotten after.
+            unsafe { sh.nccl.lib().ncclCommDestroy(h.0) };
+            h.0 = std::ptr::null_mut();
+        } else {
+            abort_handle(sh.nccl, &mut h);
+        }
     }
 }
 
@@ -295,78 +467,37 @@ impl Communicator for NcclComm {
     }
 
     /// An all-gather of arbitrary per-rank lengths (NCCL's own needs equal ones): the lengths
-    /// are shared first, then every rank broadcasts its block, all in one NCCL group, into a
-    /// rank-major buffer `(rank, outer, len_r, inner)`, with no padding. Gathering along the
-    /// outermost non-trivial dim, that buffer is the result; along the last dim with balanced
-    /// shards, the gather-interleave kernel makes it `(outer, total)` in one pass; otherwise
-    /// each rank's block is placed with device copies.
+    /// are shared first (one tiny all-gather, read back), then every rank broadcasts its block,
+    /// all in one NCCL group, into a rank-major buffer `(rank, outer, len_r, inner)`, with no
+    /// padding. Gathering along the outermost non-trivial dim, that buffer is the result; along
+    /// the last dim with balanced shards, the gather-interleave kernel makes it `(outer, total)`
+    /// in one pass; otherwise each rank's block is placed with device copies.
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
-        const OP: &str = "all_gather";
-        let len = x.shape().dim(OP, dim).map_err(tensor_err(OP))?;
-        let lens = self.all_gather_lengths(len)?;
-        let total: usize = lens.iter().sum();
-        let dims = x.dims();
-        let outer: usize = dims[..dim].iter().product();
-        let inner: usize = dims[dim + 1..].iter().product();
-        let eb = x.dtype().size_in_bytes();
-        let counts: Vec<usize> = lens.iter().map(|l| outer * l * inner).collect();
-        let offsets: Vec<usize> = counts.iter().scan(0, |acc, c| Some(std::mem::replace(acc, *acc + c))).collect();
-        let src = self.device_input(OP, x)?;
-        let buf = self.alloc(outer * total * inner * eb)?;
-        let (s_ptr, d_ptr, dt) = (self.ptr(src) as usize, self.ptr(&buf) as usize, nccl_dtype(x.dtype()));
-        let me = self.rank;
-        self.run(OP, |comm, stream| {
-            let lib = self.nccl.lib();
-            // SAFETY: group calls take no pointers.
-            let mut first = unsafe { lib.ncclGroupStart() };
-            for r in 0..self.world {
-                if counts[r] == 0 {
-                    continue;
-                }
-                let recv = (d_ptr + offsets[r] * eb) as *mut c_void;
-                let send = if r == me { s_ptr as *const c_void } else { recv as *const c_void };
-                // SAFETY: `recv` is rank r's block of `buf`, counts[r] elements inside its
-                // outer*total*inner; on the root, `send` is this rank's input of exactly
-                // counts[me] = x.numel() elements (the shared lengths say so); elsewhere NCCL
-                // ignores it. Both buffers live until `run` has waited for completion.
-                let res = unsafe { lib.ncclBroadcast(send, recv, counts[r], dt, to_i32(r).unwrap_or(0), comm, stream) };
-                if first == ncclResult_t::ncclSuccess {
-                    first = res;
-                }
-            }
-            // SAFETY: closes the group opened above; always called, even after an error.
-            let end = unsafe { lib.ncclGroupEnd() };
-            if first == ncclResult_t::ncclSuccess { end } else { first }
-        })?;
-        let mut out_dims = dims.to_vec();
-        out_dims[dim] = total;
-        if outer == 1 {
-            return self.wrap(OP, buf, &out_dims, x.dtype());
-        }
-        let flat = self.wrap(OP, buf, &[outer * total * inner], x.dtype())?;
-        let balanced = tp_core::TensorShard::for_all_ranks(0, total, self.world)
-            .map_err(tensor_err(OP))?
-            .iter()
-            .zip(&lens)
-            .all(|(s, &l)| s.len() == l);
-        if inner == 1 && balanced {
-            let y = flat.interleave_rank_major(outer, total, self.world).map_err(tensor_err(OP))?;
-            return y.reshape(&out_dims).map_err(tensor_err(OP));
-        }
-        let parts = (0..self.world)
-            .map(|r| {
-                let mut d = dims.to_vec();
-                d[dim] = lens[r];
-                flat.narrow(0, offsets[r], counts[r])?.reshape(&d)
-            })
-            .collect::<tp_core::Result<Vec<_>>>()
-            .map_err(tensor_err(OP))?;
-        Tensor::cat(&parts, dim).map_err(tensor_err(OP))
+        let len = x.shape().dim("all_gather", dim).map_err(tensor_err("all_gather"))?;
+        let lengths = self.exchange_lengths(len)?;
+        Ok(self.all_gather_enqueue(x, dim, &lengths)?.0)
+    }
+
+    /// Like `all_gather` with every rank's length given: no exchange, no host synchronisation.
+    fn all_gather_sized(&self, x: &Tensor, dim: usize, lengths: &[usize]) -> Result<Tensor> {
+        Ok(self.all_gather_enqueue(x, dim, lengths)?.0)
+    }
+
+    fn all_gather_async(&self, x: &Tensor, dim: usize) -> Result<Work> {
+        let len = x.shape().dim("all_gather", dim).map_err(tensor_err("all_gather"))?;
+        let lengths = self.exchange_lengths(len)?;
+        let (y, event) = self.all_gather_enqueue(x, dim, &lengths)?;
+        Ok(self.work("all_gather", y, event))
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let out = self.all_reduce_raw("all_reduce", x, op)?;
+        let (out, _) = self.all_reduce_enqueue("all_reduce", x, op)?;
         self.wrap("all_reduce", out, x.dims(), x.dtype())
+    }
+
+    fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Result<Work> {
+        let (out, event) = self.all_reduce_enqueue("all_reduce", x, op)?;
+        Ok(self.work("all_reduce", self.wrap("all_reduce", out, x.dims(), x.dtype())?, event))
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
@@ -376,12 +507,25 @@ impl Communicator for NcclComm {
             // NCCL's own reduce-scatter: equal contiguous blocks along the outermost dim.
             let src = self.device_input(OP, x)?;
             let recv = x.numel() / self.world;
-            let out = self.alloc(recv * x.dtype().size_in_bytes())?;
-            let (s, d, dt) = (self.ptr(src), self.ptr(&out) as *mut c_void, nccl_dtype(x.dtype()));
-            // SAFETY: `src` holds world * recv elements; `out` holds recv, what NCCL writes.
-            self.run(OP, |comm, stream| unsafe {
-                self.nccl.lib().ncclReduceScatter(s, d, recv, dt, nccl_op(op), comm, stream)
+            let mut out = self.alloc(recv * x.dtype().size_in_bytes())?;
+            let stream = self.shared.gpu.stream();
+            let (s, s_guard) = src.device_ptr(stream);
+            let (d, d_guard) = out.device_ptr_mut(stream);
+            let dt = nccl_dtype(x.dtype());
+            // SAFETY: `src` holds world * recv elements; `out` holds recv, what NCCL writes;
+            // guards held until enqueued.
+            self.enqueue(OP, |comm, stream| unsafe {
+                self.shared.nccl.lib().ncclReduceScatter(
+                    s as usize as *const c_void,
+                    d as usize as *mut c_void,
+                    recv,
+                    dt,
+                    nccl_op(op),
+                    comm,
+                    stream,
+                )
             })?;
+            drop((s_guard, d_guard));
             let mut dims = x.dims().to_vec();
             dims[0] = len / self.world;
             return self.wrap(OP, out, &dims, x.dtype());
@@ -398,40 +542,36 @@ impl Communicator for NcclComm {
             return Err(CommError::RankOutOfRange { op: OP, rank: root, world_size: self.world });
         }
         let src = self.device_input(OP, x)?;
-        let out = self.alloc(x.size_in_bytes())?;
-        let (s, d, dt, count) = (self.ptr(src), self.ptr(&out) as *mut c_void, nccl_dtype(x.dtype()), x.numel());
-        let root_i = to_i32(root)?;
-        // SAFETY: both buffers hold `count` elements of `dt`.
-        self.run(OP, |comm, stream| unsafe { self.nccl.lib().ncclBroadcast(s, d, count, dt, root_i, comm, stream) })?;
+        let mut out = self.alloc(x.size_in_bytes())?;
+        let stream = self.shared.gpu.stream();
+        let (s, s_guard) = src.device_ptr(stream);
+        let (d, d_guard) = out.device_ptr_mut(stream);
+        let (dt, count, root_i) = (nccl_dtype(x.dtype()), x.numel(), to_i32(root)?);
+        // SAFETY: both buffers hold `count` elements of `dt`; guards held until enqueued.
+        self.enqueue(OP, |comm, stream| unsafe {
+            self.shared.nccl.lib().ncclBroadcast(
+                s as usize as *const c_void,
+                d as usize as *mut c_void,
+                count,
+                dt,
+                root_i,
+                comm,
+                stream,
+            )
+        })?;
+        drop((s_guard, d_guard));
         self.wrap(OP, out, x.dims(), x.dtype())
     }
 
+    /// Returns once every rank has reached it: a one-element all-reduce, waited for.
     fn barrier(&self) -> Result<()> {
-        let one = Tensor::zeros(&[1], DType::F32, &tp_core::Device::Cuda(self.gpu.ordinal()))
+        let one = Tensor::zeros(&[1], DType::F32, &tp_core::Device::Cuda(self.shared.gpu.ordinal()))
             .map_err(tensor_err("barrier"))?;
-        self.all_reduce_raw("barrier", &one, ReduceOp::Sum).map(drop)
+        self.all_reduce_async(&one, ReduceOp::Sum)?.wait().map(drop)
     }
 
     fn abort(&self, reason: &str) {
-        let _ = self.fail("abort", reason.to_string());
-    }
-}
-
-impl NcclComm {
-    /// Every rank's length along the gathered dim (an 8-byte all-gather), checked for sanity.
-    fn all_gather_lengths(&self, len: usize) -> Result<Vec<usize>> {
-        const OP: &str = "all_gather";
-        let len =
-            u32::try_from(len).map_err(|_| CommError::Mismatch { op: OP.into(), why: "length exceeds u32".into() })?;
-        let src = self.gpu.htod(&len.to_le_bytes()).map_err(|e| CommError::Tensor { op: OP, source: e.into() })?;
-        let out = self.alloc(4 * self.world)?;
-        let (s, d) = (self.ptr(&src), self.ptr(&out) as *mut c_void);
-        // SAFETY: one 4-byte element per rank in, world of them out; moved as raw 32-bit words
-        // (ncclUint32), so no float arithmetic touches the length bits.
-        self.run(OP, |comm, stream| unsafe {
-            self.nccl.lib().ncclAllGather(s, d, 1, ncclDataType_t::ncclUint32, comm, stream)
-        })?;
-        let bytes = self.gpu.dtoh(&out, 4 * self.world).map_err(|e| CommError::Tensor { op: OP, source: e.into() })?;
-        Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize).collect())
+        let mut h = self.shared.handle();
+        let _ = self.shared.fail(&mut h, "abort", reason.to_string());
     }
 }

@@ -8,6 +8,8 @@
 //! (in `comm.rs`) is the safe communicator.
 
 mod comm;
+mod state;
+mod watchdog;
 #[allow(clippy::all)]
 #[rustfmt::skip] // generated: `cargo xtask bindgen --check` compares it byte for byte
 pub mod sys;
