@@ -136,8 +136,64 @@ fn host_attention(
     out
 }
 
-/// Output rows `first..first + out.len() / D` (row `r` is token `r / Hq`, head `r % Hq`).
+/// Output rows `first..first + out.len() / D` (row `r` is token `r / Hq`, head `r % Hq`), with
+/// the inner loops compiled for the best vector unit the CPU has (AVX-512, AVX2 + FMA, or the
+/// baseline), picked at run time.
 fn attend_rows(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: (usize, usize, usize, usize),
+    spec: &AttentionSpec,
+    first: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX-512F and FMA (checked just above), all `#[target_feature]`
+            // adds to this otherwise safe function.
+            return unsafe { attend_rows_avx512(q, k, v, dims, spec, first, out) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            return unsafe { attend_rows_avx2(q, k, v, dims, spec, first, out) };
+        }
+    }
+    attend_rows_body::<false>(q, k, v, dims, spec, first, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn attend_rows_avx512(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: (usize, usize, usize, usize),
+    spec: &AttentionSpec,
+    first: usize,
+    out: &mut [f32],
+) {
+    attend_rows_body::<true>(q, k, v, dims, spec, first, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn attend_rows_avx2(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: (usize, usize, usize, usize),
+    spec: &AttentionSpec,
+    first: usize,
+    out: &mut [f32],
+) {
+    attend_rows_body::<true>(q, k, v, dims, spec, first, out)
+}
+
+/// The portable body; `FMA` fuses the multiply-adds (only where the CPU has them).
+#[inline(always)]
+fn attend_rows_body<const FMA: bool>(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -158,20 +214,19 @@ fn attend_rows(
         let mut max = f32::NEG_INFINITY;
         for j in lo..=hi {
             let kj = &k[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
-            let s = dot(qv, kj) * spec.scale;
+            let s = dot::<FMA>(qv, kj) * spec.scale;
             max = max.max(s);
             scores.push(s);
         }
-        let mut sum = 0f32;
         for s in &mut scores {
-            *s = (*s - max).exp();
-            sum += *s;
+            *s = exp_neg(*s - max);
         }
+        let sum: f32 = scores.iter().sum();
         y.fill(0.0);
         for (j, &w) in (lo..=hi).zip(&scores) {
             let vj = &v[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
             for (a, b) in y.iter_mut().zip(vj) {
-                *a += w * b;
+                *a = if FMA { w.mul_add(*b, *a) } else { *a + w * b };
             }
         }
         let inv = 1.0 / sum;
@@ -179,15 +234,58 @@ fn attend_rows(
     }
 }
 
-/// `Σ a_i b_i` in f32 with eight independent partial sums.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+/// `e^x` for `x <= 0` (softmax's shifted scores), branch-free so the loop over scores
+/// vectorises: Cephes' `expf` (range reduction by `ln 2` in two parts, a degree-6 polynomial on
+/// `|r| <= ln 2 / 2`, the power of two put in the exponent bits); within 2 ulp of `f32::exp`.
+/// Below `-87` (where `e^x < 2^-125`) the result is `e^-87`, which weighs nothing beside the
+/// maximum's 1.
+#[inline(always)]
+fn exp_neg(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.0, 0.0);
+    let n = (x * LOG2E).round();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let y = p * r * r + r + 1.0;
+    // 2^n for n in -126..=0: the biased exponent n + 127 in the exponent field.
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// `Σ a_i b_i` in f32 with sixteen independent partial sums.
+#[inline(always)]
+fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0f32; L];
+    let (ac, bc) = (a.chunks_exact(L), b.chunks_exact(L));
     let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
     for (x, y) in ac.zip(bc) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+        for l in 0..L {
+            acc[l] = if FMA { x[l].mul_add(y[l], acc[l]) } else { acc[l] + x[l] * y[l] };
         }
     }
     acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn exp_neg_is_within_two_ulp_of_exp() {
+        let mut worst = 0u32;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            let (got, want) = (super::exp_neg(x), x.exp());
+            let ulps = got.to_bits().abs_diff(want.to_bits());
+            worst = worst.max(ulps);
+        }
+        assert!(worst <= 2, "worst {worst} ulp");
+        assert_eq!(super::exp_neg(0.0), 1.0);
+        assert!(super::exp_neg(-1e30) < 1e-37 && super::exp_neg(f32::NEG_INFINITY) < 1e-37);
+    }
 }
