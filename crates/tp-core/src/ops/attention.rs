@@ -252,7 +252,7 @@ fn exp_neg(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // 2^n for n in -126..=0: the biased exponent n + 127 in the exponent field.
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
