@@ -35,19 +35,23 @@
 //! ```
 
 mod communicator;
+mod deadline;
 mod env;
 mod error;
 mod group;
 mod local;
 pub mod nccl;
+mod peer_text;
 mod reduce;
 mod rendezvous;
 pub mod store;
 
 pub use communicator::{Communicator, ReduceOp};
-pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv};
+pub use deadline::{DEADLINE_SLACK, Deadline, MAX_TIMEOUT};
+pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv, MAX_TIMEOUT_SECS, MAX_WORLD_SIZE};
 pub use error::{CommError, Result};
 pub use group::DeviceGroup;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup};
+pub use peer_text::{MAX_PEER_TEXT_CHARS, peer_text};
 pub use rendezvous::Rendezvous;
 pub use tp_core;

@@ -21,7 +21,7 @@ fn run() -> tp_comm::Result<()> {
     println!("rank {} of {}: joined {}:{}", env.rank, env.world_size, env.master_addr, env.master_port);
     let id = format!("job-id-from-rank-0-pid-{}", std::process::id());
     let got = rdv.broadcast_bytes("probe-id", 0, (env.rank == 0).then_some(id.as_bytes()))?;
-    println!("rank {}: received id {}", env.rank, String::from_utf8_lossy(&got));
+    println!("rank {}: received id {}", env.rank, tp_comm::peer_text(&got));
     rdv.barrier("probe-done")?;
     println!("rank {}: ok", env.rank);
     Ok(())

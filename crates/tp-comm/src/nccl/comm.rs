@@ -108,7 +108,7 @@ impl NcclComm {
         gpu.context()
             .bind_to_thread()
             .map_err(|e| CommError::Nccl { op: "cuCtxSetCurrent", message: format!("{e:?}") })?;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::Deadline::after(timeout).instant();
         let mut config = default_config();
         config.blocking = 0;
         let uid = sys::ncclUniqueId { internal: id.map(|b| b as std::os::raw::c_char) };
@@ -209,7 +209,7 @@ impl NcclComm {
             .context()
             .bind_to_thread()
             .map_err(|e| CommError::Nccl { op: "cuCtxSetCurrent", message: format!("{e:?}") })?;
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::Deadline::after(self.timeout).instant();
         let stream = self.gpu.stream();
         let raw_stream = stream.cu_stream() as sys::cudaStream_t;
         {
