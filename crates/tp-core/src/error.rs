@@ -17,6 +17,11 @@ pub enum Error {
     #[error("shape {dims:?} overflows: its element count or byte size does not fit in isize")]
     ShapeOverflow { dims: Vec<usize> },
 
+    /// A host buffer for the result could not be allocated (a shape too large for this
+    /// machine's memory).
+    #[error("{op}: cannot allocate {bytes} bytes of host memory")]
+    OutOfMemory { op: &'static str, bytes: usize },
+
     /// A buffer's length does not match the element count of the shape it was given.
     #[error("{op}: shape {dims:?} holds {expected} elements but {got} were given")]
     ElementCountMismatch { op: &'static str, dims: Vec<usize>, expected: usize, got: usize },
@@ -78,9 +83,9 @@ impl From<tp_kernels::KernelError> for Error {
     fn from(e: tp_kernels::KernelError) -> Self {
         use tp_kernels::KernelError as K;
         match e {
-            K::CudaUnavailable { .. } | K::NoSuchDevice { .. } | K::NotCompiled { .. } => {
-                Error::CudaUnavailable { reason: e.to_string() }
-            }
+            // Keep the reason alone: the variant's message already says "CUDA unavailable".
+            K::CudaUnavailable { reason } => Error::CudaUnavailable { reason },
+            K::NoSuchDevice { .. } | K::NotCompiled { .. } => Error::CudaUnavailable { reason: e.to_string() },
             other => Error::Cuda(other),
         }
     }

@@ -30,6 +30,7 @@
 //! # Ok(()) }
 //! ```
 
+mod alloc;
 pub mod cpu_gemm;
 mod cpu_gemv;
 mod device;

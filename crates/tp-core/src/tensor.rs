@@ -69,7 +69,7 @@ impl Tensor {
                 got: bytes.len() / dtype.size_in_bytes(),
             });
         }
-        Tensor::from_cpu(shape, CpuStorage::from_bytes(dtype, bytes)).to_device(device)
+        Tensor::from_cpu(shape, CpuStorage::from_bytes(dtype, bytes)?).to_device(device)
     }
 
     /// A tensor of zeros.
@@ -100,8 +100,9 @@ impl Tensor {
     pub fn from_fn_f64(dims: &[usize], dtype: DType, device: &Device, mut f: impl FnMut(usize) -> f64) -> Result<Self> {
         let shape = Shape::new(dims)?;
         let n = shape.numel();
-        let storage =
-            with_dtype!(dtype, T => CpuStorage::from_vec((0..n).map(|i| T::from_f64(f(i))).collect::<Vec<T>>()));
+        let storage = with_dtype!(dtype, T => {
+            CpuStorage::from_vec(crate::alloc::collect("from_fn", n, (0..n).map(|i| T::from_f64(f(i))))?)
+        });
         Tensor::from_cpu(shape, storage).to_device(device)
     }
 }
@@ -189,7 +190,10 @@ impl Tensor {
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         let host = self.to_device(&Device::Cpu)?;
         let s = host.cpu_storage("to_f64_vec")?;
-        Ok(with_dtype!(s.dtype(), T => s.as_slice::<T>().unwrap_or_default().iter().map(|v| v.to_f64()).collect()))
+        let n = host.numel();
+        with_dtype!(s.dtype(), T => {
+            crate::alloc::collect("to_f64_vec", n, s.as_slice::<T>().unwrap_or_default().iter().map(|v| v.to_f64()))
+        })
     }
 
     /// This tensor on `device`: a copy if it moves, a cheap clone if it is already there.
