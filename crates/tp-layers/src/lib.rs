@@ -53,6 +53,7 @@ mod checkpoint;
 mod column;
 mod error;
 pub mod example_mlp;
+mod files;
 mod linear;
 mod merged;
 mod mlp;
