@@ -55,9 +55,9 @@ impl LaunchEnv {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         /// `v` as a number, or an error naming the variable.
         fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
-            v.trim().parse().map_err(|_| {
-                CommError::Env(format!("{name}=\"{}\" is not a valid number", peer_text(v.as_bytes())))
-            })
+            v.trim()
+                .parse()
+                .map_err(|_| CommError::Env(format!("{name}=\"{}\" is not a valid number", peer_text(v.as_bytes()))))
         }
         let req = |name: &str| {
             get(name).ok_or_else(|| {
@@ -69,7 +69,9 @@ impl LaunchEnv {
             return Err(CommError::Env("WORLD_SIZE must be at least 1".into()));
         }
         if world_size > MAX_WORLD_SIZE {
-            return Err(CommError::Env(format!("WORLD_SIZE={world_size} exceeds the maximum of {MAX_WORLD_SIZE} ranks")));
+            return Err(CommError::Env(format!(
+                "WORLD_SIZE={world_size} exceeds the maximum of {MAX_WORLD_SIZE} ranks"
+            )));
         }
         let rank: usize = parse("RANK", &req("RANK")?)?;
         if rank >= world_size {

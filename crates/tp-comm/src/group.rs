@@ -54,9 +54,11 @@ impl DeviceGroup {
     pub fn from_launch_env(env: &crate::LaunchEnv) -> Result<DeviceGroup> {
         let mut rdv = crate::Rendezvous::join(env)?;
         match Self::nccl_over(&mut rdv, env) {
-            Ok((comm, device)) => {
-                Ok(DeviceGroup { comm: Arc::new(comm), device, _rendezvous: Some(Arc::new(std::sync::Mutex::new(rdv))) })
-            }
+            Ok((comm, device)) => Ok(DeviceGroup {
+                comm: Arc::new(comm),
+                device,
+                _rendezvous: Some(Arc::new(std::sync::Mutex::new(rdv))),
+            }),
             Err(e) => {
                 // Rank 0 tells the others why, and nobody waits for the rest of the job.
                 rdv.abort(&e.to_string());
@@ -138,7 +140,9 @@ impl DeviceGroup {
                     Ok(h) => h.join().unwrap_or_else(|_| {
                         Err(CommError::Nccl { op: "nccl_local", message: "an init thread panicked".into() })
                     }),
-                    Err(e) => Err(CommError::Limit { op: "nccl_local", why: format!("cannot start an init thread: {e}") }),
+                    Err(e) => {
+                        Err(CommError::Limit { op: "nccl_local", why: format!("cannot start an init thread: {e}") })
+                    }
                 })
                 .collect()
         });

@@ -80,8 +80,11 @@ impl Rendezvous {
     pub fn join(env: &LaunchEnv) -> Result<Rendezvous> {
         let deadline = Deadline::after(env.timeout);
         let addr = env.store_addr();
-        let server =
-            if env.rank == 0 { Some(StoreServer::start_with(&addr, StoreLimits::for_world(env.world_size))?) } else { None };
+        let server = if env.rank == 0 {
+            Some(StoreServer::start_with(&addr, StoreLimits::for_world(env.world_size))?)
+        } else {
+            None
+        };
         match Self::register(env, &addr, deadline) {
             Ok(client) => Ok(Rendezvous { env: env.clone(), client, server, failed: None }),
             Err(e) => {

@@ -143,10 +143,9 @@ impl StoreClient {
         };
         write_frame(&mut self.conn, op, key.as_bytes(), value, io_deadline).map_err(failed)?;
         match read_frame(&mut self.conn, Some(io_deadline), || io_deadline, MAX_VALUE_BYTES, None) {
-            Ok(Some(f)) if f.op == R_ERROR => Err(CommError::Rendezvous(format!(
-                "store at {addr} refused {what} {key:?}: {}",
-                peer_text(&f.value)
-            ))),
+            Ok(Some(f)) if f.op == R_ERROR => {
+                Err(CommError::Rendezvous(format!("store at {addr} refused {what} {key:?}: {}", peer_text(&f.value))))
+            }
             Ok(Some(f)) => Ok((f.op, f.value)),
             Ok(None) => Err(CommError::Rendezvous(format!(
                 "store at {addr} closed the connection during {what} {key:?} (rank 0 exited, or the store \
@@ -154,7 +153,7 @@ impl StoreClient {
             ))),
             Err(FrameError::TimedOut) => Err(late()),
             Err(FrameError::Io(e)) => Err(failed(e)),
-            Err(FrameError::Protocol(why) | FrameError::Busy(why)) => Err(protocol(format!("from {addr}: {why}"))),
+            Err(FrameError::Protocol(why) | FrameError::Refused(why)) => Err(protocol(format!("from {addr}: {why}"))),
         }
     }
 
@@ -213,7 +212,8 @@ fn decode_missing(v: &[u8], world: usize) -> Result<Missing> {
     if rest.len() % 4 != 0 || rest.len() / 4 != count.min(MAX_NAMED_MISSING) {
         return Err(bad());
     }
-    let ranks: Vec<usize> = rest.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize).collect();
+    let ranks: Vec<usize> =
+        rest.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize).collect();
     if ranks.iter().any(|&r| r >= world) || ranks.windows(2).any(|w| w[0] >= w[1]) {
         return Err(bad());
     }

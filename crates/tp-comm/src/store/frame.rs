@@ -51,8 +51,10 @@ pub(super) enum FrameError {
     Io(io::Error),
     /// The bytes are not a frame of this protocol, or break one of its limits.
     Protocol(String),
-    /// The reader's memory budget for frames in flight is spent (server only).
-    Busy(String),
+    /// A well-formed frame the reader will not take (a value over its limit, or its memory
+    /// budget for frames in flight spent). The frame was read and dropped; the connection can
+    /// go on, starting with an error reply.
+    Refused(String),
 }
 
 /// Bytes of values being received at once, over all of a server's connections.
@@ -164,11 +166,23 @@ fn io_err(e: io::Error) -> FrameError {
     if e.kind() == ErrorKind::TimedOut { FrameError::TimedOut } else { FrameError::Io(e) }
 }
 
+/// Reads and drops `n` bytes by `deadline`.
+fn discard(s: &mut TcpStream, mut n: usize, deadline: Option<Deadline>) -> io::Result<()> {
+    let mut sink = [0u8; 16 << 10];
+    while n > 0 {
+        let chunk = n.min(sink.len());
+        read_exact_by(s, &mut sink[..chunk], deadline)?;
+        n -= chunk;
+    }
+    Ok(())
+}
+
 /// Reads one frame. `Ok(None)` on a clean close before its first byte.
 ///
 /// The first byte must come by `start_by` (`None`: no limit, an idle connection), the rest by
 /// `rest_by(..)`, computed once that byte has arrived. Values are checked against
-/// `max_value` before anything is allocated and, with a `budget`, reserved from it.
+/// `max_value` before anything is allocated and, with a `budget`, reserved from it; a value
+/// over either is read, dropped and [`FrameError::Refused`].
 pub(super) fn read_frame<'a>(
     s: &mut TcpStream,
     start_by: Option<Deadline>,
@@ -199,15 +213,25 @@ pub(super) fn read_frame<'a>(
     let key_len = read_len(s, "key", MAX_KEY_BYTES)?;
     let mut key = vec![0u8; key_len];
     read_exact_by(s, &mut key, deadline).map_err(io_err)?;
-    let value_len = read_len(s, "value", max_value.min(MAX_VALUE_BYTES))?;
-    let held = match budget {
-        Some(b) => Some(b.reserve(value_len).ok_or_else(|| {
-            FrameError::Busy(format!("the store is receiving too much at once ({} bytes in flight at most)", b.limit))
-        })?),
+    let value_len = read_len(s, "value", MAX_VALUE_BYTES)?;
+    let refuse = |s: &mut TcpStream, why: String| {
+        discard(s, value_len, deadline).map_err(io_err)?;
+        Err(FrameError::Refused(why))
+    };
+    if value_len > max_value {
+        return refuse(s, format!("a value of {value_len} bytes exceeds the store's limit of {max_value}"));
+    }
+    let held = match budget.map(|b| (b.reserve(value_len), b.limit)) {
         None => None,
+        Some((Some(r), _)) => Some(r),
+        Some((None, limit)) => {
+            return refuse(s, format!("the store is receiving too much at once (at most {limit} bytes in flight)"));
+        }
     };
     let mut value = Vec::new();
-    value.try_reserve_exact(value_len).map_err(|_| FrameError::Busy(format!("cannot allocate {value_len} bytes")))?;
+    if value.try_reserve_exact(value_len).is_err() {
+        return refuse(s, format!("cannot allocate {value_len} bytes"));
+    }
     value.resize(value_len, 0);
     read_exact_by(s, &mut value, deadline).map_err(io_err)?;
     Ok(Some(Frame { op: head[4], key, value, _held: held }))

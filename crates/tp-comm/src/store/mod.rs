@@ -15,8 +15,9 @@
 //! at most [`MAX_KEYS`] keys and [`MAX_STORE_BYTES`] bytes held, [`MAX_IN_FLIGHT_BYTES`] of
 //! values being received at once, and [`MAX_CONNECTIONS`] connections (each a thread with a
 //! small stack). A request past a limit is answered with an error naming it; the connection
-//! limit refuses new connections. A request, once begun, must arrive within
-//! [`FRAME_TIMEOUT`], as must a new connection's first request.
+//! limit refuses new connections (with an error frame, then a close). A request, once begun,
+//! must arrive within [`FRAME_TIMEOUT`], as must a new connection's first request; a client that
+//! stalls mid-request, or never speaks, is disconnected.
 
 mod client;
 mod frame;
@@ -58,6 +59,9 @@ pub struct StoreLimits {
     pub max_in_flight_bytes: usize,
     /// Most open connections.
     pub max_connections: usize,
+    /// How long a request may take to arrive once begun, and a new connection to send its
+    /// first ([`FRAME_TIMEOUT`]).
+    pub frame_timeout: Duration,
 }
 
 impl Default for StoreLimits {
@@ -69,6 +73,7 @@ impl Default for StoreLimits {
             max_bytes: MAX_STORE_BYTES,
             max_in_flight_bytes: MAX_IN_FLIGHT_BYTES,
             max_connections: MAX_CONNECTIONS,
+            frame_timeout: FRAME_TIMEOUT,
         }
     }
 }

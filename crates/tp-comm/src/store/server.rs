@@ -5,7 +5,7 @@ use super::frame::{
     FrameError, InFlight, OP_CLAIM, OP_GET, OP_SET, OP_WAIT_ALL, R_ERROR, R_EXISTS, R_MISSING, R_OK, R_VALUE,
     frame_head, read_frame, write_frame,
 };
-use super::{FRAME_TIMEOUT, MAX_NAMED_MISSING, StoreLimits};
+use super::{MAX_NAMED_MISSING, StoreLimits};
 use crate::deadline::Deadline;
 use crate::env::MAX_WORLD_SIZE;
 use crate::{CommError, Result};
@@ -341,30 +341,25 @@ fn admit(conn: TcpStream, shared: &Arc<Shared>) {
 }
 
 /// Serves one connection until it closes or misbehaves. A new connection must send its first
-/// request within [`FRAME_TIMEOUT`]; afterwards it may idle, but each request, once begun, must
-/// arrive within [`FRAME_TIMEOUT`], and each reply must be taken within it.
+/// request within the frame timeout ([`StoreLimits::frame_timeout`]); afterwards it may idle,
+/// but each request, once begun, must arrive within it, and each reply must be taken within it.
 fn serve(mut conn: TcpStream, sh: &Shared) {
-    let mut start_by = Some(Deadline::after(FRAME_TIMEOUT));
+    let within = sh.limits.frame_timeout;
+    let mut start_by = Some(Deadline::after(within));
     loop {
-        let frame = read_frame(
-            &mut conn,
-            start_by,
-            || Deadline::after(FRAME_TIMEOUT),
-            sh.limits.max_value_bytes,
-            Some(&sh.in_flight),
-        );
-        let frame = match frame {
-            Ok(Some(f)) => f,
-            Err(FrameError::Busy(why)) => {
-                let _ = write_frame(&mut conn, R_ERROR, &[], why.as_bytes(), Deadline::after(FRAME_TIMEOUT));
-                return;
-            }
+        let frame =
+            read_frame(&mut conn, start_by, || Deadline::after(within), sh.limits.max_value_bytes, Some(&sh.in_flight));
+        start_by = None;
+        let (op, value) = match frame {
+            Ok(Some(f)) => match sh.handle(f.op, f.key, f.value) {
+                Some(reply) => reply,
+                None => return, // an unknown op: not a tp client
+            },
+            Err(FrameError::Refused(why)) => error_reply(why),
             // Closed, timed out, or garbage: drop this connection only.
             Ok(None) | Err(_) => return,
         };
-        start_by = None;
-        let Some((op, value)) = sh.handle(frame.op, frame.key, frame.value) else { return };
-        if write_frame(&mut conn, op, &[], &value, Deadline::after(FRAME_TIMEOUT)).is_err() {
+        if write_frame(&mut conn, op, &[], &value, Deadline::after(within)).is_err() {
             return;
         }
     }
