@@ -149,3 +149,12 @@ fn deadlines_never_overflow() {
     let e = c.wait_all("rank", MAX_WORLD_SIZE + 1, far).unwrap_err().to_string();
     assert!(e.contains("at most 4096"), "{e}");
 }
+
+#[test]
+fn an_error_chain_names_each_op_once() {
+    let g = DeviceGroup::local(1, Duration::from_secs(5), |_| Device::Cpu).unwrap().pop().unwrap();
+    let x = tp_core::Tensor::zeros(&[2, 3], tp_core::DType::F32, &Device::Cpu).unwrap();
+    let e = g.reduce_scatter(&x, 5, tp_comm::ReduceOp::Sum).unwrap_err().to_string();
+    assert_eq!(e.matches("reduce_scatter").count(), 1, "{e}");
+    assert!(e.starts_with("reduce_scatter: dim 5 out of range"), "{e}");
+}

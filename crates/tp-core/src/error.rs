@@ -15,7 +15,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub enum Error {
     /// The product of the dimensions (or its size in bytes) does not fit in memory addressing,
     /// or the tensor would exceed [`MAX_TENSOR_BYTES`](crate::MAX_TENSOR_BYTES).
-    #[error("shape {dims:?} is too large: more than 2^40 bytes (1 TiB) at 4 bytes per element, or a size that does not fit in isize")]
+    #[error(
+        "shape {dims:?} is too large: more than 2^40 bytes (1 TiB) at 4 bytes per element, or a size that does not fit in isize"
+    )]
     ShapeOverflow { dims: Vec<usize> },
 
     /// A host buffer for the result could not be allocated (a shape too large for this

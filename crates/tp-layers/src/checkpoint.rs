@@ -261,8 +261,9 @@ fn finish(t: Tensor, dtype: Option<DType>, device: &Device) -> Result<Tensor> {
 
 /// Writes `tensors` (name, host tensor) as one safetensors file, as Hugging Face would.
 ///
-/// `path` must be a regular file or absent (or a character device such as `/dev/null`); a named
-/// pipe or a directory is an error, never a blocked write.
+/// `path` must be a regular file (symlinks followed) or absent: a named pipe, a device such as
+/// `/dev/null` or a directory is an error, never a blocked write or a replaced device node
+/// (safetensors writes a temporary file beside `path` and renames it over `path`).
 pub fn save(path: impl AsRef<Path>, tensors: &[(&str, &Tensor)]) -> Result<()> {
     let path = path.as_ref();
     crate::files::check_writable(path)?;

@@ -184,7 +184,8 @@ fn run_local(a: &Args, ckpt: &Checkpoint, x: &Tensor) -> Result<Tensor, String> 
                 }
             }
         }
-        let joined = handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(LayerError::Config("panicked".into()))));
+        let joined =
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(LayerError::Config("panicked".into()))));
         Ok(joined.collect::<Vec<_>>())
     })?;
     let mut ys = Vec::with_capacity(results.len());

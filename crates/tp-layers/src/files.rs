@@ -6,8 +6,9 @@
 //! it is, before anything is opened. The file is then opened non-blocking and checked again,
 //! so a path swapped for a pipe between the two looks cannot block either.
 //!
-//! Writing refuses what could block or cannot hold a file (a named pipe, a socket, a
-//! directory); regular files and character devices (`/dev/null`) are written.
+//! Writing, too, goes only to a regular file (or a new one): safetensors writes a sibling
+//! temporary file and renames it over the path, which would replace a device node such as
+//! `/dev/null` (when run as root) or a pipe, so those are refused.
 
 use crate::error::{LayerError, Result};
 use std::fs::{File, FileType, Metadata, OpenOptions};
@@ -86,7 +87,8 @@ fn non_blocking(opts: &mut OpenOptions) -> &mut OpenOptions {
 pub(crate) fn open_regular(path: &Path) -> Result<File> {
     let meta = std::fs::metadata(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
     regular(path, &meta)?;
-    let file = non_blocking(OpenOptions::new().read(true)).open(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
+    let file =
+        non_blocking(OpenOptions::new().read(true)).open(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
     // What was opened, not what the name pointed at a moment ago.
     regular(path, &file.metadata().map_err(|e| err(path, format!("cannot stat: {e}")))?)?;
     Ok(file)
@@ -105,26 +107,17 @@ pub(crate) fn read_text(path: &Path, limit: u64) -> Result<String> {
     Ok(text)
 }
 
-/// Checks that `path` can be written without blocking: absent, a regular file, or a character
-/// device; opening it (created if absent) non-blocking confirms that.
+/// Checks that `path` names a regular file (after following symlinks) or nothing yet, so that
+/// writing it can neither block nor replace a device; opening it (created if absent)
+/// non-blocking confirms that.
 pub(crate) fn check_writable(path: &Path) -> Result<()> {
-    let writable = |path: &Path, meta: &Metadata| {
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::FileTypeExt;
-            if meta.file_type().is_char_device() {
-                return Ok(());
-            }
-        }
-        regular(path, meta)
-    };
     match std::fs::metadata(path) {
-        Ok(meta) => writable(path, &meta)?,
+        Ok(meta) => regular(path, &meta)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(err(path, format!("cannot write: {e}"))),
     }
     let file = non_blocking(OpenOptions::new().write(true).create(true))
         .open(path)
         .map_err(|e| err(path, format!("cannot write: {e}")))?;
-    writable(path, &file.metadata().map_err(|e| err(path, format!("cannot stat: {e}")))?)
+    regular(path, &file.metadata().map_err(|e| err(path, format!("cannot stat: {e}")))?)
 }
