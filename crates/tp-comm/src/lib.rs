@@ -10,8 +10,11 @@
 //! * [`DeviceGroup`]: what a layer holds: a communicator and this rank's device.
 //!
 //! * [`LaunchEnv`] and [`Rendezvous`]: torchrun-style launching (`RANK`, `WORLD_SIZE`,
-//!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); rank 0 serves a small TCP store
-//!   ([`store`]) through which ranks register and opaque ids travel, all with deadlines.
+//!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); rank 0 serves a small, bounded TCP store
+//!   ([`store`]) through which ranks register and opaque ids travel. Each step has one
+//!   [`Deadline`], and its error reaches every rank within the timeout plus
+//!   [`DEADLINE_SLACK`]. Limits: [`MAX_WORLD_SIZE`] ranks, [`MAX_TIMEOUT`]; text from other
+//!   processes reaches messages only through [`peer_text`].
 //!
 //! * [`nccl`]: the NCCL backend, `libnccl.so.2` loaded at run time ([`nccl::Nccl`]) and a
 //!   [`Communicator`] over it ([`nccl::NcclComm`]); [`DeviceGroup::from_env`] sets it all up the

@@ -4,7 +4,8 @@
 //! tp-probe`, `srun ... tp-probe`, or by hand with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
 //! every rank joins the rendezvous, receives an id from rank 0 and passes a barrier. It prints one
 //! line per step and exits 0, or prints the error (missing rank, duplicate rank, WORLD_SIZE
-//! mismatch, port in use, unreachable rank 0) and exits 1 within `TP_TIMEOUT_SECS`.
+//! mismatch, port in use, unreachable or stopped rank 0) and exits 1 within `TP_TIMEOUT_SECS`
+//! plus one second (`DEADLINE_SLACK`).
 
 use tp_comm::{LaunchEnv, Rendezvous};
 
