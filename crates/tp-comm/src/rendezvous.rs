@@ -43,7 +43,8 @@ fn reason(e: &CommError) -> String {
 /// Closes rank 0's store with the reason rank 0 gave up, and gives the others
 /// [`DEADLINE_SLACK`] to hear it and disconnect.
 fn give_up(server: &StoreServer, why: &str, own_connections: usize) {
-    server.close(&format!("rank 0 gave up: {why}"));
+    let reason = if why.starts_with("rank 0 ") { why.to_string() } else { format!("rank 0 gave up: {why}") };
+    server.close(&reason);
     server.wait_for_connections(own_connections, Deadline::after(DEADLINE_SLACK));
 }
 
@@ -80,11 +81,9 @@ impl Rendezvous {
     pub fn join(env: &LaunchEnv) -> Result<Rendezvous> {
         let deadline = Deadline::after(env.timeout);
         let addr = env.store_addr();
-        let server = if env.rank == 0 {
-            Some(StoreServer::start_with(&addr, StoreLimits::for_world(env.world_size))?)
-        } else {
-            None
-        };
+        // No request of this job waits longer than its timeout, whatever a client asks for.
+        let limits = StoreLimits { max_wait: env.timeout, ..StoreLimits::for_world(env.world_size) };
+        let server = if env.rank == 0 { Some(StoreServer::start_with(&addr, limits)?) } else { None };
         match Self::register(env, &addr, deadline) {
             Ok(client) => Ok(Rendezvous { env: env.clone(), client, server, failed: None }),
             Err(e) => {

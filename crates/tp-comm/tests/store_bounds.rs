@@ -195,8 +195,9 @@ fn a_flood_keeps_rank_zeros_memory_bounded_and_legitimate_ranks_finish_cleanly()
     };
     let after = rss_bytes(zero.child.id());
     eprintln!("connection flood: refused after {refused}; rank 0 RSS {} -> {} MiB", before / MIB, after / MIB);
-    // Rank 0's own connection counts too: 66 in all for a world of 2.
-    assert_eq!(refused + 1, 2 + 64);
+    // Rank 0's own connection counts too: 66 in all for a world of 2 (and the connection that
+    // found rank 0 listening, if the store has not yet seen it close).
+    assert!(refused + 1 == 2 + 64 || refused + 2 == 2 + 64, "refused after {refused}");
     assert!(after < before + 64 * MIB, "rank 0 grew to {} MiB", after / MIB);
     drop(flood);
     let _ = signal(&zero.child, "CONT"); // (a no-op: rank 0 was never stopped)
@@ -205,4 +206,19 @@ fn a_flood_keeps_rank_zeros_memory_bounded_and_legitimate_ranks_finish_cleanly()
     for (r, d) in results.iter().enumerate() {
         assert!(d.ok && d.out.contains(&format!("rank {r}: ok")), "rank {r}: {d:?}");
     }
+}
+
+#[test]
+fn no_request_waits_past_the_stores_longest_wait() {
+    // A rendezvous's store waits at most its job's timeout, whatever a client asks for.
+    let (_s, addr) = server(StoreLimits { max_wait: Duration::from_millis(300), ..StoreLimits::default() });
+    let mut c = StoreClient::connect(&addr, soon()).unwrap();
+    let far = Instant::now() + Duration::from_secs(3600);
+    let t = Instant::now();
+    assert_eq!(c.get("never", far).unwrap(), None);
+    let missing = c.wait_all("rank", 3, far).unwrap();
+    assert_eq!((missing.count, missing.ranks.clone()), (3, vec![0, 1, 2]));
+    assert_eq!(missing.to_string(), "[0, 1, 2]");
+    let took = t.elapsed();
+    assert!(took >= Duration::from_millis(600) && took < Duration::from_secs(3), "{took:?}");
 }

@@ -74,7 +74,9 @@ impl Tensor {
 
     /// A tensor of zeros.
     pub fn zeros(dims: &[usize], dtype: DType, device: &Device) -> Result<Self> {
-        Self::from_fn_f64(dims, dtype, device, |_| 0.0)
+        let shape = Shape::new(dims)?;
+        let storage = with_dtype!(dtype, T => CpuStorage::from_vec(crate::alloc::zeroed::<T>("zeros", shape.numel())?));
+        Tensor::from_cpu(shape, storage).to_device(device)
     }
 
     /// Seeded uniform samples in `[-1, 1)`, rounded to `dtype`.

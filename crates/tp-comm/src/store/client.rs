@@ -144,7 +144,7 @@ impl StoreClient {
         write_frame(&mut self.conn, op, key.as_bytes(), value, io_deadline).map_err(failed)?;
         match read_frame(&mut self.conn, Some(io_deadline), || io_deadline, MAX_VALUE_BYTES, None) {
             Ok(Some(f)) if f.op == R_ERROR => {
-                Err(CommError::Rendezvous(format!("store at {addr} refused {what} {key:?}: {}", peer_text(&f.value))))
+                Err(CommError::Rendezvous(format!("{what} {key:?} at {addr}: {}", peer_text(&f.value))))
             }
             Ok(Some(f)) => Ok((f.op, f.value)),
             Ok(None) => Err(CommError::Rendezvous(format!(

@@ -62,6 +62,9 @@ pub struct StoreLimits {
     /// How long a request may take to arrive once begun, and a new connection to send its
     /// first ([`FRAME_TIMEOUT`]).
     pub frame_timeout: Duration,
+    /// Longest a get or wait_all may wait, whatever it asks for ([`MAX_TIMEOUT`](crate::MAX_TIMEOUT);
+    /// a rendezvous sets its own timeout).
+    pub max_wait: Duration,
 }
 
 impl Default for StoreLimits {
@@ -74,6 +77,7 @@ impl Default for StoreLimits {
             max_in_flight_bytes: MAX_IN_FLIGHT_BYTES,
             max_connections: MAX_CONNECTIONS,
             frame_timeout: FRAME_TIMEOUT,
+            max_wait: crate::MAX_TIMEOUT,
         }
     }
 }

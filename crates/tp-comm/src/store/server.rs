@@ -73,10 +73,9 @@ fn u64_at(v: &[u8], at: usize) -> Option<u64> {
     v.get(at..at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes)
 }
 
-/// How long a request asked the server to wait (capped at [`crate::deadline::MAX_TIMEOUT`] by
-/// [`Deadline::after`]).
-fn wait_of(value: &[u8]) -> Deadline {
-    Deadline::after(Duration::from_millis(u64_at(value, 0).unwrap_or(0)))
+/// How long a request asked the server to wait, at most `max`.
+fn wait_of(value: &[u8], max: Duration) -> Deadline {
+    Deadline::after(Duration::from_millis(u64_at(value, 0).unwrap_or(0)).min(max))
 }
 
 impl Shared {
@@ -176,10 +175,10 @@ impl Shared {
         Some(match op {
             OP_SET => self.put(key, value, true),
             OP_CLAIM => self.put(key, value, false),
-            OP_GET => self.get(&key, wait_of(&value)),
+            OP_GET => self.get(&key, wait_of(&value, self.limits.max_wait)),
             OP_WAIT_ALL => {
                 let count = u64_at(&value, 8).and_then(|c| usize::try_from(c).ok())?;
-                self.wait_all(&key, count, wait_of(&value))
+                self.wait_all(&key, count, wait_of(&value, self.limits.max_wait))
             }
             _ => return None,
         })
