@@ -28,8 +28,13 @@ pub enum CommError {
     Mismatch { op: String, why: String },
 
     /// A tensor operation inside a collective failed (shapes, dtypes, devices).
-    #[error("{op}: {source}")]
+    #[error("{}", with_op(.op, .source))]
     Tensor { op: &'static str, source: tp_core::Error },
+
+    /// An argument is beyond a documented limit (world size, timeout), or the threads of a
+    /// group could not be started.
+    #[error("{op}: {why}")]
+    Limit { op: &'static str, why: String },
 
     /// The launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) is missing or invalid.
     #[error("launch environment: {0}")]
@@ -46,6 +51,16 @@ pub enum CommError {
     /// An NCCL call failed; the text carries ncclGetErrorString and ncclGetLastError.
     #[error("NCCL error in {op}: {message}")]
     Nccl { op: &'static str, message: String },
+}
+
+/// `source`'s message, prefixed with `op` unless it already begins with it (so a chain says
+/// each thing once: "all_gather: dim 3 out of range", not "all_gather: all_gather: ...").
+fn with_op(op: &str, source: &impl std::fmt::Display) -> String {
+    let msg = source.to_string();
+    match msg.strip_prefix(op) {
+        Some(rest) if rest.starts_with(':') => msg,
+        _ => format!("{op}: {msg}"),
+    }
 }
 
 /// Result alias of `tp-comm`.

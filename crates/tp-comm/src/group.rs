@@ -31,6 +31,9 @@ impl DeviceGroup {
 
     /// `world_size` ranks as threads of this process ([`LocalGroup`]); rank `r` computes on
     /// `device(r)` (several ranks may share one GPU). Move each handle into its own thread.
+    ///
+    /// Errors: as [`LocalGroup::with_timeout`]: at most [`MAX_WORLD_SIZE`](crate::MAX_WORLD_SIZE)
+    /// ranks, a timeout of at most [`MAX_TIMEOUT`](crate::MAX_TIMEOUT).
     pub fn local(world_size: usize, timeout: Duration, device: impl Fn(usize) -> Device) -> Result<Vec<DeviceGroup>> {
         Ok(LocalGroup::with_timeout(world_size, timeout)?
             .into_iter()
@@ -50,13 +53,29 @@ impl DeviceGroup {
     /// [`from_env`](Self::from_env) with the launch settings given explicitly.
     pub fn from_launch_env(env: &crate::LaunchEnv) -> Result<DeviceGroup> {
         let mut rdv = crate::Rendezvous::join(env)?;
+        match Self::nccl_over(&mut rdv, env) {
+            Ok((comm, device)) => Ok(DeviceGroup {
+                comm: Arc::new(comm),
+                device,
+                _rendezvous: Some(Arc::new(std::sync::Mutex::new(rdv))),
+            }),
+            Err(e) => {
+                // Rank 0 tells the others why, and nobody waits for the rest of the job.
+                rdv.abort(&e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// After the rendezvous: this rank's GPU, the duplicate-GPU check, and the NCCL communicator.
+    fn nccl_over(rdv: &mut crate::Rendezvous, env: &crate::LaunchEnv) -> Result<(crate::nccl::NcclComm, Device)> {
         let gpu =
             tp_kernels::Gpu::get(env.local_rank).map_err(|e| CommError::Tensor { op: "from_env", source: e.into() })?;
         // The GPU's UUID: the same physical device gives the same id in every process.
         let uuid = gpu.uuid().map_err(|e| CommError::Tensor { op: "from_env", source: e.into() })?;
         let me = format!("GPU {uuid} ({}, cuda:{} of rank {})", gpu.name(), gpu.ordinal(), env.rank);
         let all = rdv.all_gather_bytes("gpu", me.as_bytes())?;
-        let same_gpu = |r: usize| String::from_utf8_lossy(&all[r]).split(' ').nth(1) == Some(uuid.as_str());
+        let same_gpu = |r: usize| all[r].split(|&b| b == b' ').nth(1) == Some(uuid.as_bytes());
         if let Some(other) = (0..env.world_size).find(|&r| r != env.rank && same_gpu(r)) {
             return Err(CommError::Nccl {
                 op: "from_env",
@@ -75,19 +94,23 @@ impl DeviceGroup {
             .map_err(|v: Vec<u8>| CommError::Rendezvous(format!("NCCL id of {} bytes, expected 128", v.len())))?;
         let comm = crate::nccl::NcclComm::init(id, env.rank, env.world_size, gpu.clone(), env.timeout)?;
         rdv.barrier("nccl-ready")?;
-        let device = Device::Cuda(gpu.ordinal());
-        Ok(DeviceGroup { comm: Arc::new(comm), device, _rendezvous: Some(Arc::new(std::sync::Mutex::new(rdv))) })
+        Ok((comm, Device::Cuda(gpu.ordinal())))
     }
 
     /// One process driving several GPUs: an NCCL group with one rank per entry of `ordinals`
     /// (rank `r` on GPU `ordinals[r]`), each communicator created on its own thread within
     /// `timeout`. Move each returned group into the thread that drives its GPU.
     ///
-    /// Errors: an empty or repeated ordinal list (NCCL needs one GPU per rank), CUDA and NCCL
-    /// errors.
+    /// Errors: an empty or repeated ordinal list (NCCL needs one GPU per rank), more than
+    /// [`MAX_WORLD_SIZE`](crate::MAX_WORLD_SIZE) ordinals, a thread that cannot be started
+    /// ([`CommError::Limit`]), CUDA and NCCL errors.
     pub fn nccl_local(ordinals: &[usize], timeout: Duration) -> Result<Vec<DeviceGroup>> {
         if ordinals.is_empty() {
             return Err(CommError::ZeroWorldSize { op: "DeviceGroup::nccl_local" });
+        }
+        if ordinals.len() > crate::MAX_WORLD_SIZE {
+            let why = format!("{} ranks exceed the maximum of {}", ordinals.len(), crate::MAX_WORLD_SIZE);
+            return Err(CommError::Limit { op: "DeviceGroup::nccl_local", why });
         }
         if let Some(dup) = ordinals.iter().enumerate().find(|(i, o)| ordinals[..*i].contains(o)) {
             return Err(CommError::Nccl {
@@ -105,14 +128,21 @@ impl DeviceGroup {
             let handles: Vec<_> = gpus
                 .iter()
                 .enumerate()
-                .map(|(rank, gpu)| s.spawn(move || crate::nccl::NcclComm::init(id, rank, world, gpu.clone(), timeout)))
+                .map(|(rank, gpu)| {
+                    std::thread::Builder::new()
+                        .name(format!("tp-nccl-init-{rank}"))
+                        .spawn_scoped(s, move || crate::nccl::NcclComm::init(id, rank, world, gpu.clone(), timeout))
+                })
                 .collect();
             handles
                 .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
+                .map(|h| match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
                         Err(CommError::Nccl { op: "nccl_local", message: "an init thread panicked".into() })
-                    })
+                    }),
+                    Err(e) => {
+                        Err(CommError::Limit { op: "nccl_local", why: format!("cannot start an init thread: {e}") })
+                    }
                 })
                 .collect()
         });

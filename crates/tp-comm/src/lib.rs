@@ -10,8 +10,11 @@
 //! * [`DeviceGroup`]: what a layer holds: a communicator and this rank's device.
 //!
 //! * [`LaunchEnv`] and [`Rendezvous`]: torchrun-style launching (`RANK`, `WORLD_SIZE`,
-//!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); rank 0 serves a small TCP store
-//!   ([`store`]) through which ranks register and opaque ids travel, all with deadlines.
+//!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); rank 0 serves a small, bounded TCP store
+//!   ([`store`]) through which ranks register and opaque ids travel. Each step has one
+//!   [`Deadline`], and its error reaches every rank within the timeout plus
+//!   [`DEADLINE_SLACK`]. Limits: [`MAX_WORLD_SIZE`] ranks, [`MAX_TIMEOUT`]; text from other
+//!   processes reaches messages only through [`peer_text`].
 //!
 //! * [`nccl`]: the NCCL backend, `libnccl.so.2` loaded at run time ([`nccl::Nccl`]) and a
 //!   [`Communicator`] over it ([`nccl::NcclComm`]); [`DeviceGroup::from_env`] sets it all up the
@@ -35,21 +38,25 @@
 //! ```
 
 mod communicator;
+mod deadline;
 mod env;
 mod error;
 mod group;
 mod local;
 pub mod nccl;
+mod peer_text;
 mod reduce;
 mod rendezvous;
 pub mod store;
 mod work;
 
 pub use communicator::{Communicator, ReduceOp};
-pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv};
+pub use deadline::{DEADLINE_SLACK, Deadline, MAX_TIMEOUT};
+pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv, MAX_TIMEOUT_SECS, MAX_WORLD_SIZE};
 pub use error::{CommError, Result};
 pub use group::DeviceGroup;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup};
+pub use peer_text::{MAX_PEER_TEXT_CHARS, peer_text};
 pub use rendezvous::Rendezvous;
 pub use tp_core;
 pub use work::Work;

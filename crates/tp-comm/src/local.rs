@@ -12,6 +12,8 @@
 //! current and later collectives return [`CommError::Poisoned`] at once, never hang.
 
 use crate::communicator::{Communicator, ReduceOp};
+use crate::deadline::{Deadline, MAX_TIMEOUT};
+use crate::env::MAX_WORLD_SIZE;
 use crate::error::{CommError, Result, tensor_err};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -86,9 +88,22 @@ impl LocalGroup {
 
     /// Handles for ranks `0..world_size`; every collective fails after `timeout` if some rank
     /// has not arrived.
+    ///
+    /// Errors: [`CommError::ZeroWorldSize`]; [`CommError::Limit`] for more than
+    /// [`MAX_WORLD_SIZE`](crate::MAX_WORLD_SIZE) ranks or a timeout over
+    /// [`MAX_TIMEOUT`](crate::MAX_TIMEOUT).
     pub fn with_timeout(world_size: usize, timeout: Duration) -> Result<Vec<LocalGroup>> {
+        const OP: &str = "LocalGroup::new";
         if world_size == 0 {
-            return Err(CommError::ZeroWorldSize { op: "LocalGroup::new" });
+            return Err(CommError::ZeroWorldSize { op: OP });
+        }
+        if world_size > MAX_WORLD_SIZE {
+            let why = format!("world_size {world_size} exceeds the maximum of {MAX_WORLD_SIZE} ranks");
+            return Err(CommError::Limit { op: OP, why });
+        }
+        if timeout > MAX_TIMEOUT {
+            let why = format!("timeout {timeout:?} exceeds the maximum of {MAX_TIMEOUT:?} (7 days)");
+            return Err(CommError::Limit { op: OP, why });
         }
         let shared = Arc::new(Shared {
             world: world_size,
@@ -113,7 +128,7 @@ impl LocalGroup {
     /// arrived, or an error at the deadline or when the group is poisoned.
     fn exchange(&self, op: &'static str, call: String, tensor: Tensor) -> Result<Arc<Round>> {
         let sh = &self.shared;
-        let deadline = Instant::now() + sh.timeout;
+        let deadline = Deadline::after(sh.timeout).instant();
         let mut st = sh.lock();
         if let Some(reason) = &st.poisoned {
             return Err(CommError::Poisoned { op: op.into(), reason: reason.clone() });

@@ -13,9 +13,17 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The product of the dimensions (or its size in bytes) does not fit in memory addressing.
-    #[error("shape {dims:?} overflows: its element count or byte size does not fit in isize")]
+    /// The product of the dimensions (or its size in bytes) does not fit in memory addressing,
+    /// or the tensor would exceed [`MAX_TENSOR_BYTES`](crate::MAX_TENSOR_BYTES).
+    #[error(
+        "shape {dims:?} is too large: more than 2^40 bytes (1 TiB) at 4 bytes per element, or a size that does not fit in isize"
+    )]
     ShapeOverflow { dims: Vec<usize> },
+
+    /// A host buffer for the result could not be allocated (a shape too large for this
+    /// machine's memory).
+    #[error("{op}: cannot allocate {bytes} bytes of host memory")]
+    OutOfMemory { op: &'static str, bytes: usize },
 
     /// A buffer's length does not match the element count of the shape it was given.
     #[error("{op}: shape {dims:?} holds {expected} elements but {got} were given")]
@@ -100,9 +108,9 @@ impl From<tp_kernels::KernelError> for Error {
     fn from(e: tp_kernels::KernelError) -> Self {
         use tp_kernels::KernelError as K;
         match e {
-            K::CudaUnavailable { .. } | K::NoSuchDevice { .. } | K::NotCompiled { .. } => {
-                Error::CudaUnavailable { reason: e.to_string() }
-            }
+            // Keep the reason alone: the variant's message already says "CUDA unavailable".
+            K::CudaUnavailable { reason } => Error::CudaUnavailable { reason },
+            K::NoSuchDevice { .. } | K::NotCompiled { .. } => Error::CudaUnavailable { reason: e.to_string() },
             other => Error::Cuda(other),
         }
     }

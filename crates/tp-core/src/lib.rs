@@ -3,7 +3,9 @@
 //! Tensors and tensor shards for **tp**, a tensor-parallel stack in Rust.
 //!
 //! * [`DType`] (`f32`, `f16`, `bf16`) and the [`Element`] trait tying Rust types to them.
-//! * [`Shape`] with checked arithmetic: an overflowing shape is an error, never a wrap.
+//! * [`Shape`] with checked arithmetic: an overflowing shape is an error, never a wrap, and no
+//!   tensor exceeds [`MAX_TENSOR_BYTES`] (1 TiB); host buffers are reserved fallibly
+//!   ([`Error::OutOfMemory`]), so no input aborts the process.
 //! * [`Device`] and [`Tensor`]: a contiguous row-major array. Host storage today; CUDA storage
 //!   joins behind the same API.
 //! * Ops: [`Tensor::matmul_t`] (`y = x W^T`, weight `[N, K]` as checkpoints store it),
@@ -30,6 +32,7 @@
 //! # Ok(()) }
 //! ```
 
+mod alloc;
 pub mod cpu_gemm;
 mod cpu_gemv;
 mod device;
@@ -46,6 +49,6 @@ pub use device::Device;
 pub use dtype::{DType, Element, IntElement, Storable, bf16, f16};
 pub use error::{Error, Result};
 pub use ops::{AttentionSpec, RopeScaling, RotaryEmbedding, WeightLayout};
-pub use shape::Shape;
+pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;
 pub use tensor::Tensor;

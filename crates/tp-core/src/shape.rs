@@ -7,10 +7,17 @@ use std::fmt;
 /// at that size, so every later `numel * size_in_bytes` is free of overflow.
 const MAX_ELEM_BYTES: usize = 4;
 
+/// Largest tensor tp holds: 2^40 bytes (1 TiB) at 4 bytes per element, so at most 2^38
+/// elements. Far past any one GPU's or host's tensor, and small enough that a shape read from a
+/// file (or computed from one, like a product with a `[2^40, 0]` weight) that no machine could
+/// hold is a [`Error::ShapeOverflow`] before anything is allocated.
+pub const MAX_TENSOR_BYTES: usize = 1 << 40;
+
 /// Dimensions of a row-major tensor. The last dimension is contiguous.
 ///
 /// A `Shape` can only be built through [`Shape::new`], which rejects any shape whose element
-/// count (or byte size at 4 bytes per element) overflows, so `numel()` never wraps.
+/// count (or byte size at 4 bytes per element) overflows, so `numel()` never wraps, or whose
+/// elements would take more than [`MAX_TENSOR_BYTES`].
 /// Zero-length dimensions are allowed (an empty tensor), as are zero dimensions (a scalar).
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Shape {
@@ -23,14 +30,20 @@ impl Shape {
     ///
     /// The product of the non-zero dims must fit in `isize` bytes too, so that every
     /// sub-product (`outer`, `inner`, strides) of a valid shape is free of overflow even when
-    /// some other dim is zero.
+    /// some other dim is zero. A shape with elements holds at most [`MAX_TENSOR_BYTES`] of them
+    /// at 4 bytes each; an empty one (a zero dim) may have other dims up to the `isize` bound.
     pub fn new(dims: &[usize]) -> Result<Self> {
         let overflow = || Error::ShapeOverflow { dims: dims.to_vec() };
         let nonzero = dims.iter().filter(|&&d| d != 0).try_fold(1usize, |acc, &d| acc.checked_mul(d));
         match nonzero.and_then(|n| n.checked_mul(MAX_ELEM_BYTES)) {
             Some(bytes) if bytes <= isize::MAX as usize => {
-                let numel = if dims.contains(&0) { 0 } else { bytes / MAX_ELEM_BYTES };
-                Ok(Shape { dims: dims.to_vec(), numel })
+                if dims.contains(&0) {
+                    return Ok(Shape { dims: dims.to_vec(), numel: 0 });
+                }
+                if bytes > MAX_TENSOR_BYTES {
+                    return Err(overflow());
+                }
+                Ok(Shape { dims: dims.to_vec(), numel: bytes / MAX_ELEM_BYTES })
             }
             _ => Err(overflow()),
         }

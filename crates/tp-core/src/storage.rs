@@ -72,14 +72,19 @@ impl CpuStorage {
 
     /// A host buffer of `dtype` from raw little-endian bytes (`bytes.len()` a multiple of the
     /// element size; checked by the caller).
-    pub(crate) fn from_bytes(dtype: DType, bytes: &[u8]) -> Self {
-        match dtype {
-            DType::F32 => CpuStorage::F32(bytemuck::pod_collect_to_vec(bytes)),
-            DType::F16 => CpuStorage::F16(bytemuck::pod_collect_to_vec(bytes)),
-            DType::BF16 => CpuStorage::BF16(bytemuck::pod_collect_to_vec(bytes)),
-            DType::I32 => CpuStorage::I32(bytemuck::pod_collect_to_vec(bytes)),
-            DType::I64 => CpuStorage::I64(bytemuck::pod_collect_to_vec(bytes)),
+    pub(crate) fn from_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
+        fn copy<T: Storable>(bytes: &[u8]) -> Result<Vec<T>> {
+            let mut v = crate::alloc::zeroed::<T>("from_bytes", bytes.len() / size_of::<T>())?;
+            bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
+            Ok(v)
         }
+        Ok(match dtype {
+            DType::F32 => CpuStorage::F32(copy(bytes)?),
+            DType::F16 => CpuStorage::F16(copy(bytes)?),
+            DType::BF16 => CpuStorage::BF16(copy(bytes)?),
+            DType::I32 => CpuStorage::I32(copy(bytes)?),
+            DType::I64 => CpuStorage::I64(copy(bytes)?),
+        })
     }
 
     /// The raw bytes, little-endian as the host stores them.
@@ -138,7 +143,7 @@ impl CudaStorage {
     /// A copy of the elements on the host.
     pub(crate) fn to_host(&self) -> Result<CpuStorage> {
         let bytes = self.gpu.dtoh(&self.buf, self.len)?;
-        Ok(CpuStorage::from_bytes(self.dtype, &bytes))
+        CpuStorage::from_bytes(self.dtype, &bytes)
     }
 
     /// The device's handle.

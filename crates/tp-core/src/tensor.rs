@@ -69,12 +69,15 @@ impl Tensor {
                 got: bytes.len() / dtype.size_in_bytes(),
             });
         }
-        Tensor::from_cpu(shape, CpuStorage::from_bytes(dtype, bytes)).to_device(device)
+        Tensor::from_cpu(shape, CpuStorage::from_bytes(dtype, bytes)?).to_device(device)
     }
 
     /// A tensor of zeros.
     pub fn zeros(dims: &[usize], dtype: DType, device: &Device) -> Result<Self> {
-        Self::from_fn_f64(dims, dtype, device, |_| 0.0)
+        let shape = Shape::new(dims)?;
+        let storage =
+            with_storable!(dtype, T => CpuStorage::from_vec(crate::alloc::zeroed::<T>("zeros", shape.numel())?));
+        Tensor::from_cpu(shape, storage).to_device(device)
     }
 
     /// Seeded uniform samples in `[-1, 1)`, rounded to `dtype`.
@@ -102,9 +105,15 @@ impl Tensor {
         let shape = Shape::new(dims)?;
         let n = shape.numel();
         let storage = match dtype {
-            DType::I32 => CpuStorage::from_vec((0..n).map(|i| f(i).round() as i32).collect::<Vec<i32>>()),
-            DType::I64 => CpuStorage::from_vec((0..n).map(|i| f(i).round() as i64).collect::<Vec<i64>>()),
-            _ => with_dtype!(dtype, T => CpuStorage::from_vec((0..n).map(|i| T::from_f64(f(i))).collect::<Vec<T>>())),
+            DType::I32 => {
+                CpuStorage::from_vec(crate::alloc::collect("from_fn", n, (0..n).map(|i| f(i).round() as i32))?)
+            }
+            DType::I64 => {
+                CpuStorage::from_vec(crate::alloc::collect("from_fn", n, (0..n).map(|i| f(i).round() as i64))?)
+            }
+            _ => with_dtype!(dtype, T => {
+                CpuStorage::from_vec(crate::alloc::collect("from_fn", n, (0..n).map(|i| T::from_f64(f(i))))?)
+            }),
         };
         Tensor::from_cpu(shape, storage).to_device(device)
     }
@@ -209,13 +218,22 @@ impl Tensor {
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         let host = self.to_device(&Device::Cpu)?;
         let s = host.cpu_storage("to_f64_vec")?;
-        Ok(match s.dtype() {
-            DType::I32 => s.as_slice::<i32>().unwrap_or_default().iter().map(|&v| f64::from(v)).collect(),
-            DType::I64 => s.as_slice::<i64>().unwrap_or_default().iter().map(|&v| v as f64).collect(),
-            dtype => {
-                with_dtype!(dtype, T => s.as_slice::<T>().unwrap_or_default().iter().map(|v| v.to_f64()).collect())
-            }
-        })
+        let n = host.numel();
+        match s.dtype() {
+            DType::I32 => crate::alloc::collect(
+                "to_f64_vec",
+                n,
+                s.as_slice::<i32>().unwrap_or_default().iter().map(|&v| f64::from(v)),
+            ),
+            DType::I64 => crate::alloc::collect(
+                "to_f64_vec",
+                n,
+                s.as_slice::<i64>().unwrap_or_default().iter().map(|&v| v as f64),
+            ),
+            dtype => with_dtype!(dtype, T => {
+                crate::alloc::collect("to_f64_vec", n, s.as_slice::<T>().unwrap_or_default().iter().map(|v| v.to_f64()))
+            }),
+        }
     }
 
     /// The elements of an integer tensor (`i32` or `i64`) as `i64`, from any device.

@@ -108,6 +108,42 @@ fn overflowing_shapes_are_rejected() {
 }
 
 #[test]
+fn tensors_past_the_size_limit_are_rejected() {
+    // 2^38 elements (1 TiB at 4 bytes) is the most a tensor with elements may hold.
+    assert_eq!(tp_core::MAX_TENSOR_BYTES, 1 << 40);
+    assert_eq!(Shape::new(&[1 << 38]).unwrap().numel(), 1 << 38);
+    assert!(matches!(Shape::new(&[(1 << 38) + 1]), Err(Error::ShapeOverflow { .. })));
+    assert!(matches!(Shape::new(&[1 << 19, 1 << 19, 2]), Err(Error::ShapeOverflow { .. })));
+    let e = Tensor::zeros(&[1 << 20, 1 << 20, 1 << 20], DType::BF16, &CPU).unwrap_err();
+    assert!(e.to_string().contains("1 TiB"), "{e}");
+    // Empty tensors may still have dims up to the isize bound.
+    assert_eq!(Shape::new(&[1 << 60, 0]).unwrap().numel(), 0);
+}
+
+/// Zero-byte operands with huge dims pass validation; their product does not, before anything
+/// is allocated: a `[2^40, 0]` weight, or a `[2^36, 0]` input (K = 0, so the output is all bias).
+#[test]
+fn zero_byte_operands_with_huge_dims_cannot_allocate_their_product() {
+    let empty = |dims: &[usize], dtype| Tensor::zeros(dims, dtype, &CPU).unwrap();
+    for dtype in DType::FLOATS {
+        let (huge_w, x) = (empty(&[1 << 40, 0], dtype), empty(&[1, 0], dtype));
+        assert!(matches!(x.matmul_t(&huge_w), Err(Error::ShapeOverflow { dims }) if dims == [1, 1 << 40]));
+        assert!(matches!(x.matmul(&empty(&[0, 1 << 40], dtype)), Err(Error::ShapeOverflow { .. })));
+        let (w, huge_x) = (empty(&[8, 0], dtype), empty(&[1 << 36, 0], dtype));
+        assert!(matches!(huge_x.matmul_t(&w), Err(Error::ShapeOverflow { dims }) if dims == [1 << 36, 8]));
+        let bias = Tensor::rand(&[8], dtype, 1, &CPU).unwrap();
+        assert!(matches!(huge_x.linear(&w, Some(&bias)), Err(Error::ShapeOverflow { .. })));
+        // Leading dims multiply too.
+        assert!(matches!(empty(&[1 << 20, 1 << 20, 0], dtype).matmul_t(&w), Err(Error::ShapeOverflow { .. })));
+        // The same shapes at a size that fits give the exact K = 0 product: the bias on every row.
+        let y = empty(&[3, 0], dtype).linear(&w, Some(&bias)).unwrap();
+        assert_eq!(y.dims(), &[3, 8]);
+        let (got, b) = (y.to_f64_vec().unwrap(), bias.to_f64_vec().unwrap());
+        assert!(got.chunks(8).all(|row| row == b), "{got:?}");
+    }
+}
+
+#[test]
 fn wrong_element_type_on_access() {
     let x = t(&[2, 2], DType::BF16);
     assert_eq!(
@@ -126,6 +162,8 @@ fn cuda_requests_are_typed_errors_without_a_gpu_and_work_with_one() {
     if count == 0 {
         let e = Tensor::zeros(&[2], DType::F32, &Device::Cuda(0)).unwrap_err();
         assert!(matches!(e, Error::CudaUnavailable { .. }), "{e}");
+        // The chain says it once (tp-kernels' own message is not repeated inside tp-core's).
+        assert_eq!(e.to_string().matches("CUDA unavailable").count(), 1, "{e}");
         assert!(matches!(t(&[2], DType::F32).to_device(&Device::Cuda(1)), Err(Error::CudaUnavailable { .. })));
     } else {
         let x = t(&[2], DType::F32);

@@ -7,7 +7,8 @@
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Err(e) = tp_layers::example_mlp::run(&args) {
-        eprintln!("mlp: {e}");
+        // One write for the whole line, so the lines of ranks sharing a terminal never mix.
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("mlp: {e}\n").as_bytes());
         std::process::exit(1);
     }
 }

@@ -4,7 +4,9 @@
 //! Files are memory-mapped and each rank reads only its shard: the slice of the tensor's bytes
 //! that `TensorShard` assigns it is copied out of the map, so only those pages are read from
 //! disk. Every malformed input (missing file, truncated file, bad index, missing tensor,
-//! unsupported dtype, wrong shape) is a typed [`LayerError`].
+//! unsupported dtype, wrong shape) is a typed [`LayerError`]. Files are opened through
+//! [`crate::files`]: only regular files (symlinks followed) are read, and nothing blocks in
+//! `open` (a named pipe or a device is an error); an index is at most 64 MiB.
 
 use crate::error::{LayerError, Result, dtype_name};
 use safetensors::SafeTensors;
@@ -40,8 +42,11 @@ fn err(path: &Path, why: impl std::fmt::Display) -> LayerError {
     LayerError::Checkpoint { path: path.display().to_string(), why: why.to_string() }
 }
 
+/// Largest `*.index.json` read (real ones are well under 1 MiB).
+const MAX_INDEX_BYTES: u64 = 64 << 20;
+
 fn map_file(path: &Path) -> Result<File> {
-    let f = std::fs::File::open(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
+    let f = crate::files::open_regular(path)?;
     // SAFETY: the file is opened read-only and mapped read-only. Like every mmap-based loader
     // (safetensors' own included) this relies on no other process truncating the file while it
     // is mapped; that would fault on access. The map outlives every slice taken from it.
@@ -101,7 +106,7 @@ impl Checkpoint {
     /// A Hugging Face index: `{"weight_map": {"tensor name": "file name", ...}, ...}`, file
     /// names relative to the index's directory.
     fn open_index(index: &Path) -> Result<Checkpoint> {
-        let text = std::fs::read_to_string(index).map_err(|e| err(index, format!("cannot read: {e}")))?;
+        let text = crate::files::read_text(index, MAX_INDEX_BYTES)?;
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| err(index, format!("invalid JSON: {e}")))?;
         let map =
@@ -271,8 +276,13 @@ fn finish(t: Tensor, dtype: Option<DType>, device: &Device) -> Result<Tensor> {
 }
 
 /// Writes `tensors` (name, host tensor) as one safetensors file, as Hugging Face would.
+///
+/// `path` must be a regular file (symlinks followed) or absent: a named pipe, a device such as
+/// `/dev/null` or a directory is an error, never a blocked write or a replaced device node
+/// (safetensors writes a temporary file beside `path` and renames it over `path`).
 pub fn save(path: impl AsRef<Path>, tensors: &[(&str, &Tensor)]) -> Result<()> {
     let path = path.as_ref();
+    crate::files::check_writable(path)?;
     let hosts = tensors.iter().map(|(n, t)| Ok((*n, t.to_device(&Device::Cpu)?))).collect::<Result<Vec<_>>>()?;
     let views = hosts
         .iter()

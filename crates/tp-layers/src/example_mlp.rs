@@ -8,11 +8,15 @@
 //! `X` is a safetensors file with one tensor `x: [tokens, hidden]`; `Y` receives `y: [tokens,
 //! hidden]` in the chosen dtype. `local` runs the N ranks as threads (on `cuda` they share the
 //! GPUs round-robin); `nccl` runs them as processes, either started by torchrun (`RANK` is set)
-//! or by this program itself, one GPU each.
+//! or by this program itself, one GPU each. `N` is at most [`tp_comm::MAX_WORLD_SIZE`] (and,
+//! with `nccl`, the number of GPUs).
+//!
+//! Errors are one line each. A rank of an NCCL job (`RANK` set) names itself in its error, so
+//! the lines of several ranks on one terminal can be told apart.
 
-use crate::{Checkpoint, LoadOptions, ParallelMlp, save};
+use crate::{Checkpoint, LayerError, LoadOptions, ParallelMlp, save};
 use std::time::Duration;
-use tp_comm::DeviceGroup;
+use tp_comm::{CommError, DeviceGroup, MAX_WORLD_SIZE};
 use tp_core::{DType, Device, Tensor};
 
 /// Parsed command line.
@@ -75,6 +79,9 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
                 if n == 0 {
                     return Err("--world-size must be at least 1".into());
                 }
+                if n > MAX_WORLD_SIZE {
+                    return Err(format!("--world-size {n} exceeds the maximum of {MAX_WORLD_SIZE} ranks"));
+                }
                 world = Some(n);
             }
             "--backend" => {
@@ -111,6 +118,13 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
 
 /// Runs the example with `args` (without the program name).
 pub fn run(args: &[String]) -> Result<(), String> {
+    run_args(args).map_err(|e| match std::env::var("RANK") {
+        Ok(r) => format!("rank {}: {e}", tp_comm::peer_text(r.as_bytes())),
+        Err(_) => e,
+    })
+}
+
+fn run_args(args: &[String]) -> Result<(), String> {
     let a = parse(args)?;
     let e = |e: crate::LayerError| e.to_string();
     if a.backend == Backend::Nccl && a.device != DeviceKind::Cuda {
@@ -150,24 +164,40 @@ fn run_local(a: &Args, ckpt: &Checkpoint, x: &Tensor) -> Result<Tensor, String> 
     let devices = (0..a.world_size).map(|r| device_for(a.device, r)).collect::<Result<Vec<_>, _>>()?;
     let groups =
         DeviceGroup::local(a.world_size, Duration::from_secs(300), |r| devices[r]).map_err(|e| e.to_string())?;
-    let results: Vec<Result<Tensor, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|g| {
-                s.spawn(move || {
-                    let out = one_rank(a, ckpt, x, &g);
-                    if out.is_err() {
-                        g.abort("this rank failed"); // the others stop waiting for it
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank panicked".into()))).collect()
-    });
+    let results = std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(groups.len());
+        for g in groups {
+            let rank = g.rank();
+            let spare = g.clone(); // to stop the others if this rank's thread cannot start
+            let spawned = std::thread::Builder::new().name(format!("mlp-rank-{rank}")).spawn_scoped(s, move || {
+                let out = one_rank(a, ckpt, x, &g);
+                if out.is_err() {
+                    g.abort("this rank failed"); // the others stop waiting for it
+                }
+                out
+            });
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    spare.abort("a rank's thread could not be started");
+                    return Err(format!("cannot start the thread of rank {rank} of {}: {e}", a.world_size));
+                }
+            }
+        }
+        let joined =
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(LayerError::Config("panicked".into()))));
+        Ok(joined.collect::<Vec<_>>())
+    })?;
     let mut ys = Vec::with_capacity(results.len());
+    let mut errors = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
-        ys.push(res.map_err(|m| format!("rank {r}: {m}"))?);
+        match res {
+            Ok(y) => ys.push(y),
+            Err(e) => errors.push((r, e)),
+        }
+    }
+    if let Some(e) = root_cause(errors) {
+        return Err(e);
     }
     if ys.iter().any(|y| y != &ys[0]) {
         return Err("ranks disagree on the output".into());
@@ -175,12 +205,18 @@ fn run_local(a: &Args, ckpt: &Checkpoint, x: &Tensor) -> Result<Tensor, String> 
     Ok(ys.swap_remove(0))
 }
 
-fn one_rank(a: &Args, ckpt: &Checkpoint, x: &Tensor, g: &DeviceGroup) -> Result<Tensor, String> {
-    let e = |e: crate::LayerError| e.to_string();
-    let mlp = ParallelMlp::load(ckpt, &a.prefix, g, &LoadOptions::new().with_dtype(a.dtype)).map_err(e)?;
-    let x = x.to_device(&g.device()).map_err(|e| e.to_string())?;
-    let y = mlp.forward(&x, g).map_err(e)?;
-    y.to_device(&Device::Cpu).map_err(|e| e.to_string())
+/// The failure to report: the first rank's own error, not another rank's report that the
+/// group was poisoned by it.
+fn root_cause(errors: Vec<(usize, LayerError)>) -> Option<String> {
+    let victim = |e: &LayerError| matches!(e, LayerError::Comm(CommError::Poisoned { .. }));
+    let first = errors.iter().find(|(_, e)| !victim(e)).or(errors.first())?;
+    Some(format!("rank {}: {}", first.0, first.1))
+}
+
+fn one_rank(a: &Args, ckpt: &Checkpoint, x: &Tensor, g: &DeviceGroup) -> Result<Tensor, LayerError> {
+    let mlp = ParallelMlp::load(ckpt, &a.prefix, g, &LoadOptions::new().with_dtype(a.dtype))?;
+    let y = mlp.forward(&x.to_device(&g.device())?, g)?;
+    Ok(y.to_device(&Device::Cpu)?)
 }
 
 /// One process of an NCCL job (RANK etc. set by torchrun or by `spawn_ranks`).
@@ -189,12 +225,20 @@ fn run_nccl_rank(a: &Args, ckpt: &Checkpoint, x: &Tensor) -> Result<Option<Tenso
     if g.world_size() != a.world_size {
         return Err(format!("--world-size {} but WORLD_SIZE is {}", a.world_size, g.world_size()));
     }
-    let y = one_rank(a, ckpt, x, &g)?;
+    let y = one_rank(a, ckpt, x, &g).map_err(|e| e.to_string())?;
     Ok((g.rank() == 0).then_some(y))
 }
 
-/// Starts `world_size` copies of this program as an NCCL job on this machine and waits for them.
+/// Starts `world_size` copies of this program as an NCCL job on this machine, one per GPU, and
+/// waits for them (each exits by its own rendezvous and collective deadlines).
 fn spawn_ranks(a: &Args, args: &[String]) -> Result<(), String> {
+    let gpus = tp_kernels::device_count().map_err(|e| format!("--device cuda: {e}"))?;
+    if gpus < a.world_size {
+        return Err(format!(
+            "--backend nccl runs one rank per GPU: --world-size {} but {gpus} GPU(s) found",
+            a.world_size
+        ));
+    }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -209,9 +253,18 @@ fn spawn_ranks(a: &Args, args: &[String]) -> Result<(), String> {
             .env("LOCAL_RANK", r.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
-            .spawn()
-            .map_err(|e| format!("cannot start rank {r}: {e}"))?;
-        children.push(child);
+            .spawn();
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                // The ranks already started would wait for this one until their deadline.
+                for mut c in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(format!("cannot start rank {r}: {e}"));
+            }
+        }
     }
     let mut failed = Vec::new();
     for (r, mut c) in children.into_iter().enumerate() {

@@ -62,6 +62,7 @@ mod decoder;
 mod embedding;
 mod error;
 pub mod example_mlp;
+mod files;
 mod kv_cache;
 mod linear;
 mod lm_head;

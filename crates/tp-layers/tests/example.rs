@@ -4,7 +4,8 @@
 mod common;
 use common::*;
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 use tp_core::{DType, Tensor};
 use tp_layers::{Checkpoint, save};
 
@@ -49,6 +50,43 @@ fn setup(name: &str) -> (PathBuf, MlpRef, usize) {
 fn run(args: &[&str]) -> (bool, String) {
     let out = Command::new(example_binary()).args(args).output().unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
+}
+
+/// Runs `cmd` (stderr captured), killing it and failing the test if it takes over `limit`;
+/// returns (exit code, stderr). A process killed by a signal (an abort) fails the test.
+fn run_within(mut cmd: Command, limit: Duration) -> (i32, String) {
+    use std::io::Read;
+    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} blocked past {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let code = status.code().unwrap_or_else(|| panic!("{cmd:?} died of a signal: {status}; {err}"));
+    (code, err)
+}
+
+/// One clean failure: exit code 1, one line containing `needle`, no panic.
+fn fails_cleanly(what: &str, (code, err): (i32, String), needle: &str) {
+    assert_eq!(code, 1, "{what}: {err}");
+    assert!(err.contains(needle), "{what}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{what}: one line: {err}");
+    assert!(!err.contains("panicked"), "{what}: {err}");
+}
+
+fn example(args: &[&str]) -> Command {
+    let mut c = Command::new(example_binary());
+    c.args(args);
+    c
 }
 
 #[test]
@@ -102,9 +140,18 @@ fn example_errors_are_one_line_and_non_zero() {
         (vec!["--world-size", "2", "--device", "tpu"], "expected cpu or cuda"),
         (vec!["--world-size", "2", "--bogus"], "unknown argument"),
         (vec!["--world-size", "2", "--backend", "nccl"], "needs --device cuda"),
-        (vec!["--world-size", "2", "--device", "cuda"], "--device cuda"),
         (vec![], "--world-size is required"),
     ];
+    // `--device cuda` fails only where CUDA cannot run; with a GPU it must work.
+    let gpu = tp_kernels::NOT_COMPILED.is_none() && tp_kernels::device_count().is_ok_and(|n| n > 0);
+    let cuda = ["--world-size", "2", "--device", "cuda"];
+    let args: Vec<&str> = base.iter().copied().chain(cuda).collect();
+    let (ok, err) = run(&args);
+    if gpu {
+        assert!(ok, "--device cuda on a GPU machine: {err}");
+    } else {
+        assert!(!ok && err.contains("--device cuda") && err.trim_end().lines().count() == 1, "{err}");
+    }
     for (extra, needle) in cases {
         let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
         let (ok, err) = run(&args);
@@ -130,4 +177,120 @@ fn example_errors_are_one_line_and_non_zero() {
         "/tmp/y.st",
     ]);
     assert!(!ok && err.contains("cannot open"), "{err}");
+}
+
+#[test]
+fn pipes_and_devices_as_inputs_fail_at_once() {
+    let (dir, _, _) = setup("special");
+    let d = dir.to_string_lossy().to_string();
+    let x = format!("{d}/x.safetensors");
+    let fifo = dir.join("pipe.safetensors");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let fifo = fifo.to_string_lossy().to_string();
+    // An index whose entry is the pipe.
+    let empty_dir = format!("{d}/empty");
+    std::fs::create_dir_all(&empty_dir).unwrap();
+    let index = format!("{d}/pipe.index.json");
+    std::fs::write(&index, r#"{"weight_map": {"model.layers.3.mlp.gate_proj.weight": "pipe.safetensors"}}"#).unwrap();
+    let cases = [
+        ("--input a pipe", fifo.as_str(), d.as_str(), "named pipe (FIFO)"),
+        ("--input /dev/zero", "/dev/zero", d.as_str(), "character device"),
+        ("--input /dev/null", "/dev/null", d.as_str(), "character device"),
+        ("--input a directory", empty_dir.as_str(), d.as_str(), "directory has neither"),
+        ("--checkpoint a pipe", x.as_str(), fifo.as_str(), "named pipe (FIFO)"),
+        ("--checkpoint /dev/zero", x.as_str(), "/dev/zero", "character device"),
+        ("--checkpoint an index naming a pipe", x.as_str(), index.as_str(), "named pipe (FIFO)"),
+    ];
+    for (what, input, ckpt, needle) in cases {
+        let args = ["--checkpoint", ckpt, "--prefix", "model.layers.3.mlp", "--input", input, "--world-size", "2"];
+        let out = format!("{d}/y.safetensors");
+        let cmd = example(&[&args[..], &["--output", &out]].concat());
+        fails_cleanly(what, run_within(cmd, Duration::from_secs(30)), needle);
+    }
+    // The output, too.
+    let args = ["--checkpoint", &d, "--prefix", "model.layers.3.mlp", "--input", &x, "--world-size", "1"];
+    let cmd = example(&[&args[..], &["--output", &fifo]].concat());
+    fails_cleanly("--output a pipe", run_within(cmd, Duration::from_secs(30)), "named pipe (FIFO)");
+}
+
+#[test]
+fn zero_byte_tensors_with_huge_dims_are_errors_not_aborts() {
+    let dir = std::env::temp_dir().join(format!("tp-example-huge-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &CPU).unwrap();
+    let p = "m";
+    let weights = |inter: usize, hidden: usize, file: &str| {
+        let (gu, down) = (empty(&[inter, hidden]), empty(&[hidden, inter]));
+        let names = [format!("{p}.gate_proj.weight"), format!("{p}.up_proj.weight"), format!("{p}.down_proj.weight")];
+        save(dir.join(file), &[(&names[0], &gu), (&names[1], &gu), (&names[2], &down)]).unwrap();
+    };
+    // [2^40, 0] weights with a [1, 0] input; [8, 0] weights with a [2^36, 0] input.
+    weights(1 << 40, 0, "huge-w.safetensors");
+    weights(8, 0, "small-w.safetensors");
+    save(dir.join("x1.safetensors"), &[("x", &empty(&[1, 0]))]).unwrap();
+    save(dir.join("x-huge.safetensors"), &[("x", &empty(&[1 << 36, 0]))]).unwrap();
+    let d = dir.to_string_lossy().to_string();
+    for (w, x, world) in
+        [("huge-w", "x1", "1"), ("huge-w", "x1", "2"), ("small-w", "x-huge", "1"), ("small-w", "x-huge", "3")]
+    {
+        let (w, x, y) = (format!("{d}/{w}.safetensors"), format!("{d}/{x}.safetensors"), format!("{d}/y.safetensors"));
+        let cmd = example(&["--checkpoint", &w, "--prefix", p, "--input", &x, "--world-size", world, "--output", &y]);
+        fails_cleanly(&format!("{w} {x} world {world}"), run_within(cmd, Duration::from_secs(60)), "is too large");
+    }
+}
+
+#[test]
+fn world_sizes_past_the_limit_or_past_what_threads_allow_are_errors() {
+    let (dir, _, _) = setup("world");
+    let d = dir.to_string_lossy().to_string();
+    let x = format!("{d}/x.safetensors");
+    let y = format!("{d}/y.safetensors");
+    let args = |world: &'static str| {
+        vec!["--checkpoint", &d, "--prefix", "model.layers.3.mlp", "--input", &x, "--world-size", world, "--output", &y]
+            .into_iter()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    for world in ["1000000000", "18446744073709551615", "4097"] {
+        let cmd = example(&args(world).iter().map(String::as_str).collect::<Vec<_>>());
+        fails_cleanly(world, run_within(cmd, Duration::from_secs(30)), "exceeds the maximum of 4096 ranks");
+    }
+    // 4096 rank threads in 700 MB of address space: some cannot start, which is an error (the
+    // started ranks are stopped), not a panic or an abort.
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg("ulimit -v 700000 && exec \"$@\"").arg("sh").arg(example_binary()).args(args("4096"));
+    fails_cleanly("4096 threads, 700 MB", run_within(cmd, Duration::from_secs(120)), "cannot start the thread of rank");
+}
+
+#[test]
+fn a_rank_of_an_nccl_job_names_itself_and_each_cause_once() {
+    // A one-rank NCCL job whose GPU cannot be had (no CUDA here; LOCAL_RANK 999 anywhere).
+    let (dir, _, _) = setup("nccl-rank");
+    let d = dir.to_string_lossy().to_string();
+    let (x, y) = (format!("{d}/x.safetensors"), format!("{d}/y.safetensors"));
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut cmd = example(&[
+        "--checkpoint",
+        &d,
+        "--prefix",
+        "model.layers.3.mlp",
+        "--input",
+        &x,
+        "--world-size",
+        "1",
+        "--backend",
+        "nccl",
+        "--device",
+        "cuda",
+        "--output",
+        &y,
+    ]);
+    cmd.env("RANK", "0").env("WORLD_SIZE", "1").env("LOCAL_RANK", "999").env("MASTER_PORT", port.to_string());
+    let (code, err) = run_within(cmd, Duration::from_secs(30));
+    fails_cleanly("rank 0 without its GPU", (code, err.clone()), "CUDA unavailable");
+    assert!(err.starts_with("mlp: rank 0: from_env: CUDA unavailable: "), "{err}");
+    for part in ["mlp:", "rank 0:", "from_env:", "CUDA unavailable"] {
+        assert_eq!(err.matches(part).count(), 1, "{part:?} repeated: {err}");
+    }
 }

@@ -109,7 +109,7 @@ impl NcclComm {
             return Err(CommError::RankOutOfRange { op: "NcclComm::init", rank, world_size: world });
         }
         gpu.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let deadline = Instant::now().checked_add(timeout).unwrap_or_else(far_future);
+        let deadline = crate::Deadline::after(timeout).instant();
         let mut config = default_config();
         config.blocking = 0;
         let uid = sys::ncclUniqueId { internal: id.map(|b| b as std::os::raw::c_char) };
@@ -148,7 +148,7 @@ impl NcclComm {
         // NCCL enqueues on the calling thread's current device: make it this rank's.
         sh.gpu.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         let stream = sh.gpu.stream();
-        let deadline = Instant::now().checked_add(sh.timeout).unwrap_or_else(far_future);
+        let deadline = crate::Deadline::after(sh.timeout).instant();
         {
             let mut h = sh.handle();
             if h.0.is_null() {
@@ -333,7 +333,7 @@ impl NcclComm {
     }
 
     fn work(&self, op: &'static str, output: Tensor, event: Arc<CudaEvent>) -> Work {
-        let deadline = Instant::now().checked_add(self.shared.timeout).unwrap_or_else(far_future);
+        let deadline = crate::Deadline::after(self.shared.timeout).instant();
         Work::pending(Box::new(NcclWork { shared: self.shared.clone(), event, output, deadline, op }))
     }
 }
@@ -370,7 +370,7 @@ impl PendingWork for NcclWork {
                 }
             }
             // The watchdog aborts at the deadline; this is the backstop if it could not run.
-            if Instant::now() >= self.deadline + Duration::from_secs(1) {
+            if Instant::now() >= crate::Deadline::at(self.deadline).extended(Duration::from_secs(1)).instant() {
                 let mut h = sh.handle();
                 return Err(sh.fail(&mut h, self.op, format!("not complete within {:?}", sh.timeout)));
             }
@@ -392,12 +392,6 @@ fn check_lengths(op: &'static str, rank: usize, world: usize, mine: usize, lengt
         .try_fold(0usize, |a, &l| a.checked_add(l))
         .map(drop)
         .ok_or_else(|| CommError::Mismatch { op: op.into(), why: "lengths overflow when summed".into() })
-}
-
-/// An instant far enough ahead to stand for "no deadline" when `now + timeout` overflows.
-fn far_future() -> Instant {
-    let now = Instant::now();
-    now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)).unwrap_or(now)
 }
 
 fn to_i32(v: usize) -> Result<i32> {
@@ -442,7 +436,7 @@ impl Drop for NcclComm {
         let settled = match r {
             ncclResult_t::ncclSuccess => true,
             ncclResult_t::ncclInProgress => {
-                let deadline = Instant::now() + sh.timeout.min(Duration::from_secs(10));
+                let deadline = crate::Deadline::after(sh.timeout.min(Duration::from_secs(10))).instant();
                 sh.settle(&mut h, "ncclCommFinalize", deadline).is_ok()
             }
             _ => false,

@@ -24,19 +24,19 @@ impl Tensor {
         }
         let src = self.cpu_storage("to_dtype")?;
         let out = with_dtype!(src.dtype(), S => with_dtype!(dtype, D => {
-            CpuStorage::from_vec(convert::<S, D>(src.as_slice::<S>().unwrap_or_default()))
+            CpuStorage::from_vec(convert::<S, D>(src.as_slice::<S>().unwrap_or_default())?)
         }));
         Ok(Tensor::from_cpu(self.shape().clone(), out))
     }
 }
 
-fn convert<S: Element, D: Element>(src: &[S]) -> Vec<D> {
-    let mut out = vec![D::from_f32(0.0); src.len()];
+fn convert<S: Element, D: Element>(src: &[S]) -> Result<Vec<D>> {
+    let mut out = crate::alloc::zeroed::<D>("to_dtype", src.len())?;
     let mut staging = [0f32; CHUNK];
     for (s, d) in src.chunks(CHUNK).zip(out.chunks_mut(CHUNK)) {
         let staging = &mut staging[..s.len()];
         S::slice_to_f32(s, staging);
         D::slice_from_f32(staging, d);
     }
-    out
+    Ok(out)
 }

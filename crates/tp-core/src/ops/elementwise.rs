@@ -37,7 +37,7 @@ impl Tensor {
             return Ok(Tensor::from_cuda(shape, super::cuda::swiglu(s, rows, inner)?));
         }
         let src = self.cpu_storage(OP)?;
-        let out = with_dtype!(src.dtype(), T => CpuStorage::from_vec(host_swiglu::<T>(src.as_slice::<T>().unwrap_or_default(), rows, inner)));
+        let out = with_dtype!(src.dtype(), T => CpuStorage::from_vec(host_swiglu::<T>(src.as_slice::<T>().unwrap_or_default(), rows, inner)?));
         Ok(Tensor::from_cpu(shape, out))
     }
 
@@ -64,8 +64,8 @@ impl Tensor {
         let (x, b) = (self.cpu_storage(OP)?, bias.cpu_storage(OP)?);
         let out = with_dtype!(x.dtype(), T => {
             let (xs, bs) = (x.as_slice::<T>().unwrap_or_default(), b.as_slice::<T>().unwrap_or_default());
-            let v: Vec<T> = xs.iter().enumerate().map(|(i, v)| T::from_f32(v.to_f32() + bs[i % n.max(1)].to_f32())).collect();
-            CpuStorage::from_vec(v)
+            let v = xs.iter().enumerate().map(|(i, v)| T::from_f32(v.to_f32() + bs[i % n.max(1)].to_f32()));
+            CpuStorage::from_vec(crate::alloc::collect(OP, xs.len(), v)?)
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
     }
@@ -113,8 +113,8 @@ impl Tensor {
     }
 }
 
-fn host_swiglu<T: Element>(x: &[T], rows: usize, inner: usize) -> Vec<T> {
-    let mut out = Vec::with_capacity(rows * inner);
+fn host_swiglu<T: Element>(x: &[T], rows: usize, inner: usize) -> Result<Vec<T>> {
+    let mut out = crate::alloc::with_capacity("swiglu", rows * inner)?;
     for r in 0..rows {
         let row = &x[r * 2 * inner..(r + 1) * 2 * inner];
         let (gate, up) = row.split_at(inner);
@@ -124,5 +124,5 @@ fn host_swiglu<T: Element>(x: &[T], rows: usize, inner: usize) -> Vec<T> {
             T::from_f32(silu.to_f32() * u.to_f32())
         }));
     }
-    out
+    Ok(out)
 }

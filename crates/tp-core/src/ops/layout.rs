@@ -24,7 +24,7 @@ impl Tensor {
         let src = self.cpu_storage("narrow")?;
         let out = with_storable!(src.dtype(), T => {
             let s = src.as_slice::<T>().unwrap_or_default();
-            let mut out = Vec::with_capacity(shape.numel());
+            let mut out = crate::alloc::with_capacity("narrow", shape.numel())?;
             for o in 0..outer {
                 let from = (o * size + start) * inner;
                 out.extend_from_slice(&s[from..from + len * inner]);
@@ -85,7 +85,7 @@ fn cat_blocks<E: Storable, T: Borrow<Tensor>>(
         .iter()
         .map(|t| Ok((t.borrow().as_slice::<E>()?, t.borrow().dims()[dim] * inner)))
         .collect::<Result<Vec<_>>>()?;
-    let mut out = Vec::with_capacity(numel);
+    let mut out = crate::alloc::with_capacity("cat", numel)?;
     for o in 0..outer {
         for &(s, block) in &parts {
             out.extend_from_slice(&s[o * block..(o + 1) * block]);
@@ -125,7 +125,7 @@ impl Tensor {
         let src = self.cpu_storage(OP)?;
         let out = with_storable!(src.dtype(), T => {
             let v = src.as_slice::<T>().unwrap_or_default();
-            let mut out = Vec::with_capacity(rows * cols);
+            let mut out = crate::alloc::with_capacity(OP, rows * cols)?;
             for row in 0..rows {
                 for s in &shards {
                     let block = rows * s.start() + row * s.len();

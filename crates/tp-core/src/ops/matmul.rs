@@ -6,6 +6,7 @@
 //! `f16`/`bf16` operands are widened to `f32`, multiplied with `f32` accumulation, and the
 //! result rounded once (nearest even) back to the dtype.
 
+use crate::alloc::zeroed;
 use crate::cpu_gemm::{MatRef, par_rows, sgemm};
 use crate::cpu_gemv;
 use crate::storage::{CpuStorage, CudaStorage, Storage};
@@ -20,6 +21,8 @@ pub enum WeightLayout {
     /// `[K, N]` row-major: `y = x W`.
     Kn,
 }
+
+const OP: &str = "matmul";
 
 impl Tensor {
     /// `y = x W^T` for `x: [.., M, K]`, `w: [N, K]`; `y: [.., M, N]`.
@@ -41,7 +44,6 @@ impl Tensor {
     /// The general form behind [`matmul`](Self::matmul), [`matmul_t`](Self::matmul_t) and
     /// [`linear`](Self::linear).
     pub fn matmul_layout(&self, w: &Tensor, layout: WeightLayout, bias: Option<&Tensor>) -> Result<Tensor> {
-        const OP: &str = "matmul";
         self.require_float()?;
         super::same_dtype_device(OP, self, w)?;
         let mismatch = |why| Error::ShapeMismatch { op: OP, lhs: self.dims().to_vec(), rhs: w.dims().to_vec(), why };
@@ -96,7 +98,7 @@ impl Tensor {
             let b = b_s.map(|b| b.as_slice::<T>().unwrap_or_default());
             let x = x_s.as_slice::<T>().unwrap_or_default();
             let w = w_s.as_slice::<T>().unwrap_or_default();
-            CpuStorage::from_vec(host_matmul::<T>(x, w, b, m, k, n, layout))
+            CpuStorage::from_vec(host_matmul::<T>(x, w, b, m, k, n, layout)?)
         });
         Ok(Tensor::from_cpu(out_shape, out))
     }
@@ -113,15 +115,15 @@ const WIDE_BUDGET: usize = 4 << 20;
 const CONVERT_ROWS: usize = 4096;
 
 /// Widens to `f32` without copying when the data already is `f32`.
-fn widen<T: Element>(s: &[T]) -> Cow<'_, [f32]> {
+fn widen<T: Element>(s: &[T]) -> Result<Cow<'_, [f32]>> {
     match bytemuck::try_cast_slice::<T, f32>(s) {
-        Ok(f) if T::DTYPE == DType::F32 => Cow::Borrowed(f),
+        Ok(f) if T::DTYPE == DType::F32 => Ok(Cow::Borrowed(f)),
         _ => {
-            let mut v = vec![0f32; s.len()];
+            let mut v = zeroed::<f32>(OP, s.len())?;
             par_rows(&mut v, CONVERT_ROWS, |r0, dst| {
                 T::slice_to_f32(&s[r0 * CONVERT_ROWS..r0 * CONVERT_ROWS + dst.len()], dst)
             });
-            Cow::Owned(v)
+            Ok(Cow::Owned(v))
         }
     }
 }
@@ -135,26 +137,26 @@ fn host_matmul<T: Element>(
     k: usize,
     n: usize,
     layout: WeightLayout,
-) -> Vec<T> {
+) -> Result<Vec<T>> {
+    // The output first: with K = 0 it can be far larger than both operands.
+    let mut y = zeroed::<f32>(OP, m * n)?;
     if layout == WeightLayout::Nk && m <= cpu_gemv::MAX_ROWS {
-        let x = widen(x);
-        let bias = bias.map(widen);
-        let mut y = vec![0f32; m * n];
+        let x = widen(x)?;
+        let bias = bias.map(widen).transpose()?;
         cpu_gemv::skinny_nk(&x, w, bias.as_deref(), m, k, n, &mut y);
         return narrow_output(y);
     }
-    let x = widen(x);
-    let mut y = vec![0f32; m * n];
+    let x = widen(x)?;
     let mut beta = match bias {
         Some(bias) => {
-            let bias = widen(bias);
+            let bias = widen(bias)?;
             y.chunks_exact_mut(n.max(1)).for_each(|row| row.copy_from_slice(&bias));
             1.0
         }
         None => 0.0,
     };
     if T::DTYPE == DType::F32 {
-        let w = widen(w); // borrowed, no copy
+        let w = widen(w)?; // borrowed, no copy
         let b = match layout {
             WeightLayout::Nk => MatRef::new(&w, k, n, 1, k),
             WeightLayout::Kn => MatRef::new(&w, k, n, n, 1),
@@ -166,7 +168,7 @@ fn host_matmul<T: Element>(
     // accumulate the blocks' products into y (beta = 1 after the first). Widening the whole
     // weight at once would cost a pass over memory and a fresh N·K·4-byte allocation per call.
     let kb = (WIDE_BUDGET / n.max(1)).clamp(K_BLOCK_MIN, K_BLOCK_MAX).min(k).max(1);
-    let mut wide = vec![0f32; n * kb];
+    let mut wide = zeroed::<f32>(OP, n * kb)?;
     for k0 in (0..k).step_by(kb) {
         let kc = kb.min(k - k0);
         let b = match layout {
@@ -195,13 +197,13 @@ fn host_matmul<T: Element>(
 }
 
 /// The f32 result in the output dtype (rounded once, to nearest even).
-fn narrow_output<T: Element>(y: Vec<f32>) -> Vec<T> {
+fn narrow_output<T: Element>(y: Vec<f32>) -> Result<Vec<T>> {
     if T::DTYPE == DType::F32 {
-        return bytemuck::allocation::cast_vec(y); // f32 -> f32: a move, not a copy
+        return Ok(bytemuck::allocation::cast_vec(y)); // f32 -> f32: a move, not a copy
     }
-    let mut out = vec![T::from_f32(0.0); y.len()];
+    let mut out = zeroed::<T>(OP, y.len())?;
     par_rows(&mut out, CONVERT_ROWS, |r0, dst| {
         T::slice_from_f32(&y[r0 * CONVERT_ROWS..r0 * CONVERT_ROWS + dst.len()], dst)
     });
-    out
+    Ok(out)
 }

@@ -7,8 +7,8 @@ pub const USAGE: &str = "usage: generate --model DIR (--prompt-ids 1,2,3 | --pro
                          [--backend local|nccl] [--device cpu|cuda] [--dtype f32|f16|bf16] \
                          [--logits-out FILE.safetensors] [--ignore-eos]";
 
-/// Largest `--world-size` accepted: ranks are threads or processes of this machine.
-pub const MAX_WORLD_SIZE: usize = 1024;
+/// Largest `--world-size` accepted (tp-comm's limit for a group).
+pub const MAX_WORLD_SIZE: usize = tp_comm::MAX_WORLD_SIZE;
 
 /// How ranks run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -125,11 +125,15 @@ fn run_local(a: &Args, prompt: &[i64]) -> Result<Generation, String> {
             })
             .collect()
     });
-    let mut outs = Vec::with_capacity(results.len());
-    for (r, res) in results.into_iter().enumerate() {
-        // The first failing rank's own error is the one worth reading; the others say "aborted".
-        outs.push(res.map_err(|m| if a.world_size > 1 { format!("rank {r}: {m}") } else { m })?);
+    // The error worth reading is the first failing rank's own, not another's report that the
+    // group was aborted because of it.
+    let failures: Vec<(usize, &String)> =
+        results.iter().enumerate().filter_map(|(r, res)| res.as_ref().err().map(|e| (r, e))).collect();
+    let cause = failures.iter().find(|(_, e)| !e.contains("aborted: this rank failed")).or(failures.first());
+    if let Some((r, e)) = cause {
+        return Err(if a.world_size > 1 { format!("rank {r}: {e}") } else { e.to_string() });
     }
+    let mut outs: Vec<Generation> = results.into_iter().filter_map(Result::ok).collect();
     if outs.iter().any(|o| o.tokens != outs[0].tokens) {
         return Err("ranks generated different tokens".into());
     }
@@ -183,6 +187,12 @@ fn write_logits(path: &Path, out: &Generation) -> Result<(), String> {
     let tokens = Tensor::from_vec(out.tokens.clone(), &[out.tokens.len()], &Device::Cpu).map_err(|e| e.to_string())?;
     let (prefill, decode) = (f32s(&out.prefill_logits)?, f32s(&out.decode_logits)?);
     let name = path.file_name().ok_or_else(|| format!("--logits-out {}: not a file name", path.display()))?;
+    // The file is replaced by a rename: never do that to a device, a pipe or a directory.
+    if let Ok(meta) = std::fs::metadata(path)
+        && !meta.is_file()
+    {
+        return Err(format!("--logits-out {}: exists and is not a regular file", path.display()));
+    }
     let tmp = path.with_file_name(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
     let tensors = [("tokens", &tokens), ("prefill_logits", &prefill), ("decode_logits", &decode)];
     let written = tp_layers::save(&tmp, &tensors).map_err(|e| e.to_string()).and_then(|()| {

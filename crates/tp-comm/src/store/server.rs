@@ -1,0 +1,365 @@
+//! [`StoreServer`]: rank 0's side of the store. A listening socket, a thread per connection
+//! (bounded in number, small stacks), and one table under a mutex, bounded in keys and bytes.
+
+use super::frame::{
+    FrameError, InFlight, OP_CLAIM, OP_GET, OP_SET, OP_WAIT_ALL, R_ERROR, R_EXISTS, R_MISSING, R_OK, R_VALUE,
+    frame_head, read_frame, write_frame,
+};
+use super::{MAX_NAMED_MISSING, StoreLimits};
+use crate::deadline::Deadline;
+use crate::env::MAX_WORLD_SIZE;
+use crate::{CommError, Result};
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Stack of a connection thread: `serve` needs a few KiB; the default 2 MiB would let a
+/// connection flood reserve gigabytes.
+const CONN_STACK: usize = 256 << 10;
+
+/// Bytes a key costs beyond its key and value bytes (map entry, allocations), for the
+/// store's byte limit.
+const ENTRY_OVERHEAD: usize = 64;
+
+/// The table and why it stopped waiting, if it did.
+struct State {
+    map: HashMap<Vec<u8>, Arc<[u8]>>,
+    /// Key and value bytes plus [`ENTRY_OVERHEAD`] per key.
+    bytes: usize,
+    /// Set by [`StoreServer::close`]: waits for missing keys answer this instead.
+    closed: Option<String>,
+}
+
+/// Open connections, each with a handle to shut it down when the server stops.
+struct Conns {
+    next_id: u64,
+    open: HashMap<u64, TcpStream>,
+}
+
+struct Shared {
+    limits: StoreLimits,
+    state: Mutex<State>,
+    changed: Condvar,
+    in_flight: InFlight,
+    conns: Mutex<Conns>,
+    conns_changed: Condvar,
+    stop: AtomicBool,
+}
+
+/// Locks `m`; the data under these locks stays consistent if a holder panics, so recover it.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+type Reply = (u8, Arc<[u8]>);
+
+fn empty() -> Arc<[u8]> {
+    Arc::from(&[][..])
+}
+
+fn error_reply(why: impl std::fmt::Display) -> Reply {
+    (R_ERROR, Arc::from(why.to_string().into_bytes()))
+}
+
+fn cost(key: &[u8], value: &[u8]) -> usize {
+    key.len() + value.len() + ENTRY_OVERHEAD
+}
+
+/// The little-endian u64 at `at` in `v`, if there is one.
+fn u64_at(v: &[u8], at: usize) -> Option<u64> {
+    v.get(at..at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes)
+}
+
+/// How long a request asked the server to wait, at most `max`.
+fn wait_of(value: &[u8], max: Duration) -> Deadline {
+    Deadline::after(Duration::from_millis(u64_at(value, 0).unwrap_or(0)).min(max))
+}
+
+impl Shared {
+    fn table(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    fn full(&self, st: &State) -> Reply {
+        error_reply(format!(
+            "the store is full: it holds {} keys in {} bytes (limits: {} keys, {} bytes)",
+            st.map.len(),
+            st.bytes,
+            self.limits.max_keys,
+            self.limits.max_bytes
+        ))
+    }
+
+    /// SET (`overwrite`) or CLAIM, within the key and byte limits.
+    fn put(&self, key: Vec<u8>, value: Vec<u8>, overwrite: bool) -> Reply {
+        let mut st = self.table();
+        let bytes = match st.map.get(&key) {
+            Some(old) if !overwrite => return (R_EXISTS, old.clone()),
+            Some(old) => st.bytes - cost(&key, old) + cost(&key, &value),
+            None if st.map.len() >= self.limits.max_keys => return self.full(&st),
+            None => st.bytes + cost(&key, &value),
+        };
+        if bytes > self.limits.max_bytes {
+            return self.full(&st);
+        }
+        st.bytes = bytes;
+        st.map.insert(key, Arc::from(value));
+        drop(st);
+        self.changed.notify_all();
+        (R_OK, empty())
+    }
+
+    /// GET: the value, once it exists, until `deadline`, or until the store is closed.
+    fn get(&self, key: &[u8], deadline: Deadline) -> Reply {
+        let mut st = self.table();
+        loop {
+            if let Some(v) = st.map.get(key) {
+                return (R_VALUE, v.clone());
+            }
+            if let Some(reason) = &st.closed {
+                return error_reply(reason);
+            }
+            let left = deadline.remaining();
+            if left.is_zero() {
+                return (R_MISSING, empty());
+            }
+            st = self.changed.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// WAIT_ALL: waits until `{prefix}/{r}` exists for every `r < count`; at the deadline,
+    /// answers how many are missing and which (the first [`MAX_NAMED_MISSING`]).
+    fn wait_all(&self, prefix: &[u8], count: usize, deadline: Deadline) -> Reply {
+        if count > MAX_WORLD_SIZE {
+            return error_reply(format!("cannot wait for {count} keys (at most {MAX_WORLD_SIZE})"));
+        }
+        let mut key = prefix.to_vec();
+        key.push(b'/');
+        let base = key.len();
+        let mut key_of = |r: usize| -> Vec<u8> {
+            key.truncate(base);
+            let _ = write!(key, "{r}");
+            key.clone()
+        };
+        // Keys are never removed, so every rank below `next` is known present.
+        let mut next = 0;
+        let mut st = self.table();
+        loop {
+            while next < count && st.map.contains_key(&key_of(next)) {
+                next += 1;
+            }
+            if next == count {
+                return (R_OK, empty());
+            }
+            if let Some(reason) = &st.closed {
+                return error_reply(reason);
+            }
+            let left = deadline.remaining();
+            if left.is_zero() {
+                let missing: Vec<usize> = (next..count).filter(|&r| !st.map.contains_key(&key_of(r))).collect();
+                let mut v = (missing.len() as u64).to_le_bytes().to_vec();
+                for &r in missing.iter().take(MAX_NAMED_MISSING) {
+                    v.extend_from_slice(&(r as u32).to_le_bytes());
+                }
+                return (R_MISSING, Arc::from(v));
+            }
+            st = self.changed.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// The reply to one request; `None` for an unknown op (the connection is dropped).
+    fn handle(&self, op: u8, key: Vec<u8>, value: Vec<u8>) -> Option<Reply> {
+        Some(match op {
+            OP_SET => self.put(key, value, true),
+            OP_CLAIM => self.put(key, value, false),
+            OP_GET => self.get(&key, wait_of(&value, self.limits.max_wait)),
+            OP_WAIT_ALL => {
+                let count = u64_at(&value, 8).and_then(|c| usize::try_from(c).ok())?;
+                self.wait_all(&key, count, wait_of(&value, self.limits.max_wait))
+            }
+            _ => return None,
+        })
+    }
+
+    fn forget(&self, id: u64) {
+        lock(&self.conns).open.remove(&id);
+        self.conns_changed.notify_all();
+    }
+}
+
+/// The store's server. Dropping it stops accepting, answers every waiting request and closes
+/// every connection.
+pub struct StoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for StoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StoreServer({}, {} connections)", self.addr, self.connections())
+    }
+}
+
+impl StoreServer {
+    /// Binds `addr` and serves in background threads, with the default [`StoreLimits`].
+    ///
+    /// Errors: [`CommError::Rendezvous`] naming the address when it is in use or cannot be bound.
+    pub fn start(addr: &str) -> Result<StoreServer> {
+        Self::start_with(addr, StoreLimits::default())
+    }
+
+    /// [`start`](Self::start) with explicit limits.
+    pub fn start_with(addr: &str, limits: StoreLimits) -> Result<StoreServer> {
+        let listener = TcpListener::bind(addr).map_err(|e| {
+            let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+                " (port in use: another job or a stale rank 0? pick another MASTER_PORT)"
+            } else {
+                ""
+            };
+            CommError::Rendezvous(format!("cannot listen on {addr}: {e}{hint}"))
+        })?;
+        let local = listener.local_addr().map_err(|e| CommError::Rendezvous(format!("local_addr: {e}")))?;
+        listener.set_nonblocking(true).map_err(|e| CommError::Rendezvous(format!("set_nonblocking: {e}")))?;
+        let shared = Arc::new(Shared {
+            in_flight: InFlight::new(limits.max_in_flight_bytes),
+            limits,
+            state: Mutex::new(State { map: HashMap::new(), bytes: 0, closed: None }),
+            changed: Condvar::new(),
+            conns: Mutex::new(Conns { next_id: 0, open: HashMap::new() }),
+            conns_changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let sh = shared.clone();
+        std::thread::Builder::new()
+            .name("tp-store-accept".into())
+            .spawn(move || accept_loop(listener, sh))
+            .map_err(|e| CommError::Rendezvous(format!("cannot start the store thread: {e}")))?;
+        Ok(StoreServer { addr: local, shared })
+    }
+
+    /// The bound address (useful with port 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops waiting: every waiting and later request for a key that does not exist is answered
+    /// with `reason` at once (keys that exist are still served). Rank 0 calls this when it gives
+    /// up or leaves, so that the others learn why without waiting for their own deadlines.
+    pub fn close(&self, reason: &str) {
+        self.shared.table().closed.get_or_insert_with(|| reason.to_string());
+        self.shared.changed.notify_all();
+    }
+
+    /// Number of open client connections.
+    pub fn connections(&self) -> usize {
+        lock(&self.shared.conns).open.len()
+    }
+
+    /// Waits until at most `n` client connections are open, or until `deadline`; returns
+    /// whether that happened.
+    pub fn wait_for_connections(&self, n: usize, deadline: impl Into<Deadline>) -> bool {
+        let deadline = deadline.into();
+        let mut conns = lock(&self.shared.conns);
+        loop {
+            if conns.open.len() <= n {
+                return true;
+            }
+            let left = deadline.remaining();
+            if left.is_zero() {
+                return false;
+            }
+            conns = self.shared.conns_changed.wait_timeout(conns, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.close("the store has stopped (rank 0 left the rendezvous)");
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for conn in lock(&self.shared.conns).open.values() {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    while !shared.stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((conn, _)) => admit(conn, &shared),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
+            // Out of descriptors, or an aborted connection: keep serving the others.
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// Tells a connection it is refused (one non-blocking write of an error frame) and closes it.
+fn refuse(conn: &TcpStream, why: &str) {
+    if conn.set_nonblocking(true).is_ok()
+        && let Ok(frame) = frame_head(R_ERROR, &[], why.as_bytes(), true)
+    {
+        let _ = (&*conn).write(&frame);
+    }
+    let _ = conn.shutdown(Shutdown::Write);
+}
+
+/// Starts serving `conn` on its own thread, within the connection limit.
+fn admit(conn: TcpStream, shared: &Arc<Shared>) {
+    let _ = conn.set_nonblocking(false);
+    let _ = conn.set_nodelay(true);
+    let mut conns = lock(&shared.conns);
+    if conns.open.len() >= shared.limits.max_connections {
+        drop(conns);
+        return refuse(&conn, &format!("the store has too many connections (limit {})", shared.limits.max_connections));
+    }
+    let Ok(handle) = conn.try_clone() else {
+        drop(conns);
+        return refuse(&conn, "the store cannot take another connection");
+    };
+    let id = conns.next_id;
+    conns.next_id += 1;
+    conns.open.insert(id, handle);
+    drop(conns);
+    let sh = shared.clone();
+    let spawned = std::thread::Builder::new().name("tp-store-conn".into()).stack_size(CONN_STACK).spawn(move || {
+        serve(conn, &sh);
+        sh.forget(id);
+    });
+    if spawned.is_err() {
+        // The closure, and with it the connection, is gone; tell the client through the handle.
+        if let Some(handle) = lock(&shared.conns).open.remove(&id) {
+            refuse(&handle, "the store cannot start a thread for another connection");
+        }
+        shared.conns_changed.notify_all();
+    }
+}
+
+/// Serves one connection until it closes or misbehaves. A new connection must send its first
+/// request within the frame timeout ([`StoreLimits::frame_timeout`]); afterwards it may idle,
+/// but each request, once begun, must arrive within it, and each reply must be taken within it.
+fn serve(mut conn: TcpStream, sh: &Shared) {
+    let within = sh.limits.frame_timeout;
+    let mut start_by = Some(Deadline::after(within));
+    loop {
+        let frame =
+            read_frame(&mut conn, start_by, || Deadline::after(within), sh.limits.max_value_bytes, Some(&sh.in_flight));
+        start_by = None;
+        let (op, value) = match frame {
+            Ok(Some(f)) => match sh.handle(f.op, f.key, f.value) {
+                Some(reply) => reply,
+                None => return, // an unknown op: not a tp client
+            },
+            Err(FrameError::Refused(why)) => error_reply(why),
+            // Closed, timed out, or garbage: drop this connection only.
+            Ok(None) | Err(_) => return,
+        };
+        if write_frame(&mut conn, op, &[], &value, Deadline::after(within)).is_err() {
+            return;
+        }
+    }
+}

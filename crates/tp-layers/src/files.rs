@@ -1,0 +1,123 @@
+//! Opening the files a user names, without ever blocking in `open`.
+//!
+//! Only regular files are read, after following symlinks (so a Hugging Face cache, whose
+//! `snapshots/<rev>/*.safetensors` are symlinks into `blobs/`, loads as usual). A named pipe,
+//! a device (`/dev/zero`), a socket or a directory is a [`LayerError::Checkpoint`] saying what
+//! it is, before anything is opened. The file is then opened non-blocking and checked again,
+//! so a path swapped for a pipe between the two looks cannot block either.
+//!
+//! Writing, too, goes only to a regular file (or a new one): safetensors writes a sibling
+//! temporary file and renames it over the path, which would replace a device node such as
+//! `/dev/null` (when run as root) or a pipe, so those are refused.
+
+use crate::error::{LayerError, Result};
+use std::fs::{File, FileType, Metadata, OpenOptions};
+use std::io::Read;
+use std::path::Path;
+
+/// `O_NONBLOCK` for `open(2)`: opening a FIFO then returns at once instead of waiting for a
+/// writer (or a reader); regular files ignore it. The kernel's value on Linux (all but MIPS
+/// and SPARC) and on the BSDs and macOS; elsewhere no flag is added, and the check before
+/// opening still refuses every file that is not regular.
+#[cfg_attr(not(unix), allow(dead_code))]
+const O_NONBLOCK: i32 = if cfg!(all(
+    any(target_os = "linux", target_os = "android"),
+    not(any(
+        target_arch = "mips",
+        target_arch = "mips64",
+        target_arch = "mips32r6",
+        target_arch = "mips64r6",
+        target_arch = "sparc",
+        target_arch = "sparc64"
+    ))
+)) {
+    0o4000
+} else if cfg!(any(
+    target_os = "macos",
+    target_os = "ios",
+    target_os = "freebsd",
+    target_os = "openbsd",
+    target_os = "netbsd",
+    target_os = "dragonfly"
+)) {
+    0x0004
+} else {
+    0
+};
+
+fn err(path: &Path, why: impl std::fmt::Display) -> LayerError {
+    LayerError::Checkpoint { path: path.display().to_string(), why: why.to_string() }
+}
+
+/// What a file that is not a regular file is, in words.
+fn kind(t: FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a named pipe (FIFO)";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if t.is_dir() { "a directory" } else { "not a regular file" }
+}
+
+fn regular(path: &Path, meta: &Metadata) -> Result<()> {
+    if meta.is_file() { Ok(()) } else { Err(err(path, format!("is {}, not a regular file", kind(meta.file_type())))) }
+}
+
+fn non_blocking(opts: &mut OpenOptions) -> &mut OpenOptions {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.custom_flags(O_NONBLOCK);
+    }
+    opts
+}
+
+/// Opens `path` for reading if it is, after following symlinks, a regular file.
+pub(crate) fn open_regular(path: &Path) -> Result<File> {
+    let meta = std::fs::metadata(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
+    regular(path, &meta)?;
+    let file =
+        non_blocking(OpenOptions::new().read(true)).open(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
+    // What was opened, not what the name pointed at a moment ago.
+    regular(path, &file.metadata().map_err(|e| err(path, format!("cannot stat: {e}")))?)?;
+    Ok(file)
+}
+
+/// The contents of the regular file `path`, as UTF-8, if it holds at most `limit` bytes.
+pub(crate) fn read_text(path: &Path, limit: u64) -> Result<String> {
+    let mut text = String::new();
+    open_regular(path)?
+        .take(limit.saturating_add(1))
+        .read_to_string(&mut text)
+        .map_err(|e| err(path, format!("cannot read: {e}")))?;
+    if text.len() as u64 > limit {
+        return Err(err(path, format!("is larger than {limit} bytes")));
+    }
+    Ok(text)
+}
+
+/// Checks that `path` names a regular file (after following symlinks) or nothing yet, so that
+/// writing it can neither block nor replace a device; opening it (created if absent)
+/// non-blocking confirms that.
+pub(crate) fn check_writable(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(meta) => regular(path, &meta)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(path, format!("cannot write: {e}"))),
+    }
+    let file = non_blocking(OpenOptions::new().write(true).create(true))
+        .open(path)
+        .map_err(|e| err(path, format!("cannot write: {e}")))?;
+    regular(path, &file.metadata().map_err(|e| err(path, format!("cannot stat: {e}")))?)
+}
