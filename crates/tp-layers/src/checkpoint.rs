@@ -298,5 +298,6 @@ pub fn save(path: impl AsRef<Path>, tensors: &[(&str, &Tensor)]) -> Result<()> {
             Ok((n.to_string(), view))
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| err(path, format!("cannot write: {e}")))
+    safetensors::serialize_to_file(views, None, path)
+        .map_err(|e| LayerError::Write { path: path.display().to_string(), why: e.to_string() })
 }

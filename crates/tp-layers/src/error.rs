@@ -18,6 +18,10 @@ pub enum LayerError {
     #[error("checkpoint {path}: {why}")]
     Checkpoint { path: String, why: String },
 
+    /// An output file could not be written (or is not a regular file).
+    #[error("cannot write {path}: {why}")]
+    Write { path: String, why: String },
+
     /// The checkpoint has no tensor of this name.
     #[error("checkpoint {path}: no tensor named {name:?}")]
     MissingTensor { path: String, name: String },

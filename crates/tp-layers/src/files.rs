@@ -70,8 +70,13 @@ fn kind(t: FileType) -> &'static str {
     if t.is_dir() { "a directory" } else { "not a regular file" }
 }
 
+/// `Err(why)` unless `meta` is a regular file's.
+fn regular_or(meta: &Metadata) -> std::result::Result<(), String> {
+    if meta.is_file() { Ok(()) } else { Err(format!("is {}, not a regular file", kind(meta.file_type()))) }
+}
+
 fn regular(path: &Path, meta: &Metadata) -> Result<()> {
-    if meta.is_file() { Ok(()) } else { Err(err(path, format!("is {}, not a regular file", kind(meta.file_type())))) }
+    regular_or(meta).map_err(|why| err(path, why))
 }
 
 fn non_blocking(opts: &mut OpenOptions) -> &mut OpenOptions {
@@ -111,13 +116,14 @@ pub(crate) fn read_text(path: &Path, limit: u64) -> Result<String> {
 /// writing it can neither block nor replace a device; opening it (created if absent)
 /// non-blocking confirms that.
 pub(crate) fn check_writable(path: &Path) -> Result<()> {
+    let write_err = |why: String| LayerError::Write { path: path.display().to_string(), why };
     match std::fs::metadata(path) {
-        Ok(meta) => regular(path, &meta)?,
+        Ok(meta) => regular_or(&meta).map_err(write_err)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(err(path, format!("cannot write: {e}"))),
+        Err(e) => return Err(write_err(e.to_string())),
     }
-    let file = non_blocking(OpenOptions::new().write(true).create(true))
-        .open(path)
-        .map_err(|e| err(path, format!("cannot write: {e}")))?;
-    regular(path, &file.metadata().map_err(|e| err(path, format!("cannot stat: {e}")))?)
+    let file =
+        non_blocking(OpenOptions::new().write(true).create(true)).open(path).map_err(|e| write_err(e.to_string()))?;
+    let meta = file.metadata().map_err(|e| write_err(format!("cannot stat: {e}")))?;
+    regular_or(&meta).map_err(write_err)
 }

@@ -61,7 +61,6 @@ mod column;
 mod decoder;
 mod embedding;
 mod error;
-pub mod example_mlp;
 mod files;
 mod kv_cache;
 mod linear;

@@ -294,3 +294,34 @@ fn a_rank_of_an_nccl_job_names_itself_and_each_cause_once() {
         assert_eq!(err.matches(part).count(), 1, "{part:?} repeated: {err}");
     }
 }
+
+#[cfg(unix)]
+#[test]
+fn a_non_utf8_argument_and_an_unwritable_output_are_plain_errors() {
+    use std::os::unix::ffi::OsStrExt;
+    let out =
+        Command::new(example_binary()).arg("--checkpoint").arg(std::ffi::OsStr::from_bytes(b"\xff")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("not valid UTF-8") && !err.contains("panicked"), "{err}");
+    // An output in a folder that does not exist: an error about writing it, not about a checkpoint.
+    let (dir, _, _) = setup("unwritable");
+    let d = dir.to_string_lossy().to_string();
+    let x = format!("{d}/x.safetensors");
+    let y = format!("{d}/no/such/folder/y.safetensors");
+    let (ok, err) = run(&[
+        "--checkpoint",
+        &d,
+        "--prefix",
+        "model.layers.3.mlp",
+        "--input",
+        &x,
+        "--world-size",
+        "1",
+        "--output",
+        &y,
+    ]);
+    assert!(!ok, "{err}");
+    assert!(err.contains(&format!("cannot write {y}")) && !err.contains("checkpoint"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}

@@ -114,7 +114,7 @@ fn pipes_devices_and_directories_are_refused_without_blocking() {
         let (x, p) = (x.clone(), path.clone());
         let r = within(what, move || save(p, &[("x", &x)]));
         assert!(
-            matches!(&r, Err(LayerError::Checkpoint { why, .. }) if why.contains("not a regular file")),
+            matches!(&r, Err(LayerError::Write { why, .. }) if why.contains("not a regular file")),
             "{what}: {r:?}"
         );
         assert!(!std::fs::metadata(&path).unwrap().is_file(), "{what} was replaced");

@@ -1,5 +1,4 @@
-//! The `mlp` example's program, kept in the library so that tests run the very code the example
-//! binary runs (`examples/mlp.rs` is a two-line wrapper).
+//! The `mlp` example's program: flags, the ranks (threads or processes), the output file.
 //!
 //! ```text
 //! mlp --checkpoint PATH --prefix PREFIX --input X --world-size N [--backend local|nccl]
@@ -14,10 +13,18 @@
 //! Errors are one line each. A rank of an NCCL job (`RANK` set) names itself in its error, so
 //! the lines of several ranks on one terminal can be told apart.
 
-use crate::{Checkpoint, LayerError, LoadOptions, ParallelMlp, save};
 use std::time::Duration;
 use tp_comm::{CommError, DeviceGroup, MAX_WORLD_SIZE};
 use tp_core::{DType, Device, Tensor};
+use tp_layers::{Checkpoint, LayerError, LoadOptions, ParallelMlp, save};
+
+/// The command line as UTF-8 (a non-UTF-8 argument is an error, not a panic).
+pub fn utf8_args() -> Result<Vec<String>, String> {
+    std::env::args_os()
+        .skip(1)
+        .map(|a| a.into_string().map_err(|a| format!("argument {a:?} is not valid UTF-8")))
+        .collect()
+}
 
 /// Parsed command line.
 #[derive(Debug, Clone, PartialEq)]
@@ -126,7 +133,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
 
 fn run_args(args: &[String]) -> Result<(), String> {
     let a = parse(args)?;
-    let e = |e: crate::LayerError| e.to_string();
+    let e = |e: LayerError| e.to_string();
     if a.backend == Backend::Nccl && a.device != DeviceKind::Cuda {
         return Err("--backend nccl needs --device cuda (NCCL moves GPU memory)".into());
     }

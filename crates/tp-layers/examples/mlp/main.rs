@@ -1,12 +1,15 @@
-//! Runs a tensor-parallel SwiGLU MLP from a safetensors checkpoint; see
-//! `tp_layers::example_mlp` for the flags.
+//! Runs a tensor-parallel SwiGLU MLP from a safetensors checkpoint.
 //!
 //! `cargo run --release -p tp-layers --example mlp -- --checkpoint PATH --prefix PREFIX --input X
 //! --world-size N [--backend local|nccl] [--device cpu|cuda] [--dtype f32|f16|bf16] --output Y`
+//!
+//! See `run.rs` for what each flag does.
+
+mod run;
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if let Err(e) = tp_layers::example_mlp::run(&args) {
+    let result = run::utf8_args().and_then(|args| run::run(&args));
+    if let Err(e) = result {
         // One write for the whole line, so the lines of ranks sharing a terminal never mix.
         let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("mlp: {e}\n").as_bytes());
         std::process::exit(1);
