@@ -89,6 +89,7 @@ fn attention_matches_f64_at_mha_gqa_and_mqa() {
                 check_attention(CPU, 7, 7, hq, hkv, d, None, dtype, d as u64); // prefill
                 check_attention(CPU, 1, 19, hq, hkv, d, None, dtype, 1 + d as u64); // decode step
                 check_attention(CPU, 3, 11, hq, hkv, d, None, dtype, 2 + d as u64); // chunk after a prefix
+                check_attention(CPU, 37, 41, hq, hkv, d, None, dtype, 3 + d as u64); // GEMM path
             }
         }
     }
@@ -98,6 +99,7 @@ fn attention_matches_f64_at_mha_gqa_and_mqa() {
 fn attention_respects_a_sliding_window() {
     for w in [1, 3, 64] {
         check_attention(CPU, 9, 20, 4, 2, 16, Some(w), DType::F32, w as u64);
+        check_attention(CPU, 3, 20, 4, 2, 16, Some(w), DType::F32, w as u64); // the row loop
     }
 }
 

@@ -43,6 +43,10 @@ impl AttentionSpec {
 
 /// Work (multiply-adds) below which attention runs on one thread.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
+/// Queries from which attention runs as GEMMs (prefill); fewer (decode) take the row loop.
+const GEMM_MIN_TOKENS: usize = 8;
+/// Score elements one GEMM tile may hold (16 MiB of f32): long prefills go tile by tile.
+const SCORE_TILE: usize = 1 << 22;
 
 impl Tensor {
     /// Attention of the queries `self: [T, Hq, D]` over the cache `k, v: [C, Hkv, D]` (see the
@@ -97,7 +101,7 @@ impl Tensor {
             let (q, k, v) = (widen::<T>(qs.as_slice::<T>().unwrap_or_default()),
                 widen::<T>(&ks.as_slice::<T>().unwrap_or_default()[..valid]),
                 widen::<T>(&vs.as_slice::<T>().unwrap_or_default()[..valid]));
-            let y = host_attention(&q, &k, &v, dims, spec);
+            let y = if t >= GEMM_MIN_TOKENS && d > 0 { gemm_attention(&q, &k, &v, dims, spec)? } else { host_attention(&q, &k, &v, dims, spec) };
             CpuStorage::from_vec(y.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>())
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
@@ -108,6 +112,98 @@ fn widen<T: Element>(s: &[T]) -> Vec<f32> {
     let mut v = vec![0f32; s.len()];
     T::slice_to_f32(s, &mut v);
     v
+}
+
+/// Prefill attention on the host as GEMMs, one KV head at a time: its query heads' rows
+/// `Q_g: [T·group, D]` against its keys `K_g: [L, D]` give the scores `S = Q_g K_g^T` (the
+/// host GEMM, threaded), masked and soft-maxed row by row, and `O_g = P V_g`. Tokens go in
+/// tiles so that a tile's scores stay within `SCORE_TILE`, each against only the keys its last
+/// token can see. Same f32 math as the row loop, but at GEMM speed.
+fn gemm_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (t, hq, hkv, d): (usize, usize, usize, usize),
+    spec: &AttentionSpec,
+) -> Result<Vec<f32>> {
+    let cpu = crate::Device::Cpu;
+    let group = hq / hkv;
+    let first_pos = spec.kv_len - t;
+    let mut out = vec![0f32; t * hq * d];
+    let tile = (SCORE_TILE / (group * spec.kv_len).max(1)).clamp(1, t);
+    for g in 0..hkv {
+        let rows_of = |src: &[f32], n: usize| -> Vec<f32> {
+            let mut m = Vec::with_capacity(n * d);
+            for j in 0..n {
+                m.extend_from_slice(&src[(j * hkv + g) * d..(j * hkv + g + 1) * d]);
+            }
+            m
+        };
+        for t0 in (0..t).step_by(tile) {
+            let tn = tile.min(t - t0);
+            let keys = first_pos + t0 + tn; // the last token of the tile sees keys 0..keys
+            let (lo_tile, _) = spec.key_range(first_pos + t0);
+            let kg = Tensor::from_vec(rows_of(&k[lo_tile * hkv * d..], keys - lo_tile), &[keys - lo_tile, d], &cpu)?;
+            let vg = Tensor::from_vec(rows_of(&v[lo_tile * hkv * d..], keys - lo_tile), &[keys - lo_tile, d], &cpu)?;
+            let mut qg = Vec::with_capacity(tn * group * d);
+            for tok in t0..t0 + tn {
+                let at = (tok * hq + g * group) * d;
+                qg.extend_from_slice(&q[at..at + group * d]);
+            }
+            let qg = Tensor::from_vec(qg, &[tn * group, d], &cpu)?;
+            let mut scores = qg.matmul_t(&kg)?; // [tn·group, keys - lo_tile]
+            let width = keys - lo_tile;
+            softmax_rows(
+                scores.as_mut_slice::<f32>()?,
+                width,
+                |row| {
+                    let p = first_pos + t0 + row / group;
+                    let (lo, hi) = spec.key_range(p);
+                    (lo - lo_tile, hi + 1 - lo_tile)
+                },
+                spec.scale,
+            );
+            let o = scores.matmul(&vg)?; // [tn·group, d]
+            let o = o.as_slice::<f32>()?;
+            for (r, orow) in o.chunks_exact(d).enumerate() {
+                let (tok, hh) = (t0 + r / group, r % group);
+                let at = (tok * hq + g * group + hh) * d;
+                out[at..at + d].copy_from_slice(orow);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Row `r` of `s` (rows of `width` scores) becomes `softmax(scale · s[r, a..b])` on its
+/// visible keys `range(r) = (a, b)` and zero elsewhere; rows are split over threads when many.
+fn softmax_rows(s: &mut [f32], width: usize, range: impl Fn(usize) -> (usize, usize) + Sync, scale: f32) {
+    let rows = s.len() / width.max(1);
+    let one = |first: usize, chunk: &mut [f32]| {
+        for (i, row) in chunk.chunks_exact_mut(width).enumerate() {
+            let (a, b) = range(first + i);
+            let max = row[a..b].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+            for x in &mut row[a..b] {
+                *x = exp_neg(*x * scale - max);
+            }
+            let inv = 1.0 / row[a..b].iter().sum::<f32>();
+            row[a..b].iter_mut().for_each(|x| *x *= inv);
+            row[..a].fill(0.0);
+            row[b..].fill(0.0);
+        }
+    };
+    let threads = if s.len() < PARALLEL_MIN_WORK { 1 } else { crate::cpu_gemm::num_threads().min(rows).max(1) };
+    if threads <= 1 {
+        one(0, s);
+        return;
+    }
+    let per = rows.div_ceil(threads);
+    std::thread::scope(|sc| {
+        for (i, chunk) in s.chunks_mut(per * width).enumerate() {
+            let one = &one;
+            sc.spawn(move || one(i * per, chunk));
+        }
+    });
 }
 
 /// f32 attention on the host, threaded over (token, head) rows when the work pays for it.
