@@ -14,9 +14,12 @@
 #     (the full shape set takes longer than one device call: run `tp-bench --shapes squares`
 #      and `tp-bench --shapes tp` as separate calls)
 #   tp-comm-bench   -> RESULTS_DIR/comm-bench.txt (NCCL on every GPU, nccl-tests style)
+#   compute-sanitizer memcheck / racecheck on the decoder and copy kernels, when the host has
+#     compute-sanitizer (PATH or CUDA_HOME/bin) -> RESULTS_DIR/sanitize-*.txt
 # Every step runs under `timeout` (STEP_SECS, default 240 s; the benchmark BENCH_SECS, default
-# 300 s), so a hung kernel costs one step, not the whole device window; exit status 124 in
-# NAME.rc means the step timed out.
+# 300 s) and within the whole run's budget (TOTAL_SECS, default 540 s: one device call), so a
+# hung kernel costs one step, not the device window. In NAME.rc, 124 means the step timed out
+# and 125 that the budget was spent before it started.
 set -u
 out=${1:?usage: run.sh RESULTS_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -58,10 +61,20 @@ fi
 cat "$out/env.txt"
 
 step_secs=${STEP_SECS:-240}
-# step NAME SECONDS CMD...: runs CMD under a deadline into NAME.txt, its status into NAME.rc.
+run_end=$(( $(date +%s) + ${TOTAL_SECS:-540} ))
+# step NAME SECONDS CMD...: runs CMD under a deadline (the smaller of SECONDS and what is left of
+# the run's budget) into NAME.txt, its status into NAME.rc.
 step() {
   local name=$1 secs=$2
   shift 2
+  local left=$(( run_end - $(date +%s) - 15 ))
+  if [ "$left" -lt "$secs" ]; then secs=$left; fi
+  if [ "$secs" -le 0 ]; then
+    echo "skipped: the run's TOTAL_SECS budget was spent" > "$out/$name.txt"
+    echo 125 > "$out/$name.rc"
+    echo "== $name (skipped, no time left)"
+    return
+  fi
   timeout --kill-after=10 "$secs" "$@" > "$out/$name.txt" 2>&1
   echo $? > "$out/$name.rc"
   echo "== $name (exit $(cat "$out/$name.rc"))"
@@ -77,6 +90,18 @@ step gpu-tests-wgmma "$step_secs" env TP_GEMM_KERNEL=wgmma "$here/gpu-tests" --t
 
 step bench "${BENCH_SECS:-300}" "$here/tp-bench" --quick --out "$out"
 step comm-bench "$step_secs" "$here/tp-comm-bench" --max-bytes 1073741824
+
+# compute-sanitizer, where the host has it: memcheck (out-of-bounds and misaligned accesses) and
+# racecheck (shared-memory races) on the kernels whose tests are small enough to run under it.
+sanitizer=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}"/bin/compute-sanitizer 2>/dev/null || true)
+if [ -n "$sanitizer" ]; then
+  step sanitize-memcheck "$step_secs" "$sanitizer" --tool memcheck --error-exitcode 1 \
+    "$here/gpu-tests" --test-threads=1 decoder_kernels narrow gather casts small_sizes
+  step sanitize-racecheck "$step_secs" "$sanitizer" --tool racecheck --error-exitcode 1 \
+    "$here/gpu-tests" --test-threads=1 decoder_kernels_agree
+else
+  echo "compute-sanitizer not found: memcheck and racecheck not run" > "$out/sanitize.txt"
+fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv >> "$out/gpu.csv" 2>&1
 fi
