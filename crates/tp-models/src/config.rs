@@ -70,7 +70,8 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// Biases in the MLP (Llama with `mlp_bias`).
     pub mlp_bias: bool,
-    /// Mistral's `sliding_window` (`None`: full causal attention).
+    /// Mistral's `sliding_window` (`None`: full causal attention; absent in a Mistral config
+    /// means transformers' default, 4096).
     pub sliding_window: Option<usize>,
     /// End-of-sequence ids (`eos_token_id`, one or several; `generation_config.json` wins).
     pub eos_token_ids: Vec<i64>,
@@ -243,7 +244,12 @@ impl ModelConfig {
             Architecture::Mistral => (false, false, false),
         };
         let sliding_window = match architecture {
-            Architecture::Mistral => f.get("sliding_window").map(|_| f.count("sliding_window", None)).transpose()?,
+            // transformers' MistralConfig: absent means 4096, null means no window.
+            Architecture::Mistral => match map.get("sliding_window") {
+                None => Some(4096),
+                Some(Value::Null) => None,
+                Some(_) => Some(f.count("sliding_window", None)?),
+            },
             Architecture::Qwen2 if f.flag("use_sliding_window", false)? => {
                 return Err(ModelError::Unsupported {
                     field: "use_sliding_window".into(),

@@ -87,8 +87,14 @@ fn qwen2_and_mistral_take_their_architectures_rules() {
     let mistral = json!({"architectures": ["MistralForCausalLM"], "hidden_size": 5120, "head_dim": 128,
         "intermediate_size": 14336, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
         "vocab_size": 131072, "sliding_window": 4096, "rope_theta": 1000000.0});
-    let c = parse(mistral).unwrap();
+    let c = parse(mistral.clone()).unwrap();
     assert_eq!((c.head_dim, c.sliding_window), (128, Some(4096)));
+    let mut no_window = mistral.clone();
+    no_window["sliding_window"] = Value::Null;
+    assert_eq!(parse(no_window).unwrap().sliding_window, None, "null: no window (Mistral 7B v0.2+)");
+    let mut absent = mistral;
+    absent.as_object_mut().unwrap().remove("sliding_window");
+    assert_eq!(parse(absent).unwrap().sliding_window, Some(4096), "absent: transformers' default");
     let mut llama_bias = tinyllama();
     llama_bias["attention_bias"] = json!(true);
     llama_bias["mlp_bias"] = json!(true);
