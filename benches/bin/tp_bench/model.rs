@@ -100,7 +100,10 @@ pub fn rows(args: &Args, which: &Which, device: Device) -> Result<Vec<Row>> {
             eprint!("\r  measuring model {label} {dtype} TP {world}...          ");
             let m = measure(&dir, dtype, device, world, &prompt, steps)?;
             let roof_decode = bandwidth_gbs * 1e9 / m.weight_bytes;
-            let base = |f: fn(&(f64, f64)) -> f64| hf.as_ref().ok().filter(|_| world == 1).map(f);
+            let base = |f: fn(&(f64, f64, Vec<i64>)) -> f64| hf.as_ref().ok().filter(|_| world == 1).map(f);
+            // Greedy tokens equal to transformers' on the same prompt (bf16 rounding may flip a
+            // near tie, so a mismatch there is worth a look, not proof of a bug).
+            let matched = hf.as_ref().ok().map(|h| h.2 == m.tokens);
             let row = |name: String, ours: f64, baseline: Option<f64>, roof: f64, bound| Row {
                 kind: "model",
                 name,
@@ -110,7 +113,7 @@ pub fn rows(args: &Args, which: &Which, device: Device) -> Result<Vec<Row>> {
                 unit: "tokens/s",
                 baseline_name: if baseline.is_some() { "transformers" } else { "-" },
                 baseline,
-                matched: None,
+                matched,
                 roofline: Some(ours / roof),
                 bound: Some(bound),
             };
@@ -136,17 +139,19 @@ pub fn rows(args: &Args, which: &Which, device: Device) -> Result<Vec<Row>> {
 struct Measured {
     prefill_tps: f64,
     decode_tps: f64,
+    /// Rank 0's greedy tokens of the measured run (the first from the prefill).
+    tokens: Vec<i64>,
     /// Parameter bytes every decode step reads, over all ranks (embedding rows excluded).
     weight_bytes: f64,
 }
 
 fn measure(dir: &Path, dtype: DType, device: Device, world: usize, prompt: &[i64], steps: usize) -> Result<Measured> {
     let groups = DeviceGroup::local(world, Duration::from_secs(600), |_| device)?;
-    let results: Vec<Result<(f64, f64)>> = std::thread::scope(|s| {
+    let results: Vec<Result<(f64, f64, Vec<i64>)>> = std::thread::scope(|s| {
         let hs: Vec<_> = groups
             .into_iter()
             .map(|g| {
-                s.spawn(move || -> Result<(f64, f64)> {
+                s.spawn(move || -> Result<(f64, f64, Vec<i64>)> {
                     let opts = ModelOptions::new().with_dtype(dtype).with_max_seq_len(prompt.len() + steps + 1);
                     let mut lm = ParallelCausalLm::load(dir, &g, &opts)?;
                     let greedy = GenerateOptions::new().ignore_eos(true);
@@ -157,7 +162,7 @@ fn measure(dir: &Path, dtype: DType, device: Device, world: usize, prompt: &[i64
                     }
                     prefill.sort_by(f64::total_cmp);
                     let out = lm.generate(prompt, steps + 1, &greedy)?;
-                    Ok((prompt.len() as f64 / prefill[1], steps as f64 / out.decode_time.as_secs_f64()))
+                    Ok((prompt.len() as f64 / prefill[1], steps as f64 / out.decode_time.as_secs_f64(), out.tokens))
                 })
             })
             .collect();
@@ -168,7 +173,8 @@ fn measure(dir: &Path, dtype: DType, device: Device, world: usize, prompt: &[i64
     let prefill_tps = per_rank.iter().map(|r| r.0).fold(f64::INFINITY, f64::min);
     let decode_tps = per_rank.iter().map(|r| r.1).fold(f64::INFINITY, f64::min);
     let c = tp_models::ModelConfig::from_dir(dir)?;
-    Ok(Measured { prefill_tps, decode_tps, weight_bytes: decode_bytes(&c, dtype) })
+    let tokens = per_rank.into_iter().next().map(|r| r.2).unwrap_or_default();
+    Ok(Measured { prefill_tps, decode_tps, tokens, weight_bytes: decode_bytes(&c, dtype) })
 }
 
 /// Bytes of parameters one decode step reads: every layer's projections and norms, the final
@@ -235,16 +241,27 @@ with torch.inference_mode():
         pre.append(time.perf_counter() - t)
     pre.sort()
     past = out.past_key_values
+    tokens = [int(tok[0, 0])]
     t = time.perf_counter()
     for _ in range(steps):
         out = m(tok, past_key_values=past, use_cache=True); past = out.past_key_values
         tok = out.logits[:, -1:].argmax(-1)
+        tokens.append(int(tok[0, 0]))
     sync()
     dec = time.perf_counter() - t
 print(ids.shape[1] / pre[1], steps / dec)
+print(",".join(map(str, tokens)))
 "#;
 
-fn transformers_baseline(dir: &Path, dtype: DType, device: Device, prompt: &[i64], steps: usize) -> Result<(f64, f64)> {
+/// transformers' prefill and decode tokens/s, and its greedy tokens (the first from the prefill,
+/// then one per decode step).
+fn transformers_baseline(
+    dir: &Path,
+    dtype: DType,
+    device: Device,
+    prompt: &[i64],
+    steps: usize,
+) -> Result<(f64, f64, Vec<i64>)> {
     let torch_dtype = match dtype {
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
@@ -269,9 +286,14 @@ fn transformers_baseline(dir: &Path, dtype: DType, device: Device, prompt: &[i64
         bail!("{} (pip install torch transformers to compare)", err.lines().last().unwrap_or("python3 failed"));
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let v: Vec<f64> = text.split_whitespace().filter_map(|t| t.parse().ok()).collect();
-    match v[..] {
-        [p, d] => Ok((p, d)),
+    let mut lines = text.lines().rev().take(2).collect::<Vec<_>>();
+    lines.reverse();
+    let rates: Vec<f64> =
+        lines.first().map_or(vec![], |l| l.split_whitespace().filter_map(|t| t.parse().ok()).collect());
+    let tokens: Vec<i64> =
+        lines.get(1).map_or(vec![], |l| l.split(',').filter_map(|t| t.trim().parse().ok()).collect());
+    match (&rates[..], tokens.len()) {
+        (&[p, d], n) if n == steps + 1 => Ok((p, d, tokens)),
         _ => bail!("transformers printed {text:?}"),
     }
 }
