@@ -21,7 +21,7 @@ const MIN_SAMPLE: Duration = Duration::from_millis(20);
 
 pub fn run(args: &Args) -> Result<Vec<Row>> {
     let gemms = args.gemms(false)?;
-    println!("host GEMM y = x W^T on {} threads", tp_core::cpu_gemm::num_threads());
+    println!("host GEMM y = x W^T on {} threads", tp_core::cpu::num_threads());
     let numpy = numpy_baseline(&gemms);
     if let Err(why) = &numpy {
         println!("numpy baseline skipped: {why}");
