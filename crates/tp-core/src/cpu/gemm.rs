@@ -21,6 +21,7 @@ use super::ukernel::{self, Tile};
 use crate::Element;
 use crate::ops::WeightLayout;
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 
 /// A micro-kernel with its tile shape, lane kind and packing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,8 +141,9 @@ unsafe fn add_tile(c: &[f32], ldc: usize, t: Tile) {
     }
 }
 
-/// Depth units per block (f32 lanes; pair lanes cover twice as many `k`).
-const KC: usize = 384;
+/// Most depth units per block (f32 lanes; pair lanes cover twice as many `k`); `K` is cut into
+/// equal blocks of at most this many, a multiple of 16.
+const KC: usize = 512;
 /// Columns of `y` per task, rounded down to a multiple of the kernel's `NR`.
 const NC: usize = 256;
 /// Fewest rows of `y` per task when rows are split to make more tasks.
@@ -177,6 +179,18 @@ pub(crate) fn with_scratch<R>(slot: &'static Slot, len: usize, f: impl FnOnce(&m
     r
 }
 
+/// Asks for `data` to be brought into L2 (a hint; never faults).
+fn prefetch_l2(data: &[u32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in data.chunks(16) {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: SSE is part of x86_64's baseline; a prefetch is a hint that never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
 /// `y` as a raw pointer for the tasks, which write disjoint blocks of it.
 #[derive(Clone, Copy)]
 struct Out(*mut f32);
@@ -194,7 +208,7 @@ impl Out {
 }
 
 /// `y[m x n] = x[m x k] · op(W) + bias`, `op(W) = W^T` for an `[N, K]` weight. `y` need not be
-/// initialised (it is overwritten). `k > 0`.
+/// initialised: every element is written. `k > 0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm<T: Element>(
     micro: Micro,
@@ -205,7 +219,7 @@ pub(crate) fn gemm<T: Element>(
     m: usize,
     k: usize,
     n: usize,
-    y: &mut [f32],
+    y: &mut [MaybeUninit<f32>],
 ) {
     assert!(x.len() == m * k && w.len() == n * k && y.len() == m * n && k > 0, "gemm: operands");
     assert!(bias.is_none_or(|b| b.len() == n), "gemm: bias");
@@ -214,9 +228,11 @@ pub(crate) fn gemm<T: Element>(
     }
     let (mr, nr) = micro.shape();
     let lanes = micro.lanes();
+    let k_depth = lanes.depth(k);
+    let kc_depth = k_depth.div_ceil(k_depth.div_ceil(KC)).next_multiple_of(16);
     let kc_elems = match lanes {
-        Lanes::F32 => KC,
-        Lanes::Pairs => 2 * KC,
+        Lanes::F32 => kc_depth,
+        Lanes::Pairs => 2 * kc_depth,
     };
     let kblocks = k.div_ceil(kc_elems);
     let mpanels = m.div_ceil(mr);
@@ -227,7 +243,8 @@ pub(crate) fn gemm<T: Element>(
         if parallel { pool::run(tasks, f) } else { (0..tasks).for_each(f) }
     };
     // Where the depth block `kb` of panel `p` starts in packed x.
-    let a_at = |kb: usize, p: usize| mpanels * mr * kb * KC + p * mr * micro.depth(kc_elems.min(k - kb * kc_elems));
+    let a_at =
+        |kb: usize, p: usize| mpanels * mr * kb * kc_depth + p * mr * micro.depth(kc_elems.min(k - kb * kc_elems));
 
     with_scratch(&A_SCRATCH, a_len, |a_buf| {
         // 1. Pack x: tasks of (depth block, 8 panels).
@@ -256,23 +273,29 @@ pub(crate) fn gemm<T: Element>(
         }
         let a_buf: &[u32] = a_buf;
 
-        // 2. Tasks: column blocks x row blocks.
-        let nc = (NC / nr).max(1) * nr;
-        let nblocks = n.div_ceil(nc);
-        let want = 4 * pool::num_threads();
-        let row_blocks = if nblocks >= want { 1 } else { (want / nblocks).min(m / MIN_ROWS_PER_TASK).max(1) };
+        // 2. Tasks: column blocks of at most NC columns, as many as a multiple of the threads
+        // (so equal cores finish together), panels spread evenly over them; rows are split too
+        // only when there are fewer panels of columns than threads.
+        let threads = if parallel { pool::num_threads() } else { 1 };
+        let npanels_n = n.div_ceil(nr);
+        let nblocks = npanels_n.div_ceil((NC / nr).max(1)).next_multiple_of(threads).min(npanels_n);
+        let (q, r) = (npanels_n / nblocks, npanels_n % nblocks);
+        let first_panel = |b: usize| b * q + b.min(r);
+        let row_blocks =
+            if nblocks >= threads { 1 } else { threads.div_ceil(nblocks).min(m / MIN_ROWS_PER_TASK).max(1) };
         let panels_per_rb = mpanels.div_ceil(row_blocks);
         let row_blocks = mpanels.div_ceil(panels_per_rb);
-        let y_out = Out(y.as_mut_ptr());
+        let y_out = Out(y.as_mut_ptr().cast());
         let bias = bias.map(|b| Out(b.as_ptr().cast_mut()));
+        let max_block_panels = q + usize::from(r > 0);
         run(nblocks * row_blocks, &|t| {
             let (nb, rb) = (t % nblocks, t / nblocks);
-            let j0 = nb * nc;
-            let ncols = nc.min(n - j0);
+            let j0 = first_panel(nb) * nr;
+            let ncols = (first_panel(nb + 1) * nr).min(n) - j0;
             let npanels = ncols.div_ceil(nr);
             let (p0, p1) = (rb * panels_per_rb, ((rb + 1) * panels_per_rb).min(mpanels));
             let mut runner = Runner::new(micro);
-            with_scratch(&B_SCRATCH, npanels * nr * micro.depth(kc_elems), |b_buf| {
+            with_scratch(&B_SCRATCH, max_block_panels * nr * micro.depth(kc_elems), |b_buf| {
                 for kb in 0..kblocks {
                     let k0 = kb * kc_elems;
                     let len = kc_elems.min(k - k0);
@@ -290,6 +313,10 @@ pub(crate) fn gemm<T: Element>(
                     }
                     for p in p0..p1 {
                         let a = &a_buf[a_at(kb, p)..][..mr * depth];
+                        if p + 1 < p1 {
+                            // The next x panel comes from L3 or memory: start fetching it now.
+                            prefetch_l2(&a_buf[a_at(kb, p + 1)..][..mr * depth]);
+                        }
                         let i0 = p * mr;
                         for q in 0..npanels {
                             let jj = j0 + q * nr;

@@ -17,6 +17,7 @@
 use super::dispatch::{CpuKernel, Isa};
 use super::pool;
 use crate::{DType, Element};
+use std::mem::MaybeUninit;
 
 /// Largest `M` sent here instead of the packed GEMM.
 pub(crate) const MAX_ROWS: usize = 8;
@@ -33,7 +34,8 @@ struct Out(*mut f32);
 unsafe impl Sync for Out {}
 
 /// `y = x W^T (+ bias)`: `x` is `m x k` row-major in the weight's dtype, `w` is `n x k`
-/// row-major, `bias` (f32) has `n` entries, `y` is `m x n` row-major. `m <= MAX_ROWS`, `k > 0`.
+/// row-major, `bias` (f32) has `n` entries, `y` is `m x n` row-major (need not be initialised:
+/// every element is written). `m <= MAX_ROWS`, `k > 0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemv<T: Element>(
     kernel: CpuKernel,
@@ -43,7 +45,7 @@ pub(crate) fn gemv<T: Element>(
     m: usize,
     k: usize,
     n: usize,
-    y: &mut [f32],
+    y: &mut [MaybeUninit<f32>],
 ) {
     assert!(m <= MAX_ROWS && x.len() == m * k && w.len() == n * k && y.len() == m * n, "gemv: operands");
     assert!(bias.is_none_or(|b| b.len() == n), "gemv: bias");
@@ -54,7 +56,7 @@ pub(crate) fn gemv<T: Element>(
     let bf16_dot = T::DTYPE == DType::BF16 && kernel.has_bf16_dot();
     // x widened once (it is small); the bf16 dot product reads x's own bf16 values instead.
     let xf: Vec<f32> = if bf16_dot { Vec::new() } else { x.iter().map(|v| v.to_f32()).collect() };
-    let out = Out(y.as_mut_ptr());
+    let out = Out(y.as_mut_ptr().cast());
     let tasks = n.div_ceil(ROWS_PER_TASK);
     let task = |t: usize| {
         let j0 = t * ROWS_PER_TASK;

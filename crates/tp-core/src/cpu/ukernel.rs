@@ -85,6 +85,8 @@ mod avx512 {
 
     const MR: usize = AVX512.0;
     const NV: usize = AVX512.1 / 16;
+    /// Depth steps ahead to prefetch B (streamed from L2).
+    const PREFETCH_B: usize = 24;
 
     /// The tile update shared by both AVX-512 kernels.
     ///
@@ -93,25 +95,52 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn finish(acc: &[[__m512; NV]; MR], t: Tile) {
+        let full = t.nr == 16 * NV;
         for (i, row) in acc.iter().enumerate().take(t.mr) {
             for (v, &val) in row.iter().enumerate() {
                 let lanes = t.nr.saturating_sub(16 * v).min(16);
                 if lanes == 0 {
                     break;
                 }
-                let mask: u16 = if lanes == 16 { u16::MAX } else { (1 << lanes) - 1 };
-                // SAFETY: the mask enables columns `16v..16v + lanes`, all below `nr`, of row
+                // SAFETY: both branches touch columns `16v..16v + lanes`, all below `nr`, of row
                 // `i < mr`: inside the block (and the bias) by the caller's contract.
                 unsafe {
                     let c = t.c.add(i * t.ldc + 16 * v);
-                    // (No closures here: they would not inherit the target features.)
-                    let old = match (t.first, t.bias) {
-                        (true, Some(b)) => _mm512_maskz_loadu_ps(mask, b.add(16 * v)),
-                        (true, None) => _mm512_setzero_ps(),
-                        (false, _) => _mm512_maskz_loadu_ps(mask, c),
-                    };
-                    _mm512_mask_storeu_ps(c, mask, _mm512_add_ps(old, val));
+                    // Full tiles use plain loads and stores (masked ones are slow on Zen 4).
+                    // No closures here: they would not inherit the target features.
+                    if full {
+                        let old = match (t.first, t.bias) {
+                            (true, Some(b)) => _mm512_loadu_ps(b.add(16 * v)),
+                            (true, None) => _mm512_setzero_ps(),
+                            (false, _) => _mm512_loadu_ps(c),
+                        };
+                        _mm512_storeu_ps(c, _mm512_add_ps(old, val));
+                    } else {
+                        let mask: u16 = if lanes == 16 { u16::MAX } else { (1 << lanes) - 1 };
+                        let old = match (t.first, t.bias) {
+                            (true, Some(b)) => _mm512_maskz_loadu_ps(mask, b.add(16 * v)),
+                            (true, None) => _mm512_setzero_ps(),
+                            (false, _) => _mm512_maskz_loadu_ps(mask, c),
+                        };
+                        _mm512_mask_storeu_ps(c, mask, _mm512_add_ps(old, val));
+                    }
                 }
+            }
+        }
+    }
+
+    /// Prefetches the tile of `C` the kernel will add into, so it arrives while the kernel runs.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn prefetch_c(t: &Tile) {
+        if t.first {
+            return;
+        }
+        for i in 0..t.mr {
+            let row = t.c.wrapping_add(i * t.ldc);
+            for line in 0..(16 * NV).div_ceil(16) {
+                // Prefetching never faults; the addresses are inside `C` anyway.
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(16 * line).cast());
             }
         }
     }
@@ -124,6 +153,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f,fma")]
     pub(crate) unsafe fn f32_avx512(depth: usize, a: &[u32], b: &[u32], t: Tile) {
         debug_assert!(a.len() >= depth * MR && b.len() >= depth * 16 * NV);
+        prefetch_c(&t);
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
         let (mut pa, mut pb) = (a.as_ptr().cast::<f32>(), b.as_ptr().cast::<f32>());
         for _ in 0..depth {
@@ -132,6 +162,7 @@ mod avx512 {
             unsafe {
                 let mut bv = [_mm512_setzero_ps(); NV];
                 for (v, slot) in bv.iter_mut().enumerate() {
+                    _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(16 * (NV * PREFETCH_B + v)).cast());
                     *slot = _mm512_load_ps(pb.add(16 * v));
                 }
                 for (i, row) in acc.iter_mut().enumerate() {
@@ -155,6 +186,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(crate) unsafe fn bf16_avx512(depth: usize, a: &[u32], b: &[u32], t: Tile) {
         debug_assert!(a.len() >= depth * MR && b.len() >= depth * 16 * NV);
+        prefetch_c(&t);
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
         let (mut pa, mut pb) = (a.as_ptr().cast::<i32>(), b.as_ptr().cast::<i32>());
         for _ in 0..depth {
@@ -162,6 +194,7 @@ mod avx512 {
             unsafe {
                 let mut bv = [std::mem::transmute::<__m512, __m512bh>(_mm512_setzero_ps()); NV];
                 for (v, slot) in bv.iter_mut().enumerate() {
+                    _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(16 * (NV * PREFETCH_B + v)).cast());
                     *slot = std::mem::transmute::<__m512i, __m512bh>(_mm512_load_si512(pb.add(16 * v).cast()));
                 }
                 for (i, row) in acc.iter_mut().enumerate() {

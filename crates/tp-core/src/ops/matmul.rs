@@ -132,21 +132,28 @@ fn host_matmul<T: Element>(
 ) -> Vec<T> {
     let kernel = CpuKernel::current();
     let bias = bias.map(widen);
-    let mut y = vec![0f32; m * n];
     if k == 0 {
+        let mut y = vec![0f32; m * n];
         if let Some(b) = &bias {
             y.chunks_exact_mut(n.max(1)).for_each(|row| row.copy_from_slice(b));
         }
-    } else if layout == WeightLayout::Nk && m <= gemv::MAX_ROWS {
-        gemv::gemv(kernel, x, w, bias.as_deref(), m, k, n, &mut y);
+        return narrow_output(y);
+    }
+    let mut y: Vec<f32> = Vec::with_capacity(m * n);
+    let out = &mut y.spare_capacity_mut()[..m * n];
+    if layout == WeightLayout::Nk && m <= gemv::MAX_ROWS {
+        gemv::gemv(kernel, x, w, bias.as_deref(), m, k, n, out);
     } else {
         let micro = match kernel.tiles_for(T::DTYPE) {
             Some(tiles) => Micro::Amx { tiles, fp16: T::DTYPE == DType::F16, pack: kernel.f32_isa() },
             None if T::DTYPE == DType::BF16 && kernel.has_bf16_dot() => Micro::Bf16Dot,
             None => Micro::F32(kernel.f32_isa()),
         };
-        gemm::gemm(micro, x, w, layout, bias.as_deref(), m, k, n, &mut y);
+        gemm::gemm(micro, x, w, layout, bias.as_deref(), m, k, n, out);
     }
+    // SAFETY: with `k > 0` both products write every one of the `m * n` elements (their
+    // contract), so the first `m * n` are initialised.
+    unsafe { y.set_len(m * n) };
     narrow_output(y)
 }
 /// The f32 result in the output dtype (rounded once, to nearest even).
