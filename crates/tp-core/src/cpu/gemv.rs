@@ -154,7 +154,7 @@ unsafe fn rows_avx2<T: Element>(x: &[f32], w: &[T], m: usize, k: usize, rows: us
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::MAX_ROWS;
+    use super::{MAX_ROWS, ROWS_PER_TASK};
     use crate::{DType, Element};
     use std::arch::x86_64::*;
 
@@ -182,31 +182,65 @@ mod avx512 {
         }
     }
 
-    /// `R` weight rows at a time against all `m` rows of x (f32), `vfmadd231ps`; one
-    /// monomorphisation per `(M, R)` keeps the accumulators in registers.
+    /// Bytes of x a chunk of K keeps in L1 (all `m` rows of it).
+    const X_CHUNK_BYTES: usize = 16 << 10;
+    /// Bytes ahead along each weight row to prefetch.
+    const PREFETCH_W: usize = 1024;
+
+    /// Where the rows after a block continue: the same span of the next `R` rows, or the next
+    /// span of the first rows when this block is the last of its span. Prefetching it while
+    /// the block runs hides the latency of starting those streams.
+    fn next_block(r0: usize, r: usize, rows: usize, span: (usize, usize), k: usize) -> (usize, usize) {
+        if r0 + 2 * r <= rows { (r0 + r, span.0) } else { (0, span.1.min(k)) }
+    }
+
+    /// Elements of K per chunk: as many as keep the chunk of x (`m` rows of `elem`-byte values) in
+    /// [`X_CHUNK_BYTES`], a multiple of 32.
+    fn chunk_len(m: usize, elem: usize) -> usize {
+        (X_CHUNK_BYTES / (m * elem) / 32 * 32).max(32)
+    }
+
+    /// `R` weight rows at a time against all `M` rows of x (f32), over elements `l0..l1` of K,
+    /// `vfmadd231ps`, adding into `partial[(r0 + r) * M + i]` (starting from zero when `first`);
+    /// one monomorphisation per `(M, R)` keeps the accumulators in registers.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     fn block_f32<T: Element, const M: usize, const R: usize>(
         x: &[f32],
         w: &[T],
         k: usize,
+        (l0, l1): (usize, usize),
         r0: usize,
-        rows: usize,
-        tile: &mut [f32],
+        partial: &mut [__m512],
+        first: bool,
     ) {
         let mut acc = [[_mm512_setzero_ps(); R]; M];
-        let mut l = 0;
-        while l < k {
+        if !first {
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                for (r, a) in acc_i.iter_mut().enumerate() {
+                    *a = partial[(r0 + r) * M + i];
+                }
+            }
+        }
+        let (next_r, next_l) = next_block(r0, R, partial.len() / M, (l0, l1), k);
+        let mut l = l0;
+        while l < l1 {
             let n = k - l;
             let mut wv = [_mm512_setzero_ps(); R];
             for (r, slot) in wv.iter_mut().enumerate() {
+                let p = w.as_ptr().wrapping_add((r0 + r) * k + l);
+                _mm_prefetch::<_MM_HINT_T0>(p.cast::<u8>().wrapping_add(PREFETCH_W).cast());
+                let q = w.as_ptr().wrapping_add((next_r + r) * k + next_l + (l - l0));
+                _mm_prefetch::<_MM_HINT_T1>(q.cast());
                 // SAFETY: row `r0 + r` has `k` elements from `(r0 + r) * k`; `n` are left.
-                *slot = unsafe { load_w(w.as_ptr().add((r0 + r) * k + l), n) };
+                *slot = unsafe { load_w(p, n) };
             }
             for (i, acc_i) in acc.iter_mut().enumerate() {
-                let mask: u16 = if n >= 16 { u16::MAX } else { (1u16 << n) - 1 };
-                // SAFETY: x row `i` has `k` elements; the mask covers the `n.min(16)` left.
-                let xv = unsafe { _mm512_maskz_loadu_ps(mask, x.as_ptr().add(i * k + l)) };
+                let p = x.as_ptr().wrapping_add(i * k + l);
+                // SAFETY: x row `i` has `k` elements; the loads read at most the `n` left.
+                let xv =
+                    unsafe { if n >= 16 { _mm512_loadu_ps(p) } else { _mm512_maskz_loadu_ps((1u16 << n) - 1, p) } };
                 for (a, &wr) in acc_i.iter_mut().zip(&wv) {
                     *a = _mm512_fmadd_ps(xv, wr, *a);
                 }
@@ -215,7 +249,7 @@ mod avx512 {
         }
         for (i, acc_i) in acc.iter().enumerate() {
             for (r, a) in acc_i.iter().enumerate() {
-                tile[i * rows + r0 + r] = _mm512_reduce_add_ps(*a);
+                partial[(r0 + r) * M + i] = *a;
             }
         }
     }
@@ -223,27 +257,46 @@ mod avx512 {
     /// Like [`block_f32`] with `vdpbf16ps` on bf16 bits of x and w (32 elements per step).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     fn block_bf16<const M: usize, const R: usize>(
         x: &[u16],
         w: &[u16],
         k: usize,
+        (l0, l1): (usize, usize),
         r0: usize,
-        rows: usize,
-        tile: &mut [f32],
+        partial: &mut [__m512],
+        first: bool,
     ) {
         let mut acc = [[_mm512_setzero_ps(); R]; M];
-        let mut l = 0;
-        while l < k {
+        if !first {
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                for (r, a) in acc_i.iter_mut().enumerate() {
+                    *a = partial[(r0 + r) * M + i];
+                }
+            }
+        }
+        let (next_r, next_l) = next_block(r0, R, partial.len() / M, (l0, l1), k);
+        let mut l = l0;
+        while l < l1 {
             let n = k - l;
             let mask: u32 = if n >= 32 { u32::MAX } else { (1u32 << n) - 1 };
             let mut wv = [_mm512_setzero_si512(); R];
             for (r, slot) in wv.iter_mut().enumerate() {
-                // SAFETY: row `r0 + r` has `k` elements; the mask covers the `n.min(32)` left.
-                *slot = unsafe { _mm512_maskz_loadu_epi16(mask, w.as_ptr().add((r0 + r) * k + l).cast()) };
+                let p = w.as_ptr().wrapping_add((r0 + r) * k + l);
+                _mm_prefetch::<_MM_HINT_T0>(p.cast::<u8>().wrapping_add(PREFETCH_W).cast());
+                let q = w.as_ptr().wrapping_add((next_r + r) * k + next_l + (l - l0));
+                _mm_prefetch::<_MM_HINT_T1>(q.cast());
+                // SAFETY: row `r0 + r` has `k` elements; the loads read at most the `n` left.
+                *slot = unsafe {
+                    if n >= 32 { _mm512_loadu_si512(p.cast()) } else { _mm512_maskz_loadu_epi16(mask, p.cast()) }
+                };
             }
             for (i, acc_i) in acc.iter_mut().enumerate() {
+                let p = x.as_ptr().wrapping_add(i * k + l);
                 // SAFETY: as above, for x row `i`.
-                let xv = unsafe { _mm512_maskz_loadu_epi16(mask, x.as_ptr().add(i * k + l).cast()) };
+                let xv = unsafe {
+                    if n >= 32 { _mm512_loadu_si512(p.cast()) } else { _mm512_maskz_loadu_epi16(mask, p.cast()) }
+                };
                 // SAFETY: `__m512i` and `__m512bh` are the same 64 bytes; any bits are valid.
                 let xb = unsafe { std::mem::transmute::<__m512i, __m512bh>(xv) };
                 for (a, &wr) in acc_i.iter_mut().zip(&wv) {
@@ -256,7 +309,18 @@ mod avx512 {
         }
         for (i, acc_i) in acc.iter().enumerate() {
             for (r, a) in acc_i.iter().enumerate() {
-                tile[i * rows + r0 + r] = _mm512_reduce_add_ps(*a);
+                partial[(r0 + r) * M + i] = *a;
+            }
+        }
+    }
+
+    /// `tile[i * rows + r]` from the partial sums `partial[r * m + i]`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn reduce(partial: &[__m512], m: usize, rows: usize, tile: &mut [f32]) {
+        for r in 0..rows {
+            for i in 0..m {
+                tile[i * rows + r] = _mm512_reduce_add_ps(partial[r * m + i]);
             }
         }
     }
@@ -286,33 +350,43 @@ mod avx512 {
         };
     }
 
-    /// `tile[i * rows + r] = Σ_l x[i, l] · w[r, l]` for `rows` weight rows, f32 arithmetic.
+    /// `tile[i * rows + r] = Σ_l x[i, l] · w[r, l]` for `rows <= ROWS_PER_TASK` weight rows,
+    /// f32 arithmetic, K in chunks whose slice of x stays in L1.
     ///
     /// # Safety
     /// The CPU must have AVX-512 F/BW/VL, F16C and FMA.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
     pub(super) unsafe fn rows_f32<T: Element>(x: &[f32], w: &[T], m: usize, k: usize, rows: usize, tile: &mut [f32]) {
-        assert!(m <= MAX_ROWS && x.len() >= m * k && w.len() >= rows * k && tile.len() >= m * rows);
+        assert!(m <= MAX_ROWS && rows <= ROWS_PER_TASK && x.len() >= m * k && w.len() >= rows * k);
+        assert!(tile.len() >= m * rows);
         let step = rows_per_block(m);
-        let mut r0 = 0;
-        macro_rules! full {
-            ($mm:literal,) => {
-                block_f32::<T, $mm, { rows_per_block($mm) }>(x, w, k, r0, rows, tile)
-            };
+        let mut partial = [_mm512_setzero_ps(); MAX_ROWS * ROWS_PER_TASK];
+        let partial = &mut partial[..rows * m];
+        let kb = chunk_len(m, 4);
+        for l0 in (0..k).step_by(kb) {
+            let span = (l0, (l0 + kb).min(k));
+            let first = l0 == 0;
+            let mut r0 = 0;
+            macro_rules! full {
+                ($mm:literal,) => {
+                    block_f32::<T, $mm, { rows_per_block($mm) }>(x, w, k, span, r0, partial, first)
+                };
+            }
+            macro_rules! one {
+                ($mm:literal,) => {
+                    block_f32::<T, $mm, 1>(x, w, k, span, r0, partial, first)
+                };
+            }
+            while r0 + step <= rows {
+                by_m!(m, full,);
+                r0 += step;
+            }
+            while r0 < rows {
+                by_m!(m, one,);
+                r0 += 1;
+            }
         }
-        macro_rules! one {
-            ($mm:literal,) => {
-                block_f32::<T, $mm, 1>(x, w, k, r0, rows, tile)
-            };
-        }
-        while r0 + step <= rows {
-            by_m!(m, full,);
-            r0 += step;
-        }
-        while r0 < rows {
-            by_m!(m, one,);
-            r0 += 1;
-        }
+        reduce(partial, m, rows, tile);
     }
 
     /// Like [`rows_f32`] on bf16 bits with `vdpbf16ps`.
@@ -321,26 +395,35 @@ mod avx512 {
     /// The CPU must have AVX-512 F/BW and AVX512-BF16.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn rows_bf16_dot(x: &[u16], w: &[u16], m: usize, k: usize, rows: usize, tile: &mut [f32]) {
-        assert!(m <= MAX_ROWS && x.len() >= m * k && w.len() >= rows * k && tile.len() >= m * rows);
+        assert!(m <= MAX_ROWS && rows <= ROWS_PER_TASK && x.len() >= m * k && w.len() >= rows * k);
+        assert!(tile.len() >= m * rows);
         let step = rows_per_block(m);
-        let mut r0 = 0;
-        macro_rules! full {
-            ($mm:literal,) => {
-                block_bf16::<$mm, { rows_per_block($mm) }>(x, w, k, r0, rows, tile)
-            };
+        let mut partial = [_mm512_setzero_ps(); MAX_ROWS * ROWS_PER_TASK];
+        let partial = &mut partial[..rows * m];
+        let kb = chunk_len(m, 2);
+        for l0 in (0..k).step_by(kb) {
+            let span = (l0, (l0 + kb).min(k));
+            let first = l0 == 0;
+            let mut r0 = 0;
+            macro_rules! full {
+                ($mm:literal,) => {
+                    block_bf16::<$mm, { rows_per_block($mm) }>(x, w, k, span, r0, partial, first)
+                };
+            }
+            macro_rules! one {
+                ($mm:literal,) => {
+                    block_bf16::<$mm, 1>(x, w, k, span, r0, partial, first)
+                };
+            }
+            while r0 + step <= rows {
+                by_m!(m, full,);
+                r0 += step;
+            }
+            while r0 < rows {
+                by_m!(m, one,);
+                r0 += 1;
+            }
         }
-        macro_rules! one {
-            ($mm:literal,) => {
-                block_bf16::<$mm, 1>(x, w, k, r0, rows, tile)
-            };
-        }
-        while r0 + step <= rows {
-            by_m!(m, full,);
-            r0 += step;
-        }
-        while r0 < rows {
-            by_m!(m, one,);
-            r0 += 1;
-        }
+        reduce(partial, m, rows, tile);
     }
 }
