@@ -215,7 +215,7 @@ mod avx512 {
 
     /// How many vectors ahead along a row to prefetch (a prefetch never faults, even past the
     /// end of the data).
-    const PREFETCH: usize = 16;
+    const PREFETCH: usize = 4;
 
     /// [`super::rows`] with 16 x 16 register transposes. Same contract; the caller has checked
     /// that `src` holds rows `r0..r0 + nrows`, elements `c0..c0 + len` (row stride `src.ld`), and
@@ -254,8 +254,12 @@ mod avx512 {
                         if row < nrows {
                             let start = (r0 + row) * src.ld + c0 + e0;
                             let ptr = src.data[start..start + n].as_ptr();
-                            // Each row is a short stream (one depth block): prefetch ahead of it.
+                            // Each row is a short stream (one depth block): prefetch ahead of it,
+                            // and start the stream of the row 16 below (the next group) into L2.
                             _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(PREFETCH * per_vec).cast());
+                            if row + 16 < nrows {
+                                _mm_prefetch::<_MM_HINT_T1>(ptr.wrapping_add(16 * src.ld).cast());
+                            }
                             // SAFETY: elements `start..start + n` are inside the row (`e0 + n <=
                             // len`, the caller checked the rows), and `load` reads no others.
                             *slot = unsafe { load(lanes, ptr, n) };
