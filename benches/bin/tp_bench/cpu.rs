@@ -190,7 +190,7 @@ fn layer_rows(args: &Args) -> Result<Vec<Row>> {
                         s.spawn(move || -> Result<f64> {
                             let col = ColumnParallel::from_full(full, g.rank(), world)?;
                             let row = RowParallel::from_full(wd, None, g.rank(), world)?;
-                            median_seconds(|| {
+                            let step = || -> Result<()> {
                                 g.barrier()?;
                                 if is_col {
                                     std::hint::black_box(col.forward(x)?);
@@ -199,7 +199,15 @@ fn layer_rows(args: &Args) -> Result<Vec<Row>> {
                                 }
                                 g.barrier()?;
                                 Ok(())
-                            })
+                            };
+                            // Every rank must run the same number of steps (each has barriers):
+                            // the repetition count comes from the slowest rank's warm-up.
+                            step()?;
+                            let start = Instant::now();
+                            step()?;
+                            let one = Tensor::from_vec(vec![start.elapsed().as_secs_f32()], &[1], &Device::Cpu)?;
+                            let one = g.all_reduce(&one, tp_comm::ReduceOp::Max)?.to_f64_vec()?[0];
+                            sampled_seconds(reps_for(one), step)
                         })
                     })
                     .collect();
@@ -248,8 +256,16 @@ fn median_seconds(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let start = Instant::now();
     f()?;
-    let one = start.elapsed().max(Duration::from_micros(1));
-    let reps = (MIN_SAMPLE.as_secs_f64() / one.as_secs_f64()).ceil().max(1.0) as usize;
+    sampled_seconds(reps_for(start.elapsed().as_secs_f64()), f)
+}
+
+/// Calls per sample for a call that took `one` seconds.
+fn reps_for(one: f64) -> usize {
+    (MIN_SAMPLE.as_secs_f64() / one.max(1e-6)).ceil().max(1.0) as usize
+}
+
+/// Median seconds per call of `f` over `SAMPLES` samples of `reps` calls.
+fn sampled_seconds(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     let mut samples = Vec::with_capacity(SAMPLES);
     for _ in 0..SAMPLES {
         let t = Instant::now();
