@@ -1,9 +1,8 @@
 //! Host GEMM throughput: `y = x W^T` (weight `[N, K]`, the checkpoint layout) and `y = x W`.
 //!
-//! Throughput is `Elements(2·M·N·K)`: criterion's `Gelem/s` column is GFLOP/s.
-//! Reference point on the 2-core CI machine (2026-12-02): numpy 2.x / OpenBLAS SkylakeX kernel,
-//! `x @ w.T` at 1024³ f32, ~311-317 GFLOP/s (median of 5); `cargo xtask bench` measures numpy
-//! beside us in the same run.
+//! Throughput is `Elements(2·M·N·K)`: criterion's `Gelem/s` column is GFLOP/s. The kernel family
+//! is the machine's best (`TP_CPU_KERNEL` caps it). `cargo xtask bench` measures numpy (f32) and
+//! torch (f16/bf16) beside us in the same run; README.md's "Measured" section has the figures.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use std::hint::black_box;
@@ -19,7 +18,9 @@ fn gemm(c: &mut Criterion) {
         ("square", 1024, 1024, 1024, DType::BF16),
         ("square", 1024, 1024, 1024, DType::F16),
         ("prefill_qkv_tp2", 128, 3072, 4096, DType::F32),
+        ("prefill_qkv_tp2", 128, 3072, 4096, DType::BF16),
         ("decode_down_tp2", 16, 4096, 7168, DType::F32),
+        ("decode_qkv_tp2", 1, 3072, 4096, DType::BF16),
     ];
     for (label, m, n, k, dtype) in cases {
         let x = Tensor::rand(&[m, k], dtype, 1, &cpu).expect("x");

@@ -7,6 +7,10 @@
 //! bus factor (all-reduce 2(n-1)/n; all-gather and reduce-scatter (n-1)/n; broadcast 1), the
 //! figure comparable across world sizes, as nccl-tests defines it.
 //!
+//! On the CPU backend, when `python3` can import torch, all-reduce is also timed with gloo (torch's
+//! CPU backend: `world` processes on this machine, the same sizes, iterations and method) and
+//! printed beside ours.
+//!
 //! Usage: `tp-comm-bench [--backend local|nccl] [--world N] [--max-bytes B] [--iters N]`.
 
 use anyhow::{Context, Result, bail};
@@ -78,28 +82,121 @@ fn run() -> Result<()> {
         DeviceGroup::local(n, timeout, |_| Device::Cpu)?
     };
     let n = groups.len();
+    let sizes: Vec<usize> =
+        std::iter::successors(Some(8usize), |b| Some(b * 2)).take_while(|&b| b <= max_bytes).collect();
+    let gloo = if use_nccl { Err("NCCL backend".to_string()) } else { gloo_all_reduce(n, &sizes, iters) };
+    match &gloo {
+        Ok((version, _)) => println!("reference: {version}, all-reduce over {n} processes"),
+        Err(why) => println!("gloo reference skipped: {why}"),
+    }
     println!(
-        "{:>12} {:>12} {:<15} {:>10} {:>12} {:>12}",
-        "size (B)", "count (f32)", "collective", "time (us)", "algbw GB/s", "busbw GB/s"
+        "{:>12} {:>12} {:<15} {:>10} {:>12} {:>12} {:>10} {:>8}",
+        "size (B)", "count (f32)", "collective", "time (us)", "algbw GB/s", "busbw GB/s", "gloo (us)", "vs gloo"
     );
     for coll in [Coll::AllReduce, Coll::AllGather, Coll::ReduceScatter, Coll::Broadcast] {
-        let mut bytes = 8usize;
-        while bytes <= max_bytes {
+        for (i, &bytes) in sizes.iter().enumerate() {
             let secs = time(&groups, coll, bytes, iters)?;
             let algbw = bytes as f64 / secs / 1e9;
+            let reference = gloo.as_ref().ok().filter(|_| coll == Coll::AllReduce).map(|(_, t)| t[i]);
             println!(
-                "{:>12} {:>12} {:<15} {:>10.1} {:>12.3} {:>12.3}",
+                "{:>12} {:>12} {:<15} {:>10.1} {:>12.3} {:>12.3} {:>10} {:>8}",
                 bytes,
                 bytes / 4,
                 format!("{coll:?}"),
                 secs * 1e6,
                 algbw,
-                algbw * coll.bus_factor(n)
+                algbw * coll.bus_factor(n),
+                reference.map_or("-".into(), |g| format!("{:.1}", g * 1e6)),
+                reference.map_or("-".into(), |g| format!("{:.2}x", g / secs)),
             );
-            bytes *= 2;
         }
     }
     Ok(())
+}
+
+/// One gloo rank: after `init_process_group`, for each size, `iters` timed all-reduces of f32
+/// (2 warm-ups, a barrier before each), printed as one line of seconds per size.
+const GLOO_SCRIPT: &str = r#"
+import os, sys, time
+import torch, torch.distributed as dist
+rank, world, iters = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", rank=rank, world_size=world)
+if rank == 0:
+    print(f"gloo (torch {torch.__version__})", flush=True)
+for nbytes in map(int, sys.argv[4:]):
+    x = torch.rand(max(nbytes // 4, 1))
+    ts = []
+    for i in range(iters + 2):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        if i >= 2:
+            ts.append(time.perf_counter() - t)
+    print(",".join(map(str, ts)), flush=True)
+dist.destroy_process_group()
+"#;
+
+/// gloo's median all-reduce time per size (slowest rank per iteration), with a version line,
+/// or why it could not run.
+fn gloo_all_reduce(world: usize, sizes: &[usize], iters: usize) -> Result<(String, Vec<f64>), String> {
+    let port =
+        std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+    let children = (0..world)
+        .map(|rank| {
+            std::process::Command::new("python3")
+                .arg("-c")
+                .arg(GLOO_SCRIPT)
+                .args([rank.to_string(), world.to_string(), iters.to_string()])
+                .args(sizes.iter().map(|b| b.to_string()))
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("cannot run python3 ({e})"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut outputs = Vec::new();
+    for child in children {
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            return Err(format!(
+                "{} (pip install torch for the gloo reference)",
+                err.lines().last().unwrap_or("python3 failed")
+            ));
+        }
+        outputs.push(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let version = outputs[0].lines().next().unwrap_or("gloo").to_string();
+    let per_rank: Vec<Vec<Vec<f64>>> = outputs
+        .iter()
+        .enumerate()
+        .map(|(r, o)| {
+            o.lines()
+                .skip(usize::from(r == 0))
+                .map(|l| l.split(',').filter_map(|v| v.trim().parse().ok()).collect())
+                .collect()
+        })
+        .collect();
+    let mut medians = Vec::with_capacity(sizes.len());
+    for i in 0..sizes.len() {
+        let mut slowest: Vec<f64> = (0..iters)
+            .map(|j| {
+                per_rank
+                    .iter()
+                    .map(|r| r.get(i).and_then(|t| t.get(j)).copied().unwrap_or(f64::NAN))
+                    .fold(0.0, f64::max)
+            })
+            .collect();
+        if slowest.iter().any(|t| !t.is_finite()) {
+            return Err("gloo printed too few figures".into());
+        }
+        slowest.sort_by(f64::total_cmp);
+        medians.push(slowest[slowest.len() / 2]);
+    }
+    Ok((version, medians))
 }
 
 /// Median seconds of one collective over `iters` runs (after 2 warm-ups), slowest rank.

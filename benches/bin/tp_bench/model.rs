@@ -277,7 +277,7 @@ fn transformers_baseline(
         .arg("-c")
         .arg(TRANSFORMERS_SCRIPT)
         .arg(dir)
-        .args([torch_dtype, &dev, &tp_core::cpu_gemm::num_threads().to_string(), &steps.to_string(), &ids.join(",")])
+        .args([torch_dtype, &dev, &tp_core::cpu::num_threads().to_string(), &steps.to_string(), &ids.join(",")])
         .env_remove("OPENBLAS_CORETYPE")
         .output()
         .context("cannot run python3")?;

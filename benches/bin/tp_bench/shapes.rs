@@ -59,7 +59,8 @@ pub fn tensor_parallel(models: &[&str], tps: &[usize], tokens: &[usize]) -> Vec<
 }
 
 /// The default sets. GPU: squares 1024..16384 and every TP shape (quick: 2 squares, 8B at TP 2
-/// with 1 and 128 tokens). CPU: squares 256..2048 and 8B at TP 2 (quick: squares to 1024).
+/// with 1 and 128 tokens). CPU: squares 256..2048 and 8B at TP 2 (quick: squares to 1024 and
+/// the 8B QKV projection at TP 2 with 1 and 128 tokens).
 pub fn default_set(gpu: bool, quick: bool) -> Vec<Gemm> {
     match (gpu, quick) {
         (true, false) => {
@@ -81,7 +82,11 @@ pub fn default_set(gpu: bool, quick: bool) -> Vec<Gemm> {
             );
             v
         }
-        (false, true) => squares(256, 1024),
+        (false, true) => {
+            let mut v = squares(256, 1024);
+            v.extend(tensor_parallel(&["8B"], &[2], &[1, 128]).into_iter().filter(|g| g.label.contains("qkv")));
+            v
+        }
     }
 }
 

@@ -1,11 +1,18 @@
 //! [`LocalGroup`]: `world_size` ranks as threads of one process.
 //!
 //! Each collective is one exchange: every rank deposits its tensor in a shared slot; the last to
-//! arrive publishes all deposits at once and wakes the others; each rank then takes its result
-//! from them (gather = `cat`; a reduction is computed once, in rank order, by the first rank to
-//! need it and shared, so all ranks agree bit for bit). Host tensors pass by reference-counted clone; CUDA tensors stay on their device
-//! for gathers and broadcasts (ranks may share one GPU: device-to-device copies) and are reduced
-//! through the host.
+//! arrive publishes all deposits at once and wakes the others (a waiting rank spins briefly
+//! before it parks, so small collectives never wait for a thread wake-up); each rank then takes
+//! its result from them (gather = `cat`). Host tensors pass by reference-counted clone; CUDA
+//! tensors stay on their device for gathers and broadcasts (ranks may share one GPU:
+//! device-to-device copies) and are reduced through the host.
+//!
+//! Reductions of host tensors run on all the ranks' threads at once: the output is cut into
+//! chunks that the ranks claim (a reduce-scatter), each chunk reduced in rank order as
+//! [`crate::reduce`] defines, into one shared buffer that every rank then receives (the
+//! all-gather is the sharing of that buffer). Small ones are reduced whole by every rank on its
+//! own, with no second synchronisation. Either way every element is computed in the same fixed
+//! order, so all ranks agree bit for bit.
 //!
 //! Failure: every wait has a deadline ([`LocalGroup::timeout`]). A rank that times out, panics
 //! while holding its handle, or calls [`LocalGroup::abort`] poisons the group; every other rank's
@@ -15,12 +22,23 @@ use crate::communicator::{Communicator, ReduceOp};
 use crate::deadline::{Deadline, MAX_TIMEOUT};
 use crate::env::MAX_WORLD_SIZE;
 use crate::error::{CommError, Result, tensor_err};
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
-use tp_core::{DType, Device, Tensor, TensorShard};
+use tp_core::{DType, Device, Element, Tensor, TensorShard};
 
 /// Default deadline of every collective.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How long a waiting rank spins (busy, then yielding its core) before it parks on the
+/// condition variable; busy only while there are no more ranks than cores.
+const SPIN: Duration = Duration::from_micros(50);
+const SPIN_BUSY: Duration = Duration::from_micros(10);
+/// Reductions of fewer bytes are computed whole by every rank (no second synchronisation).
+const SPLIT_MIN_BYTES: usize = 128 << 10;
+/// Bytes of output per claimed chunk of a split reduction.
+const CHUNK_BYTES: usize = 64 << 10;
 
 /// What a rank brings to one exchange: which collective (with its arguments) and its tensor.
 #[derive(Clone)]
@@ -29,11 +47,76 @@ struct Deposit {
     tensor: Tensor,
 }
 
-/// One completed exchange: every rank's deposit, and the reduction of them, computed once by
-/// whichever rank asks first and shared by the others (all ranks made the same call).
+/// One completed exchange: every rank's deposit, and the reduction of them (all ranks made the
+/// same call): shared by the ranks that compute it together (host tensors) or computed once by
+/// whichever rank asks first (device tensors).
 struct Round {
     deposits: Vec<Deposit>,
     reduced: OnceLock<Result<Tensor>>,
+    split: OnceLock<Split>,
+}
+
+impl Round {
+    fn new(deposits: Vec<Deposit>) -> Round {
+        Round { deposits, reduced: OnceLock::new(), split: OnceLock::new() }
+    }
+}
+
+/// A reduction computed by all ranks together: an output buffer of `n` elements of `dtype`
+/// (allocated, not yet initialised), cut into `chunks` chunks of `chunk` elements that ranks
+/// claim through `next` and count in `done` once written. The rank that writes the last chunk
+/// turns the buffer into the result tensor.
+struct Split {
+    dtype: DType,
+    n: usize,
+    chunk: usize,
+    chunks: usize,
+    next: AtomicUsize,
+    done: AtomicUsize,
+    buf: *mut u8,
+    cap: usize,
+    /// Set when `buf` became the result's storage (so `Drop` must not free it).
+    taken: AtomicBool,
+    result: OnceLock<Result<Tensor>>,
+}
+
+// SAFETY: `buf` is written only through disjoint chunks, each claimed by exactly one rank
+// through `next`, and read (turned into the result) only by the rank whose `done` increment
+// completes the count, after every writer's Release increment; everything else is atomics and
+// a `OnceLock`.
+unsafe impl Send for Split {}
+// SAFETY: as above.
+unsafe impl Sync for Split {}
+
+impl Split {
+    fn new<T: tp_core::Storable>(n: usize) -> Split {
+        let chunk = (CHUNK_BYTES / std::mem::size_of::<T>()).max(1);
+        let mut v = std::mem::ManuallyDrop::new(Vec::<T>::with_capacity(n));
+        Split {
+            dtype: T::DTYPE,
+            n,
+            chunk,
+            chunks: n.div_ceil(chunk),
+            next: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            buf: v.as_mut_ptr().cast(),
+            cap: v.capacity(),
+            taken: AtomicBool::new(false),
+            result: OnceLock::new(),
+        }
+    }
+}
+
+impl Drop for Split {
+    fn drop(&mut self) {
+        if !*self.taken.get_mut() {
+            tp_core::with_storable!(self.dtype, T => {
+                // SAFETY: `buf`/`cap` came from a `Vec<T>` of this dtype that was never handed
+                // on (`taken` is false); length 0 drops no (possibly uninitialised) element.
+                drop(unsafe { Vec::<T>::from_raw_parts(self.buf.cast(), 0, self.cap) });
+            });
+        }
+    }
 }
 
 struct State {
@@ -43,6 +126,8 @@ struct State {
     /// The last completed exchange.
     published: Arc<Round>,
     poisoned: Option<String>,
+    /// Ranks parked on `arrived` (so a publisher knows whether it must wake anyone).
+    sleepers: usize,
 }
 
 struct Shared {
@@ -50,6 +135,10 @@ struct Shared {
     timeout: Duration,
     state: Mutex<State>,
     arrived: Condvar,
+    /// `State::generation`, readable without the lock by spinning ranks.
+    generation: AtomicU64,
+    /// Whether `State::poisoned` is set, readable without the lock.
+    poisoned: AtomicBool,
 }
 
 impl Shared {
@@ -62,9 +151,53 @@ impl Shared {
     fn poison(&self, reason: String) {
         let mut st = self.lock();
         st.poisoned.get_or_insert(reason);
+        self.poisoned.store(true, Ordering::Release);
         drop(st);
         self.arrived.notify_all();
     }
+
+    /// Wakes the parked ranks, if any.
+    fn wake(&self) {
+        let st = self.lock();
+        if st.sleepers > 0 {
+            drop(st);
+            self.arrived.notify_all();
+        }
+    }
+
+    /// Spins for up to [`SPIN`] until `done()` or the group is poisoned; returns `done()`.
+    /// The first [`SPIN_BUSY`] keeps the core when every rank can have one; the rest yields it
+    /// between checks, so ranks that outnumber the cores still get to run.
+    fn spin(&self, done: impl Fn() -> bool) -> bool {
+        let start = Instant::now();
+        let busy = if self.world <= cores() { SPIN_BUSY } else { Duration::ZERO };
+        for i in 0u32.. {
+            if done() {
+                return true;
+            }
+            if self.poisoned.load(Ordering::Acquire) {
+                return done();
+            }
+            if i % 32 == 0 {
+                let t = start.elapsed();
+                if t > SPIN {
+                    return done();
+                }
+                if t > busy {
+                    std::thread::yield_now();
+                    continue;
+                }
+            }
+            std::hint::spin_loop();
+        }
+        done()
+    }
+}
+
+/// The machine's cores (available parallelism), read once.
+fn cores() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// One rank's handle on a group of threads. Create all of them with [`LocalGroup::new`] and move
@@ -111,10 +244,13 @@ impl LocalGroup {
             state: Mutex::new(State {
                 generation: 0,
                 slots: vec![None; world_size],
-                published: Arc::new(Round { deposits: Vec::new(), reduced: OnceLock::new() }),
+                published: Arc::new(Round::new(Vec::new())),
                 poisoned: None,
+                sleepers: 0,
             }),
             arrived: Condvar::new(),
+            generation: AtomicU64::new(0),
+            poisoned: AtomicBool::new(false),
         });
         Ok((0..world_size).map(|rank| LocalGroup { rank, shared: shared.clone() }).collect())
     }
@@ -143,13 +279,20 @@ impl LocalGroup {
         let generation = st.generation;
         if st.slots.iter().all(Option::is_some) {
             let all: Vec<Deposit> = st.slots.iter_mut().filter_map(Option::take).collect();
-            st.published = Arc::new(Round { deposits: all, reduced: OnceLock::new() });
+            st.published = Arc::new(Round::new(all));
             st.generation += 1;
-            let published = st.published.clone();
+            sh.generation.store(st.generation, Ordering::Release);
+            let (published, wake) = (st.published.clone(), st.sleepers > 0);
             drop(st);
-            sh.arrived.notify_all();
+            if wake {
+                sh.arrived.notify_all();
+            }
             return Ok(published);
         }
+        // Spin without the lock first: the others usually arrive within microseconds.
+        drop(st);
+        sh.spin(|| sh.generation.load(Ordering::Acquire) != generation);
+        let mut st = sh.lock();
         loop {
             let now = Instant::now();
             if now >= deadline {
@@ -164,13 +307,15 @@ impl LocalGroup {
                 sh.arrived.notify_all();
                 return Err(CommError::Timeout { op: op.into(), rank: self.rank, missing, waited: sh.timeout });
             }
-            st = sh.arrived.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
             if st.generation != generation {
                 return Ok(st.published.clone());
             }
             if let Some(reason) = &st.poisoned {
                 return Err(CommError::Poisoned { op: op.into(), reason: reason.clone() });
             }
+            st.sleepers += 1;
+            st = sh.arrived.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st.sleepers -= 1;
         }
     }
 
@@ -187,15 +332,94 @@ impl LocalGroup {
         Ok(round)
     }
 
-    /// The round's reduction, computed by the first rank to ask.
-    fn reduced(op: &'static str, round: &Round, red: ReduceOp) -> Result<Tensor> {
-        round
-            .reduced
-            .get_or_init(|| {
-                let parts: Vec<&Tensor> = round.deposits.iter().map(|d| &d.tensor).collect();
-                crate::reduce::reduce(op, &parts, red)
-            })
-            .clone()
+    /// The round's reduction: host tensors on every rank's thread at once (see the module docs),
+    /// device tensors through the host, computed by the first rank to ask.
+    fn reduced(&self, op: &'static str, round: &Round, red: ReduceOp) -> Result<Tensor> {
+        let parts: Vec<&Tensor> = round.deposits.iter().map(|d| &d.tensor).collect();
+        if parts.iter().any(|p| p.device() != Device::Cpu) {
+            return round.reduced.get_or_init(|| crate::reduce::reduce(op, &parts, red)).clone();
+        }
+        crate::reduce::check(op, &parts)?;
+        if parts.len() == 1 {
+            return Ok(parts[0].clone()); // x op nothing = x, exactly
+        }
+        let (n, dtype) = (parts[0].numel(), parts[0].dtype());
+        if n * dtype.size_in_bytes() < SPLIT_MIN_BYTES {
+            return crate::reduce::reduce(op, &parts, red);
+        }
+        let split = round.split.get_or_init(|| tp_core::with_storable!(dtype, T => Split::new::<T>(n)));
+        tp_core::with_dtype!(dtype, T => self.reduce_chunks::<T>(op, &parts, split, red))?;
+        self.wait_result(op, split)
+    }
+
+    /// Claims and reduces chunks of `split` until none is left; the rank that completes the last
+    /// one publishes the result.
+    fn reduce_chunks<T: Element>(
+        &self,
+        op: &'static str,
+        parts: &[&Tensor],
+        split: &Split,
+        red: ReduceOp,
+    ) -> Result<()> {
+        let inputs = parts.iter().map(|p| p.as_slice::<T>()).collect::<tp_core::Result<Vec<&[T]>>>();
+        let inputs = inputs.map_err(tensor_err(op))?;
+        loop {
+            let c = split.next.fetch_add(1, Ordering::Relaxed);
+            if c >= split.chunks {
+                return Ok(());
+            }
+            let range = c * split.chunk..((c + 1) * split.chunk).min(split.n);
+            // SAFETY: chunk `c` (claimed by this rank alone through `next`) is the elements
+            // `range` of the `n`-element buffer; it is written here as uninitialised memory and
+            // read by nobody until every chunk is done.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(split.buf.cast::<MaybeUninit<T>>().add(range.start), range.len())
+            };
+            crate::reduce::reduce_range(&inputs, range, red, out);
+            if split.done.fetch_add(1, Ordering::AcqRel) + 1 == split.chunks {
+                split.taken.store(true, Ordering::Relaxed);
+                // SAFETY: every chunk's writer incremented `done` (Release) after writing, and
+                // this rank's AcqRel increment completed the count: all `n` elements are
+                // initialised and no one writes them again. `buf`/`cap` are the `Vec<T>`'s own,
+                // handed on exactly once (`taken`).
+                let v = unsafe { Vec::<T>::from_raw_parts(split.buf.cast(), split.n, split.cap) };
+                let _ = split.result.set(Tensor::from_vec(v, parts[0].dims(), &Device::Cpu).map_err(tensor_err(op)));
+                self.shared.wake();
+            }
+        }
+    }
+
+    /// Waits (spinning first) until the rank that wrote the last chunk has published the result.
+    fn wait_result(&self, op: &'static str, split: &Split) -> Result<Tensor> {
+        let sh = &self.shared;
+        if !sh.spin(|| split.result.get().is_some()) {
+            let deadline = Instant::now() + sh.timeout;
+            let mut st = sh.lock();
+            while split.result.get().is_none() {
+                if let Some(reason) = &st.poisoned {
+                    return Err(CommError::Poisoned { op: op.into(), reason: reason.clone() });
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    let reason = format!(
+                        "rank {} timed out after {:?} in {op} waiting for the reduction",
+                        self.rank, sh.timeout
+                    );
+                    st.poisoned.get_or_insert(reason.clone());
+                    sh.poisoned.store(true, Ordering::Release);
+                    drop(st);
+                    sh.arrived.notify_all();
+                    return Err(CommError::Poisoned { op: op.into(), reason });
+                }
+                st.sleepers += 1;
+                st = sh.arrived.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+                st.sleepers -= 1;
+            }
+        }
+        match split.result.get() {
+            Some(r) => r.clone(),
+            None => Err(CommError::Poisoned { op: op.into(), reason: "a rank failed during the reduction".into() }),
+        }
     }
 
     /// `t` on `device` (a cheap clone when already there).
@@ -232,13 +456,13 @@ impl Communicator for LocalGroup {
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "all_reduce";
         let round = self.collective(OP, format!("all_reduce({op:?})"), x)?;
-        Self::on(OP, &Self::reduced(OP, &round, op)?, x.device())
+        Self::on(OP, &self.reduced(OP, &round, op)?, x.device())
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "reduce_scatter";
         let round = self.collective(OP, format!("reduce_scatter(dim {dim}, {op:?})"), x)?;
-        let reduced = Self::reduced(OP, &round, op)?;
+        let reduced = self.reduced(OP, &round, op)?;
         let len = reduced.shape().dim(OP, dim).map_err(tensor_err(OP))?;
         let shard = TensorShard::new(dim, len, self.rank, self.shared.world).map_err(tensor_err(OP))?;
         Self::on(OP, &shard.shard(&reduced).map_err(tensor_err(OP))?, x.device())

@@ -82,6 +82,34 @@ fn all_reduce_every_op_matches_closed_form() {
     }
 }
 
+/// Large enough that the ranks split the reduction between them; random values, so rounding
+/// shows: every rank must get the same bits, equal to the documented order (rank 0 + rank 1 +
+/// ... left to right in f32, then one rounding to the dtype; Avg divides in f32 first).
+#[test]
+fn split_all_reduce_is_bit_identical_and_in_rank_order() {
+    let n = 70_001;
+    for world in 1..=8 {
+        for dtype in DType::FLOATS {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let input = |r: usize| Tensor::randn(&[n], dtype, 10 + r as u64, &CPU).unwrap();
+                let got = on_ranks(world, Duration::from_secs(60), |g| g.all_reduce(&input(g.rank()), op).unwrap());
+                let vals: Vec<Vec<f64>> = (0..world).map(|r| input(r).to_f64_vec().unwrap()).collect();
+                let want = Tensor::from_fn_f64(&[n], dtype, &CPU, |i| {
+                    let mut acc = vals[0][i] as f32;
+                    for v in &vals[1..] {
+                        acc = if op == ReduceOp::Max { acc.max(v[i] as f32) } else { acc + v[i] as f32 };
+                    }
+                    f64::from(if op == ReduceOp::Avg { acc / world as f32 } else { acc })
+                })
+                .unwrap();
+                for (r, y) in got.iter().enumerate() {
+                    assert!(y == &want, "world {world} {dtype} {op:?} rank {r}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn all_reduce_into_overwrites_the_callers_tensor() {
     let got = on_ranks(4, Duration::from_secs(30), |g| {

@@ -99,6 +99,10 @@ pub enum Error {
     #[error("{op}: {why}")]
     InvalidArgument { op: &'static str, why: String },
 
+    /// A host kernel family was asked for that this CPU (or OS) cannot run.
+    #[error("CPU kernel {kernel} unavailable: {why}")]
+    KernelUnavailable { kernel: &'static str, why: String },
+
     /// A CUDA operation failed (driver error, or a launch refused by its checks).
     #[error("CUDA error: {0}")]
     Cuda(tp_kernels::KernelError),

@@ -11,7 +11,8 @@
 //! * Ops: [`Tensor::matmul_t`] (`y = x W^T`, weight `[N, K]` as checkpoints store it),
 //!   [`Tensor::matmul`] (weight `[K, N]`), [`Tensor::linear`] (fused bias), [`Tensor::narrow`],
 //!   [`Tensor::cat`], [`Tensor::to_dtype`] (round to nearest even). `f16`/`bf16` products
-//!   accumulate in `f32`. The host GEMM is threaded over all cores ([`cpu_gemm`]).
+//!   accumulate in `f32`. The host kernels ([`cpu`]) pick AMX, AVX512-BF16, AVX-512, AVX2 or portable
+//!   code at run time and run on a persistent pool over all cores.
 //! * [`TensorShard`]: which slice of which dimension a rank holds, under one balanced split
 //!   policy, with [`TensorShard::shard`] and [`TensorShard::unshard`] as exact inverses.
 //!
@@ -33,8 +34,7 @@
 //! ```
 
 mod alloc;
-pub mod cpu_gemm;
-mod cpu_gemv;
+pub mod cpu;
 mod device;
 mod dtype;
 mod error;

@@ -2,6 +2,7 @@
 
 mod common;
 use common::*;
+use tp_core::cpu::{CpuKernel, with_kernel};
 use tp_core::{DType, Device, Tensor, WeightLayout};
 
 const SIZES: [usize; 5] = [1, 3, 17, 64, 129];
@@ -28,10 +29,48 @@ fn matmul_matches_f64_reference_at_every_size_and_dtype() {
     }
 }
 
+/// The size sweep, the decode shapes (M up to 8, threaded and not), both layouts and the bias,
+/// on every host kernel family this machine can run, each forced with `with_kernel`. A family
+/// the CPU lacks is reported as NOT TESTED and does not count; the portable one always runs.
+#[test]
+fn every_available_cpu_kernel_matches_reference() {
+    let mut tested = Vec::new();
+    for kernel in CpuKernel::ALL {
+        let run = || {
+            println!("host kernel {kernel}: running the sweep");
+            let mut seed = 1000;
+            for dtype in DType::FLOATS {
+                for m in SIZES {
+                    for k in SIZES {
+                        for n in SIZES {
+                            for layout in [WeightLayout::Nk, WeightLayout::Kn] {
+                                seed += 3;
+                                check(m, k, n, dtype, layout, seed % 2 == 0, seed);
+                            }
+                        }
+                    }
+                }
+                for (m, k, n) in [(5, 1031, 301), (8, 47, 2053), (2, 4099, 67), (9, 301, 517), (263, 67, 129)] {
+                    seed += 3;
+                    check(m, k, n, dtype, WeightLayout::Nk, true, seed);
+                    check(m, k, n, dtype, WeightLayout::Kn, false, seed + 1);
+                }
+            }
+        };
+        match with_kernel(kernel, run) {
+            Ok(()) => tested.push(kernel),
+            Err(e) => println!("NOT TESTED: host kernel {kernel}: {e}"),
+        }
+    }
+    println!("host kernels tested: {tested:?}");
+    assert!(tested.contains(&CpuKernel::Portable) && tested.contains(&CpuKernel::AmxEmulated), "{tested:?}");
+    assert_eq!(tested.len(), CpuKernel::available().len(), "every available family must run");
+}
+
 #[test]
 fn large_threaded_shapes_match_reference() {
-    // Big enough to take both threaded cuts of the host GEMM (rows, then columns), off tile sizes.
-    // And the few-row path (M <= 4), threaded by output columns.
+    // Big enough to split the host GEMM by rows and by columns, off tile sizes; and the decode
+    // path (M <= 8), threaded by output columns.
     for (m, k, n) in [(263, 301, 257), (5, 1031, 1543), (1, 517, 1031), (4, 333, 901)] {
         check(m, k, n, DType::F32, WeightLayout::Nk, true, 7);
         check(m, k, n, DType::BF16, WeightLayout::Nk, false, 8);

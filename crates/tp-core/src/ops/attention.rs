@@ -192,7 +192,7 @@ fn softmax_rows(s: &mut [f32], width: usize, range: impl Fn(usize) -> (usize, us
             row[b..].fill(0.0);
         }
     };
-    let threads = if s.len() < PARALLEL_MIN_WORK { 1 } else { crate::cpu_gemm::num_threads().min(rows).max(1) };
+    let threads = if s.len() < PARALLEL_MIN_WORK { 1 } else { crate::cpu::num_threads().min(rows).max(1) };
     if threads <= 1 {
         one(0, s);
         return;
@@ -218,7 +218,7 @@ fn host_attention(
     let mut out = vec![0f32; t * hq * d];
     let rows = t * hq;
     let work = rows.saturating_mul(spec.kv_len).saturating_mul(d);
-    let threads = if work < PARALLEL_MIN_WORK { 1 } else { crate::cpu_gemm::num_threads().min(rows).max(1) };
+    let threads = if work < PARALLEL_MIN_WORK { 1 } else { crate::cpu::num_threads().min(rows).max(1) };
     if threads <= 1 || d == 0 {
         attend_rows(q, k, v, dims, spec, 0, &mut out);
         return out;

@@ -6,9 +6,9 @@
 //! `f16`/`bf16` operands are widened to `f32`, multiplied with `f32` accumulation, and the
 //! result rounded once (nearest even) back to the dtype.
 
-use crate::alloc::zeroed;
-use crate::cpu_gemm::{MatRef, par_rows, sgemm};
-use crate::cpu_gemv;
+use crate::alloc::{with_capacity, zeroed};
+use crate::cpu::gemm::{self, Micro};
+use crate::cpu::{CpuKernel, gemv, par_rows};
 use crate::storage::{CpuStorage, CudaStorage, Storage};
 use crate::{DType, Element, Error, Result, Tensor, with_dtype};
 use std::borrow::Cow;
@@ -104,13 +104,6 @@ impl Tensor {
     }
 }
 
-/// Depth of one widened weight block for f16/bf16 products: as deep as fits `WIDE_BUDGET`
-/// f32 elements (16 MiB), between 256 (matrixmultiply's own KC) and 2048. Fewer, deeper blocks
-/// mean fewer GEMM calls; the budget bounds the buffer for very wide weights.
-const K_BLOCK_MAX: usize = 2048;
-const K_BLOCK_MIN: usize = 256;
-const WIDE_BUDGET: usize = 4 << 20;
-
 /// Granule of the threaded whole-buffer conversions (elements).
 const CONVERT_ROWS: usize = 4096;
 
@@ -128,6 +121,8 @@ fn widen<T: Element>(s: &[T]) -> Result<Cow<'_, [f32]>> {
     }
 }
 
+/// The host product: decode shapes (few rows, `[N, K]` weight) stream the weight; everything
+/// else runs the packed GEMM with the kernel family [`CpuKernel::current`] picks for the dtype.
 #[allow(clippy::too_many_arguments)]
 fn host_matmul<T: Element>(
     x: &[T],
@@ -138,64 +133,33 @@ fn host_matmul<T: Element>(
     n: usize,
     layout: WeightLayout,
 ) -> Result<Vec<T>> {
-    // The output first: with K = 0 it can be far larger than both operands.
-    let mut y = zeroed::<f32>(OP, m * n)?;
-    if layout == WeightLayout::Nk && m <= cpu_gemv::MAX_ROWS {
-        let x = widen(x)?;
-        let bias = bias.map(widen).transpose()?;
-        cpu_gemv::skinny_nk(&x, w, bias.as_deref(), m, k, n, &mut y);
-        return narrow_output(y);
-    }
-    let x = widen(x)?;
-    let mut beta = match bias {
-        Some(bias) => {
-            let bias = widen(bias)?;
-            y.chunks_exact_mut(n.max(1)).for_each(|row| row.copy_from_slice(&bias));
-            1.0
-        }
-        None => 0.0,
-    };
-    if T::DTYPE == DType::F32 {
-        let w = widen(w)?; // borrowed, no copy
-        let b = match layout {
-            WeightLayout::Nk => MatRef::new(&w, k, n, 1, k),
-            WeightLayout::Kn => MatRef::new(&w, k, n, n, 1),
-        };
-        sgemm(MatRef::new(&x, m, k, k, 1), b, beta, &mut y);
-        return narrow_output(y);
-    }
-    // f16/bf16: widen the weight one K-block at a time into a buffer that stays in cache, and
-    // accumulate the blocks' products into y (beta = 1 after the first). Widening the whole
-    // weight at once would cost a pass over memory and a fresh N·K·4-byte allocation per call.
-    let kb = (WIDE_BUDGET / n.max(1)).clamp(K_BLOCK_MIN, K_BLOCK_MAX).min(k).max(1);
-    let mut wide = zeroed::<f32>(OP, n * kb)?;
-    for k0 in (0..k).step_by(kb) {
-        let kc = kb.min(k - k0);
-        let b = match layout {
-            WeightLayout::Nk => {
-                par_rows(&mut wide[..n * kc], kc, |j0, rows| {
-                    for (j, dst) in (j0..).zip(rows.chunks_exact_mut(kc)) {
-                        T::slice_to_f32(&w[j * k + k0..j * k + k0 + kc], dst);
-                    }
-                });
-                MatRef::new(&wide, kc, n, 1, kc)
-            }
-            WeightLayout::Kn => {
-                par_rows(&mut wide[..kc * n], n, |r0, rows| {
-                    T::slice_to_f32(&w[(k0 + r0) * n..(k0 + r0) * n + rows.len()], rows);
-                });
-                MatRef::new(&wide, kc, n, n, 1)
-            }
-        };
-        sgemm(MatRef::new(&x[k0..], m, kc, k, 1), b, beta, &mut y);
-        beta = 1.0;
-    }
+    let kernel = CpuKernel::current();
+    let bias = bias.map(widen).transpose()?;
     if k == 0 {
-        sgemm(MatRef::new(&x, m, 0, 0, 1), MatRef::new(&wide, 0, n, n, 1), beta, &mut y);
+        // The output alone: with K = 0 it can be far larger than both operands.
+        let mut y = zeroed::<f32>(OP, m * n)?;
+        if let Some(b) = &bias {
+            y.chunks_exact_mut(n.max(1)).for_each(|row| row.copy_from_slice(b));
+        }
+        return narrow_output(y);
     }
+    let mut y: Vec<f32> = with_capacity(OP, m * n)?;
+    let out = &mut y.spare_capacity_mut()[..m * n];
+    if layout == WeightLayout::Nk && m <= gemv::MAX_ROWS {
+        gemv::gemv(kernel, x, w, bias.as_deref(), m, k, n, out);
+    } else {
+        let micro = match kernel.tiles_for(T::DTYPE) {
+            Some(tiles) => Micro::Amx { tiles, fp16: T::DTYPE == DType::F16, pack: kernel.f32_isa() },
+            None if T::DTYPE == DType::BF16 && kernel.has_bf16_dot() => Micro::Bf16Dot,
+            None => Micro::F32(kernel.f32_isa()),
+        };
+        gemm::gemm(micro, x, w, layout, bias.as_deref(), m, k, n, out);
+    }
+    // SAFETY: with `k > 0` both products write every one of the `m * n` elements (their
+    // contract), so the first `m * n` are initialised.
+    unsafe { y.set_len(m * n) };
     narrow_output(y)
 }
-
 /// The f32 result in the output dtype (rounded once, to nearest even).
 fn narrow_output<T: Element>(y: Vec<f32>) -> Result<Vec<T>> {
     if T::DTYPE == DType::F32 {

@@ -84,7 +84,7 @@ impl RotaryEmbedding {
     /// Errors: [`Error::InvalidArgument`] for an odd or zero `head_dim` or a bad `theta`.
     pub fn new(head_dim: usize, theta: f64, scaling: RopeScaling) -> Result<RotaryEmbedding> {
         const OP: &str = "RotaryEmbedding::new";
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(Error::InvalidArgument { op: OP, why: format!("head_dim {head_dim} must be even and > 0") });
         }
         if !(theta.is_finite() && theta > 0.0) {

@@ -1,0 +1,316 @@
+//! Intel AMX: detection, the Linux permission request, the tile configuration, and the
+//! `32 x 32` micro-kernel written once against [`TileOps`], which has two implementations:
+//! [`Hardware`] (the instructions, through `asm!`) and [`super::amx_model::Model`] (a software
+//! model of their documented semantics). Machines without AMX run the very same kernel, tile
+//! configuration, packing and strides through the model, so its data movement is tested
+//! everywhere; machines with AMX test the instructions.
+//!
+//! Tile use (palette 1, every tile 16 rows x 64 bytes):
+//!
+//! | tile | holds | rows | 64-byte row |
+//! |---|---|---|---|
+//! | tmm0..tmm3 | C, rows 0..16 / 16..32 x columns 0..16 / 16..32 | M | 16 `f32` |
+//! | tmm4, tmm5 | A, rows 0..16 / 16..32 | M | 32 `bf16`/`f16` along K |
+//! | tmm6, tmm7 | B, columns 0..16 / 16..32 | K / 2 | 16 columns x one pair of K ("VNNI") |
+//!
+//! A is packed row-major (each row's K contiguous, zero-padded to a multiple of 32), B in pair
+//! lanes depth-major ([`super::pack`]), so a step of 32 along K is four tile loads and four
+//! `tdpbf16ps` (or `tdpfp16ps`), each `16 x 16 x 32`.
+
+use super::amx_model::Model;
+use super::dispatch::Tiles;
+
+/// What CPUID and the OS say about AMX.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Detected {
+    /// AMX-TILE and AMX-BF16 present, tile state enabled by the OS, permission granted.
+    pub(crate) usable: bool,
+    pub(crate) cpu_bf16: bool,
+    pub(crate) cpu_fp16: bool,
+}
+
+/// Detects AMX and, when the CPU has it, asks Linux for permission to use the tile data state
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`; without it the first tile
+/// instruction faults). Called once, from [`super::dispatch::features`].
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn detect() -> Detected {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    // `__cpuid` is a safe function in newer Rust and an unsafe one in older releases.
+    // SAFETY: CPUID exists on every x86_64 CPU; leaves above the maximum are never queried.
+    #[allow(unused_unsafe)]
+    let (max_leaf, l1) = unsafe { (__cpuid(0).eax, __cpuid(1)) };
+    if max_leaf < 7 {
+        return Detected::default();
+    }
+    // SAFETY: as above (leaf 7 is at most the maximum leaf).
+    #[allow(unused_unsafe)]
+    let (l7, l7_1) = unsafe { (__cpuid_count(7, 0), __cpuid_count(7, 1)) };
+    let cpu_tile = (l7.edx >> 24) & 1 == 1; // AMX-TILE
+    let cpu_bf16 = (l7.edx >> 22) & 1 == 1; // AMX-BF16
+    let cpu_fp16 = (l7_1.eax >> 21) & 1 == 1; // AMX-FP16
+    let osxsave = (l1.ecx >> 27) & 1 == 1;
+    // XCR0 bits 17 (XTILECFG) and 18 (XTILEDATA): the OS saves and restores the tile state.
+    // SAFETY: OSXSAVE (checked first) means XGETBV is enabled and XCR0 readable.
+    let os_tiles = osxsave && (unsafe { xcr0() } >> 17) & 0b11 == 0b11;
+    let usable = cpu_tile && cpu_bf16 && os_tiles && request_permission();
+    Detected { usable, cpu_bf16: cpu_tile && cpu_bf16, cpu_fp16: cpu_tile && cpu_fp16 }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn detect() -> Detected {
+    Detected::default()
+}
+
+/// # Safety
+/// The CPU must have OSXSAVE set (XGETBV enabled).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "xsave")]
+unsafe fn xcr0() -> u64 {
+    // SAFETY: the caller checked OSXSAVE; XCR0 (index 0) is always readable then.
+    unsafe { std::arch::x86_64::_xgetbv(0) }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn request_permission() -> bool {
+    const SYS_ARCH_PRCTL: isize = 158;
+    const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+    const XFEATURE_XTILEDATA: usize = 18;
+    let ret: isize;
+    // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) takes two integers, touches no
+    // user memory, and only extends this process's permitted XSAVE features; the `syscall`
+    // instruction clobbers rcx and r11, declared here.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack, preserves_flags)
+        );
+    }
+    ret == 0
+}
+
+#[cfg(all(target_arch = "x86_64", not(target_os = "linux")))]
+fn request_permission() -> bool {
+    false
+}
+
+/// The 64-byte operand of `ldtilecfg` (Intel SDM vol. 1, "Tile configuration"): palette, start
+/// row, 14 reserved bytes, 16 two-byte `colsb` (bytes per row), 16 one-byte `rows`.
+#[repr(C, align(64))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TileConfig {
+    pub(crate) palette: u8,
+    pub(crate) start_row: u8,
+    pub(crate) reserved: [u8; 14],
+    pub(crate) colsb: [u16; 16],
+    pub(crate) rows: [u8; 16],
+}
+
+const _: () = assert!(std::mem::size_of::<TileConfig>() == 64);
+const _: () = assert!(std::mem::offset_of!(TileConfig, colsb) == 16);
+const _: () = assert!(std::mem::offset_of!(TileConfig, rows) == 48);
+
+impl TileConfig {
+    /// Palette 1 with tiles 0..8 all 16 rows x 64 bytes (the table in the module docs).
+    pub(crate) const KERNEL: TileConfig = {
+        let mut c = TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        let mut t = 0;
+        while t < 8 {
+            c.colsb[t] = 64;
+            c.rows[t] = 16;
+            t += 1;
+        }
+        c
+    };
+}
+
+/// The tile instructions the kernel uses. Tile numbers are immediates (const parameters).
+///
+/// # Safety
+/// Implementations follow the instructions' semantics; callers follow their rules: configure
+/// first, operands within the configured shapes, memory at `base + r * stride` readable
+/// (loads) or writable (stores) for every configured row `r` and its `colsb` bytes.
+pub(crate) unsafe trait TileOps {
+    /// `ldtilecfg`.
+    fn configure(&mut self, cfg: &TileConfig);
+    /// `tilezero tmmT`.
+    fn zero<const T: u8>(&mut self);
+    /// `tileloadd tmmT, [base + stride]`.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn load<const T: u8>(&mut self, base: *const u8, stride: usize);
+    /// `tilestored [base + stride], tmmT`.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn store<const T: u8>(&mut self, base: *mut u8, stride: usize);
+    /// `tdpbf16ps tmmC, tmmA, tmmB` (`FP16`: `tdpfp16ps`).
+    fn dot<const FP16: bool, const C: u8, const A: u8, const B: u8>(&mut self);
+    /// `tilerelease`.
+    fn release(&mut self);
+}
+
+/// The real instructions. Exists only where AMX is usable (dispatch checked CPUID, XCR0 and the
+/// OS permission before choosing [`Tiles::Hardware`]); `new` is the one place that relies on it.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Hardware(());
+
+#[cfg(target_arch = "x86_64")]
+impl Hardware {
+    /// # Safety
+    /// The CPU must have AMX-TILE and AMX-BF16 (and AMX-FP16 for `FP16` dots), with the tile
+    /// data permission granted to this process.
+    pub(crate) unsafe fn new() -> Self {
+        Hardware(())
+    }
+}
+
+// SAFETY: each method is the instruction itself; `Hardware` exists only on CPUs that have them
+// (see `Hardware::new`).
+#[cfg(target_arch = "x86_64")]
+unsafe impl TileOps for Hardware {
+    fn configure(&mut self, cfg: &TileConfig) {
+        // SAFETY: `cfg` is a valid 64-byte, 64-byte-aligned palette-1 configuration read by the
+        // instruction; AMX is present (type invariant).
+        unsafe { std::arch::asm!("ldtilecfg [{}]", in(reg) cfg, options(nostack, readonly, preserves_flags)) }
+    }
+    fn zero<const T: u8>(&mut self) {
+        // SAFETY: register-only; AMX present and configured by the caller's protocol.
+        unsafe { std::arch::asm!("tilezero tmm{t}", t = const T, options(nostack, nomem, preserves_flags)) }
+    }
+    unsafe fn load<const T: u8>(&mut self, base: *const u8, stride: usize) {
+        // SAFETY: the caller guarantees every configured row at `base + r * stride` is readable.
+        unsafe {
+            std::arch::asm!(
+                "tileloadd tmm{t}, [{b} + {s}*1]",
+                t = const T, b = in(reg) base, s = in(reg) stride,
+                options(nostack, readonly, preserves_flags)
+            )
+        }
+    }
+    unsafe fn store<const T: u8>(&mut self, base: *mut u8, stride: usize) {
+        // SAFETY: the caller guarantees every configured row at `base + r * stride` is writable.
+        unsafe {
+            std::arch::asm!(
+                "tilestored [{b} + {s}*1], tmm{t}",
+                t = const T, b = in(reg) base, s = in(reg) stride,
+                options(nostack, preserves_flags)
+            )
+        }
+    }
+    fn dot<const FP16: bool, const C: u8, const A: u8, const B: u8>(&mut self) {
+        // SAFETY: register-only; the configured shapes match (TileConfig::KERNEL); AMX-FP16 is
+        // present whenever `FP16` is requested (dispatch::tiles_for).
+        unsafe {
+            if FP16 {
+                std::arch::asm!("tdpfp16ps tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B,
+                    options(nostack, nomem, preserves_flags))
+            } else {
+                std::arch::asm!("tdpbf16ps tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B,
+                    options(nostack, nomem, preserves_flags))
+            }
+        }
+    }
+    fn release(&mut self) {
+        // SAFETY: returns the tile state to its initial state; always valid with AMX present.
+        unsafe { std::arch::asm!("tilerelease", options(nostack, nomem, preserves_flags)) }
+    }
+}
+
+/// Tile rows and columns of the micro-kernel.
+pub(crate) const MR: usize = 32;
+pub(crate) const NR: usize = 32;
+/// Pair lanes per tile step (32 elements of K).
+pub(crate) const STEP: usize = 16;
+
+/// One thread's tile engine for the duration of a task: configured on creation, released on
+/// drop.
+pub(crate) enum Engine {
+    #[cfg(target_arch = "x86_64")]
+    Hardware(Hardware),
+    Model(Box<Model>),
+}
+
+impl Engine {
+    pub(crate) fn new(tiles: Tiles) -> Engine {
+        let mut e = match tiles {
+            // SAFETY: dispatch hands out `Tiles::Hardware` only when AMX is usable.
+            #[cfg(target_arch = "x86_64")]
+            Tiles::Hardware => Engine::Hardware(unsafe { Hardware::new() }),
+            _ => Engine::Model(Box::default()),
+        };
+        match &mut e {
+            #[cfg(target_arch = "x86_64")]
+            Engine::Hardware(h) => h.configure(&TileConfig::KERNEL),
+            Engine::Model(m) => m.configure(&TileConfig::KERNEL),
+        }
+        e
+    }
+
+    /// `c = A · B` for one `32 x 32` tile: `a` is 32 rows of `depth` pair lanes (row-major), `b`
+    /// is `depth` rows of 32 pair lanes; `depth` is a multiple of [`STEP`].
+    pub(crate) fn tile(&mut self, fp16: bool, depth: usize, a: &[u32], b: &[u32], c: &mut [f32; MR * NR]) {
+        match (self, fp16) {
+            #[cfg(target_arch = "x86_64")]
+            (Engine::Hardware(h), false) => tile::<_, false>(h, depth, a, b, c),
+            #[cfg(target_arch = "x86_64")]
+            (Engine::Hardware(h), true) => tile::<_, true>(h, depth, a, b, c),
+            (Engine::Model(m), false) => tile::<_, false>(&mut **m, depth, a, b, c),
+            (Engine::Model(m), true) => tile::<_, true>(&mut **m, depth, a, b, c),
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Engine::Hardware(h) => h.release(),
+            Engine::Model(m) => m.release(),
+        }
+    }
+}
+
+/// The micro-kernel, for any [`TileOps`]; see the module docs for the tile map.
+fn tile<X: TileOps, const FP16: bool>(x: &mut X, depth: usize, a: &[u32], b: &[u32], c: &mut [f32; MR * NR]) {
+    assert!(depth.is_multiple_of(STEP) && a.len() >= MR * depth && b.len() >= depth * NR, "amx tile: operands");
+    let a_stride = depth * 4; // bytes between rows of A
+    let b_stride = NR * 4; // bytes between pair rows of B
+    x.zero::<0>();
+    x.zero::<1>();
+    x.zero::<2>();
+    x.zero::<3>();
+    for s in 0..depth / STEP {
+        let a0 = a[s * STEP..].as_ptr().cast::<u8>();
+        let a1 = a[16 * depth + s * STEP..].as_ptr().cast::<u8>();
+        let b0 = b[s * STEP * NR..].as_ptr().cast::<u8>();
+        let b1 = b[s * STEP * NR + 16..].as_ptr().cast::<u8>();
+        // SAFETY: each load reads 16 rows of 64 bytes: A rows `r` (and `16 + r`) at lanes
+        // `s*16..s*16+16` of a row of `depth` lanes; B pair rows `s*16 + r` at lanes `0..16`
+        // (and `16..32`) of a row of 32 lanes; all inside `a` and `b` (asserted above).
+        unsafe {
+            x.load::<4>(a0, a_stride);
+            x.load::<5>(a1, a_stride);
+            x.load::<6>(b0, b_stride);
+            x.load::<7>(b1, b_stride);
+        }
+        x.dot::<FP16, 0, 4, 6>();
+        x.dot::<FP16, 1, 4, 7>();
+        x.dot::<FP16, 2, 5, 6>();
+        x.dot::<FP16, 3, 5, 7>();
+    }
+    let cp = c.as_mut_ptr();
+    // SAFETY: each store writes 16 rows of 64 bytes (16 f32) at a stride of one 32-float row of
+    // `c`: rows `0..16` / `16..32`, columns `0..16` / `16..32`, all inside `c`.
+    unsafe {
+        x.store::<0>(cp.cast(), NR * 4);
+        x.store::<1>(cp.add(16).cast(), NR * 4);
+        x.store::<2>(cp.add(16 * NR).cast(), NR * 4);
+        x.store::<3>(cp.add(16 * NR + 16).cast(), NR * 4);
+    }
+}
