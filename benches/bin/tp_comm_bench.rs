@@ -111,7 +111,57 @@ fn run() -> Result<()> {
             );
         }
     }
+    // Host cost of issuing one small all-reduce (NCCL: enqueue and return, the stream does the
+    // rest), and what a Work handle adds to the blocking call (issue, then wait); the two forms
+    // alternate in one loop, so both see the same conditions.
+    let (issue, work) = issue_times(&groups, iters.max(500))?;
+    println!(
+        "all-reduce of 8 B: the blocking call returns in {:.2} us (median); issued as Work and waited, {:.2} us (Work adds {:+.2} us)",
+        issue * 1e6,
+        work * 1e6,
+        (work - issue) * 1e6
+    );
     Ok(())
+}
+
+/// Median seconds (slowest rank) for a blocking 8-byte all-reduce to return, and for
+/// `all_reduce_async` plus its `wait`, alternating, with no barrier between iterations.
+fn issue_times(groups: &[DeviceGroup], iters: usize) -> Result<(f64, f64)> {
+    let times: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .iter()
+            .map(|g| {
+                s.spawn(move || -> Result<Vec<f64>> {
+                    let x = g.to_local(&Tensor::rand(&[2], DType::F32, 1, &Device::Cpu)?)?;
+                    g.barrier()?;
+                    let mut out = Vec::with_capacity(2 * iters);
+                    for i in 0..2 * iters {
+                        let t = Instant::now();
+                        let y = if i % 2 == 1 {
+                            g.all_reduce_async(&x, ReduceOp::Sum)?.wait()?
+                        } else {
+                            g.all_reduce(&x, ReduceOp::Sum)?
+                        };
+                        out.push(t.elapsed().as_secs_f64());
+                        std::hint::black_box(y);
+                    }
+                    g.barrier()?;
+                    Ok(out)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
+    });
+    let per_rank = times.into_iter().collect::<Result<Vec<_>>>()?;
+    let median = |parity: usize| {
+        let mut v: Vec<f64> = (0..2 * iters)
+            .filter(|i| i % 2 == parity)
+            .map(|i| per_rank.iter().map(|t| t[i]).fold(0.0, f64::max))
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((median(0), median(1)))
 }
 
 /// One gloo rank: after `init_process_group`, for each size, `iters` timed all-reduces of f32
@@ -224,6 +274,10 @@ fn time(groups: &[DeviceGroup], coll: Coll, bytes: usize, iters: usize) -> Resul
                             Coll::Broadcast => g.broadcast(&x, 0)?,
                         };
                         std::hint::black_box(&y);
+                        // GPU collectives return once enqueued: time them to completion.
+                        if let Device::Cuda(o) = g.device() {
+                            tp_kernels::Gpu::get(o)?.synchronize()?;
+                        }
                         if i >= 2 {
                             out.push(t.elapsed().as_secs_f64());
                         }

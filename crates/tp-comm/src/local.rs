@@ -22,6 +22,7 @@ use crate::communicator::{Communicator, ReduceOp};
 use crate::deadline::{Deadline, MAX_TIMEOUT};
 use crate::env::MAX_WORLD_SIZE;
 use crate::error::{CommError, Result, tensor_err};
+use crate::work::{PendingWork, Work};
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -119,12 +120,23 @@ impl Drop for Split {
     }
 }
 
-struct State {
-    /// Completed exchanges so far; a waiter knows its round finished when this moves on.
-    generation: u64,
+/// An exchange still being filled, or complete and not yet taken by every rank.
+struct Open {
     slots: Vec<Option<Deposit>>,
-    /// The last completed exchange.
-    published: Arc<Round>,
+    filled: usize,
+    done: Option<Arc<Round>>,
+    /// Ranks that have taken `done` (or dropped their claim on it).
+    taken: usize,
+}
+
+struct State {
+    /// `rounds[i]` is exchange number `base + i`. Rank `r`'s next collective goes into exchange
+    /// `next[r]`, so a rank may have several in flight (async work) and they pair up across
+    /// ranks in issue order. Exchanges complete in order: the `n`-th needs every rank's `n`-th
+    /// deposit, which each rank makes after its earlier ones.
+    base: u64,
+    rounds: std::collections::VecDeque<Open>,
+    next: Vec<u64>,
     poisoned: Option<String>,
     /// Ranks parked on `arrived` (so a publisher knows whether it must wake anyone).
     sleepers: usize,
@@ -135,8 +147,8 @@ struct Shared {
     timeout: Duration,
     state: Mutex<State>,
     arrived: Condvar,
-    /// `State::generation`, readable without the lock by spinning ranks.
-    generation: AtomicU64,
+    /// Exchanges completed so far (in order), readable without the lock by spinning ranks.
+    completed: AtomicU64,
     /// Whether `State::poisoned` is set, readable without the lock.
     poisoned: AtomicBool,
 }
@@ -194,6 +206,26 @@ impl Shared {
     }
 }
 
+/// Takes completed exchange `ticket` (counting this rank as having taken it) and frees the
+/// exchanges every rank has taken.
+fn take(st: &mut State, ticket: u64) -> Option<Arc<Round>> {
+    let world = st.next.len();
+    let index = usize::try_from(ticket.checked_sub(st.base)?).ok()?;
+    let open = st.rounds.get_mut(index)?;
+    let round = open.done.clone()?;
+    open.taken += 1;
+    collect(st, world);
+    Some(round)
+}
+
+/// Drops the oldest exchanges once all `world` ranks have taken them.
+fn collect(st: &mut State, world: usize) {
+    while st.rounds.front().is_some_and(|o| o.done.is_some() && o.taken >= world) {
+        st.rounds.pop_front();
+        st.base += 1;
+    }
+}
+
 /// The machine's cores (available parallelism), read once.
 fn cores() -> usize {
     static N: OnceLock<usize> = OnceLock::new();
@@ -203,13 +235,20 @@ fn cores() -> usize {
 /// One rank's handle on a group of threads. Create all of them with [`LocalGroup::new`] and move
 /// one into each thread.
 pub struct LocalGroup {
+    m: Member,
+}
+
+/// One rank's view of the shared state: what a [`LocalGroup`] handle and its pending
+/// [`Work`] use.
+#[derive(Clone)]
+struct Member {
     rank: usize,
     shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for LocalGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "LocalGroup(rank {} of {})", self.rank, self.shared.world)
+        write!(f, "LocalGroup(rank {} of {})", self.m.rank, self.m.shared.world)
     }
 }
 
@@ -242,81 +281,115 @@ impl LocalGroup {
             world: world_size,
             timeout,
             state: Mutex::new(State {
-                generation: 0,
-                slots: vec![None; world_size],
-                published: Arc::new(Round::new(Vec::new())),
+                base: 0,
+                rounds: std::collections::VecDeque::new(),
+                next: vec![0; world_size],
                 poisoned: None,
                 sleepers: 0,
             }),
             arrived: Condvar::new(),
-            generation: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
         });
-        Ok((0..world_size).map(|rank| LocalGroup { rank, shared: shared.clone() }).collect())
+        Ok((0..world_size).map(|rank| LocalGroup { m: Member { rank, shared: shared.clone() } }).collect())
     }
 
     /// The deadline of every collective.
     pub fn timeout(&self) -> Duration {
-        self.shared.timeout
+        self.m.shared.timeout
     }
+}
 
-    /// Deposits `tensor` for collective `call` and returns every rank's deposit once all have
-    /// arrived, or an error at the deadline or when the group is poisoned.
-    fn exchange(&self, op: &'static str, call: String, tensor: Tensor) -> Result<Arc<Round>> {
+impl Member {
+    /// Deposits `tensor` for collective `call` into this rank's next exchange and returns its
+    /// number; publishes the exchange when this deposit completes it.
+    fn deposit(&self, op: &'static str, call: String, tensor: Tensor) -> Result<u64> {
         let sh = &self.shared;
-        let deadline = Deadline::after(sh.timeout).instant();
         let mut st = sh.lock();
         if let Some(reason) = &st.poisoned {
             return Err(CommError::Poisoned { op: op.into(), reason: reason.clone() });
         }
-        if st.slots[self.rank].is_some() {
-            return Err(CommError::Mismatch {
-                op: op.into(),
-                why: format!("rank {} entered a collective twice at once (one handle used by two threads?)", self.rank),
-            });
+        let ticket = st.next[self.rank];
+        st.next[self.rank] += 1;
+        let index = (ticket - st.base) as usize;
+        while st.rounds.len() <= index {
+            let world = sh.world;
+            st.rounds.push_back(Open { slots: vec![None; world], filled: 0, done: None, taken: 0 });
         }
-        st.slots[self.rank] = Some(Deposit { call, tensor });
-        let generation = st.generation;
-        if st.slots.iter().all(Option::is_some) {
-            let all: Vec<Deposit> = st.slots.iter_mut().filter_map(Option::take).collect();
-            st.published = Arc::new(Round::new(all));
-            st.generation += 1;
-            sh.generation.store(st.generation, Ordering::Release);
-            let (published, wake) = (st.published.clone(), st.sleepers > 0);
-            drop(st);
-            if wake {
+        let open = &mut st.rounds[index];
+        open.slots[self.rank] = Some(Deposit { call, tensor });
+        open.filled += 1;
+        if open.filled == sh.world {
+            let all: Vec<Deposit> = open.slots.iter_mut().filter_map(Option::take).collect();
+            open.done = Some(Arc::new(Round::new(all)));
+            // Exchanges complete in order (see `State`), so this one is number `completed`.
+            sh.completed.store(ticket + 1, Ordering::Release);
+            if st.sleepers > 0 {
+                drop(st);
                 sh.arrived.notify_all();
             }
-            return Ok(published);
         }
+        Ok(ticket)
+    }
+
+    /// Exchange `ticket` once every rank has deposited into it, or an error at `deadline` or
+    /// when the group is poisoned. Taking it releases this rank's claim on it.
+    fn await_round(&self, op: &'static str, ticket: u64, deadline: Instant) -> Result<Arc<Round>> {
+        let sh = &self.shared;
         // Spin without the lock first: the others usually arrive within microseconds.
-        drop(st);
-        sh.spin(|| sh.generation.load(Ordering::Acquire) != generation);
+        sh.spin(|| sh.completed.load(Ordering::Acquire) > ticket);
         let mut st = sh.lock();
         loop {
+            if sh.completed.load(Ordering::Acquire) > ticket {
+                // A completed exchange stays until every rank has taken it, this one included.
+                return take(&mut st, ticket).ok_or_else(|| CommError::Mismatch {
+                    op: op.into(),
+                    why: format!("rank {}: exchange {ticket} was already taken", self.rank),
+                });
+            }
+            if let Some(reason) = &st.poisoned {
+                return Err(CommError::Poisoned { op: op.into(), reason: reason.clone() });
+            }
             let now = Instant::now();
             if now >= deadline {
-                let missing: Vec<usize> =
-                    st.slots.iter().enumerate().filter(|(_, s)| s.is_none()).map(|(r, _)| r).collect();
+                let index = ticket.saturating_sub(st.base) as usize;
+                let missing: Vec<usize> = match st.rounds.get(index) {
+                    Some(open) => open.slots.iter().enumerate().filter(|(_, s)| s.is_none()).map(|(r, _)| r).collect(),
+                    None => Vec::new(),
+                };
                 let reason = format!(
                     "rank {} timed out after {:?} in {op} waiting for rank(s) {missing:?}",
                     self.rank, sh.timeout
                 );
                 st.poisoned.get_or_insert(reason);
+                sh.poisoned.store(true, Ordering::Release);
                 drop(st);
                 sh.arrived.notify_all();
                 return Err(CommError::Timeout { op: op.into(), rank: self.rank, missing, waited: sh.timeout });
-            }
-            if st.generation != generation {
-                return Ok(st.published.clone());
-            }
-            if let Some(reason) = &st.poisoned {
-                return Err(CommError::Poisoned { op: op.into(), reason: reason.clone() });
             }
             st.sleepers += 1;
             st = sh.arrived.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
             st.sleepers -= 1;
         }
+    }
+
+    /// Gives up this rank's claim on exchange `ticket` without taking it (a dropped `Work`).
+    fn release(&self, ticket: u64) {
+        let mut st = self.shared.lock();
+        if ticket >= st.base {
+            let index = (ticket - st.base) as usize;
+            if let Some(open) = st.rounds.get_mut(index) {
+                open.taken += 1;
+            }
+            collect(&mut st, self.shared.world);
+        }
+    }
+
+    /// A deposit and the wait for its exchange: one blocking collective's rendezvous.
+    fn exchange(&self, op: &'static str, call: String, tensor: Tensor) -> Result<Arc<Round>> {
+        let deadline = Deadline::after(self.shared.timeout).instant();
+        let ticket = self.deposit(op, call, tensor)?;
+        self.await_round(op, ticket, deadline)
     }
 
     /// Runs one exchange and checks that every rank called the same thing.
@@ -431,59 +504,149 @@ impl LocalGroup {
 impl Drop for LocalGroup {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.shared.poison(format!("rank {} panicked", self.rank));
+            self.m.shared.poison(format!("rank {} panicked", self.m.rank));
+        }
+    }
+}
+
+/// What a rank makes of a completed exchange: each collective's second half.
+#[derive(Debug, Clone, Copy)]
+enum Finish {
+    Gather { dim: usize },
+    Reduce { op: ReduceOp },
+    ReduceScatter { dim: usize, op: ReduceOp },
+    Broadcast { root: usize },
+}
+
+impl Member {
+    /// Issues a collective: the deposit, with the call's description for the agreement check.
+    fn issue(&self, op: &'static str, call: String, x: &Tensor) -> Result<u64> {
+        self.deposit(op, call, x.clone())
+    }
+
+    /// Waits for exchange `ticket`, checks every rank made the same call, and computes this
+    /// rank's result on `device`.
+    fn finish(&self, op: &'static str, ticket: u64, deadline: Instant, how: Finish, device: Device) -> Result<Tensor> {
+        let round = self.await_round(op, ticket, deadline)?;
+        let all = &round.deposits;
+        if let Some((r, d)) = all.iter().enumerate().find(|(_, d)| d.call != all[0].call) {
+            return Err(CommError::Mismatch {
+                op: op.into(),
+                why: format!("rank 0 called {} but rank {r} called {}", all[0].call, d.call),
+            });
+        }
+        match how {
+            Finish::Gather { dim } => {
+                let parts = all.iter().map(|d| Self::on(op, &d.tensor, device)).collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, dim).map_err(|e| CommError::Mismatch { op: op.into(), why: e.to_string() })
+            }
+            Finish::Reduce { op: red } => Self::on(op, &self.reduced(op, &round, red)?, device),
+            Finish::ReduceScatter { dim, op: red } => {
+                let reduced = self.reduced(op, &round, red)?;
+                let len = reduced.shape().dim(op, dim).map_err(tensor_err(op))?;
+                let shard = TensorShard::new(dim, len, self.rank, self.shared.world).map_err(tensor_err(op))?;
+                Self::on(op, &shard.shard(&reduced).map_err(tensor_err(op))?, device)
+            }
+            Finish::Broadcast { root } => Self::on(op, &all[root].tensor, device),
+        }
+    }
+
+    /// The blocking form: issue, then finish.
+    fn run(&self, op: &'static str, call: String, x: &Tensor, how: Finish) -> Result<Tensor> {
+        let deadline = Deadline::after(self.shared.timeout).instant();
+        let ticket = self.issue(op, call, x)?;
+        self.finish(op, ticket, deadline, how, x.device())
+    }
+
+    /// The asynchronous form: issue now, finish in [`Work::wait`].
+    fn run_async(&self, op: &'static str, call: String, x: &Tensor, how: Finish) -> Result<Work> {
+        let deadline = Deadline::after(self.shared.timeout).instant();
+        let ticket = self.issue(op, call, x)?;
+        let pending = LocalWork { m: self.clone(), op, ticket: Some(ticket), deadline, how, device: x.device() };
+        Ok(Work::pending(Box::new(pending)))
+    }
+}
+
+/// A LocalGroup collective issued and not yet waited for.
+struct LocalWork {
+    m: Member,
+    op: &'static str,
+    /// `None` once waited for (so `Drop` knows the claim on the exchange was used).
+    ticket: Option<u64>,
+    deadline: Instant,
+    how: Finish,
+    device: Device,
+}
+
+impl PendingWork for LocalWork {
+    fn is_done(&mut self) -> bool {
+        let sh = &self.m.shared;
+        self.ticket.is_none_or(|t| sh.completed.load(Ordering::Acquire) > t) || sh.poisoned.load(Ordering::Acquire)
+    }
+
+    fn wait(mut self: Box<Self>) -> Result<Tensor> {
+        let ticket = self
+            .ticket
+            .take()
+            .ok_or_else(|| CommError::Mismatch { op: self.op.into(), why: "work waited for twice".into() })?;
+        self.m.finish(self.op, ticket, self.deadline, self.how, self.device)
+    }
+}
+
+impl Drop for LocalWork {
+    /// Work dropped without a wait still counts as taken, so its exchange can be freed.
+    fn drop(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.m.release(t);
         }
     }
 }
 
 impl Communicator for LocalGroup {
     fn rank(&self) -> usize {
-        self.rank
+        self.m.rank
     }
 
     fn world_size(&self) -> usize {
-        self.shared.world
+        self.m.shared.world
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
-        const OP: &str = "all_gather";
-        let round = self.collective(OP, format!("all_gather(dim {dim}, {})", x.dtype()), x)?;
-        let device = x.device();
-        let parts = round.deposits.iter().map(|d| Self::on(OP, &d.tensor, device)).collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&parts, dim).map_err(|e| CommError::Mismatch { op: OP.into(), why: e.to_string() })
+        self.m.run("all_gather", format!("all_gather(dim {dim}, {})", x.dtype()), x, Finish::Gather { dim })
+    }
+
+    fn all_gather_async(&self, x: &Tensor, dim: usize) -> Result<Work> {
+        self.m.run_async("all_gather", format!("all_gather(dim {dim}, {})", x.dtype()), x, Finish::Gather { dim })
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        const OP: &str = "all_reduce";
-        let round = self.collective(OP, format!("all_reduce({op:?})"), x)?;
-        Self::on(OP, &self.reduced(OP, &round, op)?, x.device())
+        self.m.run("all_reduce", format!("all_reduce({op:?})"), x, Finish::Reduce { op })
+    }
+
+    fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Result<Work> {
+        self.m.run_async("all_reduce", format!("all_reduce({op:?})"), x, Finish::Reduce { op })
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
-        const OP: &str = "reduce_scatter";
-        let round = self.collective(OP, format!("reduce_scatter(dim {dim}, {op:?})"), x)?;
-        let reduced = self.reduced(OP, &round, op)?;
-        let len = reduced.shape().dim(OP, dim).map_err(tensor_err(OP))?;
-        let shard = TensorShard::new(dim, len, self.rank, self.shared.world).map_err(tensor_err(OP))?;
-        Self::on(OP, &shard.shard(&reduced).map_err(tensor_err(OP))?, x.device())
+        self.m.run("reduce_scatter", format!("reduce_scatter(dim {dim}, {op:?})"), x, Finish::ReduceScatter { dim, op })
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         const OP: &str = "broadcast";
-        if root >= self.shared.world {
-            return Err(CommError::RankOutOfRange { op: OP, rank: root, world_size: self.shared.world });
+        let world = self.m.shared.world;
+        if root >= world {
+            return Err(CommError::RankOutOfRange { op: OP, rank: root, world_size: world });
         }
         let call = format!("broadcast(root {root}, {:?} {})", x.dims(), x.dtype());
-        let round = self.collective(OP, call, x)?;
-        Self::on(OP, &round.deposits[root].tensor, x.device())
+        self.m.run(OP, call, x, Finish::Broadcast { root })
     }
 
     fn abort(&self, reason: &str) {
-        self.shared.poison(format!("rank {} aborted: {reason}", self.rank));
+        self.m.shared.poison(format!("rank {} aborted: {reason}", self.m.rank));
     }
 
     fn barrier(&self) -> Result<()> {
         let token = Tensor::zeros(&[0], DType::F32, &Device::Cpu).map_err(tensor_err("barrier"))?;
-        self.collective("barrier", "barrier".into(), &token).map(drop)
+        self.m.collective("barrier", "barrier".into(), &token).map(drop)
     }
 }
