@@ -12,25 +12,28 @@ unsafe extern "C" {
     fn tp_host_row_copy_dst(rows: i64, units: i64, sp: i64, so: i64, dp: i64, dof: i64, u: i64) -> i64;
 }
 
-// SAFETY (every call below): the C++ functions take and return plain integers, touch no memory
-// and have no preconditions but the arithmetic ones asserted in each wrapper (world > 0, an
-// index below the length), which keep them free of division by zero.
+// The C++ functions take and return plain integers, touch no memory and have no preconditions
+// but the arithmetic ones each wrapper asserts (world > 0, an index below the length), which keep
+// them free of division by zero.
 
 /// First index of rank `rank`'s shard of a length `len` over `world` ranks.
 pub fn split_start(len: i64, world: i64, rank: i64) -> i64 {
     assert!(world > 0);
+    // SAFETY: plain integers in and out, no memory touched; world > 0 (asserted).
     unsafe { tp_host_split_start(len, world, rank) }
 }
 
 /// Length of rank `rank`'s shard.
 pub fn split_len(len: i64, world: i64, rank: i64) -> i64 {
     assert!(world > 0);
+    // SAFETY: plain integers in and out, no memory touched; world > 0 (asserted).
     unsafe { tp_host_split_len(len, world, rank) }
 }
 
 /// The rank whose shard holds index `i` (`0 <= i < len`).
 pub fn split_owner(len: i64, world: i64, i: i64) -> i64 {
     assert!(world > 0 && (0..len).contains(&i));
+    // SAFETY: plain integers in and out, no memory touched; world > 0 and i in range (asserted).
     unsafe { tp_host_split_owner(len, world, i) }
 }
 
@@ -38,6 +41,7 @@ pub fn split_owner(len: i64, world: i64, i: i64) -> i64 {
 /// of the interleaved `(rows, cols)` result.
 pub fn gather_src(rows: i64, cols: i64, world: i64, row: i64, col: i64) -> i64 {
     assert!(world > 0 && (0..cols).contains(&col));
+    // SAFETY: plain integers in and out, no memory touched; world > 0, col in range (asserted).
     unsafe { tp_host_gather_src(rows, cols, world, row, col) }
 }
 
@@ -54,6 +58,7 @@ pub fn row_copy(
     u: i64,
 ) -> (i64, i64) {
     assert!(units > 0);
+    // SAFETY: plain integers in and out, no memory touched; units > 0 (asserted).
     unsafe {
         (
             tp_host_row_copy_src(rows, units, src_pitch, src_off, dst_pitch, dst_off, u),

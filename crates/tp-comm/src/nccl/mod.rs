@@ -144,8 +144,8 @@ impl Nccl {
 
     /// A fresh NCCL unique id (rank 0 creates it; the rendezvous carries it to the others).
     pub fn unique_id(&self) -> Result<[u8; 128]> {
-        // SAFETY: ncclUniqueId is 128 plain bytes; ncclGetUniqueId fills the struct it is given.
         let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        // SAFETY: ncclUniqueId is 128 plain bytes; ncclGetUniqueId fills the struct it is given.
         let r = unsafe { self.lib.ncclGetUniqueId(&mut id) };
         self.check("ncclGetUniqueId", r, std::ptr::null_mut())?;
         Ok(id.internal.map(|c| c as u8))
