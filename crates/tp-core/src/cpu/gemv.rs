@@ -186,12 +186,13 @@ mod avx512 {
 
     /// Bytes of x a chunk of K keeps in L1 (all `m` rows of it).
     const X_CHUNK_BYTES: usize = 16 << 10;
-    /// Bytes ahead along each weight row to prefetch.
-    const PREFETCH_W: usize = 1024;
 
     /// Where the rows after a block continue: the same span of the next `R` rows, or the next
-    /// span of the first rows when this block is the last of its span. Prefetching it while
-    /// the block runs hides the latency of starting those streams.
+    /// span of the first rows when this block is the last of its span. Prefetching it (to L2)
+    /// while the block runs hides the latency of starting those streams. The rows being read
+    /// are left to the hardware prefetchers: a software prefetch per cache line ahead of each
+    /// row cost 10-20% of the bandwidth on Zen 4 (2 cores, 2026-12-03; median of 40
+    /// interleaved runs, 27 vs 30 GB/s).
     fn next_block(r0: usize, r: usize, rows: usize, span: (usize, usize), k: usize) -> (usize, usize) {
         if r0 + 2 * r <= rows { (r0 + r, span.0) } else { (0, span.1.min(k)) }
     }
@@ -232,7 +233,6 @@ mod avx512 {
             let mut wv = [_mm512_setzero_ps(); R];
             for (r, slot) in wv.iter_mut().enumerate() {
                 let p = w.as_ptr().wrapping_add((r0 + r) * k + l);
-                _mm_prefetch::<_MM_HINT_T0>(p.cast::<u8>().wrapping_add(PREFETCH_W).cast());
                 let q = w.as_ptr().wrapping_add((next_r + r) * k + next_l + (l - l0));
                 _mm_prefetch::<_MM_HINT_T1>(q.cast());
                 // SAFETY: row `r0 + r` has `k` elements from `(r0 + r) * k`; `n` are left.
@@ -285,7 +285,6 @@ mod avx512 {
             let mut wv = [_mm512_setzero_si512(); R];
             for (r, slot) in wv.iter_mut().enumerate() {
                 let p = w.as_ptr().wrapping_add((r0 + r) * k + l);
-                _mm_prefetch::<_MM_HINT_T0>(p.cast::<u8>().wrapping_add(PREFETCH_W).cast());
                 let q = w.as_ptr().wrapping_add((next_r + r) * k + next_l + (l - l0));
                 _mm_prefetch::<_MM_HINT_T1>(q.cast());
                 // SAFETY: row `r0 + r` has `k` elements; the loads read at most the `n` left.
