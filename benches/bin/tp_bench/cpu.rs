@@ -153,6 +153,12 @@ fn memory_ceiling() -> Result<(f64, f64)> {
         Ok(())
     })?;
     let copy = 2.0 * src.len() as f64 / secs / 1e9;
+    Ok((copy, read_bandwidth()?))
+}
+
+/// GB/s of reading 256 MiB with every host-kernel thread, each its own contiguous part (the
+/// access pattern of a weight-streaming decode step); median of several runs.
+pub fn read_bandwidth() -> Result<f64> {
     let words: Vec<u64> = vec![1; 32 << 20];
     let threads = tp_core::cpu::num_threads();
     let secs = median_seconds(|| {
@@ -164,7 +170,7 @@ fn memory_ceiling() -> Result<(f64, f64)> {
         std::hint::black_box(total);
         Ok(())
     })?;
-    Ok((copy, (words.len() * 8) as f64 / secs / 1e9))
+    Ok((words.len() * 8) as f64 / secs / 1e9)
 }
 
 /// ColumnParallel and RowParallel forwards over 2 LocalGroup ranks (threads): GFLOP/s of the

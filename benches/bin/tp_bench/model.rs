@@ -45,20 +45,12 @@ fn synthetic_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Memory bandwidth of `device` in GB/s (bytes read + written per second) from a 256 MiB copy,
-/// best of 5.
+/// Memory bandwidth of `device` in GB/s, as a decode step uses it: on the host, reading 256 MiB
+/// on every thread (a step streams the weights and writes next to nothing); on a GPU, a 256 MiB
+/// device copy counting the bytes read and written, best of 5.
 fn bandwidth_gbs(device: Device) -> Result<f64> {
     if device == Device::Cpu {
-        let src = vec![1u8; 256 << 20];
-        let mut dst = vec![0u8; 256 << 20];
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            let start = Instant::now();
-            dst.copy_from_slice(&src);
-            std::hint::black_box(&dst);
-            best = best.min(start.elapsed().as_secs_f64());
-        }
-        return Ok(2.0 * src.len() as f64 / best / 1e9);
+        return crate::cpu::read_bandwidth();
     }
     let n = 64 << 20; // f32 elements
     let x = Tensor::zeros(&[2, n], DType::F32, &device)?;
@@ -84,7 +76,8 @@ pub fn rows(args: &Args, which: &Which, device: Device) -> Result<Vec<Row>> {
         Which::Dir(d) => d.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),
     };
     let config = tp_models::ModelConfig::from_dir(&dir)?;
-    println!("model rows: {label} on {device}, memory bandwidth {bandwidth_gbs:.1} GB/s (copy, read + write)");
+    let how = if device == Device::Cpu { "read on every thread" } else { "device copy, read + write" };
+    println!("model rows: {label} on {device}, memory bandwidth {bandwidth_gbs:.1} GB/s ({how})");
     let steps = if args.quick { 8 } else { 16 };
     let prompt_len = PROMPT_LEN.min(config.max_position_embeddings.saturating_sub(steps + 1)).max(1);
     let prompt: Vec<i64> = (0..prompt_len as i64).map(|i| (i * 7919 + 13) % config.vocab_size as i64).collect();
