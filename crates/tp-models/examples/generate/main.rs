@@ -50,7 +50,21 @@ fn run() -> Result<(), String> {
             Some(out) => out,
             None => return Ok(()), // not rank 0: rank 0 reports
         },
-        Backend::Nccl => return spawn_ranks(&a, &argv),
+        Backend::Nccl => {
+            // Checked here, once, rather than by every spawned rank.
+            match tp_kernels::device_count() {
+                Ok(n) if n >= a.world_size => {}
+                Ok(n) => {
+                    return Err(format!(
+                        "--backend nccl runs one process per GPU: --world-size {} needs {} GPUs, found {n} \
+                         (--backend local lets ranks share a GPU)",
+                        a.world_size, a.world_size
+                    ));
+                }
+                Err(e) => return Err(format!("--backend nccl: {e}")),
+            }
+            return spawn_ranks(&a, &argv);
+        }
     };
     if let Some(path) = &a.logits_out {
         write_logits(Path::new(path), &out)?;
