@@ -1,10 +1,12 @@
 // rope.cu -- rotary position embedding, Llama's rotate-half convention.
 //
-// * tp_rope_T(out, x, pos, inv_freq, tokens, heads, half): x, out: tokens x heads x (2*half)
-//   row-major; pos: tokens int64 absolute positions; inv_freq: half floats.
+// * tp_rope_T(out, x, pos, inv_freq, scale, tokens, heads, half): x, out: tokens x heads x
+//   (2*half) row-major; pos: tokens int64 absolute positions; inv_freq: half floats; scale: the
+//   cos/sin multiplier (Hugging Face's attention_scaling, YaRN's attention factor; else 1).
 //   For pair i of head h of token t: angle = round_f32(float(pos[t]) * inv_freq[i]);
-//   c = round_T(round_f32(cos(angle))), s likewise (cos/sin in double, then rounded, which is
-//   what the host computes); x1 = x[.., i], x2 = x[.., half + i];
+//   c = round_T(round_f32(round_f32(cos(angle)) * scale)), s likewise (cos/sin in double, then
+//   rounded, which is what the host computes; `emb.cos() * attention_scaling` in f32, then
+//   `.to(dtype)`); x1 = x[.., i], x2 = x[.., half + i];
 //   out1 = round_T(round_T(x1 c) + round_T(-x2 s)), out2 = round_T(round_T(x2 c) + round_T(x1 s)):
 //   PyTorch's `q * cos + rotate_half(q) * sin` rounding point by point. Explicit _rn
 //   intrinsics keep nvcc from contracting a product and a sum into one FMA.
@@ -24,7 +26,8 @@ __device__ __forceinline__ float rnd(float v) {
 
 template <typename T>
 __device__ __forceinline__ void rope(T* __restrict__ out, const T* __restrict__ x, const int64_t* __restrict__ pos,
-                                     const float* __restrict__ inv_freq, int64_t tokens, int64_t heads, int64_t half) {
+                                     const float* __restrict__ inv_freq, float scale, int64_t tokens, int64_t heads,
+                                     int64_t half) {
     const int64_t rows = tokens * heads;
     for (int64_t th = blockIdx.x; th < rows; th += gridDim.x) {  // th = token * heads + head
         const float p = (float)pos[th / heads];
@@ -33,7 +36,7 @@ __device__ __forceinline__ void rope(T* __restrict__ out, const T* __restrict__ 
             const float angle = __fmul_rn(p, inv_freq[i]);
             double sd, cd;
             sincospi((double)angle * TP_INV_PI, &sd, &cd);
-            const float c = rnd<T>((float)cd), s = rnd<T>((float)sd);
+            const float c = rnd<T>(__fmul_rn((float)cd, scale)), s = rnd<T>(__fmul_rn((float)sd, scale));
             const float x1 = tp::to_f32(x[base + i]), x2 = tp::to_f32(x[base + half + i]);
             out[base + i] = tp::from_f32<T>(__fadd_rn(rnd<T>(__fmul_rn(x1, c)), rnd<T>(__fmul_rn(-x2, s))));
             out[base + half + i] = tp::from_f32<T>(__fadd_rn(rnd<T>(__fmul_rn(x2, c)), rnd<T>(__fmul_rn(x1, s))));
@@ -43,9 +46,10 @@ __device__ __forceinline__ void rope(T* __restrict__ out, const T* __restrict__ 
 
 #define TP_ROPE(SUFFIX, T)                                                                                   \
     extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_rope_##SUFFIX(T* out, const T* x, const int64_t* pos, \
-                                                                      const float* inv_freq, int64_t tokens,  \
-                                                                      int64_t heads, int64_t half) {          \
-        rope<T>(out, x, pos, inv_freq, tokens, heads, half);                                                   \
+                                                                      const float* inv_freq, float scale,     \
+                                                                      int64_t tokens, int64_t heads,          \
+                                                                      int64_t half) {                         \
+        rope<T>(out, x, pos, inv_freq, scale, tokens, heads, half);                                            \
     }
 TP_ROPE(f32, float)
 TP_ROPE(f16, __half)

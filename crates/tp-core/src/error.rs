@@ -90,8 +90,8 @@ pub enum Error {
     #[error("{op}: token id {id} at position {position} is out of range for a vocabulary of {vocab}")]
     TokenOutOfRange { op: &'static str, id: i64, position: usize, vocab: usize },
 
-    /// A rotary-embedding scaling kind that tp does not implement (it knows `default` and
-    /// `llama3`), or invalid parameters for one it does.
+    /// A rotary-embedding scaling kind that tp does not implement (it knows `default`,
+    /// `linear`, `dynamic`, `yarn` and `llama3`), or invalid parameters for one it does.
     #[error("rope scaling {kind:?} is not supported: {why}")]
     UnsupportedRopeScaling { kind: String, why: String },
 

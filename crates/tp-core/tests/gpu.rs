@@ -259,6 +259,23 @@ fn llama3() -> tp_core::RopeScaling {
     }
 }
 
+fn linear() -> tp_core::RopeScaling {
+    tp_core::RopeScaling::Linear { factor: 4.0 }
+}
+
+fn dynamic() -> tp_core::RopeScaling {
+    tp_core::RopeScaling::Dynamic { factor: 4.0, max_position_embeddings: 64.0 }
+}
+
+fn yarn() -> tp_core::RopeScaling {
+    tp_core::RopeScaling::from_kind("yarn", |k| match k {
+        "factor" => Some(16.0),
+        "original_max_position_embeddings" => Some(64.0),
+        _ => None,
+    })
+    .unwrap()
+}
+
 /// GPU result within `ulps` ulps of the host's, element by element.
 fn assert_near_host(what: &str, g: &Tensor, h: &Tensor, ulps: f64) {
     let (gv, hv) = (f64s(&host(g)), f64s(h));
@@ -278,6 +295,14 @@ fn decoder_kernels_match_f64_references() {
                 check_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, d, scaling, dtype, d as u64);
             }
         }
+        // linear, YaRN (cos/sin times its attention factor in the kernel) and dynamic NTK
+        // (frequencies recomputed per call, past max_position_embeddings = 64 here).
+        for scaling in [linear(), yarn(), dynamic()] {
+            for d in [4, 10, 64, 128, 256] {
+                check_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, d, scaling, dtype, d as u64);
+                check_rope(GPU, &[0, 5, 63], 2, d, scaling, dtype, 1 + d as u64);
+            }
+        }
         for (hq, hkv) in [(4, 4), (6, 2), (5, 1)] {
             for d in [10, 64, 128, 256] {
                 check_attention(GPU, 7, 7, hq, hkv, d, None, dtype, d as u64);
@@ -294,6 +319,14 @@ fn decoder_kernels_match_f64_references() {
     }
     for w in [1, 3, 64] {
         check_attention(GPU, 9, 20, 4, 2, 16, Some(w), DType::F32, w as u64);
+    }
+    // Query heads that start inside a KV group (a tensor-parallel rank's uneven share).
+    for (hq, hkv, size, offset) in [(2, 2, 3, 2), (4, 2, 3, 1), (5, 3, 2, 1)] {
+        let groups = Some(tp_core::KvGroups { size, offset });
+        for (t, kv_len) in [(1, 19), (9, 20)] {
+            let spec = tp_core::AttentionSpec { kv_len, scale: 0.3, sliding_window: None, kv_groups: groups };
+            check_attention_spec(GPU, t, (hq, hkv, 24), &spec, DType::BF16, (hq * 100 + t) as u64);
+        }
     }
     for (hq, hkv, d) in [(4, 4, 10), (6, 2, 64), (3, 1, 128)] {
         check_prefill_equals_decode(GPU, 9, hq, hkv, d);
@@ -312,15 +345,17 @@ fn decoder_kernels_agree_with_the_host() {
             &x.rms_norm(&w, 1e-6).unwrap(),
             1.0,
         );
-        let rope = tp_core::RotaryEmbedding::new(128, 500_000.0, llama3()).unwrap();
         let q = Tensor::randn(&[33, 5, 128], dtype, 3, &CPU).unwrap();
         let pos: Vec<usize> = (1000..1033).collect();
-        assert_near_host(
-            &format!("rope {dtype}"),
-            &gpu(&q).rope(&pos, &rope).unwrap(),
-            &q.rope(&pos, &rope).unwrap(),
-            1.0,
-        );
+        for scaling in [llama3(), linear(), yarn(), dynamic()] {
+            let rope = tp_core::RotaryEmbedding::new(128, 500_000.0, scaling).unwrap();
+            assert_near_host(
+                &format!("rope {scaling:?} {dtype}"),
+                &gpu(&q).rope(&pos, &rope).unwrap(),
+                &q.rope(&pos, &rope).unwrap(),
+                1.0,
+            );
+        }
         // Bit-exact ones: lookups, argmax, adds, in-place writes.
         let ids = Tensor::from_vec((0..77i64).map(|i| (i * 13) % 1001).collect::<Vec<_>>(), &[7, 11], &CPU).unwrap();
         let table = Tensor::randn(&[500, 31], dtype, 4, &CPU).unwrap();

@@ -1,7 +1,8 @@
 //! [`ParallelAttention`]: grouped-query self-attention split by heads, with a KV cache.
 //!
-//! With query heads split whole over ranks (balanced; KV heads split alike, or replicated when
-//! there are fewer than ranks: [`QkvLayout`]), rank `r` holding query heads `Q_r`:
+//! With query heads split whole over ranks (balanced; each rank holding the KV heads its query
+//! heads use, replicated where ranks share one: [`QkvLayout`]), rank `r` holding query heads
+//! `Q_r`:
 //!
 //! 1. `[q_r | k_r | v_r] = x [Wq_r; Wk_r; Wv_r]^T (+ b)`: one column-parallel GEMM, local.
 //! 2. RoPE on `q_r` and `k_r` at the tokens' absolute positions; `k_r, v_r` appended to this
@@ -177,7 +178,12 @@ impl ParallelAttention {
         let k = k.reshape(&[t, l.kv_len, l.head_dim])?.rope(&positions, &self.config.rope)?;
         let v = v.reshape(&[t, l.kv_len, l.head_dim])?;
         cache.append(&k, &v)?;
-        let spec = AttentionSpec { kv_len: cache.len(), scale: self.scale, sliding_window: self.config.sliding_window };
+        let spec = AttentionSpec {
+            kv_len: cache.len(),
+            scale: self.scale,
+            sliding_window: self.config.sliding_window,
+            kv_groups: Some(l.kv_groups()),
+        };
         let (kc, vc) = cache.buffers();
         let o = q.attention(kc, vc, &spec)?.reshape(&[t, l.q_len * l.head_dim])?;
         self.o_proj.forward(&o, group)

@@ -1,10 +1,14 @@
 //! [`QkvParallel`]: the query/key/value projections split by whole attention heads.
 //!
-//! Queries: `num_heads` heads of `head_dim`, split over ranks by the balanced policy on heads.
-//! Keys/values (grouped-query attention, `num_kv_heads` dividing `num_heads`): split the same way
-//! when `num_kv_heads >= world`; when the TP degree exceeds them (Llama 3 70B has 8 KV heads),
-//! each KV head is replicated on `world / num_kv_heads` consecutive ranks, as vLLM does. Every
-//! rank must hold the KV heads its query heads attend with; layouts where that fails are errors.
+//! Queries: `num_heads` heads of `head_dim`, split over ranks by the balanced policy on heads,
+//! rank `r` holding heads `[a_r, b_r)`. Keys/values (grouped-query attention, `num_kv_heads`
+//! dividing `num_heads`, `g = num_heads / num_kv_heads` query heads per KV head): rank `r` holds
+//! exactly the KV heads its query heads attend with, `[a_r / g, ceil(b_r / g))`. Where the TP
+//! degree divides the KV heads that is an even split (as in Megatron-LM and vLLM); where the KV
+//! heads divide the TP degree (Llama 3 70B's 8 KV heads at TP 16), each KV head is replicated on
+//! `world / num_kv_heads` consecutive ranks, as vLLM does; and any other world size up to
+//! `num_heads` works too (12 query / 4 KV heads at TP 8: heads 2,2,2,2,1,1,1,1, rank 1's heads 2
+//! and 3 attend with KV heads 0 and 1, so it holds both), where Megatron-LM and vLLM refuse.
 //! Rank `r`'s GEMM gives `[Q_r | K_r | V_r]`.
 
 use crate::checkpoint::Checkpoint;
@@ -44,15 +48,16 @@ pub struct QkvLayout {
     pub q_len: usize,
     /// First KV head this rank holds.
     pub kv_start: usize,
-    /// Number of KV heads this rank holds (1 when replicated).
+    /// Number of KV heads this rank holds.
     pub kv_len: usize,
 }
 
 impl QkvLayout {
     /// The heads of rank `rank` out of `world_size`.
     ///
-    /// The layout is checked for every rank of the group, not only this one, so an impossible
-    /// placement is the same error on all ranks (none goes on to wait for the others).
+    /// Errors (the same on every rank, so none goes on to wait for the others): heads that do
+    /// not group (`num_kv_heads` must divide `num_heads`), and a world size above `num_heads`
+    /// (a rank would hold no query head).
     pub fn new(
         num_heads: usize,
         num_kv_heads: usize,
@@ -65,43 +70,15 @@ impl QkvLayout {
                 "need num_heads ({num_heads}) a positive multiple of num_kv_heads ({num_kv_heads}) and head_dim > 0"
             )));
         }
-        let mine = Self::place(num_heads, num_kv_heads, head_dim, rank, world_size)?;
-        for r in (0..world_size).filter(|&r| r != rank) {
-            Self::place(num_heads, num_kv_heads, head_dim, r, world_size)?;
+        if world_size > num_heads {
+            return Err(LayerError::Config(format!(
+                "{num_heads} query heads cannot be placed on {world_size} ranks: each rank needs at least one"
+            )));
         }
-        Ok(mine)
-    }
-
-    /// Rank `rank`'s heads, checked to include every KV head its query heads need.
-    fn place(
-        num_heads: usize,
-        num_kv_heads: usize,
-        head_dim: usize,
-        rank: usize,
-        world_size: usize,
-    ) -> Result<QkvLayout> {
         let q = TensorShard::new(0, num_heads, rank, world_size)?;
-        let (kv_start, kv_len) = if num_kv_heads >= world_size {
-            let kv = TensorShard::new(0, num_kv_heads, rank, world_size)?;
-            (kv.start(), kv.len())
-        } else {
-            if world_size % num_kv_heads != 0 {
-                return Err(LayerError::Config(format!(
-                    "{num_kv_heads} KV heads cannot be replicated evenly over {world_size} ranks"
-                )));
-            }
-            (rank / (world_size / num_kv_heads), 1)
-        };
         let group = num_heads / num_kv_heads; // query heads per KV head
-        for h in q.start()..q.end() {
-            let needed = h / group;
-            if !(kv_start..kv_start + kv_len).contains(&needed) {
-                return Err(LayerError::Config(format!(
-                    "rank {rank}: query head {h} needs KV head {needed}, which it does not hold \
-                     ({num_heads} query / {num_kv_heads} KV heads over {world_size} ranks)"
-                )));
-            }
-        }
+        let kv_start = q.start() / group;
+        let kv_len = q.end().div_ceil(group) - kv_start;
         Ok(QkvLayout {
             num_heads,
             num_kv_heads,
@@ -117,6 +94,13 @@ impl QkvLayout {
 
     fn rows(&self, start: usize, len: usize) -> (usize, usize) {
         (start * self.head_dim, len * self.head_dim)
+    }
+
+    /// How this rank's query heads share its KV heads: local query head `h` attends with local
+    /// KV head `(h + offset) / size`.
+    pub fn kv_groups(&self) -> tp_core::KvGroups {
+        let size = self.num_heads / self.num_kv_heads;
+        tp_core::KvGroups { size, offset: self.q_start - self.kv_start * size }
     }
 }
 

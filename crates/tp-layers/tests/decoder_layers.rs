@@ -148,9 +148,14 @@ fn run_attention(w: &AttnWeights, cfg: &AttentionConfig, x: &Tensor, steps: &[us
 fn attention_matches_f64_with_uneven_and_replicated_heads() {
     // (query heads, KV heads, head_dim, worlds): 12 heads of 10 over 1..8 ranks (uneven: at 8,
     // ranks hold 2,2,2,2,1,1,1,1 heads and o_proj's columns follow); 16/4 GQA with the 4 KV
-    // heads replicated at 8 ranks; MQA.
-    let cases: [(usize, usize, usize, Vec<usize>); 3] =
-        [(12, 12, 10, (1..=8).collect()), (16, 4, 8, vec![1, 2, 4, 8]), (6, 1, 16, vec![1, 2, 3, 6])];
+    // heads replicated at 8 ranks; 12/4 GQA at every world size (at 3, 5..8 some ranks' query
+    // heads straddle two KV heads); MQA.
+    let cases: [(usize, usize, usize, Vec<usize>); 4] = [
+        (12, 12, 10, (1..=8).collect()),
+        (16, 4, 8, vec![1, 2, 4, 8]),
+        (12, 4, 10, (1..=8).collect()),
+        (6, 1, 16, vec![1, 2, 3, 4, 6]),
+    ];
     for (nq, nkv, d, worlds) in cases {
         for bias in [false, true] {
             let w = AttnWeights::random(HIDDEN, nq, nkv, d, bias, DType::F32, 7);
@@ -322,9 +327,16 @@ fn impossible_attention_layouts_and_shapes_are_typed_errors() {
         let e = ParallelAttention::load(&ckpt, "b", &config(4, 2, 6, None), &g, &opts).unwrap_err();
         assert!(matches!(&e, LayerError::MissingTensor { name, .. } if name == "b.q_proj.weight"), "{e}");
     });
-    // 2 KV heads cannot be placed on 3 ranks.
-    let errs = on_ranks(3, CPU, |g| {
-        ParallelAttention::load(&ckpt, "a", &config(4, 2, 6, None), &g, &LoadOptions::new()).is_err()
+    // 4 query heads cannot be placed on 5 ranks: every rank says so (none waits for the others).
+    let errs = on_ranks(5, CPU, |g| {
+        ParallelAttention::load(&ckpt, "a", &config(4, 2, 6, None), &g, &LoadOptions::new()).unwrap_err().to_string()
     });
-    assert!(errs.iter().all(|&e| e));
+    assert!(errs.iter().all(|e| e.contains("4 query heads cannot be placed on 5 ranks")), "{errs:?}");
+    // 2 KV heads over 3 ranks is fine: query heads 2,1,1, so rank 0 holds heads 0 and 1 (KV
+    // head 0), ranks 1 and 2 heads 2 and 3 (both KV head 1).
+    let ok = on_ranks(3, CPU, |g| {
+        let a = ParallelAttention::load(&ckpt, "a", &config(4, 2, 6, None), &g, &LoadOptions::new()).unwrap();
+        (a.layout().kv_start, a.layout().kv_len)
+    });
+    assert_eq!(ok, vec![(0, 1), (1, 1), (1, 1)]);
 }

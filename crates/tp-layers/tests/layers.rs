@@ -88,10 +88,16 @@ fn merged_column_parallel_splits_into_each_projection() {
 #[test]
 fn qkv_splits_whole_heads_and_replicates_kv_heads() {
     let (hd, hidden) = (3, 16);
-    // (query heads, KV heads, world sizes that must work)
-    for (nq, nkv, worlds) in
-        [(8, 8, vec![1, 2, 4, 8]), (8, 2, vec![1, 2, 4, 8]), (16, 8, vec![1, 2, 4, 8]), (6, 6, vec![3])]
-    {
+    // (query heads, KV heads, world sizes that must work): every world size up to the query
+    // heads, including those where a rank's heads straddle KV groups (8/2 at 3, 12/4 at 8).
+    for (nq, nkv, worlds) in [
+        (8, 8, (1..=8).collect::<Vec<_>>()),
+        (8, 2, (1..=8).collect()),
+        (16, 8, vec![1, 2, 3, 4, 7, 8]),
+        (12, 4, (1..=12).collect()),
+        (6, 3, vec![4, 5]),
+        (6, 1, vec![1, 4, 6]),
+    ] {
         let q = linear(nq * hd, hidden, true, DType::F32, 8);
         let k = linear(nkv * hd, hidden, true, DType::F32, 9);
         let v = linear(nkv * hd, hidden, true, DType::F32, 10);
@@ -116,9 +122,17 @@ fn qkv_splits_whole_heads_and_replicates_kv_heads() {
                 check(&kl, &kf, nkv * hd, layout.kv_start, layout.kv_len);
                 check(&vl, &vf, nkv * hd, layout.kv_start, layout.kv_len);
                 (layout.q_start..layout.q_start + layout.q_len).for_each(|h| q_heads[h] += 1);
-                if nkv < world {
-                    assert_eq!(layout.kv_len, 1);
-                    assert_eq!(layout.kv_start, rank / (world / nkv), "replica placement");
+                // Exactly the KV heads its query heads use, and the grouping that maps them.
+                let group = nq / nkv;
+                let used: Vec<usize> = (layout.q_start..layout.q_start + layout.q_len).map(|h| h / group).collect();
+                assert_eq!(layout.kv_start, used[0], "{nq}/{nkv} world {world} rank {rank}");
+                assert_eq!(layout.kv_start + layout.kv_len - 1, *used.last().unwrap());
+                let g = layout.kv_groups();
+                for (i, &kv) in used.iter().enumerate() {
+                    assert_eq!((i + g.offset) / g.size, kv - layout.kv_start, "local head {i}");
+                }
+                if nkv < world && world % nkv == 0 && nq % world == 0 {
+                    assert_eq!((layout.kv_start, layout.kv_len), (rank / (world / nkv), 1), "replica placement");
                 }
             }
             assert!(q_heads.iter().all(|&c| c == 1), "every query head on exactly one rank");
@@ -126,8 +140,7 @@ fn qkv_splits_whole_heads_and_replicates_kv_heads() {
     }
     // Layouts that cannot work are errors, not wrong answers.
     assert!(QkvLayout::new(8, 3, 4, 0, 2).is_err(), "heads not a multiple of KV heads");
-    assert!(QkvLayout::new(8, 2, 4, 0, 3).is_err(), "2 KV heads over 3 ranks");
-    assert!(QkvLayout::new(6, 3, 4, 1, 4).is_err(), "3 KV heads over 4 ranks");
+    assert!(QkvLayout::new(8, 2, 4, 0, 9).is_err(), "8 query heads over 9 ranks");
     assert!(QkvLayout::new(8, 8, 4, 5, 5).is_err(), "rank >= world");
     let q = linear(8 * 3, 16, false, DType::F32, 1);
     let k = linear(2 * 3, 16, false, DType::F32, 2);

@@ -230,7 +230,8 @@ impl ModelConfig {
             Architecture::Qwen2 => (32_768, 10_000.0),
             Architecture::Mistral => (4096 * 32, 10_000.0),
         };
-        let (rope_theta, rope_scaling) = rope(&f, default_theta)?;
+        let max_position_embeddings = f.count("max_position_embeddings", Some(default_positions))?;
+        let (rope_theta, rope_scaling) = rope(&f, default_theta, max_position_embeddings)?;
         let rms_norm_eps = f.number("rms_norm_eps", Some(1e-6))?;
         if rms_norm_eps < 0.0 {
             return Err(f.bad("rms_norm_eps", format!("must be >= 0, got {rms_norm_eps}")));
@@ -271,7 +272,7 @@ impl ModelConfig {
             rms_norm_eps,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: f.count("max_position_embeddings", Some(default_positions))?,
+            max_position_embeddings,
             tie_word_embeddings: f.flag("tie_word_embeddings", false)?,
             qkv_bias,
             o_bias,
@@ -283,8 +284,15 @@ impl ModelConfig {
 }
 
 /// `(rope_theta, scaling)` from `rope_parameters` (transformers 5) or `rope_theta` +
-/// `rope_scaling` (transformers 4).
-fn rope(f: &Fields<'_>, default_theta: f64) -> Result<(f64, RopeScaling)> {
+/// `rope_scaling` (transformers 4), read as transformers 5 reads either: the kind is `rope_type`
+/// (else `type`, else `default`); `linear` and `dynamic` need `factor` (dynamic also the
+/// config's `max_position_embeddings`); `yarn` needs the `factor` key (`null`:
+/// `max_position_embeddings / original_max_position_embeddings`) and takes the optional
+/// `attention_factor`, `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim` and `truncate`; for
+/// `yarn` and `llama3`, a top-level `original_max_position_embeddings` wins over the one in the
+/// parameters, and both absent mean `max_position_embeddings` (transformers'
+/// `standardize_rope_params`).
+fn rope(f: &Fields<'_>, default_theta: f64, max_position_embeddings: usize) -> Result<(f64, RopeScaling)> {
     let (params, theta) = match f.get("rope_parameters") {
         Some(Value::Object(p)) => {
             let pf = Fields { map: p, prefix: "rope_parameters." };
@@ -313,8 +321,59 @@ fn rope(f: &Fields<'_>, default_theta: f64) -> Result<(f64, RopeScaling)> {
         (Some(k), _) | (None, Some(k)) => k.to_string(),
         (None, None) => "default".to_string(),
     };
-    let scaling = RopeScaling::from_kind(&kind, |name| p.get(name).and_then(Value::as_f64)).map_err(|e| {
-        ModelError::Unsupported { field: p.name("rope_type"), value: format!("{kind:?}"), why: e.to_string() }
+    // The parameters each kind reads: (required, positive, merely finite). Each is checked here
+    // so that a bad one is an error naming its field.
+    let (required, positives, finite): (&[&str], &[&str], &[&str]) = match kind.as_str() {
+        "linear" | "dynamic" => (&["factor"], &["factor"], &[]),
+        "yarn" => (
+            &[],
+            &["factor", "original_max_position_embeddings", "attention_factor"],
+            &["beta_fast", "beta_slow", "mscale", "mscale_all_dim"],
+        ),
+        "llama3" => (
+            &["factor", "low_freq_factor", "high_freq_factor"],
+            &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+            &[],
+        ),
+        _ => (&[], &[], &[]),
+    };
+    for &key in required {
+        p.number(key, None)?;
+    }
+    if kind == "yarn" && !p.map.contains_key("factor") {
+        return Err(p.bad("factor", "is missing (null: max_position_embeddings / original_max_position_embeddings)"));
+    }
+    for &key in positives {
+        if let Some(v) = p.get(key).map(|_| p.number(key, None)).transpose()?
+            && v <= 0.0
+        {
+            return Err(p.bad(key, format!("must be positive, got {v}")));
+        }
+    }
+    for &key in finite {
+        p.number(key, Some(0.0))?;
+    }
+    let truncate = if kind == "yarn" { p.flag("truncate", true)? } else { true };
+    let top_original = match kind.as_str() {
+        "yarn" | "llama3" if f.get("original_max_position_embeddings").is_some() => {
+            let v = f.number("original_max_position_embeddings", None)?;
+            if v <= 0.0 {
+                return Err(f.bad("original_max_position_embeddings", format!("must be positive, got {v}")));
+            }
+            Some(v)
+        }
+        _ => None,
+    };
+    let param = |name: &str| match name {
+        "max_position_embeddings" => Some(max_position_embeddings as f64),
+        "original_max_position_embeddings" => top_original.or_else(|| p.get(name).and_then(Value::as_f64)),
+        "truncate" => Some(if truncate { 1.0 } else { 0.0 }),
+        _ => p.get(name).and_then(Value::as_f64),
+    };
+    let scaling = RopeScaling::from_kind(&kind, param).map_err(|e| ModelError::Unsupported {
+        field: p.name("rope_type"),
+        value: format!("{kind:?}"),
+        why: e.to_string(),
     })?;
     Ok((theta, scaling))
 }

@@ -70,6 +70,110 @@ fn llama3_scaling_reads_in_both_config_forms() {
     assert_eq!(parse(v5_default).unwrap().rope_theta, 1e6);
 }
 
+/// The same rope parameters as transformers 4 (`rope_scaling` with `rope_type`, or `type`, and
+/// top-level `rope_theta`) and transformers 5 (`rope_parameters`) write them.
+fn rope_forms(theta: f64, params: Value) -> Vec<Value> {
+    let mut v4 = tinyllama();
+    v4["rope_theta"] = json!(theta);
+    v4["rope_scaling"] = params.clone();
+    let mut old = v4.clone();
+    let kind = old["rope_scaling"].as_object_mut().unwrap().remove("rope_type").unwrap();
+    old["rope_scaling"]["type"] = kind;
+    let mut v5 = tinyllama();
+    for k in ["rope_theta", "rope_scaling"] {
+        v5.as_object_mut().unwrap().remove(k);
+    }
+    v5["rope_parameters"] = params;
+    v5["rope_parameters"]["rope_theta"] = json!(theta);
+    vec![v4, old, v5]
+}
+
+#[test]
+fn linear_dynamic_and_yarn_read_in_both_config_forms() {
+    let cases = [
+        (json!({"rope_type": "linear", "factor": 4.0}), RopeScaling::Linear { factor: 4.0 }),
+        // Dynamic NTK reads the config's max_position_embeddings (2048 in TinyLlama's).
+        (
+            json!({"rope_type": "dynamic", "factor": 2.0}),
+            RopeScaling::Dynamic { factor: 2.0, max_position_embeddings: 2048.0 },
+        ),
+        (
+            json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 512.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                truncate: true,
+                attention_factor: 0.1 * 4f64.ln() + 1.0,
+            },
+        ),
+        // Qwen3/DeepSeek style: every optional parameter given.
+        (
+            json!({"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707, "truncate": false}),
+            RopeScaling::Yarn {
+                factor: 40.0,
+                original_max_position_embeddings: 4096.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                truncate: false,
+                attention_factor: (0.1 * 40f64.ln() + 1.0) / (0.1 * 0.707 * 40f64.ln() + 1.0),
+            },
+        ),
+        (
+            json!({"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.5, "beta_fast": 8, "beta_slow": 2}),
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 2048.0, // absent: max_position_embeddings
+                beta_fast: 8.0,
+                beta_slow: 2.0,
+                truncate: true,
+                attention_factor: 1.5,
+            },
+        ),
+    ];
+    for (params, want) in cases {
+        for v in rope_forms(1e6, params.clone()) {
+            let c = parse(v.clone()).unwrap_or_else(|e| panic!("{v}: {e}"));
+            assert_eq!((c.rope_theta, c.rope_scaling), (1e6, want), "{v}");
+        }
+    }
+    // YaRN's factor null: max_position_embeddings / original_max_position_embeddings.
+    let mut v = tinyllama();
+    v["max_position_embeddings"] = json!(32768);
+    v["rope_scaling"] = json!({"rope_type": "yarn", "factor": null, "original_max_position_embeddings": 8192});
+    assert!(matches!(parse(v).unwrap().rope_scaling, RopeScaling::Yarn { factor: 4.0, .. }));
+    // A top-level original_max_position_embeddings wins over the parameters' (transformers'
+    // standardize_rope_params), for yarn and llama3 alike.
+    let mut v = tinyllama();
+    v["original_max_position_embeddings"] = json!(1024);
+    v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512});
+    assert!(matches!(
+        parse(v.clone()).unwrap().rope_scaling,
+        RopeScaling::Yarn { original_max_position_embeddings: 1024.0, .. }
+    ));
+    v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0});
+    assert!(matches!(
+        parse(v.clone()).unwrap().rope_scaling,
+        RopeScaling::Llama3 { original_max_position_embeddings: 1024.0, .. }
+    ));
+    // ...but not for dynamic, which reads max_position_embeddings.
+    v["rope_scaling"] = json!({"rope_type": "dynamic", "factor": 2.0});
+    assert!(matches!(parse(v).unwrap().rope_scaling, RopeScaling::Dynamic { max_position_embeddings: 2048.0, .. }));
+    // Unknown kinds are refused by name in both forms.
+    for v in rope_forms(1e4, json!({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]})) {
+        let e = parse(v).unwrap_err();
+        assert!(matches!(&e, ModelError::Unsupported { value, .. } if value == "\"longrope\""), "{e}");
+    }
+    // Bad parameters in the transformers 5 form are named with their prefix.
+    let mut v = tinyllama();
+    v.as_object_mut().unwrap().remove("rope_theta");
+    v["rope_parameters"] = json!({"rope_type": "yarn", "rope_theta": 1e4, "factor": "four"});
+    let e = parse(v).unwrap_err();
+    assert!(matches!(&e, ModelError::ConfigField { field, .. } if field == "rope_parameters.factor"), "{e}");
+}
+
 #[test]
 fn qwen2_and_mistral_take_their_architectures_rules() {
     let qwen = json!({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
@@ -118,8 +222,27 @@ fn bad_fields_are_named() {
         ("rms_norm_eps", json!(-1.0), "rms_norm_eps"),
         ("tie_word_embeddings", json!("yes"), "tie_word_embeddings"),
         ("hidden_act", json!("gelu"), "gelu"),
-        ("rope_scaling", json!({"rope_type": "linear", "factor": 2.0}), "linear"),
-        ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}), "yarn"),
+        ("rope_scaling", json!({"rope_type": "longrope", "factor": 2.0}), "longrope"),
+        ("rope_scaling", json!({"type": "su", "factor": 4.0}), "su"),
+        ("rope_scaling", json!({"rope_type": "linear"}), "rope_scaling.factor"),
+        ("rope_scaling", json!({"rope_type": "linear", "factor": "2"}), "rope_scaling.factor"),
+        ("rope_scaling", json!({"rope_type": "dynamic", "factor": 0}), "rope_scaling.factor"),
+        ("rope_scaling", json!({"rope_type": "yarn"}), "rope_scaling.factor"),
+        ("rope_scaling", json!({"rope_type": "yarn", "factor": -4.0}), "rope_scaling.factor"),
+        (
+            "rope_scaling",
+            json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}),
+            "rope_scaling.original_max_position_embeddings",
+        ),
+        ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "beta_fast": "fast"}), "rope_scaling.beta_fast"),
+        ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "mscale": [1]}), "rope_scaling.mscale"),
+        (
+            "rope_scaling",
+            json!({"rope_type": "yarn", "factor": 4.0, "attention_factor": -1.0}),
+            "rope_scaling.attention_factor",
+        ),
+        ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "truncate": "no"}), "rope_scaling.truncate"),
+        ("original_max_position_embeddings", json!("4k"), "original_max_position_embeddings"),
         ("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
         ("rope_scaling", json!(7), "rope_scaling"),
         ("rope_theta", json!(0), "rope_theta"),
@@ -129,6 +252,9 @@ fn bad_fields_are_named() {
     for (field, value, named) in cases {
         let mut c = tinyllama();
         c[field] = value.clone();
+        if field == "original_max_position_embeddings" {
+            c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        }
         let e = parse(c).expect_err(&format!("{field} = {value}"));
         assert!(e.to_string().contains(named), "{field} = {value}: {e}");
     }

@@ -173,8 +173,7 @@ fn bad_inputs_are_one_line_errors_and_write_nothing() {
             .collect(),
         "FalconForCausalLM",
     );
-    // 12 KV heads cannot be replicated over 5 ranks? They can be split: 12 >= 5. A GQA model
-    // with 4 KV heads over 3 ranks cannot.
+    // Heads that cannot be placed: 16 query heads over 17 ranks (one would hold none).
     let gqa = model(
         "example-gqa",
         &SyntheticModel {
@@ -186,11 +185,11 @@ fn bad_inputs_are_one_line_errors_and_write_nothing() {
     );
     let g = gqa.to_str().unwrap();
     let args: Vec<String> =
-        ["--model", g, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--world-size", "3", "--logits-out", o]
+        ["--model", g, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--world-size", "17", "--logits-out", o]
             .iter()
             .map(|s| s.to_string())
             .collect();
-    check(args, "KV head");
+    check(args, "16 query heads cannot be placed on 17 ranks");
     // A missing layer tensor: the config claims one more layer than the files hold.
     let mut c = SyntheticModel::tiny().config_json();
     c["num_hidden_layers"] = json!(4);

@@ -37,7 +37,9 @@ fn flavours() -> Vec<Flavour> {
                 seed: 2,
                 ..tiny.clone()
             },
-            worlds: vec![1, 2, 4, 8],
+            // 16 query heads over 4 KV heads at every world size: at 3, 5, 6 and 7 ranks
+            // some ranks' query heads straddle two KV heads, and they hold both.
+            worlds: (1..=8).collect(),
         },
         Flavour {
             name: "qwen2-tied-v5",
@@ -50,7 +52,7 @@ fn flavours() -> Vec<Flavour> {
                 seed: 3,
                 ..tiny.clone()
             },
-            worlds: vec![1, 2, 3, 6],
+            worlds: vec![1, 2, 3, 4, 5, 6, 7, 8],
         },
         Flavour {
             name: "mistral-window",
@@ -64,7 +66,7 @@ fn flavours() -> Vec<Flavour> {
                 seed: 4,
                 ..tiny
             },
-            worlds: vec![1, 2, 4, 8],
+            worlds: vec![1, 2, 3, 5, 8],
         },
     ]
 }
@@ -244,12 +246,13 @@ fn bad_models_are_typed_errors_naming_the_problem() {
     std::fs::write(d.join("config.json"), c.to_string()).unwrap();
     let e = load_err(&d, 1);
     assert!(e.to_string().contains("model.layers.3."), "{e}");
-    // KV heads that cannot be placed: 12 heads over 5 ranks are fine, 4 KV heads over 3 are not.
+    // Heads that cannot be placed: 16 query heads over 17 ranks (one would hold none).
     let g = &flavours()[1];
     let d = tmpdir("placement");
     g.spec.write(&d).unwrap();
-    let e = load_err(&d, 3);
+    let e = load_err(&d, 17);
     assert!(matches!(e, ModelError::Layer(tp_layers::LayerError::Config(_))), "{e}");
+    assert!(e.to_string().contains("16 query heads cannot be placed on 17 ranks"), "{e}");
 }
 
 #[test]

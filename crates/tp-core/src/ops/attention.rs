@@ -1,8 +1,11 @@
 //! Causal scaled-dot-product attention with grouped-query heads, for a prefill of `T` tokens or
 //! a decode step, against keys and values held in a cache.
 //!
-//! `q: [T, Hq, D]`, `k, v: [C, Hkv, D]` with `Hkv | Hq`: query head `h` attends with KV head
-//! `h / (Hq / Hkv)` (grouped-query attention; `Hkv = Hq` is multi-head, `Hkv = 1` multi-query).
+//! `q: [T, Hq, D]`, `k, v: [C, Hkv, D]`: query head `h` attends with KV head `h / (Hq / Hkv)`
+//! (grouped-query attention; `Hkv = Hq` is multi-head, `Hkv = 1` multi-query). A tensor-parallel
+//! rank whose query heads do not start at a group boundary (12 query heads over 4 KV heads at TP
+//! 8: a rank may hold heads 2 and 3, which use KV heads 0 and 1) states the grouping instead
+//! ([`KvGroups`]): query head `h` attends with KV head `(h + offset) / size`.
 //! The first `L = kv_len` rows of the cache are valid and the `T` queries are its last `T`
 //! tokens, so query `t` sits at position `p = L - T + t` and sees keys `j <= p` (and, with a
 //! sliding window `W`, only `j > p - W`, as Mistral's mask). With scores
@@ -23,12 +26,38 @@ pub struct AttentionSpec {
     /// At most this many most recent keys per query (Mistral's `sliding_window`); `None` for
     /// plain causal attention.
     pub sliding_window: Option<usize>,
+    /// Which KV head each query head uses; `None`: `Hkv` must divide `Hq`, and query head `h`
+    /// uses KV head `h / (Hq / Hkv)`.
+    pub kv_groups: Option<KvGroups>,
+}
+
+/// How the query heads of one call share KV heads: query head `h` (counted from 0 in this call)
+/// attends with KV head `(h + offset) / size`. `size` is the model's query heads per KV head;
+/// `offset < size` is how far into its group the call's first query head sits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvGroups {
+    /// Query heads per KV head in the model (`num_attention_heads / num_key_value_heads`).
+    pub size: usize,
+    /// Position of this call's first query head within its group.
+    pub offset: usize,
 }
 
 impl AttentionSpec {
     /// Plain causal attention over `kv_len` cached tokens with scale `1/sqrt(head_dim)`.
     pub fn causal(kv_len: usize, head_dim: usize) -> AttentionSpec {
-        AttentionSpec { kv_len, scale: 1.0 / (head_dim.max(1) as f32).sqrt(), sliding_window: None }
+        AttentionSpec { kv_len, scale: 1.0 / (head_dim.max(1) as f32).sqrt(), sliding_window: None, kv_groups: None }
+    }
+
+    /// The grouping for `hq` query heads over `hkv` KV heads, checked: every query head's KV
+    /// head exists. `None` if they do not fit.
+    pub fn groups(&self, hq: usize, hkv: usize) -> Option<KvGroups> {
+        let g = match self.kv_groups {
+            Some(g) => g,
+            None if hkv > 0 && hq.is_multiple_of(hkv) => KvGroups { size: (hq / hkv).max(1), offset: 0 },
+            None => return None,
+        };
+        let fits = g.size > 0 && g.offset < g.size && (hq == 0 || (g.offset + hq - 1) / g.size < hkv);
+        fits.then_some(g)
     }
 
     /// The keys `lo..=p` that the query at position `p` sees.
@@ -79,9 +108,11 @@ impl Tensor {
         if dk != d {
             return Err(mismatch("queries and keys must have one head_dim"));
         }
-        if hkv == 0 || hq % hkv != 0 {
-            return Err(mismatch("the KV heads must divide the query heads"));
-        }
+        let Some(groups) = spec.groups(hq, hkv) else {
+            return Err(mismatch(
+                "each query head needs a KV head: Hkv must divide Hq, or kv_groups must map every query head to one",
+            ));
+        };
         if spec.kv_len > c || spec.kv_len < t {
             return Err(Error::InvalidArgument {
                 op: OP,
@@ -93,7 +124,10 @@ impl Tensor {
         }
         let dims = (t, hq, hkv, d);
         if let (Storage::Cuda(qs), Storage::Cuda(ks), Storage::Cuda(vs)) = (self.storage(), k.storage(), v.storage()) {
-            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::attention(qs, ks, vs, dims, spec)?));
+            return Ok(Tensor::from_cuda(
+                self.shape().clone(),
+                super::cuda::attention(qs, ks, vs, dims, spec, groups)?,
+            ));
         }
         let (qs, ks, vs) = (self.cpu_storage(OP)?, k.cpu_storage(OP)?, v.cpu_storage(OP)?);
         let out = with_dtype!(qs.dtype(), T => {
@@ -101,7 +135,7 @@ impl Tensor {
             let (q, k, v) = (widen::<T>(qs.as_slice::<T>().unwrap_or_default()),
                 widen::<T>(&ks.as_slice::<T>().unwrap_or_default()[..valid]),
                 widen::<T>(&vs.as_slice::<T>().unwrap_or_default()[..valid]));
-            let y = if t >= GEMM_MIN_TOKENS && d > 0 { gemm_attention(&q, &k, &v, dims, spec)? } else { host_attention(&q, &k, &v, dims, spec) };
+            let y = if t >= GEMM_MIN_TOKENS && d > 0 { gemm_attention(&q, &k, &v, dims, spec, groups)? } else { host_attention(&q, &k, &v, dims, spec, groups) };
             CpuStorage::from_vec(y.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>())
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
@@ -125,13 +159,20 @@ fn gemm_attention(
     v: &[f32],
     (t, hq, hkv, d): (usize, usize, usize, usize),
     spec: &AttentionSpec,
+    groups: KvGroups,
 ) -> Result<Vec<f32>> {
     let cpu = crate::Device::Cpu;
-    let group = hq / hkv;
     let first_pos = spec.kv_len - t;
     let mut out = vec![0f32; t * hq * d];
-    let tile = (SCORE_TILE / (group * spec.kv_len).max(1)).clamp(1, t);
+    let tile = (SCORE_TILE / (groups.size.min(hq) * spec.kv_len).max(1)).clamp(1, t);
     for g in 0..hkv {
+        // The query heads h0..h1 of this call that use KV head g.
+        let h0 = (g * groups.size).saturating_sub(groups.offset).min(hq);
+        let h1 = ((g + 1) * groups.size).saturating_sub(groups.offset).min(hq);
+        let group = h1 - h0;
+        if group == 0 {
+            continue;
+        }
         let rows_of = |src: &[f32], n: usize| -> Vec<f32> {
             let mut m = Vec::with_capacity(n * d);
             for j in 0..n {
@@ -147,7 +188,7 @@ fn gemm_attention(
             let vg = Tensor::from_vec(rows_of(&v[lo_tile * hkv * d..], keys - lo_tile), &[keys - lo_tile, d], &cpu)?;
             let mut qg = Vec::with_capacity(tn * group * d);
             for tok in t0..t0 + tn {
-                let at = (tok * hq + g * group) * d;
+                let at = (tok * hq + h0) * d;
                 qg.extend_from_slice(&q[at..at + group * d]);
             }
             let qg = Tensor::from_vec(qg, &[tn * group, d], &cpu)?;
@@ -167,7 +208,7 @@ fn gemm_attention(
             let o = o.as_slice::<f32>()?;
             for (r, orow) in o.chunks_exact(d).enumerate() {
                 let (tok, hh) = (t0 + r / group, r % group);
-                let at = (tok * hq + g * group + hh) * d;
+                let at = (tok * hq + h0 + hh) * d;
                 out[at..at + d].copy_from_slice(orow);
             }
         }
@@ -213,6 +254,7 @@ fn host_attention(
     v: &[f32],
     dims: (usize, usize, usize, usize),
     spec: &AttentionSpec,
+    groups: KvGroups,
 ) -> Vec<f32> {
     let (t, hq, _, d) = dims;
     let mut out = vec![0f32; t * hq * d];
@@ -220,13 +262,13 @@ fn host_attention(
     let work = rows.saturating_mul(spec.kv_len).saturating_mul(d);
     let threads = if work < PARALLEL_MIN_WORK { 1 } else { crate::cpu::num_threads().min(rows).max(1) };
     if threads <= 1 || d == 0 {
-        attend_rows(q, k, v, dims, spec, 0, &mut out);
+        attend_rows((q, k, v), dims, spec, groups, 0, &mut out);
         return out;
     }
     let per = rows.div_ceil(threads);
     std::thread::scope(|s| {
         for (i, chunk) in out.chunks_mut(per * d).enumerate() {
-            s.spawn(move || attend_rows(q, k, v, dims, spec, i * per, chunk));
+            s.spawn(move || attend_rows((q, k, v), dims, spec, groups, i * per, chunk));
         }
     });
     out
@@ -236,11 +278,10 @@ fn host_attention(
 /// the inner loops compiled for the best vector unit the CPU has (AVX-512, AVX2 + FMA, or the
 /// baseline), picked at run time.
 fn attend_rows(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    qkv: (&[f32], &[f32], &[f32]),
     dims: (usize, usize, usize, usize),
     spec: &AttentionSpec,
+    groups: KvGroups,
     first: usize,
     out: &mut [f32],
 ) {
@@ -249,60 +290,56 @@ fn attend_rows(
         if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
             // SAFETY: the CPU has AVX-512F and FMA (checked just above), all `#[target_feature]`
             // adds to this otherwise safe function.
-            return unsafe { attend_rows_avx512(q, k, v, dims, spec, first, out) };
+            return unsafe { attend_rows_avx512(qkv, dims, spec, groups, first, out) };
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
             // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { attend_rows_avx2(q, k, v, dims, spec, first, out) };
+            return unsafe { attend_rows_avx2(qkv, dims, spec, groups, first, out) };
         }
     }
-    attend_rows_body::<false>(q, k, v, dims, spec, first, out)
+    attend_rows_body::<false>(qkv, dims, spec, groups, first, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn attend_rows_avx512(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    qkv: (&[f32], &[f32], &[f32]),
     dims: (usize, usize, usize, usize),
     spec: &AttentionSpec,
+    groups: KvGroups,
     first: usize,
     out: &mut [f32],
 ) {
-    attend_rows_body::<true>(q, k, v, dims, spec, first, out)
+    attend_rows_body::<true>(qkv, dims, spec, groups, first, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn attend_rows_avx2(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    qkv: (&[f32], &[f32], &[f32]),
     dims: (usize, usize, usize, usize),
     spec: &AttentionSpec,
+    groups: KvGroups,
     first: usize,
     out: &mut [f32],
 ) {
-    attend_rows_body::<true>(q, k, v, dims, spec, first, out)
+    attend_rows_body::<true>(qkv, dims, spec, groups, first, out)
 }
 
 /// The portable body; `FMA` fuses the multiply-adds (only where the CPU has them).
 #[inline(always)]
 fn attend_rows_body<const FMA: bool>(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
     (t, hq, hkv, d): (usize, usize, usize, usize),
     spec: &AttentionSpec,
+    groups: KvGroups,
     first: usize,
     out: &mut [f32],
 ) {
-    let group = hq / hkv;
     let mut scores = Vec::new();
     for (r, y) in (first..).zip(out.chunks_exact_mut(d.max(1))) {
         let (tok, head) = (r / hq, r % hq);
-        let kvh = head / group;
+        let kvh = (head + groups.offset) / groups.size;
         let p = spec.kv_len - t + tok;
         let (lo, hi) = spec.key_range(p);
         let qv = &q[r * d..(r + 1) * d];

@@ -174,28 +174,33 @@ pub(crate) fn rms_norm(x: &CudaStorage, w: &CudaStorage, rows: usize, h: usize, 
     Ok(parts.finish(buf))
 }
 
-/// RoPE of `x: [tokens, heads, d]` at `positions`.
+/// RoPE of `x: [tokens, heads, d]` at `positions` with this call's frequencies `inv_freq`
+/// (uploaded per call: dynamic scaling recomputes them), cos and sin multiplied by
+/// `attention_scaling` in f32.
 pub(crate) fn rope(
     x: &CudaStorage,
     positions: &[usize],
     inv_freq: &[f32],
+    attention_scaling: f32,
     (t, h, d): (usize, usize, usize),
 ) -> Result<CudaStorage> {
     let pos: Vec<i64> = positions.iter().map(|&p| i64::try_from(p).unwrap_or(i64::MAX)).collect();
     let pos = x.gpu.htod(bytemuck::cast_slice(&pos))?;
     let freq = x.gpu.htod(bytemuck::cast_slice(inv_freq))?;
     let (mut buf, parts) = alloc_like(x, t * h * d * x.dtype.size_in_bytes(), x.dtype)?;
-    x.gpu.rope(&mut buf, &x.buf, &pos, &freq, (t, h, d / 2), elem_type(x.dtype))?;
+    x.gpu.rope(&mut buf, &x.buf, &pos, &freq, attention_scaling, (t, h, d / 2), elem_type(x.dtype))?;
     Ok(parts.finish(buf))
 }
 
-/// Attention of `q: [t, hq, d]` over the first `spec.kv_len` rows of `k, v: [.., hkv, d]`.
+/// Attention of `q: [t, hq, d]` over the first `spec.kv_len` rows of `k, v: [.., hkv, d]`,
+/// query head `h` using KV head `(h + groups.offset) / groups.size`.
 pub(crate) fn attention(
     q: &CudaStorage,
     k: &CudaStorage,
     v: &CudaStorage,
     (t, hq, hkv, d): (usize, usize, usize, usize),
     spec: &crate::AttentionSpec,
+    groups: crate::KvGroups,
 ) -> Result<CudaStorage> {
     same_gpu("attention", q, k)?;
     same_gpu("attention", q, v)?;
@@ -203,6 +208,8 @@ pub(crate) fn attention(
         tokens: t,
         q_heads: hq,
         kv_heads: hkv,
+        group: groups.size,
+        group_offset: groups.offset,
         head_dim: d,
         kv_len: spec.kv_len,
         scale: spec.scale,

@@ -11,7 +11,7 @@ mod norm;
 mod rope;
 mod tokens;
 
-pub use attention::AttentionSpec;
+pub use attention::{AttentionSpec, KvGroups};
 pub use matmul::WeightLayout;
 pub use rope::{RopeScaling, RotaryEmbedding};
 

@@ -1,24 +1,70 @@
-//! Rotary position embedding (RoPE) in Llama's "rotate half" convention, with the `llama3`
-//! frequency scaling of Llama 3.x checkpoints.
+//! Rotary position embedding (RoPE) in Llama's "rotate half" convention, with the frequency
+//! scalings of Hugging Face's `rope_type`s `default`, `linear`, `dynamic`, `yarn` and `llama3`.
 //!
 //! A head vector `x` of even length `D` is split in halves `x = [x1 | x2]`. At absolute position
 //! `p`, frequency `i < D/2` turns by `θ_i = p · f_i`:
 //!
-//! `y1 = x1 ⊙ cos θ − x2 ⊙ sin θ`, `y2 = x2 ⊙ cos θ + x1 ⊙ sin θ`,
+//! `y1 = m·(x1 ⊙ cos θ − x2 ⊙ sin θ)`, `y2 = m·(x2 ⊙ cos θ + x1 ⊙ sin θ)`,
 //!
-//! Hugging Face's `q * cos + rotate_half(q) * sin`. The frequencies are `f_i = 1 / θ_base^(2i/D)`,
-//! computed in f32 as transformers does, then rescaled by [`RopeScaling`]. Rounding follows
-//! PyTorch's operation by operation: the angle `p · f_i` and its cosine and sine in f32, `cos`
-//! and `sin` rounded to the input dtype, then each product and the sum rounded to it.
+//! Hugging Face's `q * cos + rotate_half(q) * sin` with `cos = emb.cos() * attention_scaling`
+//! (`m`: 1 except for YaRN). The frequencies are `f_i = 1 / θ_base^(2i/D)`, rescaled by
+//! [`RopeScaling`], each step in the precision transformers (5.x) computes it in: the base
+//! rounded to f32 and raised to the f32 exponent `2i/D` by the C library's `powf` (PyTorch's
+//! scalar loop; its SIMD loop, used from 2 vectors of pairs on, may differ by an ulp), the
+//! scalings' f32 tensor arithmetic in f32 and their Python scalar arithmetic in f64. Rounding
+//! of the rotation follows PyTorch's operation by operation: the angle `p · f_i` and its cosine
+//! and sine in f32, times `m` in f32, `cos` and `sin` rounded to the input dtype, then each
+//! product and the sum rounded to it.
+//!
+//! Dynamic NTK scaling depends on the call: like transformers' `dynamic_rope_update`, a call
+//! whose largest position is `P` uses frequencies for `P + 1` tokens ([`RotaryEmbedding::inv_freq_for`]).
 
 use crate::storage::{CpuStorage, Storage};
 use crate::{Element, Error, Result, Tensor, with_dtype};
+use std::borrow::Cow;
 
 /// How the base frequencies are rescaled for long contexts.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RopeScaling {
     /// No scaling (`rope_type: "default"`, or no `rope_scaling` at all).
     Default,
+    /// Position interpolation (`rope_type: "linear"`): every frequency divided by `factor`
+    /// (in f32, as transformers' `inv_freq /= factor`).
+    Linear {
+        /// The stretch of the context (> 0; transformers expects >= 1).
+        factor: f64,
+    },
+    /// Dynamic NTK scaling (`rope_type: "dynamic"`): for a call over `L` tokens (largest position
+    /// plus one) beyond `max_position_embeddings`, the base becomes
+    /// `θ · (factor·L/max_position_embeddings − (factor − 1))^(D/(D−2))` (in f32, as transformers
+    /// computes it from the position tensor); within it, the frequencies of
+    /// `θ · (factor·M/M − (factor − 1))^(D/(D−2))` (in f64: transformers' init, `≈ θ`).
+    Dynamic {
+        /// The NTK factor.
+        factor: f64,
+        /// The config's `max_position_embeddings` `M` (an integer; transformers' dynamic RoPE
+        /// reads this, not `original_max_position_embeddings`).
+        max_position_embeddings: f64,
+    },
+    /// YaRN (`rope_type: "yarn"`): frequencies blended between interpolated (`f / factor`) and
+    /// original by a linear ramp over the pairs `[low, high]` that turn between `beta_fast` and
+    /// `beta_slow` times over `original_max_position_embeddings`, and cos/sin multiplied by
+    /// `attention_factor`. [`RopeScaling::from_kind`] resolves transformers' defaults.
+    Yarn {
+        /// The interpolation factor.
+        factor: f64,
+        /// The context length the model was pre-trained with.
+        original_max_position_embeddings: f64,
+        /// Rotations bounding the extrapolated (unscaled) band (transformers' default 32).
+        beta_fast: f64,
+        /// Rotations bounding the interpolated band (default 1).
+        beta_slow: f64,
+        /// Whether the ramp's ends are rounded outward to whole pairs (default true).
+        truncate: bool,
+        /// The multiplier of cos and sin (`attention_scaling`): the config's `attention_factor`,
+        /// else `0.1·ln(factor) + 1` (or the `mscale`/`mscale_all_dim` ratio), 1 for `factor <= 1`.
+        attention_factor: f64,
+    },
     /// Llama 3.1's scaling (`rope_type: "llama3"`): wavelengths beyond
     /// `original_max_position_embeddings / low_freq_factor` are stretched by `factor`, those
     /// below `original_max_position_embeddings / high_freq_factor` kept, and the band between
@@ -35,26 +81,92 @@ pub enum RopeScaling {
     },
 }
 
+/// YaRN's `get_mscale`: `0.1 · mscale · ln(scale) + 1`, or 1 for `scale <= 1`.
+fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 { 1.0 } else { 0.1 * mscale * scale.ln() + 1.0 }
+}
+
 impl RopeScaling {
     /// The scaling a Hugging Face config names (`rope_scaling.rope_type`, or its older `type`),
-    /// its numeric parameters read through `param`.
+    /// its numeric parameters read through `param`, as transformers 5 reads them:
     ///
-    /// Errors: [`Error::UnsupportedRopeScaling`] naming any kind but `default` and `llama3`, or
-    /// a `llama3` parameter that is missing, non-finite, or not positive (or equal band edges).
+    /// * `linear`: `factor`.
+    /// * `dynamic`: `factor`, `max_position_embeddings` (the config's top-level field).
+    /// * `yarn`: `factor` (absent: `max_position_embeddings / original_max_position_embeddings`,
+    ///   transformers' reading of `factor: null`), `original_max_position_embeddings` (absent:
+    ///   `max_position_embeddings`), optional `beta_fast` (absent or 0: 32), `beta_slow` (absent
+    ///   or 0: 1), `truncate` (0 is false; absent: true), `attention_factor` (absent: from `factor`,
+    ///   through `mscale` and `mscale_all_dim` when both are given and non-zero).
+    /// * `llama3`: `factor`, `low_freq_factor`, `high_freq_factor`,
+    ///   `original_max_position_embeddings` (absent: `max_position_embeddings`).
+    ///
+    /// Errors: [`Error::UnsupportedRopeScaling`] naming any other kind (`longrope`, ...), or a
+    /// parameter that is missing, non-finite, or not positive (or equal llama3 band edges).
     pub fn from_kind(kind: &str, param: impl Fn(&str) -> Option<f64>) -> Result<RopeScaling> {
         let bad = |why: String| Error::UnsupportedRopeScaling { kind: kind.to_string(), why };
+        let check = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 { Ok(v) } else { Err(bad(format!("{name} = {v} must be positive"))) }
+        };
+        let get = |name: &str| check(name, param(name).ok_or_else(|| bad(format!("missing {name}")))?);
+        let finite = |name: &str| match param(name) {
+            Some(v) if !v.is_finite() => Err(bad(format!("{name} = {v} must be finite"))),
+            v => Ok(v),
+        };
+        // transformers' standardisation: original_max_position_embeddings defaults to the
+        // config's max_position_embeddings.
+        let original = || match param("original_max_position_embeddings") {
+            Some(v) => check("original_max_position_embeddings", v),
+            None => get("max_position_embeddings")
+                .map_err(|_| bad("missing original_max_position_embeddings (and max_position_embeddings)".into())),
+        };
         match kind {
             "default" => Ok(RopeScaling::Default),
-            "llama3" => {
-                let get = |name: &str| {
-                    let v = param(name).ok_or_else(|| bad(format!("missing {name}")))?;
-                    if v.is_finite() && v > 0.0 { Ok(v) } else { Err(bad(format!("{name} = {v} must be positive"))) }
+            "linear" => Ok(RopeScaling::Linear { factor: get("factor")? }),
+            "dynamic" => {
+                let max_position_embeddings = get("max_position_embeddings")?;
+                if max_position_embeddings.fract() != 0.0 {
+                    return Err(bad(format!("max_position_embeddings = {max_position_embeddings} must be an integer")));
+                }
+                Ok(RopeScaling::Dynamic { factor: get("factor")?, max_position_embeddings })
+            }
+            "yarn" => {
+                let original_max_position_embeddings = original()?;
+                let factor = match param("factor") {
+                    Some(f) => check("factor", f)?,
+                    None => check(
+                        "factor",
+                        get("max_position_embeddings")
+                            .map_err(|_| bad("missing factor (and max_position_embeddings)".into()))?
+                            / original_max_position_embeddings,
+                    )?,
                 };
+                // Python's `x or default`: absent and 0 both take the default.
+                let or = |v: Option<f64>, default: f64| v.filter(|&v| v != 0.0).unwrap_or(default);
+                let beta_fast = or(finite("beta_fast")?, 32.0);
+                let beta_slow = or(finite("beta_slow")?, 1.0);
+                let truncate = finite("truncate")?.is_none_or(|t| t != 0.0);
+                let attention_factor = match param("attention_factor") {
+                    Some(a) => check("attention_factor", a)?,
+                    None => match (or(finite("mscale")?, 0.0), or(finite("mscale_all_dim")?, 0.0)) {
+                        (m, all) if m != 0.0 && all != 0.0 => yarn_mscale(factor, m) / yarn_mscale(factor, all),
+                        _ => yarn_mscale(factor, 1.0),
+                    },
+                };
+                Ok(RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings,
+                    beta_fast,
+                    beta_slow,
+                    truncate,
+                    attention_factor,
+                })
+            }
+            "llama3" => {
                 let s = RopeScaling::Llama3 {
                     factor: get("factor")?,
                     low_freq_factor: get("low_freq_factor")?,
                     high_freq_factor: get("high_freq_factor")?,
-                    original_max_position_embeddings: get("original_max_position_embeddings")?,
+                    original_max_position_embeddings: original()?,
                 };
                 if let RopeScaling::Llama3 { low_freq_factor: lo, high_freq_factor: hi, .. } = s
                     && lo == hi
@@ -65,60 +177,121 @@ impl RopeScaling {
             }
             other => Err(Error::UnsupportedRopeScaling {
                 kind: other.to_string(),
-                why: "tp implements \"default\" and \"llama3\"".into(),
+                why: "tp implements \"default\", \"linear\", \"dynamic\", \"yarn\" and \"llama3\"".into(),
             }),
         }
     }
 }
 
-/// The rotary embedding of one attention layer: head size and the per-pair frequencies.
+/// Dynamic NTK's inputs, kept to recompute the frequencies per call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct DynamicNtk {
+    theta: f64,
+    factor: f64,
+    max_position_embeddings: f64,
+}
+
+/// The rotary embedding of one attention layer: head size, the per-pair frequencies and the
+/// cos/sin multiplier.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RotaryEmbedding {
     head_dim: usize,
     inv_freq: Vec<f32>,
+    attention_scaling: f32,
+    dynamic: Option<DynamicNtk>,
+}
+
+/// `1 / base^(2i/D)` for every pair, as transformers' `1.0 / (base ** (arange(0, D, 2).float() / D))`:
+/// the exponent in f32, the base rounded to f32 and `powf` in f32, the reciprocal in f32.
+fn base_inv_freq(head_dim: usize, base: f64) -> Vec<f32> {
+    pos_freqs(head_dim, base).into_iter().map(|p| 1.0f32 / p).collect()
+}
+
+/// `base^(2i/D)` in f32 (see [`base_inv_freq`]).
+fn pos_freqs(head_dim: usize, base: f64) -> Vec<f32> {
+    let base = base as f32;
+    (0..head_dim / 2).map(|i| base.powf((2 * i) as f32 / head_dim as f32)).collect()
 }
 
 impl RotaryEmbedding {
-    /// Frequencies for heads of `head_dim` (even, > 0) with base `theta` (`rope_theta`, > 0).
+    /// Frequencies for heads of `head_dim` (even, > 0; > 2 for dynamic scaling) with base `theta`
+    /// (`rope_theta`, > 0).
     ///
-    /// Errors: [`Error::InvalidArgument`] for an odd or zero `head_dim` or a bad `theta`.
+    /// Errors: [`Error::InvalidArgument`] for an odd or zero `head_dim`, a bad `theta`, or
+    /// scaling parameters [`RopeScaling::from_kind`] would refuse.
     pub fn new(head_dim: usize, theta: f64, scaling: RopeScaling) -> Result<RotaryEmbedding> {
         const OP: &str = "RotaryEmbedding::new";
+        let invalid = |why: String| Error::InvalidArgument { op: OP, why };
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(Error::InvalidArgument { op: OP, why: format!("head_dim {head_dim} must be even and > 0") });
+            return Err(invalid(format!("head_dim {head_dim} must be even and > 0")));
         }
         if !(theta.is_finite() && theta > 0.0) {
-            return Err(Error::InvalidArgument { op: OP, why: format!("rope_theta {theta} must be positive") });
+            return Err(invalid(format!("rope_theta {theta} must be positive")));
         }
-        // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), each step in f32.
-        let mut inv_freq: Vec<f32> = (0..head_dim / 2)
-            .map(|i| {
-                let exponent = (2 * i) as f32 / head_dim as f32;
-                let power = theta.powf(f64::from(exponent)) as f32;
-                1.0f32 / power
-            })
-            .collect();
-        if let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } =
-            scaling
-        {
-            let low_wavelen = original_max_position_embeddings / low_freq_factor;
-            let high_wavelen = original_max_position_embeddings / high_freq_factor;
-            for f in &mut inv_freq {
-                let freq = f64::from(*f);
-                let wavelen = 2.0 * std::f64::consts::PI / freq;
-                let scaled = if wavelen > low_wavelen {
-                    freq / factor
-                } else if wavelen < high_wavelen {
-                    freq
-                } else {
-                    let smooth = (original_max_position_embeddings / wavelen - low_freq_factor)
-                        / (high_freq_factor - low_freq_factor);
-                    (1.0 - smooth) * freq / factor + smooth * freq
-                };
-                *f = scaled as f32;
+        let positive = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 { Ok(v) } else { Err(invalid(format!("{name} {v} must be positive"))) }
+        };
+        let mut attention_scaling = 1.0f32;
+        let mut dynamic = None;
+        let inv_freq = match scaling {
+            RopeScaling::Default => base_inv_freq(head_dim, theta),
+            RopeScaling::Linear { factor } => {
+                // `inv_freq /= factor`: an f32 tensor divided by the f32-rounded scalar.
+                let factor = positive("factor", factor)? as f32;
+                base_inv_freq(head_dim, theta).into_iter().map(|f| f / factor).collect()
             }
-        }
-        Ok(RotaryEmbedding { head_dim, inv_freq })
+            RopeScaling::Dynamic { factor, max_position_embeddings: m } => {
+                positive("factor", factor)?;
+                if positive("max_position_embeddings", m)?.fract() != 0.0 {
+                    return Err(invalid(format!("max_position_embeddings {m} must be an integer")));
+                }
+                if head_dim == 2 {
+                    return Err(invalid("dynamic NTK scaling needs head_dim > 2 (it raises to D/(D-2))".into()));
+                }
+                let d = head_dim as f64;
+                dynamic = Some(DynamicNtk { theta, factor, max_position_embeddings: m });
+                // At init transformers passes seq_len = max_position_embeddings: Python floats.
+                base_inv_freq(head_dim, theta * ((factor * m / m) - (factor - 1.0)).powf(d / (d - 2.0)))
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: orig,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => {
+                positive("factor", factor)?;
+                positive("original_max_position_embeddings", orig)?;
+                positive("attention_factor", attention_factor)?;
+                if !(beta_fast.is_finite() && beta_slow.is_finite()) {
+                    return Err(invalid(format!("beta_fast {beta_fast} and beta_slow {beta_slow} must be finite")));
+                }
+                attention_scaling = attention_factor as f32;
+                yarn_inv_freq(head_dim, theta, factor, orig, (beta_fast, beta_slow), truncate)
+            }
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let mut inv_freq = base_inv_freq(head_dim, theta);
+                let low_wavelen = original_max_position_embeddings / low_freq_factor;
+                let high_wavelen = original_max_position_embeddings / high_freq_factor;
+                for f in &mut inv_freq {
+                    let freq = f64::from(*f);
+                    let wavelen = 2.0 * std::f64::consts::PI / freq;
+                    let scaled = if wavelen > low_wavelen {
+                        freq / factor
+                    } else if wavelen < high_wavelen {
+                        freq
+                    } else {
+                        let smooth = (original_max_position_embeddings / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * freq / factor + smooth * freq
+                    };
+                    *f = scaled as f32;
+                }
+                inv_freq
+            }
+        };
+        Ok(RotaryEmbedding { head_dim, inv_freq, attention_scaling, dynamic })
     }
 
     /// Features per head.
@@ -126,23 +299,96 @@ impl RotaryEmbedding {
         self.head_dim
     }
 
-    /// The `head_dim / 2` frequencies `f_i`, after scaling.
+    /// The `head_dim / 2` frequencies `f_i`, after scaling; for dynamic scaling, those of calls
+    /// within `max_position_embeddings` (see [`RotaryEmbedding::inv_freq_for`]).
     pub fn inv_freq(&self) -> &[f32] {
         &self.inv_freq
     }
 
-    /// `(cos θ, sin θ)` in f32 for pair `i` at position `p`: the angle `p · f_i` rounded to f32
-    /// (as transformers' f32 product), its cosine and sine correctly rounded from f64.
-    pub fn cos_sin(&self, position: usize, i: usize) -> (f32, f32) {
-        let angle = position as f32 * self.inv_freq[i];
-        let a = f64::from(angle);
-        (a.cos() as f32, a.sin() as f32)
+    /// The frequencies a call over `seq_len` tokens uses (`seq_len`: its largest position plus
+    /// one, transformers' `torch.max(position_ids) + 1`). The same as [`RotaryEmbedding::inv_freq`]
+    /// except for dynamic scaling beyond `max_position_embeddings`, where they are recomputed
+    /// from the rescaled base in f32 as transformers' `_compute_dynamic_ntk_parameters` does
+    /// with a tensor `seq_len`.
+    ///
+    /// transformers keeps the last growth's frequencies until a call falls back below the
+    /// original length; for the growing sequences of prefill and decoding that is the same.
+    pub fn inv_freq_for(&self, seq_len: usize) -> Cow<'_, [f32]> {
+        match self.dynamic {
+            Some(DynamicNtk { theta, factor, max_position_embeddings: m }) if seq_len as f64 > m => {
+                let d = self.head_dim as f64;
+                // factor * seq_len / M - (factor - 1): f32 tensor arithmetic with f32-rounded
+                // scalars; `** (D / (D - 2))`: std::pow(float, double); times the base in f32.
+                let t = (factor as f32) * (seq_len as f32) / (m as f32) - ((factor - 1.0) as f32);
+                let t = f64::from(t).powf(d / (d - 2.0)) as f32;
+                Cow::Owned(base_inv_freq(self.head_dim, f64::from((theta as f32) * t)))
+            }
+            _ => Cow::Borrowed(&self.inv_freq),
+        }
     }
+
+    /// The multiplier of cos and sin (transformers' `attention_scaling`, rounded to f32 as its
+    /// f32 product rounds it): YaRN's attention factor, otherwise 1.
+    pub fn attention_scaling(&self) -> f32 {
+        self.attention_scaling
+    }
+
+    /// `(m · cos θ, m · sin θ)` in f32 for pair `i` at `position`, as a call whose largest
+    /// position is `position` computes them (a decode step): the angle `p · f_i` rounded to f32
+    /// (as transformers' f32 product), its cosine and sine correctly rounded from f64, each times
+    /// the attention scaling `m` in f32.
+    pub fn cos_sin(&self, position: usize, i: usize) -> (f32, f32) {
+        cos_sin(&self.inv_freq_for(position.saturating_add(1)), self.attention_scaling, position, i)
+    }
+}
+
+fn cos_sin(inv_freq: &[f32], scale: f32, position: usize, i: usize) -> (f32, f32) {
+    let angle = position as f32 * inv_freq[i];
+    let a = f64::from(angle);
+    ((a.cos() as f32) * scale, (a.sin() as f32) * scale)
+}
+
+/// YaRN's frequencies, step by step as transformers' `_compute_yarn_parameters`: the
+/// correction range in Python floats, the rest in f32 tensors.
+fn yarn_inv_freq(
+    head_dim: usize,
+    theta: f64,
+    factor: f64,
+    original: f64,
+    (beta_fast, beta_slow): (f64, f64),
+    truncate: bool,
+) -> Vec<f32> {
+    let dim = head_dim as f64;
+    let correction_dim =
+        |rotations: f64| (dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln());
+    let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+    if truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+    if low == high {
+        high += 0.001; // transformers: "prevent singularity"
+    }
+    let (low32, span32, factor32) = (low as f32, (high - low) as f32, factor as f32);
+    pos_freqs(head_dim, theta)
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let extrapolation = 1.0f32 / p;
+            let interpolation = 1.0f32 / (factor32 * p);
+            let ramp = ((i as f32 - low32) / span32).clamp(0.0, 1.0);
+            let extrapolation_factor = 1.0f32 - ramp;
+            interpolation * (1.0f32 - extrapolation_factor) + extrapolation * extrapolation_factor
+        })
+        .collect()
 }
 
 impl Tensor {
     /// RoPE applied to `self: [T, H, D]` (tokens, heads, head features), token `t` at absolute
     /// position `positions[t]` (a decode step of a sequence holding `L` tokens sits at `L`).
+    /// Under dynamic scaling the frequencies are those of `max(positions) + 1` tokens, as
+    /// transformers computes them per forward (so a step's rotation equals the row at its
+    /// position of a prefill ending there, not of a longer one).
     ///
     /// Errors: [`Error::RankMismatch`] unless 3-D, [`Error::ShapeMismatch`] if `D` is not the
     /// embedding's head size or `positions` has not `T` entries, [`Error::NotFloat`].
@@ -164,29 +410,32 @@ impl Tensor {
                 why: "needs [tokens, heads, head_dim] with one position per token and the embedding's head_dim",
             });
         }
+        // Dynamic scaling: the frequencies of this call's length (its largest position + 1).
+        let inv_freq = rope.inv_freq_for(positions.iter().max().map_or(0, |&p| p.saturating_add(1)));
+        let scale = rope.attention_scaling;
         if let Storage::Cuda(x) = self.storage() {
             return Ok(Tensor::from_cuda(
                 self.shape().clone(),
-                super::cuda::rope(x, positions, &rope.inv_freq, (t, h, d))?,
+                super::cuda::rope(x, positions, &inv_freq, scale, (t, h, d))?,
             ));
         }
         let x = self.cpu_storage(OP)?;
         let out = with_dtype!(x.dtype(), T => {
-            CpuStorage::from_vec(host_rope::<T>(x.as_slice::<T>().unwrap_or_default(), positions, rope, h))
+            CpuStorage::from_vec(host_rope::<T>(x.as_slice::<T>().unwrap_or_default(), positions, &inv_freq, scale, h))
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
     }
 }
 
-fn host_rope<T: Element>(x: &[T], positions: &[usize], rope: &RotaryEmbedding, heads: usize) -> Vec<T> {
-    let d = rope.head_dim;
-    let half = d / 2;
+fn host_rope<T: Element>(x: &[T], positions: &[usize], inv_freq: &[f32], scale: f32, heads: usize) -> Vec<T> {
+    let half = inv_freq.len();
+    let d = 2 * half;
     let mut out = x.to_vec();
     let r = |v: f32| T::from_f32(v).to_f32(); // one rounding to the dtype
     for (tok, &p) in positions.iter().enumerate() {
         let cs: Vec<(f32, f32)> = (0..half)
             .map(|i| {
-                let (c, s) = rope.cos_sin(p, i);
+                let (c, s) = cos_sin(inv_freq, scale, p, i);
                 (r(c), r(s))
             })
             .collect();

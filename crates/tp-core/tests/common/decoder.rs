@@ -3,7 +3,7 @@
 //! suite calls them with `Device::Cpu`, the GPU suite with `Device::Cuda(0)`.
 
 use super::{assert_close, f64s};
-use tp_core::{AttentionSpec, DType, Device, RopeScaling, RotaryEmbedding, Tensor, bf16, f16};
+use tp_core::{AttentionSpec, DType, Device, KvGroups, RopeScaling, RotaryEmbedding, Tensor, bf16, f16};
 
 /// `v` rounded once (nearest even) to `dtype`, back in f64.
 pub fn round_to(dtype: DType, v: f64) -> f64 {
@@ -49,13 +49,52 @@ pub fn check_rms_norm(device: Device, rows: usize, h: usize, dtype: DType, seed:
     assert_close(&format!("rms_norm {device} {rows}x{h} {dtype}"), &f64s(&y), &want, |i| ulps * ulp(dtype, want[i]));
 }
 
-/// The f64 rotary frequencies, written from the formulas (not from tp's code).
+/// The f64 rotary frequencies, written from the formulas (not from tp's code); for dynamic
+/// scaling, those of sequences within `max_position_embeddings`.
 pub fn inv_freq_f64(head_dim: usize, theta: f64, scaling: RopeScaling) -> Vec<f64> {
+    inv_freq_f64_at(head_dim, theta, scaling, 0)
+}
+
+/// The f64 rotary frequencies of a call over `seq_len` tokens (its largest position + 1),
+/// written from the formulas (the papers' and transformers' documented math, not tp's code).
+pub fn inv_freq_f64_at(head_dim: usize, theta: f64, scaling: RopeScaling, seq_len: usize) -> Vec<f64> {
+    let d = head_dim as f64;
+    // Dynamic NTK: the base grows with the sequence past the trained length.
+    let theta = match scaling {
+        RopeScaling::Dynamic { factor, max_position_embeddings: m } => {
+            let l = (seq_len as f64).max(m);
+            theta * (factor * l / m - (factor - 1.0)).powf(d / (d - 2.0))
+        }
+        _ => theta,
+    };
     (0..head_dim / 2)
         .map(|i| {
-            let f = theta.powf(-((2 * i) as f64) / head_dim as f64);
+            let f = theta.powf(-((2 * i) as f64) / d);
             match scaling {
-                RopeScaling::Default => f,
+                RopeScaling::Default | RopeScaling::Dynamic { .. } => f,
+                RopeScaling::Linear { factor } => f / factor,
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: old,
+                    beta_fast,
+                    beta_slow,
+                    truncate,
+                    ..
+                } => {
+                    // Pair index at which a wavelength fits `rotations` times into `old` positions.
+                    let pair =
+                        |rotations: f64| d * (old / (2.0 * std::f64::consts::PI * rotations)).ln() / (2.0 * theta.ln());
+                    let (lo, hi) = if truncate {
+                        (pair(beta_fast).floor(), pair(beta_slow).ceil())
+                    } else {
+                        (pair(beta_fast), pair(beta_slow))
+                    };
+                    let (lo, hi) = (lo.max(0.0), hi.min(d - 1.0));
+                    let hi = if lo == hi { hi + 0.001 } else { hi };
+                    // 0 below `lo` (keep f), 1 above `hi` (interpolate: f / factor).
+                    let ramp = ((i as f64 - lo) / (hi - lo)).clamp(0.0, 1.0);
+                    ramp * f / factor + (1.0 - ramp) * f
+                }
                 RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -77,8 +116,19 @@ pub fn inv_freq_f64(head_dim: usize, theta: f64, scaling: RopeScaling) -> Vec<f6
         .collect()
 }
 
-/// RoPE on `[tokens, heads, d]` at `positions` against the f64 rotation. The bound covers the
-/// four roundings to the dtype (cos/sin, both products, the sum) and the f32 angle.
+/// The multiplier of cos and sin: YaRN's attention factor, else 1.
+pub fn attention_factor_f64(scaling: RopeScaling) -> f64 {
+    match scaling {
+        RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+        _ => 1.0,
+    }
+}
+
+/// RoPE on `[tokens, heads, d]` at `positions` against the f64 rotation (times YaRN's attention
+/// factor, with dynamic scaling's frequencies for `max(positions) + 1` tokens). The bound covers
+/// the four roundings to the dtype (cos/sin, both products, the sum), the f32 angle and the f32
+/// frequencies (dynamic scaling's f32 base loses up to `~factor` ulps to cancellation), and the
+/// f32 product with the attention factor.
 pub fn check_rope(
     device: Device,
     positions: &[usize],
@@ -94,8 +144,14 @@ pub fn check_rope(
     let x = Tensor::randn(&[t, heads, d], dtype, seed, &Device::Cpu).unwrap();
     let y = on(&x, device).rope(positions, &rope).unwrap();
     assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
-    let (xv, freq) = (f64s(&x), inv_freq_f64(d, theta, scaling));
-    let (half, u) = (d / 2, dtype.unit_roundoff());
+    let seq_len = positions.iter().max().map_or(0, |p| p + 1);
+    let (xv, freq) = (f64s(&x), inv_freq_f64_at(d, theta, scaling, seq_len));
+    let m = attention_factor_f64(scaling);
+    let freq_ulps = match scaling {
+        RopeScaling::Dynamic { factor, .. } => 8.0 + 4.0 * factor,
+        _ => 8.0,
+    };
+    let (half, u, u32) = (d / 2, dtype.unit_roundoff(), 2f64.powi(-24));
     let mut want = vec![0.0; xv.len()];
     let mut tol = vec![0.0; xv.len()];
     for (tok, &p) in positions.iter().enumerate() {
@@ -103,11 +159,12 @@ pub fn check_rope(
             let base = (tok * heads + h) * d;
             for i in 0..half {
                 let angle = p as f64 * freq[i];
-                let (c, s) = (angle.cos(), angle.sin());
+                let (c, s) = (m * angle.cos(), m * angle.sin());
                 let (x1, x2) = (xv[base + i], xv[base + half + i]);
                 want[base + i] = x1 * c - x2 * s;
                 want[base + half + i] = x2 * c + x1 * s;
-                let bound = (x1.abs() + x2.abs()) * (5.0 * u + 8.0 * 2f64.powi(-24) * (1.0 + angle.abs())) + 1e-30;
+                let bound =
+                    m * (x1.abs() + x2.abs()) * (5.0 * u + 2.0 * u32 + freq_ulps * u32 * (1.0 + angle.abs())) + 1e-30;
                 tol[base + i] = bound + ulp(dtype, want[base + i]);
                 tol[base + half + i] = bound + ulp(dtype, want[base + half + i]);
             }
@@ -131,7 +188,10 @@ pub fn attention_f64(
         let p = spec.kv_len - t + tok;
         let lo = spec.sliding_window.map_or(0, |w| (p + 1).saturating_sub(w));
         for h in 0..hq {
-            let g = h / (hq / hkv);
+            let g = match spec.kv_groups {
+                Some(KvGroups { size, offset }) => (h + offset) / size,
+                None => h / (hq / hkv),
+            };
             let qv = &q[(tok * hq + h) * d..][..d];
             let scores: Vec<f64> = (lo..=p)
                 .map(|j| {
@@ -165,6 +225,20 @@ pub fn check_attention(
     dtype: DType,
     seed: u64,
 ) {
+    let spec = AttentionSpec { kv_len, scale: 1.0 / (d as f32).sqrt(), sliding_window: window, kv_groups: None };
+    check_attention_spec(device, t, (hq, hkv, d), &spec, dtype, seed);
+}
+
+/// [`check_attention`] with any spec, e.g. query heads that start inside a KV group.
+pub fn check_attention_spec(
+    device: Device,
+    t: usize,
+    (hq, hkv, d): (usize, usize, usize),
+    spec: &AttentionSpec,
+    dtype: DType,
+    seed: u64,
+) {
+    let (kv_len, window) = (spec.kv_len, spec.sliding_window);
     let cap = kv_len + 3;
     let cpu = Device::Cpu;
     let q = Tensor::randn(&[t, hq, d], dtype, seed, &cpu).unwrap();
@@ -174,15 +248,14 @@ pub fn check_attention(
     let junk = Tensor::from_fn_f64(&[3, hkv, d], dtype, &cpu, |_| 1e4).unwrap();
     k.slice_set(&junk, 0, kv_len).unwrap();
     v.slice_set(&junk, 0, kv_len).unwrap();
-    let spec = AttentionSpec { kv_len, scale: 1.0 / (d as f32).sqrt(), sliding_window: window };
-    let y = on(&q, device).attention(&on(&k, device), &on(&v, device), &spec).unwrap();
+    let y = on(&q, device).attention(&on(&k, device), &on(&v, device), spec).unwrap();
     assert_eq!((y.dims(), y.dtype()), (q.dims(), dtype));
-    let want = attention_f64(&f64s(&q), &f64s(&k), &f64s(&v), (t, hq, hkv, d), &spec);
+    let want = attention_f64(&f64s(&q), &f64s(&k), &f64s(&v), (t, hq, hkv, d), spec);
     // f32 scores of D products, softmax and a weighted sum of |v| <= ~5: a few e-6 in f32,
     // plus the output rounding and the inputs' own dtype.
     let tol = |i: usize| 2e-5 * (1.0 + (d as f64).sqrt()) + 2.0 * ulp(dtype, want[i]);
     assert_close(
-        &format!("attention {device} t{t} L{kv_len} hq{hq} hkv{hkv} d{d} w{window:?} {dtype}"),
+        &format!("attention {device} t{t} L{kv_len} hq{hq} hkv{hkv} d{d} w{window:?} {:?} {dtype}", spec.kv_groups),
         &f64s(&y),
         &want,
         tol,

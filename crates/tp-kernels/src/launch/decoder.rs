@@ -16,8 +16,13 @@ pub struct AttentionShape {
     pub tokens: usize,
     /// Query heads.
     pub q_heads: usize,
-    /// Key/value heads (divide `q_heads`).
+    /// Key/value heads.
     pub kv_heads: usize,
+    /// Query heads per KV head in the model: query head `h` uses KV head
+    /// `(h + group_offset) / group`.
+    pub group: usize,
+    /// Position of query head 0 within its group (`< group`).
+    pub group_offset: usize,
     /// Features per head, at most `consts::ATTENTION_MAX_HEAD_DIM`.
     pub head_dim: usize,
     /// Valid cache rows, `tokens <= kv_len`.
@@ -62,7 +67,9 @@ impl Gpu {
     }
 
     /// RoPE over `x: [tokens, heads, 2 * inv_freq.len()]` (`tp_rope_T`); `pos` holds `tokens`
-    /// int64 positions and `inv_freq` the f32 frequencies, both on this device.
+    /// int64 positions and `inv_freq` the f32 frequencies, both on this device; cos and sin are
+    /// multiplied by `attention_scaling` (YaRN's attention factor; 1 leaves them unchanged) in
+    /// f32 before their rounding to the dtype.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
         &self,
@@ -70,6 +77,7 @@ impl Gpu {
         x: &CudaSlice<u8>,
         pos: &CudaSlice<u8>,
         inv_freq: &CudaSlice<u8>,
+        attention_scaling: f32,
         (tokens, heads, half): (usize, usize, usize),
         ty: ElemType,
     ) -> Result<()> {
@@ -90,9 +98,10 @@ impl Gpu {
         let f = self.function(&format!("tp_rope_{}", ty.name()), 0)?;
         let [t, h, hf] = [i64_of(K, tokens)?, i64_of(K, heads)?, i64_of(K, half)?];
         let mut b = self.stream().launch_builder(f);
-        b.arg(out).arg(x).arg(pos).arg(inv_freq).arg(&t).arg(&h).arg(&hf);
+        b.arg(out).arg(x).arg(pos).arg(inv_freq).arg(&attention_scaling).arg(&t).arg(&h).arg(&hf);
         // SAFETY: matches tp_rope_T(T* out, const T* x, const int64* pos, const float* inv_freq,
-        // int64 tokens, heads, half). x and out hold tokens*heads*2*half elements, pos `tokens`
+        // float scale, int64 tokens, heads, half): `attention_scaling` is an f32 passed by value.
+        // x and out hold tokens*heads*2*half elements, pos `tokens`
         // int64 and inv_freq `half` floats (checked above); only out is written, borrowed
         // mutably; allocations are 256-byte aligned, so every typed access is aligned.
         unsafe { b.launch(self.grid_rows((tokens * heads) as u64)) }
@@ -117,7 +126,10 @@ impl Gpu {
         if s.head_dim > consts::ATTENTION_MAX_HEAD_DIM as usize {
             return Err(invalid(K, format!("head_dim {} exceeds {}", s.head_dim, consts::ATTENTION_MAX_HEAD_DIM)));
         }
-        if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || s.kv_len < s.tokens || s.window == Some(0) {
+        let groups_fit = s.group > 0
+            && s.group_offset < s.group
+            && (s.q_heads == 0 || (s.group_offset + s.q_heads - 1) / s.group < s.kv_heads);
+        if !groups_fit || s.kv_len < s.tokens || s.window == Some(0) {
             return Err(invalid(K, format!("inconsistent shape {s:?}")));
         }
         let q_bytes = span(K, s.tokens, s.q_heads, 0)
@@ -133,8 +145,9 @@ impl Gpu {
             return Ok(());
         }
         let f = self.function(&format!("tp_attention_{}", ty.name()), 0)?;
-        let [t, hq, hkv, d, l] = [s.tokens, s.q_heads, s.kv_heads, s.head_dim, s.kv_len].map(|v| i64_of(K, v));
-        let (t, hq, hkv, d, l) = (t?, hq?, hkv?, d?, l?);
+        let [t, hq, hkv, g, go, d, l] =
+            [s.tokens, s.q_heads, s.kv_heads, s.group, s.group_offset, s.head_dim, s.kv_len].map(|v| i64_of(K, v));
+        let (t, hq, hkv, g, go, d, l) = (t?, hq?, hkv?, g?, go?, d?, l?);
         let window = i64_of(K, s.window.unwrap_or(0))?;
         let rows = (s.tokens * s.q_heads) as u64;
         let blocks = rows.clamp(1, u64::from(self.sm_count()) * 32);
@@ -144,12 +157,14 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let mut b = self.stream().launch_builder(f);
-        b.arg(out).arg(q).arg(k).arg(v).arg(&t).arg(&hq).arg(&hkv).arg(&d).arg(&l).arg(&s.scale).arg(&window);
+        b.arg(out).arg(q).arg(k).arg(v).arg(&t).arg(&hq).arg(&hkv).arg(&g).arg(&go).arg(&d).arg(&l);
+        b.arg(&s.scale).arg(&window);
         // SAFETY: matches tp_attention_T(T* out, const T* q, const T* k, const T* v, int64 tokens,
-        // hq, hkv, d, kv_len, float scale, int64 window). q and out hold tokens*hq*d elements and
-        // k, v at least kv_len*hkv*d (checked above); the kernel reads keys j <= kv_len - 1 only
-        // and head_dim <= 256 fits its shared arrays; hkv divides hq and kv_len >= tokens, so
-        // every query sees at least its own key. 128 threads is its launch bound. Only out is
+        // hq, hkv, group, group_offset, d, kv_len, float scale, int64 window). q and out hold
+        // tokens*hq*d elements and k, v at least kv_len*hkv*d (checked above); the kernel reads
+        // keys j <= kv_len - 1 only, of KV heads (h + group_offset) / group < hkv for every
+        // h < hq (checked above), and head_dim <= 256 fits its shared arrays; kv_len >= tokens,
+        // so every query sees at least its own key. 128 threads is its launch bound. Only out is
         // written, borrowed mutably.
         unsafe { b.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_attention)"))
     }

@@ -87,6 +87,8 @@ fn freqs(c: &ModelConfig) -> Vec<f64> {
                         (1.0 - s) * f / factor + s * f
                     }
                 }
+                // The kinds added since (linear, dynamic, yarn) are checked in tp-core's tests.
+                other => panic!("this reference implements default and llama3 frequencies, not {other:?}"),
             }
         })
         .collect()
