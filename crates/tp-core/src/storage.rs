@@ -91,6 +91,11 @@ impl CpuStorage {
     pub(crate) fn as_bytes(&self) -> &[u8] {
         each_vec!(self, v => bytemuck::cast_slice(v))
     }
+
+    /// The raw bytes, writable (every bit pattern is a valid element of every dtype).
+    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+        each_vec!(self, v => bytemuck::cast_slice_mut(v))
+    }
 }
 
 /// Elements on a CUDA device: `len` bytes of `buf` (which may be longer: empty tensors hold

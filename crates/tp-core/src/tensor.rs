@@ -208,6 +208,16 @@ impl Tensor {
         Ok(self.cpu_storage("as_bytes")?.as_bytes())
     }
 
+    /// The host elements' bytes (little-endian), writable, e.g. for reading a file into a
+    /// tensor without an intermediate buffer. Any bytes are valid elements of every dtype.
+    pub fn as_bytes_mut(&mut self) -> Result<&mut [u8]> {
+        let device = self.device();
+        match &mut self.storage {
+            Storage::Cpu(s) => Ok(std::sync::Arc::make_mut(s).as_bytes_mut()),
+            Storage::Cuda(_) => Err(Error::UnsupportedDevice { op: "as_bytes_mut", device }),
+        }
+    }
+
     /// Copies the elements out as `Vec<T>`, from any device. `T` must be the tensor's dtype.
     pub fn to_vec<T: Storable>(&self) -> Result<Vec<T>> {
         self.to_device(&Device::Cpu)?.as_slice::<T>().map(<[T]>::to_vec)

@@ -64,6 +64,20 @@ fn in_place_writes_through_as_mut_slice() {
     assert!(t.as_mut_slice::<f16>().is_err());
 }
 
+/// Bytes written through `as_bytes_mut` are the elements, for every dtype, and a clone that
+/// shared the storage keeps its own values (copy on write).
+#[test]
+fn in_place_writes_through_as_bytes_mut() {
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64] {
+        let src = Tensor::rand_int(&[3, 5], dtype, -9, 9, 7, &Device::Cpu).unwrap();
+        let mut t = Tensor::zeros(&[3, 5], dtype, &Device::Cpu).unwrap();
+        let before = t.clone();
+        t.as_bytes_mut().unwrap().copy_from_slice(src.as_bytes().unwrap());
+        assert_eq!(t.to_f64_vec().unwrap(), src.to_f64_vec().unwrap(), "{dtype}");
+        assert!(before.to_f64_vec().unwrap().iter().all(|&v| v == 0.0), "{dtype}: the clone changed");
+    }
+}
+
 #[test]
 fn names_parse() {
     assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);

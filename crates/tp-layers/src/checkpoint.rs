@@ -241,14 +241,26 @@ impl Checkpoint {
         idx.push(TensorIndexer::Narrow(Bound::Included(start), Bound::Excluded(start + len), one));
         let mut out_dims = dims.clone();
         out_dims[dim] = len;
-        let bytes: Vec<u8> = if len == 0 || out_dims.contains(&0) {
-            Vec::new()
-        } else {
+        // Zeroed pages come from the OS lazily, so the copy below is the one pass over them.
+        let mut t = Tensor::zeros(&out_dims, d, &Device::Cpu)?;
+        let dst = t.as_bytes_mut()?;
+        if !dst.is_empty() {
             let it = v.sliced_data(&idx).map_err(|e| err(Path::new(&self.origin), format!("{name}: {e}")))?;
-            it.flat_map(|chunk| chunk.iter().copied()).collect()
-        };
-        let read = bytes.len();
-        let t = Tensor::from_bytes(&bytes, &out_dims, d, &Device::Cpu)?;
+            if it.remaining_byte_len() != dst.len() {
+                return Err(err(
+                    Path::new(&self.origin),
+                    format!("{name}: the slice holds {} bytes, not {}", it.remaining_byte_len(), dst.len()),
+                ));
+            }
+            // The slice arrives as contiguous runs of the mapped file (whole rows of a row
+            // range, one run per row of a column range): copy them run by run.
+            let mut at = 0;
+            for run in it {
+                dst[at..at + run.len()].copy_from_slice(run);
+                at += run.len();
+            }
+        }
+        let read = dst.len();
         Ok((finish(t, dtype, device)?, read))
     }
 
