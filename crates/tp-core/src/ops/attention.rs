@@ -220,31 +220,81 @@ fn gemm_attention(
 /// visible keys `range(r) = (a, b)` and zero elsewhere; rows are split over threads when many.
 fn softmax_rows(s: &mut [f32], width: usize, range: impl Fn(usize) -> (usize, usize) + Sync, scale: f32) {
     let rows = s.len() / width.max(1);
-    let one = |first: usize, chunk: &mut [f32]| {
-        for (i, row) in chunk.chunks_exact_mut(width).enumerate() {
-            let (a, b) = range(first + i);
-            let max = row[a..b].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-            for x in &mut row[a..b] {
-                *x = exp_neg(*x * scale - max);
-            }
-            let inv = 1.0 / row[a..b].iter().sum::<f32>();
-            row[a..b].iter_mut().for_each(|x| *x *= inv);
-            row[..a].fill(0.0);
-            row[b..].fill(0.0);
-        }
-    };
     let threads = if s.len() < PARALLEL_MIN_WORK { 1 } else { crate::cpu::num_threads().min(rows).max(1) };
     if threads <= 1 {
-        one(0, s);
+        softmax_chunk(s, width, 0, &range, scale);
         return;
     }
     let per = rows.div_ceil(threads);
     std::thread::scope(|sc| {
         for (i, chunk) in s.chunks_mut(per * width).enumerate() {
-            let one = &one;
-            sc.spawn(move || one(i * per, chunk));
+            let range = &range;
+            sc.spawn(move || softmax_chunk(chunk, width, i * per, range, scale));
         }
     });
+}
+
+/// [`softmax_rows`] on the rows of `chunk` (row `i` of it is row `first + i`), its loops compiled
+/// for the best vector unit the CPU has, picked at run time.
+fn softmax_chunk<R: Fn(usize) -> (usize, usize)>(chunk: &mut [f32], width: usize, first: usize, range: &R, scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX-512F and FMA (checked just above), all `#[target_feature]`
+            // adds to this otherwise safe function.
+            return unsafe { softmax_chunk_avx512(chunk, width, first, range, scale) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            return unsafe { softmax_chunk_avx2(chunk, width, first, range, scale) };
+        }
+    }
+    softmax_chunk_body(chunk, width, first, range, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn softmax_chunk_avx512<R: Fn(usize) -> (usize, usize)>(
+    chunk: &mut [f32],
+    width: usize,
+    first: usize,
+    range: &R,
+    scale: f32,
+) {
+    softmax_chunk_body(chunk, width, first, range, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn softmax_chunk_avx2<R: Fn(usize) -> (usize, usize)>(
+    chunk: &mut [f32],
+    width: usize,
+    first: usize,
+    range: &R,
+    scale: f32,
+) {
+    softmax_chunk_body(chunk, width, first, range, scale)
+}
+
+#[inline(always)]
+fn softmax_chunk_body<R: Fn(usize) -> (usize, usize)>(
+    chunk: &mut [f32],
+    width: usize,
+    first: usize,
+    range: &R,
+    scale: f32,
+) {
+    for (i, row) in chunk.chunks_exact_mut(width).enumerate() {
+        let (a, b) = range(first + i);
+        let max = row[a..b].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+        for x in &mut row[a..b] {
+            *x = exp_neg(*x * scale - max);
+        }
+        let inv = 1.0 / row[a..b].iter().sum::<f32>();
+        row[a..b].iter_mut().for_each(|x| *x *= inv);
+        row[..a].fill(0.0);
+        row[b..].fill(0.0);
+    }
 }
 
 /// f32 attention on the host, threaded over (token, head) rows when the work pays for it.
@@ -377,8 +427,11 @@ fn exp_neg(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer (ties to even) in
+    // plain arithmetic, so the loop vectorises (`f32::round` is a libm call on baseline x86_64).
+    const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 0.0);
-    let n = (x * LOG2E).round();
+    let n = (x * LOG2E + ROUND) - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_199_9e-3;
