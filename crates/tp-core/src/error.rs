@@ -91,9 +91,10 @@ pub enum Error {
     TokenOutOfRange { op: &'static str, id: i64, position: usize, vocab: usize },
 
     /// A rotary-embedding scaling kind that tp does not implement (it knows `default`,
-    /// `linear`, `dynamic`, `yarn` and `llama3`), or invalid parameters for one it does.
+    /// `linear`, `dynamic`, `yarn` and `llama3`), or invalid parameters for one it does
+    /// (`param` names the parameter, so a config reader can name its field).
     #[error("rope scaling {kind:?} is not supported: {why}")]
-    UnsupportedRopeScaling { kind: String, why: String },
+    UnsupportedRopeScaling { kind: String, param: Option<String>, why: String },
 
     /// An argument is out of its valid range (a head count of zero, a position past a limit...).
     #[error("{op}: {why}")]

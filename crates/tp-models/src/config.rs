@@ -9,6 +9,7 @@
 
 use crate::error::{ModelError, Result};
 use serde_json::{Map, Value};
+use std::cell::RefCell;
 use std::path::Path;
 use tp_core::RopeScaling;
 
@@ -321,37 +322,10 @@ fn rope(f: &Fields<'_>, default_theta: f64, max_position_embeddings: usize) -> R
         (Some(k), _) | (None, Some(k)) => k.to_string(),
         (None, None) => "default".to_string(),
     };
-    // The parameters each kind reads: (required, positive, merely finite). Each is checked here
-    // so that a bad one is an error naming its field.
-    let (required, positives, finite): (&[&str], &[&str], &[&str]) = match kind.as_str() {
-        "linear" | "dynamic" => (&["factor"], &["factor"], &[]),
-        "yarn" => (
-            &[],
-            &["factor", "original_max_position_embeddings", "attention_factor"],
-            &["beta_fast", "beta_slow", "mscale", "mscale_all_dim"],
-        ),
-        "llama3" => (
-            &["factor", "low_freq_factor", "high_freq_factor"],
-            &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
-            &[],
-        ),
-        _ => (&[], &[], &[]),
-    };
-    for &key in required {
-        p.number(key, None)?;
-    }
+    // What only JSON can say: a yarn factor that is absent (an error) rather than null (the
+    // ratio of lengths), truncate as a boolean, and a top-level original length.
     if kind == "yarn" && !p.map.contains_key("factor") {
         return Err(p.bad("factor", "is missing (null: max_position_embeddings / original_max_position_embeddings)"));
-    }
-    for &key in positives {
-        if let Some(v) = p.get(key).map(|_| p.number(key, None)).transpose()?
-            && v <= 0.0
-        {
-            return Err(p.bad(key, format!("must be positive, got {v}")));
-        }
-    }
-    for &key in finite {
-        p.number(key, Some(0.0))?;
     }
     let truncate = if kind == "yarn" { p.flag("truncate", true)? } else { true };
     let top_original = match kind.as_str() {
@@ -364,16 +338,31 @@ fn rope(f: &Fields<'_>, default_theta: f64, max_position_embeddings: usize) -> R
         }
         _ => None,
     };
+    // Which parameters a kind reads, and their bounds, are `RopeScaling::from_kind`'s; a field it
+    // asks for that is not a number is noted here and reported first, by its own field name.
+    let not_a_number: RefCell<Option<String>> = RefCell::new(None);
     let param = |name: &str| match name {
         "max_position_embeddings" => Some(max_position_embeddings as f64),
-        "original_max_position_embeddings" => top_original.or_else(|| p.get(name).and_then(Value::as_f64)),
+        "original_max_position_embeddings" if top_original.is_some() => top_original,
         "truncate" => Some(if truncate { 1.0 } else { 0.0 }),
-        _ => p.get(name).and_then(Value::as_f64),
+        _ => {
+            let v = p.get(name)?;
+            if v.as_f64().is_none() {
+                not_a_number.borrow_mut().get_or_insert_with(|| name.to_string());
+            }
+            v.as_f64()
+        }
     };
-    let scaling = RopeScaling::from_kind(&kind, param).map_err(|e| ModelError::Unsupported {
-        field: p.name("rope_type"),
-        value: format!("{kind:?}"),
-        why: e.to_string(),
+    let scaling = RopeScaling::from_kind(&kind, param);
+    if let Some(name) = not_a_number.into_inner() {
+        p.number(&name, None)?; // the error naming the field
+    }
+    let scaling = scaling.map_err(|e| match e {
+        tp_core::Error::UnsupportedRopeScaling { param: Some(name), why, .. } => {
+            let fields = if name == "max_position_embeddings" { f } else { &p };
+            fields.bad(&name, why)
+        }
+        e => ModelError::Unsupported { field: p.name("rope_type"), value: format!("{kind:?}"), why: e.to_string() },
     })?;
     Ok((theta, scaling))
 }

@@ -101,23 +101,36 @@ impl RopeScaling {
     ///   `original_max_position_embeddings` (absent: `max_position_embeddings`).
     ///
     /// Errors: [`Error::UnsupportedRopeScaling`] naming any other kind (`longrope`, ...), or a
-    /// parameter that is missing, non-finite, or not positive (or equal llama3 band edges).
+    /// parameter that is missing, non-finite, or not positive (or equal llama3 band edges);
+    /// its `param` names the parameter.
     pub fn from_kind(kind: &str, param: impl Fn(&str) -> Option<f64>) -> Result<RopeScaling> {
-        let bad = |why: String| Error::UnsupportedRopeScaling { kind: kind.to_string(), why };
-        let check = |name: &str, v: f64| {
-            if v.is_finite() && v > 0.0 { Ok(v) } else { Err(bad(format!("{name} = {v} must be positive"))) }
+        let bad = |name: Option<&str>, why: String| Error::UnsupportedRopeScaling {
+            kind: kind.to_string(),
+            param: name.map(str::to_string),
+            why,
         };
-        let get = |name: &str| check(name, param(name).ok_or_else(|| bad(format!("missing {name}")))?);
+        let check = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(v)
+            } else {
+                Err(bad(Some(name), format!("{name} = {v} must be positive")))
+            }
+        };
+        let get = |name: &str| check(name, param(name).ok_or_else(|| bad(Some(name), format!("missing {name}")))?);
         let finite = |name: &str| match param(name) {
-            Some(v) if !v.is_finite() => Err(bad(format!("{name} = {v} must be finite"))),
+            Some(v) if !v.is_finite() => Err(bad(Some(name), format!("{name} = {v} must be finite"))),
             v => Ok(v),
         };
         // transformers' standardisation: original_max_position_embeddings defaults to the
         // config's max_position_embeddings.
         let original = || match param("original_max_position_embeddings") {
             Some(v) => check("original_max_position_embeddings", v),
-            None => get("max_position_embeddings")
-                .map_err(|_| bad("missing original_max_position_embeddings (and max_position_embeddings)".into())),
+            None => get("max_position_embeddings").map_err(|_| {
+                bad(
+                    Some("original_max_position_embeddings"),
+                    "missing original_max_position_embeddings (and max_position_embeddings)".into(),
+                )
+            }),
         };
         match kind {
             "default" => Ok(RopeScaling::Default),
@@ -125,7 +138,10 @@ impl RopeScaling {
             "dynamic" => {
                 let max_position_embeddings = get("max_position_embeddings")?;
                 if max_position_embeddings.fract() != 0.0 {
-                    return Err(bad(format!("max_position_embeddings = {max_position_embeddings} must be an integer")));
+                    return Err(bad(
+                        Some("max_position_embeddings"),
+                        format!("max_position_embeddings = {max_position_embeddings} must be an integer"),
+                    ));
                 }
                 Ok(RopeScaling::Dynamic { factor: get("factor")?, max_position_embeddings })
             }
@@ -136,7 +152,7 @@ impl RopeScaling {
                     None => check(
                         "factor",
                         get("max_position_embeddings")
-                            .map_err(|_| bad("missing factor (and max_position_embeddings)".into()))?
+                            .map_err(|_| bad(Some("factor"), "missing factor (and max_position_embeddings)".into()))?
                             / original_max_position_embeddings,
                     )?,
                 };
@@ -145,12 +161,14 @@ impl RopeScaling {
                 let beta_fast = or(finite("beta_fast")?, 32.0);
                 let beta_slow = or(finite("beta_slow")?, 1.0);
                 let truncate = finite("truncate")?.is_none_or(|t| t != 0.0);
+                // Checked even where an explicit attention_factor makes them unused.
+                let (mscale, mscale_all_dim) = (or(finite("mscale")?, 0.0), or(finite("mscale_all_dim")?, 0.0));
                 let attention_factor = match param("attention_factor") {
                     Some(a) => check("attention_factor", a)?,
-                    None => match (or(finite("mscale")?, 0.0), or(finite("mscale_all_dim")?, 0.0)) {
-                        (m, all) if m != 0.0 && all != 0.0 => yarn_mscale(factor, m) / yarn_mscale(factor, all),
-                        _ => yarn_mscale(factor, 1.0),
-                    },
+                    None if mscale != 0.0 && mscale_all_dim != 0.0 => {
+                        yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                    }
+                    None => yarn_mscale(factor, 1.0),
                 };
                 Ok(RopeScaling::Yarn {
                     factor,
@@ -171,12 +189,13 @@ impl RopeScaling {
                 if let RopeScaling::Llama3 { low_freq_factor: lo, high_freq_factor: hi, .. } = s
                     && lo == hi
                 {
-                    return Err(bad("low_freq_factor must differ from high_freq_factor".into()));
+                    return Err(bad(None, "low_freq_factor must differ from high_freq_factor".into()));
                 }
                 Ok(s)
             }
             other => Err(Error::UnsupportedRopeScaling {
                 kind: other.to_string(),
+                param: None,
                 why: "tp implements \"default\", \"linear\", \"dynamic\", \"yarn\" and \"llama3\"".into(),
             }),
         }
