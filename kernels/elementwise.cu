@@ -1,10 +1,15 @@
 // elementwise.cu -- the small element-wise ops the layers need between GEMMs.
 //
-// * tp_swiglu_T(out, in, rows, inner): in is rows x (2*inner) row-major holding [gate | up] per
-//   row (a merged gate/up projection's output); out is rows x inner with
-//   out[r, j] = silu(gate[r, j]) * up[r, j], silu(g) = g / (1 + exp(-g)), computed in f32 and
-//   rounded once (nearest even) to T.
-//   silu(gate) is rounded to T before the product, as PyTorch's separate silu op rounds it.
+// * tp_glu_T(out, in, rows, inner, act): in is rows x (2*inner) row-major holding [gate | up]
+//   per row (a merged gate/up projection's output); out is rows x inner with
+//   out[r, j] = round(round(act(gate[r, j])) * up[r, j]), computed in f32: act 0 is silu,
+//   g / (1 + exp(-g)); act 1 is GELU's tanh approximation,
+//   0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) (PyTorch's gelu(approximate="tanh")).
+//   act(gate) is rounded to T before the product, as PyTorch's separate activation op rounds it.
+// * tp_scale_T(out, x, n, s): out[i] = round(x[i] * round(s)) (a tensor times a scalar that
+//   PyTorch first converts to the tensor's dtype). Grid-stride over n.
+// * tp_softcap_T(out, x, n, cap): out[i] = round(round(tanh(round(x[i] / cap))) * cap), the
+//   three ops `x / cap; tanh; * cap` each rounded. Grid-stride over n.
 // * tp_add_row_T(out, in, bias, rows, cols): out[r, c] = in[r, c] + bias[c] (f32 add, one
 //   rounding): the bias a row-parallel layer adds once, after its all-reduce.
 // * tp_add_T(x, y, n): x[i] += y[i] in place (f32 add, one rounding): the residual add.
@@ -13,16 +18,44 @@
 // the loop), 256 threads per block, grid = min(rows, 32 * SMs); 64-bit indices.
 #include "common.cuh"
 
+// sqrt(2/pi), as PyTorch's kBeta = M_SQRT2 * M_2_SQRTPI * 0.5 rounded to float.
+#define TP_GELU_BETA 0.7978845608028654f
+#define TP_GELU_KAPPA 0.044715f
+
+__device__ __forceinline__ float activation(float g, int act) {
+    if (act == 0) return __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+    const float cube = __fmul_rn(__fmul_rn(g, g), g);
+    const float inner = __fmul_rn(TP_GELU_BETA, __fadd_rn(g, __fmul_rn(TP_GELU_KAPPA, cube)));
+    return __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, tanhf(inner)));
+}
+
 template <typename T>
-__device__ __forceinline__ void swiglu(T* __restrict__ out, const T* __restrict__ in, int64_t rows, int64_t inner) {
+__device__ __forceinline__ void glu(T* __restrict__ out, const T* __restrict__ in, int64_t rows, int64_t inner,
+                                    int act) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* gate = in + r * 2 * inner;
         const T* up = gate + inner;
         for (int64_t j = threadIdx.x; j < inner; j += blockDim.x) {
-            const float g = tp::to_f32(gate[j]);
-            const float silu = tp::to_f32(tp::from_f32<T>(g / (1.0f + expf(-g))));
-            out[r * inner + j] = tp::from_f32<T>(silu * tp::to_f32(up[j]));
+            const float a = tp::to_f32(tp::from_f32<T>(activation(tp::to_f32(gate[j]), act)));
+            out[r * inner + j] = tp::from_f32<T>(__fmul_rn(a, tp::to_f32(up[j])));
         }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void scale(T* __restrict__ out, const T* __restrict__ x, int64_t n, float s) {
+    const float f = tp::to_f32(tp::from_f32<T>(s));
+    for (int64_t i = tp::global_thread(); i < n; i += tp::grid_stride()) {
+        out[i] = tp::from_f32<T>(__fmul_rn(tp::to_f32(x[i]), f));
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void softcap(T* __restrict__ out, const T* __restrict__ x, int64_t n, float cap) {
+    for (int64_t i = tp::global_thread(); i < n; i += tp::grid_stride()) {
+        const float d = tp::to_f32(tp::from_f32<T>(__fdiv_rn(tp::to_f32(x[i]), cap)));
+        const float t = tp::to_f32(tp::from_f32<T>(tanhf(d)));
+        out[i] = tp::from_f32<T>(__fmul_rn(t, cap));
     }
 }
 
@@ -44,9 +77,17 @@ __device__ __forceinline__ void add_inplace(T* __restrict__ x, const T* __restri
 }
 
 #define TP_ELEMENTWISE(SUFFIX, T)                                                                             \
-    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_swiglu_##SUFFIX(T* out, const T* in, int64_t rows,   \
-                                                                         int64_t inner) {                     \
-        swiglu<T>(out, in, rows, inner);                                                                      \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_glu_##SUFFIX(T* out, const T* in, int64_t rows,      \
+                                                                      int64_t inner, int act) {               \
+        glu<T>(out, in, rows, inner, act);                                                                    \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_scale_##SUFFIX(T* out, const T* x, int64_t n,        \
+                                                                        float s) {                            \
+        scale<T>(out, x, n, s);                                                                               \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_softcap_##SUFFIX(T* out, const T* x, int64_t n,      \
+                                                                          float cap) {                        \
+        softcap<T>(out, x, n, cap);                                                                           \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_add_row_##SUFFIX(T* out, const T* in, const T* bias, \
                                                                           int64_t rows, int64_t cols) {      \

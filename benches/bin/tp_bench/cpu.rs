@@ -232,14 +232,14 @@ fn layer_rows(args: &Args) -> Result<Vec<Row>> {
                     .map(|g| {
                         let (full, x, a, wd) = (&full, &x, &a, &wd);
                         s.spawn(move || -> Result<f64> {
-                            let col = ColumnParallel::from_full(full, g.rank(), world)?;
-                            let row = RowParallel::from_full(wd, None, g.rank(), world)?;
+                            let col = ColumnParallel::from_full(full, &g)?;
+                            let row = RowParallel::from_full(wd, None, &g)?;
                             let step = || -> Result<()> {
                                 g.barrier()?;
                                 if is_col {
                                     std::hint::black_box(col.forward(x)?);
                                 } else {
-                                    std::hint::black_box(row.forward_split(a, &g)?);
+                                    std::hint::black_box(row.forward_split(a)?);
                                 }
                                 g.barrier()?;
                                 Ok(())

@@ -48,7 +48,7 @@ mod tensor;
 pub use device::Device;
 pub use dtype::{DType, Element, IntElement, Storable, bf16, f16};
 pub use error::{Error, Result};
-pub use ops::{AttentionSpec, KvGroups, RopeScaling, RotaryEmbedding, WeightLayout};
+pub use ops::{Activation, AttentionSpec, KvGroups, NormStyle, RopeScaling, RotaryEmbedding, WeightLayout};
 pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;
 pub use tensor::Tensor;

@@ -23,7 +23,10 @@ pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
         }
     }
     for t in FLOATS {
-        v.push(("elementwise", format!("tp_swiglu_{}", t.name())));
+        v.push(("elementwise", format!("tp_glu_{}", t.name())));
+        v.push(("elementwise", format!("tp_scale_{}", t.name())));
+        v.push(("elementwise", format!("tp_softcap_{}", t.name())));
+        v.push(("norm", format!("tp_sum_squares_{}", t.name())));
         v.push(("elementwise", format!("tp_add_row_{}", t.name())));
         v.push(("elementwise", format!("tp_add_{}", t.name())));
         v.push(("norm", format!("tp_rms_norm_{}", t.name())));

@@ -5,25 +5,55 @@
 //! `Q_r`:
 //!
 //! 1. `[q_r | k_r | v_r] = x [Wq_r; Wk_r; Wv_r]^T (+ b)`: one column-parallel GEMM, local.
-//! 2. RoPE on `q_r` and `k_r` at the tokens' absolute positions; `k_r, v_r` appended to this
+//! 2. Optional q/k RMSNorm ([`QkNorm`]): per head over `head_dim` (Qwen3, Gemma 3; local), or
+//!    over the full q and k width (OLMo 2). The full-width norm needs each token's sum of
+//!    squares over every rank's features: each rank sums its q features and the k features of
+//!    the KV heads it owns (a replicated KV head counts once, [`QkvLayout::kv_owned`]), and one
+//!    all-reduce of `2T` floats completes both statistics; nothing else moves.
+//! 3. RoPE on `q_r` and `k_r` at the tokens' absolute positions; `k_r, v_r` appended to this
 //!    rank's cache (its KV heads only).
-//! 3. Causal attention of `q_r` over the cache: each rank's heads are independent, local.
-//! 4. `y = Σ_r o_r Wo[:, cols(Q_r)]^T + b_o`: the output projection is row-parallel over the
+//! 4. Causal attention of `q_r` over the cache (scaled by `1/sqrt(head_dim)` or the
+//!    architecture's own factor, within a sliding window where the layer has one): each rank's
+//!    heads are independent, local.
+//! 5. `y = Σ_r o_r Wo[:, cols(Q_r)]^T + b_o`: the output projection is row-parallel over the
 //!    input features of the rank's own query heads, `cols(Q_r) = [q_start·D, (q_start+q_len)·D)`,
 //!    which follow the head split (uneven heads included), then one all-reduce; the bias once.
 //!
-//! Communication: one all-reduce of `[T, H]` per forward.
+//! Communication: one all-reduce of `[T, H]` per forward (plus `2T` floats for a full-width
+//! q/k norm).
 
-use crate::checkpoint::Checkpoint;
 use crate::error::{LayerError, Result};
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
-use crate::options::LoadOptions;
+use crate::loader::Loader;
+use crate::norm::RmsNorm;
+use crate::parts::Projections;
 use crate::qkv::{AttentionHeads, QkvLayout, QkvParallel};
 use crate::row::RowParallel;
 use std::sync::atomic::{AtomicU64, Ordering};
-use tp_comm::DeviceGroup;
-use tp_core::{AttentionSpec, RotaryEmbedding, Tensor};
+use tp_comm::{DeviceGroup, ReduceOp};
+use tp_core::{AttentionSpec, DType, Device, NormStyle, RotaryEmbedding, Tensor};
+
+/// Over which features a q/k norm normalises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNormSpan {
+    /// Each head's `head_dim` features (Qwen3, Gemma 3): weights `[head_dim]`.
+    PerHead,
+    /// All `heads · head_dim` features of q (and of k) per token (OLMo 2): weights
+    /// `[heads · head_dim]`, split across ranks with the heads.
+    FullWidth,
+}
+
+/// An RMSNorm on the queries and keys before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QkNorm {
+    /// Per head or over the full width.
+    pub span: QkNormSpan,
+    /// How the weight applies.
+    pub style: NormStyle,
+    /// Epsilon under the square root.
+    pub eps: f64,
+}
 
 /// What an attention layer needs besides its weights.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,15 +62,59 @@ pub struct AttentionConfig {
     pub heads: AttentionHeads,
     /// Rotary embedding (its head size must be `heads.head_dim`).
     pub rope: RotaryEmbedding,
-    /// Mistral's sliding window: each token sees at most this many most recent positions.
+    /// Each token sees at most this many most recent positions (Mistral, Gemma's local layers).
     pub sliding_window: Option<usize>,
+    /// Factor on `q·k` (`None`: `1/sqrt(head_dim)`; Gemma: `query_pre_attn_scalar^-1/2`).
+    pub scale: Option<f64>,
+    /// A q/k RMSNorm, if the architecture has one.
+    pub qk_norm: Option<QkNorm>,
 }
 
-/// Rank `r`'s part of a self-attention layer.
+impl AttentionConfig {
+    /// Plain attention: `heads`, `rope`, no window, the default scale, no q/k norm.
+    pub fn new(heads: AttentionHeads, rope: RotaryEmbedding) -> AttentionConfig {
+        AttentionConfig { heads, rope, sliding_window: None, scale: None, qk_norm: None }
+    }
+}
+
+/// The checkpoint names of an attention block's tensors, relative to its prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionNames {
+    /// q, k, v: Hugging Face's `q_proj`, `k_proj`, `v_proj`, or Phi-3's fused `qkv_proj`.
+    pub qkv: Projections<3>,
+    /// The output projection, `o_proj`.
+    pub o: &'static str,
+    /// The q and k norms (`q_norm`, `k_norm`), read when the config has a q/k norm.
+    pub q_norm: &'static str,
+    /// See `q_norm`.
+    pub k_norm: &'static str,
+}
+
+impl Default for AttentionNames {
+    fn default() -> Self {
+        AttentionNames {
+            qkv: Projections::Separate(["q_proj", "k_proj", "v_proj"]),
+            o: "o_proj",
+            q_norm: "q_norm",
+            k_norm: "k_norm",
+        }
+    }
+}
+
+/// Rank `r`'s q and k norm weights.
+#[derive(Debug, Clone)]
+struct QkNorms {
+    q: RmsNorm,
+    k: RmsNorm,
+    span: QkNormSpan,
+}
+
+/// Rank `r`'s part of a self-attention layer, with the group it runs on.
 #[derive(Debug, Clone)]
 pub struct ParallelAttention {
     qkv: QkvParallel,
     o_proj: RowParallel,
+    qk_norm: Option<QkNorms>,
     config: AttentionConfig,
     scale: f32,
     /// Identifies the layer to the KV caches it binds (clones share it).
@@ -53,9 +127,15 @@ fn next_id() -> u64 {
 }
 
 impl ParallelAttention {
-    /// Assembles a layer from its projections; `o_proj` must hold the input features of the
-    /// query heads `qkv` holds.
-    pub fn new(qkv: QkvParallel, o_proj: RowParallel, config: AttentionConfig) -> Result<ParallelAttention> {
+    /// Assembles a layer from its projections (and q/k norm weights when the config has a q/k
+    /// norm: `[head_dim]` per head, or this rank's slice of the full width); `o_proj` must hold
+    /// the input features of the query heads `qkv` holds.
+    pub fn new(
+        qkv: QkvParallel,
+        o_proj: RowParallel,
+        qk_norm: Option<(RmsNorm, RmsNorm)>,
+        config: AttentionConfig,
+    ) -> Result<ParallelAttention> {
         let l = *qkv.layout();
         let h = config.heads;
         if (l.num_heads, l.num_kv_heads, l.head_dim) != (h.num_heads, h.num_kv_heads, h.head_dim)
@@ -81,52 +161,102 @@ impl ParallelAttention {
         if config.sliding_window == Some(0) {
             return Err(LayerError::Config("sliding_window must be at least 1".into()));
         }
-        let scale = 1.0 / (h.head_dim as f32).sqrt();
-        Ok(ParallelAttention { qkv, o_proj, config, scale, id: next_id() })
+        let scale = match config.scale {
+            Some(s) if s.is_finite() && s > 0.0 => s as f32,
+            Some(s) => return Err(LayerError::Config(format!("attention scale must be positive, got {s}"))),
+            None => 1.0 / (h.head_dim as f32).sqrt(),
+        };
+        let qk_norm = match (config.qk_norm, qk_norm) {
+            (None, None) => None,
+            (Some(n), Some((q, k))) => {
+                let (wq, wk) = match n.span {
+                    QkNormSpan::PerHead => (l.head_dim, l.head_dim),
+                    QkNormSpan::FullWidth => (l.q_len * l.head_dim, l.kv_len * l.head_dim),
+                };
+                if q.weight().dims() != [wq] || k.weight().dims() != [wk] {
+                    return Err(LayerError::Config(format!(
+                        "q/k norm weights {:?} / {:?}; this rank needs [{wq}] / [{wk}]",
+                        q.weight().dims(),
+                        k.weight().dims()
+                    )));
+                }
+                Some(QkNorms { q, k, span: n.span })
+            }
+            _ => {
+                return Err(LayerError::Config("q/k norm weights must be given exactly when the config has one".into()));
+            }
+        };
+        Ok(ParallelAttention { qkv, o_proj, qk_norm, config, scale, id: next_id() })
     }
 
-    /// Rank `rank`'s part of full `q, k, v, o` projections (`o: [H, heads·D]`).
+    /// `group`'s rank's part of full `q, k, v, o` projections (`o: [H, heads·D]`) and, with a
+    /// q/k norm, of its full weights.
     pub fn from_full(
-        q: &Linear,
-        k: &Linear,
-        v: &Linear,
-        o: &Linear,
+        [q, k, v, o]: [&Linear; 4],
+        qk_norm: Option<(&Tensor, &Tensor)>,
         config: AttentionConfig,
-        rank: usize,
-        world_size: usize,
+        group: &DeviceGroup,
     ) -> Result<ParallelAttention> {
         let h = config.heads;
-        let layout = QkvLayout::new(h.num_heads, h.num_kv_heads, h.head_dim, rank, world_size)?;
-        let qkv = QkvParallel::from_full(q, k, v, layout)?;
+        let layout = QkvLayout::new(h.num_heads, h.num_kv_heads, h.head_dim, group.rank(), group.world_size())?;
+        let dev = group.device();
+        let moved = |l: &Linear| l.to(l.dtype(), &dev);
+        let qkv = QkvParallel::from_full(&moved(q)?, &moved(k)?, &moved(v)?, layout)?;
         let cols = layout.q_start * h.head_dim..(layout.q_start + layout.q_len) * h.head_dim;
-        let o_proj = RowParallel::from_full_columns(o.weight(), o.bias(), cols, rank, world_size)?;
-        Self::new(qkv, o_proj, config)
+        let o_proj = RowParallel::from_full_columns(o.weight(), o.bias(), cols, group)?;
+        let norms = match (config.qk_norm, qk_norm) {
+            (Some(n), Some((wq, wk))) => {
+                let (wq, wk) = (wq.to_device(&dev)?, wk.to_device(&dev)?);
+                let (wq, wk) = match n.span {
+                    QkNormSpan::PerHead => (wq, wk),
+                    QkNormSpan::FullWidth => {
+                        let d = h.head_dim;
+                        (
+                            wq.narrow(0, layout.q_start * d, layout.q_len * d)?,
+                            wk.narrow(0, layout.kv_start * d, layout.kv_len * d)?,
+                        )
+                    }
+                };
+                Some((RmsNorm::with_style(wq, n.eps, n.style)?, RmsNorm::with_style(wk, n.eps, n.style)?))
+            }
+            _ => None,
+        };
+        Self::new(qkv, o_proj, norms, config)
     }
 
-    /// Loads `{prefix}.{q,k,v,o}_proj` (Hugging Face names, biases optional), each rank reading
-    /// only its heads' rows of q/k/v and its heads' columns of o.
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        config: &AttentionConfig,
-        group: &DeviceGroup,
-        opts: &LoadOptions,
-    ) -> Result<ParallelAttention> {
-        let qkv = QkvParallel::load(ckpt, prefix, config.heads, group, opts)?;
+    /// Loads the projections (and q/k norms) named by `names` under the loader's prefix, each
+    /// rank reading only its heads' rows of q/k/v, its heads' columns of o and its slice of a
+    /// full-width norm.
+    pub fn load(ld: &Loader<'_>, config: &AttentionConfig, names: AttentionNames) -> Result<ParallelAttention> {
+        let qkv = QkvParallel::load(ld, config.heads, names.qkv)?;
         let l = *qkv.layout();
         let cols = l.q_start * l.head_dim..(l.q_start + l.q_len) * l.head_dim;
-        let o_name = format!("{prefix}.o_proj.weight");
-        let (_, o_dims) = ckpt.param_info(&o_name)?;
         let hidden = qkv.local().in_features();
-        if o_dims != [hidden, l.num_heads * l.head_dim] {
-            return Err(LayerError::WrongShape {
-                name: o_name,
-                found: o_dims,
-                expected: vec![hidden, l.num_heads * l.head_dim],
-            });
-        }
-        let o_proj = RowParallel::load_columns(ckpt, &format!("{prefix}.o_proj"), cols, group, opts)?;
-        Self::new(qkv, o_proj, config.clone())
+        ld.expect(&format!("{}.weight", names.o), &[hidden, l.num_heads * l.head_dim])?;
+        let o_proj = RowParallel::load_columns(&ld.pp(names.o), cols)?;
+        let norms = match config.qk_norm {
+            None => None,
+            Some(n) => {
+                let (qn, kn) = (ld.pp(names.q_norm), ld.pp(names.k_norm));
+                let d = l.head_dim;
+                Some(match n.span {
+                    QkNormSpan::PerHead => {
+                        qn.expect("weight", &[d])?;
+                        kn.expect("weight", &[d])?;
+                        (RmsNorm::load(&qn, n.eps, n.style)?, RmsNorm::load(&kn, n.eps, n.style)?)
+                    }
+                    QkNormSpan::FullWidth => {
+                        qn.expect("weight", &[l.num_heads * d])?;
+                        kn.expect("weight", &[l.num_kv_heads * d])?;
+                        (
+                            RmsNorm::load_slice(&qn, (l.q_start * d, l.q_len * d), n.eps, n.style)?,
+                            RmsNorm::load_slice(&kn, (l.kv_start * d, l.kv_len * d), n.eps, n.style)?,
+                        )
+                    }
+                })
+            }
+        };
+        Self::new(qkv, o_proj, norms, config.clone())
     }
 
     /// Which heads this rank holds.
@@ -145,35 +275,44 @@ impl ParallelAttention {
     pub fn o_proj(&self) -> &RowParallel {
         &self.o_proj
     }
+    /// The group the layer runs on.
+    pub fn group(&self) -> &DeviceGroup {
+        self.o_proj.group()
+    }
+    /// The parameters' dtype.
+    pub fn dtype(&self) -> DType {
+        self.qkv.local().dtype()
+    }
+    /// Where the parameters live.
+    pub fn device(&self) -> Device {
+        self.qkv.local().device()
+    }
 
     /// An empty cache for this layer on this rank: `capacity` positions of its KV heads.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
-        let lin = self.qkv.local();
         let l = self.layout();
-        let mut cache = KvCache::new(capacity, l.kv_len, l.head_dim, lin.dtype(), &lin.device())?;
-        cache.bind(self.id, (l.kv_len, l.head_dim), lin.dtype(), lin.device())?;
+        let mut cache = KvCache::new(capacity, l.kv_len, l.head_dim, self.dtype(), &self.device())?;
+        cache.bind(self.id, (l.kv_len, l.head_dim), self.dtype(), self.device())?;
         Ok(cache)
     }
 
     /// Self-attention of `x: [T, H]`, the next `T` tokens of the sequence whose first
     /// `cache.len()` positions the cache holds (so token `t` sits at position
-    /// `cache.len() + t`); appends their keys and values; returns `[T, H]` on every rank.
+    /// `cache.len() + t`); appends their keys and values (growing the cache when it is full);
+    /// returns `[T, H]` on every rank.
     ///
-    /// Errors: [`LayerError::CacheFull`] if the tokens do not fit (nothing is written),
-    /// [`LayerError::CacheMismatch`] for a cache of another layer or shape, group mismatches.
-    pub fn forward(&self, x: &Tensor, cache: &mut KvCache, group: &DeviceGroup) -> Result<Tensor> {
+    /// Errors: [`LayerError::CacheMismatch`] for a cache of another layer or shape, allocation
+    /// failures when the cache must grow (nothing is written), collective failures.
+    pub fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let l = *self.layout();
-        let lin = self.qkv.local();
-        crate::column::check_group(self.o_proj.shard(), lin.device(), group)?;
-        cache.bind(self.id, (l.kv_len, l.head_dim), lin.dtype(), lin.device())?;
+        cache.bind(self.id, (l.kv_len, l.head_dim), self.dtype(), self.device())?;
         let &[t, _] = x.dims() else {
             return Err(LayerError::Config(format!("attention input must be [tokens, hidden], got {:?}", x.dims())));
         };
-        if cache.len() + t > cache.capacity() {
-            return Err(LayerError::CacheFull { capacity: cache.capacity(), len: cache.len(), adding: t });
-        }
+        cache.reserve(cache.len() + t)?;
         let positions: Vec<usize> = (cache.len()..cache.len() + t).collect();
         let (q, k, v) = self.qkv.forward(x)?;
+        let (q, k) = self.qk_normed(q, k, t)?;
         let q = q.reshape(&[t, l.q_len, l.head_dim])?.rope(&positions, &self.config.rope)?;
         let k = k.reshape(&[t, l.kv_len, l.head_dim])?.rope(&positions, &self.config.rope)?;
         let v = v.reshape(&[t, l.kv_len, l.head_dim])?;
@@ -186,6 +325,37 @@ impl ParallelAttention {
         };
         let (kc, vc) = cache.buffers();
         let o = q.attention(kc, vc, &spec)?.reshape(&[t, l.q_len * l.head_dim])?;
-        self.o_proj.forward(&o, group)
+        self.o_proj.forward(&o)
+    }
+
+    /// `q: [T, q_len·D]`, `k: [T, kv_len·D]` after the q/k norm, if any.
+    fn qk_normed(&self, q: Tensor, k: Tensor, t: usize) -> Result<(Tensor, Tensor)> {
+        let Some(n) = &self.qk_norm else { return Ok((q, k)) };
+        let l = *self.layout();
+        let d = l.head_dim;
+        match n.span {
+            QkNormSpan::PerHead => {
+                let q = n.q.forward(&q.reshape(&[t, l.q_len, d])?)?.reshape(&[t, l.q_len * d])?;
+                let k = n.k.forward(&k.reshape(&[t, l.kv_len, d])?)?.reshape(&[t, l.kv_len * d])?;
+                Ok((q, k))
+            }
+            QkNormSpan::FullWidth => {
+                // Each token's sum of squares over the rank's q features and its owned KV
+                // heads' k features, [2, T] in f32, summed over the ranks in one all-reduce.
+                let owned = l.kv_owned();
+                let ss_q = q.sum_squares()?;
+                let ss_k = if owned.is_empty() {
+                    Tensor::zeros(&[t], DType::F32, &q.device())?
+                } else {
+                    k.narrow(1, owned.start * d, owned.len() * d)?.sum_squares()?
+                };
+                let stats = Tensor::cat(&[ss_q.reshape(&[1, t])?, ss_k.reshape(&[1, t])?], 0)?;
+                let stats = self.group().all_reduce(&stats, ReduceOp::Sum)?;
+                let (sq, sk) = (stats.narrow(0, 0, 1)?.reshape(&[t])?, stats.narrow(0, 1, 1)?.reshape(&[t])?);
+                let q = n.q.forward_with_sum_squares(&q, &sq, l.num_heads * d)?;
+                let k = n.k.forward_with_sum_squares(&k, &sk, l.num_kv_heads * d)?;
+                Ok((q, k))
+            }
+        }
     }
 }

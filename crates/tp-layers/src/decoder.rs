@@ -1,70 +1,151 @@
-//! [`DecoderLayer`]: one Llama / Qwen2 / Mistral block.
+//! [`DecoderLayer`]: one decoder block of a Llama-family model, and the [`Block`] trait a model
+//! is a list of.
 //!
-//! `h = x + attn(input_layernorm(x))`, `y = h + mlp(post_attention_layernorm(h))`: the norms and
-//! residual adds are replicated (every rank holds `x` whole); attention and the MLP are split by
-//! heads and by intermediate features, one all-reduce each. Hugging Face names:
-//! `{prefix}.input_layernorm`, `{prefix}.self_attn.{q,k,v,o}_proj`,
-//! `{prefix}.post_attention_layernorm`, `{prefix}.mlp.{gate,up,down}_proj`.
+//! A block is attention and a gated MLP, each with a residual connection, and up to four
+//! replicated RMSNorms around them ([`BlockNorms`]):
+//!
+//! `h = x + attn_out(attn(attn_in(x)))`, `y = h + mlp_out(mlp(mlp_in(h)))`
+//!
+//! where an absent norm is the identity. Llama, Qwen2/3, Mistral and Phi-3 normalise the
+//! inputs (`attn_in` = `input_layernorm`, `mlp_in` = `post_attention_layernorm`); OLMo 2 the
+//! outputs (`attn_out` = `post_attention_layernorm`, `mlp_out` = `post_feedforward_layernorm`);
+//! Gemma 3 both ("sandwich": `input_layernorm`, `post_attention_layernorm`,
+//! `pre_feedforward_layernorm`, `post_feedforward_layernorm`). The norms and residual adds are
+//! replicated (every rank holds `x` whole); attention and the MLP are split by heads and by
+//! intermediate features, one all-reduce each.
 
-use crate::attention::{AttentionConfig, ParallelAttention};
-use crate::checkpoint::Checkpoint;
+use crate::attention::{AttentionConfig, AttentionNames, ParallelAttention};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
-use crate::mlp::ParallelMlp;
+use crate::loader::Loader;
+use crate::mlp::{MlpNames, ParallelMlp};
 use crate::norm::RmsNorm;
-use crate::options::LoadOptions;
-use tp_comm::DeviceGroup;
-use tp_core::Tensor;
+use tp_core::{Activation, NormStyle, Tensor};
+
+/// A block of a model: a forward over the hidden states of the next tokens of a sequence, with
+/// that sequence's cache. Implemented by [`DecoderLayer`]; a model is a list of blocks.
+pub trait Block: std::fmt::Debug + Send + Sync {
+    /// `x: [T, H]`, the next `T` tokens after the cache's, to `[T, H]` (every rank the same).
+    fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor>;
+    /// An empty cache for this block on this rank, holding `capacity` positions at first.
+    fn new_cache(&self, capacity: usize) -> Result<KvCache>;
+}
+
+/// The names of a block's norms under its prefix; `None` where the block has no such norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockNorms {
+    /// Before attention.
+    pub attn_in: Option<&'static str>,
+    /// After attention, before the residual add.
+    pub attn_out: Option<&'static str>,
+    /// Before the MLP.
+    pub mlp_in: Option<&'static str>,
+    /// After the MLP, before the residual add.
+    pub mlp_out: Option<&'static str>,
+}
+
+impl BlockNorms {
+    /// Llama's pre-norm block: `input_layernorm`, `post_attention_layernorm` (before the MLP).
+    pub const PRE: BlockNorms = BlockNorms {
+        attn_in: Some("input_layernorm"),
+        attn_out: None,
+        mlp_in: Some("post_attention_layernorm"),
+        mlp_out: None,
+    };
+}
 
 /// What a decoder layer needs besides its weights.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecoderConfig {
     /// The attention block's configuration.
     pub attention: AttentionConfig,
-    /// `rms_norm_eps` of both norms.
+    /// `rms_norm_eps` of the block's norms.
     pub rms_norm_eps: f64,
+    /// How the block's norms apply their weights.
+    pub norm_style: NormStyle,
+    /// The MLP's gate activation.
+    pub activation: Activation,
+}
+
+/// The checkpoint names of a block's parts, relative to its prefix (`model.layers.N`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecoderNames {
+    /// The attention block's prefix (`self_attn`).
+    pub attn: &'static str,
+    /// Its tensors.
+    pub attn_names: AttentionNames,
+    /// The MLP's prefix (`mlp`).
+    pub mlp: &'static str,
+    /// Its tensors.
+    pub mlp_names: MlpNames,
+    /// The norms.
+    pub norms: BlockNorms,
+}
+
+impl Default for DecoderNames {
+    fn default() -> Self {
+        DecoderNames {
+            attn: "self_attn",
+            attn_names: AttentionNames::default(),
+            mlp: "mlp",
+            mlp_names: MlpNames::default(),
+            norms: BlockNorms::PRE,
+        }
+    }
 }
 
 /// Rank `r`'s part of one decoder block.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
-    input_layernorm: RmsNorm,
+    attn_in: Option<RmsNorm>,
     self_attn: ParallelAttention,
-    post_attention_layernorm: RmsNorm,
+    attn_out: Option<RmsNorm>,
+    mlp_in: Option<RmsNorm>,
     mlp: ParallelMlp,
+    mlp_out: Option<RmsNorm>,
 }
 
 impl DecoderLayer {
-    /// Assembles a block from its parts.
+    /// Assembles Llama's pre-norm block from its parts.
     pub fn new(
         input_layernorm: RmsNorm,
         self_attn: ParallelAttention,
         post_attention_layernorm: RmsNorm,
         mlp: ParallelMlp,
     ) -> DecoderLayer {
-        DecoderLayer { input_layernorm, self_attn, post_attention_layernorm, mlp }
+        DecoderLayer {
+            attn_in: Some(input_layernorm),
+            self_attn,
+            attn_out: None,
+            mlp_in: Some(post_attention_layernorm),
+            mlp,
+            mlp_out: None,
+        }
     }
 
-    /// Loads block `prefix` (e.g. `model.layers.3`), each rank reading only its shards.
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        config: &DecoderConfig,
-        group: &DeviceGroup,
-        opts: &LoadOptions,
-    ) -> Result<DecoderLayer> {
-        let eps = config.rms_norm_eps;
+    /// Assembles a block with any of the four norms ([`BlockNorms`] order).
+    pub fn with_norms(
+        self_attn: ParallelAttention,
+        mlp: ParallelMlp,
+        [attn_in, attn_out, mlp_in, mlp_out]: [Option<RmsNorm>; 4],
+    ) -> DecoderLayer {
+        DecoderLayer { attn_in, self_attn, attn_out, mlp_in, mlp, mlp_out }
+    }
+
+    /// Loads the block under the loader's prefix (e.g. `model.layers.3`), each rank reading
+    /// only its shards.
+    pub fn load(ld: &Loader<'_>, config: &DecoderConfig, names: &DecoderNames) -> Result<DecoderLayer> {
+        let norm = |name: Option<&str>| -> Result<Option<RmsNorm>> {
+            name.map(|n| RmsNorm::load(&ld.pp(n), config.rms_norm_eps, config.norm_style)).transpose()
+        };
+        let n = names.norms;
         Ok(DecoderLayer {
-            input_layernorm: RmsNorm::load(ckpt, &format!("{prefix}.input_layernorm"), eps, group, opts)?,
-            self_attn: ParallelAttention::load(ckpt, &format!("{prefix}.self_attn"), &config.attention, group, opts)?,
-            post_attention_layernorm: RmsNorm::load(
-                ckpt,
-                &format!("{prefix}.post_attention_layernorm"),
-                eps,
-                group,
-                opts,
-            )?,
-            mlp: ParallelMlp::load(ckpt, &format!("{prefix}.mlp"), group, opts)?,
+            attn_in: norm(n.attn_in)?,
+            self_attn: ParallelAttention::load(&ld.pp(names.attn), &config.attention, names.attn_names)?,
+            attn_out: norm(n.attn_out)?,
+            mlp_in: norm(n.mlp_in)?,
+            mlp: ParallelMlp::load(&ld.pp(names.mlp), names.mlp_names, config.activation)?,
+            mlp_out: norm(n.mlp_out)?,
         })
     }
 
@@ -76,19 +157,34 @@ impl DecoderLayer {
     pub fn mlp(&self) -> &ParallelMlp {
         &self.mlp
     }
+}
 
-    /// An empty KV cache for this block's attention.
-    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
-        self.self_attn.new_cache(capacity)
+fn norm(n: &Option<RmsNorm>, x: Tensor) -> Result<Tensor> {
+    match n {
+        Some(n) => n.forward(&x),
+        None => Ok(x),
     }
+}
 
-    /// The block on `x: [T, H]` (the next `T` tokens after the cache's), every rank returning
-    /// the full `[T, H]`. Two all-reduces.
-    pub fn forward(&self, x: &Tensor, cache: &mut KvCache, group: &DeviceGroup) -> Result<Tensor> {
-        let mut h = self.self_attn.forward(&self.input_layernorm.forward(x)?, cache, group)?;
+impl Block for DecoderLayer {
+    /// Two all-reduces (attention's and the MLP's).
+    fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let a_in = match &self.attn_in {
+            Some(n) => n.forward(x)?,
+            None => x.clone(),
+        };
+        let mut h = norm(&self.attn_out, self.self_attn.forward(&a_in, cache)?)?;
         h.add_assign(x)?; // h = x + attn (addition commutes bit for bit)
-        let mut y = self.mlp.forward(&self.post_attention_layernorm.forward(&h)?, group)?;
+        let m_in = match &self.mlp_in {
+            Some(n) => n.forward(&h)?,
+            None => h.clone(),
+        };
+        let mut y = norm(&self.mlp_out, self.mlp.forward(&m_in)?)?;
         y.add_assign(&h)?;
         Ok(y)
+    }
+
+    fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        self.self_attn.new_cache(capacity)
     }
 }

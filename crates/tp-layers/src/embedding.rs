@@ -7,10 +7,9 @@
 //! completes it. The sum adds one row to zeros, so the result equals the unsharded lookup bit
 //! for bit. Megatron-LM's `VocabParallelEmbedding`.
 
-use crate::checkpoint::Checkpoint;
-use crate::column::{check_group, load_rows};
+use crate::column::check_placement;
 use crate::error::{LayerError, Result};
-use crate::options::LoadOptions;
+use crate::loader::Loader;
 use tp_comm::{DeviceGroup, ReduceOp};
 use tp_core::{Tensor, TensorShard};
 
@@ -21,11 +20,15 @@ pub struct VocabParallelEmbedding {
     table: Tensor,
     /// Rows `v_r .. v_{r+1}` of the `V`-row table (dim 0).
     shard: TensorShard,
+    /// A factor on every looked-up row (Gemma's `sqrt(H)`), if any.
+    scale: Option<f32>,
+    group: DeviceGroup,
 }
 
 impl VocabParallelEmbedding {
-    /// Wraps a local table holding rows `shard.start()..shard.end()` (dim 0) of the full one.
-    pub fn new(table: Tensor, shard: TensorShard) -> Result<VocabParallelEmbedding> {
+    /// Wraps a local table holding rows `shard.start()..shard.end()` (dim 0) of the full one,
+    /// for `group`'s rank.
+    pub fn new(table: Tensor, shard: TensorShard, group: &DeviceGroup) -> Result<VocabParallelEmbedding> {
         if table.ndim() != 2 || shard.dim() != 0 || table.dims()[0] != shard.len() {
             return Err(LayerError::Config(format!(
                 "embedding table {:?} does not hold the {} rows of its shard",
@@ -33,24 +36,30 @@ impl VocabParallelEmbedding {
                 shard.len()
             )));
         }
-        Ok(VocabParallelEmbedding { table, shard })
+        check_placement(&shard, table.device(), group)?;
+        Ok(VocabParallelEmbedding { table, shard, scale: None, group: group.clone() })
     }
 
-    /// Rank `rank`'s rows of a full `[V, H]` table.
-    pub fn from_full(table: &Tensor, rank: usize, world_size: usize) -> Result<VocabParallelEmbedding> {
-        let shard = TensorShard::new(0, table.shape().dim("VocabParallelEmbedding", 0)?, rank, world_size)?;
-        Self::new(shard.shard(table)?, shard)
+    /// `group`'s rank's rows of a full `[V, H]` table (moved to the group's device).
+    pub fn from_full(table: &Tensor, group: &DeviceGroup) -> Result<VocabParallelEmbedding> {
+        let rows = table.shape().dim("VocabParallelEmbedding", 0)?;
+        let shard = TensorShard::new(0, rows, group.rank(), group.world_size())?;
+        Self::new(shard.shard(table)?.to_device(&group.device())?, shard, group)
     }
 
-    /// This rank's rows of `{prefix}.weight` (e.g. `model.embed_tokens`), reading only them.
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        group: &DeviceGroup,
-        opts: &LoadOptions,
-    ) -> Result<VocabParallelEmbedding> {
-        let (table, shard) = load_rows(ckpt, &format!("{prefix}.weight"), group, opts)?;
-        Self::new(table, shard)
+    /// This rank's rows of `weight` under the loader's prefix (e.g. `model.embed_tokens`),
+    /// reading only them.
+    pub fn load(ld: &Loader<'_>) -> Result<VocabParallelEmbedding> {
+        let (rows, _) = ld.dims2("weight")?;
+        let shard = TensorShard::new(0, rows, ld.rank(), ld.world_size())?;
+        Self::new(ld.rows("weight", shard.start(), shard.len())?, shard, ld.group())
+    }
+
+    /// The same table with every looked-up row multiplied by `scale` (rounded to the table's
+    /// dtype first, as Gemma's `embed_scale.to(dtype)`): `round(E[t] · round(scale))`.
+    pub fn with_scale(mut self, scale: f32) -> VocabParallelEmbedding {
+        self.scale = Some(scale);
+        self
     }
 
     /// The full vocabulary size `V`.
@@ -74,15 +83,21 @@ impl VocabParallelEmbedding {
     /// in `0..V`: the masked local gather, then one all-reduce.
     ///
     /// Errors: `TokenOutOfRange` naming the first id outside the vocabulary (checked on the
-    /// host before anything runs), group mismatches, collective failures.
-    pub fn forward(&self, ids: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
-        check_group(&self.shard, self.table.device(), group)?;
+    /// host before anything runs), collective failures.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let group = &self.group;
         check_ids(ids, self.vocab_size())?;
         let local = self.table.embedding(&group.to_local(ids)?, self.shard.start())?;
-        if group.world_size() == 1 {
-            return Ok(local);
-        }
-        Ok(group.all_reduce(&local, ReduceOp::Sum)?)
+        let rows = if group.world_size() == 1 { local } else { group.all_reduce(&local, ReduceOp::Sum)? };
+        Ok(match self.scale {
+            Some(s) => rows.scale(s)?,
+            None => rows,
+        })
+    }
+
+    /// The group the layer runs on.
+    pub fn group(&self) -> &DeviceGroup {
+        &self.group
     }
 }
 

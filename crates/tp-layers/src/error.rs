@@ -38,22 +38,13 @@ pub enum LayerError {
     #[error("{0}")]
     Config(String),
 
-    /// A layer is used with a group other than the one it was built for.
-    #[error(
-        "layer built for rank {layer_rank} of {layer_world} on {layer_device}, used with rank {group_rank} of {group_world} on {group_device}"
-    )]
-    WrongGroup {
-        layer_rank: usize,
-        layer_world: usize,
-        layer_device: tp_core::Device,
-        group_rank: usize,
-        group_world: usize,
-        group_device: tp_core::Device,
-    },
-
-    /// Appending to a KV cache would pass its capacity (a position past the cache's end).
-    #[error("KV cache full: it holds {len} of {capacity} positions and cannot take {adding} more")]
+    /// Appending to a KV cache would pass the positions it may hold.
+    #[error("KV cache full: it holds {len} of at most {capacity} positions and cannot take {adding} more")]
     CacheFull { capacity: usize, len: usize, adding: usize },
+
+    /// A KV cache could not grow to the positions a sequence needs.
+    #[error("KV cache: cannot allocate {positions} positions ({bytes} bytes of keys and values for this layer): {why}")]
+    CacheAlloc { positions: usize, bytes: usize, why: String },
 
     /// A KV cache used with a layer it was not made for (another layer, or another shape).
     #[error("KV cache mismatch: {0}")]

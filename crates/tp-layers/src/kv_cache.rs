@@ -3,7 +3,9 @@
 //! A rank's cache holds only its KV heads (`kv_len` of them, replicated heads included where
 //! `kv_heads < world`): keys and values `[capacity, kv_heads_r, head_dim]` in the layer's dtype
 //! on its device, of which the first `len` positions are filled. Appending writes in place; a
-//! prefill appends `T` positions, a decode step one. The cache is bound to the layer that first
+//! prefill appends `T` positions, a decode step one. The cache grows as a sequence needs it
+//! (doubling, at most to a limit the model sets: its `max_position_embeddings`), so nothing is
+//! allocated for positions a request never reaches. The cache is bound to the layer that first
 //! uses it, so it cannot silently serve another one.
 
 use crate::error::{LayerError, Result};
@@ -17,6 +19,8 @@ pub struct KvCache {
     len: usize,
     /// The layer (`ParallelAttention::id`) this cache serves, once bound.
     owner: Option<u64>,
+    /// Positions it may grow to.
+    limit: usize,
 }
 
 impl KvCache {
@@ -31,7 +35,56 @@ impl KvCache {
         }
         let dims = [capacity, kv_heads, head_dim];
         let (k, v) = (Tensor::zeros(&dims, dtype, device)?, Tensor::zeros(&dims, dtype, device)?);
-        Ok(KvCache { k, v, len: 0, owner: None })
+        Ok(KvCache { k, v, len: 0, owner: None, limit: capacity })
+    }
+
+    /// The same cache allowed to grow to `limit` positions (at least its capacity).
+    pub fn with_limit(mut self, limit: usize) -> KvCache {
+        self.limit = limit.max(self.capacity());
+        self
+    }
+
+    /// Positions the cache may grow to.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Bytes of keys and values per position.
+    pub fn bytes_per_position(&self) -> usize {
+        let (h, d) = self.head_shape();
+        2 * h * d * self.dtype().size_in_bytes()
+    }
+
+    /// Makes room for `len` positions, keeping the filled ones: the capacity doubles (at least
+    /// to `len`, at most to the limit).
+    ///
+    /// Errors: [`LayerError::CacheFull`] past the limit, [`LayerError::CacheAlloc`] when the
+    /// memory cannot be had; either way the cache is unchanged.
+    pub fn reserve(&mut self, len: usize) -> Result<()> {
+        if len <= self.capacity() {
+            return Ok(());
+        }
+        if len > self.limit {
+            return Err(LayerError::CacheFull { capacity: self.limit, len: self.len, adding: len - self.len });
+        }
+        let capacity = self.capacity().saturating_mul(2).clamp(len, self.limit);
+        let (h, d) = self.head_shape();
+        let dims = [capacity, h, d];
+        let alloc_err = |e: tp_core::Error| LayerError::CacheAlloc {
+            positions: capacity,
+            bytes: capacity.saturating_mul(self.bytes_per_position()),
+            why: e.to_string(),
+        };
+        let grown = |old: &Tensor| -> Result<Tensor> {
+            let mut t = Tensor::zeros(&dims, self.dtype(), &self.device()).map_err(alloc_err)?;
+            if self.len > 0 {
+                t.slice_set(&old.narrow(0, 0, self.len)?, 0, 0)?;
+            }
+            Ok(t)
+        };
+        let (k, v) = (grown(&self.k)?, grown(&self.v)?);
+        (self.k, self.v) = (k, v);
+        Ok(())
     }
 
     /// Positions it can hold.
@@ -94,15 +147,14 @@ impl KvCache {
 
     /// Appends `k, v: [T, kv_heads, head_dim]` at positions `len..len + T`.
     ///
-    /// Errors: [`LayerError::CacheFull`] past the capacity (nothing is written), shape errors.
+    /// Errors: [`LayerError::CacheFull`] past the limit, [`LayerError::CacheAlloc`] when the
+    /// cache cannot grow (nothing is written), shape errors.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let t = k.shape().dim("KvCache::append", 0)?;
         if k.dims() != v.dims() {
             return Err(LayerError::CacheMismatch(format!("keys {:?} and values {:?} differ", k.dims(), v.dims())));
         }
-        if self.len + t > self.capacity() {
-            return Err(LayerError::CacheFull { capacity: self.capacity(), len: self.len, adding: t });
-        }
+        self.reserve(self.len.saturating_add(t))?;
         self.k.slice_set(k, 0, self.len)?;
         self.v.slice_set(v, 0, self.len)?;
         self.len += t;

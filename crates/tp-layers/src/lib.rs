@@ -17,8 +17,13 @@
 //! * [`RmsNorm`] (replicated), [`ParallelAttention`] (heads per rank, RoPE, GQA attention over
 //!   a per-rank [`KvCache`], head-aligned row-parallel output projection), [`DecoderLayer`].
 //! * [`Checkpoint`]: memory-mapped safetensors (single file or index), reading only a rank's
-//!   bytes of each tensor. Every layer loads with `load(ckpt, prefix, [config,] &group,
-//!   &LoadOptions)`: rank, world size and device come from the group it will run on.
+//!   bytes of each tensor, and [`Loader`]: the checkpoint seen from one rank, scoped to a
+//!   prefix (`ld.pp("mlp")`). Every layer loads with `load(&loader, ..)`: rank, world size and
+//!   device come from the group it will run on, which the layer keeps; `forward` takes only
+//!   the inputs. Fused checkpoint tensors (Phi-3's `qkv_proj`, `gate_up_proj`) are split by
+//!   [`Projections`], each part sharded on its own.
+//! * [`Block`]: a model is a list of blocks ([`DecoderLayer`]: attention and MLP with up to
+//!   four norms, q/k norms, SwiGLU or GeGLU).
 //!
 //! Every rank uses `tp_core::TensorShard`'s balanced split, so shards may be uneven.
 //!
@@ -39,9 +44,9 @@
 //!         .map(|g| {
 //!             let (full, x) = (&full, &x);
 //!             s.spawn(move || -> tp_layers::Result<Tensor> {
-//!                 let layer = ColumnParallel::from_full(full, g.rank(), g.world_size())?;
+//!                 let layer = ColumnParallel::from_full(full, &g)?; // keeps g
 //!                 assert_eq!(layer.forward(x)?.dims(), &[5, layer.shard().len()]); // local block
-//!                 layer.forward_gathered(x, &g) // all ranks get the full [5, 10]
+//!                 layer.forward_gathered(x) // all ranks get the full [5, 10]
 //!             })
 //!         })
 //!         .collect();
@@ -65,27 +70,38 @@ mod files;
 mod kv_cache;
 mod linear;
 mod lm_head;
+mod loader;
 mod merged;
 mod mlp;
 mod norm;
 mod options;
+mod parts;
 mod qkv;
 mod row;
 
-pub use attention::{AttentionConfig, ParallelAttention};
+pub use attention::{AttentionConfig, AttentionNames, ParallelAttention, QkNorm, QkNormSpan};
 pub use checkpoint::{Checkpoint, save};
 pub use column::ColumnParallel;
-pub use decoder::{DecoderConfig, DecoderLayer};
+pub use decoder::{Block, BlockNorms, DecoderConfig, DecoderLayer, DecoderNames};
 pub use embedding::VocabParallelEmbedding;
 pub use error::{LayerError, Result};
 pub use kv_cache::KvCache;
 pub use linear::Linear;
 pub use lm_head::ParallelLmHead;
+pub use loader::Loader;
 pub use merged::MergedColumnParallel;
-pub use mlp::ParallelMlp;
+pub use mlp::{MlpNames, ParallelMlp};
 pub use norm::RmsNorm;
 pub use options::LoadOptions;
+pub use parts::Projections;
 pub use qkv::{AttentionHeads, QkvLayout, QkvParallel};
 pub use row::RowParallel;
 pub use tp_comm;
+
+/// The contents of the file `path`, as UTF-8, if it is (after following symlinks) a regular file
+/// of at most `limit` bytes: what tp reads from a model folder besides the safetensors files
+/// (configs, tokenizers). A named pipe or a device is an error at once, never a blocked `open`.
+pub fn read_text_file(path: &std::path::Path, limit: u64) -> Result<String> {
+    files::read_text(path, limit)
+}
 pub use tp_core;

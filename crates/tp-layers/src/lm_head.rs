@@ -9,12 +9,15 @@
 //! local ones, the lowest index winning ties (the lowest rank holds the lowest indices), NaN
 //! beating numbers, as `torch.argmax` over the full logits. With tied embeddings
 //! (`tie_word_embeddings`), `W` is the embedding table and the rank reuses its shard.
+//!
+//! Gemma's final-logit soft-capping, `L ← c · tanh(L / c)` rounded after each of the three
+//! operations as PyTorch does, is element-wise and monotonic: each rank caps its own columns
+//! before anything leaves it, so gathered logits and the argmax both see capped values.
 
-use crate::checkpoint::Checkpoint;
-use crate::column::{check_group, load_rows};
+use crate::column::check_placement;
 use crate::embedding::VocabParallelEmbedding;
 use crate::error::{LayerError, Result};
-use crate::options::LoadOptions;
+use crate::loader::Loader;
 use tp_comm::DeviceGroup;
 use tp_core::{Device, Tensor, TensorShard};
 
@@ -24,11 +27,14 @@ pub struct ParallelLmHead {
     /// `W_r: [V_r, H]`.
     weight: Tensor,
     shard: TensorShard,
+    /// Final-logit soft-capping `c`, if any.
+    softcap: Option<f32>,
+    group: DeviceGroup,
 }
 
 impl ParallelLmHead {
     /// Wraps a local weight holding rows `shard.start()..shard.end()` of the full `[V, H]`.
-    pub fn new(weight: Tensor, shard: TensorShard) -> Result<ParallelLmHead> {
+    pub fn new(weight: Tensor, shard: TensorShard, group: &DeviceGroup) -> Result<ParallelLmHead> {
         if weight.ndim() != 2 || shard.dim() != 0 || weight.dims()[0] != shard.len() {
             return Err(LayerError::Config(format!(
                 "LM head weight {:?} does not hold the {} rows of its shard",
@@ -36,24 +42,41 @@ impl ParallelLmHead {
                 shard.len()
             )));
         }
-        Ok(ParallelLmHead { weight, shard })
+        check_placement(&shard, weight.device(), group)?;
+        Ok(ParallelLmHead { weight, shard, softcap: None, group: group.clone() })
     }
 
-    /// Rank `rank`'s rows of a full `[V, H]` weight.
-    pub fn from_full(weight: &Tensor, rank: usize, world_size: usize) -> Result<ParallelLmHead> {
-        let shard = TensorShard::new(0, weight.shape().dim("ParallelLmHead", 0)?, rank, world_size)?;
-        Self::new(shard.shard(weight)?, shard)
+    /// `group`'s rank's rows of a full `[V, H]` weight (moved to the group's device).
+    pub fn from_full(weight: &Tensor, group: &DeviceGroup) -> Result<ParallelLmHead> {
+        let rows = weight.shape().dim("ParallelLmHead", 0)?;
+        let shard = TensorShard::new(0, rows, group.rank(), group.world_size())?;
+        Self::new(shard.shard(weight)?.to_device(&group.device())?, shard, group)
     }
 
-    /// This rank's rows of `{prefix}.weight` (e.g. `lm_head`).
-    pub fn load(ckpt: &Checkpoint, prefix: &str, group: &DeviceGroup, opts: &LoadOptions) -> Result<ParallelLmHead> {
-        let (weight, shard) = load_rows(ckpt, &format!("{prefix}.weight"), group, opts)?;
-        Self::new(weight, shard)
+    /// This rank's rows of `weight` under the loader's prefix (e.g. `lm_head`).
+    pub fn load(ld: &Loader<'_>) -> Result<ParallelLmHead> {
+        let (rows, _) = ld.dims2("weight")?;
+        let shard = TensorShard::new(0, rows, ld.rank(), ld.world_size())?;
+        Self::new(ld.rows("weight", shard.start(), shard.len())?, shard, ld.group())
     }
 
     /// The head of a model with tied embeddings: the embedding's own shard (shared, not copied).
     pub fn tied(embedding: &VocabParallelEmbedding) -> ParallelLmHead {
-        ParallelLmHead { weight: embedding.table().clone(), shard: *embedding.shard() }
+        ParallelLmHead {
+            weight: embedding.table().clone(),
+            shard: *embedding.shard(),
+            softcap: None,
+            group: embedding.group().clone(),
+        }
+    }
+
+    /// The same head with final-logit soft-capping at `cap` (> 0, finite).
+    pub fn with_softcap(mut self, cap: f32) -> Result<ParallelLmHead> {
+        if !(cap.is_finite() && cap > 0.0) {
+            return Err(LayerError::Config(format!("final logit soft-capping must be positive, got {cap}")));
+        }
+        self.softcap = Some(cap);
+        Ok(self)
     }
 
     /// Vocabulary size `V`.
@@ -69,14 +92,24 @@ impl ParallelLmHead {
         &self.weight
     }
 
-    /// `L_r = h W_r^T: [.., V_r]`, this rank's columns of the logits. No communication.
+    /// `L_r = h W_r^T: [.., V_r]` (soft-capped where the head caps), this rank's columns of
+    /// the logits. No communication.
     pub fn forward_local(&self, h: &Tensor) -> Result<Tensor> {
-        Ok(h.matmul_t(&self.weight)?)
+        let l = h.matmul_t(&self.weight)?;
+        Ok(match self.softcap {
+            Some(c) => l.softcap(c)?,
+            None => l,
+        })
+    }
+
+    /// The group the layer runs on.
+    pub fn group(&self) -> &DeviceGroup {
+        &self.group
     }
 
     /// The full logits `[.., V]` on every rank (an all-gather along the last dim).
-    pub fn logits(&self, h: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
-        check_group(&self.shard, self.weight.device(), group)?;
+    pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let group = &self.group;
         let local = self.forward_local(h)?;
         if group.world_size() == 1 {
             return Ok(local);
@@ -87,8 +120,8 @@ impl ParallelLmHead {
     /// The greedy next token of every row of `h: [.., H]`: an `i64` host tensor of the leading
     /// dims, identical on every rank, equal to `argmax` over the full logits, computed from the
     /// ranks' local maxima without gathering the logits.
-    pub fn argmax(&self, h: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
-        check_group(&self.shard, self.weight.device(), group)?;
+    pub fn argmax(&self, h: &Tensor) -> Result<Tensor> {
+        let group = &self.group;
         let local = self.forward_local(h)?;
         let lead = &local.dims()[..local.ndim() - 1];
         let rows: usize = lead.iter().product();

@@ -2,13 +2,14 @@
 //!
 //! For projections `A^(0), .., A^(k-1)` (e.g. an MLP's gate and up), rank `r` holds its balanced
 //! row shard of each and stacks them, `[A^(0)_r; ..; A^(k-1)_r]`, so one GEMM gives
-//! `[Y^(0)_r | .. | Y^(k-1)_r]`. No communication.
+//! `[Y^(0)_r | .. | Y^(k-1)_r]`. No communication. In a checkpoint the projections are separate
+//! tensors or one fused tensor ([`Projections`]); each rank reads only its rows of each part.
 
-use crate::checkpoint::Checkpoint;
-use crate::column::load_rows;
+use crate::column::check_placement;
 use crate::error::{LayerError, Result};
 use crate::linear::Linear;
-use crate::options::LoadOptions;
+use crate::loader::Loader;
+use crate::parts::Projections;
 use tp_comm::DeviceGroup;
 use tp_core::{Tensor, TensorShard};
 
@@ -17,11 +18,12 @@ use tp_core::{Tensor, TensorShard};
 pub struct MergedColumnParallel {
     linear: Linear,
     shards: Vec<TensorShard>,
+    group: DeviceGroup,
 }
 
 impl MergedColumnParallel {
     /// Wraps a local stacked layer whose row blocks are `shards` (each over dim 0 of its part).
-    pub fn new(linear: Linear, shards: Vec<TensorShard>) -> Result<MergedColumnParallel> {
+    pub fn new(linear: Linear, shards: Vec<TensorShard>, group: &DeviceGroup) -> Result<MergedColumnParallel> {
         let rows: usize = shards.iter().map(|s| s.len()).sum();
         if shards.is_empty() || rows != linear.out_features() || shards.iter().any(|s| s.dim() != 0) {
             return Err(LayerError::Config(format!(
@@ -29,68 +31,69 @@ impl MergedColumnParallel {
                 linear.out_features()
             )));
         }
-        Ok(MergedColumnParallel { linear, shards })
+        for s in &shards {
+            check_placement(s, linear.device(), group)?;
+        }
+        Ok(MergedColumnParallel { linear, shards, group: group.clone() })
     }
 
-    /// Rank `rank`'s stacked shards of full layers `parts` (same input size, dtype, device).
-    pub fn from_full(parts: &[&Linear], rank: usize, world_size: usize) -> Result<MergedColumnParallel> {
-        let mut weights = Vec::new();
-        let mut biases = Vec::new();
-        let mut shards = Vec::new();
+    /// `group`'s rank's stacked shards of full layers `parts` (same input size and dtype).
+    pub fn from_full(parts: &[&Linear], group: &DeviceGroup) -> Result<MergedColumnParallel> {
+        let (mut weights, mut biases, mut shards) = (Vec::new(), Vec::new(), Vec::new());
         for p in parts {
-            let s = TensorShard::new(0, p.out_features(), rank, world_size)?;
+            let s = TensorShard::new(0, p.out_features(), group.rank(), group.world_size())?;
             weights.push(s.shard(p.weight())?);
             biases.push(p.bias().map(|b| s.shard(b)).transpose()?);
             shards.push(s);
         }
         let bias = if biases.iter().all(Option::is_some) {
-            Some(Tensor::cat(&biases.into_iter().flatten().collect::<Vec<_>>(), 0)?)
+            Some(Tensor::cat(&biases.into_iter().flatten().collect::<Vec<_>>(), 0)?.to_device(&group.device())?)
         } else if biases.iter().all(Option::is_none) {
             None
         } else {
             return Err(LayerError::Config("merged parts must all have a bias or all have none".into()));
         };
-        Self::new(Linear::new(Tensor::cat(&weights, 0)?, bias)?, shards)
+        let weight = Tensor::cat(&weights, 0)?.to_device(&group.device())?;
+        Self::new(Linear::new(weight, bias)?, shards, group)
     }
 
-    /// Loads `{prefix}.weight` of each prefix (and `.bias` when every part has one), reading only
-    /// this rank's rows of each; rank, world size and device come from `group`. The parts must
-    /// share their input size.
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefixes: &[&str],
-        group: &DeviceGroup,
-        opts: &LoadOptions,
-    ) -> Result<MergedColumnParallel> {
-        let mut weights = Vec::new();
-        let mut shards = Vec::new();
-        for p in prefixes {
-            let (w, s) = load_rows(ckpt, &format!("{p}.weight"), group, opts)?;
-            if let Some(first) = weights.first().map(|w: &Tensor| w.dims()[1])
-                && first != w.dims()[1]
-            {
-                return Err(LayerError::Config(format!(
-                    "{prefixes:?} do not share an input size ({first} vs {} in {p})",
-                    w.dims()[1]
-                )));
+    /// Loads `N` projections under the loader's prefix, separate or fused (a fused tensor is
+    /// split into `N` equal parts of rows), reading only this rank's rows of each; biases when
+    /// every part has one. The parts must share their input size.
+    pub fn load<const N: usize>(ld: &Loader<'_>, names: Projections<N>) -> Result<MergedColumnParallel> {
+        let rows: [usize; N] = match names {
+            Projections::Separate(n) => {
+                let mut rows = [0; N];
+                for (r, name) in rows.iter_mut().zip(n) {
+                    *r = ld.dims2(&format!("{name}.weight"))?.0;
+                }
+                rows
             }
+            Projections::Fused(name) => {
+                let t = format!("{name}.weight");
+                let (total, width) = ld.dims2(&t)?;
+                if N == 0 || total % N != 0 {
+                    return Err(LayerError::WrongShape {
+                        name: ld.name(&t),
+                        found: vec![total, width],
+                        expected: vec![total.div_ceil(N.max(1)) * N, width],
+                    });
+                }
+                [total / N; N]
+            }
+        };
+        names.check(ld, &rows, None)?;
+        let bias = names.has_bias(ld)?;
+        let (mut weights, mut biases, mut shards) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, &r) in rows.iter().enumerate() {
+            let s = TensorShard::new(0, r, ld.rank(), ld.world_size())?;
+            let (w, b) = names.read(ld, i, &rows, (s.start(), s.len()), bias)?;
             weights.push(w);
+            biases.extend(b);
             shards.push(s);
         }
-        let has_bias: Vec<bool> = prefixes.iter().map(|p| ckpt.contains(&format!("{p}.bias"))).collect();
-        let bias = if has_bias.iter().all(|&b| b) {
-            let parts = prefixes
-                .iter()
-                .zip(&shards)
-                .map(|(p, s)| Ok(ckpt.load_shard(&format!("{p}.bias"), s, opts.dtype, &group.device())?.0))
-                .collect::<Result<Vec<_>>>()?;
-            Some(Tensor::cat(&parts, 0)?)
-        } else if has_bias.iter().any(|&b| b) {
-            return Err(LayerError::Config(format!("some of {prefixes:?} have a bias and some do not")));
-        } else {
-            None
-        };
-        Self::new(Linear::new(Tensor::cat(&weights, 0)?, bias)?, shards)
+        let bias = if bias { Some(Tensor::cat(&biases, 0)?) } else { None };
+        Self::new(Linear::new(Tensor::cat(&weights, 0)?, bias)?, shards, ld.group())
     }
 
     /// Each part's shard, in order.
@@ -100,6 +103,10 @@ impl MergedColumnParallel {
     /// The local stacked layer.
     pub fn local(&self) -> &Linear {
         &self.linear
+    }
+    /// The group the layer runs on.
+    pub fn group(&self) -> &DeviceGroup {
+        &self.group
     }
 
     /// `[Y^(0)_r | .. | Y^(k-1)_r]` in one GEMM.
@@ -122,14 +129,13 @@ impl MergedColumnParallel {
     }
 
     /// Every part's full output `Y^(i)`, each all-gathered along the last dim.
-    pub fn forward_gathered(&self, x: &Tensor, group: &DeviceGroup) -> Result<Vec<Tensor>> {
-        crate::column::check_group(&self.shards[0], self.linear.device(), group)?;
+    pub fn forward_gathered(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         let y = self.forward(x)?;
         let parts = self.split(&y)?;
         parts
             .iter()
             .zip(&self.shards)
-            .map(|(p, s)| Ok(group.all_gather_balanced(p, p.ndim() - 1, s.global_len())?))
+            .map(|(p, s)| Ok(self.group.all_gather_balanced(p, p.ndim() - 1, s.global_len())?))
             .collect()
     }
 }

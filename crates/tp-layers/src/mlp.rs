@@ -1,55 +1,71 @@
-//! [`ParallelMlp`]: the Llama-style SwiGLU block, tensor-parallel.
+//! [`ParallelMlp`]: the gated MLP of Llama-style decoders, tensor-parallel.
 //!
-//! `MLP(x) = down(silu(gate(x)) * up(x))` with `gate, up: [I, H]` and `down: [H, I]`. Rank `r`
-//! holds its balanced shard of the intermediate features `I` in all three: rows of gate and up
-//! (one merged column-parallel GEMM giving `[G_r | U_r]`) and columns of down (row-parallel).
-//! `silu(G_r) * U_r` is exactly rank `r`'s block of the activation, so the only communication is
-//! the one all-reduce inside `down`.
+//! `MLP(x) = down(act(gate(x)) * up(x))` with `gate, up: [I, H]` and `down: [H, I]`: SwiGLU for
+//! `act = silu` (Llama, Qwen, Mistral, Phi-3, OLMo 2), GeGLU with tanh-approximated GELU for
+//! Gemma. Rank `r` holds its balanced shard of the intermediate features `I` in all three: rows
+//! of gate and up (one merged column-parallel GEMM giving `[G_r | U_r]`; the checkpoint may hold
+//! them separately or fused as Phi-3's `gate_up_proj`) and columns of down (row-parallel).
+//! `act(G_r) * U_r` is exactly rank `r`'s block of the activation, so the only communication
+//! is the one all-reduce inside `down`.
 
-use crate::checkpoint::Checkpoint;
 use crate::error::{LayerError, Result};
 use crate::linear::Linear;
+use crate::loader::Loader;
 use crate::merged::MergedColumnParallel;
-use crate::options::LoadOptions;
+use crate::parts::Projections;
 use crate::row::RowParallel;
 use tp_comm::DeviceGroup;
-use tp_core::Tensor;
+use tp_core::{Activation, Tensor};
 
-/// Rank `r`'s part of a SwiGLU MLP.
+/// The checkpoint names of an MLP's projections, relative to its prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlpNames {
+    /// Gate and up: Hugging Face's `gate_proj` and `up_proj`, or a fused `gate_up_proj`.
+    pub gate_up: Projections<2>,
+    /// The down projection, `down_proj`.
+    pub down: &'static str,
+}
+
+impl Default for MlpNames {
+    fn default() -> Self {
+        MlpNames { gate_up: Projections::Separate(["gate_proj", "up_proj"]), down: "down_proj" }
+    }
+}
+
+/// Rank `r`'s part of a gated MLP.
 #[derive(Debug, Clone)]
 pub struct ParallelMlp {
     gate_up: MergedColumnParallel,
     down: RowParallel,
+    act: Activation,
 }
 
 impl ParallelMlp {
-    /// Rank `rank`'s part of full layers `gate`, `up` (`[I, H]`) and `down` (`[H, I]`).
-    pub fn from_full(gate: &Linear, up: &Linear, down: &Linear, rank: usize, world_size: usize) -> Result<ParallelMlp> {
-        let gate_up = MergedColumnParallel::from_full(&[gate, up], rank, world_size)?;
-        let down = RowParallel::from_full(down.weight(), down.bias(), rank, world_size)?;
-        Self::new(gate_up, down)
+    /// `group`'s rank's part of full layers `gate`, `up` (`[I, H]`) and `down` (`[H, I]`).
+    pub fn from_full(
+        gate: &Linear,
+        up: &Linear,
+        down: &Linear,
+        act: Activation,
+        group: &DeviceGroup,
+    ) -> Result<ParallelMlp> {
+        let gate_up = MergedColumnParallel::from_full(&[gate, up], group)?;
+        let down = RowParallel::from_full(down.weight(), down.bias(), group)?;
+        Self::new(gate_up, down, act)
     }
 
-    /// Loads `{prefix}.gate_proj`, `{prefix}.up_proj` and `{prefix}.down_proj` (Hugging Face
-    /// names; biases optional), reading only this rank's rows/columns, checking that the shapes
-    /// agree (`gate, up: [I, H]`, `down: [H, I]`); rank, world size and device come from `group`.
-    pub fn load(ckpt: &Checkpoint, prefix: &str, group: &DeviceGroup, opts: &LoadOptions) -> Result<ParallelMlp> {
-        let (gate, up, down) =
-            (format!("{prefix}.gate_proj"), format!("{prefix}.up_proj"), format!("{prefix}.down_proj"));
-        let (_, g) = ckpt.param_info(&format!("{gate}.weight"))?;
-        let [inter, hidden] = g[..] else {
-            return Err(LayerError::Config(format!(
-                "checkpoint tensor \"{gate}.weight\" has shape {g:?}; a 2-D [intermediate, hidden] weight was expected"
-            )));
-        };
-        ckpt.expect(&format!("{up}.weight"), &[inter, hidden], None)?;
-        ckpt.expect(&format!("{down}.weight"), &[hidden, inter], None)?;
-        let gate_up = MergedColumnParallel::load(ckpt, &[&gate, &up], group, opts)?;
-        let down = RowParallel::load(ckpt, &down, group, opts)?;
-        Self::new(gate_up, down)
+    /// Loads the projections named by `names` under the loader's prefix (biases optional),
+    /// reading only this rank's rows/columns, checking that the shapes agree (`gate, up:
+    /// [I, H]`, `down: [H, I]`).
+    pub fn load(ld: &Loader<'_>, names: MlpNames, act: Activation) -> Result<ParallelMlp> {
+        let gate_up = MergedColumnParallel::load(ld, names.gate_up)?;
+        let (inter, hidden) = (gate_up.shards()[0].global_len(), gate_up.local().in_features());
+        ld.expect(&format!("{}.weight", names.down), &[hidden, inter])?;
+        let down = RowParallel::load(&ld.pp(names.down))?;
+        Self::new(gate_up, down, act)
     }
 
-    fn new(gate_up: MergedColumnParallel, down: RowParallel) -> Result<ParallelMlp> {
+    fn new(gate_up: MergedColumnParallel, down: RowParallel, act: Activation) -> Result<ParallelMlp> {
         let s = gate_up.shards();
         if s.len() != 2
             || s[0] != s[1]
@@ -58,18 +74,18 @@ impl ParallelMlp {
         {
             return Err(LayerError::Config("gate, up and down must split the same intermediate features".into()));
         }
-        Ok(ParallelMlp { gate_up, down })
+        Ok(ParallelMlp { gate_up, down, act })
     }
 
-    /// `silu(G_r) * U_r`: this rank's block of the intermediate activation. No communication.
+    /// `act(G_r) * U_r`: this rank's block of the intermediate activation. No communication.
     pub fn activation(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.gate_up.forward(x)?.swiglu()?)
+        Ok(self.gate_up.forward(x)?.glu(self.act)?)
     }
 
-    /// `down(silu(gate(x)) * up(x))`, with one all-reduce. `x: [.., H]` is the full input on every
-    /// rank; every rank returns the full output.
-    pub fn forward(&self, x: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
-        self.down.forward(&self.activation(x)?, group)
+    /// `down(act(gate(x)) * up(x))`, with one all-reduce. `x: [.., H]` is the full input on
+    /// every rank; every rank returns the full output.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.down.forward(&self.activation(x)?)
     }
 
     /// The merged gate/up layer.
@@ -79,5 +95,9 @@ impl ParallelMlp {
     /// The down projection.
     pub fn down(&self) -> &RowParallel {
         &self.down
+    }
+    /// The gate's activation.
+    pub fn act(&self) -> Activation {
+        self.act
     }
 }

@@ -1,39 +1,49 @@
 //! [`RmsNorm`]: the replicated normalisation layer of Llama-style decoders.
 //!
-//! `y = w ⊙ round(x / sqrt(mean(x²) + eps))` over the last dim (`tp_core::Tensor::rms_norm`,
-//! Hugging Face's rounding points). Every rank holds the whole `w: [H]` and normalises its whole
-//! input; no communication.
+//! `y = w ⊙ round(x / sqrt(mean(x²) + eps))` over the last dim (Hugging Face's `LlamaRMSNorm`,
+//! two rounding points), or Gemma's `y = round(x / sqrt(mean(x²) + eps) · (1 + w))` computed in
+//! f32 ([`NormStyle`]). Every rank holds the whole `w: [H]` and normalises its whole input; no
+//! communication. (A norm over features split across ranks, OLMo 2's q/k norm, lives in the
+//! attention layer: it needs the ranks' sums of squares.)
 
-use crate::checkpoint::Checkpoint;
 use crate::error::{LayerError, Result};
-use crate::options::LoadOptions;
-use tp_comm::DeviceGroup;
-use tp_core::Tensor;
+use crate::loader::Loader;
+use tp_core::{NormStyle, Tensor};
 
-/// RMSNorm with weight `w: [H]` and `eps`.
+/// RMSNorm with weight `w: [H]`, `eps` and a [`NormStyle`].
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
+    style: NormStyle,
 }
 
 impl RmsNorm {
-    /// Wraps a `[H]` weight.
+    /// Wraps a `[H]` weight (Llama's style).
     pub fn new(weight: Tensor, eps: f64) -> Result<RmsNorm> {
+        Self::with_style(weight, eps, NormStyle::Weight)
+    }
+
+    /// Wraps a `[H]` weight applied in `style`.
+    pub fn with_style(weight: Tensor, eps: f64, style: NormStyle) -> Result<RmsNorm> {
         if weight.ndim() != 1 {
             return Err(LayerError::Config(format!("RmsNorm weight must be [H], got {:?}", weight.dims())));
         }
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(LayerError::Config(format!("RmsNorm eps must be finite and >= 0, got {eps}")));
         }
-        Ok(RmsNorm { weight, eps })
+        Ok(RmsNorm { weight, eps, style })
     }
 
-    /// Loads `{prefix}.weight` whole onto the group's device.
-    pub fn load(ckpt: &Checkpoint, prefix: &str, eps: f64, group: &DeviceGroup, opts: &LoadOptions) -> Result<RmsNorm> {
-        let name = format!("{prefix}.weight");
-        ckpt.param_info(&name)?;
-        Self::new(ckpt.load(&name, opts.dtype, &group.device())?, eps)
+    /// Loads `weight` (under the loader's prefix) whole onto the group's device.
+    pub fn load(ld: &Loader<'_>, eps: f64, style: NormStyle) -> Result<RmsNorm> {
+        Self::with_style(ld.full("weight")?, eps, style)
+    }
+
+    /// Loads entries `start..start + len` of `weight`: the slice of a norm over features that
+    /// are split across ranks.
+    pub fn load_slice(ld: &Loader<'_>, (start, len): (usize, usize), eps: f64, style: NormStyle) -> Result<RmsNorm> {
+        Self::with_style(ld.rows("weight", start, len)?, eps, style)
     }
 
     /// `[H]`.
@@ -44,9 +54,20 @@ impl RmsNorm {
     pub fn eps(&self) -> f64 {
         self.eps
     }
+    /// How the weight is applied.
+    pub fn style(&self) -> NormStyle {
+        self.style
+    }
 
     /// The normalised `x: [.., H]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.rms_norm(&self.weight, self.eps)?)
+        Ok(x.rms_norm_with(&self.weight, self.eps, self.style, None)?)
+    }
+
+    /// `x: [.., H_r]` normalised with each row's sum of squares `sum_sq: [rows]` (f32) over
+    /// `n` features: the norm of features split across ranks, whose statistic the ranks
+    /// computed together (`mean = sum_sq / n`).
+    pub fn forward_with_sum_squares(&self, x: &Tensor, sum_sq: &Tensor, n: usize) -> Result<Tensor> {
+        Ok(x.rms_norm_with(&self.weight, self.eps, self.style, Some((sum_sq, n)))?)
     }
 }

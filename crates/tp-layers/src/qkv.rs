@@ -11,11 +11,11 @@
 //! and 3 attend with KV heads 0 and 1, so it holds both), where Megatron-LM and vLLM refuse.
 //! Rank `r`'s GEMM gives `[Q_r | K_r | V_r]`.
 
-use crate::checkpoint::Checkpoint;
 use crate::error::{LayerError, Result};
 use crate::linear::Linear;
-use crate::options::LoadOptions;
-use tp_comm::DeviceGroup;
+use crate::loader::Loader;
+use crate::parts::Projections;
+use std::ops::Range;
 use tp_core::{Tensor, TensorShard};
 
 /// The attention heads of a model: query heads, key/value heads (dividing them) and head size.
@@ -27,6 +27,19 @@ pub struct AttentionHeads {
     pub num_kv_heads: usize,
     /// Features per head (`head_dim`, or `hidden_size / num_attention_heads`).
     pub head_dim: usize,
+}
+
+impl AttentionHeads {
+    /// Rows of the q, k and v projections: `num_heads * head_dim` and twice
+    /// `num_kv_heads * head_dim`, checked against overflow.
+    pub fn rows(&self) -> Result<[usize; 3]> {
+        let q = self.num_heads.checked_mul(self.head_dim);
+        let kv = self.num_kv_heads.checked_mul(self.head_dim);
+        match (q, kv) {
+            (Some(q), Some(kv)) => Ok([q, kv, kv]),
+            _ => Err(LayerError::Config(format!("{self:?}: heads x head_dim overflows"))),
+        }
+    }
 }
 
 /// Which heads a rank holds.
@@ -96,6 +109,30 @@ impl QkvLayout {
         (start * self.head_dim, len * self.head_dim)
     }
 
+    /// This rank's query heads, counted in the model.
+    pub fn q_heads(&self) -> Range<usize> {
+        self.q_start..self.q_start + self.q_len
+    }
+
+    /// This rank's KV heads, counted in the model.
+    pub fn kv_heads(&self) -> Range<usize> {
+        self.kv_start..self.kv_start + self.kv_len
+    }
+
+    /// The KV heads this rank is the first to hold, counted from its first KV head (a range
+    /// within `0..kv_len`). Where ranks share a KV head (more ranks than KV heads, or query heads
+    /// straddling a group), exactly one rank owns it, so a sum over the ranks' owned heads
+    /// counts every KV head once (the full-width k norm's sum of squares).
+    pub fn kv_owned(&self) -> Range<usize> {
+        let prev_end = match self.rank.checked_sub(1) {
+            Some(prev) => QkvLayout::new(self.num_heads, self.num_kv_heads, self.head_dim, prev, self.world_size)
+                .map_or(0, |p| p.kv_start + p.kv_len),
+            None => 0,
+        };
+        let start = prev_end.clamp(self.kv_start, self.kv_start + self.kv_len);
+        start - self.kv_start..self.kv_len
+    }
+
     /// How this rank's query heads share its KV heads: local query head `h` attends with local
     /// KV head `(h + offset) / size`.
     pub fn kv_groups(&self) -> tp_core::KvGroups {
@@ -136,46 +173,21 @@ impl QkvParallel {
         Self::assemble(parts, layout)
     }
 
-    /// Loads `{prefix}.q_proj`, `.k_proj`, `.v_proj` (weights and optional biases), reading only
-    /// this rank's heads; rank, world size and device come from `group`.
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        heads: AttentionHeads,
-        group: &DeviceGroup,
-        opts: &LoadOptions,
-    ) -> Result<QkvParallel> {
+    /// Loads the q, k and v projections under the loader's prefix (`names`: Hugging Face's
+    /// separate `q_proj`, `k_proj`, `v_proj`, or a fused `qkv_proj` whose rows are `[q; k; v]`),
+    /// reading only this rank's heads of each; biases optional (all or none).
+    pub fn load(ld: &Loader<'_>, heads: AttentionHeads, names: Projections<3>) -> Result<QkvParallel> {
         let AttentionHeads { num_heads, num_kv_heads, head_dim } = heads;
-        let layout = QkvLayout::new(num_heads, num_kv_heads, head_dim, group.rank(), group.world_size())?;
-        let device = group.device();
-        let mut hidden = None;
-        let mut read = |proj: &str, heads: usize, start: usize, len: usize| -> Result<(Tensor, Option<Tensor>)> {
-            let name = format!("{prefix}.{proj}.weight");
-            let (_, dims) = ckpt.param_info(&name)?;
-            let width = dims.get(1).copied().unwrap_or(0);
-            if dims.len() != 2 || dims[0] != heads * head_dim || hidden.is_some_and(|h| h != width) {
-                return Err(LayerError::WrongShape {
-                    name,
-                    found: dims.clone(),
-                    expected: vec![heads * head_dim, hidden.unwrap_or(width)],
-                });
-            }
-            hidden = Some(width);
-            let (rs, rl) = (start * head_dim, len * head_dim);
-            let w = ckpt.load_range(&name, 0, rs, rl, opts.dtype, &device)?.0;
-            let bias_name = format!("{prefix}.{proj}.bias");
-            let b = if ckpt.contains(&bias_name) {
-                ckpt.expect(&bias_name, &[heads * head_dim], None)?;
-                Some(ckpt.load_range(&bias_name, 0, rs, rl, opts.dtype, &device)?.0)
-            } else {
-                None
-            };
-            Ok((w, b))
-        };
+        let layout = QkvLayout::new(num_heads, num_kv_heads, head_dim, ld.rank(), ld.world_size())?;
+        let rows = heads.rows()?;
+        names.check(ld, &rows, None)?;
+        let bias = names.has_bias(ld)?;
+        let (qs, ql) = layout.rows(layout.q_start, layout.q_len);
+        let (ks, kl) = layout.rows(layout.kv_start, layout.kv_len);
         let parts = [
-            read("q_proj", num_heads, layout.q_start, layout.q_len)?,
-            read("k_proj", num_kv_heads, layout.kv_start, layout.kv_len)?,
-            read("v_proj", num_kv_heads, layout.kv_start, layout.kv_len)?,
+            names.read(ld, 0, &rows, (qs, ql), bias)?,
+            names.read(ld, 1, &rows, (ks, kl), bias)?,
+            names.read(ld, 2, &rows, (ks, kl), bias)?,
         ];
         Self::assemble(parts, layout)
     }

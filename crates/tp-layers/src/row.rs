@@ -9,13 +9,14 @@
 //! gives the same sum. Attention's output projection uses that: rank `r`'s block is the features
 //! of the query heads it holds ([`RowParallel::load_columns`]), uneven heads included.
 
-use crate::checkpoint::Checkpoint;
+use crate::column::check_placement;
 use crate::error::{LayerError, Result};
-use crate::options::LoadOptions;
+use crate::loader::Loader;
+use std::ops::Range;
 use tp_comm::{DeviceGroup, ReduceOp};
 use tp_core::{Tensor, TensorShard};
 
-/// Rank `shard.rank()`'s part of a row-parallel linear layer.
+/// Rank `r`'s part of a row-parallel linear layer, with the group it runs on.
 #[derive(Debug, Clone)]
 pub struct RowParallel {
     /// `A_r: [out, in_r]`.
@@ -23,13 +24,15 @@ pub struct RowParallel {
     /// The full `b: [out]` (every rank holds it; it is added after the all-reduce).
     bias: Option<Tensor>,
     shard: TensorShard,
+    group: DeviceGroup,
 }
 
 impl RowParallel {
-    /// Wraps a local shard: `weight` holds columns `shard.start()..shard.end()` of the full
-    /// `[out, in]` weight (the balanced shard, or any range built with
-    /// `TensorShard::with_range`); `shard.dim()` must be 1; `bias` is the full `[out]` bias.
-    pub fn new(weight: Tensor, bias: Option<Tensor>, shard: TensorShard) -> Result<RowParallel> {
+    /// Wraps a local shard for `group`'s rank: `weight` holds columns
+    /// `shard.start()..shard.end()` of the full `[out, in]` weight (the balanced shard, or any
+    /// range built with `TensorShard::with_range`); `shard.dim()` must be 1; `bias` is the full
+    /// `[out]` bias.
+    pub fn new(weight: Tensor, bias: Option<Tensor>, shard: TensorShard, group: &DeviceGroup) -> Result<RowParallel> {
         let &[out, in_r] = weight.dims() else {
             return Err(LayerError::Config(format!("RowParallel weight must be [out, in_r], got {:?}", weight.dims())));
         };
@@ -48,73 +51,71 @@ impl RowParallel {
                 b.dims()
             )));
         }
-        Ok(RowParallel { weight, bias, shard })
+        check_placement(&shard, weight.device(), group)?;
+        Ok(RowParallel { weight, bias, shard, group: group.clone() })
     }
 
-    /// Rank `rank`'s shard of a full `[out, in]` weight (and the full bias).
-    pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, rank: usize, world_size: usize) -> Result<RowParallel> {
+    /// `group`'s rank's balanced columns of a full `[out, in]` weight (and the full bias),
+    /// moved to the group's device.
+    pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, group: &DeviceGroup) -> Result<RowParallel> {
         let in_features = weight.shape().dim("RowParallel", 1)?;
-        let shard = TensorShard::new(1, in_features, rank, world_size)?;
-        Self::new(shard.shard(weight)?, bias.cloned(), shard)
+        let shard = TensorShard::new(1, in_features, group.rank(), group.world_size())?;
+        Self::from_full_shard(weight, bias, shard, group)
     }
 
-    /// Rank `rank`'s columns `cols` of a full `[out, in]` weight (and the full bias): the
+    /// `group`'s rank's columns `cols` of a full `[out, in]` weight (and the full bias): the
     /// [`load_columns`](Self::load_columns) split, from tensors in memory.
     pub fn from_full_columns(
         weight: &Tensor,
         bias: Option<&Tensor>,
-        cols: std::ops::Range<usize>,
-        rank: usize,
-        world_size: usize,
+        cols: Range<usize>,
+        group: &DeviceGroup,
     ) -> Result<RowParallel> {
         let in_features = weight.shape().dim("RowParallel", 1)?;
         let len = cols.end.saturating_sub(cols.start);
-        let shard = TensorShard::with_range(1, in_features, rank, world_size, cols.start, len)?;
-        Self::new(shard.shard(weight)?, bias.cloned(), shard)
+        let shard = TensorShard::with_range(1, in_features, group.rank(), group.world_size(), cols.start, len)?;
+        Self::from_full_shard(weight, bias, shard, group)
     }
 
-    /// This rank's balanced columns of `{prefix}.weight` (only those bytes are read) and the
-    /// full `{prefix}.bias` if present; rank, world size and device come from `group`.
-    pub fn load(ckpt: &Checkpoint, prefix: &str, group: &DeviceGroup, opts: &LoadOptions) -> Result<RowParallel> {
-        let (_, inp) = weight_dims(ckpt, prefix)?;
-        let shard = TensorShard::new(1, inp, group.rank(), group.world_size())?;
-        Self::load_shard(ckpt, prefix, shard, group, opts)
+    fn from_full_shard(
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        shard: TensorShard,
+        group: &DeviceGroup,
+    ) -> Result<RowParallel> {
+        let device = group.device();
+        let bias = bias.map(|b| b.to_device(&device)).transpose()?;
+        Self::new(shard.shard(weight)?.to_device(&device)?, bias, shard, group)
+    }
+
+    /// This rank's balanced columns of `weight` (only those bytes are read) and the full `bias`
+    /// if present, under the loader's prefix.
+    pub fn load(ld: &Loader<'_>) -> Result<RowParallel> {
+        let (_, inp) = ld.dims2("weight")?;
+        let shard = TensorShard::new(1, inp, ld.rank(), ld.world_size())?;
+        Self::load_shard(ld, shard)
     }
 
     /// Like [`load`](Self::load), but this rank holds input features `cols` (any range, not
     /// necessarily the balanced one): the split must follow the layer before it, as attention's
     /// output projection follows the query heads a rank holds.
-    pub fn load_columns(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        cols: std::ops::Range<usize>,
-        group: &DeviceGroup,
-        opts: &LoadOptions,
-    ) -> Result<RowParallel> {
-        let (_, inp) = weight_dims(ckpt, prefix)?;
+    pub fn load_columns(ld: &Loader<'_>, cols: Range<usize>) -> Result<RowParallel> {
+        let (_, inp) = ld.dims2("weight")?;
         let len = cols.end.saturating_sub(cols.start);
-        let shard = TensorShard::with_range(1, inp, group.rank(), group.world_size(), cols.start, len)?;
-        Self::load_shard(ckpt, prefix, shard, group, opts)
+        let shard = TensorShard::with_range(1, inp, ld.rank(), ld.world_size(), cols.start, len)?;
+        Self::load_shard(ld, shard)
     }
 
-    fn load_shard(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        shard: TensorShard,
-        group: &DeviceGroup,
-        opts: &LoadOptions,
-    ) -> Result<RowParallel> {
-        let (name, device) = (format!("{prefix}.weight"), group.device());
-        let (out, _) = weight_dims(ckpt, prefix)?;
-        let weight = ckpt.load_shard(&name, &shard, opts.dtype, &device)?.0;
-        let bias_name = format!("{prefix}.bias");
-        let bias = if ckpt.contains(&bias_name) {
-            ckpt.expect(&bias_name, &[out], None)?;
-            Some(ckpt.load(&bias_name, opts.dtype, &device)?)
+    fn load_shard(ld: &Loader<'_>, shard: TensorShard) -> Result<RowParallel> {
+        let (out, _) = ld.dims2("weight")?;
+        let weight = ld.columns("weight", shard.start(), shard.len())?;
+        let bias = if ld.contains("bias") {
+            ld.expect("bias", &[out])?;
+            Some(ld.full("bias")?)
         } else {
             None
         };
-        Self::new(weight, bias, shard)
+        Self::new(weight, bias, shard, ld.group())
     }
 
     /// Which columns of the full weight (input features) this rank holds.
@@ -129,6 +130,10 @@ impl RowParallel {
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
     }
+    /// The group the layer runs on.
+    pub fn group(&self) -> &DeviceGroup {
+        &self.group
+    }
 
     /// `X_r A_r^T`: this rank's partial product, before any communication.
     pub fn forward_partial(&self, x_local: &Tensor) -> Result<Tensor> {
@@ -136,10 +141,9 @@ impl RowParallel {
     }
 
     /// `Y = Σ_r X_r A_r^T + b` from this rank's input block `x_local: [.., in_r]`.
-    pub fn forward(&self, x_local: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
-        crate::column::check_group(&self.shard, self.weight.device(), group)?;
+    pub fn forward(&self, x_local: &Tensor) -> Result<Tensor> {
         let partial = self.forward_partial(x_local)?;
-        let y = group.all_reduce(&partial, ReduceOp::Sum)?;
+        let y = self.group.all_reduce(&partial, ReduceOp::Sum)?;
         Ok(match &self.bias {
             Some(b) => y.add_row(b)?,
             None => y,
@@ -147,21 +151,10 @@ impl RowParallel {
     }
 
     /// [`forward`](Self::forward) from the full input `x: [.., in]`: this rank takes its block.
-    pub fn forward_split(&self, x: &Tensor, group: &DeviceGroup) -> Result<Tensor> {
+    pub fn forward_split(&self, x: &Tensor) -> Result<Tensor> {
         let last = x.ndim().checked_sub(1).ok_or_else(|| LayerError::Config("input must have a feature dim".into()))?;
         let s = &self.shard;
         let shard = TensorShard::with_range(last, s.global_len(), s.rank(), s.world_size(), s.start(), s.len())?;
-        self.forward(&shard.shard(x)?, group)
-    }
-}
-
-/// `(out, in)` of the 2-D tensor `{prefix}.weight`.
-fn weight_dims(ckpt: &Checkpoint, prefix: &str) -> Result<(usize, usize)> {
-    let name = format!("{prefix}.weight");
-    match ckpt.param_info(&name)?.1[..] {
-        [out, inp] => Ok((out, inp)),
-        ref dims => Err(LayerError::Config(format!(
-            "checkpoint tensor {name:?} has shape {dims:?}; a 2-D [out, in] weight was expected"
-        ))),
+        self.forward(&shard.shard(x)?)
     }
 }

@@ -4,8 +4,10 @@
 mod common;
 use common::*;
 use std::path::{Path, PathBuf};
-use tp_core::{DType, Tensor, TensorShard};
-use tp_layers::{Checkpoint, ColumnParallel, LayerError, LoadOptions, ParallelMlp, RowParallel, save};
+use tp_core::{Activation, DType, Tensor, TensorShard};
+use tp_layers::{
+    Checkpoint, ColumnParallel, LayerError, LoadOptions, Loader, MlpNames, ParallelMlp, RowParallel, save,
+};
 
 fn tmpdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tp-layers-{name}-{}", std::process::id()));
@@ -100,18 +102,20 @@ fn layers_load_from_a_single_file_and_from_an_index() {
             let ckpt = Checkpoint::open(&source).unwrap();
             for world in 1..=4 {
                 let got = on_ranks(world, CPU, |g| {
-                    let loaded = ParallelMlp::load(&ckpt, P, &g, &LoadOptions::new()).unwrap();
-                    let built = ParallelMlp::from_full(&m.gate, &m.up, &m.down, g.rank(), world).unwrap();
-                    (loaded.forward(&x, &g).unwrap(), built.forward(&x, &g).unwrap())
+                    let ld = Loader::new(&ckpt, &g, LoadOptions::new()).pp(P);
+                    let loaded = ParallelMlp::load(&ld, MlpNames::default(), Activation::Silu).unwrap();
+                    let built = ParallelMlp::from_full(&m.gate, &m.up, &m.down, Activation::Silu, &g).unwrap();
+                    (loaded.forward(&x).unwrap(), built.forward(&x).unwrap())
                 });
                 for (a, b) in got {
                     assert_eq!(a, b, "{} world {world}", source.display());
                 }
                 let got = on_ranks(world, CPU, |g| {
-                    let col = ColumnParallel::load(&ckpt, &format!("{P}.gate_proj"), &g, &LoadOptions::new()).unwrap();
-                    let full = ColumnParallel::from_full(&m.gate, g.rank(), world).unwrap();
-                    let row = RowParallel::load(&ckpt, &format!("{P}.down_proj"), &g, &LoadOptions::new()).unwrap();
-                    let full_row = RowParallel::from_full(m.down.weight(), m.down.bias(), g.rank(), world).unwrap();
+                    let ld = Loader::new(&ckpt, &g, LoadOptions::new()).pp(P);
+                    let col = ColumnParallel::load(&ld.pp("gate_proj")).unwrap();
+                    let full = ColumnParallel::from_full(&m.gate, &g).unwrap();
+                    let row = RowParallel::load(&ld.pp("down_proj")).unwrap();
+                    let full_row = RowParallel::from_full(m.down.weight(), m.down.bias(), &g).unwrap();
                     (col.forward(&x).unwrap() == full.forward(&x).unwrap(), row.weight() == full_row.weight())
                 });
                 assert!(got.iter().all(|&(c, r)| c && r), "{} world {world}", source.display());
@@ -136,7 +140,7 @@ fn malformed_checkpoints_are_typed_errors() {
     let ckpt = Checkpoint::open(&file).unwrap();
 
     expect_err(
-        on_ranks(1, CPU, |g| ParallelMlp::load(&ckpt, "model.layers.7.mlp", &g, &LoadOptions::new())).remove(0),
+        on_ranks(1, CPU, |g| load_mlp(&ckpt, "model.layers.7.mlp", &g)).remove(0),
         "missing tensor",
         |e| matches!(e, LayerError::MissingTensor { name, .. } if name.contains("layers.7")),
     );
@@ -152,8 +156,7 @@ fn malformed_checkpoints_are_typed_errors() {
     let wrong_shape = dir.join("shape.safetensors");
     write(&wrong_shape, &tensors);
     expect_err(
-        on_ranks(2, CPU, |g| ParallelMlp::load(&Checkpoint::open(&wrong_shape).unwrap(), P, &g, &LoadOptions::new()))
-            .remove(0),
+        on_ranks(2, CPU, |g| load_mlp(&Checkpoint::open(&wrong_shape).unwrap(), P, &g)).remove(0),
         "wrong shape",
         |e| matches!(e, LayerError::WrongShape { found, expected, .. } if found == &vec![24, 42] && expected == &vec![24, 43]),
     );
@@ -176,7 +179,7 @@ fn malformed_checkpoints_are_typed_errors() {
     let ints_ckpt = Checkpoint::open(&int_file).unwrap();
     assert_eq!(ints_ckpt.load("p.weight", None, &CPU).unwrap().to_i64_vec().unwrap()[..3], [0, 1, 2]);
     expect_err(
-        on_ranks(2, CPU, |g| ColumnParallel::load(&ints_ckpt, "p", &g, &LoadOptions::new())).remove(0),
+        on_ranks(2, CPU, |g| ColumnParallel::load(&Loader::new(&ints_ckpt, &g, LoadOptions::new()).pp("p"))).remove(0),
         "integer weight",
         |e| matches!(e, LayerError::WrongDtype { found, .. } if found == "i32"),
     );

@@ -5,10 +5,13 @@
 mod common;
 use common::decoder_ref::*;
 use common::*;
+use tp_core::TensorShard;
+use tp_core::{Activation, NormStyle};
 use tp_core::{DType, Device, RopeScaling, RotaryEmbedding, Tensor};
 use tp_layers::{
-    AttentionConfig, AttentionHeads, Checkpoint, DecoderConfig, DecoderLayer, KvCache, LayerError, LoadOptions,
-    ParallelAttention, ParallelLmHead, RmsNorm, VocabParallelEmbedding, save,
+    AttentionConfig, AttentionHeads, AttentionNames, Block, Checkpoint, ColumnParallel, DecoderConfig, DecoderLayer,
+    DecoderNames, KvCache, LayerError, Linear, LoadOptions, Loader, ParallelAttention, ParallelLmHead, RmsNorm,
+    VocabParallelEmbedding, save,
 };
 
 const VOCAB: usize = 1001; // uneven over every world size but 1 and 7
@@ -38,8 +41,8 @@ fn vocab_parallel_embedding_equals_the_full_lookup_bit_for_bit() {
         let want = table.embedding(&ids, 0).unwrap();
         for world in 1..=8 {
             let got = on_ranks(world, CPU, |g| {
-                let e = VocabParallelEmbedding::from_full(&table, g.rank(), world).unwrap();
-                e.forward(&ids, &g).unwrap()
+                let e = VocabParallelEmbedding::from_full(&table, &g).unwrap();
+                e.forward(&ids).unwrap()
             });
             for y in &got {
                 assert_eq!(y, &want, "{dtype} world {world}");
@@ -55,8 +58,7 @@ fn out_of_vocabulary_ids_are_named() {
         let mut v = vec![3i64, 4, 5];
         v[at] = bad;
         let ids = Tensor::from_vec(v, &[3], &CPU).unwrap();
-        let errs =
-            on_ranks(2, CPU, |g| VocabParallelEmbedding::from_full(&table, g.rank(), 2).unwrap().forward(&ids, &g));
+        let errs = on_ranks(2, CPU, |g| VocabParallelEmbedding::from_full(&table, &g).unwrap().forward(&ids));
         for e in errs {
             let e = e.unwrap_err();
             assert!(
@@ -67,8 +69,7 @@ fn out_of_vocabulary_ids_are_named() {
         }
     }
     let floats = Tensor::rand(&[3], DType::F32, 1, &CPU).unwrap();
-    let e =
-        on_ranks(1, CPU, |g| VocabParallelEmbedding::from_full(&table, 0, 1).unwrap().forward(&floats, &g)).remove(0);
+    let e = on_ranks(1, CPU, |g| VocabParallelEmbedding::from_full(&table, &g).unwrap().forward(&floats)).remove(0);
     assert!(matches!(e, Err(LayerError::Tensor(tp_core::Error::NotInteger { .. }))));
 }
 
@@ -81,8 +82,8 @@ fn lm_head_gathers_exact_logits_and_argmax_without_gathering_them() {
         let (want, abs) = linear_f64(&x, &tp_layers::Linear::new(w.clone(), None).unwrap());
         for world in 1..=8 {
             let got = on_ranks(world, CPU, |g| {
-                let head = ParallelLmHead::from_full(&w, g.rank(), world).unwrap();
-                (head.logits(&x, &g).unwrap(), head.argmax(&x, &g).unwrap())
+                let head = ParallelLmHead::from_full(&w, &g).unwrap();
+                (head.logits(&x).unwrap(), head.argmax(&x).unwrap())
             });
             for (logits, top) in &got {
                 assert_eq!(logits.dims(), &[9, VOCAB]);
@@ -105,13 +106,12 @@ fn tied_lm_head_reuses_the_embedding_shard() {
     let x = Tensor::randn(&[3, HIDDEN], DType::BF16, 5, &CPU).unwrap();
     for world in [1, 3, 8] {
         let got = on_ranks(world, CPU, |g| {
-            let emb = VocabParallelEmbedding::from_full(&table, g.rank(), world).unwrap();
+            let emb = VocabParallelEmbedding::from_full(&table, &g).unwrap();
             let head = ParallelLmHead::tied(&emb);
             assert_eq!(head.shard(), emb.shard());
-            (head.logits(&x, &g).unwrap(), head.argmax(&x, &g).unwrap())
+            (head.logits(&x).unwrap(), head.argmax(&x).unwrap())
         });
-        let full = ParallelLmHead::from_full(&table, 0, 1).unwrap();
-        let one = on_ranks(1, CPU, |g| full.logits(&x, &g).unwrap()).remove(0);
+        let one = on_ranks(1, CPU, |g| ParallelLmHead::from_full(&table, &g).unwrap().logits(&x).unwrap()).remove(0);
         for (l, a) in got {
             assert_close("tied", &f64s(&l), &f64s(&one), |i| 1e-2 * (1.0 + f64s(&one)[i].abs()));
             assert_eq!(a, l.argmax().unwrap());
@@ -124,6 +124,8 @@ fn config(nq: usize, nkv: usize, d: usize, window: Option<usize>) -> AttentionCo
         heads: AttentionHeads { num_heads: nq, num_kv_heads: nkv, head_dim: d },
         rope: RotaryEmbedding::new(d, 10_000.0, RopeScaling::Default).unwrap(),
         sliding_window: window,
+        scale: None,
+        qk_norm: None,
     }
 }
 
@@ -131,12 +133,12 @@ fn config(nq: usize, nkv: usize, d: usize, window: Option<usize>) -> AttentionCo
 /// every rank and returns each rank's outputs joined along the tokens.
 fn run_attention(w: &AttnWeights, cfg: &AttentionConfig, x: &Tensor, steps: &[usize], world: usize) -> Vec<Tensor> {
     on_ranks(world, CPU, |g| {
-        let layer = ParallelAttention::from_full(&w.q, &w.k, &w.v, &w.o, cfg.clone(), g.rank(), world).unwrap();
+        let layer = ParallelAttention::from_full([&w.q, &w.k, &w.v, &w.o], None, cfg.clone(), &g).unwrap();
         let mut cache = layer.new_cache(steps.iter().sum()).unwrap();
         let mut outs = Vec::new();
         let mut at = 0;
         for &n in steps {
-            outs.push(layer.forward(&x.narrow(0, at, n).unwrap(), &mut cache, &g).unwrap());
+            outs.push(layer.forward(&x.narrow(0, at, n).unwrap(), &mut cache).unwrap());
             at += n;
         }
         assert_eq!(cache.len(), at);
@@ -209,14 +211,21 @@ fn decoder_layer_loads_hugging_face_names_and_matches_f64() {
     let ckpt = Checkpoint::open(&dir).unwrap();
     let x = Tensor::randn(&[7, HIDDEN], DType::F32, 14, &CPU).unwrap();
     let want = block(&f64s(&x), &bw, (nq, nkv, d), 10_000.0, 1e-6);
-    let cfg = DecoderConfig { attention: config(nq, nkv, d, None), rms_norm_eps: 1e-6 };
+    let cfg = DecoderConfig {
+        attention: config(nq, nkv, d, None),
+        rms_norm_eps: 1e-6,
+        norm_style: NormStyle::Weight,
+        activation: Activation::Silu,
+    };
+    let names = DecoderNames::default();
     for world in 1..=8 {
         let got = on_ranks(world, CPU, |g| {
-            let layer = DecoderLayer::load(&ckpt, "model.layers.0", &cfg, &g, &LoadOptions::new()).unwrap();
+            let ld = Loader::new(&ckpt, &g, LoadOptions::new()).pp("model").pp("layers").pp(0);
+            let layer = DecoderLayer::load(&ld, &cfg, &names).unwrap();
             let mut cache = layer.new_cache(16).unwrap();
-            let a = layer.forward(&x.narrow(0, 0, 4).unwrap(), &mut cache, &g).unwrap();
-            let b = layer.forward(&x.narrow(0, 4, 1).unwrap(), &mut cache, &g).unwrap();
-            let c = layer.forward(&x.narrow(0, 5, 2).unwrap(), &mut cache, &g).unwrap();
+            let a = layer.forward(&x.narrow(0, 0, 4).unwrap(), &mut cache).unwrap();
+            let b = layer.forward(&x.narrow(0, 4, 1).unwrap(), &mut cache).unwrap();
+            let c = layer.forward(&x.narrow(0, 5, 2).unwrap(), &mut cache).unwrap();
             Tensor::cat(&[a, b, c], 0).unwrap()
         });
         for y in &got {
@@ -227,10 +236,10 @@ fn decoder_layer_loads_hugging_face_names_and_matches_f64() {
     // The same through bf16 parameters (converted while loading): close to f64.
     let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
     let got = on_ranks(3, CPU, |g| {
-        let layer =
-            DecoderLayer::load(&ckpt, "model.layers.0", &cfg, &g, &LoadOptions::new().with_dtype(DType::BF16)).unwrap();
+        let ld = Loader::new(&ckpt, &g, LoadOptions::new().with_dtype(DType::BF16)).pp("model.layers.0");
+        let layer = DecoderLayer::load(&ld, &cfg, &names).unwrap();
         let mut cache = layer.new_cache(7).unwrap();
-        layer.forward(&x.to_dtype(DType::BF16).unwrap(), &mut cache, &g).unwrap()
+        layer.forward(&x.to_dtype(DType::BF16).unwrap(), &mut cache).unwrap()
     });
     assert_eq!(got[0].dtype(), DType::BF16);
     assert_close("block bf16", &f64s(&got[0]), &want, |_| 0.05 * scale);
@@ -243,8 +252,10 @@ fn rms_norm_layer_loads_and_normalises() {
     save_named(&dir.join("model.safetensors"), &[("model.norm.weight".into(), w.clone())]);
     let ckpt = Checkpoint::open(&dir).unwrap();
     let x = Tensor::randn(&[3, HIDDEN], DType::F32, 2, &CPU).unwrap();
-    let norm =
-        on_ranks(1, CPU, |g| RmsNorm::load(&ckpt, "model.norm", 1e-5, &g, &LoadOptions::new()).unwrap()).remove(0);
+    let norm = on_ranks(1, CPU, |g| {
+        RmsNorm::load(&Loader::new(&ckpt, &g, LoadOptions::new()).pp("model.norm"), 1e-5, NormStyle::Weight).unwrap()
+    })
+    .remove(0);
     let want = rms(&f64s(&x), &f64s(&w), 1e-5);
     assert_close("norm", &f64s(&norm.forward(&x).unwrap()), &want, |i| 1e-6 * (1.0 + want[i].abs()));
     assert!(RmsNorm::new(Tensor::zeros(&[2, 2], DType::F32, &CPU).unwrap(), 1e-5).is_err());
@@ -257,47 +268,50 @@ fn kv_cache_misuse_is_a_typed_error_and_writes_nothing() {
     let x = Tensor::randn(&[5, HIDDEN], DType::F32, 16, &CPU).unwrap();
     let cfg = config(4, 2, 8, None);
     on_ranks(2, CPU, |g| {
-        let a = ParallelAttention::from_full(&w.q, &w.k, &w.v, &w.o, cfg.clone(), g.rank(), 2).unwrap();
-        let b = ParallelAttention::from_full(&w.q, &w.k, &w.v, &w.o, cfg.clone(), g.rank(), 2).unwrap();
+        let a = ParallelAttention::from_full([&w.q, &w.k, &w.v, &w.o], None, cfg.clone(), &g).unwrap();
+        let b = ParallelAttention::from_full([&w.q, &w.k, &w.v, &w.o], None, cfg.clone(), &g).unwrap();
         // Full: 3 + 3 > 4 positions; the failed call leaves the cache as it was.
         let mut cache = a.new_cache(4).unwrap();
-        a.forward(&x.narrow(0, 0, 3).unwrap(), &mut cache, &g).unwrap();
-        let e = a.forward(&x.narrow(0, 0, 3).unwrap(), &mut cache, &g).unwrap_err();
+        a.forward(&x.narrow(0, 0, 3).unwrap(), &mut cache).unwrap();
+        let e = a.forward(&x.narrow(0, 0, 3).unwrap(), &mut cache).unwrap_err();
         assert!(matches!(e, LayerError::CacheFull { capacity: 4, len: 3, adding: 3 }), "{e}");
         assert_eq!(cache.len(), 3);
         // Another layer's cache (same shapes).
-        let e = b.forward(&x.narrow(0, 0, 1).unwrap(), &mut cache, &g).unwrap_err();
+        let e = b.forward(&x.narrow(0, 0, 1).unwrap(), &mut cache).unwrap_err();
         assert!(matches!(e, LayerError::CacheMismatch(_)), "{e}");
         // Another shape: a cache of 3 KV heads, or of another dtype.
         let mut wrong = KvCache::new(8, 3, 8, DType::F32, &Device::Cpu).unwrap();
-        assert!(matches!(a.forward(&x, &mut wrong, &g), Err(LayerError::CacheMismatch(_))));
+        assert!(matches!(a.forward(&x, &mut wrong), Err(LayerError::CacheMismatch(_))));
         let mut wrong = KvCache::new(8, 1, 8, DType::BF16, &Device::Cpu).unwrap();
-        assert!(matches!(a.forward(&x, &mut wrong, &g), Err(LayerError::CacheMismatch(_))));
+        assert!(matches!(a.forward(&x, &mut wrong), Err(LayerError::CacheMismatch(_))));
         // Reset keeps the binding and the capacity.
         cache.reset();
         assert!(cache.is_empty());
-        a.forward(&x.narrow(0, 0, 4).unwrap(), &mut cache, &g).unwrap();
+        a.forward(&x.narrow(0, 0, 4).unwrap(), &mut cache).unwrap();
         assert!(KvCache::new(4, 0, 8, DType::F32, &Device::Cpu).is_err());
     });
 }
 
 #[test]
-fn layers_refuse_a_group_of_another_rank_or_size() {
-    let w = AttnWeights::random(HIDDEN, 4, 4, 6, false, DType::F32, 17);
-    let x = Tensor::randn(&[2, HIDDEN], DType::F32, 18, &CPU).unwrap();
+fn layers_keep_their_group_and_refuse_parts_of_another_rank() {
+    // A layer is built for the group it runs on and keeps it: a shard of another rank or
+    // world size is refused when the layer is assembled, so it can never run on the wrong rank.
+    let full = Linear::new(Tensor::randn(&[10, HIDDEN], DType::F32, 17, &CPU).unwrap(), None).unwrap();
     let table = Tensor::randn(&[VOCAB, HIDDEN], DType::F32, 19, &CPU).unwrap();
     let errs = on_ranks(2, CPU, |g| {
-        // Built for rank (r + 1) % 2 of 2, or for a world of 3.
         let other = (g.rank() + 1) % 2;
-        let attn = ParallelAttention::from_full(&w.q, &w.k, &w.v, &w.o, config(4, 4, 6, None), other, 2).unwrap();
-        let mut cache = attn.new_cache(4).unwrap();
-        let a = attn.forward(&x, &mut cache, &g).unwrap_err();
-        let e = VocabParallelEmbedding::from_full(&table, g.rank(), 3).unwrap().forward(&ids(3), &g).unwrap_err();
-        let h = ParallelLmHead::from_full(&table, g.rank(), 3).unwrap().argmax(&x, &g).unwrap_err();
+        let s = TensorShard::new(0, 10, other, 2).unwrap();
+        let local = Linear::new(s.shard(full.weight()).unwrap(), None).unwrap();
+        let a = ColumnParallel::new(local, s, &g).unwrap_err();
+        let s3 = TensorShard::new(0, VOCAB, g.rank(), 3).unwrap();
+        let e = VocabParallelEmbedding::new(s3.shard(&table).unwrap(), s3, &g).unwrap_err();
+        let h = ParallelLmHead::new(s3.shard(&table).unwrap(), s3, &g).unwrap_err();
+        let col = ColumnParallel::from_full(&full, &g).unwrap();
+        assert_eq!((col.group().rank(), col.shard().rank()), (g.rank(), g.rank()));
         [a, e, h]
     });
     for e in errs.into_iter().flatten() {
-        assert!(matches!(e, LayerError::WrongGroup { .. }), "{e}");
+        assert!(matches!(&e, LayerError::Config(m) if m.contains("cannot run on rank")), "{e}");
     }
 }
 
@@ -314,28 +328,32 @@ fn impossible_attention_layouts_and_shapes_are_typed_errors() {
     on_ranks(1, CPU, |g| {
         let opts = LoadOptions::new();
         // head_dim 5 does not divide the 24-row q projection into 4 heads.
-        let e = ParallelAttention::load(&ckpt, "a", &config(4, 2, 4, None), &g, &opts).unwrap_err();
+        let ld = Loader::new(&ckpt, &g, opts);
+        let names = AttentionNames::default();
+        let e = ParallelAttention::load(&ld.pp("a"), &config(4, 2, 4, None), names).unwrap_err();
         assert!(matches!(e, LayerError::WrongShape { .. }), "{e}");
         // 4 query heads over 3 KV heads.
-        let e = ParallelAttention::load(&ckpt, "a", &config(4, 3, 6, None), &g, &opts).unwrap_err();
+        let e = ParallelAttention::load(&ld.pp("a"), &config(4, 3, 6, None), names).unwrap_err();
         assert!(matches!(e, LayerError::Config(_)), "{e}");
         // A rope of another head size.
         let mut c = config(4, 2, 6, None);
         c.rope = RotaryEmbedding::new(8, 10_000.0, RopeScaling::Default).unwrap();
-        assert!(ParallelAttention::load(&ckpt, "a", &c, &g, &opts).is_err());
+        assert!(ParallelAttention::load(&ld.pp("a"), &c, names).is_err());
         // A missing tensor names itself.
-        let e = ParallelAttention::load(&ckpt, "b", &config(4, 2, 6, None), &g, &opts).unwrap_err();
+        let e = ParallelAttention::load(&ld.pp("b"), &config(4, 2, 6, None), names).unwrap_err();
         assert!(matches!(&e, LayerError::MissingTensor { name, .. } if name == "b.q_proj.weight"), "{e}");
     });
     // 4 query heads cannot be placed on 5 ranks: every rank says so (none waits for the others).
     let errs = on_ranks(5, CPU, |g| {
-        ParallelAttention::load(&ckpt, "a", &config(4, 2, 6, None), &g, &LoadOptions::new()).unwrap_err().to_string()
+        let ld = Loader::new(&ckpt, &g, LoadOptions::new());
+        ParallelAttention::load(&ld.pp("a"), &config(4, 2, 6, None), AttentionNames::default()).unwrap_err().to_string()
     });
     assert!(errs.iter().all(|e| e.contains("4 query heads cannot be placed on 5 ranks")), "{errs:?}");
     // 2 KV heads over 3 ranks is fine: query heads 2,1,1, so rank 0 holds heads 0 and 1 (KV
     // head 0), ranks 1 and 2 heads 2 and 3 (both KV head 1).
     let ok = on_ranks(3, CPU, |g| {
-        let a = ParallelAttention::load(&ckpt, "a", &config(4, 2, 6, None), &g, &LoadOptions::new()).unwrap();
+        let ld = Loader::new(&ckpt, &g, LoadOptions::new());
+        let a = ParallelAttention::load(&ld.pp("a"), &config(4, 2, 6, None), AttentionNames::default()).unwrap();
         (a.layout().kv_start, a.layout().kv_len)
     });
     assert_eq!(ok, vec![(0, 1), (1, 1), (1, 1)]);

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 use tp_core::{DType, Tensor};
-use tp_layers::{Checkpoint, LayerError, LoadOptions, ParallelMlp, save};
+use tp_layers::{Checkpoint, LayerError, save};
 
 fn tmpdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tp-layers-files-{name}-{}", std::process::id()));
@@ -166,8 +166,7 @@ fn assert_loads(what: &str, path: &Path, tensors: &[(String, Tensor)]) {
         assert_eq!(&ckpt.load(name, None, &CPU).unwrap(), t, "{what}: {name}");
     }
     on_ranks(2, CPU, |g| {
-        ParallelMlp::load(&ckpt, P, &g, &LoadOptions::new())
-            .unwrap_or_else(|e| panic!("{what}: rank {}: {e}", g.rank()));
+        load_mlp(&ckpt, P, &g).unwrap_or_else(|e| panic!("{what}: rank {}: {e}", g.rank()));
     });
 }
 

@@ -5,10 +5,10 @@
 mod common;
 use common::decoder_ref::*;
 use common::*;
-use tp_core::{DType, Device, RopeScaling, RotaryEmbedding, Tensor};
+use tp_core::{Activation, DType, Device, NormStyle, RopeScaling, RotaryEmbedding, Tensor};
 use tp_layers::{
-    AttentionConfig, AttentionHeads, Checkpoint, ColumnParallel, DecoderConfig, DecoderLayer, LoadOptions,
-    ParallelLmHead, ParallelMlp, RowParallel, VocabParallelEmbedding, save,
+    AttentionConfig, AttentionHeads, Block, Checkpoint, ColumnParallel, DecoderConfig, DecoderLayer, DecoderNames,
+    LoadOptions, Loader, ParallelLmHead, ParallelMlp, RowParallel, VocabParallelEmbedding, save,
 };
 
 const GPU: Device = Device::Cuda(0);
@@ -49,13 +49,13 @@ fn layers_on_ranks_sharing_one_gpu_match_the_host() {
                 let to_gpu = |l: &tp_layers::Linear| l.to(dtype, &GPU).unwrap();
                 let (gg, ug, dg) = (to_gpu(&gate), to_gpu(&up), to_gpu(&down));
                 let xg = x.to_device(&GPU).unwrap();
-                let mlp = ParallelMlp::from_full(&gg, &ug, &dg, g.rank(), world).unwrap();
-                let col = ColumnParallel::from_full(&gg, g.rank(), world).unwrap().forward_gathered(&xg, &g).unwrap();
-                let row = RowParallel::from_full(dg.weight(), dg.bias(), g.rank(), world).unwrap();
+                let mlp = ParallelMlp::from_full(&gg, &ug, &dg, Activation::Silu, &g).unwrap();
+                let col = ColumnParallel::from_full(&gg, &g).unwrap().forward_gathered(&xg).unwrap();
+                let row = RowParallel::from_full(dg.weight(), dg.bias(), &g).unwrap();
                 let act = Tensor::rand(&[9, inter], dtype, 11, &CPU).unwrap().to_device(&GPU).unwrap();
-                let row_y = row.forward_split(&act, &g).unwrap();
+                let row_y = row.forward_split(&act).unwrap();
                 (
-                    mlp.forward(&xg, &g).unwrap().to_device(&CPU).unwrap(),
+                    mlp.forward(&xg).unwrap().to_device(&CPU).unwrap(),
                     col.to_device(&CPU).unwrap(),
                     row_y.to_device(&CPU).unwrap(),
                 )
@@ -94,19 +94,24 @@ fn decoder_layers_on_ranks_sharing_one_gpu_match_f64() {
             heads: AttentionHeads { num_heads: nq, num_kv_heads: nkv, head_dim: d },
             rope: RotaryEmbedding::new(d, 10_000.0, RopeScaling::Default).unwrap(),
             sliding_window: None,
+            scale: None,
+            qk_norm: None,
         },
         rms_norm_eps: 1e-6,
+        norm_style: NormStyle::Weight,
+        activation: Activation::Silu,
     };
     for dtype in DType::FLOATS {
         for world in [1, 2, 4] {
             let got = on_ranks(world, GPU, |g| {
                 let opts = LoadOptions::new().with_dtype(dtype);
-                let layer = DecoderLayer::load(&ckpt, "model.layers.0", &cfg, &g, &opts).unwrap();
+                let ld = Loader::new(&ckpt, &g, opts).pp("model.layers.0");
+                let layer = DecoderLayer::load(&ld, &cfg, &DecoderNames::default()).unwrap();
                 let mut cache = layer.new_cache(12).unwrap();
                 let xg = x.to_dtype(dtype).unwrap().to_device(&GPU).unwrap();
-                let a = layer.forward(&xg.narrow(0, 0, 6).unwrap(), &mut cache, &g).unwrap();
-                let b = layer.forward(&xg.narrow(0, 6, 1).unwrap(), &mut cache, &g).unwrap();
-                let c = layer.forward(&xg.narrow(0, 7, 2).unwrap(), &mut cache, &g).unwrap();
+                let a = layer.forward(&xg.narrow(0, 0, 6).unwrap(), &mut cache).unwrap();
+                let b = layer.forward(&xg.narrow(0, 6, 1).unwrap(), &mut cache).unwrap();
+                let c = layer.forward(&xg.narrow(0, 7, 2).unwrap(), &mut cache).unwrap();
                 Tensor::cat(&[a, b, c], 0).unwrap().to_device(&CPU).unwrap()
             });
             let bound = if dtype == DType::F32 { 1e-4 } else { 0.05 };
@@ -123,10 +128,10 @@ fn decoder_layers_on_ranks_sharing_one_gpu_match_f64() {
     let host_top = x.to_dtype(DType::BF16).unwrap().matmul_t(&table).unwrap().argmax().unwrap();
     for world in [1, 3, 8] {
         let got = on_ranks(world, GPU, |g| {
-            let emb = VocabParallelEmbedding::from_full(&table.to_device(&GPU).unwrap(), g.rank(), world).unwrap();
+            let emb = VocabParallelEmbedding::from_full(&table.to_device(&GPU).unwrap(), &g).unwrap();
             let head = ParallelLmHead::tied(&emb);
             let xg = x.to_dtype(DType::BF16).unwrap().to_device(&GPU).unwrap();
-            (emb.forward(&ids, &g).unwrap().to_device(&CPU).unwrap(), head.argmax(&xg, &g).unwrap())
+            (emb.forward(&ids).unwrap().to_device(&CPU).unwrap(), head.argmax(&xg).unwrap())
         });
         for (e, top) in got {
             assert_eq!(e, host_emb, "embedding world {world}");
@@ -155,15 +160,15 @@ fn forwards_over_nccl_issue_no_host_synchronisation() {
         to_gpu(&linear(200, 64, false, dtype, 2)),
         to_gpu(&linear(64, 200, true, dtype, 3)),
     );
-    let mlp = ParallelMlp::from_full(&gate, &up, &down, 0, 1).unwrap();
-    let col = ColumnParallel::from_full(&gate, 0, 1).unwrap();
-    let row = RowParallel::from_full(down.weight(), down.bias(), 0, 1).unwrap();
+    let mlp = ParallelMlp::from_full(&gate, &up, &down, Activation::Silu, &g).unwrap();
+    let col = ColumnParallel::from_full(&gate, &g).unwrap();
+    let row = RowParallel::from_full(down.weight(), down.bias(), &g).unwrap();
     let x = Tensor::rand(&[9, 64], dtype, 4, &CPU).unwrap().to_device(&GPU).unwrap();
     let act = Tensor::rand(&[9, 200], dtype, 5, &CPU).unwrap().to_device(&GPU).unwrap();
     // Warm up (modules load on first use), then count.
-    let _ = (mlp.forward(&x, &g).unwrap(), col.forward_gathered(&x, &g).unwrap(), row.forward(&act, &g).unwrap());
+    let _ = (mlp.forward(&x).unwrap(), col.forward_gathered(&x).unwrap(), row.forward(&act).unwrap());
     let before = tp_kernels::host_syncs();
-    let outs = (mlp.forward(&x, &g).unwrap(), col.forward_gathered(&x, &g).unwrap(), row.forward(&act, &g).unwrap());
+    let outs = (mlp.forward(&x).unwrap(), col.forward_gathered(&x).unwrap(), row.forward(&act).unwrap());
     assert_eq!(tp_kernels::host_syncs(), before, "a forward must not make the host wait for the GPU");
     // The results are right (reading them back is the first synchronisation).
     let r = mlp_f64(&x.to_device(&CPU).unwrap(), &gate, &up, &down);

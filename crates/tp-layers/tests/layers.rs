@@ -3,7 +3,7 @@
 
 mod common;
 use common::*;
-use tp_core::{DType, Tensor, TensorShard};
+use tp_core::{Activation, DType, Tensor, TensorShard};
 use tp_layers::{ColumnParallel, Linear, MergedColumnParallel, ParallelMlp, QkvLayout, QkvParallel, RowParallel};
 
 const OUT: usize = 37; // odd: uneven over every world size but 1
@@ -18,8 +18,8 @@ fn column_parallel_blocks_and_gather_match_the_full_layer() {
         let (want, abs) = linear_f64(&x, &full);
         for world in 1..=8 {
             let got = on_ranks(world, CPU, |g| {
-                let layer = ColumnParallel::from_full(&full, g.rank(), world).unwrap();
-                (*layer.shard(), layer.forward(&x).unwrap(), layer.forward_gathered(&x, &g).unwrap())
+                let layer = ColumnParallel::from_full(&full, &g).unwrap();
+                (*layer.shard(), layer.forward(&x).unwrap(), layer.forward_gathered(&x).unwrap())
             });
             for (shard, local, gathered) in &got {
                 // The local block is columns start..end of the full output.
@@ -50,11 +50,11 @@ fn row_parallel_sums_partials_and_adds_the_bias_once() {
         let (want, abs) = linear_f64(&x, &full);
         for world in 1..=8 {
             let got = on_ranks(world, CPU, |g| {
-                let layer = RowParallel::from_full(full.weight(), full.bias(), g.rank(), world).unwrap();
-                let split = layer.forward_split(&x, &g).unwrap();
+                let layer = RowParallel::from_full(full.weight(), full.bias(), &g).unwrap();
+                let split = layer.forward_split(&x).unwrap();
                 // The same through an explicitly split input.
                 let xr = TensorShard::new(2, IN, g.rank(), world).unwrap().shard(&x).unwrap();
-                (split, layer.forward(&xr, &g).unwrap())
+                (split, layer.forward(&xr).unwrap())
             });
             for (a, b) in &got {
                 assert_eq!(a, b);
@@ -74,9 +74,9 @@ fn merged_column_parallel_splits_into_each_projection() {
     let (wb, ab) = linear_f64(&x, &b);
     for world in 1..=8 {
         let got = on_ranks(world, CPU, |g| {
-            let m = MergedColumnParallel::from_full(&[&a, &b], g.rank(), world).unwrap();
+            let m = MergedColumnParallel::from_full(&[&a, &b], &g).unwrap();
             assert_eq!(m.local().out_features(), m.shards()[0].len() + m.shards()[1].len());
-            m.forward_gathered(&x, &g).unwrap()
+            m.forward_gathered(&x).unwrap()
         });
         for parts in got {
             assert_close("a", &f64s(&parts[0]), &wa, |i| tol(DType::F32, IN, wa[i], aa[i]));
@@ -160,7 +160,7 @@ fn parallel_mlp_matches_the_unsharded_block_at_every_world_size() {
             let u = dtype.unit_roundoff();
             let run = |world: usize| {
                 on_ranks(world, CPU, |g| {
-                    ParallelMlp::from_full(&gate, &up, &down, g.rank(), world).unwrap().forward(&x, &g).unwrap()
+                    ParallelMlp::from_full(&gate, &up, &down, Activation::Silu, &g).unwrap().forward(&x).unwrap()
                 })
             };
             // The unsharded block against f64: f32 tightly; for f16/bf16 a bound covering the
@@ -192,15 +192,14 @@ fn bad_layer_arguments_are_typed_errors() {
     assert!(Linear::new(Tensor::zeros(&[3], DType::F32, &CPU).unwrap(), None).is_err());
     assert!(Linear::new(l.weight().clone(), Some(Tensor::zeros(&[OUT + 1], DType::F32, &CPU).unwrap())).is_err());
     assert!(Linear::new(l.weight().clone(), Some(Tensor::zeros(&[OUT], DType::BF16, &CPU).unwrap())).is_err());
-    assert!(ColumnParallel::from_full(&l, 3, 3).is_err(), "rank >= world");
-    assert!(ColumnParallel::from_full(&l, 0, 0).is_err(), "world 0");
-    assert!(ColumnParallel::new(l.clone(), TensorShard::new(0, OUT, 0, 2).unwrap()).is_err(), "shard/weight mismatch");
+    assert!(TensorShard::new(0, OUT, 3, 3).is_err(), "rank >= world");
+    assert!(TensorShard::new(0, OUT, 0, 0).is_err(), "world 0");
     let x_wrong = Tensor::zeros(&[TOKENS, IN + 1], DType::F32, &CPU).unwrap();
-    assert!(ColumnParallel::from_full(&l, 0, 1).unwrap().forward(&x_wrong).is_err());
-    // A layer used with a group of another size.
     let got = on_ranks(2, CPU, |g| {
-        let layer = ColumnParallel::from_full(&l, g.rank(), 3).unwrap();
-        layer.forward_gathered(&Tensor::zeros(&[1, IN], DType::F32, &CPU).unwrap(), &g).is_err()
+        let shard_mismatch =
+            ColumnParallel::new(l.clone(), TensorShard::new(0, OUT, g.rank(), 2).unwrap(), &g).is_err();
+        let layer = ColumnParallel::from_full(&l, &g).unwrap();
+        (shard_mismatch, layer.forward(&x_wrong).is_err(), layer.forward_gathered(&x_wrong).is_err())
     });
-    assert!(got.iter().all(|&e| e));
+    assert!(got.iter().all(|&e| e == (true, true, true)), "{got:?}");
 }

@@ -3,37 +3,34 @@
 //! Both forms real checkpoints use are read: transformers 4 (`rope_theta` plus an optional
 //! `rope_scaling` object whose kind is `rope_type`, or `type` in older files) and transformers 5
 //! (`rope_parameters` holding `rope_type`, `rope_theta` and the scaling parameters). Fields that
-//! are absent take transformers' defaults for the architecture; `head_dim` absent (or null) is
-//! `hidden_size / num_attention_heads`. Every missing required field, wrong type, impossible
-//! value and unsupported kind is a typed [`ModelError`] naming the field.
+//! are absent take the defaults of the family's transformers config class (the architecture
+//! table, [`crate::arch`]). Every missing required field, wrong type, impossible value, size
+//! that overflows and unsupported kind is a typed [`ModelError`] naming the field; values from
+//! the file are shown escaped and cut to [`SHOWN_CHARS`] characters.
 
+use crate::arch::{self, Architecture, Biases, Windows};
 use crate::error::{ModelError, Result};
+use crate::rope_config::{rope, rope_params};
 use serde_json::{Map, Value};
-use std::cell::RefCell;
 use std::path::Path;
-use tp_core::RopeScaling;
+use tp_core::{Activation, NormStyle, RopeScaling};
+use tp_layers::QkNormSpan;
 
-/// The model families tp runs.
+/// Largest `config.json` or `generation_config.json` read (real ones are a few KiB; Gemma's
+/// and Qwen's carry long lists, well under 1 MiB).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+/// Longest value shown in an error, in characters.
+pub const SHOWN_CHARS: usize = 200;
+/// Largest `head_dim` accepted.
+pub const MAX_HEAD_DIM: usize = 1 << 16;
+
+/// Whether a layer attends to every earlier position or within a sliding window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Architecture {
-    /// `LlamaForCausalLM` (Llama 2/3, TinyLlama, and many others): optional biases
-    /// (`attention_bias`, `mlp_bias`).
-    Llama,
-    /// `Qwen2ForCausalLM`: biases on q/k/v (not o), none in the MLP.
-    Qwen2,
-    /// `MistralForCausalLM`: no biases, an optional sliding window.
-    Mistral,
-}
-
-impl Architecture {
-    fn from_name(name: &str) -> Result<Architecture> {
-        match name {
-            "LlamaForCausalLM" | "llama" => Ok(Architecture::Llama),
-            "Qwen2ForCausalLM" | "qwen2" => Ok(Architecture::Qwen2),
-            "MistralForCausalLM" | "mistral" => Ok(Architecture::Mistral),
-            other => Err(ModelError::UnknownArchitecture { name: other.to_string() }),
-        }
-    }
+pub enum LayerType {
+    /// Full causal attention (`full_attention`).
+    Full,
+    /// Causal attention within the config's `sliding_window` (`sliding_attention`).
+    Sliding,
 }
 
 /// A validated model configuration.
@@ -53,94 +50,135 @@ pub struct ModelConfig {
     pub num_attention_heads: usize,
     /// `num_key_value_heads` (defaults to the attention heads: multi-head attention).
     pub num_key_value_heads: usize,
-    /// `head_dim` (defaults to `hidden_size / num_attention_heads`).
+    /// `head_dim` (defaults to the family's: `hidden_size / num_attention_heads`, 128 for
+    /// Qwen3, 256 for Gemma 3).
     pub head_dim: usize,
     /// `rms_norm_eps`.
     pub rms_norm_eps: f64,
-    /// `rope_theta` (or `rope_parameters.rope_theta`).
+    /// `rope_theta` (or `rope_parameters.rope_theta`; Gemma 3: of its full-attention layers).
     pub rope_theta: f64,
     /// The rotary scaling (`rope_scaling` / `rope_parameters`).
     pub rope_scaling: RopeScaling,
+    /// Gemma 3's sliding layers' own rotary base and scaling (`rope_local_base_freq`, or
+    /// `rope_parameters.sliding_attention`); `None`: they use the global one.
+    pub local_rope: Option<(f64, RopeScaling)>,
     /// `max_position_embeddings`: the longest sequence the model accepts.
     pub max_position_embeddings: usize,
     /// `tie_word_embeddings`: the LM head is the embedding table (no `lm_head.weight`).
     pub tie_word_embeddings: bool,
-    /// Biases on the q/k/v projections (Qwen2 always; Llama with `attention_bias`).
+    /// Biases on the q/k/v projections (Qwen2 always; others with `attention_bias`).
     pub qkv_bias: bool,
-    /// A bias on the output projection (Llama with `attention_bias`).
+    /// A bias on the output projection (`attention_bias`, where the family reads it).
     pub o_bias: bool,
     /// Biases in the MLP (Llama with `mlp_bias`).
     pub mlp_bias: bool,
-    /// Mistral's `sliding_window` (`None`: full causal attention; absent in a Mistral config
-    /// means transformers' default, 4096).
+    /// The sliding window of the layers that have one (`None`: no layer has one).
     pub sliding_window: Option<usize>,
+    /// Per layer: full attention or within `sliding_window`.
+    pub layer_types: Vec<LayerType>,
+    /// The MLP's gate activation (`hidden_act` / `hidden_activation`).
+    pub hidden_act: Activation,
+    /// How every RMSNorm applies its weight.
+    pub norm_style: NormStyle,
+    /// A q/k RMSNorm, per head or over the full width, if the family has one.
+    pub qk_norm: Option<QkNormSpan>,
+    /// Factor on attention scores (`None`: `1/sqrt(head_dim)`; Gemma:
+    /// `query_pre_attn_scalar^-1/2`).
+    pub attention_scale: Option<f64>,
+    /// Factor on looked-up embeddings (Gemma: `sqrt(hidden_size)`).
+    pub embedding_scale: Option<f64>,
+    /// `final_logit_softcapping` (Gemma), if set.
+    pub final_logit_softcapping: Option<f64>,
     /// End-of-sequence ids (`eos_token_id`, one or several; `generation_config.json` wins).
     pub eos_token_ids: Vec<i64>,
 }
 
+/// `s` escaped (control characters as `\u{..}`) and cut to [`SHOWN_CHARS`] characters.
+pub(crate) fn shown(s: &str) -> String {
+    let mut out: String = s.chars().take(SHOWN_CHARS).flat_map(char::escape_debug).collect();
+    if s.chars().nth(SHOWN_CHARS).is_some() {
+        out.push_str(&format!("… ({} bytes)", s.len()));
+    }
+    out
+}
+
+/// A JSON value as it is shown in an error: its JSON text (strings quoted, control characters
+/// escaped), cut.
+pub(crate) fn shown_value(v: &Value) -> String {
+    shown(&v.to_string())
+}
+
 /// Typed access to one JSON object's fields, naming the field in every error.
-struct Fields<'a> {
-    map: &'a Map<String, Value>,
-    prefix: &'static str,
+pub(crate) struct Fields<'a> {
+    pub(crate) map: &'a Map<String, Value>,
+    pub(crate) prefix: String,
 }
 
 impl Fields<'_> {
-    fn name(&self, key: &str) -> String {
+    pub(crate) fn name(&self, key: &str) -> String {
         format!("{}{key}", self.prefix)
     }
 
     /// The field, treating JSON `null` as absent.
-    fn get(&self, key: &str) -> Option<&Value> {
+    pub(crate) fn get(&self, key: &str) -> Option<&Value> {
         self.map.get(key).filter(|v| !v.is_null())
     }
 
-    fn bad(&self, key: &str, why: impl Into<String>) -> ModelError {
+    pub(crate) fn bad(&self, key: &str, why: impl Into<String>) -> ModelError {
         ModelError::ConfigField { field: self.name(key), why: why.into() }
     }
 
     /// A positive integer field (or `default` when absent and a default exists).
-    fn count(&self, key: &str, default: Option<usize>) -> Result<usize> {
+    pub(crate) fn count(&self, key: &str, default: Option<usize>) -> Result<usize> {
         match self.get(key) {
             None => default.ok_or_else(|| self.bad(key, "is missing")),
             Some(v) => {
-                let n = v.as_u64().ok_or_else(|| self.bad(key, format!("must be a positive integer, got {v}")))?;
-                match usize::try_from(n) {
-                    Ok(n) if n > 0 => Ok(n),
-                    _ => Err(self.bad(key, format!("must be a positive integer, got {v}"))),
+                let bad = || self.bad(key, format!("must be a positive integer, got {}", shown_value(v)));
+                match v.as_u64().map(usize::try_from) {
+                    Some(Ok(n)) if n > 0 => Ok(n),
+                    _ => Err(bad()),
                 }
             }
         }
     }
 
     /// A finite number field.
-    fn number(&self, key: &str, default: Option<f64>) -> Result<f64> {
+    pub(crate) fn number(&self, key: &str, default: Option<f64>) -> Result<f64> {
         match self.get(key) {
             None => default.ok_or_else(|| self.bad(key, "is missing")),
             Some(v) => match v.as_f64() {
                 Some(x) if x.is_finite() => Ok(x),
-                _ => Err(self.bad(key, format!("must be a finite number, got {v}"))),
+                _ => Err(self.bad(key, format!("must be a finite number, got {}", shown_value(v)))),
             },
         }
     }
 
-    fn flag(&self, key: &str, default: bool) -> Result<bool> {
+    pub(crate) fn flag(&self, key: &str, default: bool) -> Result<bool> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v.as_bool().ok_or_else(|| self.bad(key, format!("must be true or false, got {v}"))),
+            Some(v) => {
+                v.as_bool().ok_or_else(|| self.bad(key, format!("must be true or false, got {}", shown_value(v))))
+            }
         }
     }
 
-    fn string(&self, key: &str) -> Result<Option<&str>> {
+    pub(crate) fn string(&self, key: &str) -> Result<Option<&str>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_str().map(Some).ok_or_else(|| self.bad(key, format!("must be a string, got {v}"))),
+            Some(v) => {
+                v.as_str().map(Some).ok_or_else(|| self.bad(key, format!("must be a string, got {}", shown_value(v))))
+            }
         }
     }
 }
 
-fn read_json(path: &Path) -> Result<Map<String, Value>> {
-    let file_err = |why: String| ModelError::ConfigFile { path: path.display().to_string(), why };
-    let text = std::fs::read_to_string(path).map_err(|e| file_err(format!("cannot read: {e}")))?;
+/// The JSON object in `path`: a regular file of at most [`MAX_CONFIG_BYTES`].
+pub(crate) fn read_json(path: &Path) -> Result<Map<String, Value>> {
+    let file_err = |why: String| ModelError::ConfigFile { path: shown(&path.display().to_string()), why };
+    let text = tp_layers::read_text_file(path, MAX_CONFIG_BYTES).map_err(|e| match e {
+        tp_layers::LayerError::Checkpoint { why, .. } => file_err(why),
+        e => file_err(e.to_string()),
+    })?;
     match serde_json::from_str::<Value>(&text) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(file_err("is not a JSON object".into())),
@@ -150,7 +188,8 @@ fn read_json(path: &Path) -> Result<Map<String, Value>> {
 
 /// `eos_token_id` as a list: an integer, a list of integers, or null/absent (none).
 fn eos_ids(f: &Fields<'_>) -> Result<Vec<i64>> {
-    let bad = |v: &Value| f.bad("eos_token_id", format!("must be an integer or a list of integers, got {v}"));
+    let bad =
+        |v: &Value| f.bad("eos_token_id", format!("must be an integer or a list of integers, got {}", shown_value(v)));
     match f.get("eos_token_id") {
         None => Ok(Vec::new()),
         Some(Value::Array(items)) => items.iter().map(|v| v.as_i64().ok_or_else(|| bad(v))).collect(),
@@ -158,16 +197,43 @@ fn eos_ids(f: &Fields<'_>) -> Result<Vec<i64>> {
     }
 }
 
+/// The family named by `architectures[0]`, else by `model_type`.
+fn architecture(f: &Fields<'_>) -> Result<Architecture> {
+    let name = match f.get("architectures") {
+        Some(Value::Array(names)) => names
+            .first()
+            .and_then(Value::as_str)
+            .ok_or_else(|| f.bad("architectures", "must be a non-empty list of names"))?,
+        Some(v) => return Err(f.bad("architectures", format!("must be a list of names, got {}", shown_value(v)))),
+        None => match f.string("model_type")? {
+            Some(t) => t,
+            None => return Err(f.bad("architectures", "is missing (and so is model_type)")),
+        },
+    };
+    Architecture::from_name(name)
+        .ok_or_else(|| ModelError::UnknownArchitecture { name: shown(name), supported: Architecture::supported() })
+}
+
+/// `a * b` (elements of a `[a, b]` tensor), checked against overflow and tp's tensor size
+/// limit, naming the fields.
+fn product(f: &Fields<'_>, (a, an): (usize, &str), (b, bn): (usize, &str)) -> Result<usize> {
+    match tp_core::Shape::new(&[a, b]) {
+        Ok(s) => Ok(s.numel()),
+        Err(_) => Err(f.bad(an, format!("({a}) times {bn} ({b}) is too large for a tensor"))),
+    }
+}
+
 impl ModelConfig {
     /// Reads `dir/config.json` (and `dir/generation_config.json` for the end-of-sequence ids, as
-    /// transformers' `generate` does, when present).
+    /// transformers' `generate` does, when present). Both are read once, as regular files of
+    /// at most [`MAX_CONFIG_BYTES`].
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<ModelConfig> {
         let dir = dir.as_ref();
         let mut config = Self::from_json(&read_json(&dir.join("config.json"))?)?;
         let gen_path = dir.join("generation_config.json");
-        if gen_path.is_file() {
+        if std::fs::symlink_metadata(&gen_path).is_ok() {
             let gen_map = read_json(&gen_path)?;
-            let gen_fields = Fields { map: &gen_map, prefix: "generation_config.json: " };
+            let gen_fields = Fields { map: &gen_map, prefix: "generation_config.json: ".into() };
             if gen_fields.get("eos_token_id").is_some() {
                 config.eos_token_ids = eos_ids(&gen_fields)?;
             }
@@ -177,30 +243,16 @@ impl ModelConfig {
 
     /// Parses and validates a `config.json` object.
     pub fn from_json(map: &Map<String, Value>) -> Result<ModelConfig> {
-        let f = Fields { map, prefix: "" };
-        let architecture = match f.get("architectures") {
-            Some(Value::Array(names)) => {
-                let name = names
-                    .first()
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| f.bad("architectures", "must be a non-empty list of names"))?;
-                Architecture::from_name(name)?
-            }
-            Some(v) => return Err(f.bad("architectures", format!("must be a list of names, got {v}"))),
-            None => match f.string("model_type")? {
-                Some(t) => Architecture::from_name(t)?,
-                None => return Err(f.bad("architectures", "is missing (and so is model_type)")),
-            },
-        };
-        if let Some(act) = f.string("hidden_act")?.or(f.string("hidden_activation")?)
-            && act != "silu"
-        {
-            return Err(ModelError::Unsupported {
-                field: "hidden_act".into(),
-                value: format!("{act:?}"),
-                why: "the MLP is SwiGLU (silu)".into(),
-            });
-        }
+        let f = Fields { map, prefix: String::new() };
+        let architecture = architecture(&f)?;
+        let spec = architecture.spec();
+        let act_name = spec.act_keys.iter().map(|k| f.string(k)).find_map(|r| r.transpose()).transpose()?;
+        let act_name = act_name.unwrap_or(spec.act_default);
+        let hidden_act = arch::activation(act_name).ok_or_else(|| ModelError::Unsupported {
+            field: spec.act_keys[0].into(),
+            value: shown(&format!("{act_name:?}")),
+            why: "tp's gated MLPs take silu or gelu_pytorch_tanh".into(),
+        })?;
         let hidden_size = f.count("hidden_size", None)?;
         let num_attention_heads = f.count("num_attention_heads", None)?;
         let num_key_value_heads = f.count("num_key_value_heads", Some(num_attention_heads))?;
@@ -210,10 +262,11 @@ impl ModelConfig {
                 format!("({num_key_value_heads}) must divide num_attention_heads ({num_attention_heads})"),
             ));
         }
-        let head_dim = match f.get("head_dim") {
-            Some(_) => f.count("head_dim", None)?,
-            None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
-            None => {
+        let head_dim = match (f.get("head_dim"), spec.head_dim) {
+            (Some(_), _) => f.count("head_dim", None)?,
+            (None, Some(d)) => d,
+            (None, None) if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
+            (None, None) => {
                 return Err(f.bad(
                     "head_dim",
                     format!(
@@ -223,146 +276,218 @@ impl ModelConfig {
                 ));
             }
         };
-        if head_dim % 2 != 0 {
-            return Err(f.bad("head_dim", format!("({head_dim}) must be even for rotary embeddings")));
+        if head_dim % 2 != 0 || head_dim > MAX_HEAD_DIM {
+            return Err(f.bad("head_dim", format!("({head_dim}) must be even and at most {MAX_HEAD_DIM}")));
         }
-        let (default_positions, default_theta) = match architecture {
-            Architecture::Llama => (2048, 10_000.0),
-            Architecture::Qwen2 => (32_768, 10_000.0),
-            Architecture::Mistral => (4096 * 32, 10_000.0),
+        let vocab_size = f.count("vocab_size", None)?;
+        let intermediate_size = f.count("intermediate_size", None)?;
+        let num_hidden_layers = f.count("num_hidden_layers", None)?;
+        product(&f, (num_attention_heads, "num_attention_heads"), (head_dim, "head_dim"))?;
+        product(&f, (vocab_size, "vocab_size"), (hidden_size, "hidden_size"))?;
+        product(&f, (intermediate_size.saturating_mul(2), "intermediate_size (x2)"), (hidden_size, "hidden_size"))?;
+        let max_position_embeddings = f.count("max_position_embeddings", Some(spec.max_position_embeddings))?;
+        let (rope_theta, rope_scaling, local_rope) = if spec.gemma {
+            gemma_rope(&f, spec.rope_theta, max_position_embeddings)?
+        } else {
+            let (t, s) = rope(&f, spec.rope_theta, max_position_embeddings)?;
+            (t, s, None)
         };
-        let max_position_embeddings = f.count("max_position_embeddings", Some(default_positions))?;
-        let (rope_theta, rope_scaling) = rope(&f, default_theta, max_position_embeddings)?;
-        let rms_norm_eps = f.number("rms_norm_eps", Some(1e-6))?;
+        let rms_norm_eps = f.number("rms_norm_eps", Some(spec.rms_norm_eps))?;
         if rms_norm_eps < 0.0 {
             return Err(f.bad("rms_norm_eps", format!("must be >= 0, got {rms_norm_eps}")));
         }
-        let (qkv_bias, o_bias, mlp_bias) = match architecture {
-            Architecture::Llama => {
-                let attn = f.flag("attention_bias", false)?;
-                (attn, attn, f.flag("mlp_bias", false)?)
+        let (qkv_bias, o_bias, mlp_bias) = match spec.biases {
+            Biases::None => (false, false, false),
+            Biases::Qkv => (true, false, false),
+            Biases::Attention => {
+                let a = f.flag("attention_bias", false)?;
+                (a, a, false)
             }
-            Architecture::Qwen2 => (true, false, false),
-            Architecture::Mistral => (false, false, false),
-        };
-        let sliding_window = match architecture {
-            // transformers' MistralConfig: absent means 4096, null means no window.
-            Architecture::Mistral => match map.get("sliding_window") {
-                None => Some(4096),
-                Some(Value::Null) => None,
-                Some(_) => Some(f.count("sliding_window", None)?),
-            },
-            Architecture::Qwen2 if f.flag("use_sliding_window", false)? => {
-                return Err(ModelError::Unsupported {
-                    field: "use_sliding_window".into(),
-                    value: "true".into(),
-                    why: "Qwen2's per-layer sliding window is not implemented".into(),
-                });
+            Biases::AttentionAndMlp => {
+                let a = f.flag("attention_bias", false)?;
+                (a, a, f.flag("mlp_bias", false)?)
             }
-            _ => None,
         };
+        let (sliding_window, layer_types) = windows(&f, spec.windows, num_hidden_layers)?;
+        let (mut attention_scale, mut embedding_scale, mut final_logit_softcapping) = (None, None, None);
+        if spec.gemma {
+            if f.flag("use_bidirectional_attention", false)? {
+                return Err(unsupported("use_bidirectional_attention", "true", "tp's attention is causal"));
+            }
+            if let Some(v) = f.get("attn_logit_softcapping") {
+                return Err(unsupported(
+                    "attn_logit_softcapping",
+                    &shown_value(v),
+                    "attention-score soft-capping is not implemented",
+                ));
+            }
+            attention_scale = Some(f.number("query_pre_attn_scalar", Some(256.0))?.powf(-0.5));
+            if !attention_scale.is_some_and(|s| s.is_finite() && s > 0.0) {
+                return Err(f.bad("query_pre_attn_scalar", "must be positive"));
+            }
+            embedding_scale = Some((hidden_size as f64).sqrt());
+            final_logit_softcapping = match f.get("final_logit_softcapping") {
+                None => None,
+                Some(_) => {
+                    let c = f.number("final_logit_softcapping", None)?;
+                    if c <= 0.0 {
+                        return Err(f.bad("final_logit_softcapping", format!("must be positive, got {c}")));
+                    }
+                    Some(c)
+                }
+            };
+        }
+        if let Some(v) = map
+            .get("partial_rotary_factor")
+            .or_else(|| map.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor")))
+            && v.as_f64() != Some(1.0)
+        {
+            return Err(unsupported(
+                "partial_rotary_factor",
+                &shown_value(v),
+                "rotary embeddings cover the whole head",
+            ));
+        }
         Ok(ModelConfig {
             architecture,
-            vocab_size: f.count("vocab_size", None)?,
+            vocab_size,
             hidden_size,
-            intermediate_size: f.count("intermediate_size", None)?,
-            num_hidden_layers: f.count("num_hidden_layers", None)?,
+            intermediate_size,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
             rms_norm_eps,
             rope_theta,
             rope_scaling,
+            local_rope,
             max_position_embeddings,
-            tie_word_embeddings: f.flag("tie_word_embeddings", false)?,
+            tie_word_embeddings: f.flag("tie_word_embeddings", spec.tie_word_embeddings)?,
             qkv_bias,
             o_bias,
             mlp_bias,
             sliding_window,
+            layer_types,
+            hidden_act,
+            norm_style: spec.norm_style,
+            qk_norm: spec.qk_norm,
+            attention_scale,
+            embedding_scale,
+            final_logit_softcapping,
             eos_token_ids: eos_ids(&f)?,
         })
     }
+
+    /// Layer `i`'s sliding window, if it has one.
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        match self.layer_types.get(layer) {
+            Some(LayerType::Sliding) => self.sliding_window,
+            _ => None,
+        }
+    }
 }
 
-/// `(rope_theta, scaling)` from `rope_parameters` (transformers 5) or `rope_theta` +
-/// `rope_scaling` (transformers 4), read as transformers 5 reads either: the kind is `rope_type`
-/// (else `type`, else `default`); `linear` and `dynamic` need `factor` (dynamic also the
-/// config's `max_position_embeddings`); `yarn` needs the `factor` key (`null`:
-/// `max_position_embeddings / original_max_position_embeddings`) and takes the optional
-/// `attention_factor`, `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim` and `truncate`; for
-/// `yarn` and `llama3`, a top-level `original_max_position_embeddings` wins over the one in the
-/// parameters, and both absent mean `max_position_embeddings` (transformers'
-/// `standardize_rope_params`).
-fn rope(f: &Fields<'_>, default_theta: f64, max_position_embeddings: usize) -> Result<(f64, RopeScaling)> {
-    let (params, theta) = match f.get("rope_parameters") {
-        Some(Value::Object(p)) => {
-            let pf = Fields { map: p, prefix: "rope_parameters." };
-            (Some(pf), None)
+fn unsupported(field: &str, value: &str, why: &str) -> ModelError {
+    ModelError::Unsupported { field: field.into(), value: value.into(), why: why.into() }
+}
+
+/// `(sliding_window, layer types)` by the family's rule.
+fn windows(f: &Fields<'_>, rule: Windows, layers: usize) -> Result<(Option<usize>, Vec<LayerType>)> {
+    let window = |default: Option<usize>| -> Result<Option<usize>> {
+        match f.map.get("sliding_window") {
+            None => Ok(default),
+            Some(Value::Null) => Ok(None),
+            Some(_) => Ok(Some(f.count("sliding_window", None)?)),
         }
-        Some(v) => return Err(f.bad("rope_parameters", format!("must be an object, got {v}"))),
-        None => match f.get("rope_scaling") {
-            Some(Value::Object(p)) => {
-                (Some(Fields { map: p, prefix: "rope_scaling." }), Some(f.number("rope_theta", Some(default_theta))?))
-            }
-            Some(v) => return Err(f.bad("rope_scaling", format!("must be an object or null, got {v}"))),
-            None => (None, Some(f.number("rope_theta", Some(default_theta))?)),
-        },
     };
-    let positive = |theta: f64, fields: &Fields<'_>| {
-        if theta > 0.0 { Ok(theta) } else { Err(fields.bad("rope_theta", format!("must be positive, got {theta}"))) }
+    let all = |w: Option<usize>| vec![if w.is_some() { LayerType::Sliding } else { LayerType::Full }; layers];
+    let (w, types) = match rule {
+        Windows::Never => (None, all(None)),
+        Windows::Every { default } => {
+            let w = window(default)?;
+            (w, all(w))
+        }
+        Windows::Qwen => {
+            let w = if f.flag("use_sliding_window", false)? { window(Some(4096))? } else { None };
+            // 0 is a valid max_window_layers (every layer slides).
+            let from = match f.get("max_window_layers") {
+                None => 28,
+                Some(v) => v.as_u64().and_then(|v| usize::try_from(v).ok()).ok_or_else(|| {
+                    f.bad("max_window_layers", format!("must be a non-negative integer, got {}", shown_value(v)))
+                })?,
+            };
+            let default: Vec<LayerType> = (0..layers)
+                .map(|i| if w.is_some() && i >= from { LayerType::Sliding } else { LayerType::Full })
+                .collect();
+            (w, layer_types(f, layers, default)?)
+        }
+        Windows::Gemma => {
+            let w = window(Some(4096))?;
+            let pattern = f.count("sliding_window_pattern", Some(6))?;
+            let default = (0..layers)
+                .map(|i| if (i + 1) % pattern != 0 { LayerType::Sliding } else { LayerType::Full })
+                .collect();
+            (w, layer_types(f, layers, default)?)
+        }
     };
-    let Some(p) = params else {
-        return Ok((positive(theta.unwrap_or(default_theta), f)?, RopeScaling::Default));
-    };
-    let theta = match theta {
-        Some(t) => positive(t, f)?,
-        None => positive(p.number("rope_theta", Some(f.number("rope_theta", Some(default_theta))?))?, &p)?,
-    };
-    let kind = match (p.string("rope_type")?, p.string("type")?) {
-        (Some(k), _) | (None, Some(k)) => k.to_string(),
-        (None, None) => "default".to_string(),
-    };
-    // What only JSON can say: a yarn factor that is absent (an error) rather than null (the
-    // ratio of lengths), truncate as a boolean, and a top-level original length.
-    if kind == "yarn" && !p.map.contains_key("factor") {
-        return Err(p.bad("factor", "is missing (null: max_position_embeddings / original_max_position_embeddings)"));
+    if w.is_none() && types.contains(&LayerType::Sliding) {
+        return Err(f.bad("sliding_window", "is null but layer_types names sliding_attention layers"));
     }
-    let truncate = if kind == "yarn" { p.flag("truncate", true)? } else { true };
-    let top_original = match kind.as_str() {
-        "yarn" | "llama3" if f.get("original_max_position_embeddings").is_some() => {
-            let v = f.number("original_max_position_embeddings", None)?;
-            if v <= 0.0 {
-                return Err(f.bad("original_max_position_embeddings", format!("must be positive, got {v}")));
-            }
-            Some(v)
-        }
-        _ => None,
-    };
-    // Which parameters a kind reads, and their bounds, are `RopeScaling::from_kind`'s; a field it
-    // asks for that is not a number is noted here and reported first, by its own field name.
-    let not_a_number: RefCell<Option<String>> = RefCell::new(None);
-    let param = |name: &str| match name {
-        "max_position_embeddings" => Some(max_position_embeddings as f64),
-        "original_max_position_embeddings" if top_original.is_some() => top_original,
-        "truncate" => Some(if truncate { 1.0 } else { 0.0 }),
-        _ => {
-            let v = p.get(name)?;
-            if v.as_f64().is_none() {
-                not_a_number.borrow_mut().get_or_insert_with(|| name.to_string());
-            }
-            v.as_f64()
-        }
-    };
-    let scaling = RopeScaling::from_kind(&kind, param);
-    if let Some(name) = not_a_number.into_inner() {
-        p.number(&name, None)?; // the error naming the field
-    }
-    let scaling = scaling.map_err(|e| match e {
-        tp_core::Error::UnsupportedRopeScaling { param: Some(name), why, .. } => {
-            let fields = if name == "max_position_embeddings" { f } else { &p };
-            fields.bad(&name, why)
-        }
-        e => ModelError::Unsupported { field: p.name("rope_type"), value: format!("{kind:?}"), why: e.to_string() },
+    Ok((w, types))
+}
+
+/// `layer_types` when present (one `full_attention` / `sliding_attention` per layer), else
+/// `default`.
+fn layer_types(f: &Fields<'_>, layers: usize, default: Vec<LayerType>) -> Result<Vec<LayerType>> {
+    let Some(v) = f.get("layer_types") else { return Ok(default) };
+    let items = v.as_array().filter(|a| a.len() == layers).ok_or_else(|| {
+        f.bad("layer_types", format!("must list one type per layer ({layers}), got {}", shown_value(v)))
     })?;
-    Ok((theta, scaling))
+    items
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("full_attention") => Ok(LayerType::Full),
+            Some("sliding_attention") => Ok(LayerType::Sliding),
+            _ => Err(f.bad(
+                "layer_types",
+                format!("entries are full_attention or sliding_attention, got {}", shown_value(t)),
+            )),
+        })
+        .collect()
+}
+
+/// Gemma 3's two rotary embeddings: `(global theta, global scaling, Some(local))`. transformers
+/// 5 writes `rope_parameters: {"full_attention": {..}, "sliding_attention": {..}}`; transformers
+/// 4 `rope_theta` (global, default 1e6), `rope_scaling` (global only) and
+/// `rope_local_base_freq` (local, default 1e4, no scaling).
+fn gemma_rope(
+    f: &Fields<'_>,
+    global_default: f64,
+    max_position_embeddings: usize,
+) -> Result<(f64, RopeScaling, Option<(f64, RopeScaling)>)> {
+    const LOCAL_DEFAULT: f64 = 10_000.0;
+    if let Some(Value::Object(p)) = f.get("rope_parameters")
+        && (p.contains_key("full_attention") || p.contains_key("sliding_attention"))
+    {
+        let part = |key: &str, default: f64| -> Result<(f64, RopeScaling)> {
+            match p.get(key) {
+                None | Some(Value::Null) => Ok((default, RopeScaling::Default)),
+                Some(Value::Object(o)) => {
+                    let pf = Fields { map: o, prefix: format!("rope_parameters.{key}.") };
+                    rope_params(f, &pf, None, default, max_position_embeddings)
+                }
+                Some(v) => {
+                    Err(f.bad(&format!("rope_parameters.{key}"), format!("must be an object, got {}", shown_value(v))))
+                }
+            }
+        };
+        let (g, gs) = part("full_attention", global_default)?;
+        return Ok((g, gs, Some(part("sliding_attention", LOCAL_DEFAULT)?)));
+    }
+    let (g, gs) = rope(f, global_default, max_position_embeddings)?;
+    let local = f.number("rope_local_base_freq", Some(LOCAL_DEFAULT))?;
+    if local <= 0.0 {
+        return Err(f.bad("rope_local_base_freq", format!("must be positive, got {local}")));
+    }
+    Ok((g, gs, Some((local, RopeScaling::Default))))
 }

@@ -12,11 +12,9 @@ pub enum ModelError {
     #[error("config.json: field {field:?} {why}")]
     ConfigField { field: String, why: String },
 
-    /// The config names an architecture tp does not implement.
-    #[error(
-        "config.json: architecture {name:?} is not supported (tp runs LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM)"
-    )]
-    UnknownArchitecture { name: String },
+    /// The config names an architecture tp does not implement (`name` escaped and cut).
+    #[error("config.json: architecture \"{name}\" is not supported (tp runs {supported})")]
+    UnknownArchitecture { name: String, supported: String },
 
     /// A config field has a value tp does not implement (an activation, a rope scaling kind...).
     #[error("config.json: {field} = {value} is not supported: {why}")]

@@ -3,8 +3,9 @@
 //! Whole tensor-parallel causal language models built from `tp-layers`: a Hugging Face
 //! checkpoint folder (`config.json` plus safetensors) to tokens at any world size.
 //!
-//! * [`ModelConfig`]: `config.json` of `LlamaForCausalLM`, `Qwen2ForCausalLM` and
-//!   `MistralForCausalLM`, in the transformers 4 and 5 forms, validated field by field.
+//! * [`ModelConfig`]: `config.json` of the families in the architecture table
+//!   ([`Architecture`]: Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3, OLMo 2), in the
+//!   transformers 4 and 5 forms, validated field by field.
 //! * [`ParallelCausalLm`]: each rank loads only its shards of every tensor;
 //!   [`prefill`](ParallelCausalLm::prefill) (logits of every prompt position),
 //!   [`decode_step`](ParallelCausalLm::decode_step) (the next position's) and
@@ -33,14 +34,20 @@
 //! # Ok(()) }
 //! ```
 
+mod arch;
+mod blocks;
 mod config;
 mod error;
 mod model;
+mod rope_config;
 pub mod synthetic;
+mod tensors;
 
-pub use config::{Architecture, ModelConfig};
+pub use arch::Architecture;
+pub use config::{LayerType, MAX_CONFIG_BYTES, ModelConfig};
 pub use error::{ModelError, Result};
-pub use model::{DEFAULT_MAX_SEQ_LEN, GenerateOptions, Generation, ModelOptions, ParallelCausalLm};
+pub use model::{GenerateOptions, Generation, INITIAL_CACHE_POSITIONS, ModelOptions, ParallelCausalLm};
+pub use tensors::expected_tensors;
 pub use tp_comm;
 pub use tp_core;
 pub use tp_layers;

@@ -10,17 +10,18 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::tensors::check_tensors;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tp_comm::DeviceGroup;
-use tp_core::{DType, Device, RotaryEmbedding, Tensor};
+use tp_core::{DType, Device, Tensor};
 use tp_layers::{
-    AttentionConfig, AttentionHeads, Checkpoint, DecoderConfig, DecoderLayer, KvCache, LoadOptions, ParallelLmHead,
-    QkvLayout, RmsNorm, VocabParallelEmbedding,
+    Block, Checkpoint, KvCache, LoadOptions, Loader, ParallelLmHead, QkvLayout, RmsNorm, VocabParallelEmbedding,
 };
 
-/// Default KV cache length when neither the options nor the config's maximum is smaller.
-pub const DEFAULT_MAX_SEQ_LEN: usize = 4096;
+/// Positions each KV cache holds at first; caches grow (doubling) as a sequence needs, up to
+/// the model's limit.
+pub const INITIAL_CACHE_POSITIONS: usize = 256;
 
 /// How a model is loaded.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -28,8 +29,8 @@ pub const DEFAULT_MAX_SEQ_LEN: usize = 4096;
 pub struct ModelOptions {
     /// Compute dtype; parameters are converted while loading. `None`: the embedding table's.
     pub dtype: Option<DType>,
-    /// Positions each KV cache holds at first (`None`: `min(max_position_embeddings, 4096)`);
-    /// [`ParallelCausalLm::generate`] grows the caches when a request needs more.
+    /// The longest sequence the KV caches may grow to (`None`: `max_position_embeddings`;
+    /// larger values are capped there). Caches start small and grow as sequences need.
     pub max_seq_len: Option<usize>,
 }
 
@@ -43,7 +44,7 @@ impl ModelOptions {
         self.dtype = Some(dtype);
         self
     }
-    /// KV caches of `len` positions.
+    /// KV caches that grow to at most `len` positions.
     pub fn with_max_seq_len(mut self, len: usize) -> ModelOptions {
         self.max_seq_len = Some(len);
         self
@@ -101,7 +102,7 @@ pub struct ParallelCausalLm {
     group: DeviceGroup,
     dtype: DType,
     embed: VocabParallelEmbedding,
-    layers: Vec<DecoderLayer>,
+    layers: Vec<Box<dyn Block>>,
     norm: RmsNorm,
     lm_head: ParallelLmHead,
     caches: Vec<KvCache>,
@@ -124,14 +125,30 @@ impl std::fmt::Debug for ParallelCausalLm {
 impl ParallelCausalLm {
     /// Loads the model in folder `dir` (`config.json`, `model.safetensors` or an index over
     /// several files) for `group`: each rank reads only its shards, onto the group's device.
+    /// The config is read here; [`load_with_config`](Self::load_with_config) takes one read
+    /// already (so that every rank of a process uses one copy).
+    pub fn load(dir: impl AsRef<Path>, group: &DeviceGroup, opts: &ModelOptions) -> Result<ParallelCausalLm> {
+        let config = ModelConfig::from_dir(dir.as_ref())?;
+        Self::load_with_config(dir, &config, group, opts)
+    }
+
+    /// Loads the model's tensors from `dir` as `config` describes them, for `group`.
+    ///
+    /// Every rank checks first that the others hold the same config (one all-gather of a
+    /// digest): ranks that read different files (one replaced during start-up) fail together,
+    /// at once, rather than running apart.
     ///
     /// Errors: config problems, a world size whose heads cannot be placed, any tensor missing or
-    /// of another shape than the config implies, checkpoint and device errors; all before any
-    /// collective runs.
-    pub fn load(dir: impl AsRef<Path>, group: &DeviceGroup, opts: &ModelOptions) -> Result<ParallelCausalLm> {
+    /// of another shape than the config implies, checkpoint and device errors, all before any
+    /// other collective runs; ranks holding different configs.
+    pub fn load_with_config(
+        dir: impl AsRef<Path>,
+        config: &ModelConfig,
+        group: &DeviceGroup,
+        opts: &ModelOptions,
+    ) -> Result<ParallelCausalLm> {
         let dir = dir.as_ref();
-        let config = ModelConfig::from_dir(dir)?;
-        let c = &config;
+        let c = config;
         QkvLayout::new(c.num_attention_heads, c.num_key_value_heads, c.head_dim, group.rank(), group.world_size())?;
         let ckpt = Checkpoint::open(dir)?;
         check_tensors(&ckpt, c)?;
@@ -139,30 +156,31 @@ impl ParallelCausalLm {
             Some(d) => d,
             None => ckpt.param_info("model.embed_tokens.weight")?.0,
         };
-        let load = LoadOptions::new().with_dtype(dtype);
-        let attention = AttentionConfig {
-            heads: AttentionHeads {
-                num_heads: c.num_attention_heads,
-                num_kv_heads: c.num_key_value_heads,
-                head_dim: c.head_dim,
-            },
-            rope: RotaryEmbedding::new(c.head_dim, c.rope_theta, c.rope_scaling)?,
-            sliding_window: c.sliding_window,
-        };
-        let layer_config = DecoderConfig { attention, rms_norm_eps: c.rms_norm_eps };
-        let embed = VocabParallelEmbedding::load(&ckpt, "model.embed_tokens", group, &load)?;
+        check_same_config(c, group)?;
+        let root = Loader::new(&ckpt, group, LoadOptions::new().with_dtype(dtype));
+        let model = root.pp("model");
+        let mut embed = VocabParallelEmbedding::load(&model.pp("embed_tokens"))?;
+        if let Some(s) = c.embedding_scale {
+            embed = embed.with_scale(s as f32);
+        }
         let layers = (0..c.num_hidden_layers)
-            .map(|i| DecoderLayer::load(&ckpt, &format!("model.layers.{i}"), &layer_config, group, &load))
-            .collect::<tp_layers::Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(&ckpt, "model.norm", c.rms_norm_eps, group, &load)?;
-        let lm_head = if c.tie_word_embeddings {
+            .map(|i| crate::blocks::decoder_layer(&model.pp("layers").pp(i), c, i))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(&model.pp("norm"), c.rms_norm_eps, c.norm_style)?;
+        let mut lm_head = if c.tie_word_embeddings {
             ParallelLmHead::tied(&embed)
         } else {
-            ParallelLmHead::load(&ckpt, "lm_head", group, &load)?
+            ParallelLmHead::load(&root.pp("lm_head"))?
         };
-        let capacity = opts.max_seq_len.unwrap_or(DEFAULT_MAX_SEQ_LEN).min(c.max_position_embeddings);
-        let caches = layers.iter().map(|l| l.new_cache(capacity)).collect::<tp_layers::Result<Vec<_>>>()?;
-        Ok(ParallelCausalLm { config, group: group.clone(), dtype, embed, layers, norm, lm_head, caches })
+        if let Some(cap) = c.final_logit_softcapping {
+            lm_head = lm_head.with_softcap(cap as f32)?;
+        }
+        let limit = opts.max_seq_len.unwrap_or(c.max_position_embeddings).min(c.max_position_embeddings);
+        let caches = layers
+            .iter()
+            .map(|l| Ok(l.new_cache(INITIAL_CACHE_POSITIONS.min(limit))?.with_limit(limit)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ParallelCausalLm { config: c.clone(), group: group.clone(), dtype, embed, layers, norm, lm_head, caches })
     }
 
     /// The model's configuration.
@@ -181,9 +199,14 @@ impl ParallelCausalLm {
     pub fn position(&self) -> usize {
         self.caches.first().map_or(0, KvCache::len)
     }
-    /// Positions the KV caches hold.
+    /// Positions the KV caches hold now (they grow as sequences need, up to
+    /// [`max_seq_len`](Self::max_seq_len)).
     pub fn capacity(&self) -> usize {
         self.caches.first().map_or(0, KvCache::capacity)
+    }
+    /// The longest sequence the KV caches may grow to.
+    pub fn max_seq_len(&self) -> usize {
+        self.caches.first().map_or(0, KvCache::limit)
     }
 
     /// Forgets the current sequence.
@@ -191,16 +214,27 @@ impl ParallelCausalLm {
         self.caches.iter_mut().for_each(KvCache::reset);
     }
 
-    /// Makes the KV caches hold at least `len` positions (a new, empty sequence if they grow).
+    /// Makes the KV caches hold at least `len` positions now (the filled ones kept).
+    ///
+    /// Errors: `len` past [`max_seq_len`](Self::max_seq_len), or memory that cannot be had,
+    /// said in terms of the request (positions, bytes).
     pub fn reserve(&mut self, len: usize) -> Result<()> {
-        if len > self.config.max_position_embeddings {
+        if len > self.max_seq_len() {
             return Err(ModelError::Request(format!(
-                "{len} positions exceed the model's max_position_embeddings ({})",
+                "{len} positions exceed the longest sequence this model holds ({}; max_position_embeddings {})",
+                self.max_seq_len(),
                 self.config.max_position_embeddings
             )));
         }
-        if len > self.capacity() {
-            self.caches = self.layers.iter().map(|l| l.new_cache(len)).collect::<tp_layers::Result<Vec<_>>>()?;
+        let per_position: usize = self.caches.iter().map(KvCache::bytes_per_position).sum();
+        for cache in &mut self.caches {
+            cache.reserve(len).map_err(|e| match e {
+                tp_layers::LayerError::CacheAlloc { why, .. } => ModelError::Request(format!(
+                    "cannot hold {len} positions: the KV caches need {} bytes on this rank ({per_position} per position): {why}",
+                    len.saturating_mul(per_position)
+                )),
+                e => e.into(),
+            })?;
         }
         Ok(())
     }
@@ -211,18 +245,11 @@ impl ParallelCausalLm {
         if ids.is_empty() {
             return Err(ModelError::Request("no tokens to run".into()));
         }
-        let end = self.position() + ids.len();
-        if end > self.capacity() {
-            return Err(ModelError::Request(format!(
-                "the sequence would reach {end} positions; the KV caches hold {} (max_position_embeddings {})",
-                self.capacity(),
-                self.config.max_position_embeddings
-            )));
-        }
+        self.reserve(self.position() + ids.len())?;
         let ids = Tensor::from_vec(ids.to_vec(), &[ids.len()], &Device::Cpu)?;
-        let mut x = self.embed.forward(&ids, &self.group)?;
+        let mut x = self.embed.forward(&ids)?;
         for (layer, cache) in self.layers.iter().zip(&mut self.caches) {
-            x = layer.forward(&x, cache, &self.group)?;
+            x = layer.forward(&x, cache)?;
         }
         Ok(self.norm.forward(&x)?)
     }
@@ -232,14 +259,14 @@ impl ParallelCausalLm {
     pub fn prefill(&mut self, ids: &[i64]) -> Result<Tensor> {
         self.reset();
         let h = self.hidden(ids)?;
-        Ok(self.lm_head.logits(&h, &self.group)?)
+        Ok(self.lm_head.logits(&h)?)
     }
 
     /// Appends `id` to the sequence and returns the logits of its position, `[V]`.
     pub fn decode_step(&mut self, id: i64) -> Result<Tensor> {
         let h = self.hidden(&[id])?;
         let v = self.config.vocab_size;
-        Ok(self.lm_head.logits(&h, &self.group)?.reshape(&[v])?)
+        Ok(self.lm_head.logits(&h)?.reshape(&[v])?)
     }
 
     /// Greedy generation: a new sequence with `prompt`, then up to `max_new_tokens` tokens, each
@@ -273,8 +300,8 @@ impl ParallelCausalLm {
                 self.config.vocab_size
             )));
         }
-        self.reserve(total - 1)?;
         self.reset();
+        self.reserve(prompt.len())?;
         let start = Instant::now();
         let (first, prefill_logits) = self.next_token(prompt, opts.keep_logits)?;
         let prefill_time = start.elapsed();
@@ -308,62 +335,33 @@ impl ParallelCausalLm {
     fn next_token(&mut self, ids: &[i64], keep: bool) -> Result<(i64, Option<Tensor>)> {
         let h = self.hidden(ids)?;
         if keep {
-            let logits = self.lm_head.logits(&h, &self.group)?.to_device(&Device::Cpu)?;
+            let logits = self.lm_head.logits(&h)?.to_device(&Device::Cpu)?;
             let last = logits.narrow(0, ids.len() - 1, 1)?;
             let id = last.argmax()?.to_i64_vec()?;
             return Ok((id.first().copied().unwrap_or(0), Some(logits)));
         }
         let last = h.narrow(0, ids.len() - 1, 1)?;
-        let id = self.lm_head.argmax(&last, &self.group)?.to_i64_vec()?;
+        let id = self.lm_head.argmax(&last)?.to_i64_vec()?;
         Ok((id.first().copied().unwrap_or(0), None))
     }
 }
 
-/// Checks every tensor the config implies against the checkpoint: present, of the implied
-/// shape, a float dtype; biases present exactly where the architecture has them.
-fn check_tensors(ckpt: &Checkpoint, c: &ModelConfig) -> Result<()> {
-    let (h, i, q, kv) =
-        (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
-    let expect = |name: String, dims: &[usize]| -> Result<()> {
-        ckpt.param_info(&name)?;
-        Ok(ckpt.expect(&name, dims, None)?)
-    };
-    expect("model.embed_tokens.weight".into(), &[c.vocab_size, h])?;
-    expect("model.norm.weight".into(), &[h])?;
-    if !c.tie_word_embeddings {
-        expect("lm_head.weight".into(), &[c.vocab_size, h])?;
+/// Checks that every rank of `group` holds the same config: one all-gather of a digest.
+fn check_same_config(c: &ModelConfig, group: &DeviceGroup) -> Result<()> {
+    if group.world_size() == 1 {
+        return Ok(());
     }
-    for l in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        expect(format!("{p}.input_layernorm.weight"), &[h])?;
-        expect(format!("{p}.post_attention_layernorm.weight"), &[h])?;
-        let projections = [
-            ("self_attn.q_proj", q, h, c.qkv_bias),
-            ("self_attn.k_proj", kv, h, c.qkv_bias),
-            ("self_attn.v_proj", kv, h, c.qkv_bias),
-            ("self_attn.o_proj", h, q, c.o_bias),
-            ("mlp.gate_proj", i, h, c.mlp_bias),
-            ("mlp.up_proj", i, h, c.mlp_bias),
-            ("mlp.down_proj", h, i, c.mlp_bias),
-        ];
-        for (name, out, inp, bias) in projections {
-            expect(format!("{p}.{name}.weight"), &[out, inp])?;
-            let bias_name = format!("{p}.{name}.bias");
-            match (bias, ckpt.contains(&bias_name)) {
-                (true, _) => expect(bias_name, &[out])?,
-                (false, true) => {
-                    return Err(ModelError::Unsupported {
-                        field: "checkpoint".into(),
-                        value: format!("{bias_name:?}"),
-                        why: format!(
-                            "a {:?} model with this config has no such bias (attention_bias / mlp_bias say so)",
-                            c.architecture
-                        ),
-                    });
-                }
-                (false, false) => {}
-            }
-        }
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    format!("{c:?}").hash(&mut h);
+    let mine = h.finish() as i64;
+    let t = group.to_local(&Tensor::from_vec(vec![mine], &[1], &Device::Cpu)?)?;
+    let all = group.all_gather(&t, 0)?.to_i64_vec()?;
+    if let Some(r) = all.iter().position(|&d| d != mine) {
+        return Err(ModelError::Request(format!(
+            "rank {} read another config than rank {r} (config.json or generation_config.json changed while the ranks started)",
+            group.rank()
+        )));
     }
     Ok(())
 }

@@ -4,7 +4,8 @@
 //! seeded normal samples scaled by `1/sqrt(fan_in)` (activations stay of order one through any
 //! depth), norms near one.
 
-use crate::config::Architecture;
+use crate::arch::Architecture;
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use serde_json::{Value, json};
 use std::path::Path;
@@ -51,6 +52,9 @@ pub struct SyntheticModel {
     pub files: usize,
     /// Seed of every tensor.
     pub seed: u64,
+    /// Further `config.json` keys (a JSON object), merged last: a family's own fields
+    /// (`layer_types`, `query_pre_attn_scalar`, `final_logit_softcapping`, ...).
+    pub extra: Option<Value>,
 }
 
 impl SyntheticModel {
@@ -77,6 +81,7 @@ impl SyntheticModel {
             dtype,
             files: 4,
             seed: 1,
+            extra: None,
         }
     }
 
@@ -96,26 +101,9 @@ impl SyntheticModel {
         }
     }
 
-    fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
-    }
-
-    /// Which projections carry biases: `(q/k/v, o)`.
-    fn biases(&self) -> (bool, bool) {
-        match self.architecture {
-            Architecture::Llama => (self.attention_bias, self.attention_bias),
-            Architecture::Qwen2 => (true, false),
-            Architecture::Mistral => (false, false),
-        }
-    }
-
     /// The `config.json` object.
     pub fn config_json(&self) -> Value {
-        let arch = match self.architecture {
-            Architecture::Llama => ("LlamaForCausalLM", "llama"),
-            Architecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-            Architecture::Mistral => ("MistralForCausalLM", "mistral"),
-        };
+        let arch = (self.architecture.class_name(), self.architecture.model_type());
         let dtype = match self.dtype {
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
@@ -130,7 +118,6 @@ impl SyntheticModel {
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
-            "hidden_act": "silu",
             "rms_norm_eps": 1e-5,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -143,12 +130,20 @@ impl SyntheticModel {
         if let Some(d) = self.head_dim {
             obj.insert("head_dim".into(), json!(d));
         }
-        if self.architecture == Architecture::Llama {
+        let spec = self.architecture.spec();
+        obj.insert(spec.act_keys[0].into(), json!(spec.act_default));
+        if !matches!(spec.biases, crate::arch::Biases::None | crate::arch::Biases::Qkv) {
             obj.insert("attention_bias".into(), json!(self.attention_bias));
+        }
+        if spec.biases == crate::arch::Biases::AttentionAndMlp {
             obj.insert("mlp_bias".into(), json!(false));
         }
-        if self.architecture == Architecture::Mistral {
+        if spec.windows != crate::arch::Windows::Never {
             obj.insert("sliding_window".into(), json!(self.sliding_window));
+        }
+        if matches!(spec.windows, crate::arch::Windows::Qwen) && self.sliding_window.is_some() {
+            obj.insert("use_sliding_window".into(), json!(true));
+            obj.insert("max_window_layers".into(), json!(0));
         }
         if self.transformers_v5 {
             let mut p = json!({"rope_type": "default", "rope_theta": self.rope_theta});
@@ -162,39 +157,24 @@ impl SyntheticModel {
             obj.insert("rope_scaling".into(), self.rope_scaling.clone().unwrap_or(Value::Null));
             obj.insert("torch_dtype".into(), json!(dtype));
         }
+        if let Some(Value::Object(extra)) = &self.extra {
+            obj.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
         c
     }
 
-    /// Every tensor's name and shape, in Hugging Face's order.
-    pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let (q, kv) = (self.num_attention_heads * self.head_dim(), self.num_key_value_heads * self.head_dim());
-        let (qkv_bias, o_bias) = self.biases();
-        let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-        for l in 0..self.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            t.push((format!("{p}.input_layernorm.weight"), vec![h]));
-            for (name, out, inp, bias) in [
-                ("self_attn.q_proj", q, h, qkv_bias),
-                ("self_attn.k_proj", kv, h, qkv_bias),
-                ("self_attn.v_proj", kv, h, qkv_bias),
-                ("self_attn.o_proj", h, q, o_bias),
-            ] {
-                t.push((format!("{p}.{name}.weight"), vec![out, inp]));
-                if bias {
-                    t.push((format!("{p}.{name}.bias"), vec![out]));
-                }
-            }
-            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-            for (name, out, inp) in [("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i)] {
-                t.push((format!("{p}.{name}.weight"), vec![out, inp]));
-            }
+    /// The validated config of [`config_json`](Self::config_json).
+    pub fn config(&self) -> Result<ModelConfig> {
+        match self.config_json() {
+            Value::Object(map) => ModelConfig::from_json(&map),
+            _ => Err(ModelError::Request("internal: the synthetic config is not an object".into())),
         }
-        t.push(("model.norm.weight".to_string(), vec![h]));
-        if !self.tie_word_embeddings {
-            t.push(("lm_head.weight".to_string(), vec![v, h]));
-        }
-        t
+    }
+
+    /// Every tensor's name and shape, in Hugging Face's order (what the architecture table
+    /// implies for this config).
+    pub fn tensor_shapes(&self) -> Result<Vec<(String, Vec<usize>)>> {
+        Ok(crate::tensors::expected_tensors(&self.config()?).0)
     }
 
     /// The seeded tensor `name` of `dims`.
@@ -202,8 +182,10 @@ impl SyntheticModel {
         let seed = self.seed.wrapping_mul(1_000_003).wrapping_add(index as u64);
         let cpu = Device::Cpu;
         let t = if name.ends_with("norm.weight") {
+            // Gemma's norms multiply by (1 + w): weights near 0 there, near 1 elsewhere.
+            let one = if self.architecture.spec().norm_style == tp_core::NormStyle::OnePlusWeight { 0.0 } else { 1.0 };
             let mut rng = tp_core::rng::SplitMix64::new(seed);
-            Tensor::from_fn_f64(dims, self.dtype, &cpu, |_| 1.0 + 0.1 * rng.uniform(-1.0, 1.0))?
+            Tensor::from_fn_f64(dims, self.dtype, &cpu, |_| one + 0.1 * rng.uniform(-1.0, 1.0))?
         } else if name.ends_with(".bias") {
             let mut rng = tp_core::rng::SplitMix64::new(seed);
             Tensor::from_fn_f64(dims, self.dtype, &cpu, |_| 0.1 * rng.normal())?
@@ -225,7 +207,7 @@ impl SyntheticModel {
         std::fs::write(dir.join("config.json"), pretty(&self.config_json())).map_err(io)?;
         let gen_config = json!({"bos_token_id": 1, "eos_token_id": self.eos_token_id, "do_sample": false});
         std::fs::write(dir.join("generation_config.json"), pretty(&gen_config)).map_err(io)?;
-        let shapes = self.tensor_shapes();
+        let shapes = self.tensor_shapes()?;
         let files = self.files.clamp(1, shapes.len());
         let per = shapes.len().div_ceil(files);
         let mut weight_map = serde_json::Map::new();

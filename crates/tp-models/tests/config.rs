@@ -2,7 +2,7 @@
 
 use serde_json::{Value, json};
 use tp_core::RopeScaling;
-use tp_models::{Architecture, ModelConfig, ModelError};
+use tp_models::{Architecture, LayerType, ModelConfig, ModelError};
 
 fn parse(v: Value) -> Result<ModelConfig, ModelError> {
     ModelConfig::from_json(v.as_object().unwrap())
@@ -185,9 +185,24 @@ fn qwen2_and_mistral_take_their_architectures_rules() {
     assert_eq!(c.architecture, Architecture::Qwen2);
     assert!(c.qkv_bias && !c.o_bias && !c.mlp_bias && c.tie_word_embeddings);
     assert_eq!((c.head_dim, c.sliding_window), (64, None));
+    assert!(c.layer_types.iter().all(|&t| t == LayerType::Full));
+    // use_sliding_window: the layers from max_window_layers on slide (transformers' rule), or
+    // those layer_types names.
     let mut sliding = qwen;
     sliding["use_sliding_window"] = json!(true);
-    assert!(matches!(parse(sliding), Err(ModelError::Unsupported { field, .. }) if field == "use_sliding_window"));
+    let c = parse(sliding.clone()).unwrap();
+    assert_eq!(c.sliding_window, Some(32768));
+    assert_eq!(
+        (0..24).map(|i| c.window_of(i).is_some()).collect::<Vec<_>>(),
+        (0..24).map(|i| i >= 21).collect::<Vec<_>>()
+    );
+    let mut types: Vec<Value> =
+        (0..24).map(|i| json!(if i % 2 == 0 { "sliding_attention" } else { "full_attention" })).collect();
+    sliding["layer_types"] = json!(types.clone());
+    assert_eq!(parse(sliding.clone()).unwrap().window_of(2), Some(32768));
+    types.pop();
+    sliding["layer_types"] = json!(types);
+    assert!(parse(sliding).unwrap_err().to_string().contains("layer_types"));
     let mistral = json!({"architectures": ["MistralForCausalLM"], "hidden_size": 5120, "head_dim": 128,
         "intermediate_size": 14336, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
         "vocab_size": 131072, "sliding_window": 4096, "rope_theta": 1000000.0});
@@ -273,5 +288,5 @@ fn bad_fields_are_named() {
     c.as_object_mut().unwrap().remove("architectures");
     assert_eq!(parse(c.clone()).unwrap().architecture, Architecture::Llama);
     c["model_type"] = json!("gpt2");
-    assert!(matches!(parse(c), Err(ModelError::UnknownArchitecture { name }) if name == "gpt2"));
+    assert!(matches!(parse(c), Err(ModelError::UnknownArchitecture { name, .. }) if name == "gpt2"));
 }

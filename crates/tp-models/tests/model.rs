@@ -229,7 +229,7 @@ fn bad_models_are_typed_errors_naming_the_problem() {
     c["architectures"] = json!(["GPT2LMHeadModel"]);
     std::fs::write(d.join("config.json"), c.to_string()).unwrap();
     let e = load_err(&d, 1);
-    assert!(matches!(&e, ModelError::UnknownArchitecture { name } if name == "GPT2LMHeadModel"), "{e}");
+    assert!(matches!(&e, ModelError::UnknownArchitecture { name, .. } if name == "GPT2LMHeadModel"), "{e}");
     // Config and tensors disagree: a hidden size the files do not have.
     let mut c = f.spec.config_json();
     c["intermediate_size"] = json!(78);

@@ -90,10 +90,31 @@ pub(crate) fn cast(s: &CudaStorage, numel: usize, to: DType) -> Result<CudaStora
     Ok(parts.finish(buf))
 }
 
-/// `silu(gate) * up` over `rows` rows of `[gate | up]`, `inner` each.
-pub(crate) fn swiglu(s: &CudaStorage, rows: usize, inner: usize) -> Result<CudaStorage> {
+/// `act(gate) * up` over `rows` rows of `[gate | up]`, `inner` each.
+pub(crate) fn glu(s: &CudaStorage, rows: usize, inner: usize, act: crate::Activation) -> Result<CudaStorage> {
     let (mut buf, parts) = alloc_like(s, rows * inner * s.dtype.size_in_bytes(), s.dtype)?;
-    s.gpu.swiglu(&mut buf, &s.buf, rows, inner, elem_type(s.dtype))?;
+    s.gpu.glu(&mut buf, &s.buf, (rows, inner), act.code(), elem_type(s.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// `round(x · round(s))` over `n` elements.
+pub(crate) fn scale(x: &CudaStorage, n: usize, s: f32) -> Result<CudaStorage> {
+    let (mut buf, parts) = alloc_like(x, n * x.dtype.size_in_bytes(), x.dtype)?;
+    x.gpu.scale(&mut buf, &x.buf, n, s, elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// Soft-capping at `cap` over `n` elements.
+pub(crate) fn softcap(x: &CudaStorage, n: usize, cap: f32) -> Result<CudaStorage> {
+    let (mut buf, parts) = alloc_like(x, n * x.dtype.size_in_bytes(), x.dtype)?;
+    x.gpu.softcap(&mut buf, &x.buf, n, cap, elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// Per-row sums of squares (f32) of `rows` rows of `h`.
+pub(crate) fn sum_squares(x: &CudaStorage, rows: usize, h: usize) -> Result<CudaStorage> {
+    let (mut buf, parts) = alloc_like(x, rows * 4, DType::F32)?;
+    x.gpu.sum_squares(&mut buf, &x.buf, (rows, h), elem_type(x.dtype))?;
     Ok(parts.finish(buf))
 }
 
@@ -166,11 +187,24 @@ pub(crate) fn add_assign(x: &mut CudaStorage, y: &CudaStorage, n: usize) -> Resu
     Ok(())
 }
 
-/// RMSNorm of `rows` rows of `h`.
-pub(crate) fn rms_norm(x: &CudaStorage, w: &CudaStorage, rows: usize, h: usize, eps: f32) -> Result<CudaStorage> {
+/// RMSNorm of `rows` rows of `h` in `style`, with the sums of squares over `n` features given
+/// or not.
+pub(crate) fn rms_norm(
+    x: &CudaStorage,
+    w: &CudaStorage,
+    rows: usize,
+    h: usize,
+    eps: f32,
+    style: crate::NormStyle,
+    stats: Option<(&CudaStorage, usize)>,
+) -> Result<CudaStorage> {
     same_gpu("rms_norm", x, w)?;
+    if let Some((s, _)) = stats {
+        same_gpu("rms_norm", x, s)?;
+    }
     let (mut buf, parts) = alloc_like(x, rows * h * x.dtype.size_in_bytes(), x.dtype)?;
-    x.gpu.rms_norm(&mut buf, &x.buf, &w.buf, rows, h, eps, elem_type(x.dtype))?;
+    let stats = stats.map(|(s, n)| (&*s.buf, n));
+    x.gpu.rms_norm(&mut buf, &x.buf, &w.buf, (rows, h), eps, style.code(), stats, elem_type(x.dtype))?;
     Ok(parts.finish(buf))
 }
 

@@ -1,19 +1,61 @@
-//! Element-wise ops between GEMMs: SwiGLU on a merged `[gate | up]` output, a row-broadcast
-//! bias add, and the residual add. All compute in f32 and round to the dtype at the points
-//! PyTorch does: once per op (SwiGLU is two ops there, `silu(gate)` then `* up`, so it rounds
-//! twice, as Hugging Face's MLP does).
+//! Element-wise ops between GEMMs: the gated activation on a merged `[gate | up]` output
+//! (SwiGLU, GeGLU), a row-broadcast bias add, the residual add, a scalar scale (Gemma's
+//! embedding) and soft-capping (Gemma's final logits). All compute in f32 and round to the dtype
+//! at the points PyTorch does: once per op (a gated activation is two ops there, `act(gate)`
+//! then `* up`, so it rounds twice, as Hugging Face's MLP does).
 
 use crate::storage::{CpuStorage, Storage};
 use crate::{Element, Error, Result, Shape, Tensor, with_dtype};
 
+/// The activation of a gated MLP's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// `silu(g) = g / (1 + e^-g)` (Hugging Face's `silu`): SwiGLU.
+    #[default]
+    Silu,
+    /// `gelu_tanh(g) = g/2 · (1 + tanh(sqrt(2/π) · (g + 0.044715 g³)))` (`gelu_pytorch_tanh`):
+    /// GeGLU, as Gemma uses it.
+    GeluTanh,
+}
+
+impl Activation {
+    /// The activation in f32.
+    pub fn apply(self, g: f32) -> f32 {
+        match self {
+            Activation::Silu => g / (1.0 + (-g).exp()),
+            Activation::GeluTanh => {
+                // PyTorch's CPU kernel: 0.5 * x * (1 + tanh(kBeta * (x + kKappa * x^3))).
+                const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+                const KAPPA: f32 = 0.044715;
+                let cube = g * g * g;
+                let inner = BETA * (g + KAPPA * cube);
+                0.5 * g * (1.0 + inner.tanh())
+            }
+        }
+    }
+
+    /// The kernels' code for the activation.
+    pub(crate) fn code(self) -> i32 {
+        match self {
+            Activation::Silu => 0,
+            Activation::GeluTanh => 1,
+        }
+    }
+}
+
 impl Tensor {
-    /// `silu(gate) * up` where the last dim of `self` is `[gate | up]` (even length `2I`):
-    /// `[.., 2I] -> [.., I]`, `silu(g) = g / (1 + e^-g)`. The activation of a SwiGLU MLP after a
-    /// merged gate/up projection.
+    /// `silu(gate) * up` where the last dim of `self` is `[gate | up]`: `glu(Activation::Silu)`.
+    pub fn swiglu(&self) -> Result<Tensor> {
+        self.glu(Activation::Silu)
+    }
+
+    /// `act(gate) * up` where the last dim of `self` is `[gate | up]` (even length `2I`):
+    /// `[.., 2I] -> [.., I]`, `act(gate)` rounded to the dtype before the product. The
+    /// activation of a gated MLP after a merged gate/up projection.
     ///
     /// Errors: [`Error::RankMismatch`] for a scalar, [`Error::ShapeMismatch`] for an odd last dim.
-    pub fn swiglu(&self) -> Result<Tensor> {
-        const OP: &str = "swiglu";
+    pub fn glu(&self, act: Activation) -> Result<Tensor> {
+        const OP: &str = "glu";
         self.require_float()?;
         let (&two_i, lead) = self.dims().split_last().ok_or(Error::RankMismatch {
             op: OP,
@@ -34,10 +76,10 @@ impl Tensor {
         dims.push(inner);
         let shape = Shape::new(&dims)?;
         if let Storage::Cuda(s) = self.storage() {
-            return Ok(Tensor::from_cuda(shape, super::cuda::swiglu(s, rows, inner)?));
+            return Ok(Tensor::from_cuda(shape, super::cuda::glu(s, rows, inner, act)?));
         }
         let src = self.cpu_storage(OP)?;
-        let out = with_dtype!(src.dtype(), T => CpuStorage::from_vec(host_swiglu::<T>(src.as_slice::<T>().unwrap_or_default(), rows, inner)?));
+        let out = with_dtype!(src.dtype(), T => CpuStorage::from_vec(host_glu::<T>(src.as_slice::<T>().unwrap_or_default(), rows, inner, act)?));
         Ok(Tensor::from_cpu(shape, out))
     }
 
@@ -113,16 +155,66 @@ impl Tensor {
     }
 }
 
-fn host_swiglu<T: Element>(x: &[T], rows: usize, inner: usize) -> Result<Vec<T>> {
-    let mut out = crate::alloc::with_capacity("swiglu", rows * inner)?;
+fn host_glu<T: Element>(x: &[T], rows: usize, inner: usize, act: Activation) -> Result<Vec<T>> {
+    let mut out = crate::alloc::with_capacity("glu", rows * inner)?;
     for r in 0..rows {
         let row = &x[r * 2 * inner..(r + 1) * 2 * inner];
         let (gate, up) = row.split_at(inner);
         out.extend(gate.iter().zip(up).map(|(g, u)| {
-            let g = g.to_f32();
-            let silu = T::from_f32(g / (1.0 + (-g).exp())); // rounded, as torch's silu output
-            T::from_f32(silu.to_f32() * u.to_f32())
+            let a = T::from_f32(act.apply(g.to_f32())); // rounded, as torch's activation output
+            T::from_f32(a.to_f32() * u.to_f32())
         }));
     }
     Ok(out)
+}
+
+impl Tensor {
+    /// `round(self · round(s))`: every element times the scalar `s` rounded to the dtype first
+    /// (PyTorch's `x * torch.tensor(s).to(dtype)`; Gemma's embedding scale `sqrt(H)`).
+    ///
+    /// Errors: [`Error::NotFloat`], [`Error::InvalidArgument`] for a non-finite `s`.
+    pub fn scale(&self, s: f32) -> Result<Tensor> {
+        const OP: &str = "scale";
+        self.require_float()?;
+        if !s.is_finite() {
+            return Err(Error::InvalidArgument { op: OP, why: format!("the factor must be finite, got {s}") });
+        }
+        let n = self.numel();
+        if let Storage::Cuda(x) = self.storage() {
+            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::scale(x, n, s)?));
+        }
+        let x = self.cpu_storage(OP)?;
+        let out = with_dtype!(x.dtype(), T => {
+            let f = T::from_f32(s).to_f32();
+            let v = x.as_slice::<T>().unwrap_or_default().iter().map(|v| T::from_f32(v.to_f32() * f));
+            CpuStorage::from_vec(crate::alloc::collect(OP, n, v)?)
+        });
+        Ok(Tensor::from_cpu(self.shape().clone(), out))
+    }
+
+    /// Soft-capping at `cap`: `round(round(tanh(round(x / cap))) · cap)`, PyTorch's
+    /// `x / cap; tanh; * cap` rounded after each op (Gemma's final logits).
+    ///
+    /// Errors: [`Error::NotFloat`], [`Error::InvalidArgument`] unless `cap` is finite and > 0.
+    pub fn softcap(&self, cap: f32) -> Result<Tensor> {
+        const OP: &str = "softcap";
+        self.require_float()?;
+        if !(cap.is_finite() && cap > 0.0) {
+            return Err(Error::InvalidArgument { op: OP, why: format!("the cap must be finite and > 0, got {cap}") });
+        }
+        let n = self.numel();
+        if let Storage::Cuda(x) = self.storage() {
+            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::softcap(x, n, cap)?));
+        }
+        let x = self.cpu_storage(OP)?;
+        let out = with_dtype!(x.dtype(), T => {
+            let v = x.as_slice::<T>().unwrap_or_default().iter().map(|v| {
+                let d = T::from_f32(v.to_f32() / cap).to_f32();
+                let t = T::from_f32(d.tanh()).to_f32();
+                T::from_f32(t * cap)
+            });
+            CpuStorage::from_vec(crate::alloc::collect(OP, n, v)?)
+        });
+        Ok(Tensor::from_cpu(self.shape().clone(), out))
+    }
 }

@@ -12,7 +12,9 @@ mod rope;
 mod tokens;
 
 pub use attention::{AttentionSpec, KvGroups};
+pub use elementwise::Activation;
 pub use matmul::WeightLayout;
+pub use norm::NormStyle;
 pub use rope::{RopeScaling, RotaryEmbedding};
 
 use crate::{Error, Result, Tensor};

@@ -1,21 +1,66 @@
-//! RMSNorm, as Llama, Qwen2 and Mistral use it (Hugging Face's `LlamaRMSNorm`).
+//! RMSNorm, in the two ways decoders apply its weight ([`NormStyle`]).
 //!
-//! For each row `x` of the last dim (length `H`):
-//! `y = w ⊙ round(x · (mean(x²) + eps)^-1/2)`, where the normalisation is computed in f32 and
-//! rounded (nearest even) to the input dtype before the multiply by the weight `w: [H]`, whose
-//! product is rounded again: exactly the two rounding points of Hugging Face's code
-//! (`weight * hidden_states.to(input_dtype)`). In f32 both roundings are no-ops.
+//! For each row `x` of the last dim (length `H`), with `rstd = (mean(x²) + eps)^-1/2` in f32:
+//!
+//! * [`NormStyle::Weight`] (Hugging Face's `LlamaRMSNorm`; Qwen, Mistral, Phi-3, OLMo 2):
+//!   `y = round(w ⊙ round(x · rstd))`: the normalisation rounded to the input dtype before the
+//!   product with the weight, whose result is rounded again (`weight * hidden_states.to(dtype)`).
+//! * [`NormStyle::OnePlusWeight`] (Gemma's `Gemma3RMSNorm`): `y = round(x · rstd · (1 + w))`,
+//!   all in f32 and rounded once (`(x.float() * rstd * (1.0 + w.float())).type_as(x)`).
+//! * [`NormStyle::WeightF32`] (OLMo 2's `Olmo2RMSNorm`): `y = round(w ⊙ (x · rstd))`, the
+//!   weight product in f32 and rounded once (`(weight * hidden_states).to(input_dtype)`).
+//!
+//! In f32 every rounding is a no-op. The mean may come from outside ([`Tensor::rms_norm_with`]
+//! with a sum of squares over `n` features): a norm over features split across ranks, whose
+//! per-row sums of squares ([`Tensor::sum_squares`]) the ranks add up first.
 
 use crate::storage::{CpuStorage, Storage};
-use crate::{Element, Error, Result, Tensor, with_dtype};
+use crate::{DType, Element, Error, Result, Tensor, with_dtype};
+
+/// How an RMSNorm applies its weight `w` (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NormStyle {
+    /// `w ⊙ round(x · rstd)`, two roundings (Llama and most others).
+    #[default]
+    Weight,
+    /// `round(x · rstd · (1 + w))` in f32, one rounding (Gemma).
+    OnePlusWeight,
+    /// `round(w ⊙ (x · rstd))` in f32, one rounding (OLMo 2).
+    WeightF32,
+}
+
+impl NormStyle {
+    /// The kernels' code for the style.
+    pub(crate) fn code(self) -> i32 {
+        match self {
+            NormStyle::Weight => 0,
+            NormStyle::OnePlusWeight => 1,
+            NormStyle::WeightF32 => 2,
+        }
+    }
+}
 
 impl Tensor {
-    /// RMSNorm over the last dim with weight `w: [H]` (same dtype and device) and `eps > 0`.
+    /// RMSNorm over the last dim with weight `w: [H]` (same dtype and device) and `eps >= 0`,
+    /// in Llama's style: `rms_norm_with(w, eps, NormStyle::Weight, None)`.
+    pub fn rms_norm(&self, weight: &Tensor, eps: f64) -> Result<Tensor> {
+        self.rms_norm_with(weight, eps, NormStyle::Weight, None)
+    }
+
+    /// RMSNorm over the last dim with weight `w: [H]` applied in `style`. With `stats = (s, n)`
+    /// the mean of squares of row `i` is `s[i] / n` (`s: [rows]`, f32, on the same device)
+    /// instead of the row's own: the rows hold `H` of `n` features, the rest on other ranks.
     ///
     /// Errors: [`Error::RankMismatch`] for a scalar, [`Error::ShapeMismatch`] if `w` is not
-    /// `[H]`, dtype/device mismatches, [`Error::InvalidArgument`] for a negative or non-finite
-    /// `eps`, [`Error::NotFloat`] for integer tensors.
-    pub fn rms_norm(&self, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    /// `[H]` or `s` not `[rows]`, dtype/device mismatches, [`Error::InvalidArgument`] for a
+    /// negative or non-finite `eps` or `n == 0`, [`Error::NotFloat`] for integer tensors.
+    pub fn rms_norm_with(
+        &self,
+        weight: &Tensor,
+        eps: f64,
+        style: NormStyle,
+        stats: Option<(&Tensor, usize)>,
+    ) -> Result<Tensor> {
         const OP: &str = "rms_norm";
         self.require_float()?;
         super::same_dtype_device(OP, self, weight)?;
@@ -32,31 +77,109 @@ impl Tensor {
             return Err(Error::InvalidArgument { op: OP, why: format!("eps must be finite and >= 0, got {eps}") });
         }
         let rows = self.numel().checked_div(h).unwrap_or(0);
+        let stats = match stats {
+            None => None,
+            Some((s, n)) => {
+                if s.dtype() != DType::F32 || s.device() != self.device() {
+                    return Err(Error::InvalidArgument {
+                        op: OP,
+                        why: format!(
+                            "sums of squares must be f32 on {}, got {} on {}",
+                            self.device(),
+                            s.dtype(),
+                            s.device()
+                        ),
+                    });
+                }
+                if s.dims() != [rows] || n == 0 {
+                    return Err(Error::ShapeMismatch {
+                        op: OP,
+                        lhs: self.dims().to_vec(),
+                        rhs: s.dims().to_vec(),
+                        why: "sums of squares must be [rows] over n > 0 features",
+                    });
+                }
+                Some((s, n))
+            }
+        };
         if let (Storage::Cuda(x), Storage::Cuda(w)) = (self.storage(), weight.storage()) {
-            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::rms_norm(x, w, rows, h, eps as f32)?));
+            let stats = match stats {
+                Some((s, n)) => match s.storage() {
+                    Storage::Cuda(s) => Some((s, n)),
+                    Storage::Cpu(_) => {
+                        return Err(Error::DeviceMismatch { op: OP, lhs: self.device(), rhs: s.device() });
+                    }
+                },
+                None => None,
+            };
+            let out = super::cuda::rms_norm(x, w, rows, h, eps as f32, style, stats)?;
+            return Ok(Tensor::from_cuda(self.shape().clone(), out));
         }
         let (x, w) = (self.cpu_storage(OP)?, weight.cpu_storage(OP)?);
+        let means: Option<Vec<f32>> = match stats {
+            Some((s, n)) => {
+                Some(s.cpu_storage(OP)?.as_slice::<f32>().unwrap_or_default().iter().map(|v| v / n as f32).collect())
+            }
+            None => None,
+        };
         let out = with_dtype!(x.dtype(), T => {
             let (xs, ws) = (x.as_slice::<T>().unwrap_or_default(), w.as_slice::<T>().unwrap_or_default());
-            CpuStorage::from_vec(host_rms_norm::<T>(xs, ws, h, eps as f32))
+            CpuStorage::from_vec(host_rms_norm::<T>(xs, ws, h, eps as f32, style, means.as_deref())?)
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
+    }
+
+    /// Each row's sum of squares over the last dim, `[..]` in f32 (accumulated in f64 on the
+    /// host, f32 on the GPU): the statistic of an RMSNorm whose features are split across ranks.
+    ///
+    /// Errors: [`Error::RankMismatch`] for a scalar, [`Error::NotFloat`].
+    pub fn sum_squares(&self) -> Result<Tensor> {
+        const OP: &str = "sum_squares";
+        self.require_float()?;
+        let (&h, lead) =
+            self.dims().split_last().ok_or(Error::RankMismatch { op: OP, expected: "at least 1", dims: vec![] })?;
+        let rows: usize = lead.iter().product();
+        let shape = crate::Shape::new(lead)?;
+        if let Storage::Cuda(x) = self.storage() {
+            return Ok(Tensor::from_cuda(shape, super::cuda::sum_squares(x, rows, h)?));
+        }
+        let x = self.cpu_storage(OP)?;
+        let out: Vec<f32> = with_dtype!(x.dtype(), T => {
+            let xs = x.as_slice::<T>().unwrap_or_default();
+            (0..rows).map(|r| xs[r * h..(r + 1) * h].iter().map(|v| f64::from(v.to_f32()).powi(2)).sum::<f64>() as f32).collect()
+        });
+        Ok(Tensor::from_cpu(shape, CpuStorage::from_vec(out)))
     }
 }
 
 /// The host RMSNorm of every row of `x` (rows of `h` elements); the sum of squares is taken in
-/// f64, the rest in f32 as on the GPU.
-fn host_rms_norm<T: Element>(x: &[T], w: &[T], h: usize, eps: f32) -> Vec<T> {
-    let mut out = Vec::with_capacity(x.len());
+/// f64, the rest in f32 as on the GPU. `means`: each row's mean of squares, given.
+fn host_rms_norm<T: Element>(
+    x: &[T],
+    w: &[T],
+    h: usize,
+    eps: f32,
+    style: NormStyle,
+    means: Option<&[f32]>,
+) -> Result<Vec<T>> {
+    let mut out = crate::alloc::with_capacity("rms_norm", x.len())?;
     let w: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-    for row in x.chunks_exact(h.max(1)) {
-        let ss: f64 = row.iter().map(|v| f64::from(v.to_f32()).powi(2)).sum();
-        let mean = (ss / h as f64) as f32;
+    for (r, row) in x.chunks_exact(h.max(1)).enumerate() {
+        let mean = match means {
+            Some(m) => m[r],
+            None => (row.iter().map(|v| f64::from(v.to_f32()).powi(2)).sum::<f64>() / h as f64) as f32,
+        };
         let rstd = 1.0 / (mean + eps).sqrt();
-        out.extend(row.iter().zip(&w).map(|(v, w)| {
-            let normed = T::from_f32(v.to_f32() * rstd); // rounding point 1: to the input dtype
-            T::from_f32(w * normed.to_f32()) // rounding point 2: the weight product
-        }));
+        match style {
+            NormStyle::Weight => out.extend(row.iter().zip(&w).map(|(v, w)| {
+                let normed = T::from_f32(v.to_f32() * rstd); // rounding point 1: to the input dtype
+                T::from_f32(w * normed.to_f32()) // rounding point 2: the weight product
+            })),
+            NormStyle::OnePlusWeight => {
+                out.extend(row.iter().zip(&w).map(|(v, w)| T::from_f32(v.to_f32() * rstd * (1.0 + w))))
+            }
+            NormStyle::WeightF32 => out.extend(row.iter().zip(&w).map(|(v, w)| T::from_f32(w * (v.to_f32() * rstd)))),
+        }
     }
-    out
+    Ok(out)
 }

@@ -34,16 +34,19 @@ pub struct AttentionShape {
 }
 
 impl Gpu {
-    /// RMSNorm of `rows` rows of `h` elements (`tp_rms_norm_T`): `out = w * round(x * rstd)`.
+    /// RMSNorm of `rows` rows of `h` elements (`tp_rms_norm_T`): style 0 `out = w *
+    /// round(x * rstd)`, style 1 `out = x * rstd * (1 + w)`, style 2 `out = w * (x * rstd)`; the mean of squares of row `r` is
+    /// its own, or `sum_sq[r] / n` when `stats = Some((sum_sq, n))` (`rows` f32 on this device).
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm(
         &self,
         out: &mut CudaSlice<u8>,
         x: &CudaSlice<u8>,
         w: &CudaSlice<u8>,
-        rows: usize,
-        h: usize,
+        (rows, h): (usize, usize),
         eps: f32,
+        style: i32,
+        stats: Option<(&CudaSlice<u8>, usize)>,
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "rms_norm";
@@ -52,18 +55,60 @@ impl Gpu {
         if bytes > x.len() || bytes > out.len() || span(K, h, ty.size(), 0)? > w.len() {
             return Err(invalid(K, format!("{rows} x {h} does not fit the buffers")));
         }
+        if !(0..=2).contains(&style) {
+            return Err(invalid(K, format!("unknown norm style {style}")));
+        }
+        if let Some((s, n)) = stats
+            && (span(K, rows, 4, 0)? > s.len() || n == 0)
+        {
+            return Err(invalid(K, format!("{rows} sums of squares over {n} features do not fit")));
+        }
         if bytes == 0 {
             return Ok(());
         }
         let f = self.function(&format!("tp_rms_norm_{}", ty.name()), 0)?;
         let (r, hi) = (i64_of(K, rows)?, i64_of(K, h)?);
+        let n = i64_of(K, stats.map_or(h, |s| s.1))?;
         let mut b = self.stream().launch_builder(f);
-        b.arg(out).arg(x).arg(w).arg(&r).arg(&hi).arg(&eps);
+        b.arg(out).arg(x).arg(w).arg(&r).arg(&hi).arg(&eps).arg(&style);
+        match stats {
+            Some((s, _)) => b.arg(s),
+            None => b.arg(&super::NULL_PTR),
+        };
+        b.arg(&n);
         // SAFETY: matches tp_rms_norm_T(T* out, const T* x, const T* w, int64 rows, int64 h,
-        // float eps); x and out hold rows*h elements and w holds h (checked above); out is the
-        // only buffer written and is borrowed mutably. 256 threads: the kernel's launch bounds
-        // and a multiple of 32, as its block reduction needs.
+        // float eps, int style, const float* sum_sq, int64 n); x and out hold rows*h elements,
+        // w holds h, sum_sq (when not null) rows floats and n > 0 (checked above); style is 0,
+        // 1 or 2; out is the only buffer written and is borrowed mutably. 256 threads: the
+        // kernel's launch bounds and a multiple of 32, as its block reduction needs.
         unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_rms_norm)"))
+    }
+
+    /// `out[r] = Σ_j x[r, j]²` (f32) over `rows` rows of `h` elements (`tp_sum_squares_T`).
+    pub fn sum_squares(
+        &self,
+        out: &mut CudaSlice<u8>,
+        x: &CudaSlice<u8>,
+        (rows, h): (usize, usize),
+        ty: ElemType,
+    ) -> Result<()> {
+        const K: &str = "sum_squares";
+        require_float(K, ty)?;
+        let bytes = span(K, rows, h, 0).and_then(|n| span(K, n, ty.size(), 0))?;
+        if bytes > x.len() || span(K, rows, 4, 0)? > out.len() {
+            return Err(invalid(K, format!("{rows} x {h} does not fit the buffers")));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(&format!("tp_sum_squares_{}", ty.name()), 0)?;
+        let (r, hi) = (i64_of(K, rows)?, i64_of(K, h)?);
+        let mut b = self.stream().launch_builder(f);
+        b.arg(out).arg(x).arg(&r).arg(&hi);
+        // SAFETY: matches tp_sum_squares_T(float* out, const T* x, int64 rows, int64 h); x holds
+        // rows*h elements and out rows floats (checked above); out is the only buffer written,
+        // borrowed mutably; 256 threads, a multiple of 32, as the block reduction needs.
+        unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_sum_squares)"))
     }
 
     /// RoPE over `x: [tokens, heads, 2 * inv_freq.len()]` (`tp_rope_T`); `pos` holds `tokens`

@@ -1,4 +1,5 @@
-//! Launchers of `kernels/elementwise.cu`: SwiGLU, the row bias, the in-place add.
+//! Launchers of `kernels/elementwise.cu`: the gated activations (SwiGLU, GeGLU), the row bias,
+//! the in-place add, the scalar scale and soft-capping.
 
 use super::{ElemType, i64_of, invalid, require_float, span};
 use crate::error::{Result, driver};
@@ -6,17 +7,20 @@ use crate::gpu::Gpu;
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 impl Gpu {
-    /// `out = silu(gate) * up` over `rows` rows of `[gate | up]` (`inner` each), element type
-    /// `ty` (`kernels/elementwise.cu`, `tp_swiglu_T`).
-    pub fn swiglu(
+    /// `out = act(gate) * up` over `rows` rows of `[gate | up]` (`inner` each), element type
+    /// `ty`; `act` 0 is silu, 1 GELU's tanh approximation (`kernels/elementwise.cu`, `tp_glu_T`).
+    pub fn glu(
         &self,
         out: &mut CudaSlice<u8>,
         input: &CudaSlice<u8>,
-        rows: usize,
-        inner: usize,
+        (rows, inner): (usize, usize),
+        act: i32,
         ty: ElemType,
     ) -> Result<()> {
-        const K: &str = "swiglu";
+        const K: &str = "glu";
+        if !(0..=1).contains(&act) {
+            return Err(invalid(K, format!("unknown activation code {act}")));
+        }
         require_float(K, ty)?;
         let n = span(K, rows, inner, 0)?;
         if span(K, n, 2 * ty.size(), 0)? > input.len() || span(K, n, ty.size(), 0)? > out.len() {
@@ -25,14 +29,14 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let f = self.function(&format!("tp_swiglu_{}", ty.name()), 0)?;
+        let f = self.function(&format!("tp_glu_{}", ty.name()), 0)?;
         let (r, i) = (i64_of(K, rows)?, i64_of(K, inner)?);
         let mut b = self.stream().launch_builder(f);
-        b.arg(out).arg(input).arg(&r).arg(&i);
-        // SAFETY: matches tp_swiglu_T(T* out, const T* in, int64 rows, int64 inner); `in` holds
-        // rows*2*inner and `out` rows*inner elements (checked above); distinct buffers (& vs
-        // &mut), 256-byte aligned.
-        unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_swiglu)"))
+        b.arg(out).arg(input).arg(&r).arg(&i).arg(&act);
+        // SAFETY: matches tp_glu_T(T* out, const T* in, int64 rows, int64 inner, int act); `in`
+        // holds rows*2*inner and `out` rows*inner elements (checked above); act is 0 or 1
+        // (checked); distinct buffers (& vs &mut), 256-byte aligned.
+        unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_glu)"))
     }
 
     /// `out[r, c] = input[r, c] + bias[c]` (`kernels/elementwise.cu`, `tp_add_row_T`).
@@ -82,5 +86,48 @@ impl Gpu {
         // SAFETY: matches tp_add_T(T* x, const T* y, int64 n); both buffers hold n elements
         // (checked above) and are distinct (`&mut` vs `&`), 256-byte aligned.
         unsafe { b.launch(self.grid_stride(n as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_add)"))
+    }
+
+    /// `out[i] = round(x[i] * round(s))` for `n` elements (`tp_scale_T`).
+    pub fn scale(&self, out: &mut CudaSlice<u8>, x: &CudaSlice<u8>, n: usize, s: f32, ty: ElemType) -> Result<()> {
+        self.unary_scalar("scale", "tp_scale", out, x, n, s, ty)
+    }
+
+    /// `out[i] = round(round(tanh(round(x[i] / cap))) * cap)` for `n` elements (`tp_softcap_T`).
+    pub fn softcap(&self, out: &mut CudaSlice<u8>, x: &CudaSlice<u8>, n: usize, cap: f32, ty: ElemType) -> Result<()> {
+        self.unary_scalar("softcap", "tp_softcap", out, x, n, cap, ty)
+    }
+
+    /// Launches `{kernel}_T(T* out, const T* x, int64 n, float v)` over `n` elements.
+    #[allow(clippy::too_many_arguments)]
+    fn unary_scalar(
+        &self,
+        name: &'static str,
+        kernel: &str,
+        out: &mut CudaSlice<u8>,
+        x: &CudaSlice<u8>,
+        n: usize,
+        v: f32,
+        ty: ElemType,
+    ) -> Result<()> {
+        require_float(name, ty)?;
+        let bytes = span(name, n, ty.size(), 0)?;
+        if bytes > x.len() || bytes > out.len() {
+            return Err(invalid(name, format!("{n} elements do not fit the buffers")));
+        }
+        if !v.is_finite() {
+            return Err(invalid(name, format!("the scalar must be finite, got {v}")));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(&format!("{kernel}_{}", ty.name()), 0)?;
+        let n_i = i64_of(name, n)?;
+        let mut b = self.stream().launch_builder(f);
+        b.arg(out).arg(x).arg(&n_i).arg(&v);
+        // SAFETY: matches tp_scale_T / tp_softcap_T(T* out, const T* x, int64 n, float v); both
+        // buffers hold n elements of T (checked above) and are distinct (`&mut` vs `&`);
+        // grid-stride over n.
+        unsafe { b.launch(self.grid_stride(n as u64)) }.map(drop).map_err(driver("cuLaunchKernel(unary scalar)"))
     }
 }

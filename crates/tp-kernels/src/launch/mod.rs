@@ -128,7 +128,7 @@ impl Gpu {
 }
 
 /// A null device pointer, passed where a kernel's optional bias is absent.
-static NULL_PTR: u64 = 0;
+pub(crate) static NULL_PTR: u64 = 0;
 
 /// Pushes the GEMM kernels' `const T* bias` argument: the bias buffer, or a null pointer.
 fn push_bias<'a>(l: &mut LaunchArgs<'a>, bias: Option<&'a CudaSlice<u8>>) {

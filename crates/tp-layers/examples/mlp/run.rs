@@ -15,8 +15,8 @@
 
 use std::time::Duration;
 use tp_comm::{CommError, DeviceGroup, MAX_WORLD_SIZE};
-use tp_core::{DType, Device, Tensor};
-use tp_layers::{Checkpoint, LayerError, LoadOptions, ParallelMlp, save};
+use tp_core::{Activation, DType, Device, Tensor};
+use tp_layers::{Checkpoint, LayerError, LoadOptions, Loader, MlpNames, ParallelMlp, save};
 
 /// The command line as UTF-8 (a non-UTF-8 argument is an error, not a panic).
 pub fn utf8_args() -> Result<Vec<String>, String> {
@@ -221,8 +221,9 @@ fn root_cause(errors: Vec<(usize, LayerError)>) -> Option<String> {
 }
 
 fn one_rank(a: &Args, ckpt: &Checkpoint, x: &Tensor, g: &DeviceGroup) -> Result<Tensor, LayerError> {
-    let mlp = ParallelMlp::load(ckpt, &a.prefix, g, &LoadOptions::new().with_dtype(a.dtype))?;
-    let y = mlp.forward(&x.to_device(&g.device())?, g)?;
+    let ld = Loader::new(ckpt, g, LoadOptions::new().with_dtype(a.dtype)).pp(&a.prefix);
+    let mlp = ParallelMlp::load(&ld, MlpNames::default(), Activation::Silu)?;
+    let y = mlp.forward(&x.to_device(&g.device())?)?;
     Ok(y.to_device(&Device::Cpu)?)
 }
 

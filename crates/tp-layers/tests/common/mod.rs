@@ -107,3 +107,13 @@ pub fn mlp_f64(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear) -> MlpRef 
     }
     r
 }
+
+/// The SwiGLU MLP under `prefix` of `ckpt`, loaded for `g` with Hugging Face's names.
+pub fn load_mlp(
+    ckpt: &tp_layers::Checkpoint,
+    prefix: &str,
+    g: &tp_comm::DeviceGroup,
+) -> tp_layers::Result<tp_layers::ParallelMlp> {
+    let ld = tp_layers::Loader::new(ckpt, g, tp_layers::LoadOptions::new()).pp(prefix);
+    tp_layers::ParallelMlp::load(&ld, tp_layers::MlpNames::default(), tp_core::Activation::Silu)
+}

@@ -1,0 +1,131 @@
+//! [`Loader`]: a checkpoint seen from one rank, scoped to a name prefix.
+//!
+//! It carries what every layer's `load` needs: the [`Checkpoint`], the [`DeviceGroup`] the layer
+//! will run on (rank, world size, device), the [`LoadOptions`] and a prefix. `pp("mlp")` scopes
+//! it one level down (candle's `VarBuilder::pp`), so a block builds its tensor names once:
+//! `Loader::new(&ckpt, &group, opts).pp("model.layers.3").pp("mlp")` reads
+//! `model.layers.3.mlp.gate_proj.weight` as `tensor("gate_proj.weight")`.
+//!
+//! Reads go through [`Loader::rows`] and [`Loader::columns`], which copy only the requested
+//! entries out of the memory-mapped file, so a rank reads only its shard of each tensor.
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{LayerError, Result};
+use crate::options::LoadOptions;
+use tp_comm::DeviceGroup;
+use tp_core::{DType, Device, Tensor};
+
+/// One rank's prefix-scoped view of a checkpoint.
+#[derive(Debug, Clone)]
+pub struct Loader<'a> {
+    ckpt: &'a Checkpoint,
+    group: &'a DeviceGroup,
+    opts: LoadOptions,
+    prefix: String,
+}
+
+impl<'a> Loader<'a> {
+    /// The whole checkpoint (empty prefix) for the rank of `group`.
+    pub fn new(ckpt: &'a Checkpoint, group: &'a DeviceGroup, opts: LoadOptions) -> Loader<'a> {
+        Loader { ckpt, group, opts, prefix: String::new() }
+    }
+
+    /// The same view one level down: tensor `t` of the result is `{prefix}.{name}.{t}`.
+    pub fn pp(&self, name: impl std::fmt::Display) -> Loader<'a> {
+        let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        Loader { prefix, ..self.clone() }
+    }
+
+    /// The prefix (empty at the top).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    /// The full checkpoint name of tensor `t` under this prefix.
+    pub fn name(&self, t: &str) -> String {
+        if self.prefix.is_empty() { t.to_string() } else { format!("{}.{t}", self.prefix) }
+    }
+    /// The group the loaded layers run on.
+    pub fn group(&self) -> &'a DeviceGroup {
+        self.group
+    }
+    /// The checkpoint.
+    pub fn checkpoint(&self) -> &'a Checkpoint {
+        self.ckpt
+    }
+    /// The load options.
+    pub fn options(&self) -> &LoadOptions {
+        &self.opts
+    }
+    /// The same view with other options.
+    pub fn with_options(&self, opts: LoadOptions) -> Loader<'a> {
+        Loader { opts, ..self.clone() }
+    }
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+    /// The tensor-parallel degree.
+    pub fn world_size(&self) -> usize {
+        self.group.world_size()
+    }
+    /// Where the loaded parameters are placed.
+    pub fn device(&self) -> Device {
+        self.group.device()
+    }
+
+    /// Whether tensor `t` exists.
+    pub fn contains(&self, t: &str) -> bool {
+        self.ckpt.contains(&self.name(t))
+    }
+
+    /// The shape of parameter `t` (a float tensor; otherwise [`LayerError::WrongDtype`]).
+    pub fn dims(&self, t: &str) -> Result<Vec<usize>> {
+        Ok(self.ckpt.param_info(&self.name(t))?.1)
+    }
+
+    /// The shape of the 2-D parameter `t`, `(rows, columns)`.
+    pub fn dims2(&self, t: &str) -> Result<(usize, usize)> {
+        match self.dims(t)?[..] {
+            [r, c] => Ok((r, c)),
+            ref dims => Err(LayerError::Config(format!(
+                "checkpoint tensor {:?} has shape {dims:?}; a 2-D [out, in] weight was expected",
+                self.name(t)
+            ))),
+        }
+    }
+
+    /// Checks that parameter `t` exists with shape `dims`.
+    pub fn expect(&self, t: &str, dims: &[usize]) -> Result<()> {
+        let name = self.name(t);
+        self.ckpt.param_info(&name)?;
+        self.ckpt.expect(&name, dims, None)
+    }
+
+    /// The whole parameter `t`, converted and placed as the options and group say.
+    pub fn full(&self, t: &str) -> Result<Tensor> {
+        let name = self.name(t);
+        self.ckpt.param_info(&name)?;
+        self.ckpt.load(&name, self.opts.dtype, &self.device())
+    }
+
+    /// Rows `start..start + len` (dim 0) of parameter `t`, reading only those bytes.
+    pub fn rows(&self, t: &str, start: usize, len: usize) -> Result<Tensor> {
+        self.range(t, 0, start, len)
+    }
+
+    /// Columns `start..start + len` (dim 1) of the 2-D parameter `t`, reading only those bytes.
+    pub fn columns(&self, t: &str, start: usize, len: usize) -> Result<Tensor> {
+        self.range(t, 1, start, len)
+    }
+
+    fn range(&self, t: &str, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+        let name = self.name(t);
+        self.ckpt.param_info(&name)?;
+        Ok(self.ckpt.load_range(&name, dim, start, len, self.opts.dtype, &self.device())?.0)
+    }
+
+    /// The dtype parameters are converted to, if the options name one.
+    pub fn dtype(&self) -> Option<DType> {
+        self.opts.dtype
+    }
+}

@@ -1,0 +1,262 @@
+//! The architecture table: one entry per model family tp runs, holding everything that family
+//! differs in: its Hugging Face class and `model_type`, its tensor names, the defaults its
+//! config class gives absent fields, its norm style, activation, q/k norm, biases, sliding-window
+//! rule, and Gemma's extras (embedding scale, attention scale, soft-capping, local rope).
+//!
+//! Adding a family is one [`ArchSpec`] in [`TABLE`] (plus any block op it needs in tp-core and
+//! tp-kernels). The config reader ([`crate::ModelConfig`]), the model builder
+//! ([`crate::ParallelCausalLm`]) and the synthetic checkpoints ([`crate::synthetic`]) all read
+//! this table.
+
+use tp_core::{Activation, NormStyle};
+use tp_layers::{AttentionNames, BlockNorms, DecoderNames, MlpNames, Projections, QkNormSpan};
+
+/// The model families tp runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Architecture {
+    /// `LlamaForCausalLM` (Llama 2/3, TinyLlama, and many others): optional biases
+    /// (`attention_bias`, `mlp_bias`).
+    Llama,
+    /// `Qwen2ForCausalLM`: biases on q/k/v (not o), none in the MLP.
+    Qwen2,
+    /// `Qwen3ForCausalLM`: per-head q/k RMSNorm before RoPE; optional `attention_bias`.
+    Qwen3,
+    /// `MistralForCausalLM`: no biases, an optional sliding window on every layer.
+    Mistral,
+    /// `Gemma3ForCausalLM` (text): `(1 + w)` RMSNorm, sandwich norms, GeGLU (tanh GELU),
+    /// embeddings scaled by `sqrt(hidden)`, `query_pre_attn_scalar`, per-head q/k norm, local
+    /// sliding-window layers with their own rope base, optional final-logit soft-capping.
+    Gemma3,
+    /// `Phi3ForCausalLM`: fused `qkv_proj` and `gate_up_proj`.
+    Phi3,
+    /// `Olmo2ForCausalLM`: RMSNorm over the full q and k width after the projections, and
+    /// norms after attention and after the MLP (none before).
+    Olmo2,
+}
+
+/// Which projections carry biases, from the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Biases {
+    /// None anywhere.
+    None,
+    /// q, k and v always; o and the MLP never (Qwen2).
+    Qkv,
+    /// `attention_bias` on q, k, v and o; `mlp_bias` on the MLP (Llama; keys absent: false).
+    AttentionAndMlp,
+    /// `attention_bias` on q, k, v and o; none in the MLP (Qwen3, Gemma 3, OLMo 2).
+    Attention,
+}
+
+/// Which layers attend within a sliding window, from the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Windows {
+    /// Never (`sliding_window` is not read).
+    Never,
+    /// Every layer, with `sliding_window` (absent: `default`; null: none) (Mistral, Phi-3).
+    Every { default: Option<usize> },
+    /// Qwen's rule: `sliding_window` (absent: 4096) only when `use_sliding_window`, on the
+    /// layers `layer_types` names `sliding_attention` (absent: from `max_window_layers` on).
+    Qwen,
+    /// Gemma's rule: `sliding_window` (absent: 4096) on the layers `layer_types` names
+    /// `sliding_attention` (absent: all but every `sliding_window_pattern`-th, default 6).
+    Gemma,
+}
+
+/// One family's entry in the table.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ArchSpec {
+    pub arch: Architecture,
+    /// The `architectures[0]` class name in `config.json`.
+    pub class: &'static str,
+    /// The `model_type`s that name it.
+    pub model_types: &'static [&'static str],
+    /// Defaults of the config class for absent fields.
+    pub max_position_embeddings: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    /// `head_dim` when absent (`None`: `hidden_size / num_attention_heads`).
+    pub head_dim: Option<usize>,
+    pub tie_word_embeddings: bool,
+    /// The config keys naming the MLP activation, in order of precedence, and its default.
+    pub act_keys: &'static [&'static str],
+    pub act_default: &'static str,
+    pub biases: Biases,
+    pub windows: Windows,
+    /// How every RMSNorm of the model applies its weight.
+    pub norm_style: NormStyle,
+    pub qk_norm: Option<QkNormSpan>,
+    /// Tensor names of a block under `model.layers.N`.
+    pub names: DecoderNames,
+    /// Gemma's extras: `sqrt(hidden)` embedding scale, `query_pre_attn_scalar`,
+    /// `final_logit_softcapping`, a local rope base for sliding layers.
+    pub gemma: bool,
+}
+
+const LLAMA_NAMES: DecoderNames = DecoderNames {
+    attn: "self_attn",
+    attn_names: AttentionNames {
+        qkv: Projections::Separate(["q_proj", "k_proj", "v_proj"]),
+        o: "o_proj",
+        q_norm: "q_norm",
+        k_norm: "k_norm",
+    },
+    mlp: "mlp",
+    mlp_names: MlpNames { gate_up: Projections::Separate(["gate_proj", "up_proj"]), down: "down_proj" },
+    norms: BlockNorms::PRE,
+};
+
+const BASE: ArchSpec = ArchSpec {
+    arch: Architecture::Llama,
+    class: "LlamaForCausalLM",
+    model_types: &["llama"],
+    max_position_embeddings: 2048,
+    rope_theta: 10_000.0,
+    rms_norm_eps: 1e-6,
+    head_dim: None,
+    tie_word_embeddings: false,
+    act_keys: &["hidden_act"],
+    act_default: "silu",
+    biases: Biases::AttentionAndMlp,
+    windows: Windows::Never,
+    norm_style: NormStyle::Weight,
+    qk_norm: None,
+    names: LLAMA_NAMES,
+    gemma: false,
+};
+
+/// Every family tp runs.
+pub(crate) const TABLE: [ArchSpec; 7] = [
+    BASE,
+    ArchSpec {
+        arch: Architecture::Qwen2,
+        class: "Qwen2ForCausalLM",
+        model_types: &["qwen2"],
+        max_position_embeddings: 32_768,
+        biases: Biases::Qkv,
+        windows: Windows::Qwen,
+        ..BASE
+    },
+    ArchSpec {
+        arch: Architecture::Qwen3,
+        class: "Qwen3ForCausalLM",
+        model_types: &["qwen3"],
+        max_position_embeddings: 32_768,
+        head_dim: Some(128),
+        biases: Biases::Attention,
+        windows: Windows::Qwen,
+        qk_norm: Some(QkNormSpan::PerHead),
+        ..BASE
+    },
+    ArchSpec {
+        arch: Architecture::Mistral,
+        class: "MistralForCausalLM",
+        model_types: &["mistral"],
+        max_position_embeddings: 4096 * 32,
+        biases: Biases::None,
+        windows: Windows::Every { default: Some(4096) },
+        ..BASE
+    },
+    ArchSpec {
+        arch: Architecture::Gemma3,
+        class: "Gemma3ForCausalLM",
+        model_types: &["gemma3_text"],
+        max_position_embeddings: 131_072,
+        rope_theta: 1_000_000.0,
+        head_dim: Some(256),
+        tie_word_embeddings: true,
+        act_keys: &["hidden_activation", "hidden_act"],
+        act_default: "gelu_pytorch_tanh",
+        biases: Biases::Attention,
+        windows: Windows::Gemma,
+        norm_style: NormStyle::OnePlusWeight,
+        qk_norm: Some(QkNormSpan::PerHead),
+        names: DecoderNames {
+            norms: BlockNorms {
+                attn_in: Some("input_layernorm"),
+                attn_out: Some("post_attention_layernorm"),
+                mlp_in: Some("pre_feedforward_layernorm"),
+                mlp_out: Some("post_feedforward_layernorm"),
+            },
+            ..LLAMA_NAMES
+        },
+        gemma: true,
+        ..BASE
+    },
+    ArchSpec {
+        arch: Architecture::Phi3,
+        class: "Phi3ForCausalLM",
+        model_types: &["phi3"],
+        max_position_embeddings: 4096,
+        rms_norm_eps: 1e-5,
+        biases: Biases::None,
+        windows: Windows::Every { default: None },
+        names: DecoderNames {
+            attn_names: AttentionNames { qkv: Projections::Fused("qkv_proj"), ..LLAMA_NAMES.attn_names },
+            mlp_names: MlpNames { gate_up: Projections::Fused("gate_up_proj"), down: "down_proj" },
+            ..LLAMA_NAMES
+        },
+        ..BASE
+    },
+    ArchSpec {
+        arch: Architecture::Olmo2,
+        class: "Olmo2ForCausalLM",
+        model_types: &["olmo2"],
+        max_position_embeddings: 2048,
+        rms_norm_eps: 1e-5,
+        biases: Biases::Attention,
+        norm_style: NormStyle::WeightF32,
+        qk_norm: Some(QkNormSpan::FullWidth),
+        names: DecoderNames {
+            norms: BlockNorms {
+                attn_in: None,
+                attn_out: Some("post_attention_layernorm"),
+                mlp_in: None,
+                mlp_out: Some("post_feedforward_layernorm"),
+            },
+            ..LLAMA_NAMES
+        },
+        ..BASE
+    },
+];
+
+impl Architecture {
+    /// The family's table entry.
+    pub(crate) fn spec(self) -> &'static ArchSpec {
+        TABLE.iter().find(|s| s.arch == self).unwrap_or(&TABLE[0])
+    }
+
+    /// The family a `config.json` class name (`architectures[0]`) or `model_type` names.
+    pub(crate) fn from_name(name: &str) -> Option<Architecture> {
+        TABLE.iter().find(|s| s.class == name || s.model_types.contains(&name)).map(|s| s.arch)
+    }
+
+    /// The Hugging Face class name (`LlamaForCausalLM`, ...).
+    pub fn class_name(self) -> &'static str {
+        self.spec().class
+    }
+
+    /// The `model_type` transformers writes for it.
+    pub fn model_type(self) -> &'static str {
+        self.spec().model_types[0]
+    }
+
+    /// Every family, in table order.
+    pub fn all() -> impl Iterator<Item = Architecture> {
+        TABLE.iter().map(|s| s.arch)
+    }
+
+    /// The class names tp runs, for messages.
+    pub(crate) fn supported() -> String {
+        TABLE.iter().map(|s| s.class).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// The activation a config's `hidden_act` names.
+pub(crate) fn activation(name: &str) -> Option<Activation> {
+    match name {
+        "silu" | "swish" => Some(Activation::Silu),
+        "gelu_pytorch_tanh" => Some(Activation::GeluTanh),
+        _ => None,
+    }
+}

@@ -1,0 +1,33 @@
+//! One decoder block of a model, built from the architecture table and the config: which rope
+//! (Gemma 3's sliding layers have their own base), which window, which norms and q/k norm, and
+//! the family's tensor names.
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use tp_core::RotaryEmbedding;
+use tp_layers::{AttentionConfig, AttentionHeads, Block, DecoderConfig, DecoderLayer, Loader, QkNorm};
+
+/// What layer `i` of the model needs besides its weights.
+pub(crate) fn decoder_config(c: &ModelConfig, i: usize) -> Result<DecoderConfig> {
+    let window = c.window_of(i);
+    let (theta, scaling) = match (window, c.local_rope) {
+        (Some(_), Some(local)) => local,
+        _ => (c.rope_theta, c.rope_scaling),
+    };
+    let heads =
+        AttentionHeads { num_heads: c.num_attention_heads, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
+    let attention = AttentionConfig {
+        heads,
+        rope: RotaryEmbedding::new(c.head_dim, theta, scaling)?,
+        sliding_window: window,
+        scale: c.attention_scale,
+        qk_norm: c.qk_norm.map(|span| QkNorm { span, style: c.norm_style, eps: c.rms_norm_eps }),
+    };
+    Ok(DecoderConfig { attention, rms_norm_eps: c.rms_norm_eps, norm_style: c.norm_style, activation: c.hidden_act })
+}
+
+/// Layer `i` under the loader's prefix (`model.layers.i`), this rank's shards only.
+pub(crate) fn decoder_layer(ld: &Loader<'_>, c: &ModelConfig, i: usize) -> Result<Box<dyn Block>> {
+    let names = c.architecture.spec().names;
+    Ok(Box::new(DecoderLayer::load(ld, &decoder_config(c, i)?, &names)?))
+}

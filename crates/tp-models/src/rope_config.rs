@@ -1,0 +1,106 @@
+//! Rotary parameters of a Hugging Face config, in both forms real checkpoints use.
+
+use crate::config::Fields;
+use crate::error::{ModelError, Result};
+use serde_json::Value;
+use std::cell::RefCell;
+use tp_core::RopeScaling;
+
+/// `(rope_theta, scaling)` from `rope_parameters` (transformers 5) or `rope_theta` +
+/// `rope_scaling` (transformers 4), read as transformers 5 reads either: the kind is `rope_type`
+/// (else `type`, else `default`); `linear` and `dynamic` need `factor` (dynamic also the
+/// config's `max_position_embeddings`); `yarn` needs the `factor` key (`null`:
+/// `max_position_embeddings / original_max_position_embeddings`) and takes the optional
+/// `attention_factor`, `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim` and `truncate`; for
+/// `yarn` and `llama3`, a top-level `original_max_position_embeddings` wins over the one in the
+/// parameters, and both absent mean `max_position_embeddings` (transformers'
+/// `standardize_rope_params`).
+pub(crate) fn rope(f: &Fields<'_>, default_theta: f64, max_position_embeddings: usize) -> Result<(f64, RopeScaling)> {
+    let (params, theta) = match f.get("rope_parameters") {
+        Some(Value::Object(p)) => {
+            let pf = Fields { map: p, prefix: "rope_parameters.".into() };
+            (Some(pf), None)
+        }
+        Some(v) => return Err(f.bad("rope_parameters", format!("must be an object, got {v}"))),
+        None => match f.get("rope_scaling") {
+            Some(Value::Object(p)) => (
+                Some(Fields { map: p, prefix: "rope_scaling.".into() }),
+                Some(f.number("rope_theta", Some(default_theta))?),
+            ),
+            Some(v) => return Err(f.bad("rope_scaling", format!("must be an object or null, got {v}"))),
+            None => (None, Some(f.number("rope_theta", Some(default_theta))?)),
+        },
+    };
+    let positive = |theta: f64, fields: &Fields<'_>| {
+        if theta > 0.0 { Ok(theta) } else { Err(fields.bad("rope_theta", format!("must be positive, got {theta}"))) }
+    };
+    let Some(p) = params else {
+        return Ok((positive(theta.unwrap_or(default_theta), f)?, RopeScaling::Default));
+    };
+    rope_params(f, &p, theta, default_theta, max_position_embeddings)
+}
+
+/// `(rope_theta, scaling)` from one parameters object `p` (a transformers 5 `rope_parameters`,
+/// or a transformers 4 `rope_scaling` with the top-level `theta`).
+pub(crate) fn rope_params(
+    f: &Fields<'_>,
+    p: &Fields<'_>,
+    theta: Option<f64>,
+    default_theta: f64,
+    max_position_embeddings: usize,
+) -> Result<(f64, RopeScaling)> {
+    let positive = |theta: f64, fields: &Fields<'_>| {
+        if theta > 0.0 { Ok(theta) } else { Err(fields.bad("rope_theta", format!("must be positive, got {theta}"))) }
+    };
+    let theta = match theta {
+        Some(t) => positive(t, f)?,
+        None => positive(p.number("rope_theta", Some(f.number("rope_theta", Some(default_theta))?))?, p)?,
+    };
+    let kind = match (p.string("rope_type")?, p.string("type")?) {
+        (Some(k), _) | (None, Some(k)) => k.to_string(),
+        (None, None) => "default".to_string(),
+    };
+    // What only JSON can say: a yarn factor that is absent (an error) rather than null (the
+    // ratio of lengths), truncate as a boolean, and a top-level original length.
+    if kind == "yarn" && !p.map.contains_key("factor") {
+        return Err(p.bad("factor", "is missing (null: max_position_embeddings / original_max_position_embeddings)"));
+    }
+    let truncate = if kind == "yarn" { p.flag("truncate", true)? } else { true };
+    let top_original = match kind.as_str() {
+        "yarn" | "llama3" if f.get("original_max_position_embeddings").is_some() => {
+            let v = f.number("original_max_position_embeddings", None)?;
+            if v <= 0.0 {
+                return Err(f.bad("original_max_position_embeddings", format!("must be positive, got {v}")));
+            }
+            Some(v)
+        }
+        _ => None,
+    };
+    // Which parameters a kind reads, and their bounds, are `RopeScaling::from_kind`'s; a field it
+    // asks for that is not a number is noted here and reported first, by its own field name.
+    let not_a_number: RefCell<Option<String>> = RefCell::new(None);
+    let param = |name: &str| match name {
+        "max_position_embeddings" => Some(max_position_embeddings as f64),
+        "original_max_position_embeddings" if top_original.is_some() => top_original,
+        "truncate" => Some(if truncate { 1.0 } else { 0.0 }),
+        _ => {
+            let v = p.get(name)?;
+            if v.as_f64().is_none() {
+                not_a_number.borrow_mut().get_or_insert_with(|| name.to_string());
+            }
+            v.as_f64()
+        }
+    };
+    let scaling = RopeScaling::from_kind(&kind, param);
+    if let Some(name) = not_a_number.into_inner() {
+        p.number(&name, None)?; // the error naming the field
+    }
+    let scaling = scaling.map_err(|e| match e {
+        tp_core::Error::UnsupportedRopeScaling { param: Some(name), why, .. } => {
+            let fields = if name == "max_position_embeddings" { f } else { p };
+            fields.bad(&name, why)
+        }
+        e => ModelError::Unsupported { field: p.name("rope_type"), value: format!("{kind:?}"), why: e.to_string() },
+    })?;
+    Ok((theta, scaling))
+}

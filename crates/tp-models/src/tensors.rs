@@ -1,0 +1,87 @@
+//! Every tensor a config implies, checked against a checkpoint before anything is loaded:
+//! present, of the implied shape, a float dtype; biases present exactly where the config says.
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use tp_layers::{Checkpoint, Projections, QkNormSpan};
+
+/// Every `(name, shape)` of the model's parameters, in Hugging Face's order, and the names of
+/// biases the config says the model has not (present, they are an error).
+pub fn expected_tensors(c: &ModelConfig) -> (Vec<(String, Vec<usize>)>, Vec<String>) {
+    let names = c.architecture.spec().names;
+    let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
+    let (q, kv) = (c.num_attention_heads * d, c.num_key_value_heads * d);
+    let mut want = vec![("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h])];
+    let mut absent = Vec::new();
+    let mut linear = |want: &mut Vec<(String, Vec<usize>)>, name: String, out: usize, inp: usize, bias: bool| {
+        want.push((format!("{name}.weight"), vec![out, inp]));
+        if bias {
+            want.push((format!("{name}.bias"), vec![out]));
+        } else {
+            absent.push(format!("{name}.bias"));
+        }
+    };
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        let n = names.norms;
+        for norm in [n.attn_in, n.attn_out, n.mlp_in, n.mlp_out].into_iter().flatten() {
+            want.push((format!("{p}.{norm}.weight"), vec![h]));
+        }
+        let attn = format!("{p}.{}", names.attn);
+        let an = names.attn_names;
+        match an.qkv {
+            Projections::Separate([qn, kn, vn]) => {
+                linear(&mut want, format!("{attn}.{qn}"), q, h, c.qkv_bias);
+                linear(&mut want, format!("{attn}.{kn}"), kv, h, c.qkv_bias);
+                linear(&mut want, format!("{attn}.{vn}"), kv, h, c.qkv_bias);
+            }
+            Projections::Fused(f) => linear(&mut want, format!("{attn}.{f}"), q + 2 * kv, h, c.qkv_bias),
+        }
+        linear(&mut want, format!("{attn}.{}", an.o), h, q, c.o_bias);
+        match c.qk_norm {
+            Some(QkNormSpan::PerHead) => {
+                want.push((format!("{attn}.{}.weight", an.q_norm), vec![d]));
+                want.push((format!("{attn}.{}.weight", an.k_norm), vec![d]));
+            }
+            Some(QkNormSpan::FullWidth) => {
+                want.push((format!("{attn}.{}.weight", an.q_norm), vec![q]));
+                want.push((format!("{attn}.{}.weight", an.k_norm), vec![kv]));
+            }
+            None => {}
+        }
+        let mlp = format!("{p}.{}", names.mlp);
+        match names.mlp_names.gate_up {
+            Projections::Separate([g, u]) => {
+                linear(&mut want, format!("{mlp}.{g}"), i, h, c.mlp_bias);
+                linear(&mut want, format!("{mlp}.{u}"), i, h, c.mlp_bias);
+            }
+            Projections::Fused(f) => linear(&mut want, format!("{mlp}.{f}"), 2 * i, h, c.mlp_bias),
+        }
+        linear(&mut want, format!("{mlp}.{}", names.mlp_names.down), h, i, c.mlp_bias);
+    }
+    want.push(("model.norm.weight".to_string(), vec![h]));
+    if !c.tie_word_embeddings {
+        want.push(("lm_head.weight".to_string(), vec![c.vocab_size, h]));
+    }
+    (want, absent)
+}
+
+/// Checks every tensor the config implies against the checkpoint.
+pub(crate) fn check_tensors(ckpt: &Checkpoint, c: &ModelConfig) -> Result<()> {
+    let (want, absent) = expected_tensors(c);
+    for (name, dims) in want {
+        ckpt.param_info(&name)?;
+        ckpt.expect(&name, &dims, None)?;
+    }
+    if let Some(name) = absent.into_iter().find(|n| ckpt.contains(n)) {
+        return Err(ModelError::Unsupported {
+            field: "checkpoint".into(),
+            value: format!("{name:?}"),
+            why: format!(
+                "a {:?} model with this config has no such bias (attention_bias / mlp_bias say so)",
+                c.architecture
+            ),
+        });
+    }
+    Ok(())
+}
