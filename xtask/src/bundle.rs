@@ -1,8 +1,10 @@
 //! `cargo xtask bundle [--out DIR]`: everything a GPU host without a Rust toolchain needs, in one
 //! folder (default `target/bundle/`): the GPU test suites, `tp-bench`, `tp-comm-bench` and the
 //! `generate` example built in release mode and stripped, and `run.sh`, which finds libcuda,
-//! libnvrtc, libcublas and libnccl (system paths, `CUDA_HOME`, Python's `nvidia/*/lib`), runs
-//! them and writes results to the folder it is given.
+//! libnvrtc, libcublas and libnccl (system paths and `/usr/local/nvidia/lib64`, `CUDA_HOME`,
+//! Python's `nvidia/*/lib`; appended after the inherited `LD_LIBRARY_PATH`; reported as the
+//! loader will find them, `ldconfig -p` included), runs them and writes results to the folder it
+//! is given.
 
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};

@@ -43,9 +43,16 @@ fn exercise(groups: Vec<DeviceGroup>, dtype: DType) -> Vec<Vec<Tensor>> {
     })
 }
 
+/// Every test's first call: a GPU must be present, and a kernel fault's panic says that it
+/// fails every later test too.
+fn setup() {
+    tp_kernels::note_sticky_errors_on_panic();
+    assert!(tp_kernels::device_count().expect("needs a CUDA device") > 0);
+}
+
 #[test]
 fn local_group_ranks_sharing_one_gpu_match_the_cpu() {
-    assert!(tp_kernels::device_count().expect("needs a CUDA device") > 0);
+    setup();
     for world in [2, 4, 8] {
         for dtype in DType::FLOATS {
             let on_gpu = exercise(DeviceGroup::local(world, Duration::from_secs(60), |_| GPU).unwrap(), dtype);
@@ -57,7 +64,7 @@ fn local_group_ranks_sharing_one_gpu_match_the_cpu() {
 
 #[test]
 fn nccl_at_world_size_one_runs_every_collective() {
-    assert!(tp_kernels::device_count().expect("needs a CUDA device") > 0);
+    setup();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let vars = [("RANK", "0".to_string()), ("WORLD_SIZE", "1".into()), ("MASTER_PORT", port.to_string())];
     let env = LaunchEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap();
@@ -83,7 +90,7 @@ fn nccl_world_one() -> DeviceGroup {
 
 #[test]
 fn nccl_work_handles_clones_and_abort_never_hang() {
-    assert!(tp_kernels::device_count().expect("needs a CUDA device") > 0);
+    setup();
     let g = nccl_world_one();
     let x = g.to_local(&Tensor::from_fn_f64(&[1000], DType::F32, &CPU, |i| i as f64).unwrap()).unwrap();
     // Async equals blocking; both are stream-ordered.
@@ -130,7 +137,7 @@ fn nccl_work_handles_clones_and_abort_never_hang() {
 #[test]
 fn nccl_issue_time_is_measured() {
     // Host time to enqueue one small all-reduce and return, median of 1000 (the goal is <= 10 µs).
-    assert!(tp_kernels::device_count().expect("needs a CUDA device") > 0);
+    setup();
     let g = nccl_world_one();
     let x = g.to_local(&Tensor::zeros(&[2], DType::F32, &CPU).unwrap()).unwrap();
     let mut t = Vec::new();

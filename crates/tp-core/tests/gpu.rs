@@ -13,6 +13,7 @@ const GPU: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
 
 fn setup() {
+    tp_kernels::note_sticky_errors_on_panic();
     let n = tp_kernels::device_count().expect("the GPU suite needs a CUDA device and driver");
     assert!(n > 0, "no CUDA device");
     assert!(tp_kernels::NOT_COMPILED.is_none(), "kernels not compiled: {:?}", tp_kernels::NOT_COMPILED);
@@ -217,8 +218,19 @@ fn hopper_wgmma_kernel_matches_f64_or_refuses_other_devices() {
             r.unwrap();
             let y = host(&Tensor::from_cuda_buffer(out, &[m, n], dtype, g.clone()).unwrap());
             if m * n * k > 1 << 30 {
-                // The big case: compare with the mma.sync kernel instead of a slow f64 loop.
-                let want = host(&xd.matmul_t(&wd).unwrap());
+                // The big case: compare with the mma.sync kernel instead of a slow f64 loop,
+                // launched directly (matmul_t itself takes wgmma under TP_GEMM_KERNEL=wgmma).
+                let mut reference = g.alloc(m * n * 2).unwrap();
+                g.gemm_mma(
+                    &mut reference,
+                    xd.cuda_buffer().unwrap().1,
+                    wd.cuda_buffer().unwrap().1,
+                    with_bias.then(|| bd.cuda_buffer().unwrap().1),
+                    (m, n, k),
+                    ty,
+                )
+                .unwrap();
+                let want = host(&Tensor::from_cuda_buffer(reference, &[m, n], dtype, g.clone()).unwrap());
                 let (a, b) = (f64s(&y), f64s(&want));
                 let rms = (b.iter().map(|v| v * v).sum::<f64>() / b.len() as f64).sqrt();
                 assert_close("wgmma vs mma 4096x4096x8192", &a, &b, |_| rms * 2f64.powi(-5));

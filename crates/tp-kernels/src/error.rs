@@ -32,7 +32,8 @@ pub enum KernelError {
 /// Result alias of `tp-kernels`.
 pub type Result<T> = std::result::Result<T, KernelError>;
 
-/// Maps a cudarc driver error into [`KernelError::Driver`], naming the operation.
+/// Maps a cudarc driver error into [`KernelError::Driver`], naming the operation; a sticky error
+/// gets [`STICKY_ERROR_NOTE`] appended.
 pub(crate) fn driver(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
     move |e| {
         let mut message = format!("{e:?}");
@@ -40,6 +41,57 @@ pub(crate) fn driver(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -
             // A trap in a kernel: the only deliberate one is the Hopper GEMM's stuck-pipeline guard.
             message.push_str(" (a kernel trapped; tp_gemm_wgmma traps when an mbarrier wait passes 10 s)");
         }
+        if let Some(note) = sticky_error_note(&message) {
+            message.push_str(&format!(" (note: {note})"));
+        }
         KernelError::Driver { op, message }
     }
+}
+
+/// What a kernel fault means for the rest of the process, printed beside such an error.
+pub const STICKY_ERROR_NOTE: &str = "a kernel fault (CUDA launch failure, illegal instruction or \
+     address) poisons the CUDA context: every later CUDA call in this process fails the same way, \
+     so the first failure (in a test binary, the first failing test) is the real one";
+
+/// The driver's names of the sticky errors: after one, the context is unusable until the process
+/// exits (`__trap()` reports `LAUNCH_FAILED`).
+const STICKY_ERRORS: [&str; 8] = [
+    "LAUNCH_FAILED",
+    "ILLEGAL_INSTRUCTION",
+    "ILLEGAL_ADDRESS",
+    "MISALIGNED_ADDRESS",
+    "HARDWARE_STACK_ERROR",
+    "INVALID_PC",
+    "INVALID_ADDRESS_SPACE",
+    "CUDA_ERROR_ASSERT",
+];
+
+/// [`STICKY_ERROR_NOTE`] when `message` names a sticky CUDA error, else `None`.
+pub fn sticky_error_note(message: &str) -> Option<&'static str> {
+    STICKY_ERRORS.iter().any(|e| message.contains(e)).then_some(STICKY_ERROR_NOTE)
+}
+
+/// For test binaries and tools: installs (once per process) a panic hook that runs the previous
+/// hook, then prints `note: ` [`STICKY_ERROR_NOTE`] to stderr when the panic message names a
+/// sticky CUDA error and does not carry the note already. Errors that do not pass through
+/// [`KernelError::Driver`] (NCCL's, a `cuEventQuery` status) get the note this way too.
+pub fn note_sticky_errors_on_panic() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            let payload = info.payload();
+            let message = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied())
+                .unwrap_or("");
+            if let Some(note) = sticky_error_note(message)
+                && !message.contains(note)
+            {
+                eprintln!("note: {note}");
+            }
+        }));
+    });
 }

@@ -21,7 +21,7 @@ mod kernels;
 mod launch;
 
 pub use cudarc;
-pub use error::{KernelError, Result};
+pub use error::{KernelError, Result, STICKY_ERROR_NOTE, note_sticky_errors_on_panic, sticky_error_note};
 pub use gpu::{Gpu, count_host_sync, device_count, driver_available, host_syncs, set_poison_allocations};
 pub use launch::{AttentionShape, ElemType, GemmKernel, RowCopy};
 

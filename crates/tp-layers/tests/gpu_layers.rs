@@ -14,6 +14,7 @@ use tp_layers::{
 const GPU: Device = Device::Cuda(0);
 
 fn setup() {
+    tp_kernels::note_sticky_errors_on_panic();
     assert!(tp_kernels::device_count().expect("the GPU suite needs a CUDA device") > 0);
 }
 

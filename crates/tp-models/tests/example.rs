@@ -1,12 +1,15 @@
 //! The `generate` example, run as a user runs it (the compiled example binary, which `cargo
 //! test` builds) on models the test writes, at world sizes 1..=4 on the CPU; and its errors,
-//! each one line and exit status 1 with nothing written.
+//! each one line and exit status 1 with nothing written; a full or closed stdout, and SIGTERM /
+//! SIGINT during the logits write.
 
 mod common;
 use common::*;
 use serde_json::json;
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 use tp_core::DType;
 use tp_layers::Checkpoint;
 use tp_models::synthetic::SyntheticModel;
@@ -205,4 +208,186 @@ fn a_non_utf8_argument_is_an_error_not_a_panic() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("UTF-8") && !err.contains("panicked"), "{err}");
+}
+
+/// Waits for `child` to exit, at most `secs` seconds (then kills it and fails).
+fn wait_at_most(child: &mut std::process::Child, secs: u64) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the example did not exit within {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The child's whole stderr (read after it exited; the example writes at most a line).
+fn stderr_of(child: &mut std::process::Child) -> String {
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    err
+}
+
+/// Asserts `err` is the one-line stdout error, with no panic.
+fn assert_stdout_error(err: &str) {
+    assert_eq!(err.lines().count(), 1, "one line expected: {err}");
+    assert!(err.starts_with("generate: cannot write to standard output: "), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn stdout_on_a_full_device_is_a_one_line_error_after_a_complete_logits_file() {
+    let dir = model("example-full", &SyntheticModel::tiny());
+    let out_file = dir.join("full.safetensors");
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let o = Command::new(binary())
+        .args(["--model", dir.to_str().unwrap(), "--prompt-ids", PROMPT, "--max-new-tokens", "4", "--world-size", "2"])
+        .args(["--ignore-eos", "--logits-out", out_file.to_str().unwrap()])
+        .env("TP_TIMEOUT_SECS", "60")
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_stdout_error(&err);
+    assert!(err.contains("No space left on device"), "{err}");
+    // The logits file came first and is whole: byte for byte what the safetensors crate writes
+    // for the same tensors (through tp_layers::save), and loadable.
+    let ckpt = Checkpoint::open(&out_file).unwrap();
+    let names = ["tokens", "prefill_logits", "decode_logits"];
+    let tensors: Vec<_> = names.iter().map(|n| ckpt.load(n, None, &CPU).unwrap()).collect();
+    assert_eq!(tensors[0].dims(), [4]);
+    assert_eq!((tensors[1].dims(), tensors[2].dims()), (&[6, 1001][..], &[3, 1001][..]));
+    let again = dir.join("again.safetensors");
+    let named: Vec<(&str, &tp_core::Tensor)> = names.iter().copied().zip(&tensors).collect();
+    tp_layers::save(&again, &named).unwrap();
+    assert!(std::fs::read(&out_file).unwrap() == std::fs::read(&again).unwrap(), "not safetensors' bytes");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_closed_stdout_is_a_one_line_error_not_a_panic() {
+    let dir = model("example-closed", &SyntheticModel::tiny());
+    let mut child = Command::new(binary())
+        .args(["--model", dir.to_str().unwrap(), "--prompt-ids", PROMPT, "--max-new-tokens", "3", "--world-size", "1"])
+        .env("TP_TIMEOUT_SECS", "60")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take()); // the reader goes away before the example prints anything
+    let status = wait_at_most(&mut child, 120);
+    let err = stderr_of(&mut child);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert_stdout_error(&err);
+    assert!(err.contains("Broken pipe"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The names in `dir`.
+#[cfg(target_os = "linux")]
+fn entries(dir: &Path) -> std::collections::BTreeSet<std::ffi::OsString> {
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect()
+}
+
+/// The process state letter in /proc/PID/stat (`T` stopped, `Z` exited and not yet reaped).
+#[cfg(target_os = "linux")]
+fn proc_state(pid: u32) -> char {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    stat.rsplit(')').next().and_then(|s| s.trim_start().chars().next()).unwrap()
+}
+
+#[cfg(target_os = "linux")]
+fn send(pid: u32, signal: i32) {
+    // SAFETY: kill has no memory effects; `pid` is a child this test has not reaped yet, so the
+    // id cannot have been reused by another process.
+    assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0, "kill {pid} {signal}");
+}
+
+/// SIGTERM and SIGINT while the logits file is being written: the example stops with 143 / 130
+/// and the folder holds exactly what it held before (no temporary file, no partial target).
+/// Each try watches the folder for the temporary file, stops the process (SIGSTOP), checks the
+/// file is still there (so the write is under way and the handlers installed), then sends the
+/// signal and SIGCONT. A try whose write finished first only checks the folder and tries again.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_signal_during_the_logits_write_leaves_no_file_behind() {
+    // A large vocabulary makes a 36 MB logits file: tens of milliseconds to write and sync.
+    let spec = SyntheticModel {
+        vocab_size: 200_000,
+        hidden_size: 16,
+        intermediate_size: 16,
+        num_hidden_layers: 1,
+        num_attention_heads: 2,
+        num_key_value_heads: 2,
+        max_position_embeddings: 128,
+        tie_word_embeddings: true,
+        files: 1,
+        ..SyntheticModel::tiny()
+    };
+    let dir = model("example-signal", &spec);
+    let target = dir.join("logits.safetensors");
+    for (signal, code) in [(libc::SIGTERM, 143), (libc::SIGINT, 130)] {
+        let mut caught = false;
+        for _ in 0..8 {
+            let _ = std::fs::remove_file(&target);
+            let before = entries(&dir);
+            let mut child = Command::new(binary())
+                .args(["--model", dir.to_str().unwrap(), "--prompt-ids", PROMPT, "--max-new-tokens", "40"])
+                .args(["--world-size", "1", "--ignore-eos", "--logits-out", target.to_str().unwrap()])
+                .env("TP_TIMEOUT_SECS", "60")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let pid = child.id();
+            let is_temporary =
+                |n: &std::ffi::OsString| !before.contains(n) && n.as_os_str() != target.file_name().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(120);
+            let mut seen = false;
+            while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+                if entries(&dir).iter().any(is_temporary) {
+                    seen = true;
+                    break;
+                }
+            }
+            let mut in_write = false;
+            if seen {
+                send(pid, libc::SIGSTOP);
+                let stop_deadline = Instant::now() + Duration::from_secs(10);
+                while !matches!(proc_state(pid), 'T' | 'Z') {
+                    assert!(Instant::now() < stop_deadline, "SIGSTOP did not stop the example");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                in_write = proc_state(pid) == 'T' && entries(&dir).iter().any(is_temporary);
+                send(pid, signal);
+                send(pid, libc::SIGCONT);
+            }
+            let status = wait_at_most(&mut child, 120);
+            let err = stderr_of(&mut child);
+            assert!(!err.contains("panicked"), "{err}");
+            let after = entries(&dir);
+            assert!(
+                after.iter().all(|n| before.contains(n) || n.as_os_str() == target.file_name().unwrap()),
+                "left behind: {after:?}"
+            );
+            if in_write {
+                assert_eq!(status.code(), Some(code), "signal {signal} during the write: {err}");
+                assert!(!target.exists(), "a target from an interrupted write");
+                caught = true;
+                break;
+            }
+            // Finished first (or was stopped after the rename): the target must be whole.
+            let ckpt = Checkpoint::open(&target).unwrap();
+            assert_eq!(ckpt.load("decode_logits", None, &CPU).unwrap().dims(), [39, 200_000]);
+        }
+        assert!(caught, "signal {signal}: no try stopped the example during its write");
+    }
+    let _ = std::fs::remove_dir_all(&dir); // 50 MB
 }

@@ -13,6 +13,7 @@ const PROMPT: [i64; 7] = [1, 523, 17, 999, 1000, 4, 311];
 
 #[test]
 fn models_on_one_gpu_and_on_ranks_sharing_it_match_the_host() {
+    tp_kernels::note_sticky_errors_on_panic();
     assert!(tp_kernels::device_count().expect("the GPU suite needs a CUDA device") > 0);
     let dir = tmpdir("gpu");
     let spec =

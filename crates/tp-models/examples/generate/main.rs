@@ -11,21 +11,28 @@
 //! `prefill_logits` (f32 `[prompt_len, vocab]`) and `decode_logits` (f32 `[N - 1, vocab]`, row
 //! `i` from the step that consumed `tokens[i]`). `local` runs the ranks as threads; `nccl` as
 //! processes, started by torchrun (`RANK` set) or by this program, one GPU each. Every error is
-//! one line on stderr and exit status 1; the logits file is written whole or not at all.
+//! one line on stderr and exit status 1 (a failed write to stdout too: a full disk, a closed
+//! pipe); the logits file is written whole or not at all, and SIGINT or SIGTERM during its
+//! write leaves no temporary file (exit status 130 or 143).
 
 mod args;
+mod logits_file;
+#[cfg(unix)]
+mod signals;
 mod tokenizer;
 
 use args::{Args, Backend, DeviceKind, Prompt};
+use std::io::Write;
 use std::path::Path;
 use std::time::Duration;
 use tp_comm::DeviceGroup;
-use tp_core::{DType, Device, Tensor};
+use tp_core::Device;
 use tp_models::{GenerateOptions, Generation, ModelConfig, ModelOptions, ParallelCausalLm};
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("generate: {e}");
+        // One write for the whole line (ranks may share the terminal); a closed stderr is no panic.
+        let _ = std::io::stderr().write_all(format!("generate: {e}\n").as_bytes());
         std::process::exit(1);
     }
 }
@@ -67,10 +74,9 @@ fn run() -> Result<(), String> {
         }
     };
     if let Some(path) = &a.logits_out {
-        write_logits(Path::new(path), &out)?;
+        logits_file::write_logits(Path::new(path), &out)?;
     }
-    report(dir, &prompt, &out);
-    Ok(())
+    report(dir, &prompt, &out)
 }
 
 /// The library's request checks, once, before any rank starts.
@@ -192,54 +198,33 @@ fn spawn_ranks(a: &Args, argv: &[String]) -> Result<(), String> {
     if failed.is_empty() { Ok(()) } else { Err(format!("rank(s) {failed:?} failed")) }
 }
 
-/// Writes the logits file through a temporary file renamed into place: whole or not at all.
-fn write_logits(path: &Path, out: &Generation) -> Result<(), String> {
-    let f32s = |t: &Option<Tensor>| -> Result<Tensor, String> {
-        let t = t.as_ref().ok_or("internal: logits were not kept")?;
-        t.to_dtype(DType::F32).map_err(|e| e.to_string())
-    };
-    let tokens = Tensor::from_vec(out.tokens.clone(), &[out.tokens.len()], &Device::Cpu).map_err(|e| e.to_string())?;
-    let (prefill, decode) = (f32s(&out.prefill_logits)?, f32s(&out.decode_logits)?);
-    let name = path.file_name().ok_or_else(|| format!("--logits-out {}: not a file name", path.display()))?;
-    // The file is replaced by a rename: never do that to a device, a pipe or a directory.
-    if let Ok(meta) = std::fs::metadata(path)
-        && !meta.is_file()
-    {
-        return Err(format!("--logits-out {}: exists and is not a regular file", path.display()));
-    }
-    let tmp = path.with_file_name(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
-    let tensors = [("tokens", &tokens), ("prefill_logits", &prefill), ("decode_logits", &decode)];
-    let written = tp_layers::save(&tmp, &tensors).map_err(|e| e.to_string()).and_then(|()| {
-        std::fs::rename(&tmp, path).map_err(|e| format!("cannot write --logits-out {}: {e}", path.display()))
-    });
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written.map_err(|e| {
-        if e.starts_with("cannot write") { e } else { format!("cannot write --logits-out {}: {e}", path.display()) }
-    })
-}
-
-fn report(dir: &Path, prompt: &[i64], out: &Generation) {
+/// Prints the ids line, the text (with a tokenizer) and the throughput lines; a failed write
+/// (a full disk, a closed pipe) is an error, not a panic.
+fn report(dir: &Path, prompt: &[i64], out: &Generation) -> Result<(), String> {
     let ids: Vec<String> = out.tokens.iter().map(i64::to_string).collect();
-    println!("{}", ids.join(","));
-    if let Some(text) = tokenizer::decode(dir, &out.tokens) {
-        println!("text: {text:?}");
+    let mut text = format!("{}\n", ids.join(","));
+    if let Some(decoded) = tokenizer::decode(dir, &out.tokens) {
+        text.push_str(&format!("text: {decoded:?}\n"));
     }
     let rate = |n: usize, t: Duration| {
         let s = t.as_secs_f64();
         if n == 0 || s <= 0.0 { "n/a".to_string() } else { format!("{:.2}", n as f64 / s) }
     };
-    println!(
-        "prefill: {} tokens in {:.3} s, {} tokens/s",
+    text.push_str(&format!(
+        "prefill: {} tokens in {:.3} s, {} tokens/s\n",
         prompt.len(),
         out.prefill_time.as_secs_f64(),
         rate(prompt.len(), out.prefill_time)
-    );
+    ));
     let steps = out.tokens.len().saturating_sub(1);
-    println!(
-        "decode: {steps} tokens in {:.3} s, {} tokens/s",
+    text.push_str(&format!(
+        "decode: {steps} tokens in {:.3} s, {} tokens/s\n",
         out.decode_time.as_secs_f64(),
         rate(steps, out.decode_time)
-    );
+    ));
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+        .map_err(|e| format!("cannot write to standard output: {e}"))
 }
