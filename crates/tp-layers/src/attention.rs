@@ -183,7 +183,9 @@ impl ParallelAttention {
                 Some(QkNorms { q, k, span: n.span })
             }
             _ => {
-                return Err(LayerError::Config("q/k norm weights must be given exactly when the config has one".into()));
+                return Err(LayerError::Config(
+                    "q/k norm weights must be given exactly when the config has one".into(),
+                ));
             }
         };
         Ok(ParallelAttention { qkv, o_proj, qk_norm, config, scale, id: next_id() })

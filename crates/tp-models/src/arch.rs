@@ -241,6 +241,11 @@ impl Architecture {
         self.spec().model_types[0]
     }
 
+    /// The checkpoint names of a block of this family, under `model.layers.N`.
+    pub fn decoder_names(self) -> DecoderNames {
+        self.spec().names
+    }
+
     /// Every family, in table order.
     pub fn all() -> impl Iterator<Item = Architecture> {
         TABLE.iter().map(|s| s.arch)

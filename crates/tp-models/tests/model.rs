@@ -64,9 +64,67 @@ fn flavours() -> Vec<Flavour> {
                 head_dim: Some(6),
                 files: 1,
                 seed: 4,
-                ..tiny
+                ..tiny.clone()
             },
             worlds: vec![1, 2, 3, 5, 8],
+        },
+        Flavour {
+            // Qwen3: per-head q/k norm, 12 query over 4 KV heads (straddled at 5..8), biases.
+            name: "qwen3-qknorm-bias",
+            spec: SyntheticModel {
+                architecture: Architecture::Qwen3,
+                num_key_value_heads: 4,
+                head_dim: Some(8),
+                attention_bias: true,
+                rope_theta: 1_000_000.0,
+                seed: 5,
+                ..tiny.clone()
+            },
+            worlds: (1..=8).collect(),
+        },
+        Flavour {
+            // Gemma 3: (1 + w) norms, sandwich norms, GeGLU, scaled embeddings, its attention
+            // scale, sliding layers with their own rope base (layers 0 and 1; 2 is global),
+            // final-logit soft-capping low enough to bend the logits.
+            name: "gemma3-sandwich-window-softcap",
+            spec: SyntheticModel {
+                architecture: Architecture::Gemma3,
+                num_attention_heads: 8,
+                num_key_value_heads: 2,
+                head_dim: Some(8),
+                tie_word_embeddings: true,
+                sliding_window: Some(4),
+                seed: 6,
+                extra: Some(json!({"query_pre_attn_scalar": 12, "sliding_window_pattern": 3,
+                    "rope_local_base_freq": 500.0, "final_logit_softcapping": 3.0})),
+                ..tiny.clone()
+            },
+            worlds: (1..=8).collect(),
+        },
+        Flavour {
+            // Phi-3: fused qkv_proj and gate_up_proj, each part sharded on its own.
+            name: "phi3-fused",
+            spec: SyntheticModel {
+                architecture: Architecture::Phi3,
+                num_key_value_heads: 4,
+                head_dim: Some(8),
+                seed: 7,
+                ..tiny.clone()
+            },
+            worlds: (1..=8).collect(),
+        },
+        Flavour {
+            // OLMo 2: norms after attention and the MLP, q/k norm over the full width with
+            // uneven and replicated KV heads (6 KV heads over 8 ranks; 12/6 at 5 and 7).
+            name: "olmo2-full-width-qk",
+            spec: SyntheticModel {
+                architecture: Architecture::Olmo2,
+                num_key_value_heads: 6,
+                head_dim: Some(8),
+                seed: 8,
+                ..tiny
+            },
+            worlds: (1..=8).collect(),
         },
     ]
 }

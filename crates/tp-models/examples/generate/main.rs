@@ -52,8 +52,8 @@ fn run() -> Result<(), String> {
     };
     check_request(&config, &prompt, a.max_new_tokens)?;
     let out = match a.backend {
-        Backend::Local => run_local(&a, &prompt)?,
-        Backend::Nccl if std::env::var_os("RANK").is_some() => match run_nccl_rank(&a, &prompt)? {
+        Backend::Local => run_local(&a, &config, &prompt)?,
+        Backend::Nccl if std::env::var_os("RANK").is_some() => match run_nccl_rank(&a, &config, &prompt)? {
             Some(out) => out,
             None => return Ok(()), // not rank 0: rank 0 reports
         },
@@ -113,15 +113,15 @@ fn device_for(kind: DeviceKind, rank: usize) -> Result<Device, String> {
 }
 
 /// One rank: load its shards, generate.
-fn one_rank(a: &Args, prompt: &[i64], g: &DeviceGroup) -> Result<Generation, String> {
+fn one_rank(a: &Args, config: &ModelConfig, prompt: &[i64], g: &DeviceGroup) -> Result<Generation, String> {
     let opts = ModelOptions::new().with_dtype(a.dtype).with_max_seq_len(prompt.len() + a.max_new_tokens);
-    let mut lm = ParallelCausalLm::load(&a.model, g, &opts).map_err(|e| e.to_string())?;
+    let mut lm = ParallelCausalLm::load_with_config(&a.model, config, g, &opts).map_err(|e| e.to_string())?;
     let how = GenerateOptions::new().ignore_eos(a.ignore_eos).keep_logits(a.logits_out.is_some());
     lm.generate(prompt, a.max_new_tokens, &how).map_err(|e| e.to_string())
 }
 
 /// The ranks as threads; they must agree on every token.
-fn run_local(a: &Args, prompt: &[i64]) -> Result<Generation, String> {
+fn run_local(a: &Args, config: &ModelConfig, prompt: &[i64]) -> Result<Generation, String> {
     let devices = (0..a.world_size).map(|r| device_for(a.device, r)).collect::<Result<Vec<_>, _>>()?;
     let groups = DeviceGroup::local(a.world_size, timeout(), |r| devices[r]).map_err(|e| e.to_string())?;
     let results: Vec<Result<Generation, String>> = std::thread::scope(|s| {
@@ -129,7 +129,7 @@ fn run_local(a: &Args, prompt: &[i64]) -> Result<Generation, String> {
             .into_iter()
             .map(|g| {
                 std::thread::Builder::new().name(format!("rank-{}", g.rank())).spawn_scoped(s, move || {
-                    let out = one_rank(a, prompt, &g);
+                    let out = one_rank(a, config, prompt, &g);
                     if out.is_err() {
                         g.abort("this rank failed"); // the others stop waiting for it
                     }
@@ -161,12 +161,12 @@ fn run_local(a: &Args, prompt: &[i64]) -> Result<Generation, String> {
 }
 
 /// One process of an NCCL job (RANK etc. from torchrun or from `spawn_ranks`).
-fn run_nccl_rank(a: &Args, prompt: &[i64]) -> Result<Option<Generation>, String> {
+fn run_nccl_rank(a: &Args, config: &ModelConfig, prompt: &[i64]) -> Result<Option<Generation>, String> {
     let g = DeviceGroup::from_env().map_err(|e| e.to_string())?;
     if g.world_size() != a.world_size {
         return Err(format!("--world-size {} but WORLD_SIZE is {}", a.world_size, g.world_size()));
     }
-    let out = one_rank(a, prompt, &g)?;
+    let out = one_rank(a, config, prompt, &g)?;
     Ok((g.rank() == 0).then_some(out))
 }
 

@@ -4,8 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tp_comm::DeviceGroup;
+use tp_core::{Activation, NormStyle};
 use tp_core::{Device, Tensor};
-use tp_layers::Checkpoint;
+use tp_layers::{Checkpoint, Projections, QkNormSpan};
 use tp_models::{Architecture, ModelConfig};
 
 pub const CPU: Device = Device::Cpu;
@@ -64,12 +65,11 @@ fn rms(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
 }
 
 /// Frequencies from the formulas (default, or llama3 with its four parameters).
-fn freqs(c: &ModelConfig) -> Vec<f64> {
-    let d = c.head_dim;
+fn freqs(d: usize, theta: f64, scaling: tp_core::RopeScaling) -> Vec<f64> {
     (0..d / 2)
         .map(|i| {
-            let f = c.rope_theta.powf(-((2 * i) as f64) / d as f64);
-            match c.rope_scaling {
+            let f = theta.powf(-((2 * i) as f64) / d as f64);
+            match scaling {
                 tp_core::RopeScaling::Default => f,
                 tp_core::RopeScaling::Llama3 {
                     factor,
@@ -94,47 +94,111 @@ fn freqs(c: &ModelConfig) -> Vec<f64> {
         .collect()
 }
 
+/// RMSNorm of each row in f64, the weight applied in the config's style (Gemma: `1 + w`).
+fn norm(x: &[f64], w: &[f64], c: &ModelConfig) -> Vec<f64> {
+    let w: Vec<f64> = match c.norm_style {
+        NormStyle::OnePlusWeight => w.iter().map(|v| 1.0 + v).collect(),
+        _ => w.to_vec(),
+    };
+    rms(x, &w, c.rms_norm_eps)
+}
+
+/// The gate activation in f64, from its formula.
+fn act(c: &ModelConfig, g: f64) -> f64 {
+    match c.hidden_act {
+        Activation::GeluTanh => {
+            0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh())
+        }
+        _ => g / (1.0 + (-g).exp()),
+    }
+}
+
+/// Rows `start..start + len` of a row-major `[rows, k]` matrix.
+fn rows(w: &[f64], k: usize, start: usize, len: usize) -> Vec<f64> {
+    w[start * k..(start + len) * k].to_vec()
+}
+
 /// The logits `[T, V]` of the whole sequence `ids` (positions 0..T) in float64, straight from
-/// the files and the config: embedding, every block, final norm, LM head (tied or not).
+/// the files and the config, for every family of the architecture table: embedding (scaled
+/// where the family scales it), every block (its norms before and/or after attention and the
+/// MLP, q/k norms per head or over the full width, fused or separate projections, rope and
+/// window per layer, the family's attention scale and activation), final norm, LM head (tied
+/// or not, soft-capped where the config says).
 pub fn reference_logits(dir: &Path, ids: &[i64]) -> Vec<f64> {
     let c = ModelConfig::from_dir(dir).unwrap();
+    let names = c.architecture.decoder_names();
     let ckpt = Checkpoint::open(dir).unwrap();
     let (h, d, nq, nkv) = (c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads);
     let t = ids.len();
     let emb = get(&ckpt, "model.embed_tokens.weight").unwrap();
     let mut x: Vec<f64> = ids.iter().flat_map(|&i| emb[i as usize * h..(i as usize + 1) * h].to_vec()).collect();
-    let fr = freqs(&c);
-    let rope = |v: &mut [f64], heads: usize| {
-        for (r, head) in v.chunks_mut(d).enumerate() {
-            let p = (r / heads) as f64;
-            for i in 0..d / 2 {
-                let (cs, sn) = ((p * fr[i]).cos(), (p * fr[i]).sin());
-                let (a, b) = (head[i], head[d / 2 + i]);
-                head[i] = a * cs - b * sn;
-                head[d / 2 + i] = b * cs + a * sn;
-            }
-        }
-    };
+    if let Some(s) = c.embedding_scale {
+        x.iter_mut().for_each(|v| *v *= s);
+    }
+    let scale = c.attention_scale.unwrap_or(1.0 / (d as f64).sqrt());
     for l in 0..c.num_hidden_layers {
+        let window = c.window_of(l);
+        let (theta, scaling) = match (window, c.local_rope) {
+            (Some(_), Some(local)) => local,
+            _ => (c.rope_theta, c.rope_scaling),
+        };
+        let fr = freqs(d, theta, scaling);
+        let rope = |v: &mut [f64], heads: usize| {
+            for (r, head) in v.chunks_mut(d).enumerate() {
+                let p = (r / heads) as f64;
+                for i in 0..d / 2 {
+                    let (cs, sn) = ((p * fr[i]).cos(), (p * fr[i]).sin());
+                    let (a, b) = (head[i], head[d / 2 + i]);
+                    head[i] = a * cs - b * sn;
+                    head[d / 2 + i] = b * cs + a * sn;
+                }
+            }
+        };
         let p = format!("model.layers.{l}");
         let w = |n: &str| get(&ckpt, &format!("{p}.{n}.weight")).unwrap();
         let b = |n: &str| get(&ckpt, &format!("{p}.{n}.bias"));
-        let xn = rms(&x, &w("input_layernorm"), c.rms_norm_eps);
-        let mut q = lin(&xn, &w("self_attn.q_proj"), b("self_attn.q_proj").as_ref(), h);
-        let mut k = lin(&xn, &w("self_attn.k_proj"), b("self_attn.k_proj").as_ref(), h);
-        let v = lin(&xn, &w("self_attn.v_proj"), b("self_attn.v_proj").as_ref(), h);
+        let opt_norm = |n: Option<&str>, v: Vec<f64>| match n {
+            Some(n) => norm(&v, &w(n), &c),
+            None => v,
+        };
+        let attn = names.attn;
+        let an = names.attn_names;
+        let a_in = opt_norm(names.norms.attn_in, x.clone());
+        let (mut q, mut k, v) = match an.qkv {
+            Projections::Separate([qn, kn, vn]) => {
+                let pr = |n: &str| lin(&a_in, &w(&format!("{attn}.{n}")), b(&format!("{attn}.{n}")).as_ref(), h);
+                (pr(qn), pr(kn), pr(vn))
+            }
+            Projections::Fused(f) => {
+                let (wf, bf) = (w(&format!("{attn}.{f}")), b(&format!("{attn}.{f}")));
+                let part = |start: usize, len: usize| {
+                    let bias = bf.as_ref().map(|bf| bf[start..start + len].to_vec());
+                    lin(&a_in, &rows(&wf, h, start, len), bias.as_ref(), h)
+                };
+                (part(0, nq * d), part(nq * d, nkv * d), part((nq + nkv) * d, nkv * d))
+            }
+        };
+        match c.qk_norm {
+            Some(QkNormSpan::PerHead) => {
+                q = norm(&q, &w(&format!("{attn}.{}", an.q_norm)), &c);
+                k = norm(&k, &w(&format!("{attn}.{}", an.k_norm)), &c);
+            }
+            Some(QkNormSpan::FullWidth) => {
+                q = norm(&q, &w(&format!("{attn}.{}", an.q_norm)), &c);
+                k = norm(&k, &w(&format!("{attn}.{}", an.k_norm)), &c);
+            }
+            None => {}
+        }
         rope(&mut q, nq);
         rope(&mut k, nkv);
         let mut o = vec![0.0; t * nq * d];
         for pos in 0..t {
-            let lo = c.sliding_window.map_or(0, |win| (pos + 1).saturating_sub(win));
+            let lo = window.map_or(0, |win| (pos + 1).saturating_sub(win));
             for hh in 0..nq {
                 let g = hh / (nq / nkv);
                 let qv = &q[(pos * nq + hh) * d..][..d];
                 let s: Vec<f64> = (lo..=pos)
-                    .map(|j| {
-                        qv.iter().zip(&k[(j * nkv + g) * d..][..d]).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
-                    })
+                    .map(|j| qv.iter().zip(&k[(j * nkv + g) * d..][..d]).map(|(a, b)| a * b).sum::<f64>() * scale)
                     .collect();
                 let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = s.iter().map(|s| (s - m).exp()).collect();
@@ -146,18 +210,38 @@ pub fn reference_logits(dir: &Path, ids: &[i64]) -> Vec<f64> {
                 }
             }
         }
-        let a = lin(&o, &w("self_attn.o_proj"), b("self_attn.o_proj").as_ref(), nq * d);
+        let on = format!("{attn}.{}", an.o);
+        let a = opt_norm(names.norms.attn_out, lin(&o, &w(&on), b(&on).as_ref(), nq * d));
         x.iter_mut().zip(&a).for_each(|(x, a)| *x += a);
-        let xn = rms(&x, &w("post_attention_layernorm"), c.rms_norm_eps);
-        let gate = lin(&xn, &w("mlp.gate_proj"), b("mlp.gate_proj").as_ref(), h);
-        let up = lin(&xn, &w("mlp.up_proj"), b("mlp.up_proj").as_ref(), h);
-        let act: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-        let m = lin(&act, &w("mlp.down_proj"), b("mlp.down_proj").as_ref(), c.intermediate_size);
+        let m_in = opt_norm(names.norms.mlp_in, x.clone());
+        let mlp = names.mlp;
+        let inter = c.intermediate_size;
+        let (gate, up) = match names.mlp_names.gate_up {
+            Projections::Separate([gn, un]) => {
+                let pr = |n: &str| lin(&m_in, &w(&format!("{mlp}.{n}")), b(&format!("{mlp}.{n}")).as_ref(), h);
+                (pr(gn), pr(un))
+            }
+            Projections::Fused(f) => {
+                let (wf, bf) = (w(&format!("{mlp}.{f}")), b(&format!("{mlp}.{f}")));
+                let part = |start: usize| {
+                    let bias = bf.as_ref().map(|bf| bf[start..start + inter].to_vec());
+                    lin(&m_in, &rows(&wf, h, start, inter), bias.as_ref(), h)
+                };
+                (part(0), part(inter))
+            }
+        };
+        let a: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| act(&c, *g) * u).collect();
+        let dn = format!("{mlp}.{}", names.mlp_names.down);
+        let m = opt_norm(names.norms.mlp_out, lin(&a, &w(&dn), b(&dn).as_ref(), inter));
         x.iter_mut().zip(&m).for_each(|(x, m)| *x += m);
     }
-    let xn = rms(&x, &get(&ckpt, "model.norm.weight").unwrap(), c.rms_norm_eps);
+    let xn = norm(&x, &get(&ckpt, "model.norm.weight").unwrap(), &c);
     let head = if c.tie_word_embeddings { emb } else { get(&ckpt, "lm_head.weight").unwrap() };
-    lin(&xn, &head, None, h)
+    let logits = lin(&xn, &head, None, h);
+    match c.final_logit_softcapping {
+        Some(cap) => logits.iter().map(|l| cap * (l / cap).tanh()).collect(),
+        None => logits,
+    }
 }
 
 /// Asserts `got` is within `tol` (absolute, scaled by the largest |want|) of `want`.
