@@ -23,8 +23,9 @@ import sys
 import numpy as np
 import torch
 from safetensors.numpy import load_file
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 WORLDS = [1, 2, 3, 4, 5, 6, 7, 8]
 PROMPT_LEN, NEW_TOKENS = 20, 12
@@ -33,7 +34,7 @@ PROMPT_LEN, NEW_TOKENS = 20, 12
 def base(**kw):
     d = dict(vocab_size=1001, hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=12,
              num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5, eos_token_id=None,
-             bos_token_id=None)
+             bos_token_id=None, pad_token_id=None)
     d.update(kw)
     return d
 
@@ -44,6 +45,9 @@ def rope(kind, **kw):
 
 LLAMA, QWEN2, MISTRAL = (LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForCausalLM), (MistralConfig,
                                                                                           MistralForCausalLM)
+QWEN3, GEMMA3 = (Qwen3Config, Qwen3ForCausalLM), (Gemma3TextConfig, Gemma3ForCausalLM)
+PHI3, OLMO2 = (Phi3Config, Phi3ForCausalLM), (Olmo2Config, Olmo2ForCausalLM)
+GEMMA_LAYERS = ["sliding_attention", "sliding_attention", "full_attention"]
 CASES = {
     # 12 query heads over 4 KV heads: at 3, 5..8 ranks some ranks' heads straddle two KV heads.
     "llama": (LLAMA, base()),
@@ -66,6 +70,33 @@ CASES = {
     "qwen2": (QWEN2, base(num_key_value_heads=2)),
     "mistral_window": (MISTRAL, base(sliding_window=7)),
     "mistral_no_window": (MISTRAL, base(sliding_window=None)),
+    # Qwen3: per-head q/k RMSNorm before RoPE (its default head_dim is 128: set ours).
+    "qwen3": (QWEN3, base(head_dim=8)),
+    "qwen3_bias_tied": (QWEN3, base(head_dim=8, attention_bias=True, tie_word_embeddings=True,
+                                    num_key_value_heads=2)),
+    # Gemma 3: (1 + w) norms, sandwich norms, GeGLU, sqrt(hidden)-scaled embeddings,
+    # query_pre_attn_scalar, per-head q/k norm, two sliding layers (window 7, their own rope base)
+    # before a global one.
+    "gemma3": (GEMMA3, base(head_dim=16, num_attention_heads=6, num_key_value_heads=2, query_pre_attn_scalar=24,
+                            sliding_window=7, layer_types=GEMMA_LAYERS,
+                            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    # ... with final-logit soft-capping low enough to bend the logits, linear scaling on the global
+    # layers (as Gemma 3 4B+ has) and an untied head.
+    "gemma3_softcap_linear": (GEMMA3, base(head_dim=16, num_attention_heads=6, num_key_value_heads=1,
+                                           query_pre_attn_scalar=16, sliding_window=5, layer_types=GEMMA_LAYERS,
+                                           final_logit_softcapping=2.0, tie_word_embeddings=False,
+                                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                               "rope_theta": 1e6},
+                                                            "sliding_attention": {"rope_type": "default",
+                                                                                  "rope_theta": 1e4}})),
+    # Phi-3: fused qkv_proj and gate_up_proj; with and without a sliding window.
+    "phi3": (PHI3, base()),
+    "phi3_window": (PHI3, base(sliding_window=7, num_key_value_heads=12)),
+    # OLMo 2: q/k RMSNorm over the full width (split across ranks), post-attention and
+    # post-feed-forward norms only.
+    "olmo2": (OLMO2, base()),
+    "olmo2_mqa": (OLMO2, base(num_key_value_heads=1)),
 }
 
 
@@ -128,6 +159,13 @@ def main():
         d, m = make(out, name, classes, kw, i)
         pre32, dec32, toks32 = hf_run(m, prompt, NEW_TOKENS)
         scale = np.abs(pre32).max()
+        cap = getattr(m.config, "final_logit_softcapping", None)
+        if cap is not None:
+            # Soft-capping squeezes the logits into (-cap, cap): errors are measured against the
+            # logits before the cap (the capping itself only shrinks differences).
+            m.config.final_logit_softcapping = None
+            scale = max(scale, np.abs(hf_run(m, prompt, 1)[0]).max())
+            m.config.final_logit_softcapping = cap
         for dtype in ["f32", "bf16"]:
             if dtype == "f32":
                 pre, dec, toks, hf_err = pre32, dec32, toks32, 0.0

@@ -26,6 +26,11 @@ fn rms_norm_rounds_where_hugging_face_does() {
 }
 
 #[test]
+fn norm_styles_glu_scale_and_softcap_round_where_pytorch_does() {
+    common::block_ops::check_block_ops(CPU);
+}
+
+#[test]
 fn rope_default_and_llama3_match_the_rotation() {
     for dtype in DType::FLOATS {
         for scaling in [RopeScaling::Default, llama3()] {

@@ -328,6 +328,9 @@ fn decoder_kernels_match_f64_references() {
         check_argmax(GPU, 3, 1001, dtype);
         check_argmax(GPU, 2, 70_000, dtype);
         check_add(GPU, dtype);
+        // The kernels of the newer families: norm styles (with an outside statistic), sums of
+        // squares, GeGLU, scale, soft-capping.
+        common::block_ops::check_block_ops(GPU);
     }
     for w in [1, 3, 64] {
         check_attention(GPU, 9, 20, 4, 2, 16, Some(w), DType::F32, w as u64);

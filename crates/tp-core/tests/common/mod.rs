@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: an independent float64 reference and tolerances.
 #![allow(dead_code)]
 
+pub mod block_ops;
 pub mod decoder;
 
 use tp_core::{DType, Device, Tensor, WeightLayout};
