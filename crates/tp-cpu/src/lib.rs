@@ -5,7 +5,7 @@
 //! * [`CpuKernel`]: which instruction-set family runs, detected at run time (`features`;
 //!   `TP_CPU_KERNEL` caps it; [`with_kernel`] overrides it for one call, for tests and
 //!   benchmarks). `dispatch` maps a family and an element type to a micro-kernel.
-//! * [`matmul`]: `y = x W^T + bias` or `y = x W + bias` with `f32` accumulation, over `f32`,
+//! * [`matmul()`]: `y = x W^T + bias` or `y = x W + bias` with `f32` accumulation, over `f32`,
 //!   `f16` and `bf16` ([`Float`]). Few rows against an `[N, K]` weight run the decode kernel
 //!   (`gemv`: the weight streamed once, in its own dtype, at memory bandwidth); everything else
 //!   the packed GEMM (`gemm`: panels from `pack`, register-tiled micro-kernels in `ukernel`:

@@ -88,7 +88,10 @@ impl Tensor {
                 }
             }
             let (ws, bs) = (cuda(self, w)?, bias.map(|b| cuda(self, b)).transpose()?);
-            return Ok(Tensor::from_cuda(out_shape, super::cuda::matmul(xs, ws, bs, (m, k, n), layout)?));
+            return Ok(Tensor::from_cuda(
+                out_shape,
+                super::cuda::matmul(xs, ws, bs, tp_kernels::GemmShape { m, n, k }, layout)?,
+            ));
         }
         let x_s = self.cpu_storage(OP)?;
         let w_s = w.cpu_storage(OP)?;
@@ -97,7 +100,7 @@ impl Tensor {
             let b = b_s.map(|b| b.as_slice::<T>().unwrap_or_default());
             let x = x_s.as_slice::<T>().unwrap_or_default();
             let w = w_s.as_slice::<T>().unwrap_or_default();
-            CpuStorage::from_vec(host_matmul::<T>(x, w, b, m, k, n, layout)?)
+            CpuStorage::from_vec(host_matmul::<T>(x, w, b, tp_cpu::GemmShape { m, n, k }, layout)?)
         });
         Ok(Tensor::from_cpu(out_shape, out))
     }
@@ -123,16 +126,14 @@ fn widen<T: Element>(s: &[T]) -> Result<Cow<'_, [f32]>> {
 /// The host product ([`tp_cpu::matmul`]: decode shapes stream the weight, everything else runs
 /// the packed GEMM, on the kernel family [`CpuKernel::current`](crate::cpu::CpuKernel::current)
 /// picks for the dtype), rounded once to `T`.
-#[allow(clippy::too_many_arguments)]
 fn host_matmul<T: Element>(
     x: &[T],
     w: &[T],
     bias: Option<&[T]>,
-    m: usize,
-    k: usize,
-    n: usize,
+    shape: tp_cpu::GemmShape,
     layout: WeightLayout,
 ) -> Result<Vec<T>> {
+    let tp_cpu::GemmShape { m, n, k } = shape;
     let bias = bias.map(widen).transpose()?;
     if k == 0 {
         // The output alone: with K = 0 it can be far larger than both operands.
@@ -147,7 +148,6 @@ fn host_matmul<T: Element>(
         WeightLayout::Nk => tp_cpu::Layout::Nk,
         WeightLayout::Kn => tp_cpu::Layout::Kn,
     };
-    let shape = tp_cpu::GemmShape { m, n, k };
     tp_cpu::matmul(x, w, layout, bias.as_deref(), shape, &mut y.spare_capacity_mut()[..m * n])?;
     // SAFETY: `tp_cpu::matmul` succeeded, so it wrote every one of the `m * n` elements (its
     // contract): the first `m * n` are initialised.
