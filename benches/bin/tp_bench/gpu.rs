@@ -18,7 +18,7 @@ use cudarc::driver::sys::CUevent_flags;
 use half::{bf16, f16};
 use std::sync::Arc;
 use tp_core::rng::SplitMix64;
-use tp_kernels::{ElemType, Gpu, RowCopy};
+use tp_kernels::{ElemType, GemmArgs, GemmShape, Gpu, RowCopy};
 
 const MIB: usize = 1 << 20;
 
@@ -200,8 +200,10 @@ fn gemm_row(
     let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12;
 
     // What tp-core runs for this shape (gemm_nt's choice), or the Hopper kernel when asked.
+    let shape = GemmShape { m, n, k };
     let (name, ours_ms) = if wgmma {
-        ("gemm_wgmma", timer.median_ms(|| Ok(gpu.gemm_wgmma(&mut c_ours, &a, &b, None, (m, n, k), ty)?))?)
+        let run = || Ok(gpu.gemm_wgmma(GemmArgs { c: &mut c_ours, a: &a, b: &b, bias: None, shape, ty })?);
+        ("gemm_wgmma", timer.median_ms(run)?)
     } else {
         let name = if m <= tp_kernels::SMALL_M_MAX {
             "gemm_small_m"
@@ -213,7 +215,7 @@ fn gemm_row(
                 tp_kernels::GemmKernel::MmaSync => "gemm_mma",
             }
         };
-        (name, timer.median_ms(|| Ok(gpu.gemm_nt(&mut c_ours, &a, &b, None, (m, n, k), ty)?))?)
+        (name, timer.median_ms(|| Ok(gpu.gemm_nt(GemmArgs { c: &mut c_ours, a: &a, b: &b, bias: None, shape, ty })?))?)
     };
     let mnk = (m, n, k);
     let ref_ms = match ty {

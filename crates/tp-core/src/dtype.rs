@@ -137,8 +137,9 @@ impl IntElement for i64 {
 }
 
 /// A floating-point element (`f32`, `f16`, `bf16`): the types arithmetic runs on, always
-/// computing in `f32` (or `f64` for references) and rounding back.
-pub trait Element: Storable {
+/// computing in `f32` (or `f64` for references) and rounding back. The host kernels' element
+/// trait ([`tp_cpu::Float`]) is a supertrait, so every `Element` goes straight to them.
+pub trait Element: Storable + tp_cpu::Float {
     /// Exact widening to `f32`.
     fn to_f32(self) -> f32;
     /// Narrowing from `f32`, round to nearest even.
@@ -149,8 +150,10 @@ pub trait Element: Storable {
     }
     /// Narrowing from `f64`, one rounding (round to nearest even).
     fn from_f64(v: f64) -> Self;
-    /// Widen a whole slice to `f32` (SIMD where the `half` crate has it).
-    fn slice_to_f32(src: &[Self], dst: &mut [f32]);
+    /// Widen a whole slice to `f32` (vectorised; [`tp_cpu::Float::widen_slice`]).
+    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        tp_cpu::Float::widen_slice(src, dst);
+    }
     /// Narrow a whole `f32` slice, round to nearest even.
     fn slice_from_f32(src: &[f32], dst: &mut [Self]);
 }
@@ -168,9 +171,6 @@ impl Element for f32 {
     }
     fn from_f64(v: f64) -> Self {
         v as f32
-    }
-    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
     }
     fn slice_from_f32(src: &[f32], dst: &mut [Self]) {
         dst.copy_from_slice(src);
@@ -191,9 +191,6 @@ impl Element for f16 {
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
     }
-    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
-    }
     fn slice_from_f32(src: &[f32], dst: &mut [Self]) {
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
     }
@@ -212,13 +209,6 @@ impl Element for bf16 {
     }
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
-    }
-    /// bf16 is the top half of an f32: widening is a shift (exact, NaN payloads kept). Written
-    /// as a plain loop so it vectorizes.
-    fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
-        }
     }
     /// Round to nearest even on the bit pattern (add `0x7fff` plus the lowest kept bit, then
     /// truncate); NaNs stay NaN (quieted). Same results as `bf16::from_f32`, but vectorizes.

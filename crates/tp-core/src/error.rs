@@ -109,6 +109,17 @@ pub enum Error {
     Cuda(tp_kernels::KernelError),
 }
 
+impl From<tp_cpu::Error> for Error {
+    fn from(e: tp_cpu::Error) -> Self {
+        match e {
+            tp_cpu::Error::KernelUnavailable { kernel, why } => Error::KernelUnavailable { kernel, why },
+            // tp-core checks shapes before calling the host kernels; should one still refuse,
+            // its own message says what.
+            other => Error::InvalidArgument { op: "matmul", why: other.to_string() },
+        }
+    }
+}
+
 impl From<tp_kernels::KernelError> for Error {
     fn from(e: tp_kernels::KernelError) -> Self {
         use tp_kernels::KernelError as K;

@@ -203,14 +203,14 @@ fn hopper_wgmma_kernel_matches_f64_or_refuses_other_devices() {
             let b = Tensor::randn(&[n], dtype, 5, &CPU).unwrap();
             let (xd, wd, bd) = (gpu(&x), gpu(&w), gpu(&b));
             let mut out = g.alloc(m * n * 2).unwrap();
-            let r = g.gemm_wgmma(
-                &mut out,
-                xd.cuda_buffer().unwrap().1,
-                wd.cuda_buffer().unwrap().1,
-                with_bias.then(|| bd.cuda_buffer().unwrap().1),
-                (m, n, k),
+            let r = g.gemm_wgmma(tp_kernels::GemmArgs {
+                c: &mut out,
+                a: xd.cuda_buffer().unwrap().1,
+                b: wd.cuda_buffer().unwrap().1,
+                bias: with_bias.then(|| bd.cuda_buffer().unwrap().1),
+                shape: tp_kernels::GemmShape { m, n, k },
                 ty,
-            );
+            });
             if g.compute_capability() != (9, 0) {
                 assert!(matches!(r, Err(tp_kernels::KernelError::InvalidLaunch { .. })), "{r:?}");
                 return;
@@ -221,14 +221,14 @@ fn hopper_wgmma_kernel_matches_f64_or_refuses_other_devices() {
                 // The big case: compare with the mma.sync kernel instead of a slow f64 loop,
                 // launched directly (matmul_t itself takes wgmma under TP_GEMM_KERNEL=wgmma).
                 let mut reference = g.alloc(m * n * 2).unwrap();
-                g.gemm_mma(
-                    &mut reference,
-                    xd.cuda_buffer().unwrap().1,
-                    wd.cuda_buffer().unwrap().1,
-                    with_bias.then(|| bd.cuda_buffer().unwrap().1),
-                    (m, n, k),
+                g.gemm_mma(tp_kernels::GemmArgs {
+                    c: &mut reference,
+                    a: xd.cuda_buffer().unwrap().1,
+                    b: wd.cuda_buffer().unwrap().1,
+                    bias: with_bias.then(|| bd.cuda_buffer().unwrap().1),
+                    shape: tp_kernels::GemmShape { m, n, k },
                     ty,
-                )
+                })
                 .unwrap();
                 let want = host(&Tensor::from_cuda_buffer(reference, &[m, n], dtype, g.clone()).unwrap());
                 let (a, b) = (f64s(&y), f64s(&want));
@@ -393,4 +393,74 @@ fn decoder_kernels_agree_with_the_host() {
     assert_eq!(host(&gpu(&ids).narrow(1, 1, 2).unwrap()).to_vec::<i32>().unwrap(), vec![2, 3, 5, 6]);
     let joined = Tensor::cat(&[gpu(&ids), gpu(&ids)], 0).unwrap();
     assert_eq!(host(&joined).to_vec::<i32>().unwrap(), [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6]);
+}
+
+/// A bias-only product (K = 0) through one GEMM launcher: every element of the poisoned output
+/// must be the bias (or zero). `launch` gets the arguments; its error is returned.
+fn check_bias_only(
+    name: &str,
+    m: usize,
+    bias: &Tensor,
+    with_bias: bool,
+    launch: impl FnOnce(&tp_kernels::Gpu, tp_kernels::GemmArgs<'_>) -> tp_kernels::Result<()>,
+) -> tp_kernels::Result<()> {
+    let g = tp_kernels::Gpu::get(0).unwrap();
+    let (n, dtype) = (bias.dims()[0], bias.dtype());
+    let ty = match dtype {
+        DType::F32 => tp_kernels::ElemType::F32,
+        DType::F16 => tp_kernels::ElemType::F16,
+        _ => tp_kernels::ElemType::BF16,
+    };
+    let bd = gpu(bias);
+    let (a, w) = (g.alloc(0)?, g.alloc(0)?);
+    let mut out = g.alloc(m * n * dtype.size_in_bytes())?;
+    let shape = tp_kernels::GemmShape { m, n, k: 0 };
+    let b = with_bias.then(|| bd.cuda_buffer().unwrap().1);
+    launch(&g, tp_kernels::GemmArgs { c: &mut out, a: &a, b: &w, bias: b, shape, ty })?;
+    let y = f64s(&host(&Tensor::from_cuda_buffer(out, &[m, n], dtype, g.clone()).unwrap()));
+    let bv = f64s(bias);
+    for (i, v) in y.iter().enumerate() {
+        let want = if with_bias { bv[i % n] } else { 0.0 };
+        assert_eq!(*v, want, "{name} {dtype} m {m} bias {with_bias}: element {i}");
+    }
+    Ok(())
+}
+
+/// A GEMM launcher under test.
+type Launch = fn(&tp_kernels::Gpu, tp_kernels::GemmArgs<'_>) -> tp_kernels::Result<()>;
+
+#[test]
+fn bias_only_products_on_every_gemm_launcher() {
+    setup();
+    let hopper = tp_kernels::Gpu::get(0).unwrap().compute_capability() == (9, 0);
+    let every: [(&str, usize, Launch); 3] = [
+        ("gemm_nt (decode)", 3, |g, a| g.gemm_nt(a)),
+        ("gemm_nt", 20, |g, a| g.gemm_nt(a)),
+        ("gemm_small_m", 8, |g, a| g.gemm_small_m(a)),
+    ];
+    let f32_only: [(&str, usize, Launch); 2] = [
+        ("gemm_simt_f32 nk", 20, |g, a| g.gemm_simt_f32(a, true)),
+        ("gemm_simt_f32 kn", 20, |g, a| g.gemm_simt_f32(a, false)),
+    ];
+    let halves: [(&str, usize, Launch); 2] =
+        [("gemm_mma", 20, |g, a| g.gemm_mma(a)), ("gemm_tensor_core", 20, |g, a| g.gemm_tensor_core(a))];
+    for dtype in DType::FLOATS {
+        let bias = Tensor::randn(&[33], dtype, 11, &CPU).unwrap();
+        for with_bias in [true, false] {
+            let own = if dtype == DType::F32 { &f32_only } else { &halves };
+            for &(name, m, launch) in every.iter().chain(own) {
+                check_bias_only(name, m, &bias, with_bias, launch).unwrap();
+            }
+            if dtype == DType::F32 {
+                continue;
+            }
+            // The Hopper launcher hands K = 0 to mma.sync (no TMA map has a zero dimension).
+            let r = check_bias_only("gemm_wgmma", 20, &bias, with_bias, |g, a| g.gemm_wgmma(a));
+            if hopper {
+                r.unwrap();
+            } else {
+                assert!(matches!(r, Err(tp_kernels::KernelError::InvalidLaunch { .. })), "{r:?}");
+            }
+        }
+    }
 }

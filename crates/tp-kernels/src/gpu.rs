@@ -63,7 +63,7 @@ pub struct Gpu {
     sm_count: u32,
     compute_capability: (i32, i32),
     smem_optin: u32,
-    /// One slot per embedded module (`crate::MODULES` order), loaded on first use.
+    /// One slot per embedded module (`crate::modules::MODULES` order), loaded on first use.
     modules: Vec<OnceLock<std::result::Result<Arc<CudaModule>, KernelError>>>,
     /// One slot per kernel function (`crate::kernels::ALL` order), looked up on first use.
     functions: Vec<OnceLock<std::result::Result<CudaFunction, KernelError>>>,
@@ -102,7 +102,7 @@ impl Gpu {
             smem_optin: u32::try_from(smem_optin).unwrap_or(0),
             stream: ctx.default_stream(),
             ctx,
-            modules: crate::MODULES.iter().map(|_| OnceLock::new()).collect(),
+            modules: crate::modules::MODULES.iter().map(|_| OnceLock::new()).collect(),
             functions: crate::kernels::ALL.iter().map(|_| OnceLock::new()).collect(),
         });
         gpus.insert(ordinal, gpu.clone());
@@ -187,7 +187,7 @@ impl Gpu {
     /// function's dynamic shared-memory limit is raised to `smem` bytes once, at that first use
     /// (every caller of a function asks for the same amount: the kernel's constant).
     pub(crate) fn function(&self, name: &str, smem: u32) -> Result<&CudaFunction> {
-        if let Some(reason) = crate::NOT_COMPILED {
+        if let Some(reason) = crate::modules::NOT_COMPILED {
             return Err(KernelError::NotCompiled { reason });
         }
         let &index = crate::kernels::INDEX.get(name).ok_or_else(|| KernelError::MissingKernel { name: name.into() })?;
@@ -210,13 +210,13 @@ impl Gpu {
 
     /// The embedded module `name`, loaded into this context on first use.
     fn module(&self, name: &str) -> Result<Arc<CudaModule>> {
-        let index = crate::MODULES
+        let index = crate::modules::MODULES
             .iter()
             .position(|m| m.name == name)
             .ok_or_else(|| KernelError::MissingKernel { name: name.into() })?;
         self.modules[index]
             .get_or_init(|| {
-                let fatbin = crate::MODULES[index].fatbin.to_vec();
+                let fatbin = crate::modules::MODULES[index].fatbin.to_vec();
                 self.ctx.load_module(Ptx::from_binary(fatbin)).map_err(driver("cuModuleLoadData"))
             })
             .clone()

@@ -2,7 +2,7 @@
 //! call, and the index of each: a [`Gpu`](crate::Gpu) keeps one lazily loaded slot per index,
 //! so a launch looks its function up without a lock or a driver call after the first time.
 
-use crate::launch::ElemType;
+use crate::elem::ElemType;
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
@@ -84,12 +84,12 @@ mod tests {
         for (module, name) in super::ALL.iter() {
             assert!(sources.iter().any(|s| s == module), "{name}: no kernels/{module}.cu");
             // With nvcc present, the function's symbol is in the module's (uncompressed) fatbin.
-            if let Some(m) = crate::module(module) {
+            if let Some(m) = crate::modules::module(module) {
                 let sym = format!(".text.{name}\0");
                 assert!(m.fatbin.windows(sym.len()).any(|w| w == sym.as_bytes()), "{name} is not in {module}'s fatbin");
             }
         }
-        if crate::NOT_COMPILED.is_some() {
+        if crate::modules::NOT_COMPILED.is_some() {
             eprintln!("note: built without nvcc; kernel symbols were not checked against the fatbins");
         }
     }

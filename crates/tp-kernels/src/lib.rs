@@ -14,34 +14,19 @@
 //! [`host_index`] is the kernels' index arithmetic compiled for the host, for CPU tests.
 
 pub mod consts;
+mod elem;
 mod error;
 mod gpu;
 pub mod host_index;
 mod kernels;
 mod launch;
+mod limits;
+mod modules;
 
 pub use cudarc;
+pub use elem::ElemType;
 pub use error::{KernelError, Result, STICKY_ERROR_NOTE, note_sticky_errors_on_panic, sticky_error_note};
 pub use gpu::{Gpu, count_host_sync, device_count, driver_available, host_syncs, set_poison_allocations};
-pub use launch::{AttentionShape, ElemType, GemmKernel, RowCopy};
-
-/// Largest M the decode-shaped GEMM takes (`SMALL_M_MAX` of kernels/launch_config.cuh).
-pub const SMALL_M_MAX: usize = consts::SMALL_M_MAX as usize;
-/// Largest head size the attention kernel takes.
-pub const ATTENTION_MAX_HEAD_DIM: usize = consts::ATTENTION_MAX_HEAD_DIM as usize;
-
-/// A kernel module compiled at build time.
-#[derive(Debug, Clone, Copy)]
-pub struct KernelModule {
-    /// File stem of the `.cu` source in `kernels/` (e.g. `gemm_mma`).
-    pub name: &'static str,
-    /// The fatbin nvcc produced: SASS for sm_80 and sm_90a, PTX for compute_80.
-    pub fatbin: &'static [u8],
-}
-
-include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
-
-/// The embedded module named `name`, if the build compiled it.
-pub fn module(name: &str) -> Option<&'static KernelModule> {
-    MODULES.iter().find(|m| m.name == name)
-}
+pub use launch::{AttentionShape, GemmArgs, GemmKernel, GemmShape, RowCopy};
+pub use limits::{ATTENTION_MAX_HEAD_DIM, SMALL_M_MAX};
+pub use modules::{KernelModule, MODULES, NOT_COMPILED, module};

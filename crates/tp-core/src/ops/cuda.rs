@@ -3,7 +3,7 @@
 
 use crate::storage::CudaStorage;
 use crate::{DType, Error, Result, WeightLayout};
-use tp_kernels::{ElemType, RowCopy};
+use tp_kernels::{ElemType, GemmArgs, GemmShape, RowCopy};
 
 pub(crate) fn elem_type(d: DType) -> ElemType {
     match d {
@@ -136,7 +136,8 @@ pub(crate) fn interleave(s: &CudaStorage, rows: usize, cols: usize, world: usize
     Ok(parts.finish(buf))
 }
 
-/// `y = x op(W) + b` with `x: m×k`, `W` in `layout`, all of one dtype, on one device.
+/// `y = x op(W) + b` with `x: m×k`, `W` in `layout` (`n×k` or `k×n`), `y: m×n`, all of one
+/// dtype, on one device.
 ///
 /// The `[N, K]` layout goes to `Gpu::gemm_nt` (decode kernel for M <= 8, SIMT for f32,
 /// tensor cores for f16/bf16). `[K, N]`: f32 runs SIMT; f16/bf16 widen to f32, run SIMT and round
@@ -145,9 +146,10 @@ pub(crate) fn matmul(
     x: &CudaStorage,
     w: &CudaStorage,
     bias: Option<&CudaStorage>,
-    (m, k, n): (usize, usize, usize),
+    shape: GemmShape,
     layout: WeightLayout,
 ) -> Result<CudaStorage> {
+    let GemmShape { m, n, k } = shape;
     for other in std::iter::once(w).chain(bias) {
         if other.gpu.ordinal() != x.gpu.ordinal() {
             return Err(Error::DeviceMismatch { op: "matmul", lhs: x.device(), rhs: other.device() });
@@ -159,19 +161,21 @@ pub(crate) fn matmul(
         (_, WeightLayout::Nk) => {
             // Decode shapes, SIMT f32 or tensor cores: tp-kernels picks per shape and device.
             let (mut buf, parts) = alloc_like(x, m * n * dtype.size_in_bytes(), dtype)?;
-            gpu.gemm_nt(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), elem_type(dtype))?;
+            let bias = bias.map(|b| &*b.buf);
+            gpu.gemm_nt(GemmArgs { c: &mut buf, a: &x.buf, b: &w.buf, bias, shape, ty: elem_type(dtype) })?;
             Ok(parts.finish(buf))
         }
         (DType::F32, WeightLayout::Kn) => {
             let (mut buf, parts) = alloc_like(x, m * n * 4, dtype)?;
-            gpu.gemm_simt_f32(&mut buf, &x.buf, &w.buf, bias.map(|b| &*b.buf), (m, n, k), false)?;
+            let bias = bias.map(|b| &*b.buf);
+            gpu.gemm_simt_f32(GemmArgs { c: &mut buf, a: &x.buf, b: &w.buf, bias, shape, ty: ElemType::F32 }, false)?;
             Ok(parts.finish(buf))
         }
         (_, WeightLayout::Kn) => {
             let xf = cast(x, m * k, DType::F32)?;
             let wf = cast(w, k * n, DType::F32)?;
             let bf = bias.map(|b| cast(b, n, DType::F32)).transpose()?;
-            let yf = matmul(&xf, &wf, bf.as_ref(), (m, k, n), layout)?;
+            let yf = matmul(&xf, &wf, bf.as_ref(), shape, layout)?;
             cast(&yf, m * n, dtype)
         }
     }

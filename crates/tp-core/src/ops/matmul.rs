@@ -7,11 +7,10 @@
 //! result rounded once (nearest even) back to the dtype.
 
 use crate::alloc::{with_capacity, zeroed};
-use crate::cpu::gemm::{self, Micro};
-use crate::cpu::{CpuKernel, gemv, par_rows};
 use crate::storage::{CpuStorage, CudaStorage, Storage};
 use crate::{DType, Element, Error, Result, Tensor, with_dtype};
 use std::borrow::Cow;
+use tp_cpu::par_rows;
 
 /// How a 2-D weight is laid out in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +88,10 @@ impl Tensor {
                 }
             }
             let (ws, bs) = (cuda(self, w)?, bias.map(|b| cuda(self, b)).transpose()?);
-            return Ok(Tensor::from_cuda(out_shape, super::cuda::matmul(xs, ws, bs, (m, k, n), layout)?));
+            return Ok(Tensor::from_cuda(
+                out_shape,
+                super::cuda::matmul(xs, ws, bs, tp_kernels::GemmShape { m, n, k }, layout)?,
+            ));
         }
         let x_s = self.cpu_storage(OP)?;
         let w_s = w.cpu_storage(OP)?;
@@ -98,7 +100,7 @@ impl Tensor {
             let b = b_s.map(|b| b.as_slice::<T>().unwrap_or_default());
             let x = x_s.as_slice::<T>().unwrap_or_default();
             let w = w_s.as_slice::<T>().unwrap_or_default();
-            CpuStorage::from_vec(host_matmul::<T>(x, w, b, m, k, n, layout)?)
+            CpuStorage::from_vec(host_matmul::<T>(x, w, b, tp_cpu::GemmShape { m, n, k }, layout)?)
         });
         Ok(Tensor::from_cpu(out_shape, out))
     }
@@ -121,19 +123,17 @@ fn widen<T: Element>(s: &[T]) -> Result<Cow<'_, [f32]>> {
     }
 }
 
-/// The host product: decode shapes (few rows, `[N, K]` weight) stream the weight; everything
-/// else runs the packed GEMM with the kernel family [`CpuKernel::current`] picks for the dtype.
-#[allow(clippy::too_many_arguments)]
+/// The host product ([`tp_cpu::matmul`]: decode shapes stream the weight, everything else runs
+/// the packed GEMM, on the kernel family [`CpuKernel::current`](crate::cpu::CpuKernel::current)
+/// picks for the dtype), rounded once to `T`.
 fn host_matmul<T: Element>(
     x: &[T],
     w: &[T],
     bias: Option<&[T]>,
-    m: usize,
-    k: usize,
-    n: usize,
+    shape: tp_cpu::GemmShape,
     layout: WeightLayout,
 ) -> Result<Vec<T>> {
-    let kernel = CpuKernel::current();
+    let tp_cpu::GemmShape { m, n, k } = shape;
     let bias = bias.map(widen).transpose()?;
     if k == 0 {
         // The output alone: with K = 0 it can be far larger than both operands.
@@ -144,22 +144,17 @@ fn host_matmul<T: Element>(
         return narrow_output(y);
     }
     let mut y: Vec<f32> = with_capacity(OP, m * n)?;
-    let out = &mut y.spare_capacity_mut()[..m * n];
-    if layout == WeightLayout::Nk && m <= gemv::MAX_ROWS {
-        gemv::gemv(kernel, x, w, bias.as_deref(), m, k, n, out);
-    } else {
-        let micro = match kernel.tiles_for(T::DTYPE) {
-            Some(tiles) => Micro::Amx { tiles, fp16: T::DTYPE == DType::F16, pack: kernel.f32_isa() },
-            None if T::DTYPE == DType::BF16 && kernel.has_bf16_dot() => Micro::Bf16Dot,
-            None => Micro::F32(kernel.f32_isa()),
-        };
-        gemm::gemm(micro, x, w, layout, bias.as_deref(), m, k, n, out);
-    }
-    // SAFETY: with `k > 0` both products write every one of the `m * n` elements (their
-    // contract), so the first `m * n` are initialised.
+    let layout = match layout {
+        WeightLayout::Nk => tp_cpu::Layout::Nk,
+        WeightLayout::Kn => tp_cpu::Layout::Kn,
+    };
+    tp_cpu::matmul(x, w, layout, bias.as_deref(), shape, &mut y.spare_capacity_mut()[..m * n])?;
+    // SAFETY: `tp_cpu::matmul` succeeded, so it wrote every one of the `m * n` elements (its
+    // contract): the first `m * n` are initialised.
     unsafe { y.set_len(m * n) };
     narrow_output(y)
 }
+
 /// The f32 result in the output dtype (rounded once, to nearest even).
 fn narrow_output<T: Element>(y: Vec<f32>) -> Result<Vec<T>> {
     if T::DTYPE == DType::F32 {

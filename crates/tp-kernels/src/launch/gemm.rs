@@ -1,27 +1,25 @@
 //! Launchers of the SIMT (`kernels/gemm_simt.cu`), mma.sync (`gemm_mma.cu`) and decode-shaped
-//! (`gemm_small_m.cu`) GEMMs, and the buffer checks every GEMM launcher shares.
+//! (`gemm_small_m.cu`) GEMMs.
 
-use super::{BLOCKS_PER_SM, ElemType, i64_of, invalid, push_bias, require_float, span};
+use super::gemm_args::{GemmArgs, GemmShape};
+use super::{BLOCKS_PER_SM, ElemType, i64_of, invalid, push_bias, require_float};
 use crate::consts;
 use crate::error::{Result, driver};
 use crate::gpu::Gpu;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::limits::SMALL_M_MAX;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 impl Gpu {
     /// fp32 SIMT GEMM with fused bias (`kernels/gemm_simt.cu`): `C = A op(B) + bias` where `A` is
     /// `m×k`, `B` is `n×k` when `nk` (so `C = A B^T`) or `k×n` otherwise, `bias` has `n` entries.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_simt_f32(
-        &self,
-        c: &mut CudaSlice<u8>,
-        a: &CudaSlice<u8>,
-        b: &CudaSlice<u8>,
-        bias: Option<&CudaSlice<u8>>,
-        (m, n, k): (usize, usize, usize),
-        nk: bool,
-    ) -> Result<()> {
+    /// `g.ty` must be f32. Any `k`, 0 included (then `C` is the bias, or zeros).
+    pub fn gemm_simt_f32(&self, g: GemmArgs<'_>, nk: bool) -> Result<()> {
         const K: &str = "gemm_simt_f32";
-        check_gemm(K, c, a, b, bias, (m, n, k), 4)?;
+        if g.ty != ElemType::F32 {
+            return Err(invalid(K, format!("the SIMT kernel takes f32, not {}", g.ty.name())));
+        }
+        g.check_buffers(K)?;
+        let GemmArgs { c, a, b, bias, shape: GemmShape { m, n, k }, .. } = g;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -37,7 +35,7 @@ impl Gpu {
         l.arg(&m_i).arg(&n_i).arg(&k_i).arg(&vec);
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (consts::SIMT_THREADS, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: matches tp_gemm_simt_f32_xx(float* C, const float* A, const float* B,
-        // const float* bias_or_null, int64 M, N, K, int vec). check_gemm verified that A holds
+        // const float* bias_or_null, int64 M, N, K, int vec). check_buffers verified that A holds
         // m*k, B n*k, C m*n and bias n floats; the kernel bounds-checks every tile edge against
         // M, N, K. Vector (16-byte) loads are enabled only when every row start is a multiple of
         // 4 floats from a 256-byte aligned base. C is the only buffer written and is borrowed
@@ -46,18 +44,12 @@ impl Gpu {
     }
 
     /// bf16/f16 tensor-core GEMM with fused bias (`kernels/gemm_mma.cu`): `C = A B^T + bias`,
-    /// `A` `m×k`, `B` `n×k` (nn.Linear layout), `C` `m×n`, all of element type `ty`.
-    /// Needs compute capability 8.0 or later.
-    pub fn gemm_mma(
-        &self,
-        c: &mut CudaSlice<u8>,
-        a: &CudaSlice<u8>,
-        b: &CudaSlice<u8>,
-        bias: Option<&CudaSlice<u8>>,
-        (m, n, k): (usize, usize, usize),
-        ty: ElemType,
-    ) -> Result<()> {
+    /// `A` `m×k`, `B` `n×k` (nn.Linear layout), `C` `m×n`, all of element type `g.ty`.
+    /// Needs compute capability 8.0 or later. Any `k`, 0 included (no tile is loaded; `C` is the
+    /// bias, or zeros).
+    pub fn gemm_mma(&self, g: GemmArgs<'_>) -> Result<()> {
         const K: &str = "gemm_mma";
+        let ty = g.ty;
         if !matches!(ty, ElemType::F16 | ElemType::BF16) {
             return Err(invalid(K, "the mma.sync kernel takes f16 or bf16; use gemm_simt_f32"));
         }
@@ -81,7 +73,8 @@ impl Gpu {
                 ),
             ));
         }
-        check_gemm(K, c, a, b, bias, (m, n, k), 2)?;
+        g.check_buffers(K)?;
+        let GemmArgs { c, a, b, bias, shape: GemmShape { m, n, k }, .. } = g;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -99,7 +92,7 @@ impl Gpu {
             shared_mem_bytes: consts::MMA_SMEM_BYTES,
         };
         // SAFETY: matches tp_gemm_mma_T_nk[_unaligned](T* C, const T* A, const T* B,
-        // const T* bias_or_null, int64 M, N, K). check_gemm verified the buffer sizes; the
+        // const T* bias_or_null, int64 M, N, K). check_buffers verified the buffer sizes; the
         // kernel zero-fills loads past M, N, K and skips stores past M, N. The 16-byte cp.async
         // path is chosen only when K % 8 == 0, so every row of A and B starts 16-byte aligned
         // from a 256-byte aligned allocation. The dynamic shared memory requested is the
@@ -109,22 +102,18 @@ impl Gpu {
     }
 
     /// Decode-shaped `C = A B^T + bias` for `1 <= m <= 8` (`kernels/gemm_small_m.cu`): one
-    /// warp per weight row, 16-byte loads, so the weight streams from memory once.
-    pub fn gemm_small_m(
-        &self,
-        c: &mut CudaSlice<u8>,
-        a: &CudaSlice<u8>,
-        b: &CudaSlice<u8>,
-        bias: Option<&CudaSlice<u8>>,
-        (m, n, k): (usize, usize, usize),
-        ty: ElemType,
-    ) -> Result<()> {
+    /// warp per weight row, 16-byte loads, so the weight streams from memory once. Any `k`, 0
+    /// included (then `C` is the bias, or zeros).
+    pub fn gemm_small_m(&self, g: GemmArgs<'_>) -> Result<()> {
         const K: &str = "gemm_small_m";
+        let ty = g.ty;
         require_float(K, ty)?;
-        if !(1..=crate::SMALL_M_MAX).contains(&m) {
-            return Err(invalid(K, format!("M = {m}; this kernel takes 1..={}", crate::SMALL_M_MAX)));
+        let m = g.shape.m;
+        if !(1..=SMALL_M_MAX).contains(&m) {
+            return Err(invalid(K, format!("M = {m}; this kernel takes 1..={SMALL_M_MAX}")));
         }
-        check_gemm(K, c, a, b, bias, (m, n, k), ty.size())?;
+        g.check_buffers(K)?;
+        let GemmArgs { c, a, b, bias, shape: GemmShape { n, k, .. }, .. } = g;
         if n == 0 {
             return Ok(());
         }
@@ -139,37 +128,13 @@ impl Gpu {
         push_bias(&mut l, bias);
         l.arg(&m_i).arg(&n_i).arg(&k_i);
         // SAFETY: matches tp_gemm_small_m_T[_unaligned](T* C, const T* A, const T* B,
-        // const T* bias_or_null, int M, int64 N, int64 K). check_gemm verified that A holds m*k,
+        // const T* bias_or_null, int M, int64 N, int64 K). check_buffers verified that A holds m*k,
         // B n*k, C m*n and bias n elements; the kernel reads rows of A and B only below K and
         // writes C[m][n] only for m < M (<= 8) and n < N. The 16-byte vector variant is chosen only
         // when K is a multiple of the vector width, so every vector is in bounds and aligned
         // (allocations are 256-byte aligned). C is borrowed mutably: no aliasing.
         unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_gemm_small_m)"))
     }
-}
-
-/// Buffer-size checks shared by the GEMM launchers (`elem` bytes per element).
-pub(super) fn check_gemm(
-    kernel: &'static str,
-    c: &CudaSlice<u8>,
-    a: &CudaSlice<u8>,
-    b: &CudaSlice<u8>,
-    bias: Option<&CudaSlice<u8>>,
-    (m, n, k): (usize, usize, usize),
-    elem: usize,
-) -> Result<()> {
-    let need = |rows: usize, cols: usize| span(kernel, rows, cols, 0).and_then(|x| span(kernel, x, elem, 0));
-    for (what, have, want) in [("A", a.len(), need(m, k)?), ("B", b.len(), need(n, k)?), ("C", c.len(), need(m, n)?)] {
-        if have < want {
-            return Err(invalid(kernel, format!("{what} holds {have} bytes, needs {want}")));
-        }
-    }
-    if let Some(bias) = bias
-        && bias.len() < need(1, n)?
-    {
-        return Err(invalid(kernel, format!("bias holds {} bytes, needs {}", bias.len(), n * elem)));
-    }
-    Ok(())
 }
 
 /// `(ceil(n / BN), ceil(m / BM), 1)` for the SIMT and mma.sync tiles (both 128 x 128), within

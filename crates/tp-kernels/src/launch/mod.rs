@@ -6,63 +6,30 @@
 //! * `copy.rs`: strided row copies, the all-gather interleave, dtype casts.
 //! * `elementwise.rs`: SwiGLU, row bias, in-place add.
 //! * `decoder.rs`: RMSNorm, RoPE, attention, embedding lookup, argmax.
-//! * `gemm.rs`: the SIMT, mma.sync and decode-shaped GEMMs; `wgmma.rs` + `tma.rs`: the Hopper
-//!   GEMM and its TMA descriptors; `dispatch.rs`: which GEMM runs for a shape.
+//! * `gemm_args.rs`: [`GemmArgs`] and [`GemmShape`], what every GEMM launcher takes, and their
+//!   buffer checks; `gemm.rs`: the SIMT, mma.sync and decode-shaped GEMMs; `wgmma.rs` +
+//!   `tma.rs`: the Hopper GEMM and its TMA descriptors; `dispatch.rs`: which GEMM runs for a
+//!   shape.
 
 mod copy;
 mod decoder;
 mod dispatch;
 mod elementwise;
 mod gemm;
+mod gemm_args;
 mod tma;
 mod wgmma;
 
 pub use decoder::AttentionShape;
 pub use dispatch::GemmKernel;
+pub use gemm_args::{GemmArgs, GemmShape};
 
 use crate::consts;
+// Launchers name it `super::ElemType`.
+pub(crate) use crate::elem::ElemType;
 use crate::error::{KernelError, Result};
 use crate::gpu::Gpu;
 use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
-
-/// Element types the kernels know.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ElemType {
-    /// IEEE binary32.
-    F32,
-    /// IEEE binary16.
-    F16,
-    /// bfloat16.
-    BF16,
-    /// 32-bit signed integer (token ids).
-    I32,
-    /// 64-bit signed integer (token ids).
-    I64,
-}
-
-impl ElemType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            ElemType::F32 | ElemType::I32 => 4,
-            ElemType::F16 | ElemType::BF16 => 2,
-            ElemType::I64 => 8,
-        }
-    }
-    /// Whether this is one of the floating-point types the arithmetic kernels take.
-    pub fn is_float(self) -> bool {
-        matches!(self, ElemType::F32 | ElemType::F16 | ElemType::BF16)
-    }
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            ElemType::F32 => "f32",
-            ElemType::F16 => "f16",
-            ElemType::BF16 => "bf16",
-            ElemType::I32 => "i32",
-            ElemType::I64 => "i64",
-        }
-    }
-}
 
 /// Refuses an integer type for a float-only kernel.
 pub(crate) fn require_float(kernel: &'static str, ty: ElemType) -> Result<()> {

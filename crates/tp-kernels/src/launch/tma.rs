@@ -41,18 +41,17 @@ impl Gpu {
             ElemType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             _ => return Err(invalid("gemm_wgmma", "TMA maps here are for 2-byte types")),
         };
+        let (dims, strides) = geometry(ty, rows, k)?;
         let (ptr, guard) = buf.device_ptr(self.stream());
-        let dims = [k as u64, rows as u64];
-        let strides = [(k * ty.size()) as u64]; // bytes between rows; dim 0 is contiguous
         let boxes = [box_k, box_rows];
         let elem_strides = [1u32, 1];
         // SAFETY: all-zero bytes are a valid (if meaningless) CUtensorMap, fully overwritten by
         // a successful cuTensorMapEncodeTiled below.
         let mut map: cudarc::driver::sys::CUtensorMap = unsafe { std::mem::zeroed() };
-        // SAFETY: the arrays hold `rank` = 2 entries each and outlive the call; `ptr` is the
-        // device address of `buf`, which holds rows*k elements (checked by check_gemm), is
-        // 256-byte aligned, and has a row stride that is a multiple of 16 bytes (k % 8 == 0,
-        // checked by the caller), as TMA requires.
+        // SAFETY: the arrays hold `rank` = 2 entries each (1 stride) and outlive the call; `ptr`
+        // is the device address of `buf`, which holds rows*k elements (checked by the caller's
+        // check_buffers), is 256-byte aligned, and has non-zero dimensions and a row stride that
+        // is a multiple of 16 bytes (`geometry`), as TMA requires.
         let r = unsafe {
             cudarc::driver::sys::cuTensorMapEncodeTiled(
                 &mut map,
@@ -71,5 +70,36 @@ impl Gpu {
         };
         r.result().map_err(driver("cuTensorMapEncodeTiled"))?;
         Ok((TensorMap(map), guard))
+    }
+}
+
+/// `(dims, strides)` of a row-major `rows x k` matrix of `ty` for `cuTensorMapEncodeTiled`:
+/// dimension 0 is `k` (contiguous), dimension 1 `rows`; the one stride is the row pitch in
+/// bytes. TMA requires every dimension in `1..=2^32` and a row pitch that is a multiple of 16
+/// bytes below 2^40; anything else is refused here, before the driver sees it.
+fn geometry(ty: ElemType, rows: usize, k: usize) -> Result<([u64; 2], [u64; 1])> {
+    const K: &str = "gemm_wgmma";
+    let in_range = |v: usize| (1..=1u64 << 32).contains(&(v as u64));
+    if !in_range(rows) || !in_range(k) {
+        return Err(invalid(K, format!("a TMA map needs dimensions in 1..=2^32, got {rows} rows x {k}")));
+    }
+    let pitch = k as u64 * ty.size() as u64;
+    if pitch % 16 != 0 || pitch >= 1 << 40 {
+        return Err(invalid(K, format!("a TMA row pitch must be a multiple of 16 bytes below 2^40, got {pitch}")));
+    }
+    Ok(([k as u64, rows as u64], [pitch]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ElemType, geometry};
+
+    #[test]
+    fn tma_geometry_refuses_empty_and_misaligned_matrices() {
+        assert_eq!(geometry(ElemType::BF16, 3, 64).unwrap(), ([64, 3], [128]));
+        assert!(geometry(ElemType::BF16, 3, 0).is_err(), "K = 0: a zero dimension");
+        assert!(geometry(ElemType::F16, 0, 64).is_err(), "no rows");
+        assert!(geometry(ElemType::F16, 3, 12).is_err(), "24-byte rows");
+        assert!(geometry(ElemType::F16, 3, (1 << 32) + 8).is_err(), "K past 2^32");
     }
 }

@@ -1,31 +1,30 @@
 //! Launcher of the Hopper GEMM (`kernels/gemm_wgmma.cu`).
 
-use super::gemm::check_gemm;
+use super::gemm_args::{GemmArgs, GemmShape};
 use super::{ElemType, invalid, push_bias};
 use crate::consts;
 use crate::error::{Result, driver};
 use crate::gpu::Gpu;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 impl Gpu {
     /// Hopper bf16/f16 GEMM with fused bias (`kernels/gemm_wgmma.cu`): `C = A B^T + bias`,
-    /// `A: m x k`, `B: n x k`. Needs sm_90 and `k % 8 == 0`.
-    pub fn gemm_wgmma(
-        &self,
-        c: &mut CudaSlice<u8>,
-        a: &CudaSlice<u8>,
-        b: &CudaSlice<u8>,
-        bias: Option<&CudaSlice<u8>>,
-        (m, n, k): (usize, usize, usize),
-        ty: ElemType,
-    ) -> Result<()> {
+    /// `A: m x k`, `B: n x k`. Needs sm_90 and `k % 8 == 0`. With `k = 0` (a bias-only product)
+    /// there is nothing for TMA to read, and a tensor map cannot have a zero dimension: the
+    /// mma.sync kernel writes `C` (the bias, or zeros) instead.
+    pub fn gemm_wgmma(&self, g: GemmArgs<'_>) -> Result<()> {
         const K: &str = "gemm_wgmma";
+        let GemmShape { m, n, k } = g.shape;
+        let ty = g.ty;
         if !matches!(ty, ElemType::F16 | ElemType::BF16) {
             return Err(invalid(K, "the wgmma kernel takes f16 or bf16"));
         }
         if self.compute_capability() != (9, 0) {
             let (ma, mi) = self.compute_capability();
             return Err(invalid(K, format!("needs sm_90 (Hopper), device is sm_{ma}{mi}")));
+        }
+        if k == 0 {
+            return self.gemm_mma(g);
         }
         if k % 8 != 0 {
             return Err(invalid(K, format!("K = {k} is not a multiple of 8 (TMA needs 16-byte row strides)")));
@@ -40,7 +39,8 @@ impl Gpu {
                 ),
             ));
         }
-        check_gemm(K, c, a, b, bias, (m, n, k), 2)?;
+        g.check_buffers(K)?;
+        let GemmArgs { c, a, b, bias, .. } = g;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -68,7 +68,7 @@ impl Gpu {
         };
         // SAFETY: matches tp_gemm_wgmma_T(T* C, const T* bias_or_null, CUtensorMap tma_a,
         // CUtensorMap tma_b, int M, N, K). The maps describe exactly A (m x k) and B (n x k),
-        // whose sizes check_gemm verified; TMA never reads outside them (it zero-fills past the
+        // whose sizes check_buffers verified; TMA never reads outside them (it zero-fills past the
         // edges). C holds m*n elements and the kernel skips stores past M and N. The dynamic
         // shared memory equals the kernel's SMEM_BYTES (static_assert there), within the device
         // limit the attribute was raised to; WGMMA_THREADS is the kernel's __launch_bounds__.

@@ -55,7 +55,7 @@ pub(crate) fn run(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
 
 /// Calls `f(first_row, rows)` on `data` cut into groups of whole rows of `row_len` elements (the
 /// last row may be short), spread over the pool when the data is large enough to pay for it.
-pub(crate) fn par_rows<E: Send, F>(data: &mut [E], row_len: usize, f: F)
+pub fn par_rows<E: Send, F>(data: &mut [E], row_len: usize, f: F)
 where
     F: Fn(usize, &mut [E]) + Sync,
 {

@@ -13,13 +13,14 @@
 //! Packed buffers live in per-thread scratch that is kept between calls, so a steady stream of
 //! products (decode, layers) allocates nothing.
 
-use super::amx;
-use super::dispatch::{Isa, Tiles};
-use super::pack::{self, Lanes, Src};
-use super::pool;
-use super::ukernel::{self, Tile};
-use crate::Element;
-use crate::ops::WeightLayout;
+use crate::amx;
+use crate::dispatch::Isa;
+use crate::element::Float;
+use crate::pack::{self, Lanes, Src};
+use crate::pool;
+use crate::shape::Layout;
+use crate::tiles::Tiles;
+use crate::ukernel::{self, Tile};
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
@@ -210,11 +211,11 @@ impl Out {
 /// `y[m x n] = x[m x k] · op(W) + bias`, `op(W) = W^T` for an `[N, K]` weight. `y` need not be
 /// initialised: every element is written. `k > 0`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm<T: Element>(
+pub(crate) fn gemm<T: Float>(
     micro: Micro,
     x: &[T],
     w: &[T],
-    layout: WeightLayout,
+    layout: Layout,
     bias: Option<&[f32]>,
     m: usize,
     k: usize,
@@ -303,13 +304,11 @@ pub(crate) fn gemm<T: Element>(
                     let b_len = npanels * nr * depth;
                     let b_buf = &mut b_buf[..b_len];
                     match layout {
-                        WeightLayout::Nk => {
+                        Layout::Nk => {
                             let src = Src { data: w, ld: k };
                             pack::rows(micro.pack_isa(), lanes, src, j0, ncols, k0, len, nr, depth, b_buf)
                         }
-                        WeightLayout::Kn => {
-                            pack::cols(lanes, Src { data: w, ld: n }, k0, len, j0, ncols, nr, depth, b_buf)
-                        }
+                        Layout::Kn => pack::cols(lanes, Src { data: w, ld: n }, k0, len, j0, ncols, nr, depth, b_buf),
                     }
                     for p in p0..p1 {
                         let a = &a_buf[a_at(kb, p)..][..mr * depth];

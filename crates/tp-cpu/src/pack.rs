@@ -14,8 +14,8 @@
 //! shuffles where the CPU has them, else with scalar loops. A `[K, N]` weight is already
 //! depth-major: [`cols`] copies (or, for pairs, interleaves two rows).
 
-use crate::Element;
-use crate::cpu::dispatch::Isa;
+use crate::dispatch::Isa;
+use crate::element::Float;
 
 /// What one 32-bit lane of a panel holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,9 +46,9 @@ pub(crate) struct Src<'a, T> {
 /// The 32-bit lane of one element (`F32`) or of the pair starting at `data[i]` (`Pairs`, with
 /// `has_next` saying whether the second element exists).
 #[inline(always)]
-fn lane<T: Element>(lanes: Lanes, data: &[T], i: usize, has_next: bool) -> u32 {
+fn lane<T: Float>(lanes: Lanes, data: &[T], i: usize, has_next: bool) -> u32 {
     match lanes {
-        Lanes::F32 => data[i].to_f32().to_bits(),
+        Lanes::F32 => data[i].widen().to_bits(),
         Lanes::Pairs => {
             let lo = u32::from(bits16(data[i]));
             let hi = if has_next { u32::from(bits16(data[i + 1])) } else { 0 };
@@ -59,7 +59,7 @@ fn lane<T: Element>(lanes: Lanes, data: &[T], i: usize, has_next: bool) -> u32 {
 
 /// The raw bits of a 16-bit element (`f16`/`bf16`); callers use `Pairs` only for those.
 #[inline(always)]
-fn bits16<T: Element>(v: T) -> u16 {
+fn bits16<T: Float>(v: T) -> u16 {
     let b = bytemuck::bytes_of(&v);
     debug_assert_eq!(b.len(), 2, "pairs of a 32-bit element");
     u16::from_le_bytes([b[0], b.get(1).copied().unwrap_or(0)])
@@ -70,7 +70,7 @@ fn bits16<T: Element>(v: T) -> u16 {
 /// `out[p * pr * depth_pad + d * pr + r]` is lane `d` of row `r0 + p * pr + r`. `out` must hold
 /// `ceil(nrows / pr) * pr * depth_pad` lanes.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn rows<T: Element>(
+pub(crate) fn rows<T: Float>(
     isa: Isa,
     lanes: Lanes,
     src: Src<'_, T>,
@@ -125,7 +125,7 @@ pub(crate) fn rows<T: Element>(
 /// pair lanes (not transposed; AMX's A tile): `out[p * pr * depth_pad + r * depth_pad + d]` is
 /// pair `d` of row `r0 + p * pr + r`, zero past the row's end and for rows past the edge.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn rows_plain<T: Element>(
+pub(crate) fn rows_plain<T: Float>(
     src: Src<'_, T>,
     r0: usize,
     nrows: usize,
@@ -162,7 +162,7 @@ pub(crate) fn rows_plain<T: Element>(
 /// `k0 + 2d + 1` for pairs) of column `j0 + p * pc + c`; columns past the edge and depth units
 /// past `depth` are zero.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn cols<T: Element>(
+pub(crate) fn cols<T: Float>(
     lanes: Lanes,
     src: Src<'_, T>,
     k0: usize,
@@ -189,7 +189,7 @@ pub(crate) fn cols<T: Element>(
                 Lanes::F32 => {
                     let row = &src.data[(k0 + d) * src.ld + j..][..width];
                     for (o, v) in dst.iter_mut().zip(row) {
-                        *o = v.to_f32().to_bits();
+                        *o = v.widen().to_bits();
                     }
                 }
                 Lanes::Pairs => {
@@ -210,7 +210,7 @@ pub(crate) fn cols<T: Element>(
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{Lanes, Src};
-    use crate::{DType, Element};
+    use crate::element::{Float, FloatKind};
     use std::arch::x86_64::*;
 
     /// How many vectors ahead along a row to prefetch (a prefetch never faults, even past the
@@ -222,7 +222,7 @@ mod avx512 {
     /// that `out` holds every panel.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,f16c")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn rows<T: Element>(
+    pub(super) fn rows<T: Float>(
         lanes: Lanes,
         src: Src<'_, T>,
         r0: usize,
@@ -290,31 +290,31 @@ mod avx512 {
     /// The `n` elements at `ptr` must be readable. Nothing past them is read.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
-    unsafe fn load<T: Element>(lanes: Lanes, ptr: *const T, n: usize) -> __m512i {
+    unsafe fn load<T: Float>(lanes: Lanes, ptr: *const T, n: usize) -> __m512i {
         // SAFETY: (all arms) masked loads touch only the `n` elements the mask enables, which
         // the caller guarantees are readable.
         unsafe {
-            match (lanes, T::DTYPE) {
-                (Lanes::F32, DType::F32) if n == 16 => _mm512_loadu_si512(ptr.cast()),
-                (Lanes::F32, DType::F16) if n == 16 => {
+            match (lanes, T::KIND) {
+                (Lanes::F32, FloatKind::F32) if n == 16 => _mm512_loadu_si512(ptr.cast()),
+                (Lanes::F32, FloatKind::F16) if n == 16 => {
                     _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256(ptr.cast())))
                 }
-                (Lanes::F32, DType::BF16) if n == 16 => {
+                (Lanes::F32, FloatKind::BF16) if n == 16 => {
                     _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(ptr.cast())))
                 }
                 (Lanes::Pairs, _) if n == 32 => _mm512_loadu_si512(ptr.cast()),
-                (Lanes::F32, DType::F32) => _mm512_castps_si512(_mm512_maskz_loadu_ps(mask16(n), ptr.cast::<f32>())),
-                (Lanes::F32, DType::F16) => {
+                (Lanes::F32, FloatKind::F32) => {
+                    _mm512_castps_si512(_mm512_maskz_loadu_ps(mask16(n), ptr.cast::<f32>()))
+                }
+                (Lanes::F32, FloatKind::F16) => {
                     let h = _mm256_maskz_loadu_epi16(mask16(n), ptr.cast::<i16>());
                     _mm512_castps_si512(_mm512_cvtph_ps(h))
                 }
-                (Lanes::F32, DType::BF16) => {
+                (Lanes::F32, FloatKind::BF16) => {
                     let h = _mm256_maskz_loadu_epi16(mask16(n), ptr.cast::<i16>());
                     _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))
                 }
                 (Lanes::Pairs, _) => _mm512_maskz_loadu_epi16(mask32(n), ptr.cast::<i16>()),
-                // `Element` is implemented for the float dtypes only.
-                (Lanes::F32, DType::I32 | DType::I64) => _mm512_setzero_si512(),
             }
         }
     }
@@ -377,9 +377,9 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{bf16, f16};
+    use half::{bf16, f16};
 
-    fn check_rows<T: Element>(lanes: Lanes, make: impl Fn(f32) -> T) {
+    fn check_rows<T: Float>(lanes: Lanes, make: impl Fn(f32) -> T) {
         let (total_rows, ld) = (41usize, 77usize);
         let data: Vec<T> = (0..total_rows * ld).map(|i| make((i % 251) as f32 - 125.0)).collect();
         let src = Src { data: &data, ld };
@@ -391,7 +391,7 @@ mod tests {
             let mut want = vec![7u32; size];
             rows(Isa::Portable, lanes, src, r0, nrows, c0, len, pr, depth + 3, &mut want);
             let mut isas = vec![Isa::Portable];
-            if crate::cpu::CpuKernel::Avx512.is_available() {
+            if crate::CpuKernel::Avx512.is_available() {
                 isas.push(Isa::Avx512);
             }
             for isa in isas {
@@ -409,7 +409,7 @@ mod tests {
                 } else {
                     let at = |e: usize| data[(r0 + row) * ld + c0 + e];
                     match lanes {
-                        Lanes::F32 => at(d).to_f32().to_bits(),
+                        Lanes::F32 => at(d).widen().to_bits(),
                         Lanes::Pairs => {
                             let hi = if 2 * d + 1 < len { u32::from(bits16(at(2 * d + 1))) } else { 0 };
                             u32::from(bits16(at(2 * d))) | hi << 16
@@ -466,7 +466,7 @@ mod tests {
                     0
                 } else {
                     match lanes {
-                        Lanes::F32 => at(d).to_f32().to_bits(),
+                        Lanes::F32 => at(d).widen().to_bits(),
                         Lanes::Pairs => {
                             let hi = if 2 * d + 1 < len { u32::from(at(2 * d + 1).to_bits()) } else { 0 };
                             u32::from(at(2 * d).to_bits()) | hi << 16

@@ -9,6 +9,10 @@
 //! path driven through a software model of the tile instructions; it is never chosen
 //! automatically and exists so that machines without AMX test the AMX code's tiling.
 
+use crate::element::FloatKind;
+use crate::error::Error;
+use crate::features::features;
+use crate::tiles::Tiles;
 use std::cell::Cell;
 use std::sync::OnceLock;
 
@@ -122,13 +126,12 @@ impl CpuKernel {
         self.base().rung() >= 3
     }
 
-    /// Which tile engine runs `dtype` products, if any.
-    pub(crate) fn tiles_for(self, dtype: crate::DType) -> Option<Tiles> {
-        use crate::DType;
-        match (self, dtype) {
-            (CpuKernel::Amx, DType::BF16) => Some(Tiles::Hardware),
-            (CpuKernel::Amx, DType::F16) if features().amx_fp16 => Some(Tiles::Hardware),
-            (CpuKernel::AmxEmulated, DType::BF16 | DType::F16) => Some(Tiles::Emulated),
+    /// Which tile engine runs products of `kind`, if any.
+    pub(crate) fn tiles_for(self, kind: FloatKind) -> Option<Tiles> {
+        match (self, kind) {
+            (CpuKernel::Amx, FloatKind::BF16) => Some(Tiles::Hardware),
+            (CpuKernel::Amx, FloatKind::F16) if features().amx_fp16 => Some(Tiles::Hardware),
+            (CpuKernel::AmxEmulated, FloatKind::BF16 | FloatKind::F16) => Some(Tiles::Emulated),
             _ => None,
         }
     }
@@ -158,13 +161,6 @@ pub(crate) enum Isa {
     Avx512,
 }
 
-/// Real AMX instructions, or their software model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Tiles {
-    Hardware,
-    Emulated,
-}
-
 thread_local! {
     static OVERRIDE: Cell<Option<CpuKernel>> = const { Cell::new(None) };
 }
@@ -172,10 +168,10 @@ thread_local! {
 /// Runs `f` with `kernel` as this thread's host kernel family (the threads a product fans out to
 /// follow the calling thread's choice). For tests and benchmarks that compare paths.
 ///
-/// Errors: [`crate::Error::KernelUnavailable`] if this CPU cannot run `kernel`.
+/// Errors: [`Error::KernelUnavailable`] if this CPU cannot run `kernel`.
 pub fn with_kernel<R>(kernel: CpuKernel, f: impl FnOnce() -> R) -> crate::Result<R> {
     if !kernel.is_available() {
-        return Err(crate::Error::KernelUnavailable { kernel: kernel.as_str(), why: unavailable_reason(kernel) });
+        return Err(Error::KernelUnavailable { kernel: kernel.as_str(), why: unavailable_reason(kernel) });
     }
     struct Restore(Option<CpuKernel>);
     impl Drop for Restore {
@@ -223,45 +219,4 @@ fn configured() -> CpuKernel {
             }
         }
     })
-}
-
-/// What the CPU and OS offer, detected once.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Features {
-    pub(crate) avx2: bool,
-    pub(crate) avx512: bool,
-    pub(crate) avx512bf16: bool,
-    /// AMX-TILE + AMX-BF16 per CPUID, OS state enabled and permission granted.
-    pub(crate) amx_bf16: bool,
-    /// AMX-BF16 per CPUID alone (to explain a refused permission).
-    pub(crate) amx_bf16_cpu: bool,
-    /// AMX-FP16 usable (implies `amx_bf16`).
-    pub(crate) amx_fp16: bool,
-}
-
-pub(crate) fn features() -> Features {
-    static F: OnceLock<Features> = OnceLock::new();
-    *F.get_or_init(detect)
-}
-
-#[cfg(target_arch = "x86_64")]
-fn detect() -> Features {
-    use std::arch::is_x86_feature_detected as has;
-    let avx2 = has!("avx2") && has!("fma") && has!("f16c");
-    let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq");
-    let avx512bf16 = avx512 && has!("avx512bf16");
-    let amx = crate::cpu::amx::detect();
-    Features {
-        avx2,
-        avx512,
-        avx512bf16,
-        amx_bf16: amx.usable,
-        amx_bf16_cpu: amx.cpu_bf16,
-        amx_fp16: amx.usable && amx.cpu_fp16,
-    }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn detect() -> Features {
-    Features::default()
 }

@@ -10,7 +10,7 @@
 //! inputs that are denormal read as zero (DAZ); `f16` denormal inputs are honoured; denormal
 //! results are flushed to zero (FTZ). MXCSR plays no part.
 
-use super::amx::{TileConfig, TileOps};
+use super::tiles::{TileConfig, TileOps};
 
 /// Bytes per tile row and rows per tile (palette 1).
 const ROW_BYTES: usize = 64;
@@ -166,14 +166,19 @@ mod tests {
     /// operands laid out as the instruction defines: A row-major, B in VNNI pairs.
     #[test]
     fn dot_matches_the_definition_of_a_vnni_product() {
-        let mut rng = crate::rng::SplitMix64::new(3);
+        // Integers in [-8, 8] / 4 from a fixed LCG (every product and sum exact in f32).
+        let mut state = 3u64;
+        let mut next = || {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            ((state >> 33) % 17) as f32 - 8.0
+        };
         for fp16 in [false, true] {
             let to_bits =
                 |v: f32| if fp16 { half::f16::from_f32(v).to_bits() } else { half::bf16::from_f32(v).to_bits() };
             let from_bits = |b: u16| if fp16 { f16_exact(b) } else { bf16_daz(b) };
             // A: 16 x 32 elements; B: 32 x 16 elements (k x n).
-            let a: Vec<u16> = (0..16 * 32).map(|_| to_bits(rng.int_in(-8, 8) as f32 / 4.0)).collect();
-            let b: Vec<u16> = (0..32 * 16).map(|_| to_bits(rng.int_in(-8, 8) as f32 / 4.0)).collect();
+            let a: Vec<u16> = (0..16 * 32).map(|_| to_bits(next() / 4.0)).collect();
+            let b: Vec<u16> = (0..32 * 16).map(|_| to_bits(next() / 4.0)).collect();
             // VNNI: row k/2 holds (b[k][n], b[k+1][n]) for each n.
             let mut b_vnni = vec![0u16; 32 * 16];
             for k in 0..32 {

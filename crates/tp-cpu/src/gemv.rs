@@ -14,9 +14,9 @@
 //! * Portable / AVX2: one generic body (16 `f32` lanes, widening 256 elements at a time in L1),
 //!   compiled for the baseline and for AVX2 + FMA.
 
-use super::dispatch::{CpuKernel, Isa};
-use super::pool;
-use crate::{DType, Element};
+use crate::dispatch::{CpuKernel, Isa};
+use crate::element::{Float, FloatKind};
+use crate::pool;
 use std::mem::MaybeUninit;
 
 /// Largest `M` sent here instead of the packed GEMM.
@@ -37,7 +37,7 @@ unsafe impl Sync for Out {}
 /// row-major, `bias` (f32) has `n` entries, `y` is `m x n` row-major (need not be initialised:
 /// every element is written). `m <= MAX_ROWS`, `k > 0`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gemv<T: Element>(
+pub(crate) fn gemv<T: Float>(
     kernel: CpuKernel,
     x: &[T],
     w: &[T],
@@ -53,9 +53,9 @@ pub(crate) fn gemv<T: Element>(
         return;
     }
     let isa = kernel.f32_isa();
-    let bf16_dot = T::DTYPE == DType::BF16 && kernel.has_bf16_dot();
+    let bf16_dot = T::KIND == FloatKind::BF16 && kernel.has_bf16_dot();
     // x widened once (it is small); the bf16 dot product reads x's own bf16 values instead.
-    let xf: Vec<f32> = if bf16_dot { Vec::new() } else { x.iter().map(|v| v.to_f32()).collect() };
+    let xf: Vec<f32> = if bf16_dot { Vec::new() } else { x.iter().map(|v| v.widen()).collect() };
     let out = Out(y.as_mut_ptr().cast());
     let tasks = n.div_ceil(ROWS_PER_TASK);
     let task = |t: usize| {
@@ -101,7 +101,7 @@ pub(crate) fn gemv<T: Element>(
 /// Portable body: `tile[i * rows + r] = Σ_l x[i, l] · w[r, l]`, 16 lanes per dot product,
 /// the weight widened 256 elements at a time.
 #[inline(always)]
-fn rows_generic<T: Element, const FMA: bool>(x: &[f32], w: &[T], m: usize, k: usize, rows: usize, tile: &mut [f32]) {
+fn rows_generic<T: Float, const FMA: bool>(x: &[f32], w: &[T], m: usize, k: usize, rows: usize, tile: &mut [f32]) {
     const CHUNK: usize = 256;
     const LANES: usize = 16;
     let mut wide = [0f32; CHUNK];
@@ -110,7 +110,7 @@ fn rows_generic<T: Element, const FMA: bool>(x: &[f32], w: &[T], m: usize, k: us
         let mut acc = [[0f32; LANES]; MAX_ROWS];
         for (c, w_chunk) in row.chunks(CHUNK).enumerate() {
             let wide = &mut wide[..w_chunk.len()];
-            T::slice_to_f32(w_chunk, wide);
+            T::widen_slice(w_chunk, wide);
             for (i, acc) in acc.iter_mut().enumerate().take(m) {
                 let xs = &x[i * k + c * CHUNK..][..wide.len()];
                 let (w_main, w_tail) = wide.split_at(wide.len() / LANES * LANES);
@@ -148,14 +148,14 @@ fn pairwise(mut v: [f32; 16]) -> f32 {
 /// The CPU must have AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_avx2<T: Element>(x: &[f32], w: &[T], m: usize, k: usize, rows: usize, tile: &mut [f32]) {
+unsafe fn rows_avx2<T: Float>(x: &[f32], w: &[T], m: usize, k: usize, rows: usize, tile: &mut [f32]) {
     rows_generic::<T, true>(x, w, m, k, rows, tile)
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{MAX_ROWS, ROWS_PER_TASK};
-    use crate::{DType, Element};
+    use crate::element::{Float, FloatKind};
     use std::arch::x86_64::*;
 
     /// Loads 16 weight elements at `p` (fewer, zero-filled, when `n < 16`) as `f32`.
@@ -164,22 +164,20 @@ mod avx512 {
     /// The `n.min(16)` elements at `p` must be readable; the CPU must have AVX-512 F/BW/VL, F16C.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
-    unsafe fn load_w<T: Element>(p: *const T, n: usize) -> __m512 {
+    unsafe fn load_w<T: Float>(p: *const T, n: usize) -> __m512 {
         // SAFETY: the (masked) loads read only the elements the caller said are readable.
         unsafe {
             let mask: u16 = if n >= 16 { u16::MAX } else { (1u16 << n) - 1 };
-            match T::DTYPE {
-                DType::F32 if n >= 16 => _mm512_loadu_ps(p.cast()),
-                DType::F32 => _mm512_maskz_loadu_ps(mask, p.cast()),
-                DType::F16 if n >= 16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
-                DType::F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast())),
-                DType::BF16 => {
+            match T::KIND {
+                FloatKind::F32 if n >= 16 => _mm512_loadu_ps(p.cast()),
+                FloatKind::F32 => _mm512_maskz_loadu_ps(mask, p.cast()),
+                FloatKind::F16 if n >= 16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+                FloatKind::F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast())),
+                FloatKind::BF16 => {
                     let h =
                         if n >= 16 { _mm256_loadu_si256(p.cast()) } else { _mm256_maskz_loadu_epi16(mask, p.cast()) };
                     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
                 }
-                // `Element` is implemented for the float dtypes only.
-                DType::I32 | DType::I64 => _mm512_setzero_ps(),
             }
         }
     }
@@ -209,7 +207,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    fn block_f32<T: Element, const M: usize, const R: usize>(
+    fn block_f32<T: Float, const M: usize, const R: usize>(
         x: &[f32],
         w: &[T],
         k: usize,
@@ -357,7 +355,7 @@ mod avx512 {
     /// # Safety
     /// The CPU must have AVX-512 F/BW/VL, F16C and FMA.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-    pub(super) unsafe fn rows_f32<T: Element>(x: &[f32], w: &[T], m: usize, k: usize, rows: usize, tile: &mut [f32]) {
+    pub(super) unsafe fn rows_f32<T: Float>(x: &[f32], w: &[T], m: usize, k: usize, rows: usize, tile: &mut [f32]) {
         assert!(m <= MAX_ROWS && rows <= ROWS_PER_TASK && x.len() >= m * k && w.len() >= rows * k);
         assert!(tile.len() >= m * rows);
         let step = rows_per_block(m);

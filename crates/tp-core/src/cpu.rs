@@ -1,0 +1,18 @@
+//! The host kernels as tp-core's users see them. The kernels themselves (GEMM, decode-shaped
+//! products, the thread pool, run-time ISA dispatch) live in the `tp-cpu` crate; this module
+//! re-exports what benchmarks and tests choose and query.
+//!
+//! * [`CpuKernel`]: which instruction-set family runs (detected at run time; `TP_CPU_KERNEL`
+//!   caps it; [`with_kernel`] overrides it for one call, for tests and benchmarks).
+//! * [`num_threads`]: the threads of the persistent pool every host kernel runs on.
+
+pub use tp_cpu::{CpuKernel, num_threads};
+
+/// Runs `f` with `kernel` as this thread's host kernel family (the threads a product fans out to
+/// follow the calling thread's choice). For tests and benchmarks that compare paths.
+///
+/// Errors: [`Error::KernelUnavailable`](crate::Error::KernelUnavailable) if this CPU cannot run
+/// `kernel`.
+pub fn with_kernel<R>(kernel: CpuKernel, f: impl FnOnce() -> R) -> crate::Result<R> {
+    Ok(tp_cpu::with_kernel(kernel, f)?)
+}

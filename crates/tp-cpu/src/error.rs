@@ -1,0 +1,40 @@
+//! The error type of `tp-cpu`.
+
+/// Result alias of `tp-cpu`.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// What a host kernel call can refuse. No public function panics on its arguments.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A kernel family was asked for that this CPU (or OS) cannot run.
+    #[error("CPU kernel {kernel} unavailable: {why}")]
+    KernelUnavailable {
+        /// The family's `TP_CPU_KERNEL` name.
+        kernel: &'static str,
+        /// What the CPU or OS lacks.
+        why: String,
+    },
+
+    /// A buffer's length does not match the product's shape.
+    #[error("host matmul: {operand} holds {got} elements, the shape needs {expected}")]
+    OperandLength {
+        /// `x`, `w`, `bias` or `y`.
+        operand: &'static str,
+        /// Elements the shape calls for.
+        expected: usize,
+        /// Elements given.
+        got: usize,
+    },
+
+    /// `m * k`, `n * k` or `m * n` does not fit in `usize`.
+    #[error("host matmul: shape m {m}, n {n}, k {k} overflows usize")]
+    ShapeOverflow {
+        /// Rows of `x` and `y`.
+        m: usize,
+        /// Columns of `y`.
+        n: usize,
+        /// The inner dimension.
+        k: usize,
+    },
+}

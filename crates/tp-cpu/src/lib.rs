@@ -1,0 +1,47 @@
+//! # tp-cpu
+//!
+//! tp's host compute kernels, below `tp-core` (which turns tensors into the slices these take):
+//!
+//! * [`CpuKernel`]: which instruction-set family runs, detected at run time (`features`;
+//!   `TP_CPU_KERNEL` caps it; [`with_kernel`] overrides it for one call, for tests and
+//!   benchmarks). `dispatch` maps a family and an element type to a micro-kernel.
+//! * [`matmul()`]: `y = x W^T + bias` or `y = x W + bias` with `f32` accumulation, over `f32`,
+//!   `f16` and `bf16` ([`Float`]). Few rows against an `[N, K]` weight run the decode kernel
+//!   (`gemv`: the weight streamed once, in its own dtype, at memory bandwidth); everything else
+//!   the packed GEMM (`gemm`: panels from `pack`, register-tiled micro-kernels in `ukernel`:
+//!   AVX-512 `f32`, AVX512-BF16 `vdpbf16ps`, portable / AVX2; AMX tiles in `amx`, written
+//!   against the instruction interface of `tiles`, with a software model of the instructions
+//!   in `amx_model` so machines without AMX test the AMX code).
+//! * [`num_threads`] and [`par_rows`]: the persistent thread pool (`pool`) every kernel runs on.
+//!
+//! Every `unsafe` here is SIMD (`std::arch` intrinsics behind run-time feature checks), inline
+//! assembly (AMX, the `arch_prctl` system call), or raw pointers handed to the pool's tasks for
+//! disjoint parts of one output; each block states its conditions in a `SAFETY` comment.
+//!
+//! Module dependencies, acyclic (besides the leaves `element`, `error` and `shape`, which any
+//! module may use): `matmul` → `gemm`, `gemv`, `dispatch`; `gemm` → `amx`, `pack`, `ukernel`,
+//! `pool`, `dispatch`, `tiles`; `gemv` → `dispatch`, `pool`; `pack` → `dispatch`; `amx` →
+//! `amx_model`, `tiles`; `amx_model` → `tiles`; `dispatch` → `features`, `tiles`; `features`,
+//! `tiles`, `pool` and `ukernel` use no other module.
+
+mod amx;
+mod amx_model;
+mod dispatch;
+mod element;
+mod error;
+mod features;
+mod gemm;
+mod gemv;
+mod matmul;
+mod pack;
+mod pool;
+mod shape;
+mod tiles;
+mod ukernel;
+
+pub use dispatch::{CpuKernel, with_kernel};
+pub use element::{Float, FloatKind};
+pub use error::{Error, Result};
+pub use matmul::matmul;
+pub use pool::{num_threads, par_rows};
+pub use shape::{GemmShape, Layout};

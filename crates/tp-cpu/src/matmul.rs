@@ -1,0 +1,134 @@
+//! The one public product: checks the buffers against the shape, then runs the decode kernel
+//! ([`crate::gemv`]) for few rows against an `[N, K]` weight and the packed GEMM
+//! ([`crate::gemm`]) otherwise, with the micro-kernel the calling thread's [`CpuKernel`] picks
+//! for the element type.
+
+use crate::dispatch::CpuKernel;
+use crate::element::{Float, FloatKind};
+use crate::error::{Error, Result};
+use crate::gemm::{self, Micro};
+use crate::gemv;
+use crate::shape::{GemmShape, Layout};
+use std::mem::MaybeUninit;
+
+/// `y = x · op(W) + bias` in `f32`: `x` is `m x k` row-major, `w` is `n x k` ([`Layout::Nk`],
+/// `op(W) = W^T`) or `k x n` ([`Layout::Kn`]), `bias` has `n` entries, `y` is `m x n`
+/// row-major. `f16`/`bf16` operands are multiplied exactly (widened, or in `vdpbf16ps` /
+/// `tdpbf16ps` / `tdpfp16ps` pairs) and accumulated in `f32`. `y` need not be initialised: on
+/// success every one of its `m * n` elements has been written (with `k = 0`, the bias or zero).
+///
+/// Errors: [`Error::ShapeOverflow`] if a buffer size of the shape overflows `usize`;
+/// [`Error::OperandLength`] if a buffer's length is not what the shape needs.
+pub fn matmul<T: Float>(
+    x: &[T],
+    w: &[T],
+    layout: Layout,
+    bias: Option<&[f32]>,
+    shape: GemmShape,
+    y: &mut [MaybeUninit<f32>],
+) -> Result<()> {
+    let GemmShape { m, n, k } = shape;
+    let size = |a: usize, b: usize| a.checked_mul(b).ok_or(Error::ShapeOverflow { m, n, k });
+    let lengths = [
+        ("x", x.len(), size(m, k)?),
+        ("w", w.len(), size(n, k)?),
+        ("y", y.len(), size(m, n)?),
+        ("bias", bias.map_or(n, <[f32]>::len), n),
+    ];
+    if let Some(&(operand, got, expected)) = lengths.iter().find(|(_, got, want)| got != want) {
+        return Err(Error::OperandLength { operand, expected, got });
+    }
+    if k == 0 {
+        for row in y.chunks_exact_mut(n.max(1)) {
+            match bias {
+                Some(b) => row.iter_mut().zip(b).for_each(|(o, &v)| *o = MaybeUninit::new(v)),
+                None => row.fill(MaybeUninit::new(0.0)),
+            }
+        }
+        return Ok(());
+    }
+    let kernel = CpuKernel::current();
+    if layout == Layout::Nk && m <= gemv::MAX_ROWS {
+        gemv::gemv(kernel, x, w, bias, m, k, n, y);
+    } else {
+        let micro = match kernel.tiles_for(T::KIND) {
+            Some(tiles) => Micro::Amx { tiles, fp16: T::KIND == FloatKind::F16, pack: kernel.f32_isa() },
+            None if T::KIND == FloatKind::BF16 && kernel.has_bf16_dot() => Micro::Bf16Dot,
+            None => Micro::F32(kernel.f32_isa()),
+        };
+        gemm::gemm(micro, x, w, layout, bias, m, k, n, y);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    fn run<T: Float>(x: &[T], w: &[T], layout: Layout, bias: Option<&[f32]>, shape: GemmShape) -> Result<Vec<f32>> {
+        let mut y = vec![MaybeUninit::new(f32::NAN); shape.m * shape.n];
+        matmul(x, w, layout, bias, shape, &mut y)?;
+        // SAFETY: `matmul` succeeded, so every element was written (they were initialised anyway).
+        Ok(y.into_iter().map(|v| unsafe { v.assume_init() }).collect())
+    }
+
+    /// Both layouts, the decode and the packed path, with and without bias, in every element
+    /// type on every kernel family this machine runs (the AMX model included), against a plain
+    /// triple loop in `f64` on small integers (every product and sum exact in `f32`).
+    #[test]
+    fn products_match_a_triple_loop_on_every_kernel() {
+        fn check<T: Float>(make: impl Fn(f32) -> T) {
+            for (m, n, k) in [(1, 5, 3), (8, 17, 33), (9, 17, 33), (40, 70, 100)] {
+                let x: Vec<T> = (0..m * k).map(|i| make(((i * 7 + 3) % 9) as f32 - 4.0)).collect();
+                let w: Vec<T> = (0..n * k).map(|i| make(((i * 5 + 1) % 7) as f32 - 3.0)).collect();
+                let b: Vec<f32> = (0..n).map(|j| j as f32 - 2.0).collect();
+                for layout in [Layout::Nk, Layout::Kn] {
+                    let at = |j: usize, l: usize| if layout == Layout::Nk { w[j * k + l] } else { w[l * n + j] };
+                    for bias in [None, Some(&b[..])] {
+                        let got = run(&x, &w, layout, bias, GemmShape { m, n, k }).unwrap();
+                        for i in 0..m {
+                            for j in 0..n {
+                                let dot = (0..k).map(|l| f64::from(x[i * k + l].widen()) * f64::from(at(j, l).widen()));
+                                let want = dot.sum::<f64>() + bias.map_or(0.0, |b| f64::from(b[j]));
+                                let case = (T::KIND, layout, m, n, k, i, j, CpuKernel::current());
+                                assert_eq!(f64::from(got[i * n + j]), want, "{case:?}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for kernel in CpuKernel::available() {
+            crate::with_kernel(kernel, || {
+                check(|v| v);
+                check(half::f16::from_f32);
+                check(bf16::from_f32);
+            })
+            .unwrap();
+        }
+    }
+
+    #[test]
+    fn k_zero_writes_the_bias_or_zeros() {
+        let shape = GemmShape { m: 3, n: 2, k: 0 };
+        assert_eq!(run::<bf16>(&[], &[], Layout::Nk, Some(&[1.5, -2.0]), shape).unwrap(), [1.5, -2.0].repeat(3));
+        assert_eq!(run::<f32>(&[], &[], Layout::Kn, None, shape).unwrap(), vec![0.0; 6]);
+    }
+
+    #[test]
+    fn wrong_lengths_and_overflow_are_errors() {
+        let shape = GemmShape { m: 2, n: 3, k: 4 };
+        let (x, w) = (vec![0f32; 8], vec![0f32; 12]);
+        let err = |x: &[f32], w: &[f32], bias: Option<&[f32]>, y: usize, shape| {
+            matmul(x, w, Layout::Nk, bias, shape, &mut vec![MaybeUninit::uninit(); y]).unwrap_err()
+        };
+        assert_eq!(err(&x[..7], &w, None, 6, shape), Error::OperandLength { operand: "x", expected: 8, got: 7 });
+        assert_eq!(err(&x, &w[..11], None, 6, shape), Error::OperandLength { operand: "w", expected: 12, got: 11 });
+        assert_eq!(err(&x, &w, None, 5, shape), Error::OperandLength { operand: "y", expected: 6, got: 5 });
+        let bias = Some(&[0f32; 2][..]);
+        assert_eq!(err(&x, &w, bias, 6, shape), Error::OperandLength { operand: "bias", expected: 3, got: 2 });
+        let huge = GemmShape { m: usize::MAX, n: 2, k: 2 };
+        assert_eq!(err(&x, &w, None, 6, huge), Error::ShapeOverflow { m: usize::MAX, n: 2, k: 2 });
+    }
+}
