@@ -93,6 +93,12 @@ CASES = {
     # Phi-3: fused qkv_proj and gate_up_proj; with and without a sliding window.
     "phi3": (PHI3, base()),
     "phi3_window": (PHI3, base(sliding_window=7, num_key_value_heads=12)),
+    # LongRoPE: short factors within the original length (16), long ones past it (the prompt is
+    # 20 tokens), cos/sin times sqrt(1 + ln(256/16) / ln 16).
+    "phi3_longrope": (PHI3, base(head_dim=8, original_max_position_embeddings=16,
+                                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                      short_factor=[1.0, 1.2, 1.5, 2.0],
+                                                      long_factor=[1.0, 2.0, 4.0, 8.0]))),
     # OLMo 2: q/k RMSNorm over the full width (split across ranks), post-attention and
     # post-feed-forward norms only.
     "olmo2": (OLMO2, base()),
@@ -164,7 +170,7 @@ def main():
             # Soft-capping squeezes the logits into (-cap, cap): errors are measured against the
             # logits before the cap (the capping itself only shrinks differences).
             m.config.final_logit_softcapping = None
-            scale = max(scale, np.abs(hf_run(m, prompt, 1)[0]).max())
+            scale = max(scale, np.abs(hf_run(m, prompt, 2)[0]).max())
             m.config.final_logit_softcapping = cap
         for dtype in ["f32", "bf16"]:
             if dtype == "f32":

@@ -31,11 +31,25 @@ fn norm_styles_glu_scale_and_softcap_round_where_pytorch_does() {
 }
 
 #[test]
+fn longrope_picks_short_or_long_factors_per_call() {
+    for dtype in DType::FLOATS {
+        for d in [2, 10, 64, 128] {
+            // Within the original 64 positions (short factors), and past them (long).
+            check_rope(CPU, &[0, 5, 63], 2, d, longrope(d), dtype, d as u64);
+            check_rope(CPU, &[0, 1, 2, 7, 100, 4097], 3, d, longrope(d), dtype, 1 + d as u64);
+        }
+    }
+    // A list of another length than the head's pairs is refused by name.
+    let e = RotaryEmbedding::new(16, 1e4, longrope(8)).unwrap_err();
+    assert!(e.to_string().contains("short_factor has 4 entries; head_dim 16 needs 8"), "{e}");
+}
+
+#[test]
 fn rope_default_and_llama3_match_the_rotation() {
     for dtype in DType::FLOATS {
         for scaling in [RopeScaling::Default, llama3()] {
             for d in [2, 10, 64, 128] {
-                check_rope(CPU, &[0, 1, 2, 7, 100, 4097], 3, d, scaling, dtype, d as u64);
+                check_rope(CPU, &[0, 1, 2, 7, 100, 4097], 3, d, scaling.clone(), dtype, d as u64);
             }
         }
     }

@@ -304,16 +304,21 @@ fn decoder_kernels_match_f64_references() {
         }
         for scaling in [tp_core::RopeScaling::Default, llama3()] {
             for d in [2, 10, 64, 128, 256] {
-                check_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, d, scaling, dtype, d as u64);
+                check_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, d, scaling.clone(), dtype, d as u64);
             }
         }
         // linear, YaRN (cos/sin times its attention factor in the kernel) and dynamic NTK
         // (frequencies recomputed per call, past max_position_embeddings = 64 here).
         for scaling in [linear(), yarn(), dynamic()] {
             for d in [4, 10, 64, 128, 256] {
-                check_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, d, scaling, dtype, d as u64);
-                check_rope(GPU, &[0, 5, 63], 2, d, scaling, dtype, 1 + d as u64);
+                check_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, d, scaling.clone(), dtype, d as u64);
+                check_rope(GPU, &[0, 5, 63], 2, d, scaling.clone(), dtype, 1 + d as u64);
             }
+        }
+        // LongRoPE: short factors within the original length, long past it.
+        for d in [4, 10, 64, 128, 256] {
+            check_rope(GPU, &[0, 5, 63], 2, d, longrope(d), dtype, d as u64);
+            check_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, d, longrope(d), dtype, 1 + d as u64);
         }
         for (hq, hkv) in [(4, 4), (6, 2), (5, 1)] {
             for d in [10, 64, 128, 256] {
@@ -363,7 +368,7 @@ fn decoder_kernels_agree_with_the_host() {
         let q = Tensor::randn(&[33, 5, 128], dtype, 3, &CPU).unwrap();
         let pos: Vec<usize> = (1000..1033).collect();
         for scaling in [llama3(), linear(), yarn(), dynamic()] {
-            let rope = tp_core::RotaryEmbedding::new(128, 500_000.0, scaling).unwrap();
+            let rope = tp_core::RotaryEmbedding::new(128, 500_000.0, scaling.clone()).unwrap();
             assert_near_host(
                 &format!("rope {scaling:?} {dtype}"),
                 &gpu(&q).rope(&pos, &rope).unwrap(),

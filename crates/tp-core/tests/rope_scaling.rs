@@ -58,7 +58,7 @@ fn linear_divides_every_frequency_by_the_factor() {
 fn dynamic_rescales_the_base_only_past_max_position_embeddings() {
     for (d, theta, factor, m) in [(4, 10_000.0, 2.0, 16.0), (10, 10_000.0, 4.0, 64.0), (128, 500_000.0, 8.0, 4096.0)] {
         let s = dynamic(factor, m);
-        let rope = RotaryEmbedding::new(d, theta, s).unwrap();
+        let rope = RotaryEmbedding::new(d, theta, s.clone()).unwrap();
         let plain = RotaryEmbedding::new(d, theta, RopeScaling::Default).unwrap();
         // Within the trained length: the unscaled frequencies, bit for bit.
         assert_eq!(rope.inv_freq(), plain.inv_freq());
@@ -69,7 +69,7 @@ fn dynamic_rescales_the_base_only_past_max_position_embeddings() {
             let l = len as f64;
             let base = theta * (factor * l / m - (factor - 1.0)).powf(d as f64 / (d as f64 - 2.0));
             let want: Vec<f64> = (0..d / 2).map(|i| base.powf(-((2 * i) as f64) / d as f64)).collect();
-            assert_eq!(want, inv_freq_f64_at(d, theta, s, len));
+            assert_eq!(want, inv_freq_f64_at(d, theta, s.clone(), len));
             // The f32 base: 4 roundings, the subtraction's cancellation amplifying them ~factor times.
             assert_freqs(&format!("dynamic d{d} len {len}"), &rope.inv_freq_for(len), &want, 8.0 + 4.0 * factor);
             assert!(rope.inv_freq_for(len)[d / 2 - 1] < plain.inv_freq()[d / 2 - 1], "a longer context lowers f");
@@ -86,7 +86,7 @@ fn yarn_ramps_between_extrapolation_and_interpolation() {
     for (d, theta, factor, orig) in [(16, 10_000.0, 4.0, 64.0), (64, 500_000.0, 8.0, 2048.0), (128, 1e6, 4.0, 32_768.0)]
     {
         let s = yarn(factor, orig);
-        let rope = RotaryEmbedding::new(d, theta, s).unwrap();
+        let rope = RotaryEmbedding::new(d, theta, s.clone()).unwrap();
         // Written again here from the YaRN paper's ramp, transformers' defaults (beta 32/1).
         let pair = |r: f64| d as f64 * (orig / (2.0 * std::f64::consts::PI * r)).ln() / (2.0 * theta.ln());
         let (lo, hi) = (pair(32.0).floor().max(0.0), pair(1.0).ceil().min(d as f64 - 1.0));
@@ -114,7 +114,7 @@ fn yarn_ramps_between_extrapolation_and_interpolation() {
         RopeScaling::from_kind("yarn", params(&[("factor", 2.0), ("original_max_position_embeddings", 4.0)])).unwrap();
     assert_freqs(
         "yarn short",
-        RotaryEmbedding::new(8, 10_000.0, s).unwrap().inv_freq(),
+        RotaryEmbedding::new(8, 10_000.0, s.clone()).unwrap().inv_freq(),
         &inv_freq_f64(8, 10_000.0, s),
         8.0,
     );
@@ -139,8 +139,8 @@ fn yarn_ramps_between_extrapolation_and_interpolation() {
         ]),
     )
     .unwrap();
-    for s in [s, untruncated] {
-        let got = RotaryEmbedding::new(24, 12_345.678, s).unwrap();
+    for s in [s.clone(), untruncated.clone()] {
+        let got = RotaryEmbedding::new(24, 12_345.678, s.clone()).unwrap();
         assert_freqs(&format!("{s:?}"), got.inv_freq(), &inv_freq_f64(24, 12_345.678, s), 8.0);
     }
     assert_ne!(

@@ -77,6 +77,9 @@ pub(crate) struct ArchSpec {
     pub rms_norm_eps: f64,
     /// `head_dim` when absent (`None`: `hidden_size / num_attention_heads`).
     pub head_dim: Option<usize>,
+    /// The config class's own `original_max_position_embeddings`, which wins over the rope
+    /// parameters' for longrope (Phi-3: 4096).
+    pub original_max_position_embeddings: Option<usize>,
     pub tie_word_embeddings: bool,
     /// The config keys naming the MLP activation, in order of precedence, and its default.
     pub act_keys: &'static [&'static str],
@@ -114,6 +117,7 @@ const BASE: ArchSpec = ArchSpec {
     rope_theta: 10_000.0,
     rms_norm_eps: 1e-6,
     head_dim: None,
+    original_max_position_embeddings: None,
     tie_word_embeddings: false,
     act_keys: &["hidden_act"],
     act_default: "silu",
@@ -188,6 +192,7 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
         class: "Phi3ForCausalLM",
         model_types: &["phi3"],
         max_position_embeddings: 4096,
+        original_max_position_embeddings: Some(4096),
         rms_norm_eps: 1e-5,
         biases: Biases::None,
         windows: Windows::Every { default: None },

@@ -10,9 +10,9 @@ use tp_layers::{AttentionConfig, AttentionHeads, Block, DecoderConfig, DecoderLa
 /// What layer `i` of the model needs besides its weights.
 pub(crate) fn decoder_config(c: &ModelConfig, i: usize) -> Result<DecoderConfig> {
     let window = c.window_of(i);
-    let (theta, scaling) = match (window, c.local_rope) {
+    let (theta, scaling) = match (window, c.local_rope.clone()) {
         (Some(_), Some(local)) => local,
-        _ => (c.rope_theta, c.rope_scaling),
+        _ => (c.rope_theta, c.rope_scaling.clone()),
     };
     let heads =
         AttentionHeads { num_heads: c.num_attention_heads, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim };

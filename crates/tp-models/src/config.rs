@@ -289,9 +289,17 @@ impl ModelConfig {
         let (rope_theta, rope_scaling, local_rope) = if spec.gemma {
             gemma_rope(&f, spec.rope_theta, max_position_embeddings)?
         } else {
-            let (t, s) = rope(&f, spec.rope_theta, max_position_embeddings)?;
+            let (t, s) = rope(&f, spec.rope_theta, max_position_embeddings, spec.original_max_position_embeddings)?;
             (t, s, None)
         };
+        // The rotary parameters must fit the head (longrope's lists: one factor per pair).
+        let rope_key = if f.get("rope_parameters").is_some() { "rope_parameters" } else { "rope_scaling" };
+        for (theta, scaling) in
+            std::iter::once((rope_theta, &rope_scaling)).chain(local_rope.iter().map(|(t, s)| (*t, s)))
+        {
+            tp_core::RotaryEmbedding::new(head_dim, theta, scaling.clone())
+                .map_err(|e| f.bad(rope_key, e.to_string()))?;
+        }
         let rms_norm_eps = f.number("rms_norm_eps", Some(spec.rms_norm_eps))?;
         if rms_norm_eps < 0.0 {
             return Err(f.bad("rms_norm_eps", format!("must be >= 0, got {rms_norm_eps}")));
@@ -474,7 +482,7 @@ fn gemma_rope(
                 None | Some(Value::Null) => Ok((default, RopeScaling::Default)),
                 Some(Value::Object(o)) => {
                     let pf = Fields { map: o, prefix: format!("rope_parameters.{key}.") };
-                    rope_params(f, &pf, None, default, max_position_embeddings)
+                    rope_params(f, &pf, None, default, max_position_embeddings, None)
                 }
                 Some(v) => {
                     Err(f.bad(&format!("rope_parameters.{key}"), format!("must be an object, got {}", shown_value(v))))
@@ -484,7 +492,7 @@ fn gemma_rope(
         let (g, gs) = part("full_attention", global_default)?;
         return Ok((g, gs, Some(part("sliding_attention", LOCAL_DEFAULT)?)));
     }
-    let (g, gs) = rope(f, global_default, max_position_embeddings)?;
+    let (g, gs) = rope(f, global_default, max_position_embeddings, None)?;
     let local = f.number("rope_local_base_freq", Some(LOCAL_DEFAULT))?;
     if local <= 0.0 {
         return Err(f.bad("rope_local_base_freq", format!("must be positive, got {local}")));

@@ -15,7 +15,12 @@ use tp_core::RopeScaling;
 /// `yarn` and `llama3`, a top-level `original_max_position_embeddings` wins over the one in the
 /// parameters, and both absent mean `max_position_embeddings` (transformers'
 /// `standardize_rope_params`).
-pub(crate) fn rope(f: &Fields<'_>, default_theta: f64, max_position_embeddings: usize) -> Result<(f64, RopeScaling)> {
+pub(crate) fn rope(
+    f: &Fields<'_>,
+    default_theta: f64,
+    max_position_embeddings: usize,
+    family_original: Option<usize>,
+) -> Result<(f64, RopeScaling)> {
     let (params, theta) = match f.get("rope_parameters") {
         Some(Value::Object(p)) => {
             let pf = Fields { map: p, prefix: "rope_parameters.".into() };
@@ -37,7 +42,7 @@ pub(crate) fn rope(f: &Fields<'_>, default_theta: f64, max_position_embeddings: 
     let Some(p) = params else {
         return Ok((positive(theta.unwrap_or(default_theta), f)?, RopeScaling::Default));
     };
-    rope_params(f, &p, theta, default_theta, max_position_embeddings)
+    rope_params(f, &p, theta, default_theta, max_position_embeddings, family_original)
 }
 
 /// `(rope_theta, scaling)` from one parameters object `p` (a transformers 5 `rope_parameters`,
@@ -48,6 +53,7 @@ pub(crate) fn rope_params(
     theta: Option<f64>,
     default_theta: f64,
     max_position_embeddings: usize,
+    family_original: Option<usize>,
 ) -> Result<(f64, RopeScaling)> {
     let positive = |theta: f64, fields: &Fields<'_>| {
         if theta > 0.0 { Ok(theta) } else { Err(fields.bad("rope_theta", format!("must be positive, got {theta}"))) }
@@ -60,6 +66,9 @@ pub(crate) fn rope_params(
         (Some(k), _) | (None, Some(k)) => k.to_string(),
         (None, None) => "default".to_string(),
     };
+    if kind == "longrope" || kind == "su" {
+        return Ok((theta, longrope(f, p, &kind, max_position_embeddings, family_original)?));
+    }
     // What only JSON can say: a yarn factor that is absent (an error) rather than null (the
     // ratio of lengths), truncate as a boolean, and a top-level original length.
     if kind == "yarn" && !p.map.contains_key("factor") {
@@ -103,4 +112,56 @@ pub(crate) fn rope_params(
         e => ModelError::Unsupported { field: p.name("rope_type"), value: format!("{kind:?}"), why: e.to_string() },
     })?;
     Ok((theta, scaling))
+}
+
+/// LongRoPE (`longrope`, or Phi-3's older `su`), read as transformers 5 reads it: `short_factor`
+/// and `long_factor` (lists of numbers), `original_max_position_embeddings` (the top-level field
+/// wins, as Phi-3's config always has one, default 4096; else the parameters'; else
+/// `max_position_embeddings`), `factor` (absent: `max_position_embeddings / original`) and
+/// `attention_factor` (absent: `sqrt(1 + ln(factor) / ln(original))`, 1 for `factor <= 1`).
+fn longrope(
+    f: &Fields<'_>,
+    p: &Fields<'_>,
+    kind: &str,
+    max_position_embeddings: usize,
+    family_original: Option<usize>,
+) -> Result<RopeScaling> {
+    let list = |key: &str| -> Result<Vec<f64>> {
+        let v = p
+            .get(key)
+            .ok_or_else(|| p.bad(key, format!("is missing ({kind:?} needs short_factor and long_factor)")))?;
+        let items = v.as_array().ok_or_else(|| p.bad(key, "must be a list of numbers"))?;
+        items
+            .iter()
+            .map(|x| {
+                x.as_f64().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| p.bad(key, "must hold positive numbers"))
+            })
+            .collect()
+    };
+    let (short_factor, long_factor) = (list("short_factor")?, list("long_factor")?);
+    let original = if f.get("original_max_position_embeddings").is_some() {
+        f.count("original_max_position_embeddings", None)? as f64
+    } else if let Some(o) = family_original {
+        o as f64
+    } else {
+        p.count("original_max_position_embeddings", Some(max_position_embeddings))? as f64
+    };
+    let factor = p.number("factor", Some(max_position_embeddings as f64 / original))?;
+    let attention_factor = match p.get("attention_factor") {
+        Some(_) => {
+            let a = p.number("attention_factor", None)?;
+            if a <= 0.0 {
+                return Err(p.bad("attention_factor", format!("must be positive, got {a}")));
+            }
+            a
+        }
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / original.ln()).sqrt(),
+    };
+    Ok(RopeScaling::LongRope {
+        short_factor,
+        long_factor,
+        original_max_position_embeddings: original,
+        attention_factor,
+    })
 }

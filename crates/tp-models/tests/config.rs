@@ -47,7 +47,7 @@ fn llama3_scaling_reads_in_both_config_forms() {
         "original_max_position_embeddings": 8192, "rope_type": "llama3"});
     v4["eos_token_id"] = json!([128001, 128008, 128009]);
     let c = parse(v4.clone()).unwrap();
-    assert_eq!((c.rope_theta, c.rope_scaling), (500000.0, want));
+    assert_eq!((c.rope_theta, c.rope_scaling), (500000.0, want.clone()));
     assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
     // Older files name the kind "type".
     let mut old = v4.clone();
@@ -136,7 +136,7 @@ fn linear_dynamic_and_yarn_read_in_both_config_forms() {
     for (params, want) in cases {
         for v in rope_forms(1e6, params.clone()) {
             let c = parse(v.clone()).unwrap_or_else(|e| panic!("{v}: {e}"));
-            assert_eq!((c.rope_theta, c.rope_scaling), (1e6, want), "{v}");
+            assert_eq!((c.rope_theta, c.rope_scaling), (1e6, want.clone()), "{v}");
         }
     }
     // YaRN's factor null: max_position_embeddings / original_max_position_embeddings.
@@ -162,9 +162,26 @@ fn linear_dynamic_and_yarn_read_in_both_config_forms() {
     v["rope_scaling"] = json!({"rope_type": "dynamic", "factor": 2.0});
     assert!(matches!(parse(v).unwrap().rope_scaling, RopeScaling::Dynamic { max_position_embeddings: 2048.0, .. }));
     // Unknown kinds are refused by name in both forms.
+    for v in rope_forms(1e4, json!({"rope_type": "proportional", "factor": 2.0})) {
+        let e = parse(v).unwrap_err();
+        assert!(matches!(&e, ModelError::Unsupported { value, .. } if value == "\"proportional\""), "{e}");
+    }
+    // longrope: one factor per pair of the head (32 for head_dim 64), in both forms.
     for v in rope_forms(1e4, json!({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]})) {
         let e = parse(v).unwrap_err();
-        assert!(matches!(&e, ModelError::Unsupported { value, .. } if value == "\"longrope\""), "{e}");
+        assert!(e.to_string().contains("short_factor has 1 entries; head_dim 64 needs 32"), "{e}");
+    }
+    let pairs = |f: f64| json!(vec![f; 32]);
+    for v in rope_forms(1e4, json!({"rope_type": "longrope", "short_factor": pairs(1.5), "long_factor": pairs(3.0)})) {
+        let c = parse(v).unwrap();
+        // Phi-3's rule: factor = max_position_embeddings / original (2048 / 2048 here: 1, so the
+        // attention factor is 1).
+        assert!(
+            matches!(&c.rope_scaling, RopeScaling::LongRope { attention_factor, short_factor, .. }
+            if *attention_factor == 1.0 && short_factor.len() == 32),
+            "{:?}",
+            c.rope_scaling
+        );
     }
     // Bad parameters in the transformers 5 form are named with their prefix.
     let mut v = tinyllama();

@@ -114,6 +114,22 @@ fn flavours() -> Vec<Flavour> {
             worlds: (1..=8).collect(),
         },
         Flavour {
+            // Phi-3 with LongRoPE: the prompt (9) is past the original length (8), so the long
+            // factors rotate every call; cos/sin times sqrt(1 + ln 8 / ln 8).
+            name: "phi3-longrope",
+            spec: SyntheticModel {
+                architecture: Architecture::Phi3,
+                num_key_value_heads: 6,
+                head_dim: Some(8),
+                seed: 9,
+                extra: Some(json!({"original_max_position_embeddings": 8,
+                    "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                        "long_factor": [1.0, 2.0, 4.0, 9.0]}})),
+                ..tiny.clone()
+            },
+            worlds: vec![1, 2, 5, 8],
+        },
+        Flavour {
             // OLMo 2: norms after attention and the MLP, q/k norm over the full width with
             // uneven and replicated KV heads (6 KV heads over 8 ranks; 12/6 at 5 and 7).
             name: "olmo2-full-width-qk",

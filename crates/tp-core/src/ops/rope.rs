@@ -1,5 +1,6 @@
 //! Rotary position embedding (RoPE) in Llama's "rotate half" convention, with the frequency
-//! scalings of Hugging Face's `rope_type`s `default`, `linear`, `dynamic`, `yarn` and `llama3`.
+//! scalings of Hugging Face's `rope_type`s `default`, `linear`, `dynamic`, `yarn`, `llama3` and
+//! `longrope`.
 //!
 //! A head vector `x` of even length `D` is split in halves `x = [x1 | x2]`. At absolute position
 //! `p`, frequency `i < D/2` turns by `θ_i = p · f_i`:
@@ -24,7 +25,7 @@ use crate::{Element, Error, Result, Tensor, with_dtype};
 use std::borrow::Cow;
 
 /// How the base frequencies are rescaled for long contexts.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     /// No scaling (`rope_type: "default"`, or no `rope_scaling` at all).
     Default,
@@ -78,6 +79,21 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         /// The context length the model was pre-trained with (8192).
         original_max_position_embeddings: f64,
+    },
+    /// Phi-3's LongRoPE (`rope_type: "longrope"`): pair `i`'s frequency divided by a factor of
+    /// its own, `f_i / e_i` (in f32, as transformers' `1 / (ext * base^(2i/D))`), with `e` the
+    /// `short_factor` list for calls over at most `original_max_position_embeddings` tokens and
+    /// `long_factor` beyond (chosen per call, as transformers' `longrope_frequency_update`), and
+    /// cos/sin times `attention_factor`.
+    LongRope {
+        /// One factor per pair (`head_dim / 2`) for short calls.
+        short_factor: Vec<f64>,
+        /// One factor per pair for calls past the original length.
+        long_factor: Vec<f64>,
+        /// The context length the model was pre-trained with.
+        original_max_position_embeddings: f64,
+        /// The multiplier of cos and sin.
+        attention_factor: f64,
     },
 }
 
@@ -202,12 +218,22 @@ impl RopeScaling {
     }
 }
 
+/// Largest `head_dim` a rotary embedding takes.
+pub const MAX_HEAD_DIM: usize = 1 << 16;
+
 /// Dynamic NTK's inputs, kept to recompute the frequencies per call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct DynamicNtk {
     theta: f64,
     factor: f64,
     max_position_embeddings: f64,
+}
+
+/// LongRoPE's frequencies for long calls.
+#[derive(Debug, Clone, PartialEq)]
+struct LongFreqs {
+    inv_freq: Vec<f32>,
+    original_max_position_embeddings: f64,
 }
 
 /// The rotary embedding of one attention layer: head size, the per-pair frequencies and the
@@ -218,6 +244,7 @@ pub struct RotaryEmbedding {
     inv_freq: Vec<f32>,
     attention_scaling: f32,
     dynamic: Option<DynamicNtk>,
+    long: Option<LongFreqs>,
 }
 
 /// `1 / base^(2i/D)` for every pair, as transformers' `1.0 / (base ** (arange(0, D, 2).float() / D))`:
@@ -250,8 +277,12 @@ impl RotaryEmbedding {
         let positive = |name: &str, v: f64| {
             if v.is_finite() && v > 0.0 { Ok(v) } else { Err(invalid(format!("{name} {v} must be positive"))) }
         };
+        if head_dim > MAX_HEAD_DIM {
+            return Err(invalid(format!("head_dim {head_dim} exceeds {MAX_HEAD_DIM}")));
+        }
         let mut attention_scaling = 1.0f32;
         let mut dynamic = None;
+        let mut long = None;
         let inv_freq = match scaling {
             RopeScaling::Default => base_inv_freq(head_dim, theta),
             RopeScaling::Linear { factor } => {
@@ -309,8 +340,29 @@ impl RotaryEmbedding {
                 }
                 inv_freq
             }
+            RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor } => {
+                positive("original_max_position_embeddings", original_max_position_embeddings)?;
+                attention_scaling = positive("attention_factor", attention_factor)? as f32;
+                let scaled = |name: &str, factors: &[f64]| -> Result<Vec<f32>> {
+                    if factors.len() != head_dim / 2 {
+                        return Err(invalid(format!(
+                            "{name} has {} entries; head_dim {head_dim} needs {}",
+                            factors.len(),
+                            head_dim / 2
+                        )));
+                    }
+                    let base = pos_freqs(head_dim, theta);
+                    factors.iter().zip(base).map(|(&e, b)| Ok(1.0f32 / (positive(name, e)? as f32 * b))).collect()
+                };
+                let short = scaled("short_factor", &short_factor)?;
+                long = Some(LongFreqs {
+                    inv_freq: scaled("long_factor", &long_factor)?,
+                    original_max_position_embeddings,
+                });
+                short
+            }
         };
-        Ok(RotaryEmbedding { head_dim, inv_freq, attention_scaling, dynamic })
+        Ok(RotaryEmbedding { head_dim, inv_freq, attention_scaling, dynamic, long })
     }
 
     /// Features per head.
@@ -333,6 +385,13 @@ impl RotaryEmbedding {
     /// transformers keeps the last growth's frequencies until a call falls back below the
     /// original length; for the growing sequences of prefill and decoding that is the same.
     pub fn inv_freq_for(&self, seq_len: usize) -> Cow<'_, [f32]> {
+        if let Some(long) = &self.long {
+            return Cow::Borrowed(if seq_len as f64 > long.original_max_position_embeddings {
+                &long.inv_freq
+            } else {
+                &self.inv_freq
+            });
+        }
         match self.dynamic {
             Some(DynamicNtk { theta, factor, max_position_embeddings: m }) if seq_len as f64 > m => {
                 let d = self.head_dim as f64;

@@ -70,8 +70,12 @@ pub fn inv_freq_f64_at(head_dim: usize, theta: f64, scaling: RopeScaling, seq_le
     (0..head_dim / 2)
         .map(|i| {
             let f = theta.powf(-((2 * i) as f64) / d);
-            match scaling {
+            match &scaling {
                 RopeScaling::Default | RopeScaling::Dynamic { .. } => f,
+                RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings: old, .. } => {
+                    let e = if seq_len as f64 > *old { long_factor } else { short_factor };
+                    f / e[i]
+                }
                 RopeScaling::Linear { factor } => f / factor,
                 RopeScaling::Yarn {
                     factor,
@@ -81,6 +85,8 @@ pub fn inv_freq_f64_at(head_dim: usize, theta: f64, scaling: RopeScaling, seq_le
                     truncate,
                     ..
                 } => {
+                    let (factor, old, beta_fast, beta_slow, truncate) =
+                        (*factor, *old, *beta_fast, *beta_slow, *truncate);
                     // Pair index at which a wavelength fits `rotations` times into `old` positions.
                     let pair =
                         |rotations: f64| d * (old / (2.0 * std::f64::consts::PI * rotations)).ln() / (2.0 * theta.ln());
@@ -101,6 +107,8 @@ pub fn inv_freq_f64_at(head_dim: usize, theta: f64, scaling: RopeScaling, seq_le
                     high_freq_factor,
                     original_max_position_embeddings: old,
                 } => {
+                    let (factor, low_freq_factor, high_freq_factor, old) =
+                        (*factor, *low_freq_factor, *high_freq_factor, *old);
                     let wavelen = 2.0 * std::f64::consts::PI / f;
                     if wavelen < old / high_freq_factor {
                         f
@@ -116,10 +124,23 @@ pub fn inv_freq_f64_at(head_dim: usize, theta: f64, scaling: RopeScaling, seq_le
         .collect()
 }
 
+/// LongRoPE for heads of `d`: per-pair factors growing from 1, the long ones twice the short,
+/// original length 64 (positions past 63 take the long factors), attention factor 1.2.
+pub fn longrope(d: usize) -> RopeScaling {
+    let pairs = d / 2;
+    let short: Vec<f64> = (0..pairs).map(|i| 1.0 + i as f64 / pairs as f64).collect();
+    RopeScaling::LongRope {
+        long_factor: short.iter().map(|f| 2.0 * f).collect(),
+        short_factor: short,
+        original_max_position_embeddings: 64.0,
+        attention_factor: 1.2,
+    }
+}
+
 /// The multiplier of cos and sin: YaRN's attention factor, else 1.
 pub fn attention_factor_f64(scaling: RopeScaling) -> f64 {
     match scaling {
-        RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+        RopeScaling::Yarn { attention_factor, .. } | RopeScaling::LongRope { attention_factor, .. } => attention_factor,
         _ => 1.0,
     }
 }
@@ -139,14 +160,14 @@ pub fn check_rope(
     seed: u64,
 ) {
     let theta = 500_000.0;
-    let rope = RotaryEmbedding::new(d, theta, scaling).unwrap();
+    let rope = RotaryEmbedding::new(d, theta, scaling.clone()).unwrap();
     let t = positions.len();
     let x = Tensor::randn(&[t, heads, d], dtype, seed, &Device::Cpu).unwrap();
     let y = on(&x, device).rope(positions, &rope).unwrap();
     assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
     let seq_len = positions.iter().max().map_or(0, |p| p + 1);
-    let (xv, freq) = (f64s(&x), inv_freq_f64_at(d, theta, scaling, seq_len));
-    let m = attention_factor_f64(scaling);
+    let (xv, freq) = (f64s(&x), inv_freq_f64_at(d, theta, scaling.clone(), seq_len));
+    let m = attention_factor_f64(scaling.clone());
     let freq_ulps = match scaling {
         RopeScaling::Dynamic { factor, .. } => 8.0 + 4.0 * factor,
         _ => 8.0,

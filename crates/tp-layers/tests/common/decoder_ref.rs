@@ -62,7 +62,7 @@ pub fn inv_freq(d: usize, theta: f64, scaling: RopeScaling) -> Vec<f64> {
     (0..d / 2)
         .map(|i| {
             let f = theta.powf(-((2 * i) as f64) / d as f64);
-            match scaling {
+            match scaling.clone() {
                 RopeScaling::Default => f,
                 RopeScaling::Llama3 {
                     factor,

@@ -65,12 +65,18 @@ fn rms(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
 }
 
 /// Frequencies from the formulas (default, or llama3 with its four parameters).
-fn freqs(d: usize, theta: f64, scaling: tp_core::RopeScaling) -> Vec<f64> {
+fn freqs(d: usize, theta: f64, scaling: tp_core::RopeScaling, seq_len: usize) -> Vec<f64> {
     (0..d / 2)
         .map(|i| {
             let f = theta.powf(-((2 * i) as f64) / d as f64);
-            match scaling {
+            match scaling.clone() {
                 tp_core::RopeScaling::Default => f,
+                tp_core::RopeScaling::LongRope {
+                    short_factor, long_factor, original_max_position_embeddings, ..
+                } => {
+                    let e = if seq_len as f64 > original_max_position_embeddings { long_factor } else { short_factor };
+                    f / e[i]
+                }
                 tp_core::RopeScaling::Llama3 {
                     factor,
                     low_freq_factor: lo,
@@ -138,16 +144,20 @@ pub fn reference_logits(dir: &Path, ids: &[i64]) -> Vec<f64> {
     let scale = c.attention_scale.unwrap_or(1.0 / (d as f64).sqrt());
     for l in 0..c.num_hidden_layers {
         let window = c.window_of(l);
-        let (theta, scaling) = match (window, c.local_rope) {
+        let (theta, scaling) = match (window, c.local_rope.clone()) {
             (Some(_), Some(local)) => local,
-            _ => (c.rope_theta, c.rope_scaling),
+            _ => (c.rope_theta, c.rope_scaling.clone()),
         };
-        let fr = freqs(d, theta, scaling);
+        let m = match &scaling {
+            tp_core::RopeScaling::LongRope { attention_factor, .. } => *attention_factor,
+            _ => 1.0,
+        };
+        let fr = freqs(d, theta, scaling, t);
         let rope = |v: &mut [f64], heads: usize| {
             for (r, head) in v.chunks_mut(d).enumerate() {
                 let p = (r / heads) as f64;
                 for i in 0..d / 2 {
-                    let (cs, sn) = ((p * fr[i]).cos(), (p * fr[i]).sin());
+                    let (cs, sn) = (m * (p * fr[i]).cos(), m * (p * fr[i]).sin());
                     let (a, b) = (head[i], head[d / 2 + i]);
                     head[i] = a * cs - b * sn;
                     head[d / 2 + i] = b * cs + a * sn;
