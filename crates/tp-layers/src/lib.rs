@@ -71,6 +71,7 @@ mod norm;
 mod options;
 mod qkv;
 mod row;
+mod text;
 
 pub use attention::{AttentionConfig, ParallelAttention};
 pub use checkpoint::{Checkpoint, save};
@@ -87,5 +88,6 @@ pub use norm::RmsNorm;
 pub use options::LoadOptions;
 pub use qkv::{AttentionHeads, QkvLayout, QkvParallel};
 pub use row::RowParallel;
+pub use text::quote_text;
 pub use tp_comm;
 pub use tp_core;
