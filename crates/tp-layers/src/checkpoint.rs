@@ -81,7 +81,7 @@ fn map_file(path: &Path) -> Result<File> {
     Ok(File { path: path_text(path), map })
 }
 
-/// Parses `file`'s header, the one time it is read, and returns its tensors (`file` is their
+/// Parses `f`'s header, the one time it is read, and returns its tensors (`file` is their
 /// index into `Checkpoint::files`). `seen` counts the tensors of every file parsed so far; past
 /// [`Checkpoint::MAX_TENSORS`] the checkpoint is refused. The header is validated whole, including
 /// that the file holds every byte it promises (a truncated download fails here, not later).
