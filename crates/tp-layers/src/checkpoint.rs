@@ -6,44 +6,71 @@
 //! disk. Every malformed input (missing file, truncated file, bad index, missing tensor,
 //! unsupported dtype, wrong shape) is a typed [`LayerError`]. Files are opened through
 //! [`crate::files`]: only regular files (symlinks followed) are read, and nothing blocks in
-//! `open` (a named pipe or a device is an error); an index is at most 64 MiB.
+//! `open` (a named pipe or a device is an error).
+//!
+//! Each file's header is parsed once, when the checkpoint is opened: every tensor's dtype, shape
+//! and byte range are kept in one hash map, so opening costs time linear in the number of tensors
+//! and each lookup or load after it costs the same whatever their number. What is read is
+//! bounded: an index is at most [`Checkpoint::MAX_INDEX_BYTES`], a safetensors header at most
+//! [`Checkpoint::MAX_HEADER_BYTES`], an index names at most [`Checkpoint::MAX_FILES`] files, and a
+//! checkpoint holds at most [`Checkpoint::MAX_TENSORS`] tensors (counted in its files and in its
+//! index alike). Names and paths from the files reach error messages escaped and cut
+//! ([`crate::text`]).
 
 use crate::error::{LayerError, Result, dtype_name};
+use crate::text::{cut, foreign, path_text, quote_text};
 use safetensors::SafeTensors;
 use safetensors::slice::TensorIndexer;
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::ops::Bound;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tp_core::{DType, Device, Tensor, TensorShard};
 
 /// One mapped safetensors file.
 struct File {
-    path: PathBuf,
+    path: String,
     map: memmap2::Mmap,
 }
 
-/// An open checkpoint: one or more safetensors files and which file holds each tensor.
+/// Where one tensor lies, as its file's header says (read once, at open).
+struct Entry {
+    /// Index into `Checkpoint::files`.
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range of its data within the file's map.
+    start: usize,
+    end: usize,
+}
+
+/// An open checkpoint: one or more safetensors files and where each tensor lies in them.
 pub struct Checkpoint {
+    /// The path opened, escaped for messages.
     origin: String,
     files: Vec<File>,
-    /// Tensor name -> index into `files`.
-    names: HashMap<String, usize>,
+    /// Tensor name -> its file, dtype, shape and bytes.
+    entries: HashMap<String, Entry>,
 }
 
 impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Checkpoint({}, {} files, {} tensors)", self.origin, self.files.len(), self.names.len())
+        write!(f, "Checkpoint({}, {} files, {} tensors)", self.origin, self.files.len(), self.entries.len())
     }
 }
 
 fn err(path: &Path, why: impl std::fmt::Display) -> LayerError {
-    LayerError::Checkpoint { path: path.display().to_string(), why: why.to_string() }
+    LayerError::Checkpoint { path: path_text(path), why: why.to_string() }
 }
 
-/// Largest `*.index.json` read (real ones are well under 1 MiB).
-const MAX_INDEX_BYTES: u64 = 64 << 20;
+/// The same for a path already escaped.
+fn err_at(path: &str, why: impl std::fmt::Display) -> LayerError {
+    LayerError::Checkpoint { path: path.to_string(), why: why.to_string() }
+}
+
+/// Bytes of a safetensors file before its header: the header's length, little-endian u64.
+const LEN_BYTES: usize = 8;
 
 fn map_file(path: &Path) -> Result<File> {
     let f = crate::files::open_regular(path)?;
@@ -51,10 +78,44 @@ fn map_file(path: &Path) -> Result<File> {
     // (safetensors' own included) this relies on no other process truncating the file while it
     // is mapped; that would fault on access. The map outlives every slice taken from it.
     let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| err(path, format!("cannot map: {e}")))?;
-    // Validate the header and that the file holds every byte it promises (a truncated download
-    // fails here, not later).
-    SafeTensors::deserialize(&map).map_err(|e| err(path, format!("not a valid safetensors file: {e}")))?;
-    Ok(File { path: path.to_path_buf(), map })
+    Ok(File { path: path_text(path), map })
+}
+
+/// Parses `f`'s header, the one time it is read, and returns its tensors (`file` is their
+/// index into `Checkpoint::files`). `seen` counts the tensors of every file parsed so far; past
+/// [`Checkpoint::MAX_TENSORS`] the checkpoint is refused. The header is validated whole, including
+/// that the file holds every byte it promises (a truncated download fails here, not later).
+fn read_header(f: &File, file: usize, seen: &mut usize) -> Result<Vec<(String, Entry)>> {
+    let invalid = |why: String| err_at(&f.path, format!("not a valid safetensors file: {why}"));
+    let len: [u8; LEN_BYTES] = f
+        .map
+        .get(..LEN_BYTES)
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| invalid(format!("{} bytes, shorter than the header length", f.map.len())))?;
+    let header = u64::from_le_bytes(len);
+    if header > Checkpoint::MAX_HEADER_BYTES as u64 {
+        return Err(invalid(format!(
+            "its header of {header} bytes is larger than the {} accepted",
+            Checkpoint::MAX_HEADER_BYTES
+        )));
+    }
+    let (header, meta) = SafeTensors::read_metadata(&f.map).map_err(|e| invalid(foreign(e)))?;
+    let tensors = meta.tensors();
+    *seen = seen.saturating_add(tensors.len());
+    if *seen > Checkpoint::MAX_TENSORS {
+        return Err(err_at(&f.path, format!("the checkpoint holds more than {} tensors", Checkpoint::MAX_TENSORS)));
+    }
+    let data = LEN_BYTES + header;
+    tensors
+        .into_iter()
+        .map(|(name, info)| {
+            let (s, e) = info.data_offsets;
+            let range = data.checked_add(s).zip(data.checked_add(e)).filter(|&(s, e)| s <= e && e <= f.map.len());
+            let (start, end) =
+                range.ok_or_else(|| invalid(format!("tensor {} lies past the end of the file", quote_text(&name))))?;
+            Ok((name, Entry { file, dtype: info.dtype, shape: info.shape.clone(), start, end }))
+        })
+        .collect()
 }
 
 /// tp's dtype for a safetensors dtype, if it has one.
@@ -70,6 +131,17 @@ fn dtype_of(d: Dtype) -> Option<DType> {
 }
 
 impl Checkpoint {
+    /// Largest `*.index.json` read (real ones are well under 1 MiB).
+    pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+    /// Largest safetensors header accepted, in bytes: the bound safetensors itself sets (and
+    /// writes within); a header of 100k tensors takes about 10 MB.
+    pub const MAX_HEADER_BYTES: usize = 100_000_000;
+    /// Most distinct files an index may name (real ones name a few hundred at most).
+    pub const MAX_FILES: usize = 65_536;
+    /// Most tensors a checkpoint may hold, in its files or in its index (real ones hold a few
+    /// thousand; a 671B mixture of experts about 100k).
+    pub const MAX_TENSORS: usize = 1_000_000;
+
     /// Opens `path`: a `.safetensors` file, a `*.index.json` index, or a directory holding
     /// `model.safetensors.index.json` or `model.safetensors`.
     pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint> {
@@ -81,96 +153,129 @@ impl Checkpoint {
             }
             let single = path.join("model.safetensors");
             if single.exists() {
-                return Self::open_files(path, vec![single]);
+                return Self::open_file(path, &single);
             }
             return Err(err(path, "directory has neither model.safetensors.index.json nor model.safetensors"));
         }
         if path.extension().is_some_and(|e| e == "json") {
             return Self::open_index(path);
         }
-        Self::open_files(path, vec![path.to_path_buf()])
+        Self::open_file(path, path)
     }
 
-    fn open_files(origin: &Path, paths: Vec<PathBuf>) -> Result<Checkpoint> {
-        let files = paths.iter().map(|p| map_file(p)).collect::<Result<Vec<_>>>()?;
-        let mut names = HashMap::new();
-        for (i, f) in files.iter().enumerate() {
-            let st = SafeTensors::deserialize(&f.map).map_err(|e| err(&f.path, e))?;
-            for name in st.names() {
-                names.insert(name.to_string(), i);
-            }
-        }
-        Ok(Checkpoint { origin: origin.display().to_string(), files, names })
+    /// One safetensors file: every tensor in it.
+    fn open_file(origin: &Path, path: &Path) -> Result<Checkpoint> {
+        let file = map_file(path)?;
+        let entries = read_header(&file, 0, &mut 0)?.into_iter().collect();
+        Ok(Checkpoint { origin: path_text(origin), files: vec![file], entries })
     }
 
     /// A Hugging Face index: `{"weight_map": {"tensor name": "file name", ...}, ...}`, file
-    /// names relative to the index's directory.
+    /// names relative to the index's directory. Each file is mapped and its header parsed once;
+    /// the checkpoint holds the tensors the index lists, each of which must be in its file.
     fn open_index(index: &Path) -> Result<Checkpoint> {
-        let text = crate::files::read_text(index, MAX_INDEX_BYTES)?;
+        let text = crate::files::read_text(index, Self::MAX_INDEX_BYTES)?;
         let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| err(index, format!("invalid JSON: {e}")))?;
+            serde_json::from_str(&text).map_err(|e| err(index, format!("invalid JSON: {}", foreign(e))))?;
         let map =
             json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| err(index, "no \"weight_map\" object"))?;
+        if map.len() > Self::MAX_TENSORS {
+            return Err(err(index, format!("weight_map lists {} tensors, more than {}", map.len(), Self::MAX_TENSORS)));
+        }
         let dir = index.parent().unwrap_or(Path::new("."));
-        let mut file_of: Vec<String> = Vec::new();
-        let mut names = HashMap::new();
+        // File name -> its index in `file_names`, in order of first appearance.
+        let mut file_ids: HashMap<&str, usize> = HashMap::new();
+        let mut file_names: Vec<&str> = Vec::new();
+        // Tensor name -> the file the index puts it in.
+        let mut wanted: HashMap<&str, usize> = HashMap::with_capacity(map.len());
         for (name, file) in map {
-            let file = file.as_str().ok_or_else(|| err(index, format!("weight_map[{name:?}] is not a file name")))?;
+            let file = file
+                .as_str()
+                .ok_or_else(|| err(index, format!("weight_map[{}] is not a file name", quote_text(name))))?;
             if file.contains('/') || file.contains("..") {
-                return Err(err(index, format!("weight_map[{name:?}] = {file:?} is not a plain file name")));
+                return Err(err(
+                    index,
+                    format!("weight_map[{}] = {} is not a plain file name", quote_text(name), quote_text(file)),
+                ));
             }
-            let i = match file_of.iter().position(|f| f == file) {
-                Some(i) => i,
+            let id = match file_ids.get(file) {
+                Some(&id) => id,
+                None if file_names.len() == Self::MAX_FILES => {
+                    return Err(err(index, format!("weight_map names more than {} files", Self::MAX_FILES)));
+                }
                 None => {
-                    file_of.push(file.to_string());
-                    file_of.len() - 1
+                    file_ids.insert(file, file_names.len());
+                    file_names.push(file);
+                    file_names.len() - 1
                 }
             };
-            names.insert(name.clone(), i);
+            wanted.insert(name, id);
         }
-        let files = file_of.iter().map(|f| map_file(&dir.join(f))).collect::<Result<Vec<_>>>()?;
-        // The index must not promise tensors its files lack.
-        for (name, &i) in &names {
-            let st = SafeTensors::deserialize(&files[i].map).map_err(|e| err(&files[i].path, e))?;
-            if st.tensor(name).is_err() {
-                return Err(err(index, format!("lists {name:?} in {} but that file has no such tensor", file_of[i])));
+        let mut files = Vec::with_capacity(file_names.len());
+        let mut entries = HashMap::with_capacity(map.len());
+        let mut seen = 0;
+        for (id, name) in file_names.iter().enumerate() {
+            let file = map_file(&dir.join(name))?;
+            for (tensor, entry) in read_header(&file, id, &mut seen)? {
+                if wanted.get(tensor.as_str()) == Some(&id) {
+                    entries.insert(tensor, entry);
+                }
             }
+            files.push(file);
         }
-        Ok(Checkpoint { origin: index.display().to_string(), files, names })
+        // The index must not promise tensors its files lack (the first in the index's order).
+        if let Some(name) = map.keys().find(|n| !entries.contains_key(n.as_str())) {
+            let file = wanted.get(name.as_str()).map_or("", |&id| file_names[id]);
+            return Err(err(
+                index,
+                format!("lists {} in {} but that file has no such tensor", quote_text(name), quote_text(file)),
+            ));
+        }
+        Ok(Checkpoint { origin: path_text(index), files, entries })
     }
 
     /// Every tensor name, sorted.
     pub fn names(&self) -> Vec<&str> {
-        let mut v: Vec<&str> = self.names.keys().map(String::as_str).collect();
+        let mut v: Vec<&str> = self.entries.keys().map(String::as_str).collect();
         v.sort_unstable();
         v
     }
 
     /// Whether the checkpoint has a tensor called `name`.
     pub fn contains(&self, name: &str) -> bool {
-        self.names.contains_key(name)
+        self.entries.contains_key(name)
     }
 
-    fn view(&self, name: &str) -> Result<(TensorView<'_>, DType)> {
-        let missing = || LayerError::MissingTensor { path: self.origin.clone(), name: name.into() };
-        let &i = self.names.get(name).ok_or_else(missing)?;
-        let f = &self.files[i];
-        let st = SafeTensors::deserialize(&f.map).map_err(|e| err(&f.path, e))?;
-        let view = st.tensor(name).map_err(|_| missing())?;
-        let dtype = dtype_of(view.dtype()).ok_or_else(|| LayerError::WrongDtype {
-            name: name.into(),
-            found: format!("{:?}", view.dtype()),
+    /// Tensor `name`'s entry and tp dtype: [`LayerError::MissingTensor`] if there is none,
+    /// [`LayerError::WrongDtype`] if tp has no such dtype.
+    fn entry(&self, name: &str) -> Result<(&Entry, DType)> {
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| LayerError::MissingTensor { path: self.origin.clone(), name: cut(name) })?;
+        let dtype = dtype_of(e.dtype).ok_or_else(|| LayerError::WrongDtype {
+            name: cut(name),
+            found: format!("{:?}", e.dtype),
             expected: "F32, F16, BF16, I32 or I64".into(),
         })?;
-        // Rebuild the view over the map's lifetime (the parsed `st` is local).
-        let view = TensorView::new(view.dtype(), view.shape().to_vec(), view.data()).map_err(|e| err(&f.path, e))?;
+        Ok((e, dtype))
+    }
+
+    /// A view of tensor `name`'s bytes in its map, built from the entry kept at open (no header
+    /// is parsed again).
+    fn view(&self, name: &str) -> Result<(TensorView<'_>, DType)> {
+        let (e, dtype) = self.entry(name)?;
+        let f = &self.files[e.file];
+        let invalid = |why: String| err_at(&f.path, format!("tensor {}: {why}", quote_text(name)));
+        let data = f.map.get(e.start..e.end).ok_or_else(|| invalid("lies past the end of the file".into()))?;
+        let view = TensorView::new(e.dtype, e.shape.clone(), data).map_err(|e| invalid(foreign(e)))?;
         Ok((view, dtype))
     }
 
     /// `(dtype, shape)` of tensor `name`.
     pub fn info(&self, name: &str) -> Result<(DType, Vec<usize>)> {
-        let (v, d) = self.view(name)?;
-        Ok((d, v.shape().to_vec()))
+        let (e, dtype) = self.entry(name)?;
+        Ok((dtype, e.shape.clone()))
     }
 
     /// [`info`](Self::info) of a tensor that must be a parameter: a float dtype (f32, f16 or
@@ -179,7 +284,7 @@ impl Checkpoint {
         let (d, dims) = self.info(name)?;
         if !d.is_float() {
             return Err(LayerError::WrongDtype {
-                name: name.into(),
+                name: cut(name),
                 found: dtype_name(d),
                 expected: "f32, f16 or bf16".into(),
             });
@@ -210,7 +315,7 @@ impl Checkpoint {
             if shard.dim() < expected.len() {
                 expected[shard.dim()] = shard.global_len();
             }
-            return Err(LayerError::WrongShape { name: name.into(), found: dims, expected });
+            return Err(LayerError::WrongShape { name: cut(name), found: dims, expected });
         }
         self.load_range(name, shard.dim(), shard.start(), shard.len(), dtype, device)
     }
@@ -227,13 +332,11 @@ impl Checkpoint {
         device: &Device,
     ) -> Result<(Tensor, usize)> {
         let (v, d) = self.view(name)?;
+        let fail = |why: String| err_at(&self.origin, format!("tensor {}: {why}", quote_text(name)));
         let dims = v.shape().to_vec();
-        let size = *dims.get(dim).ok_or_else(|| err(Path::new(&self.origin), format!("{name} has no dim {dim}")))?;
+        let size = *dims.get(dim).ok_or_else(|| fail(format!("has no dim {dim}")))?;
         if start.checked_add(len).is_none_or(|end| end > size) {
-            return Err(err(
-                Path::new(&self.origin),
-                format!("{name}: range {start}+{len} exceeds dim {dim} of size {size}"),
-            ));
+            return Err(fail(format!("range {start}+{len} exceeds dim {dim} of size {size}")));
         }
         let one = NonZeroUsize::MIN;
         let mut idx: Vec<TensorIndexer> =
@@ -245,12 +348,9 @@ impl Checkpoint {
         let mut t = Tensor::zeros(&out_dims, d, &Device::Cpu)?;
         let dst = t.as_bytes_mut()?;
         if !dst.is_empty() {
-            let it = v.sliced_data(&idx).map_err(|e| err(Path::new(&self.origin), format!("{name}: {e}")))?;
+            let it = v.sliced_data(&idx).map_err(|e| fail(foreign(e)))?;
             if it.remaining_byte_len() != dst.len() {
-                return Err(err(
-                    Path::new(&self.origin),
-                    format!("{name}: the slice holds {} bytes, not {}", it.remaining_byte_len(), dst.len()),
-                ));
+                return Err(fail(format!("the slice holds {} bytes, not {}", it.remaining_byte_len(), dst.len())));
             }
             // The slice arrives as contiguous runs of the mapped file (whole rows of a row
             // range, one run per row of a column range): copy them run by run.
@@ -268,12 +368,12 @@ impl Checkpoint {
     pub fn expect(&self, name: &str, dims: &[usize], dtype: Option<DType>) -> Result<()> {
         let (d, shape) = self.info(name)?;
         if shape != dims {
-            return Err(LayerError::WrongShape { name: name.into(), found: shape, expected: dims.to_vec() });
+            return Err(LayerError::WrongShape { name: cut(name), found: shape, expected: dims.to_vec() });
         }
         if let Some(want) = dtype
             && want != d
         {
-            return Err(LayerError::WrongDtype { name: name.into(), found: dtype_name(d), expected: dtype_name(want) });
+            return Err(LayerError::WrongDtype { name: cut(name), found: dtype_name(d), expected: dtype_name(want) });
         }
         Ok(())
     }
@@ -311,5 +411,5 @@ pub fn save(path: impl AsRef<Path>, tensors: &[(&str, &Tensor)]) -> Result<()> {
         })
         .collect::<Result<Vec<_>>>()?;
     safetensors::serialize_to_file(views, None, path)
-        .map_err(|e| LayerError::Write { path: path.display().to_string(), why: e.to_string() })
+        .map_err(|e| LayerError::Write { path: path_text(path), why: foreign(e) })
 }

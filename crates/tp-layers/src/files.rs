@@ -11,6 +11,7 @@
 //! `/dev/null` (when run as root) or a pipe, so those are refused.
 
 use crate::error::{LayerError, Result};
+use crate::text::path_text;
 use std::fs::{File, FileType, Metadata, OpenOptions};
 use std::io::Read;
 use std::path::Path;
@@ -45,8 +46,10 @@ const O_NONBLOCK: i32 = if cfg!(all(
     0
 };
 
+/// An error about `path`, named escaped and bounded ([`crate::text`]): a path is the user's, but
+/// an index entry's file name within it comes from a file.
 fn err(path: &Path, why: impl std::fmt::Display) -> LayerError {
-    LayerError::Checkpoint { path: path.display().to_string(), why: why.to_string() }
+    LayerError::Checkpoint { path: path_text(path), why: why.to_string() }
 }
 
 /// What a file that is not a regular file is, in words.
@@ -116,7 +119,7 @@ pub(crate) fn read_text(path: &Path, limit: u64) -> Result<String> {
 /// writing it can neither block nor replace a device; opening it (created if absent)
 /// non-blocking confirms that.
 pub(crate) fn check_writable(path: &Path) -> Result<()> {
-    let write_err = |why: String| LayerError::Write { path: path.display().to_string(), why };
+    let write_err = |why: String| LayerError::Write { path: path_text(path), why };
     match std::fs::metadata(path) {
         Ok(meta) => regular_or(&meta).map_err(write_err)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

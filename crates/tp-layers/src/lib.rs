@@ -78,6 +78,7 @@ mod options;
 mod parts;
 mod qkv;
 mod row;
+mod text;
 
 pub use attention::{AttentionConfig, AttentionNames, ParallelAttention, QkNorm, QkNormSpan};
 pub use checkpoint::{Checkpoint, save};
@@ -96,6 +97,7 @@ pub use options::LoadOptions;
 pub use parts::Projections;
 pub use qkv::{AttentionHeads, QkvLayout, QkvParallel};
 pub use row::RowParallel;
+pub use text::quote_text;
 pub use tp_comm;
 
 /// The contents of the file `path`, as UTF-8, if it is (after following symlinks) a regular file

@@ -14,10 +14,23 @@
 //! threads ([`StoreLimits`]): keys up to [`MAX_KEY_BYTES`], values up to [`MAX_VALUE_BYTES`],
 //! at most [`MAX_KEYS`] keys and [`MAX_STORE_BYTES`] bytes held, [`MAX_IN_FLIGHT_BYTES`] of
 //! values being received at once, and [`MAX_CONNECTIONS`] connections (each a thread with a
-//! small stack). A request past a limit is answered with an error naming it; the connection
-//! limit refuses new connections (with an error frame, then a close). A request, once begun,
-//! must arrive within [`FRAME_TIMEOUT`], as must a new connection's first request; a client that
-//! stalls mid-request, or never speaks, is disconnected.
+//! small stack). A request past a limit is answered with an error naming it. A request, once
+//! begun, must arrive within [`FRAME_TIMEOUT`], as must a new connection's first request; a
+//! client that stalls mid-request, or never speaks, is disconnected.
+//!
+//! Connections give way to ranks. A connection becomes a rank's when it wins the claim of
+//! `rank/{r}` for a rank `r` of the job (below [`StoreLimits::world_size`], written as the
+//! rendezvous writes it), as each rank does on joining; any other request (a get, a set, a claim
+//! of another key) does not make it one, so a client that keeps talking is no rank for that.
+//! When a new connection arrives at the limit, the oldest connection that is not a rank's is
+//! evicted: shut down, any wait it is in ended, its thread gone before the newcomer's starts
+//! (which waits for that at most a second). The newcomer is refused (an error frame, then a
+//! close) only when every open connection is a rank's. Since one key per rank exists, at most
+//! `world_size` connections are ranks', and a store of [`StoreLimits::for_world`] always has 64
+//! connections that can give way: a flood of connections, idle or busy, cannot keep a rank out,
+//! and connections and threads stay bounded all the same. A rank joining the job registers
+//! within moments of connecting, so it would take 64 more connections arriving within those
+//! moments to evict it.
 
 mod client;
 mod frame;
@@ -39,7 +52,7 @@ pub const MAX_STORE_BYTES: usize = 64 << 20;
 /// Most value bytes the server receives at once over all connections (64 MiB).
 pub const MAX_IN_FLIGHT_BYTES: usize = 64 << 20;
 /// Most open connections to one store: one per rank at [`MAX_WORLD_SIZE`](crate::MAX_WORLD_SIZE),
-/// plus 64.
+/// plus 64 (at the limit, a connection that is not a rank's gives way to a newcomer).
 pub const MAX_CONNECTIONS: usize = crate::env::MAX_WORLD_SIZE + 64;
 /// How long a request may take to arrive once begun, and a new connection to send its first.
 pub const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
@@ -59,6 +72,10 @@ pub struct StoreLimits {
     pub max_in_flight_bytes: usize,
     /// Most open connections.
     pub max_connections: usize,
+    /// The job's number of ranks ([`MAX_WORLD_SIZE`](crate::MAX_WORLD_SIZE) by default): a
+    /// connection that wins the claim of `rank/{r}` for an `r` below it is a rank's, and never
+    /// gives way to a newcomer.
+    pub world_size: usize,
     /// How long a request may take to arrive once begun, and a new connection to send its
     /// first ([`FRAME_TIMEOUT`]).
     pub frame_timeout: Duration,
@@ -76,6 +93,7 @@ impl Default for StoreLimits {
             max_bytes: MAX_STORE_BYTES,
             max_in_flight_bytes: MAX_IN_FLIGHT_BYTES,
             max_connections: MAX_CONNECTIONS,
+            world_size: crate::env::MAX_WORLD_SIZE,
             frame_timeout: FRAME_TIMEOUT,
             max_wait: crate::MAX_TIMEOUT,
         }
@@ -83,9 +101,13 @@ impl Default for StoreLimits {
 }
 
 impl StoreLimits {
-    /// The defaults, with connections limited to what a job of `world_size` ranks needs: one
-    /// per rank, plus 64 for late duplicates and probes.
+    /// The defaults for a job of `world_size` ranks, with connections limited to what it
+    /// needs: one per rank, plus 64 for late duplicates and probes.
     pub fn for_world(world_size: usize) -> Self {
-        StoreLimits { max_connections: world_size.saturating_add(64).min(MAX_CONNECTIONS), ..Self::default() }
+        StoreLimits {
+            max_connections: world_size.saturating_add(64).min(MAX_CONNECTIONS),
+            world_size,
+            ..Self::default()
+        }
     }
 }

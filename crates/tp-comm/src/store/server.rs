@@ -1,5 +1,8 @@
 //! [`StoreServer`]: rank 0's side of the store. A listening socket, a thread per connection
 //! (bounded in number, small stacks), and one table under a mutex, bounded in keys and bytes.
+//!
+//! At the connection limit a newcomer is not refused while some open connection is not a rank's:
+//! the oldest such connection is evicted instead (see the [module](super) docs).
 
 use super::frame::{
     FrameError, InFlight, OP_CLAIM, OP_GET, OP_SET, OP_WAIT_ALL, R_ERROR, R_EXISTS, R_MISSING, R_OK, R_VALUE,
@@ -9,7 +12,7 @@ use super::{MAX_NAMED_MISSING, StoreLimits};
 use crate::deadline::Deadline;
 use crate::env::MAX_WORLD_SIZE;
 use crate::{CommError, Result};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,10 +36,23 @@ struct State {
     closed: Option<String>,
 }
 
-/// Open connections, each with a handle to shut it down when the server stops.
+/// How long a newcomer at the connection limit waits for the connection it evicted to end.
+const EVICT_WAIT: Duration = Duration::from_secs(1);
+
+/// One open connection.
+struct Conn {
+    /// To shut it down when it is evicted or the server stops.
+    handle: TcpStream,
+    /// It won the claim of a rank's key ([`is_rank_key`]): it is never evicted.
+    rank: bool,
+    /// Set when it is evicted: its thread stops at its next step, and a wait it is in ends.
+    evicted: Arc<AtomicBool>,
+}
+
+/// Open connections by id, that is in order of arrival.
 struct Conns {
     next_id: u64,
-    open: HashMap<u64, TcpStream>,
+    open: BTreeMap<u64, Conn>,
 }
 
 struct Shared {
@@ -71,6 +87,22 @@ fn cost(key: &[u8], value: &[u8]) -> usize {
 /// The little-endian u64 at `at` in `v`, if there is one.
 fn u64_at(v: &[u8], at: usize) -> Option<u64> {
     v.get(at..at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes)
+}
+
+/// Whether `key` is `rank/{r}` for a rank `r` below `world_size`, written as the rendezvous
+/// writes it (no sign, no leading zero): one key per rank, so at most `world_size` connections
+/// ever win one.
+fn is_rank_key(key: &[u8], world_size: usize) -> bool {
+    let Some(digits) = key.strip_prefix(b"rank/") else { return false };
+    std::str::from_utf8(digits)
+        .ok()
+        .and_then(|d| d.parse::<usize>().ok())
+        .is_some_and(|r| r < world_size && r.to_string().as_bytes() == digits)
+}
+
+/// The reply to a request of a connection that was evicted while it waited.
+fn evicted_reply() -> Reply {
+    error_reply("this connection was closed to make room for another (the store's connections were full)")
 }
 
 /// How long a request asked the server to wait, at most `max`.
@@ -112,8 +144,9 @@ impl Shared {
         (R_OK, empty())
     }
 
-    /// GET: the value, once it exists, until `deadline`, or until the store is closed.
-    fn get(&self, key: &[u8], deadline: Deadline) -> Reply {
+    /// GET: the value, once it exists, until `deadline`, until the store is closed, or until
+    /// this connection is `evicted`.
+    fn get(&self, key: &[u8], deadline: Deadline, evicted: &AtomicBool) -> Reply {
         let mut st = self.table();
         loop {
             if let Some(v) = st.map.get(key) {
@@ -121,6 +154,9 @@ impl Shared {
             }
             if let Some(reason) = &st.closed {
                 return error_reply(reason);
+            }
+            if evicted.load(Ordering::Relaxed) {
+                return evicted_reply();
             }
             let left = deadline.remaining();
             if left.is_zero() {
@@ -131,8 +167,9 @@ impl Shared {
     }
 
     /// WAIT_ALL: waits until `{prefix}/{r}` exists for every `r < count`; at the deadline,
-    /// answers how many are missing and which (the first [`MAX_NAMED_MISSING`]).
-    fn wait_all(&self, prefix: &[u8], count: usize, deadline: Deadline) -> Reply {
+    /// answers how many are missing and which (the first [`MAX_NAMED_MISSING`]). Ends early when
+    /// the store is closed or this connection `evicted`.
+    fn wait_all(&self, prefix: &[u8], count: usize, deadline: Deadline, evicted: &AtomicBool) -> Reply {
         if count > MAX_WORLD_SIZE {
             return error_reply(format!("cannot wait for {count} keys (at most {MAX_WORLD_SIZE})"));
         }
@@ -157,6 +194,9 @@ impl Shared {
             if let Some(reason) = &st.closed {
                 return error_reply(reason);
             }
+            if evicted.load(Ordering::Relaxed) {
+                return evicted_reply();
+            }
             let left = deadline.remaining();
             if left.is_zero() {
                 let missing: Vec<usize> = (next..count).filter(|&r| !st.map.contains_key(&key_of(r))).collect();
@@ -170,23 +210,72 @@ impl Shared {
         }
     }
 
-    /// The reply to one request; `None` for an unknown op (the connection is dropped).
-    fn handle(&self, op: u8, key: Vec<u8>, value: Vec<u8>) -> Option<Reply> {
+    /// The reply to one request of connection `id`; `None` for an unknown op (the connection
+    /// is dropped). A claim won of a rank's key makes the connection a rank's.
+    fn handle(&self, id: u64, op: u8, key: Vec<u8>, value: Vec<u8>, evicted: &AtomicBool) -> Option<Reply> {
         Some(match op {
             OP_SET => self.put(key, value, true),
-            OP_CLAIM => self.put(key, value, false),
-            OP_GET => self.get(&key, wait_of(&value, self.limits.max_wait)),
+            OP_CLAIM => {
+                let rank = is_rank_key(&key, self.limits.world_size);
+                let reply = self.put(key, value, false);
+                if rank && reply.0 == R_OK {
+                    self.mark_rank(id);
+                }
+                reply
+            }
+            OP_GET => self.get(&key, wait_of(&value, self.limits.max_wait), evicted),
             OP_WAIT_ALL => {
                 let count = u64_at(&value, 8).and_then(|c| usize::try_from(c).ok())?;
-                self.wait_all(&key, count, wait_of(&value, self.limits.max_wait))
+                self.wait_all(&key, count, wait_of(&value, self.limits.max_wait), evicted)
             }
             _ => return None,
         })
     }
 
+    /// Connection `id` is a rank's from now on (unless it is already being evicted).
+    fn mark_rank(&self, id: u64) {
+        if let Some(c) = lock(&self.conns).open.get_mut(&id)
+            && !c.evicted.load(Ordering::Relaxed)
+        {
+            c.rank = true;
+        }
+    }
+
     fn forget(&self, id: u64) {
         lock(&self.conns).open.remove(&id);
         self.conns_changed.notify_all();
+    }
+
+    /// Makes room for one more connection. Below the limit there is room; at it, the oldest
+    /// connection that is not a rank's is evicted (shut down, its waits ended) and this waits,
+    /// at most [`EVICT_WAIT`], for its thread to end. Else why there is no room: every
+    /// connection is a rank's, or the room did not come in time.
+    fn make_room(&self) -> std::result::Result<(), String> {
+        let limit = self.limits.max_connections;
+        let deadline = Deadline::after(EVICT_WAIT);
+        let mut conns = lock(&self.conns);
+        loop {
+            if conns.open.len() < limit {
+                return Ok(());
+            }
+            // One eviction at a time: the evicted thread leaves within moments.
+            if !conns.open.values().any(|c| c.evicted.load(Ordering::Relaxed)) {
+                let Some(victim) = conns.open.values().find(|c| !c.rank) else {
+                    return Err(format!("the store has too many connections (limit {limit}), every one a rank's"));
+                };
+                victim.evicted.store(true, Ordering::Relaxed);
+                let _ = victim.handle.shutdown(Shutdown::Both);
+                // Taking the table's lock orders the flag before any wait that checks it under
+                // that lock, so the notification below cannot be missed.
+                drop(self.table());
+                self.changed.notify_all();
+            }
+            let left = deadline.remaining();
+            if left.is_zero() {
+                return Err(format!("the store has too many connections (limit {limit}) and none left in time"));
+            }
+            conns = self.conns_changed.wait_timeout(conns, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
     }
 }
 
@@ -228,7 +317,7 @@ impl StoreServer {
             limits,
             state: Mutex::new(State { map: HashMap::new(), bytes: 0, closed: None }),
             changed: Condvar::new(),
-            conns: Mutex::new(Conns { next_id: 0, open: HashMap::new() }),
+            conns: Mutex::new(Conns { next_id: 0, open: BTreeMap::new() }),
             conns_changed: Condvar::new(),
             stop: AtomicBool::new(false),
         });
@@ -258,13 +347,29 @@ impl StoreServer {
         lock(&self.shared.conns).open.len()
     }
 
+    /// Number of open connections that are ranks': each won the claim of `rank/{r}` for a rank
+    /// `r` below [`StoreLimits::world_size`].
+    pub fn rank_connections(&self) -> usize {
+        lock(&self.shared.conns).open.values().filter(|c| c.rank).count()
+    }
+
     /// Waits until at most `n` client connections are open, or until `deadline`; returns
     /// whether that happened.
     pub fn wait_for_connections(&self, n: usize, deadline: impl Into<Deadline>) -> bool {
-        let deadline = deadline.into();
+        self.wait_until(deadline.into(), |conns| conns.open.len() <= n)
+    }
+
+    /// Waits until at most `n` ranks' connections ([`rank_connections`](Self::rank_connections))
+    /// are open, or until `deadline`; returns whether that happened. Other connections (a
+    /// stray client's) do not hold it up.
+    pub fn wait_for_rank_connections(&self, n: usize, deadline: impl Into<Deadline>) -> bool {
+        self.wait_until(deadline.into(), |conns| conns.open.values().filter(|c| c.rank).count() <= n)
+    }
+
+    fn wait_until(&self, deadline: Deadline, done: impl Fn(&Conns) -> bool) -> bool {
         let mut conns = lock(&self.shared.conns);
         loop {
-            if conns.open.len() <= n {
+            if done(&conns) {
                 return true;
             }
             let left = deadline.remaining();
@@ -281,7 +386,7 @@ impl Drop for StoreServer {
         self.close("the store has stopped (rank 0 left the rendezvous)");
         self.shared.stop.store(true, Ordering::Relaxed);
         for conn in lock(&self.shared.conns).open.values() {
-            let _ = conn.shutdown(Shutdown::Both);
+            let _ = conn.handle.shutdown(Shutdown::Both);
         }
     }
 }
@@ -308,11 +413,17 @@ fn refuse(conn: &TcpStream, why: &str) {
     let _ = conn.shutdown(Shutdown::Write);
 }
 
-/// Starts serving `conn` on its own thread, within the connection limit.
+/// Starts serving `conn` on its own thread, within the connection limit: at the limit, the
+/// oldest connection that is not a rank's gives way ([`Shared::make_room`]); when all are
+/// ranks', `conn` is refused.
 fn admit(conn: TcpStream, shared: &Arc<Shared>) {
     let _ = conn.set_nonblocking(false);
     let _ = conn.set_nodelay(true);
+    if let Err(why) = shared.make_room() {
+        return refuse(&conn, &why);
+    }
     let mut conns = lock(&shared.conns);
+    // Only this thread adds connections, so the room made is still there; checked all the same.
     if conns.open.len() >= shared.limits.max_connections {
         drop(conns);
         return refuse(&conn, &format!("the store has too many connections (limit {})", shared.limits.max_connections));
@@ -323,34 +434,39 @@ fn admit(conn: TcpStream, shared: &Arc<Shared>) {
     };
     let id = conns.next_id;
     conns.next_id += 1;
-    conns.open.insert(id, handle);
+    let evicted = Arc::new(AtomicBool::new(false));
+    conns.open.insert(id, Conn { handle, rank: false, evicted: evicted.clone() });
     drop(conns);
     let sh = shared.clone();
     let spawned = std::thread::Builder::new().name("tp-store-conn".into()).stack_size(CONN_STACK).spawn(move || {
-        serve(conn, &sh);
+        serve(conn, &sh, id, &evicted);
         sh.forget(id);
     });
     if spawned.is_err() {
         // The closure, and with it the connection, is gone; tell the client through the handle.
-        if let Some(handle) = lock(&shared.conns).open.remove(&id) {
-            refuse(&handle, "the store cannot start a thread for another connection");
+        if let Some(c) = lock(&shared.conns).open.remove(&id) {
+            refuse(&c.handle, "the store cannot start a thread for another connection");
         }
         shared.conns_changed.notify_all();
     }
 }
 
-/// Serves one connection until it closes or misbehaves. A new connection must send its first
-/// request within the frame timeout ([`StoreLimits::frame_timeout`]); afterwards it may idle,
-/// but each request, once begun, must arrive within it, and each reply must be taken within it.
-fn serve(mut conn: TcpStream, sh: &Shared) {
+/// Serves connection `id` until it closes, misbehaves or is `evicted`. A new connection must
+/// send its first request within the frame timeout ([`StoreLimits::frame_timeout`]); afterwards
+/// it may idle, but each request, once begun, must arrive within it, and each reply must be
+/// taken within it.
+fn serve(mut conn: TcpStream, sh: &Shared, id: u64, evicted: &AtomicBool) {
     let within = sh.limits.frame_timeout;
     let mut start_by = Some(Deadline::after(within));
     loop {
         let frame =
             read_frame(&mut conn, start_by, || Deadline::after(within), sh.limits.max_value_bytes, Some(&sh.in_flight));
         start_by = None;
+        if evicted.load(Ordering::Relaxed) {
+            return;
+        }
         let (op, value) = match frame {
-            Ok(Some(f)) => match sh.handle(f.op, f.key, f.value) {
+            Ok(Some(f)) => match sh.handle(id, f.op, f.key, f.value, evicted) {
                 Some(reply) => reply,
                 None => return, // an unknown op: not a tp client
             },
