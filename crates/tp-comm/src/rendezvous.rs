@@ -41,11 +41,12 @@ fn reason(e: &CommError) -> String {
 }
 
 /// Closes rank 0's store with the reason rank 0 gave up, and gives the others
-/// [`DEADLINE_SLACK`] to hear it and disconnect.
+/// [`DEADLINE_SLACK`] to hear it and disconnect (stray connections that never claimed a rank
+/// are not waited for).
 fn give_up(server: &StoreServer, why: &str, own_connections: usize) {
     let reason = if why.starts_with("rank 0 ") { why.to_string() } else { format!("rank 0 gave up: {why}") };
     server.close(&reason);
-    server.wait_for_connections(own_connections, Deadline::after(DEADLINE_SLACK));
+    server.wait_for_rank_connections(own_connections, Deadline::after(DEADLINE_SLACK));
 }
 
 impl Drop for Rendezvous {
@@ -56,7 +57,7 @@ impl Drop for Rendezvous {
             Some(why) => give_up(server, why, 0),
             None => {
                 server.close("rank 0 has left the rendezvous");
-                server.wait_for_connections(0, Deadline::after(self.env.timeout));
+                server.wait_for_rank_connections(0, Deadline::after(self.env.timeout));
             }
         }
     }

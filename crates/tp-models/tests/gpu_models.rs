@@ -59,3 +59,51 @@ fn models_on_one_gpu_and_on_ranks_sharing_it_match_the_host() {
         }
     }
 }
+
+/// Qwen3, Gemma 3, Phi-3 (LongRoPE) and OLMo 2 on GPU 0 and on ranks sharing it, against the f64
+/// forward: their q/k norms (per head and full width), norm styles, GeGLU, scales, soft-capping
+/// and fused projections on the device.
+#[test]
+fn newer_families_on_the_gpu_match_the_f64_forward() {
+    use serde_json::json;
+    use tp_models::Architecture;
+    tp_kernels::note_sticky_errors_on_panic();
+    assert!(tp_kernels::device_count().expect("the GPU suite needs a CUDA device") > 0);
+    let tiny = SyntheticModel { num_key_value_heads: 4, head_dim: Some(8), ..SyntheticModel::tiny() };
+    let specs = [
+        SyntheticModel { architecture: Architecture::Qwen3, attention_bias: true, ..tiny.clone() },
+        SyntheticModel {
+            architecture: Architecture::Gemma3,
+            tie_word_embeddings: true,
+            sliding_window: Some(4),
+            extra: Some(json!({"query_pre_attn_scalar": 12, "sliding_window_pattern": 3,
+                "rope_local_base_freq": 500.0, "final_logit_softcapping": 3.0})),
+            ..tiny.clone()
+        },
+        SyntheticModel {
+            architecture: Architecture::Phi3,
+            extra: Some(json!({"original_max_position_embeddings": 4,
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                    "long_factor": [1.0, 2.0, 4.0, 9.0]}})),
+            ..tiny.clone()
+        },
+        SyntheticModel { architecture: Architecture::Olmo2, num_key_value_heads: 6, ..tiny },
+    ];
+    for spec in specs {
+        let dir = tmpdir(&format!("gpu-{:?}", spec.architecture));
+        spec.write(&dir).unwrap();
+        let want = reference_logits(&dir, &PROMPT);
+        for dtype in DType::FLOATS {
+            for world in [1, 3, 4] {
+                let got = on_ranks(world, GPU, |g| {
+                    let mut lm = ParallelCausalLm::load(&dir, &g, &ModelOptions::new().with_dtype(dtype)).unwrap();
+                    f64s(&lm.prefill(&PROMPT).unwrap())
+                });
+                let bound = if dtype == DType::F32 { 1e-4 } else { 0.06 };
+                for logits in &got {
+                    assert_close(&format!("gpu {:?} {dtype} TP {world}", spec.architecture), logits, &want, bound);
+                }
+            }
+        }
+    }
+}
