@@ -284,7 +284,7 @@ impl ModelConfig {
         let num_hidden_layers = f.count("num_hidden_layers", None)?;
         product(&f, (num_attention_heads, "num_attention_heads"), (head_dim, "head_dim"))?;
         product(&f, (vocab_size, "vocab_size"), (hidden_size, "hidden_size"))?;
-        product(&f, (intermediate_size.saturating_mul(2), "intermediate_size (x2)"), (hidden_size, "hidden_size"))?;
+        product(&f, (intermediate_size, "intermediate_size"), (hidden_size.saturating_mul(2), "2 x hidden_size"))?;
         let max_position_embeddings = f.count("max_position_embeddings", Some(spec.max_position_embeddings))?;
         let (rope_theta, rope_scaling, local_rope) = if spec.gemma {
             gemma_rope(&f, spec.rope_theta, max_position_embeddings)?
