@@ -1,6 +1,7 @@
 """tp's `generate` example against Hugging Face transformers, on tiny random checkpoints.
 
-For each case this writes a small random model with transformers' own `save_pretrained`
+For each case (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3 and OLMo 2 with their quirks switched
+on) this writes a small random model with transformers' own `save_pretrained`
 (several safetensors files and an index), runs transformers' forward (prefill, then greedy decode
 steps through its KV cache) and runs tp's `generate` with `--logits-out` at world sizes 1..8, in
 f32 and bf16. It prints, per run, the largest logit difference relative to the largest logit,
