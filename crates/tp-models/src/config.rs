@@ -286,11 +286,10 @@ impl ModelConfig {
         product(&f, (vocab_size, "vocab_size"), (hidden_size, "hidden_size"))?;
         product(&f, (intermediate_size, "intermediate_size"), (hidden_size.saturating_mul(2), "2 x hidden_size"))?;
         let max_position_embeddings = f.count("max_position_embeddings", Some(spec.max_position_embeddings))?;
-        let (rope_theta, rope_scaling, local_rope) = if spec.gemma {
+        let ((rope_theta, rope_scaling), local_rope) = if spec.gemma {
             gemma_rope(&f, spec.rope_theta, max_position_embeddings)?
         } else {
-            let (t, s) = rope(&f, spec.rope_theta, max_position_embeddings, spec.original_max_position_embeddings)?;
-            (t, s, None)
+            (rope(&f, spec.rope_theta, max_position_embeddings, spec.original_max_position_embeddings)?, None)
         };
         // The rotary parameters must fit the head (longrope's lists: one factor per pair).
         let rope_key = if f.get("rope_parameters").is_some() { "rope_parameters" } else { "rope_scaling" };
@@ -464,7 +463,10 @@ fn layer_types(f: &Fields<'_>, layers: usize, default: Vec<LayerType>) -> Result
         .collect()
 }
 
-/// Gemma 3's two rotary embeddings: `(global theta, global scaling, Some(local))`. transformers
+/// A rotary base and its scaling.
+type ThetaScaling = (f64, RopeScaling);
+
+/// Gemma 3's two rotary embeddings: `((global theta, global scaling), Some(local))`. transformers
 /// 5 writes `rope_parameters: {"full_attention": {..}, "sliding_attention": {..}}`; transformers
 /// 4 `rope_theta` (global, default 1e6), `rope_scaling` (global only) and
 /// `rope_local_base_freq` (local, default 1e4, no scaling).
@@ -472,7 +474,7 @@ fn gemma_rope(
     f: &Fields<'_>,
     global_default: f64,
     max_position_embeddings: usize,
-) -> Result<(f64, RopeScaling, Option<(f64, RopeScaling)>)> {
+) -> Result<(ThetaScaling, Option<ThetaScaling>)> {
     const LOCAL_DEFAULT: f64 = 10_000.0;
     if let Some(Value::Object(p)) = f.get("rope_parameters")
         && (p.contains_key("full_attention") || p.contains_key("sliding_attention"))
@@ -489,13 +491,12 @@ fn gemma_rope(
                 }
             }
         };
-        let (g, gs) = part("full_attention", global_default)?;
-        return Ok((g, gs, Some(part("sliding_attention", LOCAL_DEFAULT)?)));
+        return Ok((part("full_attention", global_default)?, Some(part("sliding_attention", LOCAL_DEFAULT)?)));
     }
     let (g, gs) = rope(f, global_default, max_position_embeddings, None)?;
     let local = f.number("rope_local_base_freq", Some(LOCAL_DEFAULT))?;
     if local <= 0.0 {
         return Err(f.bad("rope_local_base_freq", format!("must be positive, got {local}")));
     }
-    Ok((g, gs, Some((local, RopeScaling::Default))))
+    Ok(((g, gs), Some((local, RopeScaling::Default))))
 }
