@@ -17,8 +17,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use tp_comm::DeviceGroup;
 use tp_core::{DType, Device, Tensor};
-use tp_models::synthetic::SyntheticModel;
 use tp_models::{GenerateOptions, ModelOptions, ParallelCausalLm};
+use tp_testing::synthetic::SyntheticModel;
 
 const PROMPT_LEN: usize = 128;
 

@@ -90,12 +90,6 @@ pub enum Error {
     #[error("{op}: token id {id} at position {position} is out of range for a vocabulary of {vocab}")]
     TokenOutOfRange { op: &'static str, id: i64, position: usize, vocab: usize },
 
-    /// A rotary-embedding scaling kind that tp does not implement (it knows `default`,
-    /// `linear`, `dynamic`, `yarn` and `llama3`), or invalid parameters for one it does
-    /// (`param` names the parameter, so a config reader can name its field).
-    #[error("rope scaling {kind:?} is not supported: {why}")]
-    UnsupportedRopeScaling { kind: String, param: Option<String>, why: String },
-
     /// An argument is out of its valid range (a head count of zero, a position past a limit...).
     #[error("{op}: {why}")]
     InvalidArgument { op: &'static str, why: String },

@@ -280,12 +280,7 @@ fn dynamic() -> tp_core::RopeScaling {
 }
 
 fn yarn() -> tp_core::RopeScaling {
-    tp_core::RopeScaling::from_kind("yarn", |k| match k {
-        "factor" => Some(16.0),
-        "original_max_position_embeddings" => Some(64.0),
-        _ => None,
-    })
-    .unwrap()
+    tp_testing::reference::ops::yarn_defaults(16.0, 64.0)
 }
 
 /// GPU result within `ulps` ulps of the host's, element by element.

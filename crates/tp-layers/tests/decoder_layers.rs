@@ -1,9 +1,8 @@
 //! The decoder layers at world sizes 1..=8 with uneven vocabularies and heads, against the
-//! unsharded computation (float64 references in `common/decoder_ref.rs`); all ranks agree bit
+//! unsharded computation (float64 references from tp-testing); all ranks agree bit
 //! for bit; and every bad input is a typed error.
 
 mod common;
-use common::decoder_ref::*;
 use common::*;
 use tp_core::TensorShard;
 use tp_core::{Activation, NormStyle};
@@ -13,6 +12,7 @@ use tp_layers::{
     DecoderNames, KvCache, LayerError, Linear, LoadOptions, Loader, ParallelAttention, ParallelLmHead, RmsNorm,
     VocabParallelEmbedding, save,
 };
+use tp_testing::reference::block::*;
 
 const VOCAB: usize = 1001; // uneven over every world size but 1 and 7
 const HIDDEN: usize = 24;
@@ -162,7 +162,7 @@ fn attention_matches_f64_with_uneven_and_replicated_heads() {
         for bias in [false, true] {
             let w = AttnWeights::random(HIDDEN, nq, nkv, d, bias, DType::F32, 7);
             let x = Tensor::randn(&[8, HIDDEN], DType::F32, 8, &CPU).unwrap();
-            let want = attention_block(&f64s(&x), &w, (nq, nkv, d), 10_000.0, RopeScaling::Default, None);
+            let want = attention_block(&f64s(&x), &w, (nq, nkv, d), 10_000.0, &RopeScaling::Default, None);
             let cfg = config(nq, nkv, d, None);
             for world in worlds.iter().copied() {
                 // A prefill of 5 tokens, then three decode steps.
@@ -182,7 +182,7 @@ fn attention_matches_f64_with_uneven_and_replicated_heads() {
 fn attention_in_bf16_stays_close_to_f32_across_world_sizes() {
     let w = AttnWeights::random(HIDDEN, 12, 12, 10, true, DType::BF16, 9);
     let x = Tensor::randn(&[6, HIDDEN], DType::BF16, 10, &CPU).unwrap();
-    let want = attention_block(&f64s(&x), &w, (12, 12, 10), 10_000.0, RopeScaling::Default, None);
+    let want = attention_block(&f64s(&x), &w, (12, 12, 10), 10_000.0, &RopeScaling::Default, None);
     let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
     for world in [1, 2, 5, 8] {
         let got = run_attention(&w, &config(12, 12, 10, None), &x, &[4, 1, 1], world);
@@ -195,7 +195,7 @@ fn attention_in_bf16_stays_close_to_f32_across_world_sizes() {
 fn sliding_window_attention_matches_f64() {
     let w = AttnWeights::random(HIDDEN, 4, 2, 8, false, DType::F32, 11);
     let x = Tensor::randn(&[9, HIDDEN], DType::F32, 12, &CPU).unwrap();
-    let want = attention_block(&f64s(&x), &w, (4, 2, 8), 10_000.0, RopeScaling::Default, Some(3));
+    let want = attention_block(&f64s(&x), &w, (4, 2, 8), 10_000.0, &RopeScaling::Default, Some(3));
     for world in [1, 2] {
         let got = run_attention(&w, &config(4, 2, 8, Some(3)), &x, &[6, 1, 1, 1], world);
         assert_close("window 3", &f64s(&got[0]), &want, |i| 2e-5 * (1.0 + want[i].abs()));
@@ -256,7 +256,7 @@ fn rms_norm_layer_loads_and_normalises() {
         RmsNorm::load(&Loader::new(&ckpt, &g, LoadOptions::new()).pp("model.norm"), 1e-5, NormStyle::Weight).unwrap()
     })
     .remove(0);
-    let want = rms(&f64s(&x), &f64s(&w), 1e-5);
+    let want = tp_testing::reference::ops::rms(&f64s(&x), &f64s(&w), 1e-5, tp_core::NormStyle::Weight);
     assert_close("norm", &f64s(&norm.forward(&x).unwrap()), &want, |i| 1e-6 * (1.0 + want[i].abs()));
     assert!(RmsNorm::new(Tensor::zeros(&[2, 2], DType::F32, &CPU).unwrap(), 1e-5).is_err());
     assert!(RmsNorm::new(w, f64::NAN).is_err());

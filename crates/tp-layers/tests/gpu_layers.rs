@@ -3,13 +3,13 @@
 //! `--features gpu-tests`; fails, never skips, without a GPU.
 
 mod common;
-use common::decoder_ref::*;
 use common::*;
 use tp_core::{Activation, DType, Device, NormStyle, RopeScaling, RotaryEmbedding, Tensor};
 use tp_layers::{
     AttentionConfig, AttentionHeads, Block, Checkpoint, ColumnParallel, DecoderConfig, DecoderLayer, DecoderNames,
     LoadOptions, Loader, ParallelLmHead, ParallelMlp, RowParallel, VocabParallelEmbedding, save,
 };
+use tp_testing::reference::block::*;
 
 const GPU: Device = Device::Cuda(0);
 

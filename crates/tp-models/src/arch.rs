@@ -5,8 +5,8 @@
 //!
 //! Adding a family is one [`ArchSpec`] in [`TABLE`] (plus any block op it needs in tp-core and
 //! tp-kernels). The config reader ([`crate::ModelConfig`]), the model builder
-//! ([`crate::ParallelCausalLm`]) and the synthetic checkpoints ([`crate::synthetic`]) all read
-//! this table.
+//! ([`crate::ParallelCausalLm`]) and, through [`Architecture`]'s methods, the synthetic
+//! checkpoints of the dev-only tp-testing crate all read this table.
 
 use tp_core::{Activation, NormStyle};
 use tp_layers::{AttentionNames, BlockNorms, DecoderNames, MlpNames, Projections, QkNormSpan};
@@ -249,6 +249,43 @@ impl Architecture {
     /// The checkpoint names of a block of this family, under `model.layers.N`.
     pub fn decoder_names(self) -> DecoderNames {
         self.spec().names
+    }
+
+    /// The `config.json` key naming the MLP activation (`hidden_act`, or Gemma's
+    /// `hidden_activation`), the first the config reader looks at.
+    pub fn activation_key(self) -> &'static str {
+        self.spec().act_keys[0]
+    }
+
+    /// The activation name the family's config class defaults to (`silu`, ...).
+    pub fn default_activation(self) -> &'static str {
+        self.spec().act_default
+    }
+
+    /// Whether the config's `attention_bias` key decides the attention biases (false where
+    /// the family has none, or always has q/k/v biases as Qwen2).
+    pub fn reads_attention_bias(self) -> bool {
+        matches!(self.spec().biases, Biases::AttentionAndMlp | Biases::Attention)
+    }
+
+    /// Whether the config's `mlp_bias` key decides the MLP biases (Llama).
+    pub fn reads_mlp_bias(self) -> bool {
+        self.spec().biases == Biases::AttentionAndMlp
+    }
+
+    /// Whether the config's `sliding_window` key is read at all.
+    pub fn reads_sliding_window(self) -> bool {
+        self.spec().windows != Windows::Never
+    }
+
+    /// Whether a `sliding_window` applies only with `use_sliding_window` (Qwen's rule).
+    pub fn sliding_window_needs_opt_in(self) -> bool {
+        self.spec().windows == Windows::Qwen
+    }
+
+    /// How every RMSNorm of the family applies its weight.
+    pub fn norm_style(self) -> NormStyle {
+        self.spec().norm_style
     }
 
     /// Every family, in table order.

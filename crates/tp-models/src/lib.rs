@@ -11,7 +11,6 @@
 //!   [`decode_step`](ParallelCausalLm::decode_step) (the next position's) and
 //!   [`generate`](ParallelCausalLm::generate) (greedy, through the KV caches; every rank gets
 //!   the same tokens).
-//! * [`synthetic`]: random checkpoints in Hugging Face's layout (tests, benchmarks).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -40,13 +39,14 @@ mod config;
 mod error;
 mod model;
 mod rope_config;
-pub mod synthetic;
+mod rope_kinds;
 mod tensors;
 
 pub use arch::Architecture;
 pub use config::{LayerType, MAX_CONFIG_BYTES, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{GenerateOptions, Generation, INITIAL_CACHE_POSITIONS, ModelOptions, ParallelCausalLm};
+pub use rope_kinds::{RopeKindError, rope_scaling_from_kind};
 pub use tensors::expected_tensors;
 pub use tp_comm;
 pub use tp_core;

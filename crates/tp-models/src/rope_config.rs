@@ -2,6 +2,7 @@
 
 use crate::config::Fields;
 use crate::error::{ModelError, Result};
+use crate::rope_kinds::{RopeKindError, rope_scaling_from_kind};
 use serde_json::Value;
 use std::cell::RefCell;
 use tp_core::RopeScaling;
@@ -85,7 +86,7 @@ pub(crate) fn rope_params(
         }
         _ => None,
     };
-    // Which parameters a kind reads, and their bounds, are `RopeScaling::from_kind`'s; a field it
+    // Which parameters a kind reads, and their bounds, are `rope_scaling_from_kind`'s; a field it
     // asks for that is not a number is noted here and reported first, by its own field name.
     let not_a_number: RefCell<Option<String>> = RefCell::new(None);
     let param = |name: &str| match name {
@@ -100,12 +101,12 @@ pub(crate) fn rope_params(
             v.as_f64()
         }
     };
-    let scaling = RopeScaling::from_kind(&kind, param);
+    let scaling = rope_scaling_from_kind(&kind, param);
     if let Some(name) = not_a_number.into_inner() {
         p.number(&name, None)?; // the error naming the field
     }
     let scaling = scaling.map_err(|e| match e {
-        tp_core::Error::UnsupportedRopeScaling { param: Some(name), why, .. } => {
+        RopeKindError { param: Some(name), why, .. } => {
             let fields = if name == "max_position_embeddings" { f } else { p };
             fields.bad(&name, why)
         }

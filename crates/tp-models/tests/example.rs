@@ -12,8 +12,8 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use tp_core::DType;
 use tp_layers::Checkpoint;
-use tp_models::synthetic::SyntheticModel;
 use tp_models::{GenerateOptions, ModelOptions, ParallelCausalLm};
+use tp_testing::synthetic::SyntheticModel;
 
 /// target/<profile>/examples/generate, next to this test's binary in target/<profile>/deps.
 fn binary() -> PathBuf {

@@ -5,8 +5,8 @@
 mod common;
 use common::*;
 use tp_core::{DType, Device};
-use tp_models::synthetic::SyntheticModel;
 use tp_models::{GenerateOptions, ModelOptions, ParallelCausalLm};
+use tp_testing::synthetic::SyntheticModel;
 
 const GPU: Device = Device::Cuda(0);
 const PROMPT: [i64; 7] = [1, 523, 17, 999, 1000, 4, 311];

@@ -8,8 +8,8 @@ use common::*;
 use serde_json::json;
 use std::path::PathBuf;
 use tp_core::DType;
-use tp_models::synthetic::SyntheticModel;
 use tp_models::{Architecture, GenerateOptions, ModelError, ModelOptions, ParallelCausalLm};
+use tp_testing::synthetic::SyntheticModel;
 
 /// A named model flavour and the world sizes its heads can be placed on.
 struct Flavour {

@@ -3,9 +3,10 @@
 //! against float64 references with each op's rounding points, written once and run on every
 //! device: the host suite calls them with `Device::Cpu`, the GPU suite with `Device::Cuda(0)`.
 
-use super::decoder::{round_to, ulp};
+use super::decoder::{norm_row, round_to, rstd, ulp};
 use super::{assert_close, f64s};
 use tp_core::{Activation, DType, Device, NormStyle, Tensor};
+use tp_testing::reference::ops::act_f64;
 
 fn on(t: &Tensor, device: Device) -> Tensor {
     t.to_device(&device).expect("to device")
@@ -34,12 +35,7 @@ pub fn check_norm_style(device: Device, (rows, h): (usize, usize), dtype: DType,
     assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
     let mut want = Vec::with_capacity(rows * h);
     for (r, row) in xv.chunks(h).enumerate() {
-        let rstd = 1.0 / (f64::from(sums[r] as f32) / n as f64 + eps).sqrt();
-        want.extend(row.iter().zip(&wv).map(|(v, w)| match style {
-            NormStyle::Weight => round_to(dtype, w * round_to(dtype, v * rstd)),
-            NormStyle::OnePlusWeight => round_to(dtype, v * rstd * (1.0 + w)),
-            NormStyle::WeightF32 => round_to(dtype, w * (v * rstd)),
-        }));
+        want.extend(norm_row(row, &wv, rstd(f64::from(sums[r] as f32), n, eps), style, Some(dtype)));
     }
     let ulps = if dtype == DType::F32 { 8.0 } else { 1.0 };
     assert_close(&format!("rms_norm {style:?} outside {outside} {device} {rows}x{h} {dtype}"), &f64s(&y), &want, |i| {
@@ -64,12 +60,7 @@ pub fn check_glu(device: Device, (rows, inner): (usize, usize), dtype: DType, ac
     let y = on(&x, device).glu(act).unwrap();
     assert_eq!(y.dims(), &[rows, inner]);
     let xv = f64s(&x);
-    let f = |g: f64| match act {
-        Activation::Silu => g / (1.0 + (-g).exp()),
-        Activation::GeluTanh => {
-            0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh())
-        }
-    };
+    let f = |g: f64| act_f64(act, g);
     let pairs: Vec<(f64, f64)> =
         xv.chunks(2 * inner).flat_map(|r| (0..inner).map(move |j| (r[j], r[inner + j]))).collect();
     let want: Vec<f64> = pairs.iter().map(|&(g, u)| round_to(dtype, round_to(dtype, f(g)) * u)).collect();

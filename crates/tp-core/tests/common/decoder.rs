@@ -3,29 +3,11 @@
 //! suite calls them with `Device::Cpu`, the GPU suite with `Device::Cuda(0)`.
 
 use super::{assert_close, f64s};
-use tp_core::{AttentionSpec, DType, Device, KvGroups, RopeScaling, RotaryEmbedding, Tensor, bf16, f16};
-
-/// `v` rounded once (nearest even) to `dtype`, back in f64.
-pub fn round_to(dtype: DType, v: f64) -> f64 {
-    match dtype {
-        DType::F32 => f64::from(v as f32),
-        DType::F16 => f16::from_f64(v).to_f64(),
-        DType::BF16 => bf16::from_f64(v).to_f64(),
-        DType::I32 | DType::I64 => v.round(),
-    }
-}
-
-/// The spacing of `dtype`'s values around `v` (one ulp), subnormals included.
-pub fn ulp(dtype: DType, v: f64) -> f64 {
-    let (mantissa, min_exp) = match dtype {
-        DType::F32 => (23, -126),
-        DType::F16 => (10, -14),
-        DType::BF16 => (7, -126),
-        DType::I32 | DType::I64 => return 1.0,
-    };
-    let e = if v == 0.0 { min_exp } else { (v.abs().log2().floor() as i32).max(min_exp) };
-    2f64.powi(e - mantissa)
-}
+use tp_core::{AttentionSpec, DType, Device, RopeScaling, RotaryEmbedding, Tensor};
+#[allow(unused_imports)] // each test binary uses some
+pub use tp_testing::reference::ops::{
+    Attn, attention_f64, attention_factor_f64, inv_freq_f64, inv_freq_f64_at, norm_row, rotate, round_to, rstd, ulp,
+};
 
 fn on(t: &Tensor, device: Device) -> Tensor {
     t.to_device(&device).expect("to device")
@@ -42,86 +24,11 @@ pub fn check_rms_norm(device: Device, rows: usize, h: usize, dtype: DType, seed:
     let (xv, wv) = (f64s(&x), f64s(&w));
     let mut want = Vec::with_capacity(rows * h);
     for row in xv.chunks(h) {
-        let rstd = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / h as f64 + eps).sqrt();
-        want.extend(row.iter().zip(&wv).map(|(v, w)| round_to(dtype, w * round_to(dtype, v * rstd))));
+        let r = rstd(row.iter().map(|v| v * v).sum(), h, eps);
+        want.extend(norm_row(row, &wv, r, tp_core::NormStyle::Weight, Some(dtype)));
     }
     let ulps = if dtype == DType::F32 { 8.0 } else { 1.0 };
     assert_close(&format!("rms_norm {device} {rows}x{h} {dtype}"), &f64s(&y), &want, |i| ulps * ulp(dtype, want[i]));
-}
-
-/// The f64 rotary frequencies, written from the formulas (not from tp's code); for dynamic
-/// scaling, those of sequences within `max_position_embeddings`.
-pub fn inv_freq_f64(head_dim: usize, theta: f64, scaling: RopeScaling) -> Vec<f64> {
-    inv_freq_f64_at(head_dim, theta, scaling, 0)
-}
-
-/// The f64 rotary frequencies of a call over `seq_len` tokens (its largest position + 1),
-/// written from the formulas (the papers' and transformers' documented math, not tp's code).
-pub fn inv_freq_f64_at(head_dim: usize, theta: f64, scaling: RopeScaling, seq_len: usize) -> Vec<f64> {
-    let d = head_dim as f64;
-    // Dynamic NTK: the base grows with the sequence past the trained length.
-    let theta = match scaling {
-        RopeScaling::Dynamic { factor, max_position_embeddings: m } => {
-            let l = (seq_len as f64).max(m);
-            theta * (factor * l / m - (factor - 1.0)).powf(d / (d - 2.0))
-        }
-        _ => theta,
-    };
-    (0..head_dim / 2)
-        .map(|i| {
-            let f = theta.powf(-((2 * i) as f64) / d);
-            match &scaling {
-                RopeScaling::Default | RopeScaling::Dynamic { .. } => f,
-                RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings: old, .. } => {
-                    let e = if seq_len as f64 > *old { long_factor } else { short_factor };
-                    f / e[i]
-                }
-                RopeScaling::Linear { factor } => f / factor,
-                RopeScaling::Yarn {
-                    factor,
-                    original_max_position_embeddings: old,
-                    beta_fast,
-                    beta_slow,
-                    truncate,
-                    ..
-                } => {
-                    let (factor, old, beta_fast, beta_slow, truncate) =
-                        (*factor, *old, *beta_fast, *beta_slow, *truncate);
-                    // Pair index at which a wavelength fits `rotations` times into `old` positions.
-                    let pair =
-                        |rotations: f64| d * (old / (2.0 * std::f64::consts::PI * rotations)).ln() / (2.0 * theta.ln());
-                    let (lo, hi) = if truncate {
-                        (pair(beta_fast).floor(), pair(beta_slow).ceil())
-                    } else {
-                        (pair(beta_fast), pair(beta_slow))
-                    };
-                    let (lo, hi) = (lo.max(0.0), hi.min(d - 1.0));
-                    let hi = if lo == hi { hi + 0.001 } else { hi };
-                    // 0 below `lo` (keep f), 1 above `hi` (interpolate: f / factor).
-                    let ramp = ((i as f64 - lo) / (hi - lo)).clamp(0.0, 1.0);
-                    ramp * f / factor + (1.0 - ramp) * f
-                }
-                RopeScaling::Llama3 {
-                    factor,
-                    low_freq_factor,
-                    high_freq_factor,
-                    original_max_position_embeddings: old,
-                } => {
-                    let (factor, low_freq_factor, high_freq_factor, old) =
-                        (*factor, *low_freq_factor, *high_freq_factor, *old);
-                    let wavelen = 2.0 * std::f64::consts::PI / f;
-                    if wavelen < old / high_freq_factor {
-                        f
-                    } else if wavelen > old / low_freq_factor {
-                        f / factor
-                    } else {
-                        let s = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                        (1.0 - s) * f / factor + s * f
-                    }
-                }
-            }
-        })
-        .collect()
 }
 
 /// LongRoPE for heads of `d`: per-pair factors growing from 1, the long ones twice the short,
@@ -134,14 +41,6 @@ pub fn longrope(d: usize) -> RopeScaling {
         short_factor: short,
         original_max_position_embeddings: 64.0,
         attention_factor: 1.2,
-    }
-}
-
-/// The multiplier of cos and sin: YaRN's attention factor, else 1.
-pub fn attention_factor_f64(scaling: RopeScaling) -> f64 {
-    match scaling {
-        RopeScaling::Yarn { attention_factor, .. } | RopeScaling::LongRope { attention_factor, .. } => attention_factor,
-        _ => 1.0,
     }
 }
 
@@ -166,24 +65,22 @@ pub fn check_rope(
     let y = on(&x, device).rope(positions, &rope).unwrap();
     assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
     let seq_len = positions.iter().max().map_or(0, |p| p + 1);
-    let (xv, freq) = (f64s(&x), inv_freq_f64_at(d, theta, scaling.clone(), seq_len));
-    let m = attention_factor_f64(scaling.clone());
+    let (xv, freq) = (f64s(&x), inv_freq_f64_at(d, theta, &scaling, seq_len));
+    let m = attention_factor_f64(&scaling);
     let freq_ulps = match scaling {
         RopeScaling::Dynamic { factor, .. } => 8.0 + 4.0 * factor,
         _ => 8.0,
     };
+    let mut want = xv.clone();
+    rotate(&mut want, positions, heads, &freq, m);
     let (half, u, u32) = (d / 2, dtype.unit_roundoff(), 2f64.powi(-24));
-    let mut want = vec![0.0; xv.len()];
     let mut tol = vec![0.0; xv.len()];
     for (tok, &p) in positions.iter().enumerate() {
         for h in 0..heads {
             let base = (tok * heads + h) * d;
             for i in 0..half {
                 let angle = p as f64 * freq[i];
-                let (c, s) = (m * angle.cos(), m * angle.sin());
                 let (x1, x2) = (xv[base + i], xv[base + half + i]);
-                want[base + i] = x1 * c - x2 * s;
-                want[base + half + i] = x2 * c + x1 * s;
                 let bound =
                     m * (x1.abs() + x2.abs()) * (5.0 * u + 2.0 * u32 + freq_ulps * u32 * (1.0 + angle.abs())) + 1e-30;
                 tol[base + i] = bound + ulp(dtype, want[base + i]);
@@ -194,42 +91,6 @@ pub fn check_rope(
     assert_close(&format!("rope {device} {positions:?} h{heads} d{d} {scaling:?} {dtype}"), &f64s(&y), &want, |i| {
         tol[i]
     });
-}
-
-/// Causal GQA attention in f64: `q: [t, hq, d]` over the first `kv_len` rows of `k, v`.
-pub fn attention_f64(
-    q: &[f64],
-    k: &[f64],
-    v: &[f64],
-    (t, hq, hkv, d): (usize, usize, usize, usize),
-    spec: &AttentionSpec,
-) -> Vec<f64> {
-    let mut out = vec![0.0; t * hq * d];
-    for tok in 0..t {
-        let p = spec.kv_len - t + tok;
-        let lo = spec.sliding_window.map_or(0, |w| (p + 1).saturating_sub(w));
-        for h in 0..hq {
-            let g = match spec.kv_groups {
-                Some(KvGroups { size, offset }) => (h + offset) / size,
-                None => h / (hq / hkv),
-            };
-            let qv = &q[(tok * hq + h) * d..][..d];
-            let scores: Vec<f64> = (lo..=p)
-                .map(|j| {
-                    qv.iter().zip(&k[(j * hkv + g) * d..][..d]).map(|(a, b)| a * b).sum::<f64>() * f64::from(spec.scale)
-                })
-                .collect();
-            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-            let z: f64 = e.iter().sum();
-            for (j, w) in (lo..=p).zip(&e) {
-                for i in 0..d {
-                    out[(tok * hq + h) * d + i] += w / z * v[(j * hkv + g) * d + i];
-                }
-            }
-        }
-    }
-    out
 }
 
 /// Attention of `t` queries over a cache of `cap >= kv_len` rows (rows past `kv_len` hold
@@ -271,7 +132,7 @@ pub fn check_attention_spec(
     v.slice_set(&junk, 0, kv_len).unwrap();
     let y = on(&q, device).attention(&on(&k, device), &on(&v, device), spec).unwrap();
     assert_eq!((y.dims(), y.dtype()), (q.dims(), dtype));
-    let want = attention_f64(&f64s(&q), &f64s(&k), &f64s(&v), (t, hq, hkv, d), spec);
+    let want = attention_f64(&f64s(&q), &f64s(&k), &f64s(&v), &Attn::of_spec(t, (hq, hkv, d), spec));
     // f32 scores of D products, softmax and a weighted sum of |v| <= ~5: a few e-6 in f32,
     // plus the output rounding and the inputs' own dtype.
     let tol = |i: usize| 2e-5 * (1.0 + (d as f64).sqrt()) + 2.0 * ulp(dtype, want[i]);

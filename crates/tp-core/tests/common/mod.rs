@@ -5,26 +5,8 @@ pub mod block_ops;
 pub mod decoder;
 
 use tp_core::{DType, Device, Tensor, WeightLayout};
-
-/// `y[i, j] = sum_l x[i, l] * w(l, j)` in f64, with `w(l, j)` read from an `[N, K]` (`nk`) or
-/// `[K, N]` weight; returns `(y, sum_l |x[i,l]·w(l,j)|)` for error bounds.
-pub fn matmul_f64(x: &[f64], w: &[f64], m: usize, k: usize, n: usize, nk: bool) -> (Vec<f64>, Vec<f64>) {
-    let mut y = vec![0.0; m * n];
-    let mut abs = vec![0.0; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            let (mut s, mut a) = (0.0, 0.0);
-            for l in 0..k {
-                let wv = if nk { w[j * k + l] } else { w[l * n + j] };
-                s += x[i * k + l] * wv;
-                a += (x[i * k + l] * wv).abs();
-            }
-            y[i * n + j] = s;
-            abs[i * n + j] = a;
-        }
-    }
-    (y, abs)
-}
+#[allow(unused_imports)] // each test binary uses some
+pub use tp_testing::reference::ops::matmul_f64;
 
 /// Error bound of an f32-accumulated dot product of length `k` rounded once to `dtype`:
 /// `u_dtype·|ref| + (k + 2)·2^-24·Σ|x·w|` (the standard `γ_k` bound plus the output rounding),

@@ -13,10 +13,10 @@
 //! Errors are one line each. A rank of an NCCL job (`RANK` set) names itself in its error, so
 //! the lines of several ranks on one terminal can be told apart.
 
-use std::time::Duration;
-use tp_comm::{CommError, DeviceGroup, MAX_WORLD_SIZE};
+use tp_comm::{DeviceGroup, MAX_WORLD_SIZE};
 use tp_core::{Activation, DType, Device, Tensor};
 use tp_layers::{Checkpoint, LayerError, LoadOptions, Loader, MlpNames, ParallelMlp, save};
+use tp_testing::ranks::{self, RankFailure};
 
 /// The command line as UTF-8 (a non-UTF-8 argument is an error, not a panic).
 pub fn utf8_args() -> Result<Vec<String>, String> {
@@ -155,69 +155,27 @@ fn run_args(args: &[String]) -> Result<(), String> {
     save(&a.output, &[("y", &y)]).map_err(e)
 }
 
-fn device_for(kind: DeviceKind, rank: usize) -> Result<Device, String> {
-    match kind {
-        DeviceKind::Cpu => Ok(Device::Cpu),
-        DeviceKind::Cuda => match tp_kernels::device_count() {
-            Ok(n) if n > 0 => Ok(Device::Cuda(rank % n)),
-            Ok(_) => Err("--device cuda: no CUDA device found".into()),
-            Err(e) => Err(format!("--device cuda: {e}")),
-        },
-    }
-}
-
 /// N ranks as threads; every rank must produce the same output.
 fn run_local(a: &Args, ckpt: &Checkpoint, x: &Tensor) -> Result<Tensor, String> {
-    let devices = (0..a.world_size).map(|r| device_for(a.device, r)).collect::<Result<Vec<_>, _>>()?;
-    let groups =
-        DeviceGroup::local(a.world_size, Duration::from_secs(300), |r| devices[r]).map_err(|e| e.to_string())?;
-    let results = std::thread::scope(|s| {
-        let mut handles = Vec::with_capacity(groups.len());
-        for g in groups {
-            let rank = g.rank();
-            let spare = g.clone(); // to stop the others if this rank's thread cannot start
-            let spawned = std::thread::Builder::new().name(format!("mlp-rank-{rank}")).spawn_scoped(s, move || {
-                let out = one_rank(a, ckpt, x, &g);
-                if out.is_err() {
-                    g.abort("this rank failed"); // the others stop waiting for it
-                }
-                out
-            });
-            match spawned {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    spare.abort("a rank's thread could not be started");
-                    return Err(format!("cannot start the thread of rank {rank} of {}: {e}", a.world_size));
-                }
-            }
-        }
-        let joined =
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(LayerError::Config("panicked".into()))));
-        Ok(joined.collect::<Vec<_>>())
-    })?;
-    let mut ys = Vec::with_capacity(results.len());
-    let mut errors = Vec::new();
-    for (r, res) in results.into_iter().enumerate() {
-        match res {
-            Ok(y) => ys.push(y),
-            Err(e) => errors.push((r, e)),
-        }
+    let cuda = a.device == DeviceKind::Cuda;
+    let devices = (0..a.world_size).map(|r| ranks::device_for(cuda, r)).collect::<Result<Vec<_>, _>>()?;
+    let groups = DeviceGroup::local(a.world_size, ranks::timeout(), |r| devices[r]).map_err(|e| e.to_string())?;
+    let results = ranks::run_threads(groups, "mlp-rank", |g| one_rank(a, ckpt, x, g));
+    // The failure to report: the first rank's own error, not another rank's report that the
+    // group was poisoned by it.
+    let echo = |e: &LayerError| matches!(e, LayerError::Comm(c) if ranks::is_poisoned(c));
+    if let Some((r, failure)) = ranks::root_cause(&results, echo) {
+        return Err(match failure {
+            RankFailure::Failed(e) => format!("rank {r}: {e}"),
+            RankFailure::Panicked => format!("rank {r}: panicked"),
+            RankFailure::NotStarted(e) => format!("cannot start the thread of rank {r} of {}: {e}", a.world_size),
+        });
     }
-    if let Some(e) = root_cause(errors) {
-        return Err(e);
-    }
+    let mut ys: Vec<Tensor> = results.into_iter().filter_map(Result::ok).collect();
     if ys.iter().any(|y| y != &ys[0]) {
         return Err("ranks disagree on the output".into());
     }
     Ok(ys.swap_remove(0))
-}
-
-/// The failure to report: the first rank's own error, not another rank's report that the
-/// group was poisoned by it.
-fn root_cause(errors: Vec<(usize, LayerError)>) -> Option<String> {
-    let victim = |e: &LayerError| matches!(e, LayerError::Comm(CommError::Poisoned { .. }));
-    let first = errors.iter().find(|(_, e)| !victim(e)).or(errors.first())?;
-    Some(format!("rank {}: {}", first.0, first.1))
 }
 
 fn one_rank(a: &Args, ckpt: &Checkpoint, x: &Tensor, g: &DeviceGroup) -> Result<Tensor, LayerError> {
@@ -237,8 +195,8 @@ fn run_nccl_rank(a: &Args, ckpt: &Checkpoint, x: &Tensor) -> Result<Option<Tenso
     Ok((g.rank() == 0).then_some(y))
 }
 
-/// Starts `world_size` copies of this program as an NCCL job on this machine, one per GPU, and
-/// waits for them (each exits by its own rendezvous and collective deadlines).
+/// Checks there is a GPU per rank, then starts `world_size` copies of this program as an NCCL
+/// job on this machine and waits for them ([`ranks::spawn_ranks`]).
 fn spawn_ranks(a: &Args, args: &[String]) -> Result<(), String> {
     let gpus = tp_kernels::device_count().map_err(|e| format!("--device cuda: {e}"))?;
     if gpus < a.world_size {
@@ -247,39 +205,5 @@ fn spawn_ranks(a: &Args, args: &[String]) -> Result<(), String> {
             a.world_size
         ));
     }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("no free port: {e}"))?
-        .port();
-    let mut children = Vec::new();
-    for r in 0..a.world_size {
-        let child = std::process::Command::new(&exe)
-            .args(args)
-            .env("RANK", r.to_string())
-            .env("WORLD_SIZE", a.world_size.to_string())
-            .env("LOCAL_RANK", r.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .spawn();
-        match child {
-            Ok(c) => children.push(c),
-            Err(e) => {
-                // The ranks already started would wait for this one until their deadline.
-                for mut c in children {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-                return Err(format!("cannot start rank {r}: {e}"));
-            }
-        }
-    }
-    let mut failed = Vec::new();
-    for (r, mut c) in children.into_iter().enumerate() {
-        match c.wait() {
-            Ok(s) if s.success() => {}
-            _ => failed.push(r),
-        }
-    }
-    if failed.is_empty() { Ok(()) } else { Err(format!("rank(s) {failed:?} failed")) }
+    ranks::spawn_ranks(a.world_size, args)
 }

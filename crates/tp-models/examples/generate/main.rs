@@ -26,8 +26,8 @@ use std::io::Write;
 use std::path::Path;
 use std::time::Duration;
 use tp_comm::DeviceGroup;
-use tp_core::Device;
 use tp_models::{GenerateOptions, Generation, ModelConfig, ModelOptions, ParallelCausalLm};
+use tp_testing::ranks::{self, RankFailure};
 
 fn main() {
     if let Err(e) = run() {
@@ -70,7 +70,7 @@ fn run() -> Result<(), String> {
                 }
                 Err(e) => return Err(format!("--backend nccl: {e}")),
             }
-            return spawn_ranks(&a, &argv);
+            return ranks::spawn_ranks(a.world_size, &argv);
         }
     };
     if let Some(path) = &a.logits_out {
@@ -96,22 +96,6 @@ fn check_request(c: &ModelConfig, prompt: &[i64], n: usize) -> Result<(), String
     Ok(())
 }
 
-fn timeout() -> Duration {
-    let secs = std::env::var("TP_TIMEOUT_SECS").ok().and_then(|v| v.parse::<u64>().ok());
-    Duration::from_secs(secs.unwrap_or(tp_comm::DEFAULT_TIMEOUT_SECS).clamp(1, 7 * 24 * 3600))
-}
-
-fn device_for(kind: DeviceKind, rank: usize) -> Result<Device, String> {
-    match kind {
-        DeviceKind::Cpu => Ok(Device::Cpu),
-        DeviceKind::Cuda => match tp_kernels::device_count() {
-            Ok(n) if n > 0 => Ok(Device::Cuda(rank % n)),
-            Ok(_) => Err("--device cuda: no CUDA device found".into()),
-            Err(e) => Err(format!("--device cuda: {e}")),
-        },
-    }
-}
-
 /// One rank: load its shards, generate.
 fn one_rank(a: &Args, config: &ModelConfig, prompt: &[i64], g: &DeviceGroup) -> Result<Generation, String> {
     let opts = ModelOptions::new().with_dtype(a.dtype).with_max_seq_len(prompt.len() + a.max_new_tokens);
@@ -122,36 +106,19 @@ fn one_rank(a: &Args, config: &ModelConfig, prompt: &[i64], g: &DeviceGroup) -> 
 
 /// The ranks as threads; they must agree on every token.
 fn run_local(a: &Args, config: &ModelConfig, prompt: &[i64]) -> Result<Generation, String> {
-    let devices = (0..a.world_size).map(|r| device_for(a.device, r)).collect::<Result<Vec<_>, _>>()?;
-    let groups = DeviceGroup::local(a.world_size, timeout(), |r| devices[r]).map_err(|e| e.to_string())?;
-    let results: Vec<Result<Generation, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|g| {
-                std::thread::Builder::new().name(format!("rank-{}", g.rank())).spawn_scoped(s, move || {
-                    let out = one_rank(a, config, prompt, &g);
-                    if out.is_err() {
-                        g.abort("this rank failed"); // the others stop waiting for it
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| match h {
-                Ok(h) => h.join().unwrap_or_else(|_| Err("a rank panicked".into())),
-                Err(e) => Err(format!("cannot start a rank thread: {e}")),
-            })
-            .collect()
-    });
+    let cuda = a.device == DeviceKind::Cuda;
+    let devices = (0..a.world_size).map(|r| ranks::device_for(cuda, r)).collect::<Result<Vec<_>, _>>()?;
+    let groups = DeviceGroup::local(a.world_size, ranks::timeout(), |r| devices[r]).map_err(|e| e.to_string())?;
+    let results = ranks::run_threads(groups, "rank", |g| one_rank(a, config, prompt, g));
     // The error worth reading is the first failing rank's own, not another's report that the
     // group was aborted because of it.
-    let failures: Vec<(usize, &String)> =
-        results.iter().enumerate().filter_map(|(r, res)| res.as_ref().err().map(|e| (r, e))).collect();
-    let cause = failures.iter().find(|(_, e)| !e.contains("aborted: this rank failed")).or(failures.first());
-    if let Some((r, e)) = cause {
-        return Err(if a.world_size > 1 { format!("rank {r}: {e}") } else { e.to_string() });
+    if let Some((r, failure)) = ranks::root_cause(&results, |e: &String| e.contains("aborted: this rank failed")) {
+        let e = match failure {
+            RankFailure::Failed(e) => e.clone(),
+            RankFailure::Panicked => "a rank panicked".to_string(),
+            RankFailure::NotStarted(e) => format!("cannot start a rank thread: {e}"),
+        };
+        return Err(if a.world_size > 1 { format!("rank {r}: {e}") } else { e });
     }
     let mut outs: Vec<Generation> = results.into_iter().filter_map(Result::ok).collect();
     if outs.iter().any(|o| o.tokens != outs[0].tokens) {
@@ -168,34 +135,6 @@ fn run_nccl_rank(a: &Args, config: &ModelConfig, prompt: &[i64]) -> Result<Optio
     }
     let out = one_rank(a, config, prompt, &g)?;
     Ok((g.rank() == 0).then_some(out))
-}
-
-/// Starts `world_size` copies of this program as an NCCL job on this machine and waits for them.
-fn spawn_ranks(a: &Args, argv: &[String]) -> Result<(), String> {
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("no free port: {e}"))?
-        .port();
-    let mut children = Vec::new();
-    for r in 0..a.world_size {
-        let child = std::process::Command::new(&exe)
-            .args(argv)
-            .env("RANK", r.to_string())
-            .env("WORLD_SIZE", a.world_size.to_string())
-            .env("LOCAL_RANK", r.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .spawn()
-            .map_err(|e| format!("cannot start rank {r}: {e}"))?;
-        children.push(child);
-    }
-    let failed: Vec<usize> = children
-        .into_iter()
-        .enumerate()
-        .filter_map(|(r, mut c)| (!c.wait().is_ok_and(|s| s.success())).then_some(r))
-        .collect();
-    if failed.is_empty() { Ok(()) } else { Err(format!("rank(s) {failed:?} failed")) }
 }
 
 /// Prints the ids line, the text (with a tokenizer) and the throughput lines; a failed write

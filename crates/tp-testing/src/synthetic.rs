@@ -4,12 +4,10 @@
 //! seeded normal samples scaled by `1/sqrt(fan_in)` (activations stay of order one through any
 //! depth), norms near one.
 
-use crate::arch::Architecture;
-use crate::config::ModelConfig;
-use crate::error::{ModelError, Result};
 use serde_json::{Value, json};
 use std::path::Path;
-use tp_core::{DType, Device, Tensor};
+use tp_core::{DType, Device, NormStyle, Tensor};
+use tp_models::{Architecture, ModelConfig, ModelError, Result};
 
 /// The shape of a synthetic model.
 #[derive(Debug, Clone, PartialEq)]
@@ -130,18 +128,18 @@ impl SyntheticModel {
         if let Some(d) = self.head_dim {
             obj.insert("head_dim".into(), json!(d));
         }
-        let spec = self.architecture.spec();
-        obj.insert(spec.act_keys[0].into(), json!(spec.act_default));
-        if !matches!(spec.biases, crate::arch::Biases::None | crate::arch::Biases::Qkv) {
+        let arch = self.architecture;
+        obj.insert(arch.activation_key().into(), json!(arch.default_activation()));
+        if arch.reads_attention_bias() {
             obj.insert("attention_bias".into(), json!(self.attention_bias));
         }
-        if spec.biases == crate::arch::Biases::AttentionAndMlp {
+        if arch.reads_mlp_bias() {
             obj.insert("mlp_bias".into(), json!(false));
         }
-        if spec.windows != crate::arch::Windows::Never {
+        if arch.reads_sliding_window() {
             obj.insert("sliding_window".into(), json!(self.sliding_window));
         }
-        if matches!(spec.windows, crate::arch::Windows::Qwen) && self.sliding_window.is_some() {
+        if arch.sliding_window_needs_opt_in() && self.sliding_window.is_some() {
             obj.insert("use_sliding_window".into(), json!(true));
             obj.insert("max_window_layers".into(), json!(0));
         }
@@ -174,7 +172,7 @@ impl SyntheticModel {
     /// Every tensor's name and shape, in Hugging Face's order (what the architecture table
     /// implies for this config).
     pub fn tensor_shapes(&self) -> Result<Vec<(String, Vec<usize>)>> {
-        Ok(crate::tensors::expected_tensors(&self.config()?).0)
+        Ok(tp_models::expected_tensors(&self.config()?).0)
     }
 
     /// The seeded tensor `name` of `dims`.
@@ -183,7 +181,7 @@ impl SyntheticModel {
         let cpu = Device::Cpu;
         let t = if name.ends_with("norm.weight") {
             // Gemma's norms multiply by (1 + w): weights near 0 there, near 1 elsewhere.
-            let one = if self.architecture.spec().norm_style == tp_core::NormStyle::OnePlusWeight { 0.0 } else { 1.0 };
+            let one = if self.architecture.norm_style() == NormStyle::OnePlusWeight { 0.0 } else { 1.0 };
             let mut rng = tp_core::rng::SplitMix64::new(seed);
             Tensor::from_fn_f64(dims, self.dtype, &cpu, |_| one + 0.1 * rng.uniform(-1.0, 1.0))?
         } else if name.ends_with(".bias") {
