@@ -10,8 +10,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 use tp_comm::DeviceGroup;
 use tp_core::Device;
-use tp_models::synthetic::SyntheticModel;
 use tp_models::{GenerateOptions, ModelConfig, ModelError, ModelOptions, ParallelCausalLm};
+use tp_testing::synthetic::SyntheticModel;
 
 fn tmpdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tp-models-hostile-{name}-{}", std::process::id()));
