@@ -1,7 +1,8 @@
 // rope.cu -- rotary position embedding, Llama's rotate-half convention.
 //
-// * tp_rope_T(out, x, pos, inv_freq, scale, tokens, heads, half): x, out: tokens x heads x
-//   (2*half) row-major; pos: tokens int64 absolute positions; inv_freq: half floats; scale: the
+// * tp_rope_T(out, x, pos, inv_freq, scale, tokens, heads, half, dim): x, out: tokens x heads x
+//   dim row-major, dim >= 2*half: the first 2*half features of each head rotate, the rest pass
+//   through unchanged (partial rotary, Phi-4-mini's partial_rotary_factor); pos: tokens int64 absolute positions; inv_freq: half floats; scale: the
 //   cos/sin multiplier (Hugging Face's attention_scaling, YaRN's attention factor; else 1).
 //   For pair i of head h of token t: angle = round_f32(float(pos[t]) * inv_freq[i]);
 //   c = round_T(round_f32(round_f32(cos(angle)) * scale)), s likewise (cos/sin in double, then
@@ -27,11 +28,12 @@ __device__ __forceinline__ float rnd(float v) {
 template <typename T>
 __device__ __forceinline__ void rope(T* __restrict__ out, const T* __restrict__ x, const int64_t* __restrict__ pos,
                                      const float* __restrict__ inv_freq, float scale, int64_t tokens, int64_t heads,
-                                     int64_t half) {
+                                     int64_t half, int64_t dim) {
     const int64_t rows = tokens * heads;
     for (int64_t th = blockIdx.x; th < rows; th += gridDim.x) {  // th = token * heads + head
         const float p = (float)pos[th / heads];
-        const int64_t base = th * 2 * half;
+        const int64_t base = th * dim;
+        for (int64_t j = 2 * half + threadIdx.x; j < dim; j += blockDim.x) out[base + j] = x[base + j];
         for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
             const float angle = __fmul_rn(p, inv_freq[i]);
             double sd, cd;
@@ -48,8 +50,8 @@ __device__ __forceinline__ void rope(T* __restrict__ out, const T* __restrict__ 
     extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_rope_##SUFFIX(T* out, const T* x, const int64_t* pos, \
                                                                       const float* inv_freq, float scale,     \
                                                                       int64_t tokens, int64_t heads,          \
-                                                                      int64_t half) {                         \
-        rope<T>(out, x, pos, inv_freq, scale, tokens, heads, half);                                            \
+                                                                      int64_t half, int64_t dim) {            \
+        rope<T>(out, x, pos, inv_freq, scale, tokens, heads, half, dim);                                       \
     }
 TP_ROPE(f32, float)
 TP_ROPE(f16, __half)

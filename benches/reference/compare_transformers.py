@@ -100,6 +100,14 @@ CASES = {
                                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
                                                       short_factor=[1.0, 1.2, 1.5, 2.0],
                                                       long_factor=[1.0, 2.0, 4.0, 8.0]))),
+    # As Phi-4-mini: partial rotary (0.75 of head_dim 16: 12 features turn, 4 pass through) with
+    # LongRoPE over the 6 rotated pairs.
+    "phi3_partial_longrope": (PHI3, base(head_dim=16, num_attention_heads=6, num_key_value_heads=2,
+                                         original_max_position_embeddings=16, partial_rotary_factor=0.75,
+                                         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                              partial_rotary_factor=0.75,
+                                                              short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                              long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0]))),
     # OLMo 2: q/k RMSNorm over the full width (split across ranks), post-attention and
     # post-feed-forward norms only.
     "olmo2": (OLMO2, base()),

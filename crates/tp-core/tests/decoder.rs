@@ -45,6 +45,20 @@ fn longrope_picks_short_or_long_factors_per_call() {
 }
 
 #[test]
+fn partial_rotary_turns_the_first_features_and_passes_the_rest() {
+    for dtype in DType::FLOATS {
+        // Phi-4-mini's 0.75 of 128, and odd leftovers; LongRoPE lists of the rotated pairs.
+        for (d, r) in [(128, 96), (10, 6), (8, 2)] {
+            check_partial_rope(CPU, &[0, 1, 2, 7, 100, 4097], 3, (d, r), RopeScaling::Default, dtype, d as u64);
+            check_partial_rope(CPU, &[0, 5, 70], 2, (d, r), longrope(r), dtype, 1 + d as u64);
+        }
+    }
+    // An embedding wider than the head is refused.
+    let x = Tensor::randn(&[1, 2, 8], DType::F32, 1, &CPU).unwrap();
+    assert!(x.rope(&[0], &RotaryEmbedding::new(10, 1e4, RopeScaling::Default).unwrap()).is_err());
+}
+
+#[test]
 fn rope_default_and_llama3_match_the_rotation() {
     for dtype in DType::FLOATS {
         for scaling in [RopeScaling::Default, llama3()] {
@@ -211,8 +225,8 @@ fn decoder_ops_refuse_bad_shapes() {
             "4 query heads over 2 KV heads with groups of {size} from {offset}"
         );
     }
-    let rope = RotaryEmbedding::new(6, 10_000.0, RopeScaling::Default).unwrap();
-    assert!(matches!(x.rope(&[0, 1, 2], &rope), Err(Error::ShapeMismatch { .. })), "head_dim 8 vs 6");
+    let rope = RotaryEmbedding::new(10, 10_000.0, RopeScaling::Default).unwrap();
+    assert!(matches!(x.rope(&[0, 1, 2], &rope), Err(Error::ShapeMismatch { .. })), "head_dim 8 vs 10");
     let rope8 = RotaryEmbedding::new(8, 10_000.0, RopeScaling::Default).unwrap();
     assert!(matches!(x.rope(&[0, 1], &rope8), Err(Error::ShapeMismatch { .. })), "2 positions for 3 tokens");
     assert!(matches!(

@@ -315,6 +315,11 @@ fn decoder_kernels_match_f64_references() {
             check_rope(GPU, &[0, 5, 63], 2, d, longrope(d), dtype, d as u64);
             check_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, d, longrope(d), dtype, 1 + d as u64);
         }
+        // Partial rotary: the first r features turn, the rest pass through.
+        for (d, r) in [(128, 96), (10, 6), (8, 2)] {
+            check_partial_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, (d, r), RopeScaling::Default, dtype, d as u64);
+            check_partial_rope(GPU, &[0, 5, 70], 2, (d, r), longrope(r), dtype, 1 + d as u64);
+        }
         for (hq, hkv) in [(4, 4), (6, 2), (5, 1)] {
             for d in [10, 64, 128, 256] {
                 check_attention(GPU, 7, 7, hq, hkv, d, None, dtype, d as u64);

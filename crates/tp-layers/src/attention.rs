@@ -60,7 +60,8 @@ pub struct QkNorm {
 pub struct AttentionConfig {
     /// Heads and head size.
     pub heads: AttentionHeads,
-    /// Rotary embedding (its head size must be `heads.head_dim`).
+    /// Rotary embedding over the first `rope.head_dim() <= heads.head_dim` features of each
+    /// head (fewer: partial rotary, the rest pass through).
     pub rope: RotaryEmbedding,
     /// Each token sees at most this many most recent positions (Mistral, Gemma's local layers).
     pub sliding_window: Option<usize>,
@@ -139,7 +140,7 @@ impl ParallelAttention {
         let l = *qkv.layout();
         let h = config.heads;
         if (l.num_heads, l.num_kv_heads, l.head_dim) != (h.num_heads, h.num_kv_heads, h.head_dim)
-            || config.rope.head_dim() != h.head_dim
+            || config.rope.head_dim() > h.head_dim
         {
             return Err(LayerError::Config(format!("attention layout {l:?} and config {config:?} disagree")));
         }

@@ -28,7 +28,8 @@ pub enum Architecture {
     /// embeddings scaled by `sqrt(hidden)`, `query_pre_attn_scalar`, per-head q/k norm, local
     /// sliding-window layers with their own rope base, optional final-logit soft-capping.
     Gemma3,
-    /// `Phi3ForCausalLM`: fused `qkv_proj` and `gate_up_proj`.
+    /// `Phi3ForCausalLM` (Phi-3, Phi-3.5, Phi-4-mini): fused `qkv_proj` and `gate_up_proj`,
+    /// LongRoPE, partial rotary embeddings.
     Phi3,
     /// `Olmo2ForCausalLM`: RMSNorm over the full q and k width after the projections, and
     /// norms after attention and after the MLP (none before).
@@ -91,6 +92,9 @@ pub(crate) struct ArchSpec {
     pub qk_norm: Option<QkNormSpan>,
     /// Tensor names of a block under `model.layers.N`.
     pub names: DecoderNames,
+    /// Whether `partial_rotary_factor` may rotate only part of each head (Phi-3/4: its
+    /// `apply_rotary_pos_emb` passes the rest through; other families' would not).
+    pub partial_rotary: bool,
     /// Gemma's extras: `sqrt(hidden)` embedding scale, `query_pre_attn_scalar`,
     /// `final_logit_softcapping`, a local rope base for sliding layers.
     pub gemma: bool,
@@ -126,6 +130,7 @@ const BASE: ArchSpec = ArchSpec {
     norm_style: NormStyle::Weight,
     qk_norm: None,
     names: LLAMA_NAMES,
+    partial_rotary: false,
     gemma: false,
 };
 
@@ -201,6 +206,7 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
             mlp_names: MlpNames { gate_up: Projections::Fused("gate_up_proj"), down: "down_proj" },
             ..LLAMA_NAMES
         },
+        partial_rotary: true,
         ..BASE
     },
     ArchSpec {

@@ -18,7 +18,7 @@ pub(crate) fn decoder_config(c: &ModelConfig, i: usize) -> Result<DecoderConfig>
         AttentionHeads { num_heads: c.num_attention_heads, num_kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
     let attention = AttentionConfig {
         heads,
-        rope: RotaryEmbedding::new(c.head_dim, theta, scaling)?,
+        rope: RotaryEmbedding::new(c.rotary_dim, theta, scaling)?,
         sliding_window: window,
         scale: c.attention_scale,
         qk_norm: c.qk_norm.map(|span| QkNorm { span, style: c.norm_style, eps: c.rms_norm_eps }),

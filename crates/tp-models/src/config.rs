@@ -53,6 +53,9 @@ pub struct ModelConfig {
     /// `head_dim` (defaults to the family's: `hidden_size / num_attention_heads`, 128 for
     /// Qwen3, 256 for Gemma 3).
     pub head_dim: usize,
+    /// Features of each head that rotate: `head_dim`, or `int(head_dim · partial_rotary_factor)`
+    /// (Phi-4-mini: 0.75), the rest passing through RoPE unchanged.
+    pub rotary_dim: usize,
     /// `rms_norm_eps`.
     pub rms_norm_eps: f64,
     /// `rope_theta` (or `rope_parameters.rope_theta`; Gemma 3: of its full-attention layers).
@@ -291,12 +294,14 @@ impl ModelConfig {
         } else {
             (rope(&f, spec.rope_theta, max_position_embeddings, spec.original_max_position_embeddings)?, None)
         };
-        // The rotary parameters must fit the head (longrope's lists: one factor per pair).
+        let rotary_dim = rotary_dim(&f, head_dim, spec.partial_rotary)?;
+        // The rotary parameters must fit the rotated features (longrope's lists: one factor per
+        // pair).
         let rope_key = if f.get("rope_parameters").is_some() { "rope_parameters" } else { "rope_scaling" };
         for (theta, scaling) in
             std::iter::once((rope_theta, &rope_scaling)).chain(local_rope.iter().map(|(t, s)| (*t, s)))
         {
-            tp_core::RotaryEmbedding::new(head_dim, theta, scaling.clone())
+            tp_core::RotaryEmbedding::new(rotary_dim, theta, scaling.clone())
                 .map_err(|e| f.bad(rope_key, e.to_string()))?;
         }
         let rms_norm_eps = f.number("rms_norm_eps", Some(spec.rms_norm_eps))?;
@@ -344,17 +349,6 @@ impl ModelConfig {
                 }
             };
         }
-        if let Some(v) = map
-            .get("partial_rotary_factor")
-            .or_else(|| map.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor")))
-            && v.as_f64() != Some(1.0)
-        {
-            return Err(unsupported(
-                "partial_rotary_factor",
-                &shown_value(v),
-                "rotary embeddings cover the whole head",
-            ));
-        }
         Ok(ModelConfig {
             architecture,
             vocab_size,
@@ -364,6 +358,7 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
+            rotary_dim,
             rms_norm_eps,
             rope_theta,
             rope_scaling,
@@ -392,6 +387,39 @@ impl ModelConfig {
             _ => None,
         }
     }
+}
+
+/// The rotated features of each head: `int(head_dim · partial_rotary_factor)` (the factor at the
+/// top level or in `rope_parameters`, default 1), where the family rotates part of a head.
+fn rotary_dim(f: &Fields<'_>, head_dim: usize, partial_allowed: bool) -> Result<usize> {
+    let nested = match f.get("rope_parameters") {
+        Some(Value::Object(p)) if p.get("partial_rotary_factor").is_some_and(|v| !v.is_null()) => {
+            Some(Fields { map: p, prefix: "rope_parameters.".into() })
+        }
+        _ => None,
+    };
+    let (fields, factor) = match &nested {
+        Some(p) => (p, p.number("partial_rotary_factor", None)?),
+        None => (f, f.number("partial_rotary_factor", Some(1.0))?),
+    };
+    if factor == 1.0 {
+        return Ok(head_dim);
+    }
+    if !partial_allowed {
+        return Err(unsupported(
+            &fields.name("partial_rotary_factor"),
+            &factor.to_string(),
+            "this family's rotary embeddings cover the whole head",
+        ));
+    }
+    let dim = (head_dim as f64 * factor) as usize; // Python's int(): truncation
+    if !(factor > 0.0 && factor < 1.0) || dim == 0 || dim % 2 != 0 {
+        return Err(fields.bad(
+            "partial_rotary_factor",
+            format!("({factor}) must rotate an even, positive number of the {head_dim} features of a head"),
+        ));
+    }
+    Ok(dim)
 }
 
 fn unsupported(field: &str, value: &str, why: &str) -> ModelError {

@@ -183,6 +183,20 @@ fn linear_dynamic_and_yarn_read_in_both_config_forms() {
             c.rope_scaling
         );
     }
+    // Partial rotary: Phi-3's family rotates int(head_dim * factor) features; Llama's does not.
+    let mut phi = tinyllama();
+    phi["architectures"] = json!(["Phi3ForCausalLM"]);
+    phi["partial_rotary_factor"] = json!(0.75);
+    assert_eq!(parse(phi.clone()).unwrap().rotary_dim, 48);
+    phi["partial_rotary_factor"] = json!(0.7); // int(44.8) = 44, as Python's int()
+    assert_eq!(parse(phi.clone()).unwrap().rotary_dim, 44);
+    phi["partial_rotary_factor"] = json!(0.52); // int(33.28) = 33: odd, no rotate-half
+    let e = parse(phi).unwrap_err();
+    assert!(matches!(&e, ModelError::ConfigField { field, .. } if field == "partial_rotary_factor"), "{e}");
+    let mut llama = tinyllama();
+    llama["partial_rotary_factor"] = json!(0.5);
+    let e = parse(llama).unwrap_err();
+    assert!(matches!(&e, ModelError::Unsupported { field, .. } if field == "partial_rotary_factor"), "{e}");
     // Bad parameters in the transformers 5 form are named with their prefix.
     let mut v = tinyllama();
     v.as_object_mut().unwrap().remove("rope_theta");

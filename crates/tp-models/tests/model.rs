@@ -116,15 +116,17 @@ fn flavours() -> Vec<Flavour> {
         Flavour {
             // Phi-3 with LongRoPE: the prompt (9) is past the original length (8), so the long
             // factors rotate every call; cos/sin times sqrt(1 + ln 8 / ln 8).
-            name: "phi3-longrope",
+            // As Phi-4-mini: partial rotary (0.75: 6 of the 8 features of a head turn, so the
+            // LongRoPE lists hold 3 pairs).
+            name: "phi3-longrope-partial",
             spec: SyntheticModel {
                 architecture: Architecture::Phi3,
                 num_key_value_heads: 6,
                 head_dim: Some(8),
                 seed: 9,
-                extra: Some(json!({"original_max_position_embeddings": 8,
-                    "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
-                        "long_factor": [1.0, 2.0, 4.0, 9.0]}})),
+                extra: Some(json!({"original_max_position_embeddings": 8, "partial_rotary_factor": 0.75,
+                    "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 3.0],
+                        "long_factor": [1.0, 2.0, 9.0]}})),
                 ..tiny.clone()
             },
             worlds: vec![1, 2, 5, 8],

@@ -226,7 +226,7 @@ pub(crate) fn rope(
     let pos = x.gpu.htod(bytemuck::cast_slice(&pos))?;
     let freq = x.gpu.htod(bytemuck::cast_slice(inv_freq))?;
     let (mut buf, parts) = alloc_like(x, t * h * d * x.dtype.size_in_bytes(), x.dtype)?;
-    x.gpu.rope(&mut buf, &x.buf, &pos, &freq, attention_scaling, (t, h, d / 2), elem_type(x.dtype))?;
+    x.gpu.rope(&mut buf, &x.buf, &pos, &freq, attention_scaling, (t, h, inv_freq.len(), d), elem_type(x.dtype))?;
     Ok(parts.finish(buf))
 }
 

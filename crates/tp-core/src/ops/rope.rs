@@ -346,10 +346,14 @@ impl Tensor {
     /// position `positions[t]` (a decode step of a sequence holding `L` tokens sits at `L`).
     /// Under dynamic scaling the frequencies are those of `max(positions) + 1` tokens, as
     /// transformers computes them per forward (so a step's rotation equals the row at its
-    /// position of a prefill ending there, not of a longer one).
+    /// position of a prefill ending there, not of a longer one). The embedding may cover fewer
+    /// features than the head (`rope.head_dim() = R <= D`, partial rotary: Phi-4-mini's
+    /// `partial_rotary_factor`): the first `R` features of each head rotate (rotate-half within
+    /// them) and the other `D - R` pass through unchanged, as transformers' `cat((q_rot * cos +
+    /// rotate_half(q_rot) * sin), q_pass)`.
     ///
-    /// Errors: [`Error::RankMismatch`] unless 3-D, [`Error::ShapeMismatch`] if `D` is not the
-    /// embedding's head size or `positions` has not `T` entries, [`Error::NotFloat`].
+    /// Errors: [`Error::RankMismatch`] unless 3-D, [`Error::ShapeMismatch`] if `D` is smaller
+    /// than the embedding's head size or `positions` has not `T` entries, [`Error::NotFloat`].
     pub fn rope(&self, positions: &[usize], rope: &RotaryEmbedding) -> Result<Tensor> {
         const OP: &str = "rope";
         self.require_float()?;
@@ -360,12 +364,12 @@ impl Tensor {
                 dims: self.dims().to_vec(),
             });
         };
-        if d != rope.head_dim || positions.len() != t {
+        if d < rope.head_dim || positions.len() != t {
             return Err(Error::ShapeMismatch {
                 op: OP,
                 lhs: self.dims().to_vec(),
                 rhs: vec![positions.len(), h, rope.head_dim],
-                why: "needs [tokens, heads, head_dim] with one position per token and the embedding's head_dim",
+                why: "needs [tokens, heads, D] with one position per token and D at least the embedding's head_dim",
             });
         }
         // Dynamic scaling: the frequencies of this call's length (its largest position + 1).
@@ -379,15 +383,21 @@ impl Tensor {
         }
         let x = self.cpu_storage(OP)?;
         let out = with_dtype!(x.dtype(), T => {
-            CpuStorage::from_vec(host_rope::<T>(x.as_slice::<T>().unwrap_or_default(), positions, &inv_freq, scale, h))
+            CpuStorage::from_vec(host_rope::<T>(x.as_slice::<T>().unwrap_or_default(), positions, &inv_freq, scale, (h, d)))
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
     }
 }
 
-fn host_rope<T: Element>(x: &[T], positions: &[usize], inv_freq: &[f32], scale: f32, heads: usize) -> Vec<T> {
+/// The host rotation of heads of `d` features, the first `2 * inv_freq.len()` of which rotate.
+fn host_rope<T: Element>(
+    x: &[T],
+    positions: &[usize],
+    inv_freq: &[f32],
+    scale: f32,
+    (heads, d): (usize, usize),
+) -> Vec<T> {
     let half = inv_freq.len();
-    let d = 2 * half;
     let mut out = x.to_vec();
     let r = |v: f32| T::from_f32(v).to_f32(); // one rounding to the dtype
     for (tok, &p) in positions.iter().enumerate() {

@@ -58,22 +58,37 @@ pub fn check_rope(
     dtype: DType,
     seed: u64,
 ) {
+    check_partial_rope(device, positions, heads, (d, d), scaling, dtype, seed);
+}
+
+/// [`check_rope`] on heads of `d` features of which the first `r` rotate (partial rotary); the
+/// other `d - r` must come out bit for bit as they went in.
+#[allow(clippy::too_many_arguments)]
+pub fn check_partial_rope(
+    device: Device,
+    positions: &[usize],
+    heads: usize,
+    (d, r): (usize, usize),
+    scaling: RopeScaling,
+    dtype: DType,
+    seed: u64,
+) {
     let theta = 500_000.0;
-    let rope = RotaryEmbedding::new(d, theta, scaling.clone()).unwrap();
+    let rope = RotaryEmbedding::new(r, theta, scaling.clone()).unwrap();
     let t = positions.len();
     let x = Tensor::randn(&[t, heads, d], dtype, seed, &Device::Cpu).unwrap();
     let y = on(&x, device).rope(positions, &rope).unwrap();
     assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
     let seq_len = positions.iter().max().map_or(0, |p| p + 1);
-    let (xv, freq) = (f64s(&x), inv_freq_f64_at(d, theta, &scaling, seq_len));
+    let (xv, freq) = (f64s(&x), inv_freq_f64_at(r, theta, &scaling, seq_len));
     let m = attention_factor_f64(&scaling);
     let freq_ulps = match scaling {
         RopeScaling::Dynamic { factor, .. } => 8.0 + 4.0 * factor,
         _ => 8.0,
     };
     let mut want = xv.clone();
-    rotate(&mut want, positions, heads, &freq, m);
-    let (half, u, u32) = (d / 2, dtype.unit_roundoff(), 2f64.powi(-24));
+    rotate(&mut want, positions, (heads, d), &freq, m);
+    let (half, u, u32) = (r / 2, dtype.unit_roundoff(), 2f64.powi(-24));
     let mut tol = vec![0.0; xv.len()];
     for (tok, &p) in positions.iter().enumerate() {
         for h in 0..heads {
@@ -88,9 +103,12 @@ pub fn check_rope(
             }
         }
     }
-    assert_close(&format!("rope {device} {positions:?} h{heads} d{d} {scaling:?} {dtype}"), &f64s(&y), &want, |i| {
-        tol[i]
-    });
+    assert_close(
+        &format!("rope {device} {positions:?} h{heads} d{d} r{r} {scaling:?} {dtype}"),
+        &f64s(&y),
+        &want,
+        |i| tol[i],
+    );
 }
 
 /// Attention of `t` queries over a cache of `cap >= kv_len` rows (rows past `kv_len` hold

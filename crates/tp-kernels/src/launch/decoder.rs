@@ -111,7 +111,8 @@ impl Gpu {
         unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_sum_squares)"))
     }
 
-    /// RoPE over `x: [tokens, heads, 2 * inv_freq.len()]` (`tp_rope_T`); `pos` holds `tokens`
+    /// RoPE over `x: [tokens, heads, dim]` (`tp_rope_T`), rotating the first `2 * half`
+    /// features of each head (`half` = `inv_freq.len()`) and copying the rest; `pos` holds `tokens`
     /// int64 positions and `inv_freq` the f32 frequencies, both on this device; cos and sin are
     /// multiplied by `attention_scaling` (YaRN's attention factor; 1 leaves them unchanged) in
     /// f32 before their rounding to the dtype.
@@ -123,30 +124,33 @@ impl Gpu {
         pos: &CudaSlice<u8>,
         inv_freq: &CudaSlice<u8>,
         attention_scaling: f32,
-        (tokens, heads, half): (usize, usize, usize),
+        (tokens, heads, half, dim): (usize, usize, usize, usize),
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "rope";
         require_float(K, ty)?;
-        let n = span(K, tokens, heads, 0).and_then(|r| span(K, r, 2 * half, 0))?;
+        if span(K, half, 2, 0)? > dim {
+            return Err(invalid(K, format!("{} rotated features do not fit heads of {dim}", 2 * half)));
+        }
+        let n = span(K, tokens, heads, 0).and_then(|r| span(K, r, dim, 0))?;
         let bytes = span(K, n, ty.size(), 0)?;
         if bytes > x.len()
             || bytes > out.len()
             || span(K, tokens, 8, 0)? > pos.len()
             || span(K, half, 4, 0)? > inv_freq.len()
         {
-            return Err(invalid(K, format!("{tokens} x {heads} x {} does not fit the buffers", 2 * half)));
+            return Err(invalid(K, format!("{tokens} x {heads} x {dim} does not fit the buffers")));
         }
         if n == 0 {
             return Ok(());
         }
         let f = self.function(&format!("tp_rope_{}", ty.name()), 0)?;
-        let [t, h, hf] = [i64_of(K, tokens)?, i64_of(K, heads)?, i64_of(K, half)?];
+        let [t, h, hf, d] = [i64_of(K, tokens)?, i64_of(K, heads)?, i64_of(K, half)?, i64_of(K, dim)?];
         let mut b = self.stream().launch_builder(f);
-        b.arg(out).arg(x).arg(pos).arg(inv_freq).arg(&attention_scaling).arg(&t).arg(&h).arg(&hf);
+        b.arg(out).arg(x).arg(pos).arg(inv_freq).arg(&attention_scaling).arg(&t).arg(&h).arg(&hf).arg(&d);
         // SAFETY: matches tp_rope_T(T* out, const T* x, const int64* pos, const float* inv_freq,
-        // float scale, int64 tokens, heads, half): `attention_scaling` is an f32 passed by value.
-        // x and out hold tokens*heads*2*half elements, pos `tokens`
+        // float scale, int64 tokens, heads, half, dim): `attention_scaling` is an f32 passed by
+        // value. x and out hold tokens*heads*dim elements with 2*half <= dim, pos `tokens`
         // int64 and inv_freq `half` floats (checked above); only out is written, borrowed
         // mutably; allocations are 256-byte aligned, so every typed access is aligned.
         unsafe { b.launch(self.grid_rows((tokens * heads) as u64)) }

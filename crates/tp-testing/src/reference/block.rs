@@ -69,8 +69,8 @@ pub fn attention_block(
     let t = x.len() / w.q.in_features();
     let positions: Vec<usize> = (0..t).collect();
     let (freq, m) = (inv_freq_f64_at(d, theta, scaling, t), attention_factor_f64(scaling));
-    rotate(&mut q, &positions, nq, &freq, m);
-    rotate(&mut k, &positions, nkv, &freq, m);
+    rotate(&mut q, &positions, (nq, d), &freq, m);
+    rotate(&mut k, &positions, (nkv, d), &freq, m);
     let o = attention_f64(&q, &k, &v, &Attn { window, ..Attn::causal(t, (nq, nkv, d)) });
     layer(&o, &w.o)
 }

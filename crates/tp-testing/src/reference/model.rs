@@ -75,7 +75,7 @@ pub fn reference_logits(dir: &Path, ids: &[i64]) -> Vec<f64> {
             (Some(_), Some(local)) => local,
             _ => (c.rope_theta, c.rope_scaling.clone()),
         };
-        let (freq, m) = (inv_freq_f64_at(d, theta, &scaling, t), attention_factor_f64(&scaling));
+        let (freq, m) = (inv_freq_f64_at(c.rotary_dim, theta, &scaling, t), attention_factor_f64(&scaling));
         let p = format!("model.layers.{l}");
         let w = |n: &str| get(&ckpt, &format!("{p}.{n}.weight")).expect("a block weight");
         let b = |n: &str| get(&ckpt, &format!("{p}.{n}.bias"));
@@ -91,8 +91,8 @@ pub fn reference_logits(dir: &Path, ids: &[i64]) -> Vec<f64> {
             q = norm(&q, &w(&format!("{attn}.{}", an.q_norm)));
             k = norm(&k, &w(&format!("{attn}.{}", an.k_norm)));
         }
-        rotate(&mut q, &positions, nq, &freq, m);
-        rotate(&mut k, &positions, nkv, &freq, m);
+        rotate(&mut q, &positions, (nq, d), &freq, m);
+        rotate(&mut k, &positions, (nkv, d), &freq, m);
         let o = attention_f64(&q, &k, &v, &Attn { scale, window, ..Attn::causal(t, (nq, nkv, d)) });
         let on = format!("{attn}.{}", an.o);
         let a = opt_norm(names.norms.attn_out, lin(&o, &w(&on), b(&on).as_deref(), nq * d));

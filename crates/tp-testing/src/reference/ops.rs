@@ -161,11 +161,12 @@ pub fn attention_factor_f64(scaling: &RopeScaling) -> f64 {
     }
 }
 
-/// Rotate-half RoPE in place on `x: [t, heads, d]`, token `t` at `positions[t]`, with pair
-/// frequencies `freq` and cos/sin times `m`.
-pub fn rotate(x: &mut [f64], positions: &[usize], heads: usize, freq: &[f64], m: f64) {
+/// Rotate-half RoPE in place on `x: [t, heads, head_dim]`, token `t` at `positions[t]`, with pair
+/// frequencies `freq` and cos/sin times `m`: the first `2 * freq.len()` features of each head
+/// rotate, the rest (partial rotary) stay.
+pub fn rotate(x: &mut [f64], positions: &[usize], (heads, head_dim): (usize, usize), freq: &[f64], m: f64) {
     let half = freq.len();
-    for (r, head) in x.chunks_mut(2 * half).enumerate() {
+    for (r, head) in x.chunks_mut(head_dim).enumerate() {
         let p = positions[r / heads] as f64;
         for (i, f) in freq.iter().enumerate() {
             let (c, s) = (m * (p * f).cos(), m * (p * f).sin());
