@@ -317,7 +317,15 @@ fn decoder_kernels_match_f64_references() {
         }
         // Partial rotary: the first r features turn, the rest pass through.
         for (d, r) in [(128, 96), (10, 6), (8, 2)] {
-            check_partial_rope(GPU, &[0, 1, 2, 7, 100, 4097], 3, (d, r), RopeScaling::Default, dtype, d as u64);
+            check_partial_rope(
+                GPU,
+                &[0, 1, 2, 7, 100, 4097],
+                3,
+                (d, r),
+                tp_core::RopeScaling::Default,
+                dtype,
+                d as u64,
+            );
             check_partial_rope(GPU, &[0, 5, 70], 2, (d, r), longrope(r), dtype, 1 + d as u64);
         }
         for (hq, hkv) in [(4, 4), (6, 2), (5, 1)] {
