@@ -1,6 +1,7 @@
 //! `cargo xtask bundle [--out DIR]`: everything a GPU host without a Rust toolchain needs, in one
 //! folder (default `target/bundle/`): the GPU test suites, `tp-bench`, `tp-comm-bench` and the
-//! `generate` example built in release mode and stripped, and `run.sh`, which finds libcuda,
+//! `generate` example built in release mode, stripped and packed into `bins.tar.gz`, and
+//! `run.sh`, which unpacks them into a temporary folder, finds libcuda,
 //! libnvrtc, libcublas and libnccl (system paths and `/usr/local/nvidia/lib64`, `CUDA_HOME`,
 //! Python's `nvidia/*/lib`; appended after the inherited `LD_LIBRARY_PATH`; reported as the
 //! loader will find them, `ldconfig -p` included), runs them and writes results to the folder it
@@ -11,6 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 const RUN_SH: &str = include_str!("run.sh");
+
+/// The archive of the bundle's binaries, which run.sh unpacks.
+const ARCHIVE: &str = "bins.tar.gz";
 
 /// The GPU suites: (file in the bundle, package, test target). run.sh runs each.
 const SUITES: &[(&str, &str, &str)] = &[
@@ -37,7 +41,13 @@ pub fn run(args: &[String]) -> Result<()> {
         let args =
             ["test", "--release", "--locked", "-p", package, "--features", "gpu-tests", "--test", test, "--no-run"];
         let built = build_executables(&cargo, &args, &commit)?;
-        let exe = built.first().with_context(|| format!("cargo built no {package} GPU test binary"))?;
+        // The test's own executable (`deps/{test}-HASH`), not a binary target of the package
+        // that cargo builds beside it for integration tests (tp-comm's tp-probe).
+        let prefix = format!("{test}-");
+        let exe = built
+            .iter()
+            .find(|p| p.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.starts_with(&prefix)))
+            .with_context(|| format!("cargo built no {package} GPU test binary ({test})"))?;
         install(exe, &out.join(name))?;
         files.push(name);
     }
@@ -57,6 +67,21 @@ pub fn run(args: &[String]) -> Result<()> {
         install(&exe, &out.join(name))?;
         files.push(name);
     }
+    // The binaries (each ~10 MiB, mostly the same embedded fatbins) travel as one gzip archive,
+    // a fraction of their size: what a device call carries is capped at 64 MiB. run.sh unpacks
+    // it into a temporary folder.
+    let raw: u64 = files.iter().filter_map(|f| std::fs::metadata(out.join(f)).ok()).map(|m| m.len()).sum();
+    let archive = out.join(ARCHIVE);
+    let _ = std::fs::remove_file(&archive);
+    let packed = crate::command("tar", &["-czf"]).arg(&archive).arg("-C").arg(&out).args(&files).status();
+    if !packed.is_ok_and(|s| s.success()) {
+        bail!("tar -czf {} failed (tar and gzip are needed to pack the bundle)", archive.display());
+    }
+    for f in &files {
+        std::fs::remove_file(out.join(f))?;
+    }
+    println!("binaries: {:.1} MiB, packed into {ARCHIVE}", raw as f64 / 1048576.0);
+    let mut files = vec![ARCHIVE];
     std::fs::write(out.join("run.sh"), RUN_SH)?;
     set_executable(&out.join("run.sh"))?;
     std::fs::write(out.join("COMMIT"), format!("{commit}\n"))?;

@@ -31,6 +31,18 @@ out=${1:?usage: run.sh RESULTS_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 
+# The binaries travel packed (bins.tar.gz): unpack them into a temporary folder, never into
+# RESULTS_DIR (whose files are fetched back). A bundle with loose binaries runs them in place.
+bin="$here"
+if [ -f "$here/bins.tar.gz" ]; then
+  bin=$(mktemp -d "${TMPDIR:-/tmp}/tp-bundle.XXXXXX")
+  trap 'rm -rf "$bin"' EXIT
+  if ! tar -xzf "$here/bins.tar.gz" -C "$bin" 2>/dev/null; then
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$here/bins.tar.gz" "$bin" ||
+      { echo "run.sh: cannot unpack $here/bins.tar.gz (needs tar with gzip, or python3)" >&2; exit 1; }
+  fi
+fi
+
 dirs=()
 # add_dir DIR: appends DIR to dirs if it exists and is not there yet.
 add_dir() {
@@ -126,16 +138,16 @@ note_fault() {
 }
 
 for suite in gpu-tests gpu-comm-tests gpu-layer-tests gpu-model-tests; do
-  step "$suite" "$step_secs" "$here/$suite" --test-threads=1
+  step "$suite" "$step_secs" "$bin/$suite" --test-threads=1
   note_fault "$suite"
 done
 
 # The Hopper kernel is opt-in until it has passed here: run the main suite again through it.
-step gpu-tests-wgmma "$step_secs" env TP_GEMM_KERNEL=wgmma "$here/gpu-tests" --test-threads=1
+step gpu-tests-wgmma "$step_secs" env TP_GEMM_KERNEL=wgmma "$bin/gpu-tests" --test-threads=1
 note_fault gpu-tests-wgmma
 
-step bench "${BENCH_SECS:-300}" "$here/tp-bench" --quick --out "$out"
-step comm-bench "$step_secs" "$here/tp-comm-bench" --max-bytes 1073741824
+step bench "${BENCH_SECS:-300}" "$bin/tp-bench" --quick --out "$out"
+step comm-bench "$step_secs" "$bin/tp-comm-bench" --max-bytes 1073741824
 
 # compute-sanitizer, where the host has it: memcheck (out-of-bounds and misaligned accesses) and
 # racecheck (shared-memory races) on the kernels whose tests are small enough to run under it.
@@ -150,7 +162,7 @@ if [ -n "$sanitizer" ]; then
     sanitizer=""
   else
     probe=$(timeout --kill-after=5 "$probe_secs" "$sanitizer" --tool memcheck --error-exitcode 1 \
-      "$here/gpu-tests" --test-threads=1 --exact device_reports_itself_and_round_trips_bytes 2>&1)
+      "$bin/gpu-tests" --test-threads=1 --exact device_reports_itself_and_round_trips_bytes 2>&1)
     probe_rc=$?
     why=$(printf '%s\n' "$probe" | grep -Ei -m1 'not supported|error 999|internal sanitizer error' || true)
     if [ "$probe_rc" -eq 124 ] || [ "$probe_rc" -eq 137 ]; then
@@ -167,9 +179,9 @@ else
 fi
 if [ -n "$sanitizer" ]; then
   step sanitize-memcheck "$step_secs" "$sanitizer" --tool memcheck --error-exitcode 1 \
-    "$here/gpu-tests" --test-threads=1 decoder_kernels narrow gather casts small_sizes
+    "$bin/gpu-tests" --test-threads=1 decoder_kernels narrow gather casts small_sizes
   step sanitize-racecheck "$step_secs" "$sanitizer" --tool racecheck --error-exitcode 1 \
-    "$here/gpu-tests" --test-threads=1 decoder_kernels_agree
+    "$bin/gpu-tests" --test-threads=1 decoder_kernels_agree
 fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   timeout 20 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv >> "$out/gpu.csv" 2>&1
