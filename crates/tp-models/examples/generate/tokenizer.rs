@@ -19,13 +19,23 @@ pub fn decode(dir: &Path, ids: &[i64]) -> Option<String> {
     t.decode(&ids, true).ok()
 }
 
+/// Largest `tokenizer.json` read (Gemma's, among the largest on the Hub, is about 33 MB).
+#[cfg(feature = "tokenizers")]
+const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+
+/// `dir/tokenizer.json`, read as every file from a model folder is: only a regular file (a pipe
+/// or a device is an error at once, never a blocked open) of at most `MAX_TOKENIZER_BYTES`.
 #[cfg(feature = "tokenizers")]
 fn load(dir: &Path) -> Result<tokenizers::Tokenizer, String> {
     let path = dir.join("tokenizer.json");
-    if !path.is_file() {
+    if std::fs::symlink_metadata(&path).is_err() {
         return Err(format!("--prompt needs {}, which does not exist (use --prompt-ids)", path.display()));
     }
-    tokenizers::Tokenizer::from_file(&path).map_err(|e| format!("{}: {e}", path.display()))
+    let text = tp_layers::read_text_file(&path, MAX_TOKENIZER_BYTES).map_err(|e| match e {
+        tp_layers::LayerError::Checkpoint { path, why } => format!("{path}: {why}"),
+        e => e.to_string(),
+    })?;
+    text.parse::<tokenizers::Tokenizer>().map_err(|e| format!("{}: {e}", path.display()))
 }
 
 #[cfg(not(feature = "tokenizers"))]
