@@ -163,7 +163,7 @@ impl ParallelAttention {
             return Err(LayerError::Config("sliding_window must be at least 1".into()));
         }
         let scale = match config.scale {
-            Some(s) if s.is_finite() && s > 0.0 => s as f32,
+            Some(s) if s.is_finite() && s > 0.0 && (s as f32).is_finite() && s as f32 > 0.0 => s as f32,
             Some(s) => return Err(LayerError::Config(format!("attention scale must be positive, got {s}"))),
             None => 1.0 / (h.head_dim as f32).sqrt(),
         };

@@ -78,6 +78,10 @@ pub(crate) struct ArchSpec {
     pub rms_norm_eps: f64,
     /// `head_dim` when absent (`None`: `hidden_size / num_attention_heads`).
     pub head_dim: Option<usize>,
+    /// `num_key_value_heads` when absent (`None`: `num_attention_heads`).
+    pub num_key_value_heads: Option<usize>,
+    /// Rope kinds the config class reads as `longrope` (Phi-3's renames `su` and `yarn`).
+    pub longrope_aliases: &'static [&'static str],
     /// The config class's own `original_max_position_embeddings`, which wins over the rope
     /// parameters' for longrope (Phi-3: 4096).
     pub original_max_position_embeddings: Option<usize>,
@@ -121,6 +125,8 @@ const BASE: ArchSpec = ArchSpec {
     rope_theta: 10_000.0,
     rms_norm_eps: 1e-6,
     head_dim: None,
+    num_key_value_heads: None,
+    longrope_aliases: &["su"],
     original_max_position_embeddings: None,
     tie_word_embeddings: false,
     act_keys: &["hidden_act"],
@@ -142,6 +148,7 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
         class: "Qwen2ForCausalLM",
         model_types: &["qwen2"],
         max_position_embeddings: 32_768,
+        num_key_value_heads: Some(32),
         biases: Biases::Qkv,
         windows: Windows::Qwen,
         ..BASE
@@ -151,6 +158,7 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
         class: "Qwen3ForCausalLM",
         model_types: &["qwen3"],
         max_position_embeddings: 32_768,
+        num_key_value_heads: Some(32),
         head_dim: Some(128),
         biases: Biases::Attention,
         windows: Windows::Qwen,
@@ -162,6 +170,7 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
         class: "MistralForCausalLM",
         model_types: &["mistral"],
         max_position_embeddings: 4096 * 32,
+        num_key_value_heads: Some(8),
         biases: Biases::None,
         windows: Windows::Every { default: Some(4096) },
         ..BASE
@@ -173,8 +182,10 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
         max_position_embeddings: 131_072,
         rope_theta: 1_000_000.0,
         head_dim: Some(256),
+        num_key_value_heads: Some(4),
         tie_word_embeddings: true,
-        act_keys: &["hidden_activation", "hidden_act"],
+        // Gemma3MLP reads hidden_activation alone.
+        act_keys: &["hidden_activation"],
         act_default: "gelu_pytorch_tanh",
         biases: Biases::Attention,
         windows: Windows::Gemma,
@@ -198,6 +209,7 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
         model_types: &["phi3"],
         max_position_embeddings: 4096,
         original_max_position_embeddings: Some(4096),
+        longrope_aliases: &["su", "yarn"],
         rms_norm_eps: 1e-5,
         biases: Biases::None,
         windows: Windows::Every { default: None },

@@ -10,7 +10,7 @@
 
 use crate::arch::{self, Architecture, Biases, Windows};
 use crate::error::{ModelError, Result};
-use crate::rope_config::{rope, rope_params};
+use crate::rope_config::{RopeFamily, rope, rope_params};
 use serde_json::{Map, Value};
 use std::path::Path;
 use tp_core::{Activation, NormStyle, RopeScaling};
@@ -23,6 +23,8 @@ pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 pub const SHOWN_CHARS: usize = 200;
 /// Largest `head_dim` accepted.
 pub const MAX_HEAD_DIM: usize = 1 << 16;
+/// Most layers a model may have (the largest released models have under 200).
+pub const MAX_LAYERS: usize = 1 << 16;
 
 /// Whether a layer attends to every earlier position or within a sliding window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,9 +98,17 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<i64>,
 }
 
-/// `s` escaped (control characters as `\u{..}`) and cut to [`SHOWN_CHARS`] characters.
+/// `s` with its control characters escaped (`\u{1b}`, `\n`, ...) and cut to [`SHOWN_CHARS`]
+/// characters.
 pub(crate) fn shown(s: &str) -> String {
-    let mut out: String = s.chars().take(SHOWN_CHARS).flat_map(char::escape_debug).collect();
+    let mut out = String::new();
+    for c in s.chars().take(SHOWN_CHARS) {
+        if c.is_control() {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
     if s.chars().nth(SHOWN_CHARS).is_some() {
         out.push_str(&format!("… ({} bytes)", s.len()));
     }
@@ -258,7 +268,8 @@ impl ModelConfig {
         })?;
         let hidden_size = f.count("hidden_size", None)?;
         let num_attention_heads = f.count("num_attention_heads", None)?;
-        let num_key_value_heads = f.count("num_key_value_heads", Some(num_attention_heads))?;
+        let num_key_value_heads =
+            f.count("num_key_value_heads", Some(spec.num_key_value_heads.unwrap_or(num_attention_heads)))?;
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(f.bad(
                 "num_key_value_heads",
@@ -285,6 +296,9 @@ impl ModelConfig {
         let vocab_size = f.count("vocab_size", None)?;
         let intermediate_size = f.count("intermediate_size", None)?;
         let num_hidden_layers = f.count("num_hidden_layers", None)?;
+        if num_hidden_layers > MAX_LAYERS {
+            return Err(f.bad("num_hidden_layers", format!("({num_hidden_layers}) exceeds {MAX_LAYERS}")));
+        }
         product(&f, (num_attention_heads, "num_attention_heads"), (head_dim, "head_dim"))?;
         product(&f, (vocab_size, "vocab_size"), (hidden_size, "hidden_size"))?;
         product(&f, (intermediate_size, "intermediate_size"), (hidden_size.saturating_mul(2), "2 x hidden_size"))?;
@@ -292,7 +306,11 @@ impl ModelConfig {
         let ((rope_theta, rope_scaling), local_rope) = if spec.gemma {
             gemma_rope(&f, spec.rope_theta, max_position_embeddings)?
         } else {
-            (rope(&f, spec.rope_theta, max_position_embeddings, spec.original_max_position_embeddings)?, None)
+            let family = RopeFamily {
+                original_max_position_embeddings: spec.original_max_position_embeddings,
+                longrope_aliases: spec.longrope_aliases,
+            };
+            (rope(&f, spec.rope_theta, max_position_embeddings, family)?, None)
         };
         let rotary_dim = rotary_dim(&f, head_dim, spec.partial_rotary)?;
         // The rotary parameters must fit the rotated features (longrope's lists: one factor per
@@ -305,8 +323,8 @@ impl ModelConfig {
                 .map_err(|e| f.bad(rope_key, e.to_string()))?;
         }
         let rms_norm_eps = f.number("rms_norm_eps", Some(spec.rms_norm_eps))?;
-        if rms_norm_eps < 0.0 {
-            return Err(f.bad("rms_norm_eps", format!("must be >= 0, got {rms_norm_eps}")));
+        if rms_norm_eps < 0.0 || rms_norm_eps > 1.0 {
+            return Err(f.bad("rms_norm_eps", format!("must lie in [0, 1], got {rms_norm_eps}")));
         }
         let (qkv_bias, o_bias, mlp_bias) = match spec.biases {
             Biases::None => (false, false, false),
@@ -334,7 +352,8 @@ impl ModelConfig {
                 ));
             }
             attention_scale = Some(f.number("query_pre_attn_scalar", Some(256.0))?.powf(-0.5));
-            if !attention_scale.is_some_and(|s| s.is_finite() && s > 0.0) {
+            // The scale is applied in f32: it must be a positive f32 too.
+            if !attention_scale.is_some_and(|s| (s as f32).is_finite() && s as f32 > 0.0) {
                 return Err(f.bad("query_pre_attn_scalar", "must be positive"));
             }
             embedding_scale = Some((hidden_size as f64).sqrt());
@@ -503,28 +522,40 @@ fn gemma_rope(
     global_default: f64,
     max_position_embeddings: usize,
 ) -> Result<(ThetaScaling, Option<ThetaScaling>)> {
-    const LOCAL_DEFAULT: f64 = 10_000.0;
-    if let Some(Value::Object(p)) = f.get("rope_parameters")
-        && (p.contains_key("full_attention") || p.contains_key("sliding_attention"))
-    {
-        let part = |key: &str, default: f64| -> Result<(f64, RopeScaling)> {
-            match p.get(key) {
-                None | Some(Value::Null) => Ok((default, RopeScaling::Default)),
-                Some(Value::Object(o)) => {
-                    let pf = Fields { map: o, prefix: format!("rope_parameters.{key}.") };
-                    rope_params(f, &pf, None, default, max_position_embeddings, None)
-                }
-                Some(v) => {
-                    Err(f.bad(&format!("rope_parameters.{key}"), format!("must be an object, got {}", shown_value(v))))
-                }
-            }
-        };
-        return Ok((part("full_attention", global_default)?, Some(part("sliding_attention", LOCAL_DEFAULT)?)));
+    // The bases when the parameters do not name one: `rope_theta` (global) and
+    // `rope_local_base_freq` (local), else 1e6 and 1e4 (Gemma3TextConfig's standardisation).
+    let global_theta = f.number("rope_theta", Some(global_default))?;
+    let local_theta = f.number("rope_local_base_freq", Some(10_000.0))?;
+    for (key, theta) in [("rope_theta", global_theta), ("rope_local_base_freq", local_theta)] {
+        if theta <= 0.0 {
+            return Err(f.bad(key, format!("must be positive, got {theta}")));
+        }
     }
-    let (g, gs) = rope(f, global_default, max_position_embeddings, None)?;
-    let local = f.number("rope_local_base_freq", Some(LOCAL_DEFAULT))?;
-    if local <= 0.0 {
-        return Err(f.bad("rope_local_base_freq", format!("must be positive, got {local}")));
+    let family = RopeFamily::default();
+    match f.get("rope_parameters") {
+        Some(Value::Object(p)) if p.contains_key("full_attention") || p.contains_key("sliding_attention") => {
+            let part = |key: &str, default: f64| -> Result<(f64, RopeScaling)> {
+                match p.get(key) {
+                    None | Some(Value::Null) => Ok((default, RopeScaling::Default)),
+                    Some(Value::Object(o)) => {
+                        let pf = Fields { map: o, prefix: format!("rope_parameters.{key}.") };
+                        let theta = pf.number("rope_theta", Some(default))?;
+                        rope_params(f, &pf, Some(theta), default, max_position_embeddings, family)
+                    }
+                    Some(v) => Err(
+                        f.bad(&format!("rope_parameters.{key}"), format!("must be an object, got {}", shown_value(v)))
+                    ),
+                }
+            };
+            Ok((part("full_attention", global_theta)?, Some(part("sliding_attention", local_theta)?)))
+        }
+        // A flat `rope_parameters` is not per layer type: Gemma3TextConfig replaces it with
+        // default rope on both kinds of layer, and so does tp.
+        Some(Value::Object(_)) => Ok(((global_theta, RopeScaling::Default), Some((local_theta, RopeScaling::Default)))),
+        Some(v) => Err(f.bad("rope_parameters", format!("must be an object, got {}", shown_value(v)))),
+        // transformers 4: `rope_scaling` scales the global layers only.
+        None => {
+            Ok((rope(f, global_default, max_position_embeddings, family)?, Some((local_theta, RopeScaling::Default))))
+        }
     }
-    Ok(((g, gs), Some((local, RopeScaling::Default))))
 }

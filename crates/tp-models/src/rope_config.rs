@@ -1,11 +1,21 @@
 //! Rotary parameters of a Hugging Face config, in both forms real checkpoints use.
 
-use crate::config::Fields;
+use crate::config::{Fields, shown, shown_value};
 use crate::error::{ModelError, Result};
 use crate::rope_kinds::{RopeKindError, rope_scaling_from_kind};
 use serde_json::Value;
 use std::cell::RefCell;
 use tp_core::RopeScaling;
+
+/// What a family's config class changes in how its rope parameters read.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RopeFamily {
+    /// The class's own `original_max_position_embeddings`, which wins over the parameters' for
+    /// longrope (Phi-3: 4096).
+    pub original_max_position_embeddings: Option<usize>,
+    /// Kinds the class reads as `longrope` besides `longrope` itself (Phi-3: `su` and `yarn`).
+    pub longrope_aliases: &'static [&'static str],
+}
 
 /// `(rope_theta, scaling)` from `rope_parameters` (transformers 5) or `rope_theta` +
 /// `rope_scaling` (transformers 4), read as transformers 5 reads either: the kind is `rope_type`
@@ -20,20 +30,20 @@ pub(crate) fn rope(
     f: &Fields<'_>,
     default_theta: f64,
     max_position_embeddings: usize,
-    family_original: Option<usize>,
+    family: RopeFamily,
 ) -> Result<(f64, RopeScaling)> {
     let (params, theta) = match f.get("rope_parameters") {
         Some(Value::Object(p)) => {
             let pf = Fields { map: p, prefix: "rope_parameters.".into() };
             (Some(pf), None)
         }
-        Some(v) => return Err(f.bad("rope_parameters", format!("must be an object, got {v}"))),
+        Some(v) => return Err(f.bad("rope_parameters", format!("must be an object, got {}", shown_value(v)))),
         None => match f.get("rope_scaling") {
             Some(Value::Object(p)) => (
                 Some(Fields { map: p, prefix: "rope_scaling.".into() }),
                 Some(f.number("rope_theta", Some(default_theta))?),
             ),
-            Some(v) => return Err(f.bad("rope_scaling", format!("must be an object or null, got {v}"))),
+            Some(v) => return Err(f.bad("rope_scaling", format!("must be an object or null, got {}", shown_value(v)))),
             None => (None, Some(f.number("rope_theta", Some(default_theta))?)),
         },
     };
@@ -43,7 +53,7 @@ pub(crate) fn rope(
     let Some(p) = params else {
         return Ok((positive(theta.unwrap_or(default_theta), f)?, RopeScaling::Default));
     };
-    rope_params(f, &p, theta, default_theta, max_position_embeddings, family_original)
+    rope_params(f, &p, theta, default_theta, max_position_embeddings, family)
 }
 
 /// `(rope_theta, scaling)` from one parameters object `p` (a transformers 5 `rope_parameters`,
@@ -54,7 +64,7 @@ pub(crate) fn rope_params(
     theta: Option<f64>,
     default_theta: f64,
     max_position_embeddings: usize,
-    family_original: Option<usize>,
+    family: RopeFamily,
 ) -> Result<(f64, RopeScaling)> {
     let positive = |theta: f64, fields: &Fields<'_>| {
         if theta > 0.0 { Ok(theta) } else { Err(fields.bad("rope_theta", format!("must be positive, got {theta}"))) }
@@ -67,8 +77,8 @@ pub(crate) fn rope_params(
         (Some(k), _) | (None, Some(k)) => k.to_string(),
         (None, None) => "default".to_string(),
     };
-    if kind == "longrope" || kind == "su" {
-        return Ok((theta, longrope(f, p, &kind, max_position_embeddings, family_original)?));
+    if kind == "longrope" || family.longrope_aliases.contains(&kind.as_str()) {
+        return Ok((theta, longrope(f, p, &kind, max_position_embeddings, family.original_max_position_embeddings)?));
     }
     // What only JSON can say: a yarn factor that is absent (an error) rather than null (the
     // ratio of lengths), truncate as a boolean, and a top-level original length.
@@ -110,7 +120,11 @@ pub(crate) fn rope_params(
             let fields = if name == "max_position_embeddings" { f } else { p };
             fields.bad(&name, why)
         }
-        e => ModelError::Unsupported { field: p.name("rope_type"), value: format!("{kind:?}"), why: e.to_string() },
+        e => ModelError::Unsupported {
+            field: p.name("rope_type"),
+            value: shown(&format!("{kind:?}")),
+            why: e.to_string(),
+        },
     })?;
     Ok((theta, scaling))
 }
@@ -128,9 +142,9 @@ fn longrope(
     family_original: Option<usize>,
 ) -> Result<RopeScaling> {
     let list = |key: &str| -> Result<Vec<f64>> {
-        let v = p
-            .get(key)
-            .ok_or_else(|| p.bad(key, format!("is missing ({kind:?} needs short_factor and long_factor)")))?;
+        let v = p.get(key).ok_or_else(|| {
+            p.bad(key, format!("is missing ({} needs short_factor and long_factor)", shown(&format!("{kind:?}"))))
+        })?;
         let items = v.as_array().ok_or_else(|| p.bad(key, "must be a list of numbers"))?;
         items
             .iter()

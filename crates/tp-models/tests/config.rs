@@ -321,3 +321,54 @@ fn bad_fields_are_named() {
     c["model_type"] = json!("gpt2");
     assert!(matches!(parse(c), Err(ModelError::UnknownArchitecture { name, .. }) if name == "gpt2"));
 }
+
+#[test]
+fn family_rules_of_the_transformers_config_classes() {
+    let base = |arch: &str| {
+        let mut c = tinyllama();
+        c["architectures"] = json!([arch]);
+        c.as_object_mut().unwrap().remove("num_key_value_heads");
+        c
+    };
+    // num_key_value_heads absent: each class's own default (Qwen 32, Mistral 8, Gemma 3 4;
+    // Llama, Phi-3 and OLMo 2 the attention heads).
+    for (arch, kv) in [
+        ("Qwen3ForCausalLM", 32),
+        ("Qwen2ForCausalLM", 32),
+        ("MistralForCausalLM", 8),
+        ("Gemma3ForCausalLM", 4),
+        ("LlamaForCausalLM", 32),
+        ("Phi3ForCausalLM", 32),
+        ("Olmo2ForCausalLM", 32),
+    ] {
+        assert_eq!(parse(base(arch)).unwrap().num_key_value_heads, kv, "{arch}");
+    }
+    // Gemma 3's MLP reads hidden_activation alone: a hidden_act beside it changes nothing.
+    let mut gemma = base("Gemma3ForCausalLM");
+    gemma["hidden_act"] = json!("silu");
+    gemma.as_object_mut().unwrap().remove("hidden_activation");
+    assert_eq!(parse(gemma.clone()).unwrap().hidden_act, tp_core::Activation::GeluTanh);
+    // Gemma 3's nested rope parameters without a base: rope_theta (global) and
+    // rope_local_base_freq (sliding), as Gemma3TextConfig standardises them.
+    gemma["rope_theta"] = json!(1e6);
+    gemma["rope_local_base_freq"] = json!(5000.0);
+    gemma["rope_parameters"] = json!({"full_attention": {"rope_type": "default"},
+        "sliding_attention": {"rope_type": "default"}});
+    let c = parse(gemma.clone()).unwrap();
+    assert_eq!((c.rope_theta, c.local_rope.clone().map(|l| l.0)), (1e6, Some(5000.0)));
+    // A flat rope_parameters is not per layer type: default rope on both, as transformers.
+    gemma["rope_parameters"] = json!({"rope_type": "linear", "factor": 8.0});
+    let c = parse(gemma.clone()).unwrap();
+    assert_eq!((c.rope_scaling, c.local_rope.map(|l| l.1)), (RopeScaling::Default, Some(RopeScaling::Default)));
+    // The attention scale must be a positive f32.
+    gemma["query_pre_attn_scalar"] = json!(1e300);
+    assert!(parse(gemma).unwrap_err().to_string().contains("query_pre_attn_scalar"));
+    // Phi-3's config reads "yarn" (and "su") as longrope; Llama's reads yarn as yarn.
+    let mut phi = base("Phi3ForCausalLM");
+    phi["rope_scaling"] = json!({"type": "yarn", "factor": 2.0,
+        "short_factor": vec![1.0; 32], "long_factor": vec![2.0; 32]});
+    assert!(matches!(parse(phi).unwrap().rope_scaling, RopeScaling::LongRope { .. }));
+    let mut llama = base("LlamaForCausalLM");
+    llama["rope_scaling"] = json!({"type": "yarn", "factor": 2.0});
+    assert!(matches!(parse(llama).unwrap().rope_scaling, RopeScaling::Yarn { .. }));
+}

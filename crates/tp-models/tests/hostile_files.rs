@@ -96,6 +96,8 @@ fn sizes_whose_products_wrap_are_typed_errors() {
         ("head_dim", json!(1u64 << 62), "head_dim"),
         ("vocab_size", json!(1u64 << 60), "vocab_size"),
         ("intermediate_size", json!(1u64 << 62), "intermediate_size"),
+        ("num_hidden_layers", json!(1u64 << 40), "num_hidden_layers"),
+        ("rms_norm_eps", json!(1e300), "rms_norm_eps"),
     ] {
         let mut c = tiny_config();
         c[key] = value;

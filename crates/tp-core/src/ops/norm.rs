@@ -73,7 +73,7 @@ impl Tensor {
                 why: "the weight must be [H] for an input [.., H]",
             });
         }
-        if !(eps.is_finite() && eps >= 0.0) {
+        if !(eps.is_finite() && eps >= 0.0 && (eps as f32).is_finite()) {
             return Err(Error::InvalidArgument { op: OP, why: format!("eps must be finite and >= 0, got {eps}") });
         }
         let rows = self.numel().checked_div(h).unwrap_or(0);

@@ -151,11 +151,16 @@ impl RotaryEmbedding {
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(invalid(format!("head_dim {head_dim} must be even and > 0")));
         }
-        if !(theta.is_finite() && theta > 0.0) {
+        if !(theta.is_finite() && theta > 0.0 && (theta as f32).is_finite() && theta as f32 > 0.0) {
             return Err(invalid(format!("rope_theta {theta} must be positive")));
         }
+        // Values used in f32 must be positive f32s too (1e-320 is a positive f64 but 0 in f32).
         let positive = |name: &str, v: f64| {
-            if v.is_finite() && v > 0.0 { Ok(v) } else { Err(invalid(format!("{name} {v} must be positive"))) }
+            if v.is_finite() && v > 0.0 && (v as f32).is_finite() && v as f32 > 0.0 {
+                Ok(v)
+            } else {
+                Err(invalid(format!("{name} {v} must be positive (and a positive f32)")))
+            }
         };
         if head_dim > MAX_HEAD_DIM {
             return Err(invalid(format!("head_dim {head_dim} exceeds {MAX_HEAD_DIM}")));
