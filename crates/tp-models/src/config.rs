@@ -323,7 +323,7 @@ impl ModelConfig {
                 .map_err(|e| f.bad(rope_key, e.to_string()))?;
         }
         let rms_norm_eps = f.number("rms_norm_eps", Some(spec.rms_norm_eps))?;
-        if rms_norm_eps < 0.0 || rms_norm_eps > 1.0 {
+        if !(0.0..=1.0).contains(&rms_norm_eps) {
             return Err(f.bad("rms_norm_eps", format!("must lie in [0, 1], got {rms_norm_eps}")));
         }
         let (qkv_bias, o_bias, mlp_bias) = match spec.biases {
