@@ -27,7 +27,8 @@ const SUITES: &[(&str, &str, &str)] = &[
 pub fn run(args: &[String]) -> Result<()> {
     let out = match args {
         [] => crate::workspace_root().join("target/bundle"),
-        [flag, dir] if flag == "--out" => PathBuf::from(dir),
+        // Absolute: tar and strip run from the workspace root, the copies from here.
+        [flag, dir] if flag == "--out" => std::path::absolute(dir).with_context(|| format!("--out {dir}"))?,
         _ => bail!("usage: cargo xtask bundle [--out DIR]"),
     };
     let nvcc = crate::cuda::ensure_nvcc()?;

@@ -31,16 +31,31 @@ out=${1:?usage: run.sh RESULTS_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 
-# The binaries travel packed (bins.tar.gz): unpack them into a temporary folder, never into
-# RESULTS_DIR (whose files are fetched back). A bundle with loose binaries runs them in place.
+# The whole run's budget starts now (TOTAL_SECS, default 540 s: one device call).
+run_end=$(( $(date +%s) + ${TOTAL_SECS:-540} ))
+
+# The binaries travel packed (bins.tar.gz): unpack them into a temporary folder (else one beside
+# the bundle, should TMPDIR be missing, read-only or mounted noexec), never into RESULTS_DIR
+# (whose files are fetched back). A bundle with loose binaries runs them in place.
 bin="$here"
+unpack() { # unpack DIR: the binaries into DIR, runnable there
+  tar -xzf "$here/bins.tar.gz" -C "$1" 2>/dev/null ||
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$here/bins.tar.gz" "$1" ||
+    return 1
+  [ -x "$1/gpu-tests" ] && "$1/gpu-tests" --list >/dev/null 2>&1
+}
 if [ -f "$here/bins.tar.gz" ]; then
-  bin=$(mktemp -d "${TMPDIR:-/tmp}/tp-bundle.XXXXXX")
-  trap 'rm -rf "$bin"' EXIT
-  if ! tar -xzf "$here/bins.tar.gz" -C "$bin" 2>/dev/null; then
-    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$here/bins.tar.gz" "$bin" ||
-      { echo "run.sh: cannot unpack $here/bins.tar.gz (needs tar with gzip, or python3)" >&2; exit 1; }
+  bin=""
+  for parent in "${TMPDIR:-/tmp}" "$here"; do
+    d=$(mktemp -d "$parent/tp-bundle.XXXXXX" 2>/dev/null) || continue
+    if unpack "$d"; then bin=$d; break; fi
+    rm -rf "$d"
+  done
+  if [ -z "$bin" ]; then
+    echo "run.sh: cannot unpack $here/bins.tar.gz into a folder where it can run (needs tar with gzip, or python3)" >&2
+    exit 1
   fi
+  trap 'rm -rf "$bin"' EXIT
 fi
 
 dirs=()
@@ -66,7 +81,7 @@ joined=$(IFS=:; echo "${dirs[*]}")
 if [ -n "$joined" ]; then export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}${joined}"; fi
 
 ldconfig_bin=$(command -v ldconfig || { [ -x /sbin/ldconfig ] && echo /sbin/ldconfig; } || true)
-ld_cache=$([ -n "$ldconfig_bin" ] && timeout 20 "$ldconfig_bin" -p 2>/dev/null || true)
+ld_cache=$([ -n "$ldconfig_bin" ] && timeout -k 5 20 "$ldconfig_bin" -p 2>/dev/null || true)
 
 # find_lib NAME: where the loader finds NAME (any version: cudarc also loads e.g.
 # libcublas.so.12): the first LD_LIBRARY_PATH folder holding NAME or NAME.*, else the first
@@ -99,15 +114,14 @@ find_lib() {
 } > "$out/env.txt"
 # nvidia-smi can hang on a wedged driver: every call has a deadline.
 if command -v nvidia-smi >/dev/null 2>&1; then
-  timeout 20 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-  timeout 20 nvidia-smi \
+  timeout -k 5 20 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+  timeout -k 5 20 nvidia-smi \
     --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,temperature.gpu \
     --format=csv > "$out/gpu.csv" 2>&1
 fi
 cat "$out/env.txt"
 
 step_secs=${STEP_SECS:-240}
-run_end=$(( $(date +%s) + ${TOTAL_SECS:-540} ))
 # step NAME SECONDS CMD...: runs CMD under a deadline (the smaller of SECONDS and what is left of
 # the run's budget) into NAME.txt, its status into NAME.rc.
 step() {
@@ -131,7 +145,7 @@ step() {
 # means for the rest of the suite.
 note_fault() {
   [ "$(cat "$out/$1.rc")" = 0 ] && return
-  if grep -Eq 'LAUNCH_FAILED|ILLEGAL_INSTRUCTION|ILLEGAL_ADDRESS|MISALIGNED_ADDRESS' "$out/$1.txt"; then
+  if grep -Eq 'LAUNCH_FAILED|ILLEGAL_INSTRUCTION|ILLEGAL_ADDRESS|MISALIGNED_ADDRESS|HARDWARE_STACK_ERROR|INVALID_PC|INVALID_ADDRESS_SPACE|CUDA_ERROR_ASSERT' "$out/$1.txt"; then
     echo "note: $1: a CUDA launch failure/illegal instruction poisons the context: every later test of this" \
       "suite fails with it too, so the first failure in $1.txt is the real one"
   fi
@@ -184,5 +198,7 @@ if [ -n "$sanitizer" ]; then
     "$bin/gpu-tests" --test-threads=1 decoder_kernels_agree
 fi
 if command -v nvidia-smi >/dev/null 2>&1; then
-  timeout 20 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv >> "$out/gpu.csv" 2>&1
+  if [ $(( run_end - $(date +%s) )) -ge 25 ]; then
+    timeout -k 5 20 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv >> "$out/gpu.csv" 2>&1
+  fi
 fi

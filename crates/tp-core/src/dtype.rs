@@ -150,8 +150,10 @@ pub trait Element: Storable + tp_cpu::Float {
     }
     /// Narrowing from `f64`, one rounding (round to nearest even).
     fn from_f64(v: f64) -> Self;
-    /// Widen a whole slice to `f32` (vectorised; [`tp_cpu::Float::widen_slice`]).
+    /// Widen a whole slice to `f32` (vectorised; [`tp_cpu::Float::widen_slice`]); the slices
+    /// have one length.
     fn slice_to_f32(src: &[Self], dst: &mut [f32]) {
+        debug_assert_eq!(src.len(), dst.len(), "slice_to_f32 needs slices of one length");
         tp_cpu::Float::widen_slice(src, dst);
     }
     /// Narrow a whole `f32` slice, round to nearest even.

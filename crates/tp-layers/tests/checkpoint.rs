@@ -215,3 +215,27 @@ fn malformed_checkpoints_are_typed_errors() {
     }
     expect_err(Checkpoint::open(tmpdir("empty")), "empty folder", |e| matches!(e, LayerError::Checkpoint { .. }));
 }
+
+#[test]
+fn ranges_of_every_dim_of_a_3d_tensor_equal_narrowing_the_whole() {
+    let dir = std::env::temp_dir().join(format!("tp-ckpt-3d-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.safetensors");
+    for dtype in [DType::F32, DType::BF16] {
+        let t = Tensor::randn(&[3, 5, 4], dtype, 7, &CPU).unwrap();
+        save(&path, &[("t", &t)]).unwrap();
+        let ckpt = Checkpoint::open(&path).unwrap();
+        for (dim, size) in [(0, 3), (1, 5), (2, 4)] {
+            for start in 0..size {
+                for len in 0..=size - start {
+                    let (got, read) = ckpt.load_range("t", dim, start, len, None, &CPU).unwrap();
+                    assert_eq!(got, t.narrow(dim, start, len).unwrap(), "{dtype} dim {dim} {start}+{len}");
+                    assert_eq!(read, got.size_in_bytes());
+                }
+            }
+        }
+        assert!(ckpt.load_range("t", 1, 4, 2, None, &CPU).is_err(), "past the end");
+        assert!(ckpt.load_range("t", 3, 0, 1, None, &CPU).is_err(), "no such dim");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -95,8 +95,8 @@ pub fn is_poisoned(e: &CommError) -> bool {
 
 /// Starts `world_size` copies of this program with `args` as an NCCL job on this machine
 /// (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`, a free `MASTER_PORT`) and
-/// waits for them; each exits by its own rendezvous and collective deadlines. If one cannot be
-/// started, those already started are killed.
+/// waits for them. If one cannot be started, those already started are killed; once one
+/// fails, the others (which would only wait for it until their deadlines) are stopped.
 pub fn spawn_ranks(world_size: usize, args: &[String]) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -125,11 +125,31 @@ pub fn spawn_ranks(world_size: usize, args: &[String]) -> Result<(), String> {
             }
         }
     }
-    let failed: Vec<usize> = children
-        .into_iter()
-        .enumerate()
-        .filter_map(|(r, mut c)| (!c.wait().is_ok_and(|s| s.success())).then_some(r))
-        .collect();
+    // Wait for all; once one fails, the others would only wait for it until their deadline:
+    // stop them, and reap every child either way.
+    let mut status: Vec<Option<bool>> = vec![None; children.len()];
+    while status.iter().any(Option::is_none) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if status[r].is_none() {
+                match c.try_wait() {
+                    Ok(Some(s)) => status[r] = Some(s.success()),
+                    Ok(None) => {}
+                    Err(_) => status[r] = Some(false),
+                }
+            }
+        }
+        if status.contains(&Some(false)) {
+            for (r, c) in children.iter_mut().enumerate() {
+                if status[r].is_none() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    status[r] = Some(true); // stopped, not failed by itself
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let failed: Vec<usize> = status.iter().enumerate().filter_map(|(r, s)| (*s == Some(false)).then_some(r)).collect();
     if failed.is_empty() { Ok(()) } else { Err(format!("rank(s) {failed:?} failed")) }
 }
 

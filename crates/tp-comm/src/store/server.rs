@@ -215,14 +215,8 @@ impl Shared {
     fn handle(&self, id: u64, op: u8, key: Vec<u8>, value: Vec<u8>, evicted: &AtomicBool) -> Option<Reply> {
         Some(match op {
             OP_SET => self.put(key, value, true),
-            OP_CLAIM => {
-                let rank = is_rank_key(&key, self.limits.world_size);
-                let reply = self.put(key, value, false);
-                if rank && reply.0 == R_OK {
-                    self.mark_rank(id);
-                }
-                reply
-            }
+            OP_CLAIM if is_rank_key(&key, self.limits.world_size) => self.claim_rank(id, key, value),
+            OP_CLAIM => self.put(key, value, false),
             OP_GET => self.get(&key, wait_of(&value, self.limits.max_wait), evicted),
             OP_WAIT_ALL => {
                 let count = u64_at(&value, 8).and_then(|c| usize::try_from(c).ok())?;
@@ -232,12 +226,21 @@ impl Shared {
         })
     }
 
-    /// Connection `id` is a rank's from now on (unless it is already being evicted).
-    fn mark_rank(&self, id: u64) {
-        if let Some(c) = lock(&self.conns).open.get_mut(&id)
-            && !c.evicted.load(Ordering::Relaxed)
-        {
-            c.rank = true;
+    /// A claim of a rank's key by connection `id`: the claim and the marking of the connection
+    /// as a rank's are one step under the connections' lock (taken before the table's, as in
+    /// [`make_room`](Self::make_room)), so a connection is never evicted between winning its
+    /// rank and being counted as one; an evicted connection claims nothing.
+    fn claim_rank(&self, id: u64, key: Vec<u8>, value: Vec<u8>) -> Reply {
+        let mut conns = lock(&self.conns);
+        match conns.open.get_mut(&id) {
+            Some(c) if !c.evicted.load(Ordering::Relaxed) => {
+                let reply = self.put(key, value, false);
+                if reply.0 == R_OK {
+                    c.rank = true;
+                }
+                reply
+            }
+            _ => error_reply("this connection was closed to make room for a rank's; connect again"),
         }
     }
 
@@ -255,6 +258,9 @@ impl Shared {
         let deadline = Deadline::after(EVICT_WAIT);
         let mut conns = lock(&self.conns);
         loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Err("the store has stopped".into());
+            }
             if conns.open.len() < limit {
                 return Ok(());
             }
@@ -416,6 +422,18 @@ fn refuse(conn: &TcpStream, why: &str) {
 /// Starts serving `conn` on its own thread, within the connection limit: at the limit, the
 /// oldest connection that is not a rank's gives way ([`Shared::make_room`]); when all are
 /// ranks', `conn` is refused.
+/// Removes connection `id` from the open ones when dropped.
+struct Forget<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        self.shared.forget(self.id);
+    }
+}
+
 fn admit(conn: TcpStream, shared: &Arc<Shared>) {
     let _ = conn.set_nonblocking(false);
     let _ = conn.set_nodelay(true);
@@ -423,6 +441,12 @@ fn admit(conn: TcpStream, shared: &Arc<Shared>) {
         return refuse(&conn, &why);
     }
     let mut conns = lock(&shared.conns);
+    // The server is being dropped: its sweep of the connections (under this lock, after `stop`
+    // is set) may already have run, so a connection added now would outlive it.
+    if shared.stop.load(Ordering::Relaxed) {
+        drop(conns);
+        return refuse(&conn, "the store has stopped");
+    }
     // Only this thread adds connections, so the room made is still there; checked all the same.
     if conns.open.len() >= shared.limits.max_connections {
         drop(conns);
@@ -439,8 +463,10 @@ fn admit(conn: TcpStream, shared: &Arc<Shared>) {
     drop(conns);
     let sh = shared.clone();
     let spawned = std::thread::Builder::new().name("tp-store-conn".into()).stack_size(CONN_STACK).spawn(move || {
+        // Forgotten however `serve` ends, a panic included (a rank's connection left behind
+        // would make rank 0's exit wait out its timeout).
+        let _forget = Forget { shared: &sh, id };
         serve(conn, &sh, id, &evicted);
-        sh.forget(id);
     });
     if spawned.is_err() {
         // The closure, and with it the connection, is gone; tell the client through the handle.

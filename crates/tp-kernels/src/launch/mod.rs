@@ -4,7 +4,8 @@
 //! SAFETY note listing the conditions it relies on.
 //!
 //! * `copy.rs`: strided row copies, the all-gather interleave, dtype casts.
-//! * `elementwise.rs`: SwiGLU, row bias, in-place add.
+//! * `elementwise.rs`: gated activations (SwiGLU, GeGLU), row bias, in-place add, scale,
+//!   soft-capping.
 //! * `decoder.rs`: RMSNorm, RoPE, attention, embedding lookup, argmax.
 //! * `gemm_args.rs`: [`GemmArgs`] and [`GemmShape`], what every GEMM launcher takes, and their
 //!   buffer checks; `gemm.rs`: the SIMT, mma.sync and decode-shaped GEMMs; `wgmma.rs` +

@@ -81,6 +81,9 @@ fn run() -> Result<(), String> {
 
 /// The library's request checks, once, before any rank starts.
 fn check_request(c: &ModelConfig, prompt: &[i64], n: usize) -> Result<(), String> {
+    if prompt.is_empty() {
+        return Err("the prompt is empty (the tokenizer made no tokens of it)".into());
+    }
     if let Some((i, id)) =
         prompt.iter().enumerate().find(|(_, id)| usize::try_from(**id).map_or(true, |v| v >= c.vocab_size))
     {
@@ -112,7 +115,9 @@ fn run_local(a: &Args, config: &ModelConfig, prompt: &[i64]) -> Result<Generatio
     let results = ranks::run_threads(groups, "rank", |g| one_rank(a, config, prompt, g));
     // The error worth reading is the first failing rank's own, not another's report that the
     // group was aborted because of it.
-    if let Some((r, failure)) = ranks::root_cause(&results, |e: &String| e.contains("aborted: this rank failed")) {
+    // (Any rank's "the group is poisoned" report: a failure, a panic or a thread that could
+    // not start elsewhere.)
+    if let Some((r, failure)) = ranks::root_cause(&results, |e: &String| e.contains(": the group is poisoned: ")) {
         let e = match failure {
             RankFailure::Failed(e) => e.clone(),
             RankFailure::Panicked => "a rank panicked".to_string(),
