@@ -40,7 +40,9 @@ pub enum RankFailure<E> {
 /// Runs `f` on every rank of `groups`, each on a thread named `{name}-{rank}`, and returns the
 /// results in rank order. A rank whose `f` fails, or whose thread cannot start, aborts the
 /// group (`"this rank failed"`, `"a rank's thread could not be started"`), so the others stop
-/// waiting for it at once rather than at their deadline.
+/// waiting for it at once rather than at their deadline. No thread is started after one could
+/// not be (the process is out of threads or memory, and trying on could abort it): the results
+/// then end with that rank's [`RankFailure::NotStarted`].
 pub fn run_threads<R: Send, E: Send>(
     groups: Vec<DeviceGroup>,
     name: &str,
@@ -48,31 +50,35 @@ pub fn run_threads<R: Send, E: Send>(
 ) -> Vec<Result<R, RankFailure<E>>> {
     let f = &f;
     std::thread::scope(|s| {
-        let handles: Vec<_> = groups
+        let mut handles = Vec::with_capacity(groups.len());
+        let mut not_started = None;
+        for g in groups {
+            let spare = g.clone(); // to stop the others if this rank's thread cannot start
+            let spawned = std::thread::Builder::new().name(format!("{name}-{}", g.rank())).spawn_scoped(s, move || {
+                let out = f(&g);
+                if out.is_err() {
+                    g.abort("this rank failed"); // the others stop waiting for it
+                }
+                out
+            });
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    spare.abort("a rank's thread could not be started");
+                    not_started = Some(e);
+                    break;
+                }
+            }
+        }
+        let mut results: Vec<_> = handles
             .into_iter()
-            .map(|g| {
-                let spare = g.clone(); // to stop the others if this rank's thread cannot start
-                let spawned =
-                    std::thread::Builder::new().name(format!("{name}-{}", g.rank())).spawn_scoped(s, move || {
-                        let out = f(&g);
-                        if out.is_err() {
-                            g.abort("this rank failed"); // the others stop waiting for it
-                        }
-                        out
-                    });
-                spawned.inspect_err(|_| spare.abort("a rank's thread could not be started"))
+            .map(|h| match h.join() {
+                Ok(out) => out.map_err(RankFailure::Failed),
+                Err(_) => Err(RankFailure::Panicked),
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| match h {
-                Ok(h) => match h.join() {
-                    Ok(out) => out.map_err(RankFailure::Failed),
-                    Err(_) => Err(RankFailure::Panicked),
-                },
-                Err(e) => Err(RankFailure::NotStarted(e)),
-            })
-            .collect()
+        results.extend(not_started.map(|e| Err(RankFailure::NotStarted(e))));
+        results
     })
 }
 
