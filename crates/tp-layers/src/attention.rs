@@ -312,7 +312,6 @@ impl ParallelAttention {
         let &[t, _] = x.dims() else {
             return Err(LayerError::Config(format!("attention input must be [tokens, hidden], got {:?}", x.dims())));
         };
-        cache.reserve(cache.len() + t)?;
         let positions: Vec<usize> = (cache.len()..cache.len() + t).collect();
         let (q, k, v) = self.qkv.forward(x)?;
         let (q, k) = self.qk_normed(q, k, t)?;

@@ -113,14 +113,7 @@ impl DecoderLayer {
         post_attention_layernorm: RmsNorm,
         mlp: ParallelMlp,
     ) -> DecoderLayer {
-        DecoderLayer {
-            attn_in: Some(input_layernorm),
-            self_attn,
-            attn_out: None,
-            mlp_in: Some(post_attention_layernorm),
-            mlp,
-            mlp_out: None,
-        }
+        Self::with_norms(self_attn, mlp, [Some(input_layernorm), None, Some(post_attention_layernorm), None])
     }
 
     /// Assembles a block with any of the four norms ([`BlockNorms`] order).
@@ -159,6 +152,8 @@ impl DecoderLayer {
     }
 }
 
+/// `x` through the norm `n`, or `x` itself where the block has no such norm (a tensor clone
+/// shares its elements, so passing one costs nothing).
 fn norm(n: &Option<RmsNorm>, x: Tensor) -> Result<Tensor> {
     match n {
         Some(n) => n.forward(&x),
@@ -169,17 +164,9 @@ fn norm(n: &Option<RmsNorm>, x: Tensor) -> Result<Tensor> {
 impl Block for DecoderLayer {
     /// Two all-reduces (attention's and the MLP's).
     fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let a_in = match &self.attn_in {
-            Some(n) => n.forward(x)?,
-            None => x.clone(),
-        };
-        let mut h = norm(&self.attn_out, self.self_attn.forward(&a_in, cache)?)?;
+        let mut h = norm(&self.attn_out, self.self_attn.forward(&norm(&self.attn_in, x.clone())?, cache)?)?;
         h.add_assign(x)?; // h = x + attn (addition commutes bit for bit)
-        let m_in = match &self.mlp_in {
-            Some(n) => n.forward(&h)?,
-            None => h.clone(),
-        };
-        let mut y = norm(&self.mlp_out, self.mlp.forward(&m_in)?)?;
+        let mut y = norm(&self.mlp_out, self.mlp.forward(&norm(&self.mlp_in, h.clone())?)?)?;
         y.add_assign(&h)?;
         Ok(y)
     }

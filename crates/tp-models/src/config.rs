@@ -166,6 +166,12 @@ impl Fields<'_> {
         }
     }
 
+    /// A finite, positive number field.
+    pub(crate) fn positive(&self, key: &str, default: Option<f64>) -> Result<f64> {
+        let v = self.number(key, default)?;
+        if v > 0.0 { Ok(v) } else { Err(self.bad(key, format!("must be positive, got {v}"))) }
+    }
+
     pub(crate) fn flag(&self, key: &str, default: bool) -> Result<bool> {
         match self.get(key) {
             None => Ok(default),
@@ -359,13 +365,7 @@ impl ModelConfig {
             embedding_scale = Some((hidden_size as f64).sqrt());
             final_logit_softcapping = match f.get("final_logit_softcapping") {
                 None => None,
-                Some(_) => {
-                    let c = f.number("final_logit_softcapping", None)?;
-                    if c <= 0.0 {
-                        return Err(f.bad("final_logit_softcapping", format!("must be positive, got {c}")));
-                    }
-                    Some(c)
-                }
+                Some(_) => Some(f.positive("final_logit_softcapping", None)?),
             };
         }
         Ok(ModelConfig {
@@ -524,13 +524,8 @@ fn gemma_rope(
 ) -> Result<(ThetaScaling, Option<ThetaScaling>)> {
     // The bases when the parameters do not name one: `rope_theta` (global) and
     // `rope_local_base_freq` (local), else 1e6 and 1e4 (Gemma3TextConfig's standardisation).
-    let global_theta = f.number("rope_theta", Some(global_default))?;
-    let local_theta = f.number("rope_local_base_freq", Some(10_000.0))?;
-    for (key, theta) in [("rope_theta", global_theta), ("rope_local_base_freq", local_theta)] {
-        if theta <= 0.0 {
-            return Err(f.bad(key, format!("must be positive, got {theta}")));
-        }
-    }
+    let global_theta = f.positive("rope_theta", Some(global_default))?;
+    let local_theta = f.positive("rope_local_base_freq", Some(10_000.0))?;
     let family = RopeFamily::default();
     match f.get("rope_parameters") {
         Some(Value::Object(p)) if p.contains_key("full_attention") || p.contains_key("sliding_attention") => {
@@ -539,7 +534,7 @@ fn gemma_rope(
                     None | Some(Value::Null) => Ok((default, RopeScaling::Default)),
                     Some(Value::Object(o)) => {
                         let pf = Fields { map: o, prefix: format!("rope_parameters.{key}.") };
-                        let theta = pf.number("rope_theta", Some(default))?;
+                        let theta = pf.positive("rope_theta", Some(default))?;
                         rope_params(f, &pf, Some(theta), default, max_position_embeddings, family)
                     }
                     Some(v) => Err(

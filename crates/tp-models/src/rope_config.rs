@@ -41,17 +41,14 @@ pub(crate) fn rope(
         None => match f.get("rope_scaling") {
             Some(Value::Object(p)) => (
                 Some(Fields { map: p, prefix: "rope_scaling.".into() }),
-                Some(f.number("rope_theta", Some(default_theta))?),
+                Some(f.positive("rope_theta", Some(default_theta))?),
             ),
             Some(v) => return Err(f.bad("rope_scaling", format!("must be an object or null, got {}", shown_value(v)))),
-            None => (None, Some(f.number("rope_theta", Some(default_theta))?)),
+            None => (None, Some(f.positive("rope_theta", Some(default_theta))?)),
         },
     };
-    let positive = |theta: f64, fields: &Fields<'_>| {
-        if theta > 0.0 { Ok(theta) } else { Err(fields.bad("rope_theta", format!("must be positive, got {theta}"))) }
-    };
     let Some(p) = params else {
-        return Ok((positive(theta.unwrap_or(default_theta), f)?, RopeScaling::Default));
+        return Ok((theta.unwrap_or(default_theta), RopeScaling::Default));
     };
     rope_params(f, &p, theta, default_theta, max_position_embeddings, family)
 }
@@ -61,17 +58,15 @@ pub(crate) fn rope(
 pub(crate) fn rope_params(
     f: &Fields<'_>,
     p: &Fields<'_>,
+    // The base when the caller read it (checked positive), else read from `p`.
     theta: Option<f64>,
     default_theta: f64,
     max_position_embeddings: usize,
     family: RopeFamily,
 ) -> Result<(f64, RopeScaling)> {
-    let positive = |theta: f64, fields: &Fields<'_>| {
-        if theta > 0.0 { Ok(theta) } else { Err(fields.bad("rope_theta", format!("must be positive, got {theta}"))) }
-    };
     let theta = match theta {
-        Some(t) => positive(t, f)?,
-        None => positive(p.number("rope_theta", Some(f.number("rope_theta", Some(default_theta))?))?, p)?,
+        Some(t) => t,
+        None => p.positive("rope_theta", Some(f.number("rope_theta", Some(default_theta))?))?,
     };
     let kind = match (p.string("rope_type")?, p.string("type")?) {
         (Some(k), _) | (None, Some(k)) => k.to_string(),
@@ -88,11 +83,7 @@ pub(crate) fn rope_params(
     let truncate = if kind == "yarn" { p.flag("truncate", true)? } else { true };
     let top_original = match kind.as_str() {
         "yarn" | "llama3" if f.get("original_max_position_embeddings").is_some() => {
-            let v = f.number("original_max_position_embeddings", None)?;
-            if v <= 0.0 {
-                return Err(f.bad("original_max_position_embeddings", format!("must be positive, got {v}")));
-            }
-            Some(v)
+            Some(f.positive("original_max_position_embeddings", None)?)
         }
         _ => None,
     };
@@ -163,13 +154,7 @@ fn longrope(
     };
     let factor = p.number("factor", Some(max_position_embeddings as f64 / original))?;
     let attention_factor = match p.get("attention_factor") {
-        Some(_) => {
-            let a = p.number("attention_factor", None)?;
-            if a <= 0.0 {
-                return Err(p.bad("attention_factor", format!("must be positive, got {a}")));
-            }
-            a
-        }
+        Some(_) => p.positive("attention_factor", None)?,
         None if factor <= 1.0 => 1.0,
         None => (1.0 + factor.ln() / original.ln()).sqrt(),
     };

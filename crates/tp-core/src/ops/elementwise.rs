@@ -183,13 +183,7 @@ impl Tensor {
         if let Storage::Cuda(x) = self.storage() {
             return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::scale(x, n, s)?));
         }
-        let x = self.cpu_storage(OP)?;
-        let out = with_dtype!(x.dtype(), T => {
-            let f = T::from_f32(s).to_f32();
-            let v = x.as_slice::<T>().unwrap_or_default().iter().map(|v| T::from_f32(v.to_f32() * f));
-            CpuStorage::from_vec(crate::alloc::collect(OP, n, v)?)
-        });
-        Ok(Tensor::from_cpu(self.shape().clone(), out))
+        self.map_host(OP, |v, round| v * round(s))
     }
 
     /// Soft-capping at `cap`: `round(round(tanh(round(x / cap))) · cap)`, PyTorch's
@@ -206,14 +200,17 @@ impl Tensor {
         if let Storage::Cuda(x) = self.storage() {
             return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::softcap(x, n, cap)?));
         }
-        let x = self.cpu_storage(OP)?;
+        self.map_host(OP, |v, round| round(round(v / cap).tanh()) * cap)
+    }
+
+    /// The host side of an element-wise op: `f(x, round)` of every element in f32, `round`
+    /// rounding an f32 to this tensor's dtype, and the result rounded to it once more.
+    fn map_host(&self, op: &'static str, f: impl Fn(f32, &dyn Fn(f32) -> f32) -> f32) -> Result<Tensor> {
+        let x = self.cpu_storage(op)?;
         let out = with_dtype!(x.dtype(), T => {
-            let v = x.as_slice::<T>().unwrap_or_default().iter().map(|v| {
-                let d = T::from_f32(v.to_f32() / cap).to_f32();
-                let t = T::from_f32(d.tanh()).to_f32();
-                T::from_f32(t * cap)
-            });
-            CpuStorage::from_vec(crate::alloc::collect(OP, n, v)?)
+            let round = |v: f32| T::from_f32(v).to_f32();
+            let v = x.as_slice::<T>().unwrap_or_default().iter().map(|v| T::from_f32(f(v.to_f32(), &round)));
+            CpuStorage::from_vec(crate::alloc::collect(op, self.numel(), v)?)
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
     }
