@@ -14,7 +14,8 @@
 //!   ([`store`]) through which ranks register and opaque ids travel. Each step has one
 //!   [`Deadline`], and its error reaches every rank within the timeout plus
 //!   [`DEADLINE_SLACK`]. Limits: [`MAX_WORLD_SIZE`] ranks, [`MAX_TIMEOUT`]; text from other
-//!   processes reaches messages only through [`peer_text`].
+//!   processes reaches messages only through [`peer_text`]. [`free_local_port`] picks a
+//!   `MASTER_PORT` for a job launched on this machine.
 //!
 //! * [`nccl`]: the NCCL backend, `libnccl.so.2` loaded at run time ([`nccl::Nccl`]) and a
 //!   [`Communicator`] over it ([`nccl::NcclComm`]); [`DeviceGroup::from_env`] sets it all up the
@@ -45,6 +46,7 @@ mod group;
 mod local;
 pub mod nccl;
 mod peer_text;
+mod port;
 mod reduce;
 mod rendezvous;
 pub mod store;
@@ -57,6 +59,7 @@ pub use error::{CommError, Result};
 pub use group::DeviceGroup;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup};
 pub use peer_text::{MAX_PEER_TEXT_CHARS, peer_text};
+pub use port::free_local_port;
 pub use rendezvous::Rendezvous;
 pub use tp_core;
 pub use work::Work;

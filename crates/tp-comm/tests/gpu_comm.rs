@@ -65,7 +65,7 @@ fn local_group_ranks_sharing_one_gpu_match_the_cpu() {
 #[test]
 fn nccl_at_world_size_one_runs_every_collective() {
     setup();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = tp_comm::free_local_port().expect("a free loopback port");
     let vars = [("RANK", "0".to_string()), ("WORLD_SIZE", "1".into()), ("MASTER_PORT", port.to_string())];
     let env = LaunchEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap();
     let g = DeviceGroup::from_launch_env(&env).expect("NCCL group of one");
@@ -82,7 +82,7 @@ fn nccl_at_world_size_one_runs_every_collective() {
 }
 
 fn nccl_world_one() -> DeviceGroup {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = tp_comm::free_local_port().expect("a free loopback port");
     let vars = [("RANK", "0".to_string()), ("WORLD_SIZE", "1".into()), ("MASTER_PORT", port.to_string())];
     let env = LaunchEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())).unwrap();
     DeviceGroup::from_launch_env(&env).expect("NCCL group of one")

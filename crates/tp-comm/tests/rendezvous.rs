@@ -154,8 +154,12 @@ fn a_world_size_mismatch_is_reported() {
     // A generous deadline: rank 0 may start late on a loaded machine, and rank 1 must reach it.
     let results = finish(vec![probe(0, 2, port, 8), probe(1, 3, port, 8)], Duration::from_secs(40));
     let (ok1, _, err1) = &results[1];
-    assert!(!ok1 && err1.contains("WORLD_SIZE mismatch") && err1.contains("rank 0 has 2"), "{err1}");
-    assert!(!results[0].0, "rank 0 cannot complete without rank 1");
+    assert!(
+        !ok1 && err1.contains("WORLD_SIZE mismatch") && err1.contains("rank 0 has 2"),
+        "rank 1: {err1}\nrank 0: {}",
+        results[0].2
+    );
+    assert!(!results[0].0, "rank 0 cannot complete without rank 1: {:?}", results[0]);
 }
 
 #[test]

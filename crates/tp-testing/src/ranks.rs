@@ -105,10 +105,7 @@ pub fn is_poisoned(e: &CommError) -> bool {
 /// fails, the others (which would only wait for it until their deadlines) are stopped.
 pub fn spawn_ranks(world_size: usize, args: &[String]) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("no free port: {e}"))?
-        .port();
+    let port = tp_comm::free_local_port().ok_or("no free loopback port")?;
     let mut children = Vec::new();
     for r in 0..world_size {
         let child = std::process::Command::new(&exe)

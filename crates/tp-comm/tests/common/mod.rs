@@ -7,8 +7,10 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A port for rank 0's store, outside the ephemeral range so that no other test's connection
+/// takes it before rank 0 binds it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    tp_comm::free_local_port().expect("a free loopback port")
 }
 
 /// A `tp-probe` command for one rank, output captured; callers may add or override variables.
