@@ -1,0 +1,354 @@
+//! What a server sees of the engine: [`Request`]s in, [`Event`]s out through an [`EventSink`],
+//! and an [`EngineHandle`] to submit, abort, read [`Stats`] and stop.
+//!
+//! The engine runs on its own thread (rank 0's); the handle talks to it over a channel, so every
+//! method returns at once. Events of one request arrive in order: zero or more
+//! [`Event::Token`], then exactly one [`Event::Finished`] or [`Event::Failed`].
+
+use crate::sampling::SamplingParams;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+/// An engine-wide request id.
+pub type RequestId = u64;
+
+/// One generation request, in token ids (the server tokenizes and detokenizes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// The prompt, at least one id, each in the vocabulary.
+    pub prompt: Vec<i64>,
+    /// How tokens are picked.
+    pub params: SamplingParams,
+    /// Most tokens to generate (at least 1).
+    pub max_tokens: usize,
+    /// Ids that end the request (finish reason `stop`), besides the model's end-of-sequence ids
+    /// unless `ignore_eos`. The stopping id is sent as the last token.
+    pub stop_token_ids: Vec<i64>,
+    /// Keep going past the model's end-of-sequence ids.
+    pub ignore_eos: bool,
+}
+
+/// The chosen token's logprob and the most likely alternatives, from the raw logits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// `log_softmax(logits)[token]`.
+    pub logprob: f32,
+    /// The `n` largest `(id, logprob)`, largest first (lower id first on ties).
+    pub top: Vec<(i64, f32)>,
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop id was generated (or the server saw a stop string and
+    /// aborted the request as stopped).
+    Stop,
+    /// `max_tokens`, or the model's length limit, was reached.
+    Length,
+    /// Aborted by the caller (a client that went away, or a stop string).
+    Abort,
+}
+
+impl FinishReason {
+    /// OpenAI's name: `stop`, `length`, `abort`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt ids.
+    pub prompt_tokens: usize,
+    /// Generated ids (sent as [`Event::Token`]).
+    pub completion_tokens: usize,
+    /// Prompt ids whose keys and values came from the prefix cache.
+    pub cached_prompt_tokens: usize,
+}
+
+/// What the engine reports about one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The next generated id.
+    Token {
+        /// The id.
+        id: i64,
+        /// When the request asked for logprobs.
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// The request ended normally.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Its token counts.
+        usage: Usage,
+    },
+    /// The request failed (a rank died, a step failed, the engine stopped); the message says why.
+    Failed(String),
+}
+
+/// Where one request's events go. `send` returns `false` once nobody listens (a client that
+/// disconnected): the engine then aborts the request and frees its blocks at the next step.
+pub trait EventSink: Send {
+    /// Delivers `event`; `false` if the receiver is gone.
+    fn send(&mut self, event: Event) -> bool;
+}
+
+impl EventSink for mpsc::Sender<Event> {
+    fn send(&mut self, event: Event) -> bool {
+        mpsc::Sender::send(self, event).is_ok()
+    }
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// A field is out of range (`param` names it, as OpenAI's errors do).
+    #[error("{message}")]
+    Invalid {
+        /// The request field at fault.
+        param: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// The prompt, or the prompt plus `max_tokens`, is longer than the model takes, or needs more
+    /// KV-cache blocks than the whole cache holds.
+    #[error("{0}")]
+    TooLong(String),
+    /// The waiting queue is full; try again later.
+    #[error("the server is overloaded: {0} requests are waiting")]
+    QueueFull(usize),
+    /// The engine has stopped (shut down, or a rank failed).
+    #[error("the engine is not running: {0}")]
+    Stopped(String),
+}
+
+/// What the engine is doing, for metrics (read without waiting for the engine).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Stats {
+    /// Requests with blocks, being prefilled or decoded.
+    pub running: usize,
+    /// Requests queued (including preempted ones).
+    pub waiting: usize,
+    /// Fraction of the KV-cache blocks in use by requests, `0..=1`.
+    pub kv_cache_usage: f64,
+    /// Prompt tokens served from the prefix cache, in total.
+    pub prefix_cache_hits: u64,
+    /// Prompt tokens of finished or running requests, in total (prefix hits included).
+    pub prompt_tokens: u64,
+    /// Generated tokens, in total.
+    pub generation_tokens: u64,
+    /// Sequences preempted (to be recomputed), in total.
+    pub preemptions: u64,
+}
+
+/// Fixed facts about the engine's model and limits, for validating requests up front.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Longest prompt plus output, in tokens.
+    pub max_model_len: usize,
+    /// Vocabulary size (ids are `0..vocab_size`).
+    pub vocab_size: usize,
+    /// The model's end-of-sequence ids.
+    pub eos_token_ids: Vec<i64>,
+    /// Most requests queued before [`SubmitError::QueueFull`].
+    pub max_waiting: usize,
+}
+
+/// A message from a handle to the engine thread.
+pub enum Command {
+    /// Start a request.
+    Add {
+        /// Its id.
+        id: RequestId,
+        /// What to generate.
+        request: Request,
+        /// Where its events go.
+        sink: Box<dyn EventSink>,
+    },
+    /// Abort a request (no effect if it already ended).
+    Abort(RequestId),
+}
+
+/// Live counters the engine publishes and handles read.
+#[derive(Debug, Default)]
+pub struct SharedStats {
+    stats: Mutex<Stats>,
+    waiting: AtomicUsize,
+    stopped: Mutex<Option<String>>,
+    stopping: AtomicBool,
+}
+
+impl SharedStats {
+    /// Publishes the engine's current figures.
+    pub fn publish(&self, s: Stats) {
+        self.waiting.store(s.waiting, Ordering::Relaxed);
+        if let Ok(mut g) = self.stats.lock() {
+            *g = s;
+        }
+    }
+    /// Marks the engine stopped, with why; later submissions fail with that reason.
+    pub fn set_stopped(&self, why: String) {
+        if let Ok(mut g) = self.stopped.lock() {
+            g.get_or_insert(why);
+        }
+    }
+    /// Why the engine stopped, if it did.
+    pub fn stopped(&self) -> Option<String> {
+        self.stopped.lock().ok().and_then(|g| g.clone())
+    }
+    /// Whether a stop was asked for (the engine finishes what runs and accepts nothing new).
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed)
+    }
+}
+
+/// A server's handle on a running engine. Cheap to clone; every method returns at once.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    stats: Arc<SharedStats>,
+    limits: Arc<Limits>,
+    next_id: Arc<AtomicU64>,
+    /// Requests submitted and not yet taken from the channel by the engine (counted against
+    /// `max_waiting` together with the engine's own queue).
+    in_channel: Arc<AtomicUsize>,
+}
+
+/// The engine's end of a handle's channel.
+pub struct CommandReceiver {
+    rx: mpsc::Receiver<Command>,
+    in_channel: Arc<AtomicUsize>,
+}
+
+impl CommandReceiver {
+    /// The next command, waiting at most `timeout`; `Err(Disconnected)` once every handle is gone.
+    pub fn recv_timeout(&self, timeout: std::time::Duration) -> Result<Command, mpsc::RecvTimeoutError> {
+        let c = self.rx.recv_timeout(timeout)?;
+        if matches!(c, Command::Add { .. }) {
+            self.in_channel.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(c)
+    }
+    /// The next command if one is queued.
+    pub fn try_recv(&self) -> Result<Command, mpsc::TryRecvError> {
+        let c = self.rx.try_recv()?;
+        if matches!(c, Command::Add { .. }) {
+            self.in_channel.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(c)
+    }
+}
+
+impl EngineHandle {
+    /// A handle and the engine's receiving end, sharing `stats`.
+    pub fn channel(limits: Limits, stats: Arc<SharedStats>) -> (EngineHandle, CommandReceiver) {
+        let (tx, rx) = mpsc::channel();
+        let in_channel = Arc::new(AtomicUsize::new(0));
+        let handle = EngineHandle {
+            tx,
+            stats,
+            limits: Arc::new(limits),
+            next_id: Arc::new(AtomicU64::new(1)),
+            in_channel: in_channel.clone(),
+        };
+        (handle, CommandReceiver { rx, in_channel })
+    }
+
+    /// The model's limits.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The engine's current figures.
+    pub fn stats(&self) -> Stats {
+        self.stats.stats.lock().map(|g| *g).unwrap_or_default()
+    }
+
+    /// Why the engine stopped, if it has.
+    pub fn stopped(&self) -> Option<String> {
+        self.stats.stopped()
+    }
+
+    /// Checks `request` against the limits and queues it; its events go to `sink`.
+    ///
+    /// Errors: [`SubmitError::Invalid`] (an empty prompt, an id outside the vocabulary,
+    /// `max_tokens == 0`, sampling parameters out of range), [`SubmitError::TooLong`] (prompt
+    /// plus `max_tokens` beyond `max_model_len`, naming both), [`SubmitError::QueueFull`],
+    /// [`SubmitError::Stopped`].
+    pub fn submit(&self, request: Request, sink: Box<dyn EventSink>) -> Result<RequestId, SubmitError> {
+        self.check(&request)?;
+        if let Some(why) = self.stats.stopped() {
+            return Err(SubmitError::Stopped(why));
+        }
+        if self.stats.stopping() {
+            return Err(SubmitError::Stopped("the server is shutting down".into()));
+        }
+        let queued = self.stats.waiting.load(Ordering::Relaxed) + self.in_channel.load(Ordering::Relaxed);
+        if queued >= self.limits.max_waiting {
+            return Err(SubmitError::QueueFull(queued));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.in_channel.fetch_add(1, Ordering::Relaxed);
+        if self.tx.send(Command::Add { id, request, sink }).is_err() {
+            self.in_channel.fetch_sub(1, Ordering::Relaxed);
+            return Err(SubmitError::Stopped(self.stats.stopped().unwrap_or_else(|| "the engine thread ended".into())));
+        }
+        Ok(id)
+    }
+
+    /// Aborts request `id`: it gets [`FinishReason::Abort`] and its blocks are freed at the next
+    /// step. No effect on a request that already ended.
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.tx.send(Command::Abort(id));
+    }
+
+    /// Asks the engine to stop: nothing new is accepted; running and waiting requests finish.
+    pub fn begin_shutdown(&self) {
+        self.stats.stopping.store(true, Ordering::Relaxed);
+    }
+
+    fn check(&self, r: &Request) -> Result<(), SubmitError> {
+        let invalid = |param, message: String| Err(SubmitError::Invalid { param, message });
+        if r.prompt.is_empty() {
+            return invalid("prompt", "the prompt is empty".into());
+        }
+        let v = self.limits.vocab_size;
+        if let Some((i, id)) =
+            r.prompt.iter().enumerate().find(|(_, id)| usize::try_from(**id).map_or(true, |x| x >= v))
+        {
+            return invalid("prompt", format!("prompt token {id} at position {i} is outside the vocabulary (0..{v})"));
+        }
+        if r.max_tokens == 0 {
+            return invalid("max_tokens", "max_tokens must be at least 1".into());
+        }
+        if let Some(id) = r.stop_token_ids.iter().find(|id| usize::try_from(**id).map_or(true, |x| x >= v)) {
+            return invalid("stop_token_ids", format!("stop token {id} is outside the vocabulary (0..{v})"));
+        }
+        if let Err((param, message)) = r.params.validate() {
+            return invalid(param, message);
+        }
+        let max = self.limits.max_model_len;
+        if r.prompt.len() > max {
+            return Err(SubmitError::TooLong(format!(
+                "this model's maximum context length is {max} tokens, but the prompt has {} tokens",
+                r.prompt.len()
+            )));
+        }
+        if r.prompt.len().saturating_add(r.max_tokens) > max {
+            return Err(SubmitError::TooLong(format!(
+                "this model's maximum context length is {max} tokens, but {} prompt tokens plus max_tokens {} is {}",
+                r.prompt.len(),
+                r.max_tokens,
+                r.prompt.len().saturating_add(r.max_tokens)
+            )));
+        }
+        Ok(())
+    }
+}

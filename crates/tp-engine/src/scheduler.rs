@@ -1,0 +1,1 @@
+//! Continuous batching (filled in by the scheduler work).
