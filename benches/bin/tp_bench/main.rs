@@ -12,6 +12,7 @@
 mod cpu;
 mod gpu;
 mod model;
+mod serving;
 mod shapes;
 mod svg;
 
@@ -153,6 +154,9 @@ fn run() -> Result<()> {
     if let Some(which) = &args.model {
         let device = if gpu.is_ok() { tp_core::Device::Cuda(0) } else { tp_core::Device::Cpu };
         rows.extend(model::rows(&args, which, device)?);
+        if device == tp_core::Device::Cpu {
+            rows.extend(serving::rows(&args, &model::dir_of(which)?)?);
+        }
         eprintln!();
     }
     print_table(&rows);

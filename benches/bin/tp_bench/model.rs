@@ -46,6 +46,14 @@ fn synthetic_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// The checkpoint folder the model rows run on (written once for the synthetic one).
+pub fn dir_of(which: &Which) -> Result<PathBuf> {
+    match which {
+        Which::TinyLlama => synthetic_dir(),
+        Which::Dir(d) => Ok(d.clone()),
+    }
+}
+
 /// Memory bandwidth of `device` in GB/s, as a decode step uses it: on the host, reading 256 MiB
 /// on every thread (a step streams the weights and writes next to nothing); on a GPU, a 256 MiB
 /// device copy counting the bytes read and written, best of 5.
@@ -68,10 +76,7 @@ fn bandwidth_gbs(device: Device) -> Result<f64> {
 /// The model rows on `device` (`Device::Cpu`, or GPU 0 with ranks sharing it).
 pub fn rows(args: &Args, which: &Which, device: Device) -> Result<Vec<Row>> {
     let bandwidth_gbs = bandwidth_gbs(device)?;
-    let dir = match which {
-        Which::TinyLlama => synthetic_dir()?,
-        Which::Dir(d) => d.clone(),
-    };
+    let dir = dir_of(which)?;
     let label = match which {
         Which::TinyLlama => "tinyllama-shaped".to_string(),
         Which::Dir(d) => d.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned()),

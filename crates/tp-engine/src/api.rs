@@ -159,6 +159,9 @@ pub struct Limits {
     pub eos_token_ids: Vec<i64>,
     /// Most requests queued before [`SubmitError::QueueFull`].
     pub max_waiting: usize,
+    /// Positions the whole KV cache holds (blocks × block size): a request needing more can
+    /// never run and is refused at once.
+    pub kv_cache_positions: usize,
 }
 
 /// A message from a handle to the engine thread.
@@ -347,6 +350,14 @@ impl EngineHandle {
                 r.prompt.len(),
                 r.max_tokens,
                 r.prompt.len().saturating_add(r.max_tokens)
+            )));
+        }
+        let cache = self.limits.kv_cache_positions;
+        if r.prompt.len().saturating_add(r.max_tokens) > cache {
+            return Err(SubmitError::TooLong(format!(
+                "{} prompt tokens plus max_tokens {} need more positions than the whole KV cache holds ({cache})",
+                r.prompt.len(),
+                r.max_tokens
             )));
         }
         Ok(())

@@ -12,9 +12,13 @@
 //! * [`sampling`]: greedy, temperature, top-k, top-p, min-p, penalties, seeds and logprobs,
 //!   computed from each rank's columns of the logits with a few small collectives, exactly as
 //!   the same sampler computes on the full logits.
-//! * [`api`]: requests, events and the handle a server holds.
+//! * [`api`]: requests, events and the handle a server holds; [`start`] loads a model on its
+//!   ranks and returns the running [`Engine`].
 
 pub mod api;
 pub mod blocks;
+mod engine;
 pub mod sampling;
 pub mod scheduler;
+
+pub use engine::{DeviceKind, Engine, EngineError, EngineOptions, start};

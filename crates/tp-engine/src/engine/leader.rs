@@ -1,0 +1,256 @@
+//! Rank 0's loop: takes commands from the handles, schedules each step, sends the plan to the
+//! other ranks, runs its own part, turns sampled tokens into events, and decides when requests
+//! end (end-of-sequence or stop ids, `max_tokens`, the model's length).
+
+use super::EngineError;
+use super::plan::{NewSeq, StepKind, StepMsg};
+use super::rank::RankWorker;
+use crate::api::{
+    Command, CommandReceiver, Event, EventSink, FinishReason, Request, RequestId, SharedStats, Stats, TokenLogprobs,
+    Usage,
+};
+use crate::scheduler::Scheduler;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What rank 0 keeps of a request besides the shared sampling state.
+struct Live {
+    sink: Box<dyn EventSink>,
+    request: Request,
+    cached_prompt_tokens: usize,
+}
+
+/// Rank 0's engine state.
+pub(crate) struct Leader {
+    pub worker: RankWorker,
+    pub scheduler: Scheduler,
+    pub commands: CommandReceiver,
+    pub stats: Arc<SharedStats>,
+    pub eos: Vec<i64>,
+    pub max_model_len: usize,
+    /// Draws seeds for requests without their own.
+    pub seeds: u64,
+    /// The longest rank 0 stays silent: other ranks wait in a broadcast with a deadline.
+    pub heartbeat: Duration,
+    live: HashMap<RequestId, Live>,
+    pending_new: Vec<NewSeq>,
+    pending_drop: Vec<RequestId>,
+    totals: Stats,
+}
+
+impl Leader {
+    pub(crate) fn new(
+        worker: RankWorker,
+        scheduler: Scheduler,
+        commands: CommandReceiver,
+        stats: Arc<SharedStats>,
+        eos: Vec<i64>,
+        max_model_len: usize,
+        seed: u64,
+        heartbeat: Duration,
+    ) -> Leader {
+        Leader {
+            worker,
+            scheduler,
+            commands,
+            stats,
+            eos,
+            max_model_len,
+            seeds: seed,
+            heartbeat,
+            live: HashMap::new(),
+            pending_new: Vec::new(),
+            pending_drop: Vec::new(),
+            totals: Stats::default(),
+        }
+    }
+
+    /// Runs until every handle is gone or a shutdown finished its work; then tells the other
+    /// ranks to stop. On a failed step every request gets [`Event::Failed`] and the error is
+    /// returned (the group is aborted so the other ranks leave their waits at once).
+    pub(crate) fn run(mut self) -> Result<(), EngineError> {
+        let result = self.serve();
+        match &result {
+            Ok(()) => {
+                let _ = self.worker.send(&StepMsg::empty(StepKind::Stop));
+                self.stats.set_stopped("the engine has stopped".into());
+            }
+            Err(e) => {
+                let why = format!("the engine failed: {e}");
+                self.stats.set_stopped(why.clone());
+                self.worker.model.group().abort(&why);
+                for (_, mut l) in self.live.drain() {
+                    l.sink.send(Event::Failed(why.clone()));
+                }
+                // Requests still in the channel fail too.
+                while let Ok(c) = self.commands.try_recv() {
+                    if let Command::Add { mut sink, .. } = c {
+                        sink.send(Event::Failed(why.clone()));
+                    }
+                }
+            }
+        }
+        self.publish();
+        result
+    }
+
+    fn serve(&mut self) -> Result<(), EngineError> {
+        let mut last_sent = Instant::now();
+        loop {
+            let idle = self.live.is_empty();
+            let wait = if idle { self.heartbeat.saturating_sub(last_sent.elapsed()) } else { Duration::ZERO };
+            match self.take_commands(wait) {
+                Ok(()) => {}
+                Err(()) if self.live.is_empty() => return Ok(()), // every handle is gone
+                Err(()) => {}
+            }
+            if self.stats.stopping() && self.live.is_empty() {
+                return Ok(());
+            }
+            let plan = self.scheduler.schedule();
+            let mut msg = StepMsg {
+                kind: StepKind::Run,
+                new: std::mem::take(&mut self.pending_new),
+                drop: std::mem::take(&mut self.pending_drop),
+                seqs: plan.seqs.clone(),
+            };
+            if msg.seqs.is_empty() && msg.new.is_empty() && msg.drop.is_empty() {
+                if last_sent.elapsed() < self.heartbeat {
+                    continue;
+                }
+                msg.kind = StepKind::Idle;
+            }
+            self.worker.send(&msg)?;
+            last_sent = Instant::now();
+            let sampled = self.worker.execute(&msg)?;
+            for s in &plan.seqs {
+                if s.cached_tokens > 0
+                    && let Some(l) = self.live.get_mut(&s.id)
+                {
+                    l.cached_prompt_tokens = s.cached_tokens;
+                }
+            }
+            let pairs: Vec<(RequestId, i64)> = sampled.iter().map(|(id, s)| (*id, s.token)).collect();
+            self.scheduler.complete_step(&plan, &pairs);
+            for (id, s) in sampled {
+                self.totals.generation_tokens += 1;
+                self.deliver(id, s.token, s.logprobs);
+            }
+            self.publish();
+        }
+    }
+
+    /// Takes every queued command, waiting up to `wait` for the first. `Err` once every handle
+    /// is gone.
+    fn take_commands(&mut self, wait: Duration) -> Result<(), ()> {
+        let first = if wait.is_zero() {
+            match self.commands.try_recv() {
+                Ok(c) => Some(c),
+                Err(std::sync::mpsc::TryRecvError::Empty) => None,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(()),
+            }
+        } else {
+            match self.commands.recv_timeout(wait) {
+                Ok(c) => Some(c),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Err(()),
+            }
+        };
+        let Some(first) = first else { return Ok(()) };
+        self.command(first);
+        loop {
+            match self.commands.try_recv() {
+                Ok(c) => self.command(c),
+                Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(()),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(()),
+            }
+        }
+    }
+
+    fn command(&mut self, c: Command) {
+        match c {
+            Command::Add { id, request, mut sink } => {
+                if let Err(e) = self.scheduler.add(id, request.prompt.clone(), request.max_tokens) {
+                    sink.send(Event::Failed(e.to_string()));
+                    return;
+                }
+                let seed = request.params.seed.unwrap_or_else(|| self.next_seed());
+                self.totals.prompt_tokens += request.prompt.len() as u64;
+                self.pending_new.push(NewSeq {
+                    id,
+                    seed,
+                    params: request.params.clone(),
+                    prompt: request.prompt.clone(),
+                });
+                self.live.insert(id, Live { sink, request, cached_prompt_tokens: 0 });
+            }
+            Command::Abort(id) => self.end(id, FinishReason::Abort),
+        }
+    }
+
+    /// SplitMix64 over the engine's seed: a fresh seed per request without one.
+    fn next_seed(&mut self) -> u64 {
+        self.seeds = self.seeds.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.seeds;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Sends a sampled token and ends the request if it should.
+    fn deliver(&mut self, id: RequestId, token: i64, logprobs: Option<TokenLogprobs>) {
+        let Some(l) = self.live.get_mut(&id) else { return };
+        let alive = l.sink.send(Event::Token { id: token, logprobs });
+        let generated = self.worker.seqs.get(&id).map_or(0, |s| s.output.len());
+        let r = &l.request;
+        let reason = if !alive {
+            Some(FinishReason::Abort)
+        } else if (!r.ignore_eos && self.eos.contains(&token)) || r.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if generated >= r.max_tokens || r.prompt.len() + generated >= self.max_model_len {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            self.end(id, reason);
+        }
+    }
+
+    /// Ends request `id` (if live): frees its blocks, tells the other ranks to forget it, sends
+    /// its last event.
+    fn end(&mut self, id: RequestId, reason: FinishReason) {
+        let Some(mut l) = self.live.remove(&id) else { return };
+        if reason == FinishReason::Abort {
+            self.scheduler.abort(id);
+        } else {
+            self.scheduler.finish(id);
+        }
+        let completion_tokens = self.worker.seqs.get(&id).map_or(0, |s| s.output.len());
+        // A request announced but never run is dropped from the announcements instead.
+        if let Some(i) = self.pending_new.iter().position(|n| n.id == id) {
+            self.pending_new.remove(i);
+        } else {
+            self.pending_drop.push(id);
+        }
+        let usage = Usage {
+            prompt_tokens: l.request.prompt.len(),
+            completion_tokens,
+            cached_prompt_tokens: l.cached_prompt_tokens,
+        };
+        l.sink.send(Event::Finished { reason, usage });
+    }
+
+    fn publish(&self) {
+        let s = Stats {
+            running: self.scheduler.num_running(),
+            waiting: self.scheduler.num_waiting(),
+            kv_cache_usage: self.scheduler.kv_cache_usage(),
+            preemptions: self.scheduler.preemptions(),
+            prefix_cache_hits: self.scheduler.prefix_hit_tokens(),
+            ..self.totals
+        };
+        self.stats.publish(s);
+    }
+}

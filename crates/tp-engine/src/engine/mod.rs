@@ -1,0 +1,318 @@
+//! Starting the engine: the ranks as threads of this process (`Backend::Local`: CPU, or GPUs
+//! shared round-robin), each loading its shard of the model and allocating its paged KV cache;
+//! rank 0's thread then runs the scheduler loop ([`leader`]) and the others follow its step
+//! messages ([`plan`]).
+
+mod leader;
+mod plan;
+mod rank;
+
+use crate::api::{EngineHandle, Limits, SharedStats};
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use leader::Leader;
+use plan::StepKind;
+use rank::RankWorker;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tp_comm::DeviceGroup;
+use tp_core::{DType, Device, Tensor};
+use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm};
+
+/// Why the engine could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A setting is out of range.
+    #[error("{0}")]
+    Config(String),
+    /// Loading the model failed.
+    #[error(transparent)]
+    Model(#[from] tp_models::ModelError),
+    /// A layer failed.
+    #[error(transparent)]
+    Layer(#[from] tp_layers::LayerError),
+    /// A collective failed (a rank died or hung past the deadline).
+    #[error(transparent)]
+    Comm(#[from] tp_comm::CommError),
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Tensor(#[from] tp_core::Error),
+    /// A step failed.
+    #[error("{0}")]
+    Step(String),
+    /// A step message could not be read (ranks out of step).
+    #[error("step message: {0}")]
+    Protocol(String),
+}
+
+/// Where the ranks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// The host.
+    Cpu,
+    /// CUDA GPUs, rank `r` on GPU `r % count`.
+    Cuda,
+}
+
+/// How the engine is set up (`tp serve`'s flags, vLLM's names).
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// The Hugging Face model folder.
+    pub model_dir: PathBuf,
+    /// Ranks (`--tensor-parallel-size`).
+    pub tensor_parallel_size: usize,
+    /// Compute dtype (`None`: the checkpoint's).
+    pub dtype: Option<DType>,
+    /// Where the ranks compute.
+    pub device: DeviceKind,
+    /// Most sequences in one step (`--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// Most tokens in one step (`--max-num-batched-tokens`): long prompts are prefilled in chunks.
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt plus output (`None`: the model's `max_position_embeddings`).
+    pub max_model_len: Option<usize>,
+    /// Positions per KV-cache block (`--block-size`).
+    pub block_size: usize,
+    /// KV-cache bytes per rank (`--kv-cache-memory`).
+    pub kv_cache_memory: usize,
+    /// Share full blocks between requests with the same prefix.
+    pub enable_prefix_caching: bool,
+    /// Seed of the seeds drawn for requests without one.
+    pub seed: u64,
+    /// Deadline of every collective (a rank that dies or hangs fails the engine within it).
+    pub timeout: Duration,
+    /// Most requests waiting before new ones are refused.
+    pub max_waiting: usize,
+}
+
+impl EngineOptions {
+    /// vLLM's defaults for `model_dir` on one CPU rank: 256 sequences, 2048 tokens per step,
+    /// blocks of 16, 4 GiB of KV cache (vLLM's CPU default), prefix caching on, seed 0.
+    pub fn new(model_dir: impl Into<PathBuf>) -> EngineOptions {
+        EngineOptions {
+            model_dir: model_dir.into(),
+            tensor_parallel_size: 1,
+            dtype: None,
+            device: DeviceKind::Cpu,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: None,
+            block_size: 16,
+            kv_cache_memory: 4 << 30,
+            enable_prefix_caching: true,
+            seed: 0,
+            timeout: Duration::from_secs(tp_comm::DEFAULT_TIMEOUT_SECS),
+            max_waiting: 4096,
+        }
+    }
+}
+
+/// A running engine: the handle servers use, and the rank threads.
+pub struct Engine {
+    handle: EngineHandle,
+    threads: Vec<JoinHandle<Result<(), EngineError>>>,
+    /// The KV-cache blocks each rank holds.
+    pub num_blocks: usize,
+}
+
+impl Engine {
+    /// A handle for submitting requests.
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Waits for the rank threads to end (after [`EngineHandle::begin_shutdown`] and the last
+    /// request, or once every handle is dropped), at most until `deadline`. `Ok(true)` if they
+    /// all ended; `Ok(false)` at the deadline (the threads are left running); the first
+    /// rank's error otherwise.
+    pub fn join(mut self, deadline: Instant) -> Result<bool, EngineError> {
+        while Instant::now() < deadline {
+            if self.threads.iter().all(JoinHandle::is_finished) {
+                let mut first = None;
+                for t in self.threads.drain(..) {
+                    let r = t.join().unwrap_or_else(|_| Err(EngineError::Step("a rank thread panicked".into())));
+                    if let (Err(e), None) = (r, &first) {
+                        first = Some(e);
+                    }
+                }
+                return first.map_or(Ok(true), Err);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(false)
+    }
+}
+
+/// Loads the model on `opts.tensor_parallel_size` ranks (threads of this process), sizes the
+/// paged KV cache from `opts.kv_cache_memory`, and starts the engine.
+///
+/// Errors: settings out of range, the model's (config, tensors, heads that cannot be split),
+/// a KV cache that cannot hold one block per layer.
+pub fn start(opts: &EngineOptions) -> Result<Engine, EngineError> {
+    let n = opts.tensor_parallel_size;
+    if n == 0 || n > tp_comm::MAX_WORLD_SIZE {
+        return Err(EngineError::Config(format!(
+            "tensor parallel size must be in 1..={}, got {n}",
+            tp_comm::MAX_WORLD_SIZE
+        )));
+    }
+    if opts.block_size == 0 || opts.block_size > 1024 {
+        return Err(EngineError::Config(format!("block size must be in 1..=1024, got {}", opts.block_size)));
+    }
+    if opts.max_num_seqs == 0 || opts.max_num_batched_tokens == 0 {
+        return Err(EngineError::Config("max-num-seqs and max-num-batched-tokens must be at least 1".into()));
+    }
+    let config = ModelConfig::from_dir(&opts.model_dir)?;
+    let max_model_len = match opts.max_model_len {
+        Some(0) => return Err(EngineError::Config("max-model-len must be at least 1".into())),
+        Some(l) if l > config.max_position_embeddings => {
+            return Err(EngineError::Config(format!(
+                "max-model-len {l} exceeds the model's max_position_embeddings {}",
+                config.max_position_embeddings
+            )));
+        }
+        Some(l) => l,
+        None => config.max_position_embeddings,
+    };
+    let devices: Vec<Device> = match opts.device {
+        DeviceKind::Cpu => vec![Device::Cpu; n],
+        DeviceKind::Cuda => {
+            let count = tp_kernels::device_count().map_err(|e| EngineError::Config(format!("--device cuda: {e}")))?;
+            if count == 0 {
+                return Err(EngineError::Config("--device cuda: no CUDA device found".into()));
+            }
+            (0..n).map(|r| Device::Cuda(r % count)).collect()
+        }
+    };
+    let groups = DeviceGroup::local(n, opts.timeout, |r| devices[r])?;
+    let stats = Arc::new(SharedStats::default());
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(EngineHandle, usize), String>>();
+    let mut threads = Vec::with_capacity(n);
+    for group in groups {
+        let (opts, config, stats, ready_tx) = (opts.clone(), config.clone(), stats.clone(), ready_tx.clone());
+        let t = std::thread::Builder::new()
+            .name(format!("tp-rank-{}", group.rank()))
+            .spawn(move || rank_main(group, &opts, &config, max_model_len, stats, ready_tx))
+            .map_err(|e| EngineError::Config(format!("cannot start a rank thread: {e}")))?;
+        threads.push(t);
+    }
+    drop(ready_tx);
+    match ready_rx.recv() {
+        Ok(Ok((handle, num_blocks))) => Ok(Engine { handle, threads, num_blocks }),
+        Ok(Err(why)) => Err(first_error(threads).unwrap_or(EngineError::Step(why))),
+        Err(_) => Err(first_error(threads).unwrap_or_else(|| EngineError::Step("every rank thread ended".into()))),
+    }
+}
+
+/// The first error among ended rank threads (waiting for all of them).
+fn first_error(threads: Vec<JoinHandle<Result<(), EngineError>>>) -> Option<EngineError> {
+    threads.into_iter().filter_map(|t| t.join().ok()).find_map(Result::err)
+}
+
+/// One rank thread: load, size the cache (every rank agrees on the block count), then lead or
+/// follow.
+fn rank_main(
+    group: DeviceGroup,
+    opts: &EngineOptions,
+    config: &ModelConfig,
+    max_model_len: usize,
+    stats: Arc<SharedStats>,
+    ready: mpsc::Sender<Result<(EngineHandle, usize), String>>,
+) -> Result<(), EngineError> {
+    let rank = group.rank();
+    let fail = |e: EngineError, group: &DeviceGroup| {
+        group.abort(&format!("rank {rank} failed to start: {e}"));
+        if rank == 0 {
+            let _ = ready.send(Err(e.to_string()));
+        }
+        Err(e)
+    };
+    let mut mopts = ModelOptions::new().with_max_seq_len(max_model_len);
+    if let Some(d) = opts.dtype {
+        mopts = mopts.with_dtype(d);
+    }
+    let model = match ParallelCausalLm::load_with_config(&opts.model_dir, config, &group, &mopts) {
+        Ok(m) => m,
+        Err(e) => return fail(e.into(), &group),
+    };
+    let num_blocks = match agree_on_blocks(&model, opts, max_model_len) {
+        Ok(b) => b,
+        Err(e) => return fail(e, &group),
+    };
+    let caches = match rank::caches_for(&model, num_blocks, opts.block_size) {
+        Ok(c) => c,
+        Err(e) => return fail(e, &group),
+    };
+    let worker = RankWorker { model, caches, block_size: opts.block_size, seqs: HashMap::new() };
+    // Idle rank 0 speaks at least this often, well inside the other ranks' deadline.
+    let heartbeat = (opts.timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(2));
+    if rank != 0 {
+        return follow(worker);
+    }
+    let sched = SchedulerConfig {
+        max_num_seqs: opts.max_num_seqs,
+        max_num_batched_tokens: opts.max_num_batched_tokens,
+        max_model_len,
+        block_size: opts.block_size,
+        num_blocks,
+        enable_prefix_caching: opts.enable_prefix_caching,
+        max_waiting: opts.max_waiting,
+    };
+    let scheduler = match Scheduler::new(sched) {
+        Ok(s) => s,
+        Err(e) => return fail(EngineError::Config(e), &group),
+    };
+    let limits = Limits {
+        max_model_len,
+        vocab_size: config.vocab_size,
+        eos_token_ids: config.eos_token_ids.clone(),
+        max_waiting: opts.max_waiting,
+        kv_cache_positions: num_blocks.saturating_mul(opts.block_size),
+    };
+    let (handle, commands) = EngineHandle::channel(limits, stats.clone());
+    let eos = config.eos_token_ids.clone();
+    let leader = Leader::new(worker, scheduler, commands, stats, eos, max_model_len, opts.seed, heartbeat);
+    let _ = ready.send(Ok((handle, num_blocks)));
+    drop(ready);
+    leader.run()
+}
+
+/// Ranks other than 0: run every step rank 0 sends until it says stop.
+fn follow(mut worker: RankWorker) -> Result<(), EngineError> {
+    loop {
+        let msg = worker.receive()?;
+        match msg.kind {
+            StepKind::Stop => return Ok(()),
+            StepKind::Idle => {}
+            StepKind::Run => {
+                if let Err(e) = worker.execute(&msg) {
+                    worker.model.group().abort(&format!("rank {} failed a step: {e}", worker.model.group().rank()));
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// The number of KV-cache blocks every rank allocates: the budget over the largest per-block
+/// cost of any rank (ranks holding more KV heads cost more), capped at what `max_num_seqs`
+/// sequences of `max_model_len` can use.
+fn agree_on_blocks(model: &ParallelCausalLm, opts: &EngineOptions, max_model_len: usize) -> Result<usize, EngineError> {
+    let group = model.group();
+    let mine = model.kv_bytes_per_block(opts.block_size) as i64;
+    let t = group.to_local(&Tensor::from_vec(vec![mine], &[1], &Device::Cpu)?)?;
+    let per_block = group.all_gather(&t, 0)?.to_i64_vec()?.into_iter().max().unwrap_or(mine).max(1) as usize;
+    let fit = opts.kv_cache_memory / per_block;
+    let blocks_per_seq = max_model_len.div_ceil(opts.block_size);
+    let cap = opts.max_num_seqs.saturating_mul(blocks_per_seq).max(1);
+    let blocks = fit.min(cap).min(u32::MAX as usize);
+    if blocks == 0 {
+        return Err(EngineError::Config(format!(
+            "--kv-cache-memory {} bytes holds no block: one block of {} positions costs {per_block} bytes per rank",
+            opts.kv_cache_memory, opts.block_size
+        )));
+    }
+    Ok(blocks)
+}

@@ -1,0 +1,247 @@
+//! What rank 0 tells the other ranks before each step, as a flat list of `i64` words that one
+//! broadcast carries (after a two-word header broadcast with its kind and length).
+//!
+//! A step message announces new requests (their prompt, sampling parameters and seed: every rank
+//! samples every request, so every rank needs them), forgets ended ones, and lists the sequences
+//! the step runs ([`ScheduledSeq`]: the ids fed, the context already cached, the block table,
+//! whether to sample). Decoding checks every count and range, so a corrupt message is an error,
+//! never a panic or an absurd allocation.
+
+use crate::api::RequestId;
+use crate::sampling::SamplingParams;
+use crate::scheduler::ScheduledSeq;
+
+/// What a step message asks of the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepKind {
+    /// Run the listed sequences (possibly none: only announcements).
+    Run,
+    /// Nothing to do; proves rank 0 is alive within the collectives' deadline.
+    Idle,
+    /// Stop: every rank leaves its loop.
+    Stop,
+}
+
+impl StepKind {
+    pub(crate) fn code(self) -> i64 {
+        match self {
+            StepKind::Run => 1,
+            StepKind::Idle => 2,
+            StepKind::Stop => 3,
+        }
+    }
+    pub(crate) fn from_code(c: i64) -> Option<StepKind> {
+        match c {
+            1 => Some(StepKind::Run),
+            2 => Some(StepKind::Idle),
+            3 => Some(StepKind::Stop),
+            _ => None,
+        }
+    }
+}
+
+/// A request the ranks have not seen yet.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct NewSeq {
+    pub id: RequestId,
+    pub seed: u64,
+    pub params: SamplingParams,
+    pub prompt: Vec<i64>,
+}
+
+/// One step's message.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct StepMsg {
+    pub kind: StepKind,
+    pub new: Vec<NewSeq>,
+    pub drop: Vec<RequestId>,
+    pub seqs: Vec<ScheduledSeq>,
+}
+
+impl StepMsg {
+    /// A message of `kind` with nothing in it.
+    pub(crate) fn empty(kind: StepKind) -> StepMsg {
+        StepMsg { kind, new: Vec::new(), drop: Vec::new(), seqs: Vec::new() }
+    }
+
+    /// The payload words (the kind travels in the header).
+    pub(crate) fn encode(&self) -> Vec<i64> {
+        let mut w = Vec::new();
+        w.push(self.new.len() as i64);
+        for n in &self.new {
+            w.push(n.id as i64);
+            w.push(n.seed as i64);
+            encode_params(&n.params, &mut w);
+            w.push(n.prompt.len() as i64);
+            w.extend_from_slice(&n.prompt);
+        }
+        w.push(self.drop.len() as i64);
+        w.extend(self.drop.iter().map(|&d| d as i64));
+        w.push(self.seqs.len() as i64);
+        for s in &self.seqs {
+            w.push(s.id as i64);
+            w.push(s.context as i64);
+            w.push(i64::from(s.sample));
+            w.push(s.cached_tokens as i64);
+            w.push(s.tokens.len() as i64);
+            w.extend_from_slice(&s.tokens);
+            w.push(s.blocks.len() as i64);
+            w.extend(s.blocks.iter().map(|&b| i64::from(b)));
+        }
+        w
+    }
+
+    /// Reads a message of `kind` back from its payload words.
+    pub(crate) fn decode(kind: StepKind, words: &[i64]) -> Result<StepMsg, String> {
+        let mut r = Reader { words, at: 0 };
+        let mut msg = StepMsg::empty(kind);
+        for _ in 0..r.count()? {
+            let id = r.word()? as u64;
+            let seed = r.word()? as u64;
+            let params = decode_params(&mut r)?;
+            let n = r.count()?;
+            let prompt = r.take(n)?.to_vec();
+            msg.new.push(NewSeq { id, seed, params, prompt });
+        }
+        for _ in 0..r.count()? {
+            msg.drop.push(r.word()? as u64);
+        }
+        for _ in 0..r.count()? {
+            let id = r.word()? as u64;
+            let context = r.count()?;
+            let sample = r.word()? != 0;
+            let cached_tokens = r.count()?;
+            let n = r.count()?;
+            let tokens = r.take(n)?.to_vec();
+            let n = r.count()?;
+            let blocks = r
+                .take(n)?
+                .iter()
+                .map(|&b| u32::try_from(b).map_err(|_| format!("block id {b} out of range")))
+                .collect::<Result<Vec<_>, _>>()?;
+            msg.seqs.push(ScheduledSeq { id, tokens, context, blocks, sample, cached_tokens });
+        }
+        if r.at != words.len() {
+            return Err(format!("{} words left over after the message", words.len() - r.at));
+        }
+        Ok(msg)
+    }
+}
+
+fn f32_word(v: f32) -> i64 {
+    i64::from(v.to_bits())
+}
+
+fn encode_params(p: &SamplingParams, w: &mut Vec<i64>) {
+    w.push(f32_word(p.temperature));
+    w.push(p.top_k.map_or(-1, |k| k as i64));
+    w.push(f32_word(p.top_p));
+    w.push(f32_word(p.min_p));
+    w.push(f32_word(p.repetition_penalty));
+    w.push(f32_word(p.presence_penalty));
+    w.push(f32_word(p.frequency_penalty));
+    w.push(p.seed.map_or(-1, |s| (s & (i64::MAX as u64)) as i64));
+    w.push(p.seed.map_or(0, |s| (s >> 63) as i64));
+    w.push(p.logprobs.map_or(-1, |n| n as i64));
+}
+
+fn decode_params(r: &mut Reader<'_>) -> Result<SamplingParams, String> {
+    let f = |r: &mut Reader<'_>| -> Result<f32, String> {
+        let v = r.word()?;
+        u32::try_from(v).map(f32::from_bits).map_err(|_| format!("bad float word {v}"))
+    };
+    let temperature = f(r)?;
+    let top_k = r.optional()?;
+    let (top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty) = (f(r)?, f(r)?, f(r)?, f(r)?, f(r)?);
+    let low = r.word()?;
+    let high = r.word()?;
+    let seed = (low >= 0).then(|| low as u64 | ((high as u64) << 63));
+    let logprobs = r.optional()?;
+    let p = SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
+        seed,
+        logprobs,
+    };
+    p.validate().map_err(|(_, m)| m)?;
+    Ok(p)
+}
+
+/// Reads words with bounds checks.
+struct Reader<'a> {
+    words: &'a [i64],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn word(&mut self) -> Result<i64, String> {
+        let w = *self.words.get(self.at).ok_or("the message ends early")?;
+        self.at += 1;
+        Ok(w)
+    }
+    /// A count or length: non-negative and no more than the words left (every counted item
+    /// takes at least one word).
+    fn count(&mut self) -> Result<usize, String> {
+        let w = self.word()?;
+        usize::try_from(w).ok().filter(|&n| n <= self.words.len()).ok_or_else(|| format!("count {w} out of range"))
+    }
+    /// `-1` for none, else a count.
+    fn optional(&mut self) -> Result<Option<usize>, String> {
+        let w = self.word()?;
+        if w == -1 {
+            return Ok(None);
+        }
+        usize::try_from(w).map(Some).map_err(|_| format!("value {w} out of range"))
+    }
+    fn take(&mut self, n: usize) -> Result<&[i64], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.words.len()).ok_or("the message ends early")?;
+        let s = &self.words[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_survives_the_round_trip_and_corruption_is_an_error() {
+        let params = SamplingParams {
+            temperature: 0.7,
+            top_k: Some(5),
+            seed: Some(u64::MAX - 3),
+            logprobs: Some(2),
+            ..Default::default()
+        };
+        let msg = StepMsg {
+            kind: StepKind::Run,
+            new: vec![NewSeq { id: 7, seed: u64::MAX, params, prompt: vec![1, 2, 3] }],
+            drop: vec![3, 4],
+            seqs: vec![ScheduledSeq {
+                id: 7,
+                tokens: vec![2, 3],
+                context: 1,
+                blocks: vec![9, 0],
+                sample: true,
+                cached_tokens: 1,
+            }],
+        };
+        let w = msg.encode();
+        assert_eq!(StepMsg::decode(StepKind::Run, &w).unwrap(), msg);
+        for cut in 0..w.len() {
+            assert!(StepMsg::decode(StepKind::Run, &w[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut bad = w.clone();
+        bad[0] = i64::MAX;
+        assert!(StepMsg::decode(StepKind::Run, &bad).is_err());
+        let mut extra = w;
+        extra.push(0);
+        assert!(StepMsg::decode(StepKind::Run, &extra).is_err());
+    }
+}

@@ -1,0 +1,141 @@
+//! One rank's part of the engine: its shard of the model, its paged KV caches (its KV heads of
+//! every block), and a copy of every running request's sampling state, so that every rank runs
+//! the same step and samples the same tokens.
+
+use super::EngineError;
+use super::plan::{StepKind, StepMsg};
+use crate::api::RequestId;
+use crate::sampling::{SampleRow, Sampled, SamplingParams, sample_sharded};
+use std::collections::HashMap;
+use tp_comm::DeviceGroup;
+use tp_core::{DType, Device, Tensor};
+use tp_layers::{BatchSeq, PagedKvCache, TokenBatch};
+use tp_models::ParallelCausalLm;
+
+/// A request's sampling state, the same on every rank.
+#[derive(Debug)]
+pub(crate) struct SeqState {
+    pub params: SamplingParams,
+    pub seed: u64,
+    pub prompt: Vec<i64>,
+    pub output: Vec<i64>,
+}
+
+/// One rank of the engine.
+pub(crate) struct RankWorker {
+    pub model: ParallelCausalLm,
+    pub caches: Vec<PagedKvCache>,
+    pub block_size: usize,
+    pub seqs: HashMap<RequestId, SeqState>,
+}
+
+impl RankWorker {
+    fn group(&self) -> &DeviceGroup {
+        self.model.group()
+    }
+
+    /// Rank 0: sends `msg` to every rank (header `[kind, len]`, then the payload).
+    pub(crate) fn send(&self, msg: &StepMsg) -> Result<(), EngineError> {
+        let words = msg.encode();
+        let header = [msg.kind.code(), words.len() as i64];
+        self.broadcast(&header)?;
+        if !words.is_empty() {
+            self.broadcast(&words)?;
+        }
+        Ok(())
+    }
+
+    /// Other ranks: the next message from rank 0 (within the group's deadline).
+    pub(crate) fn receive(&self) -> Result<StepMsg, EngineError> {
+        let header = self.broadcast(&[0, 0])?;
+        let kind = StepKind::from_code(header[0])
+            .ok_or_else(|| EngineError::Protocol(format!("unknown step kind {}", header[0])))?;
+        let len = usize::try_from(header[1])
+            .ok()
+            .filter(|&n| n <= MAX_MESSAGE_WORDS)
+            .ok_or_else(|| EngineError::Protocol(format!("step message of {} words", header[1])))?;
+        let words = if len == 0 { Vec::new() } else { self.broadcast(&vec![0; len])? };
+        StepMsg::decode(kind, &words).map_err(EngineError::Protocol)
+    }
+
+    /// Rank 0's `words` on every rank.
+    fn broadcast(&self, words: &[i64]) -> Result<Vec<i64>, EngineError> {
+        let g = self.group();
+        let t = g.to_local(&Tensor::from_vec(words.to_vec(), &[words.len()], &Device::Cpu)?)?;
+        Ok(g.broadcast(&t, 0)?.to_i64_vec()?)
+    }
+
+    /// Runs one step: applies the announcements, runs the batch, samples every sequence that
+    /// asks for it, appends the tokens to the outputs. Every rank returns the same list.
+    pub(crate) fn execute(&mut self, msg: &StepMsg) -> Result<Vec<(RequestId, Sampled)>, EngineError> {
+        for d in &msg.drop {
+            self.seqs.remove(d);
+        }
+        for n in &msg.new {
+            let state =
+                SeqState { params: n.params.clone(), seed: n.seed, prompt: n.prompt.clone(), output: Vec::new() };
+            self.seqs.insert(n.id, state);
+        }
+        if msg.seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut ids = Vec::new();
+        let mut batch_seqs = Vec::with_capacity(msg.seqs.len());
+        let mut rows = Vec::new();
+        let mut sampled_ids = Vec::new();
+        for s in &msg.seqs {
+            if !self.seqs.contains_key(&s.id) {
+                return Err(EngineError::Protocol(format!("step names request {} that no message announced", s.id)));
+            }
+            ids.extend_from_slice(&s.tokens);
+            batch_seqs.push(BatchSeq { tokens: s.tokens.len(), context: s.context, blocks: s.blocks.clone() });
+            if s.sample {
+                rows.push(ids.len() - 1);
+                sampled_ids.push(s.id);
+            }
+        }
+        let batch = TokenBatch::new(batch_seqs, self.block_size)?;
+        let logits = self.model.forward_batch(&ids, &batch, &mut self.caches, &rows)?;
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (start, _) = self.model.vocab_shard();
+        let vocab = self.model.config().vocab_size;
+        let sample_rows: Vec<SampleRow<'_>> = sampled_ids
+            .iter()
+            .map(|id| {
+                let s = &self.seqs[id];
+                SampleRow {
+                    params: &s.params,
+                    seed: s.seed,
+                    step: s.output.len() as u64,
+                    prompt: &s.prompt,
+                    output: &s.output,
+                }
+            })
+            .collect();
+        let logits = if logits.dtype() == DType::F32 { logits } else { logits.to_dtype(DType::F32)? };
+        let sampled = sample_sharded(&logits, start, vocab, &sample_rows, self.model.group())
+            .map_err(|e| EngineError::Step(e.to_string()))?;
+        let mut out = Vec::with_capacity(sampled.len());
+        for (id, s) in sampled_ids.into_iter().zip(sampled) {
+            if let Some(state) = self.seqs.get_mut(&id) {
+                state.output.push(s.token);
+            }
+            out.push((id, s));
+        }
+        Ok(out)
+    }
+}
+
+/// Longest step message accepted (words): far beyond any real step, short of a memory hazard.
+const MAX_MESSAGE_WORDS: usize = 1 << 26;
+
+/// Builds a rank's caches: `num_blocks` blocks of `block_size` positions for every layer.
+pub(crate) fn caches_for(
+    model: &ParallelCausalLm,
+    num_blocks: usize,
+    block_size: usize,
+) -> Result<Vec<PagedKvCache>, EngineError> {
+    Ok(model.new_paged_caches(num_blocks, block_size)?)
+}
