@@ -18,3 +18,6 @@ pub mod api;
 pub mod blocks;
 pub mod sampling;
 pub mod scheduler;
+
+pub use blocks::{BlockId, BlockPool};
+pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, StepPlan};
