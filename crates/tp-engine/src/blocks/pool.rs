@@ -164,7 +164,10 @@ impl BlockPool {
         for &id in table.iter().rev() {
             let meta = &mut self.blocks[id as usize];
             debug_assert!(meta.refs > 0, "block {id} released more often than held");
-            meta.refs = meta.refs.saturating_sub(1);
+            if meta.refs == 0 {
+                continue; // not held: nothing to drop (the accounting stays consistent)
+            }
+            meta.refs -= 1;
             if meta.refs > 0 {
                 continue;
             }
