@@ -140,6 +140,24 @@ fn out_of_blocks_the_newest_is_preempted_and_recomputed_with_its_output() {
 }
 
 #[test]
+fn a_preempted_sequence_goes_back_ahead_of_later_requests() {
+    let mut s = sched(3, 2, 64, 2);
+    for id in 1..=3 {
+        s.add(id, vec![2 * id as i64 - 1, 2 * id as i64], 4).unwrap();
+    }
+    let p = s.schedule();
+    assert_eq!(shape(&p), vec![(1, 0, 2, true), (2, 0, 2, true)]);
+    complete(&mut s, &p);
+    let p = s.schedule();
+    assert_eq!((shape(&p), p.preempted.clone()), (vec![(1, 2, 1, true)], vec![2]));
+    complete(&mut s, &p);
+    s.finish(1);
+    // 2 (preempted) is admitted before 3 (queued earlier than 2's preemption).
+    let p = s.schedule();
+    assert_eq!(shape(&p), vec![(2, 2, 1, true), (3, 0, 2, true)]);
+}
+
+#[test]
 fn prefix_hits_reuse_full_blocks_but_always_compute_the_last_token() {
     let mut s = sched(16, 4, 64, 4);
     s.add(1, (0..9).collect(), 1).unwrap();
