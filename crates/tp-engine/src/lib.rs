@@ -21,4 +21,6 @@ mod engine;
 pub mod sampling;
 pub mod scheduler;
 
+pub use blocks::{BlockId, BlockPool};
 pub use engine::{DeviceKind, Engine, EngineError, EngineOptions, start};
+pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, StepPlan};
