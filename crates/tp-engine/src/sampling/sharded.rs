@@ -6,7 +6,16 @@
 //! first 64 ids (`top_p`), and its log-normaliser part and top `n` raw logits (logprobs).
 //! Round 2 (rows with `min_p` but no `top_k`/`top_p`, or `top_p` without `top_k`): the best key
 //! among the ids `min_p` keeps, or the kept mass and count. Rounds 3.. (`top_p` rows whose
-//! nucleus reaches past every rank's list): each rank's first `4c` ids, up to all it keeps.
+//! nucleus reaches past every rank's list): each rank's first `4c` ids, up to all it keeps
+//! (which is the fallback of gathering the row: only where the nucleus is that wide).
+//!
+//! Collectives per step at world size > 1 (the batch takes as many as its neediest row; none at
+//! world size 1): greedy, plain temperature sampling and any `top_k` mix (with `min_p`, `top_p`,
+//! penalties, logprobs): 1. `min_p` without `top_k`: 2. `top_p` without `top_k`: 2 while the
+//! nucleus lies within the ranks' first 64 ids, then one more per 4x growth of the lists (a flat
+//! row of 4096 ids over 4 ranks: 4).
+//!
+//! The logits are read to the host as f32 (`[n, V_r]` per step); every message is `i64` words.
 
 use super::local::LocalRow;
 use super::math::{Cand, LogNorm, by_pen, by_raw, draw, scaled};
