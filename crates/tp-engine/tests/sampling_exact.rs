@@ -194,3 +194,29 @@ fn a_nucleus_past_a_truncated_list_waits_for_longer_lists() {
         }
     }
 }
+
+/// Ranks called with different parameters send messages of different lengths: every rank gets
+/// an error (no rank waits for a round the others never run).
+#[test]
+fn ranks_given_different_rows_fail_instead_of_hanging() {
+    let vocab = 20;
+    let groups = tp_comm::DeviceGroup::local(2, std::time::Duration::from_secs(20), |_| tp_core::Device::Cpu).unwrap();
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, g)| {
+                s.spawn(move || {
+                    let p = if rank == 0 { SamplingParams::greedy() } else { params(|p| p.top_k = Some(5)) };
+                    let spec = RowSpec { params: p, seed: 0, step: 0, prompt: vec![], output: vec![] };
+                    let t = tp_core::Tensor::from_vec(vec![0.5f32; 10], &[1, 10], &tp_core::Device::Cpu).unwrap();
+                    tp_engine::sampling::sample_sharded(&t, rank * 10, vocab, &[spec.row()], &g)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in results {
+        assert!(r.is_err(), "{r:?}");
+    }
+}
