@@ -364,6 +364,17 @@ impl ParallelAttention {
                 cache.block_size()
             )));
         }
+        let blocks = cache.num_blocks();
+        if let Some((i, b)) = batch
+            .seqs()
+            .iter()
+            .enumerate()
+            .find_map(|(i, s)| s.blocks.iter().find(|&&b| b as usize >= blocks).map(|b| (i, b)))
+        {
+            return Err(LayerError::CacheMismatch(format!(
+                "sequence {i} of the batch names block {b}, past the cache's {blocks} blocks"
+            )));
+        }
         let t = batch.num_tokens();
         if x.ndim() != 2 || x.dims()[0] != t {
             return Err(LayerError::Config(format!(

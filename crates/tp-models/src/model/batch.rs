@@ -5,6 +5,12 @@
 //! (two all-reduces per layer), then only the rows that need logits go through the final norm
 //! (row-wise, so the same as norming everything) and the LM head, which returns this rank's
 //! columns of the vocabulary without gathering them: the sampler works on the shards.
+//!
+//! Batch invariance on the host (f32): attention, norms and the embedding compute each row on
+//! its own, so a row's logits depend on the rest of the batch only through the linear layers,
+//! where tp-cpu takes a GEMV kernel for up to 8 rows and a packed GEMM above, which round
+//! differently. A sequence's logits are bitwise the same alone and in a batch when every step
+//! (and the logits' row count) falls on the same side of that threshold in both runs.
 
 use super::ParallelCausalLm;
 use crate::error::{ModelError, Result};
