@@ -21,18 +21,26 @@
 //!
 //! Communication: one all-reduce of `[T, H]` per forward (plus `2T` floats for a full-width
 //! q/k norm).
+//!
+//! [`ParallelAttention::forward_batch`] runs the same steps over a flat batch of several
+//! sequences' tokens ([`TokenBatch`]) with a paged cache ([`PagedKvCache`]): one q/k/v GEMM
+//! over all `T` tokens, RoPE at each token's own position, keys and values written at the
+//! tokens' slots, paged attention of each sequence over its own blocks, and one all-reduce for
+//! the whole batch.
 
+use crate::batch::TokenBatch;
 use crate::error::{LayerError, Result};
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::loader::Loader;
 use crate::norm::RmsNorm;
+use crate::paged_cache::PagedKvCache;
 use crate::parts::Projections;
 use crate::qkv::{AttentionHeads, QkvLayout, QkvParallel};
 use crate::row::RowParallel;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tp_comm::{DeviceGroup, ReduceOp};
-use tp_core::{AttentionSpec, DType, Device, NormStyle, RotaryEmbedding, Tensor};
+use tp_core::{AttentionSpec, DType, Device, NormStyle, PagedAttentionSpec, RotaryEmbedding, Tensor};
 
 /// Over which features a q/k norm normalises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -327,6 +335,66 @@ impl ParallelAttention {
         };
         let (kc, vc) = cache.buffers();
         let o = q.attention(kc, vc, &spec)?.reshape(&[t, l.q_len * l.head_dim])?;
+        self.o_proj.forward(&o)
+    }
+
+    /// An empty paged cache for this layer on this rank: `num_blocks` blocks of `block_size`
+    /// positions of its KV heads, bound to the layer.
+    pub fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
+        let l = self.layout();
+        let mut cache = PagedKvCache::new(num_blocks, block_size, l.kv_len, l.head_dim, self.dtype(), &self.device())?;
+        cache.bind(self.id, (l.kv_len, l.head_dim), self.dtype(), self.device())?;
+        Ok(cache)
+    }
+
+    /// Self-attention of `x: [T, H]`, the rows of `batch` (each sequence's next tokens after
+    /// its cached context): writes their keys and values at the batch's slots of `cache`, then
+    /// each row attends over its own sequence's blocks. Returns `[T, H]` on every rank, with
+    /// one all-reduce for the whole batch.
+    ///
+    /// Errors: [`LayerError::CacheMismatch`] for a cache of another layer, shape or block
+    /// size; `x` not `[T, H]`; block tables naming blocks past the cache; collective failures.
+    pub fn forward_batch(&self, x: &Tensor, batch: &TokenBatch, cache: &mut PagedKvCache) -> Result<Tensor> {
+        let l = *self.layout();
+        cache.bind(self.id, (l.kv_len, l.head_dim), self.dtype(), self.device())?;
+        if cache.block_size() != batch.block_size() {
+            return Err(LayerError::CacheMismatch(format!(
+                "the batch's block tables count blocks of {} positions, the cache's blocks hold {}",
+                batch.block_size(),
+                cache.block_size()
+            )));
+        }
+        let blocks = cache.num_blocks();
+        if let Some((i, b)) = batch
+            .seqs()
+            .iter()
+            .enumerate()
+            .find_map(|(i, s)| s.blocks.iter().find(|&&b| b as usize >= blocks).map(|b| (i, b)))
+        {
+            return Err(LayerError::CacheMismatch(format!(
+                "sequence {i} of the batch names block {b}, past the cache's {blocks} blocks"
+            )));
+        }
+        let t = batch.num_tokens();
+        if x.ndim() != 2 || x.dims()[0] != t {
+            return Err(LayerError::Config(format!(
+                "attention input must be [{t} tokens of the batch, hidden], got {:?}",
+                x.dims()
+            )));
+        }
+        let (q, k, v) = self.qkv.forward(x)?;
+        let (q, k) = self.qk_normed(q, k, t)?;
+        let q = batch.rope(&q.reshape(&[t, l.q_len, l.head_dim])?, &self.config.rope)?;
+        let k = batch.rope(&k.reshape(&[t, l.kv_len, l.head_dim])?, &self.config.rope)?;
+        let v = v.reshape(&[t, l.kv_len, l.head_dim])?;
+        cache.write(&k, &v, batch.slots())?;
+        let spec = PagedAttentionSpec {
+            scale: self.scale,
+            sliding_window: self.config.sliding_window,
+            kv_groups: Some(l.kv_groups()),
+        };
+        let (kc, vc) = cache.buffers();
+        let o = q.paged_attention(kc, vc, &batch.paged_seqs(), &spec)?.reshape(&[t, l.q_len * l.head_dim])?;
         self.o_proj.forward(&o)
     }
 

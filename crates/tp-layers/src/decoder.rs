@@ -15,11 +15,13 @@
 //! intermediate features, one all-reduce each.
 
 use crate::attention::{AttentionConfig, AttentionNames, ParallelAttention};
+use crate::batch::TokenBatch;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::loader::Loader;
 use crate::mlp::{MlpNames, ParallelMlp};
 use crate::norm::RmsNorm;
+use crate::paged_cache::PagedKvCache;
 use tp_core::{Activation, NormStyle, Tensor};
 
 /// A block of a model: a forward over the hidden states of the next tokens of a sequence, with
@@ -29,6 +31,12 @@ pub trait Block: std::fmt::Debug + Send + Sync {
     fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor>;
     /// An empty cache for this block on this rank, holding `capacity` positions at first.
     fn new_cache(&self, capacity: usize) -> Result<KvCache>;
+    /// `x: [T, H]`, the rows of a flat batch of several sequences' next tokens, to `[T, H]`
+    /// (every rank the same), their keys and values written into the paged `cache`.
+    fn forward_batch(&self, x: &Tensor, batch: &TokenBatch, cache: &mut PagedKvCache) -> Result<Tensor>;
+    /// An empty paged cache for this block on this rank: `num_blocks` blocks of `block_size`
+    /// positions.
+    fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache>;
 }
 
 /// The names of a block's norms under its prefix; `None` where the block has no such norm.
@@ -161,17 +169,33 @@ fn norm(n: &Option<RmsNorm>, x: Tensor) -> Result<Tensor> {
     }
 }
 
-impl Block for DecoderLayer {
-    /// Two all-reduces (attention's and the MLP's).
-    fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let mut h = norm(&self.attn_out, self.self_attn.forward(&norm(&self.attn_in, x.clone())?, cache)?)?;
+impl DecoderLayer {
+    /// The block around an attention `attn` (of the normed input): norms, residuals, the MLP.
+    fn run(&self, x: &Tensor, attn: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let mut h = norm(&self.attn_out, attn(&norm(&self.attn_in, x.clone())?)?)?;
         h.add_assign(x)?; // h = x + attn (addition commutes bit for bit)
         let mut y = norm(&self.mlp_out, self.mlp.forward(&norm(&self.mlp_in, h.clone())?)?)?;
         y.add_assign(&h)?;
         Ok(y)
     }
+}
+
+impl Block for DecoderLayer {
+    /// Two all-reduces (attention's and the MLP's).
+    fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        self.run(x, |a| self.self_attn.forward(a, cache))
+    }
 
     fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         self.self_attn.new_cache(capacity)
+    }
+
+    /// Two all-reduces for the whole batch (attention's and the MLP's).
+    fn forward_batch(&self, x: &Tensor, batch: &TokenBatch, cache: &mut PagedKvCache) -> Result<Tensor> {
+        self.run(x, |a| self.self_attn.forward_batch(a, batch, cache))
+    }
+
+    fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
+        self.self_attn.new_paged_cache(num_blocks, block_size)
     }
 }

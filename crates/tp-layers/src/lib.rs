@@ -22,6 +22,9 @@
 //!   device come from the group it will run on, which the layer keeps; `forward` takes only
 //!   the inputs. Fused checkpoint tensors (Phi-3's `qkv_proj`, `gate_up_proj`) are split by
 //!   [`Projections`], each part sharded on its own.
+//! * [`PagedKvCache`] and [`TokenBatch`]: several sequences' next tokens as one flat batch
+//!   over a block-table KV cache ([`ParallelAttention::forward_batch`],
+//!   [`Block::forward_batch`]; one all-reduce per layer part for the whole batch).
 //! * [`Block`]: a model is a list of blocks ([`DecoderLayer`]: attention and MLP with up to
 //!   four norms, q/k norms, SwiGLU or GeGLU).
 //!
@@ -61,6 +64,7 @@
 //! ```
 
 mod attention;
+mod batch;
 mod checkpoint;
 mod column;
 mod decoder;
@@ -75,12 +79,14 @@ mod merged;
 mod mlp;
 mod norm;
 mod options;
+mod paged_cache;
 mod parts;
 mod qkv;
 mod row;
 mod text;
 
 pub use attention::{AttentionConfig, AttentionNames, ParallelAttention, QkNorm, QkNormSpan};
+pub use batch::{BatchSeq, TokenBatch};
 pub use checkpoint::{Checkpoint, save};
 pub use column::ColumnParallel;
 pub use decoder::{Block, BlockNorms, DecoderConfig, DecoderLayer, DecoderNames};
@@ -94,6 +100,7 @@ pub use merged::MergedColumnParallel;
 pub use mlp::{MlpNames, ParallelMlp};
 pub use norm::RmsNorm;
 pub use options::LoadOptions;
+pub use paged_cache::PagedKvCache;
 pub use parts::Projections;
 pub use qkv::{AttentionHeads, QkvLayout, QkvParallel};
 pub use row::RowParallel;

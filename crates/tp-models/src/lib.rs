@@ -11,6 +11,10 @@
 //!   [`decode_step`](ParallelCausalLm::decode_step) (the next position's) and
 //!   [`generate`](ParallelCausalLm::generate) (greedy, through the KV caches; every rank gets
 //!   the same tokens).
+//! * Continuous batching: [`forward_batch`](ParallelCausalLm::forward_batch) runs one step of
+//!   several sequences as a flat token batch over paged KV caches
+//!   ([`new_paged_caches`](ParallelCausalLm::new_paged_caches)) and returns this rank's
+//!   vocabulary columns of the chosen rows' logits ([`vocab_shard`](ParallelCausalLm::vocab_shard)).
 //!
 //! ```no_run
 //! use std::time::Duration;

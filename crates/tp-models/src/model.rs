@@ -8,6 +8,8 @@
 //! for the greedy choice alone, a gather of each rank's `(max, index)` pair. Every rank computes
 //! the same tokens.
 
+mod batch;
+
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::tensors::check_tensors;
@@ -106,6 +108,8 @@ pub struct ParallelCausalLm {
     norm: RmsNorm,
     lm_head: ParallelLmHead,
     caches: Vec<KvCache>,
+    /// KV heads this rank holds in every layer (replicated ones included).
+    kv_heads: usize,
 }
 
 impl std::fmt::Debug for ParallelCausalLm {
@@ -149,7 +153,8 @@ impl ParallelCausalLm {
     ) -> Result<ParallelCausalLm> {
         let dir = dir.as_ref();
         let c = config;
-        QkvLayout::new(c.num_attention_heads, c.num_key_value_heads, c.head_dim, group.rank(), group.world_size())?;
+        let layout =
+            QkvLayout::new(c.num_attention_heads, c.num_key_value_heads, c.head_dim, group.rank(), group.world_size())?;
         let ckpt = Checkpoint::open(dir)?;
         check_tensors(&ckpt, c)?;
         let dtype = match opts.dtype {
@@ -180,7 +185,17 @@ impl ParallelCausalLm {
             .iter()
             .map(|l| Ok(l.new_cache(INITIAL_CACHE_POSITIONS.min(limit))?.with_limit(limit)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(ParallelCausalLm { config: c.clone(), group: group.clone(), dtype, embed, layers, norm, lm_head, caches })
+        Ok(ParallelCausalLm {
+            config: c.clone(),
+            group: group.clone(),
+            dtype,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            caches,
+            kv_heads: layout.kv_len,
+        })
     }
 
     /// The model's configuration.

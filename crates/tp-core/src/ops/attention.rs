@@ -71,7 +71,7 @@ impl AttentionSpec {
 }
 
 /// Work (multiply-adds) below which attention runs on one thread.
-const PARALLEL_MIN_WORK: usize = 1 << 18;
+pub(super) const PARALLEL_MIN_WORK: usize = 1 << 18;
 /// Queries from which attention runs as GEMMs (prefill); fewer (decode) take the row loop.
 const GEMM_MIN_TOKENS: usize = 8;
 /// Score elements one GEMM tile may hold (16 MiB of f32): long prefills go tile by tile.
@@ -423,7 +423,7 @@ fn attend_rows_body<const FMA: bool>(
 /// Below `-87` (where `e^x < 2^-125`) the result is `e^-87`, which weighs nothing beside the
 /// maximum's 1.
 #[inline(always)]
-fn exp_neg(x: f32) -> f32 {
+pub(super) fn exp_neg(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
@@ -446,7 +446,7 @@ fn exp_neg(x: f32) -> f32 {
 
 /// `Σ a_i b_i` in f32 with sixteen independent partial sums.
 #[inline(always)]
-fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     const L: usize = 16;
     let mut acc = [0f32; L];
     let (ac, bc) = (a.chunks_exact(L), b.chunks_exact(L));

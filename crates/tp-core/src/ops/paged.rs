@@ -1,0 +1,358 @@
+//! Paged attention: causal attention of a flat batch of tokens from several sequences, each
+//! over its own keys and values held in fixed-size blocks of a shared cache, and the write of
+//! new keys and values into the cache's slots.
+//!
+//! The cache is `[num_blocks, block_size, Hkv, D]`; a sequence's position `p` lives in block
+//! `blocks[p / block_size]`, row `p % block_size` (its *slot* is
+//! `blocks[p / block_size] · block_size + p % block_size`). The queries `q: [T, Hq, D]` are the
+//! rows of every sequence of the batch one after the other; a sequence's `q_len` rows are the
+//! last `q_len` of its `kv_len` positions, so its query `t` sits at position
+//! `kv_len - q_len + t` and sees the keys of its own blocks at positions `j <= p` (within a
+//! sliding window `W`, only `j > p - W`), with the grouped-query head mapping of
+//! [`KvGroups`](crate::KvGroups), exactly as [`Tensor::attention`] does for one sequence.
+//!
+//! On the host every (row, head) is computed by one sequential algorithm (the keys in position
+//! order: scores in f32, their maximum, `exp`, their sum, the weighted sum of the values, one
+//! division, one rounding to the dtype), the same as [`Tensor::attention`]'s decode loop; rows
+//! are split over threads, never the work of one row. A row's result therefore depends only on
+//! its query and its sequence's keys, bitwise, whatever else is in the batch.
+
+use super::attention::{PARALLEL_MIN_WORK, dot, exp_neg};
+use crate::storage::{CpuStorage, Storage};
+use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
+
+/// One sequence of a flat token batch, for [`Tensor::paged_attention`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedSeq<'a> {
+    /// First row of `q` (and of the output) belonging to this sequence.
+    pub q_start: usize,
+    /// Its rows: the last `q_len` of its `kv_len` positions (query `t` sits at position
+    /// `kv_len - q_len + t`).
+    pub q_len: usize,
+    /// Positions valid in its blocks (the context before this step plus `q_len`).
+    pub kv_len: usize,
+    /// Block table: position `p` lives in block `blocks[p / block_size]`, row
+    /// `p % block_size`.
+    pub blocks: &'a [u32],
+}
+
+/// The score scale, window and head grouping of a [`Tensor::paged_attention`] call (the same for
+/// every sequence of the batch).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PagedAttentionSpec {
+    /// Factor on `q·k` (usually `1/sqrt(D)`).
+    pub scale: f32,
+    /// At most this many most recent keys per query; `None` for plain causal attention.
+    pub sliding_window: Option<usize>,
+    /// Which KV head each query head uses; `None`: `Hkv` must divide `Hq`.
+    pub kv_groups: Option<KvGroups>,
+}
+
+impl PagedAttentionSpec {
+    /// The single-sequence spec with the same scale, window and grouping (its `kv_len` unused),
+    /// whose `groups` and `key_range` this op shares.
+    fn as_spec(&self) -> AttentionSpec {
+        AttentionSpec { kv_len: 0, scale: self.scale, sliding_window: self.sliding_window, kv_groups: self.kv_groups }
+    }
+}
+
+/// The checked sizes of one call.
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    block_size: usize,
+    groups: KvGroups,
+}
+
+/// Device tensors get this until the CUDA kernels are wired in.
+fn cuda_not_wired() -> Error {
+    Error::CudaUnavailable { reason: "paged attention on CUDA is not wired yet".into() }
+}
+
+impl Tensor {
+    /// Causal (and windowed) attention of the queries `self: [T, Hq, D]` of every sequence in
+    /// `seqs` over its own blocks of `k_cache, v_cache: [num_blocks, block_size, Hkv, D]` (see
+    /// the module docs). Returns `[T, Hq, D]` in the dtype of `self`; scores, softmax and sums
+    /// in f32. Each (row, head) is computed on its own with a fixed reduction order, so a row's
+    /// result is bitwise the same whatever else is in the batch.
+    ///
+    /// Errors: [`Error::RankMismatch`], [`Error::ShapeMismatch`] (head dims, `k`/`v` shapes,
+    /// query heads without a KV head), dtype/device mismatches, [`Error::NotFloat`], and
+    /// [`Error::InvalidArgument`] for a sequence with no rows, more rows than positions, rows
+    /// past `T`, a block table too short for its positions or naming a block past the cache,
+    /// rows of `q` covered by no sequence or by two, a zero window or a non-finite scale.
+    pub fn paged_attention(
+        &self,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        seqs: &[PagedSeq<'_>],
+        spec: &PagedAttentionSpec,
+    ) -> Result<Tensor> {
+        const OP: &str = "paged_attention";
+        let (geo, row_seq) = check_paged(self, k_cache, v_cache, seqs, spec)?;
+        if matches!(self.storage(), Storage::Cuda(_)) {
+            return Err(cuda_not_wired());
+        }
+        let (qs, ks, vs) = (self.cpu_storage(OP)?, k_cache.cpu_storage(OP)?, v_cache.cpu_storage(OP)?);
+        let out = with_dtype!(qs.dtype(), E => {
+            let qe = qs.as_slice::<E>().unwrap_or_default();
+            let mut q = vec![0f32; qe.len()];
+            E::slice_to_f32(qe, &mut q);
+            let (k, v) = (ks.as_slice::<E>().unwrap_or_default(), vs.as_slice::<E>().unwrap_or_default());
+            let y = host_paged::<E>(&q, (k, v), geo, seqs, &row_seq, spec);
+            CpuStorage::from_vec(y.iter().map(|&x| E::from_f32(x)).collect::<Vec<E>>())
+        });
+        Ok(Tensor::from_cpu(self.shape().clone(), out))
+    }
+
+    /// Writes row `t` of `src: [T, H, D]` into flat slot `slots[t]` of this cache
+    /// `[num_blocks, block_size, H, D]` (slot `= block · block_size + offset`), in place.
+    ///
+    /// Errors (the cache unchanged): [`Error::RankMismatch`], [`Error::ShapeMismatch`] when
+    /// `src`'s heads or head size differ, dtype/device mismatches, [`Error::InvalidArgument`]
+    /// when `slots` has not `T` entries, a slot lies past the cache, or two rows name one slot.
+    pub fn write_slots(&mut self, src: &Tensor, slots: &[usize]) -> Result<()> {
+        const OP: &str = "write_slots";
+        super::same_dtype_device(OP, self, src)?;
+        let &[nb, bs, h, d] = self.dims() else {
+            return Err(Error::RankMismatch {
+                op: OP,
+                expected: "4 ([num_blocks, block_size, heads, head_dim]) for the cache",
+                dims: self.dims().to_vec(),
+            });
+        };
+        let &[t, hs, ds] = src.dims() else {
+            return Err(Error::RankMismatch {
+                op: OP,
+                expected: "3 ([tokens, heads, head_dim]) for the source",
+                dims: src.dims().to_vec(),
+            });
+        };
+        if (hs, ds) != (h, d) {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: src.dims().to_vec(),
+                why: "the source rows must have the cache's heads and head_dim",
+            });
+        }
+        if slots.len() != t {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: format!("{} slots given for {t} source rows", slots.len()),
+            });
+        }
+        let total = nb * bs; // the cache's shape was checked when it was made
+        if let Some((i, &s)) = slots.iter().enumerate().find(|(_, s)| **s >= total) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: format!("slot {s} of row {i} is past the cache's {total} slots ({nb} blocks of {bs})"),
+            });
+        }
+        let mut sorted = slots.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::InvalidArgument { op: OP, why: format!("slot {} is written by two rows", w[0]) });
+        }
+        if matches!(self.storage(), Storage::Cuda(_)) {
+            return Err(cuda_not_wired());
+        }
+        let row = h * d;
+        let from = src.cpu_storage(OP)?;
+        with_storable!(self.dtype(), E => {
+            let s = from.as_slice::<E>().unwrap_or_default();
+            let dst = self.as_mut_slice::<E>()?;
+            for (i, &slot) in slots.iter().enumerate() {
+                dst[slot * row..(slot + 1) * row].copy_from_slice(&s[i * row..(i + 1) * row]);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// Checks every argument of [`Tensor::paged_attention`]; returns the sizes and, per row of `q`,
+/// the index of the sequence it belongs to.
+fn check_paged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqs: &[PagedSeq<'_>],
+    spec: &PagedAttentionSpec,
+) -> Result<(Geometry, Vec<usize>)> {
+    const OP: &str = "paged_attention";
+    q.require_float()?;
+    super::same_dtype_device(OP, q, k)?;
+    super::same_dtype_device(OP, q, v)?;
+    let &[t, hq, d] = q.dims() else {
+        return Err(Error::RankMismatch { op: OP, expected: "3 ([tokens, heads, head_dim])", dims: q.dims().to_vec() });
+    };
+    let &[num_blocks, block_size, hkv, dk] = k.dims() else {
+        return Err(Error::RankMismatch {
+            op: OP,
+            expected: "4 ([num_blocks, block_size, kv_heads, head_dim]) for the caches",
+            dims: k.dims().to_vec(),
+        });
+    };
+    let mismatch = |why| Error::ShapeMismatch { op: OP, lhs: q.dims().to_vec(), rhs: k.dims().to_vec(), why };
+    if k.dims() != v.dims() {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: k.dims().to_vec(),
+            rhs: v.dims().to_vec(),
+            why: "the key and value caches must have one shape",
+        });
+    }
+    if dk != d {
+        return Err(mismatch("queries and keys must have one head_dim"));
+    }
+    let Some(groups) = spec.as_spec().groups(hq, hkv) else {
+        return Err(mismatch(
+            "each query head needs a KV head: Hkv must divide Hq, or kv_groups must map every query head to one",
+        ));
+    };
+    if spec.sliding_window == Some(0) || !spec.scale.is_finite() {
+        return Err(Error::InvalidArgument { op: OP, why: "the window must be >= 1 and the scale finite".into() });
+    }
+    let bad = |i: usize, why: String| Error::InvalidArgument { op: OP, why: format!("sequence {i}: {why}") };
+    let mut row_seq = vec![usize::MAX; t];
+    for (i, s) in seqs.iter().enumerate() {
+        if s.q_len == 0 || s.q_len > s.kv_len {
+            return Err(bad(i, format!("{} query rows for {} positions (need 1..=positions)", s.q_len, s.kv_len)));
+        }
+        let end = s.q_start.checked_add(s.q_len).filter(|&e| e <= t);
+        let Some(end) = end else {
+            return Err(bad(i, format!("rows {}..+{} pass the {t} rows of q", s.q_start, s.q_len)));
+        };
+        let used = s.kv_len.div_ceil(block_size.max(1));
+        if block_size == 0 || s.blocks.len() < used {
+            return Err(bad(
+                i,
+                format!("{} blocks of {block_size} cannot hold its {} positions", s.blocks.len(), s.kv_len),
+            ));
+        }
+        if let Some(b) = s.blocks[..used].iter().find(|&&b| b as usize >= num_blocks) {
+            return Err(bad(i, format!("block {b} is past the cache's {num_blocks} blocks")));
+        }
+        for (r, owner) in row_seq[s.q_start..end].iter_mut().enumerate() {
+            if *owner != usize::MAX {
+                return Err(bad(i, format!("row {} of q also belongs to sequence {owner}", s.q_start + r)));
+            }
+            *owner = i;
+        }
+    }
+    if let Some(r) = row_seq.iter().position(|&o| o == usize::MAX) {
+        return Err(Error::InvalidArgument { op: OP, why: format!("row {r} of q belongs to no sequence") });
+    }
+    Ok((Geometry { hq, hkv, d, block_size, groups }, row_seq))
+}
+
+/// The f32 attention of every (row, head) on the host, threaded over rows when the work pays.
+fn host_paged<E: Element>(
+    q: &[f32],
+    kv: (&[E], &[E]),
+    geo: Geometry,
+    seqs: &[PagedSeq<'_>],
+    row_seq: &[usize],
+    spec: &PagedAttentionSpec,
+) -> Vec<f32> {
+    let rows = row_seq.len() * geo.hq;
+    let mut out = vec![0f32; rows * geo.d];
+    let longest = seqs.iter().map(|s| s.kv_len).max().unwrap_or(0);
+    let work = rows.saturating_mul(longest).saturating_mul(geo.d);
+    let threads = if work < PARALLEL_MIN_WORK { 1 } else { crate::cpu::num_threads().min(rows).max(1) };
+    let ctx = RowCtx { q, kv, geo, seqs, row_seq, spec: spec.as_spec() };
+    if threads <= 1 || geo.d == 0 {
+        paged_rows(&ctx, 0, &mut out);
+        return out;
+    }
+    let per = rows.div_ceil(threads);
+    std::thread::scope(|s| {
+        for (i, chunk) in out.chunks_mut(per * geo.d).enumerate() {
+            let ctx = &ctx;
+            s.spawn(move || paged_rows(ctx, i * per, chunk));
+        }
+    });
+    out
+}
+
+/// What every row of one call reads.
+struct RowCtx<'a, E> {
+    q: &'a [f32],
+    kv: (&'a [E], &'a [E]),
+    geo: Geometry,
+    seqs: &'a [PagedSeq<'a>],
+    row_seq: &'a [usize],
+    spec: AttentionSpec,
+}
+
+/// Output rows `first..first + out.len() / D` (row `r` is token `r / Hq`, head `r % Hq`), with
+/// the loops compiled for the best vector unit the CPU has, picked at run time (one choice per
+/// machine, so every row of every call takes the same path).
+fn paged_rows<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX-512F and FMA (checked just above), all `#[target_feature]`
+            // adds to this otherwise safe function.
+            return unsafe { paged_rows_avx512(ctx, first, out) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            return unsafe { paged_rows_avx2(ctx, first, out) };
+        }
+    }
+    paged_rows_body::<E, false>(ctx, first, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn paged_rows_avx512<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
+    paged_rows_body::<E, true>(ctx, first, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn paged_rows_avx2<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
+    paged_rows_body::<E, true>(ctx, first, out)
+}
+
+/// The portable body; `FMA` fuses the multiply-adds (only where the CPU has them). Keys are
+/// visited in position order through the sequence's block table.
+#[inline(always)]
+fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
+    let Geometry { hq, hkv, d, block_size: bs, groups } = ctx.geo;
+    let (k, v) = ctx.kv;
+    let (mut scores, mut kvrow) = (Vec::new(), vec![0f32; d]);
+    for (r, y) in (first..).zip(out.chunks_exact_mut(d.max(1))) {
+        let (tok, head) = (r / hq, r % hq);
+        let s = &ctx.seqs[ctx.row_seq[tok]];
+        let kvh = (head + groups.offset) / groups.size;
+        let p = s.kv_len - s.q_len + (tok - s.q_start);
+        let (lo, hi) = ctx.spec.key_range(p);
+        let at = |j: usize| ((s.blocks[j / bs] as usize * bs + j % bs) * hkv + kvh) * d;
+        let qv = &ctx.q[r * d..(r + 1) * d];
+        scores.clear();
+        let mut max = f32::NEG_INFINITY;
+        for j in lo..=hi {
+            E::slice_to_f32(&k[at(j)..at(j) + d], &mut kvrow);
+            let sc = dot::<FMA>(qv, &kvrow) * ctx.spec.scale;
+            max = max.max(sc);
+            scores.push(sc);
+        }
+        for sc in &mut scores {
+            *sc = exp_neg(*sc - max);
+        }
+        let sum: f32 = scores.iter().sum();
+        y.fill(0.0);
+        for (j, &w) in (lo..=hi).zip(&scores) {
+            E::slice_to_f32(&v[at(j)..at(j) + d], &mut kvrow);
+            for (a, b) in y.iter_mut().zip(&kvrow) {
+                *a = if FMA { w.mul_add(*b, *a) } else { *a + w * b };
+            }
+        }
+        let inv = 1.0 / sum;
+        y.iter_mut().for_each(|a| *a *= inv);
+    }
+}

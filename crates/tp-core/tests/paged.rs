@@ -1,0 +1,150 @@
+//! Paged attention and slot writes on the host: against a float64 reference over random
+//! batches (block sizes 1, 3 and 16, shuffled block ids, windows, grouped heads starting
+//! mid-group, several sequences of uneven lengths, every float dtype), bitwise batch invariance,
+//! and a typed error for every bad argument.
+
+mod common;
+use common::paged::{PagedCase, build, check_batch_invariance, check_paged_attention};
+use tp_core::{DType, Device, Error, KvGroups, PagedAttentionSpec, PagedSeq, Tensor};
+
+const CPU: Device = Device::Cpu;
+
+/// Decodes, a prefill from scratch, chunks after a context, a sequence of one token.
+const MIXED: [(usize, usize); 5] = [(9, 1), (0, 7), (20, 5), (0, 1), (33, 1)];
+
+fn case(block_size: usize, heads: (usize, usize, usize), dtype: DType, seed: u64) -> PagedCase {
+    PagedCase { seqs: MIXED.to_vec(), block_size, heads, window: None, groups: None, spare_blocks: 3, dtype, seed }
+}
+
+#[test]
+fn paged_attention_matches_f64_across_block_sizes_heads_and_dtypes() {
+    for bs in [1, 3, 16] {
+        for heads in [(4, 4, 8), (6, 2, 16), (4, 1, 5)] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                check_paged_attention(CPU, &case(bs, heads, dtype, bs as u64 * 31 + heads.0 as u64));
+            }
+        }
+    }
+}
+
+#[test]
+fn paged_attention_respects_windows_and_groups_starting_mid_group() {
+    for bs in [1, 3, 16] {
+        for w in [1, 4, 17] {
+            check_paged_attention(CPU, &PagedCase { window: Some(w), ..case(bs, (4, 2, 8), DType::F32, w as u64) });
+        }
+        // 3 query heads of a model with 4 per KV head, starting at the third of a group: heads
+        // 0 and 1 use KV head 0, head 2 uses KV head 1.
+        let groups = Some(KvGroups { size: 4, offset: 2 });
+        check_paged_attention(CPU, &PagedCase { groups, ..case(bs, (3, 2, 8), DType::F32, 90 + bs as u64) });
+        check_paged_attention(CPU, &PagedCase { groups, ..case(bs, (3, 2, 8), DType::BF16, 91 + bs as u64) });
+    }
+}
+
+#[test]
+fn a_rows_result_does_not_depend_on_the_rest_of_the_batch() {
+    for bs in [1, 3, 16] {
+        check_batch_invariance(CPU, &case(bs, (6, 2, 16), DType::F32, 7));
+        check_batch_invariance(CPU, &PagedCase { window: Some(5), ..case(bs, (4, 4, 8), DType::BF16, 8) });
+    }
+    // Large enough that the batch is split over threads while each sequence alone is not.
+    let big = PagedCase { seqs: vec![(300, 1), (0, 40), (250, 9), (120, 1)], ..case(16, (8, 2, 64), DType::F32, 9) };
+    check_paged_attention(CPU, &big);
+    check_batch_invariance(CPU, &big);
+}
+
+#[test]
+fn write_slots_writes_each_row_at_its_slot_and_nothing_else() {
+    let (nb, bs, h, d) = (5, 3, 2, 4);
+    for dtype in [DType::F32, DType::BF16] {
+        let mut cache = Tensor::zeros(&[nb, bs, h, d], dtype, &CPU).unwrap();
+        let src = Tensor::randn(&[4, h, d], dtype, 3, &CPU).unwrap();
+        let slots = [14, 0, 7, 8];
+        cache.write_slots(&src, &slots).unwrap();
+        let (got, rows) = (cache.to_f64_vec().unwrap(), src.to_f64_vec().unwrap());
+        let row = h * d;
+        for slot in 0..nb * bs {
+            let want = match slots.iter().position(|&s| s == slot) {
+                Some(t) => rows[t * row..(t + 1) * row].to_vec(),
+                None => vec![0.0; row],
+            };
+            assert_eq!(&got[slot * row..(slot + 1) * row], &want[..], "{dtype} slot {slot}");
+        }
+    }
+}
+
+#[test]
+fn bad_slot_writes_are_typed_errors_and_leave_the_cache_unchanged() {
+    let mut cache = Tensor::zeros(&[2, 4, 2, 3], DType::F32, &CPU).unwrap();
+    let before = cache.clone().to_f64_vec().unwrap();
+    let src = Tensor::randn(&[2, 2, 3], DType::F32, 1, &CPU).unwrap();
+    let invalid = |r: tp_core::Result<()>, what: &str| match r {
+        Err(Error::InvalidArgument { why, .. }) => assert!(why.contains(what), "{why}"),
+        other => panic!("expected InvalidArgument naming {what:?}, got {other:?}"),
+    };
+    invalid(cache.write_slots(&src, &[1, 8]), "slot 8 of row 1 is past the cache's 8 slots");
+    invalid(cache.write_slots(&src, &[3, 3]), "slot 3 is written by two rows");
+    invalid(cache.write_slots(&src, &[3]), "1 slots given for 2 source rows");
+    let wide = Tensor::randn(&[2, 3, 3], DType::F32, 1, &CPU).unwrap();
+    assert!(matches!(cache.write_slots(&wide, &[0, 1]), Err(Error::ShapeMismatch { .. })));
+    let half = src.to_dtype(DType::BF16).unwrap();
+    assert!(matches!(cache.write_slots(&half, &[0, 1]), Err(Error::DTypeMismatch { .. })));
+    assert!(matches!(cache.write_slots(&src.reshape(&[2, 6]).unwrap(), &[0, 1]), Err(Error::RankMismatch { .. })));
+    let mut flat = Tensor::zeros(&[8, 2, 3], DType::F32, &CPU).unwrap();
+    assert!(matches!(flat.write_slots(&src, &[0, 1]), Err(Error::RankMismatch { .. })));
+    assert_eq!(cache.to_f64_vec().unwrap(), before, "nothing written on error");
+}
+
+/// `seqs` with sequence `i` replaced by `s`.
+fn with<'a>(seqs: &[PagedSeq<'a>], i: usize, s: PagedSeq<'a>) -> Vec<PagedSeq<'a>> {
+    let mut v = seqs.to_vec();
+    v[i] = s;
+    v
+}
+
+#[test]
+fn bad_batches_are_typed_errors_naming_the_problem() {
+    let b = build(&case(4, (4, 2, 8), DType::F32, 5));
+    let spec = b.spec;
+    let all: Vec<usize> = (0..b.seqs.len()).collect();
+    let good = b.paged(&all);
+    assert!(b.q.paged_attention(&b.k, &b.v, &good, &spec).is_ok());
+    let run = |seqs: &[PagedSeq<'_>], spec: &PagedAttentionSpec| b.q.paged_attention(&b.k, &b.v, seqs, spec);
+    let invalid = |r: tp_core::Result<Tensor>, what: &str| match r {
+        Err(Error::InvalidArgument { why, .. }) => assert!(why.contains(what), "{why}"),
+        other => panic!("expected InvalidArgument naming {what:?}, got {:?}", other.map(|t| t.dims().to_vec())),
+    };
+    invalid(run(&good[1..], &spec), "row 0 of q belongs to no sequence");
+    invalid(run(&with(&good, 1, PagedSeq { q_start: 0, ..good[1] }), &spec), "row 0 of q also belongs to sequence 0");
+    invalid(run(&with(&good, 0, PagedSeq { q_len: 0, ..good[0] }), &spec), "sequence 0: 0 query rows");
+    invalid(run(&with(&good, 3, PagedSeq { kv_len: 0, ..good[3] }), &spec), "sequence 3: 1 query rows for 0 positions");
+    invalid(
+        run(&with(&good, 4, PagedSeq { q_start: 15, ..good[4] }), &spec),
+        "sequence 4: rows 15..+1 pass the 15 rows of q",
+    );
+    let short = [7u32, 1];
+    invalid(
+        run(&with(&good, 2, PagedSeq { blocks: &short, ..good[2] }), &spec),
+        "sequence 2: 2 blocks of 4 cannot hold its 25 positions",
+    );
+    let past = [0u32, 1, 2, 3, 4, 5, 999];
+    invalid(
+        run(&with(&good, 2, PagedSeq { blocks: &past, ..good[2] }), &spec),
+        "sequence 2: block 999 is past the cache's",
+    );
+    let window0 = PagedAttentionSpec { sliding_window: Some(0), ..spec };
+    invalid(run(&good, &window0), "window");
+    let nan = PagedAttentionSpec { scale: f32::NAN, ..spec };
+    invalid(run(&good, &nan), "scale");
+    // Shapes, dtypes, ranks.
+    let q3 = Tensor::randn(&[15, 3, 8], DType::F32, 1, &CPU).unwrap(); // 2 KV heads do not divide 3
+    assert!(matches!(q3.paged_attention(&b.k, &b.v, &good, &spec), Err(Error::ShapeMismatch { .. })));
+    let v_short = b.v.narrow(3, 0, 4).unwrap();
+    assert!(matches!(b.q.paged_attention(&b.k, &v_short, &good, &spec), Err(Error::ShapeMismatch { .. })));
+    let flat = b.k.reshape(&[b.k.dims()[0] * 4, 2, 8]).unwrap();
+    assert!(matches!(b.q.paged_attention(&flat, &flat, &good, &spec), Err(Error::RankMismatch { .. })));
+    let half = b.q.to_dtype(DType::F16).unwrap();
+    assert!(matches!(half.paged_attention(&b.k, &b.v, &good, &spec), Err(Error::DTypeMismatch { .. })));
+    let ids = Tensor::from_vec(vec![1i64; 15 * 4 * 8], &[15, 4, 8], &CPU).unwrap();
+    assert!(matches!(ids.paged_attention(&b.k, &b.v, &good, &spec), Err(Error::NotFloat { .. })));
+}
