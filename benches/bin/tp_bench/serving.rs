@@ -198,7 +198,13 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
         if let Some(d) = tps16 {
             let step_ms = 16.0 / d * 1e3;
             let gemm_ms = gemms_alone_ms(&config, 16)?;
-            rows.push(row("decode step 16 vs GEMMs".into(), "16 tokens".into(), step_ms, "ms", Some(("GEMMs alone", gemm_ms))));
+            rows.push(row(
+                "decode step 16 vs GEMMs".into(),
+                "16 tokens".into(),
+                step_ms,
+                "ms",
+                Some(("GEMMs alone", gemm_ms)),
+            ));
         }
     }
     let h = engine.handle();
@@ -212,7 +218,13 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
         match transformers_batched(dir, 16, PROMPT_LEN, new_tokens, vocab) {
             Ok(tps) => {
                 if let Some(ours) = tps16 {
-                    rows.push(row("decode 16 vs transformers".into(), format!("16x({PROMPT_LEN}+{new_tokens})"), ours, "tokens/s", Some(("transformers", tps))));
+                    rows.push(row(
+                        "decode 16 vs transformers".into(),
+                        format!("16x({PROMPT_LEN}+{new_tokens})"),
+                        ours,
+                        "tokens/s",
+                        Some(("transformers", tps)),
+                    ));
                 }
             }
             Err(e) => println!("transformers batched baseline skipped: {e}"),
@@ -244,13 +256,7 @@ fn chunked_prefill_row(dir: &Path, vocab: usize, max_pos: usize) -> Result<Row> 
     h.begin_shutdown();
     drop(h);
     let _ = engine.join(Instant::now() + Duration::from_secs(60));
-    Ok(row(
-        format!("p99/p50 gap, {long}-token prompt"),
-        format!("8 decodes, chunks of {CHUNK}"),
-        p99 / p50,
-        "x",
-        None,
-    ))
+    Ok(row(format!("p99/p50 gap, {long}-token prompt"), format!("8 decodes, chunks of {CHUNK}"), p99 / p50, "x", None))
 }
 
 /// Milliseconds of one step's GEMMs alone at `m` tokens: every layer's four products and the

@@ -127,7 +127,8 @@ fn a_mixed_batch_gives_every_request_its_tokens_alone() {
     // One position costs 3 layers x (keys + values) x 12 KV heads x 4 dims x 4 bytes over all
     // ranks; TP 1..4 divides the heads, so a rank pays its share.
     let per_position_bytes = 3 * 2 * 12 * 4 * 4;
-    for (tp, block_size, budget_tokens, blocks) in [(1, 4, 7, 1000), (2, 16, 2048, 100), (3, 4, 5, 14), (4, 3, 16, 20)] {
+    for (tp, block_size, budget_tokens, blocks) in [(1, 4, 7, 1000), (2, 16, 2048, 100), (3, 4, 5, 14), (4, 3, 16, 20)]
+    {
         let mut o = options(&dir, tp);
         o.block_size = block_size;
         o.max_num_batched_tokens = budget_tokens;
@@ -136,11 +137,15 @@ fn a_mixed_batch_gives_every_request_its_tokens_alone() {
         o.kv_cache_memory = blocks * block_size * per_position_bytes / tp;
         let engine = tp_engine::start(&o).expect("start");
         assert_eq!(engine.num_blocks, blocks.min(256 * 64usize.div_ceil(block_size)));
-        let reqs = prompts.iter().zip(&lens).map(|(p, &(_, n))| request(p.clone(), n, SamplingParams::greedy())).collect();
+        let reqs =
+            prompts.iter().zip(&lens).map(|(p, &(_, n))| request(p.clone(), n, SamplingParams::greedy())).collect();
         let got = run_all(&engine, reqs);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.failed, None, "tp {tp} request {i}");
-            assert_eq!(&g.tokens, w, "tp {tp}, block {block_size}, budget {budget_tokens}, blocks {blocks}: request {i}");
+            assert_eq!(
+                &g.tokens, w,
+                "tp {tp}, block {block_size}, budget {budget_tokens}, blocks {blocks}: request {i}"
+            );
             assert_eq!(g.reason, Some(FinishReason::Length));
             let u = g.usage.expect("usage");
             assert_eq!((u.prompt_tokens, u.completion_tokens), (prompts[i].len(), w.len()));
@@ -175,7 +180,8 @@ fn a_repeated_prompt_hits_the_prefix_cache_and_gives_the_same_tokens() {
 #[test]
 fn seeded_sampling_is_the_same_at_every_tp_degree_and_in_any_batch() {
     let dir = model_dir("seeded", &SyntheticModel::tiny());
-    let params = SamplingParams { temperature: 0.9, top_p: 0.95, top_k: Some(50), seed: Some(1234), ..Default::default() };
+    let params =
+        SamplingParams { temperature: 0.9, top_p: 0.95, top_k: Some(50), seed: Some(1234), ..Default::default() };
     let target = prompt(7, 11, 1001);
     let mut reference: Option<Vec<i64>> = None;
     for tp in [1, 2, 3, 4] {

@@ -282,7 +282,16 @@ fn rank_main(
 /// Ranks other than 0: run every step rank 0 sends until it says stop.
 fn follow(mut worker: RankWorker) -> Result<(), EngineError> {
     loop {
-        let msg = worker.receive()?;
+        let msg = match worker.receive() {
+            Ok(m) => m,
+            Err(e) => {
+                worker
+                    .model
+                    .group()
+                    .abort(&format!("rank {} cannot read rank 0's step: {e}", worker.model.group().rank()));
+                return Err(e);
+            }
+        };
         match msg.kind {
             StepKind::Stop => return Ok(()),
             StepKind::Idle => {}

@@ -108,9 +108,9 @@ impl StepMsg {
         }
         for _ in 0..r.count()? {
             let id = r.word()? as u64;
-            let context = r.count()?;
+            let context = r.size()?;
             let sample = r.word()? != 0;
-            let cached_tokens = r.count()?;
+            let cached_tokens = r.size()?;
             let n = r.count()?;
             let tokens = r.take(n)?.to_vec();
             let n = r.count()?;
@@ -189,6 +189,11 @@ impl Reader<'_> {
     fn count(&mut self) -> Result<usize, String> {
         let w = self.word()?;
         usize::try_from(w).ok().filter(|&n| n <= self.words.len()).ok_or_else(|| format!("count {w} out of range"))
+    }
+    /// A position or length that counts no following words: non-negative.
+    fn size(&mut self) -> Result<usize, String> {
+        let w = self.word()?;
+        usize::try_from(w).map_err(|_| format!("size {w} out of range"))
     }
     /// `-1` for none, else a count.
     fn optional(&mut self) -> Result<Option<usize>, String> {
