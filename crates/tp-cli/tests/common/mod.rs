@@ -120,10 +120,12 @@ impl Server {
             cmd.env(k, v);
         }
         let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start tp");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, rx) = mpsc::channel();
+        let stderr = child.stderr.take();
+        let (tx, log) = mpsc::channel();
+        // Dropping the server kills and reaps the child, whatever happens below.
+        let mut server = Server { child, addr: String::new(), dir: dir.to_path_buf(), log };
         std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            for line in BufReader::new(stderr.expect("stderr")).lines().map_while(Result::ok) {
                 eprintln!("[tp] {line}");
                 if tx.send(line).is_err() {
                     break;
@@ -133,17 +135,14 @@ impl Server {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
+            match server.log.recv_timeout(left) {
                 Ok(line) => {
                     if let Some(a) = line.split("listening on http://").nth(1) {
-                        let addr = a.trim().to_string();
-                        return Server { child, addr, dir: dir.to_path_buf(), log: rx };
+                        server.addr = a.trim().to_string();
+                        return server;
                     }
                 }
-                Err(_) => {
-                    let _ = child.kill();
-                    panic!("tp serve did not start listening within 60 s");
-                }
+                Err(e) => panic!("tp serve did not start listening within 60 s ({e})"),
             }
         }
     }
