@@ -199,6 +199,7 @@ impl Drop for Choice {
         if !self.done {
             self.state.engine.abort(self.id);
             self.state.untrack(self.id);
+            self.state.metrics.finished("abort");
         }
     }
 }

@@ -53,7 +53,7 @@ fn a_client_that_disconnects_mid_stream_cancels_its_request() {
     let aborted = "tp_request_success_total{model_name=";
     let (_, text) = s.call("GET", "/metrics", None, &[]);
     let line = text.lines().find(|l| l.starts_with(aborted) && l.contains("abort")).expect("abort counter");
-    assert!(line.ends_with(" 0"), "a dropped stream is not counted as finished: {line}");
+    assert!(line.ends_with(" 1"), "the dropped stream counts as aborted: {line}");
     assert!(s.metric("tp_generation_tokens_total") < 150.0);
 }
 
