@@ -1,0 +1,375 @@
+//! `tp serve`'s command line (vLLM's flag names) and its checks: the engine's options go into
+//! [`EngineArgs`], the HTTP server's into [`ServerArgs`].
+
+use crate::error::CliError;
+use clap::{Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The `tp` command.
+#[derive(Debug, Parser)]
+#[command(name = "tp", version, about = "Tensor-parallel LLM serving")]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// `tp`'s subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve a Hugging Face model folder over OpenAI's HTTP API.
+    Serve(ServeArgs),
+}
+
+/// Weight and activation dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DTypeArg {
+    /// The checkpoint's own (`torch_dtype` / `dtype` of config.json).
+    Auto,
+    /// 32-bit float.
+    #[value(alias = "float32")]
+    F32,
+    /// 16-bit float.
+    #[value(alias = "float16", alias = "half")]
+    F16,
+    /// bfloat16.
+    #[value(alias = "bfloat16")]
+    Bf16,
+}
+
+/// Where the ranks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    /// Host kernels.
+    Cpu,
+    /// NVIDIA GPUs.
+    Cuda,
+}
+
+/// How the ranks talk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    /// Ranks as threads of this process.
+    Local,
+    /// One process per GPU over NCCL.
+    Nccl,
+}
+
+/// `tp serve MODEL_DIR [FLAGS]`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// The model folder (config.json, safetensors, tokenizer.json, tokenizer_config.json).
+    pub model_dir: PathBuf,
+    /// Ranks the model is split over.
+    #[arg(long = "tensor-parallel-size", alias = "tp", default_value_t = 1)]
+    pub tensor_parallel_size: usize,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the chosen one is logged).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Weight and activation dtype.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub dtype: DTypeArg,
+    /// Where the ranks run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceArg,
+    /// How the ranks talk.
+    #[arg(long, value_enum, default_value = "local")]
+    pub backend: BackendArg,
+    /// Most sequences in one step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens in one step (longer prompts are prefilled in chunks).
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt plus output (default: the model's `max_position_embeddings`).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Positions per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV-cache budget per rank, in bytes (suffixes K, M, G, KiB, MiB, GiB allowed).
+    #[arg(long, value_parser = parse_bytes)]
+    pub kv_cache_memory: Option<u64>,
+    /// Turn prefix caching on (the default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turn prefix caching off.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// The model's name in the API (default: MODEL_DIR as given).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Seed of requests that give none.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Require `Authorization: Bearer KEY` on /v1/ endpoints.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Most requests queued before new ones get 429.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting_requests: usize,
+    /// Largest request body, in bytes (larger ones get 413).
+    #[arg(long, default_value = "8MiB", value_parser = parse_bytes)]
+    pub max_request_bytes: u64,
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_timeout: f64,
+}
+
+/// What the engine is started with (read by `engine::start_engine` alone).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineArgs {
+    /// The model folder.
+    pub model_dir: PathBuf,
+    /// Ranks.
+    pub tensor_parallel_size: usize,
+    /// Dtype.
+    pub dtype: DTypeArg,
+    /// Device.
+    pub device: DeviceArg,
+    /// Backend.
+    pub backend: BackendArg,
+    /// Most sequences per step.
+    pub max_num_seqs: usize,
+    /// Token budget per step.
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt plus output (`None`: the model's).
+    pub max_model_len: Option<usize>,
+    /// Positions per block.
+    pub block_size: usize,
+    /// KV-cache bytes per rank (`None`: the engine's default).
+    pub kv_cache_memory: Option<u64>,
+    /// Prefix caching on.
+    pub enable_prefix_caching: bool,
+    /// Engine seed.
+    pub seed: u64,
+    /// Most queued requests.
+    pub max_waiting: usize,
+}
+
+/// What the HTTP server is started with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerArgs {
+    /// The model folder (tokenizer and chat template).
+    pub model_dir: PathBuf,
+    /// Listen address.
+    pub host: String,
+    /// Listen port.
+    pub port: u16,
+    /// The model's name in the API.
+    pub served_model_name: String,
+    /// Bearer key, if required.
+    pub api_key: Option<String>,
+    /// Largest body.
+    pub max_request_bytes: usize,
+    /// Grace period at shutdown.
+    pub shutdown_timeout: Duration,
+}
+
+/// Parses `tp`'s arguments; vLLM's single-dash `-tp N` / `-tp=N` is read as
+/// `--tensor-parallel-size` (clap's short flags are one letter).
+pub fn parse_cli<I: IntoIterator<Item = std::ffi::OsString>>(args: I) -> Result<Cli, clap::Error> {
+    let args = args.into_iter().map(|a| match a.to_str() {
+        Some("-tp") => "--tensor-parallel-size".into(),
+        Some(s) if s.starts_with("-tp=") => format!("--tensor-parallel-size={}", &s[4..]).into(),
+        _ => a,
+    });
+    Cli::try_parse_from(args)
+}
+
+/// Largest `--block-size`.
+const MAX_BLOCK_SIZE: usize = 256;
+
+impl ServeArgs {
+    /// Checks the numbers and splits the flags into the engine's and the server's.
+    pub fn split(self) -> Result<(EngineArgs, ServerArgs), CliError> {
+        let bad = |flag: &str, msg: String| Err(CliError::Args(format!("--{flag}: {msg}")));
+        if self.tensor_parallel_size == 0 {
+            return bad("tensor-parallel-size", "must be at least 1".into());
+        }
+        if self.max_num_seqs == 0 {
+            return bad("max-num-seqs", "must be at least 1".into());
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return bad(
+                "max-num-batched-tokens",
+                format!("{} is below --max-num-seqs {}", self.max_num_batched_tokens, self.max_num_seqs),
+            );
+        }
+        if self.max_model_len == Some(0) {
+            return bad("max-model-len", "must be at least 1".into());
+        }
+        if !self.block_size.is_power_of_two() || self.block_size > MAX_BLOCK_SIZE {
+            return bad(
+                "block-size",
+                format!("must be a power of two up to {MAX_BLOCK_SIZE}, got {}", self.block_size),
+            );
+        }
+        if self.kv_cache_memory == Some(0) {
+            return bad("kv-cache-memory", "must be more than 0 bytes".into());
+        }
+        if self.max_waiting_requests == 0 {
+            return bad("max-waiting-requests", "must be at least 1".into());
+        }
+        let max_request_bytes = usize::try_from(self.max_request_bytes)
+            .ok()
+            .filter(|b| *b >= 1024)
+            .ok_or_else(|| CliError::Args("--max-request-bytes: must be at least 1024".into()))?;
+        if !(self.shutdown_timeout.is_finite() && (0.0..=86_400.0).contains(&self.shutdown_timeout)) {
+            return bad("shutdown-timeout", format!("must be 0 to 86400 seconds, got {}", self.shutdown_timeout));
+        }
+        if self.host.is_empty() {
+            return bad("host", "is empty".into());
+        }
+        if self.api_key.as_deref() == Some("") {
+            return bad("api-key", "is empty".into());
+        }
+        let served_model_name =
+            self.served_model_name.clone().unwrap_or_else(|| self.model_dir.to_string_lossy().into_owned());
+        if served_model_name.is_empty() {
+            return bad("served-model-name", "is empty".into());
+        }
+        let engine = EngineArgs {
+            model_dir: self.model_dir.clone(),
+            tensor_parallel_size: self.tensor_parallel_size,
+            dtype: self.dtype,
+            device: self.device,
+            backend: self.backend,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            block_size: self.block_size,
+            kv_cache_memory: self.kv_cache_memory,
+            enable_prefix_caching: !self.no_enable_prefix_caching,
+            seed: self.seed,
+            max_waiting: self.max_waiting_requests,
+        };
+        let server = ServerArgs {
+            model_dir: self.model_dir,
+            host: self.host,
+            port: self.port,
+            served_model_name,
+            api_key: self.api_key,
+            max_request_bytes,
+            shutdown_timeout: Duration::from_secs_f64(self.shutdown_timeout),
+        };
+        Ok((engine, server))
+    }
+}
+
+/// Parses a byte count: a plain integer or one with a suffix K, M, G, T (powers of 1000) or
+/// KiB, MiB, GiB, TiB (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a byte count (e.g. 4000000000, 4G, 4GiB)"))?;
+    let mul: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "t" | "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        u => return Err(format!("unknown unit `{u}` in `{s}` (K, M, G, T, KiB, MiB, GiB, TiB)")),
+    };
+    n.checked_mul(mul).ok_or_else(|| format!("`{s}` does not fit in 64 bits"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<(EngineArgs, ServerArgs), String> {
+        let cli = parse_cli(args.iter().map(std::ffi::OsString::from)).map_err(|e| e.to_string())?;
+        let Command::Serve(s) = cli.command;
+        s.split().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_follow_vllm() {
+        let (e, s) = parse(&["tp", "serve", "m/dir"]).unwrap();
+        assert_eq!((s.host.as_str(), s.port, s.served_model_name.as_str()), ("127.0.0.1", 8000, "m/dir"));
+        assert_eq!((e.tensor_parallel_size, e.block_size, e.enable_prefix_caching), (1, 16, true));
+        assert_eq!((e.dtype, e.device, e.backend), (DTypeArg::Auto, DeviceArg::Cpu, BackendArg::Local));
+        assert_eq!(s.max_request_bytes, 8 << 20);
+    }
+
+    #[test]
+    fn every_flag_is_read() {
+        let (e, s) = parse(&[
+            "tp",
+            "serve",
+            "d",
+            "-tp",
+            "2",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9",
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "cuda",
+            "--backend",
+            "nccl",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+            "--max-model-len",
+            "100",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "2GiB",
+            "--no-enable-prefix-caching",
+            "--served-model-name",
+            "x",
+            "--seed",
+            "7",
+            "--api-key",
+            "k",
+        ])
+        .unwrap();
+        assert_eq!(e.tensor_parallel_size, 2);
+        assert_eq!((e.dtype, e.device, e.backend), (DTypeArg::Bf16, DeviceArg::Cuda, BackendArg::Nccl));
+        assert_eq!((e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len), (4, 64, Some(100)));
+        assert_eq!((e.block_size, e.kv_cache_memory, e.enable_prefix_caching, e.seed), (32, Some(2 << 30), false, 7));
+        assert_eq!((s.host.as_str(), s.port, s.served_model_name.as_str()), ("0.0.0.0", 9, "x"));
+        assert_eq!(s.api_key.as_deref(), Some("k"));
+    }
+
+    #[test]
+    fn bad_numbers_are_refused_with_the_flag_named() {
+        for (args, flag) in [
+            (vec!["-tp", "0"], "--tensor-parallel-size"),
+            (vec!["--block-size", "12"], "--block-size"),
+            (vec!["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens"),
+            (vec!["--kv-cache-memory", "3XB"], "--kv-cache-memory"),
+            (vec!["--max-model-len", "0"], "--max-model-len"),
+            (vec!["--port", "70000"], "--port"),
+        ] {
+            let mut all = vec!["tp", "serve", "d"];
+            all.extend(args);
+            let err = parse(&all).unwrap_err();
+            assert!(err.contains(flag), "{flag}: {err}");
+        }
+    }
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("123").unwrap(), 123);
+        assert_eq!(parse_bytes("4G").unwrap(), 4_000_000_000);
+        assert_eq!(parse_bytes("1MiB").unwrap(), 1 << 20);
+        assert!(parse_bytes("99999999999TiB").is_err());
+        assert!(parse_bytes("x").is_err());
+    }
+}

@@ -1,0 +1,38 @@
+//! `tp`: tensor-parallel LLM serving. `tp serve MODEL_DIR` serves a Hugging Face model folder
+//! over OpenAI's HTTP API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
+//! `/metrics`).
+
+mod args;
+mod detok;
+mod engine;
+mod error;
+mod metrics;
+mod request;
+mod run;
+mod serve;
+mod server;
+mod standin;
+mod template;
+mod text;
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let cli = match args::parse_cli(std::env::args_os()) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).with_ansi(false).init();
+    match cli.command {
+        args::Command::Serve(a) => match serve::serve(a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("tp serve: {e}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}

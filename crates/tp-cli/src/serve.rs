@@ -1,0 +1,89 @@
+//! `tp serve`: binds the port, starts the engine, serves until SIGTERM or SIGINT, then stops
+//! accepting, lets in-flight requests finish until `--shutdown-timeout` (aborting what is left
+//! then), stops the engine and returns.
+
+use crate::args::ServeArgs;
+use crate::engine::start_engine;
+use crate::error::CliError;
+use crate::server::{AppState, router};
+use crate::text::TextModel;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// How long aborted requests get to end after the shutdown deadline.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
+/// How long the engine gets to stop.
+const ENGINE_STOP: Duration = Duration::from_secs(30);
+
+/// Runs the server for `args` until a signal; `Ok` after a clean shutdown.
+pub fn serve(args: ServeArgs) -> Result<(), CliError> {
+    let (engine_args, args) = args.split()?;
+    let text = TextModel::load(&args.model_dir)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tp-http")
+        .build()
+        .map_err(|e| CliError::Io(format!("cannot start the async runtime: {e}")))?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind((args.host.as_str(), args.port)))
+        .map_err(|e| CliError::Io(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
+    let addr = listener.local_addr().map_err(|e| CliError::Io(e.to_string()))?;
+    let started = start_engine(&engine_args)?;
+    let handle = started.handle.clone();
+    let state = Arc::new(AppState::new(started.handle, text, &args));
+    tracing::info!("serving {} on http://{addr}", args.served_model_name);
+    // The line tests and scripts wait for.
+    eprintln!("tp serve: listening on http://{addr}");
+    rt.block_on(async {
+        let (stop_tx, mut stop_rx) = watch::channel(false);
+        let mut graceful = stop_rx.clone();
+        let app = router(state.clone());
+        let mut server = tokio::spawn(
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = graceful.wait_for(|s| *s).await;
+                })
+                .into_future(),
+        );
+        tokio::spawn(async move {
+            let why = signal().await;
+            tracing::info!("{why}: shutting down");
+            let _ = stop_tx.send(true);
+        });
+        tokio::select! {
+            r = &mut server => return r.map_err(|e| CliError::Io(e.to_string()))?.map_err(|e| CliError::Io(e.to_string())),
+            _ = stop_rx.wait_for(|s| *s) => {}
+        }
+        handle.begin_shutdown();
+        if tokio::time::timeout(args.shutdown_timeout, &mut server).await.is_err() {
+            let left = state.inflight();
+            tracing::warn!("{} requests still running at the shutdown deadline: aborting them", left.len());
+            for id in left {
+                handle.abort(id);
+            }
+            if tokio::time::timeout(ABORT_GRACE, &mut server).await.is_err() {
+                server.abort();
+            }
+        }
+        Ok(())
+    })?;
+    drop(state);
+    (started.join)(Instant::now() + ENGINE_STOP).map_err(CliError::Engine)?;
+    rt.shutdown_timeout(Duration::from_secs(1));
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Waits for SIGTERM or SIGINT; names the one that came.
+async fn signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::warn!("cannot install the signal handlers; stop the server with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}

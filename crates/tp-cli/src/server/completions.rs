@@ -1,0 +1,168 @@
+//! `POST /v1/completions`: one or more prompts (text or ids), `n` choices each, as one JSON
+//! response or as server-sent events; logprobs in the legacy form (`tokens`, `token_logprobs`,
+//! `top_logprobs`, `text_offset`).
+
+use super::sse::{self, Format};
+use super::{AppState, usage};
+use crate::error::{ApiError, json_response};
+use crate::request::{GenParams, Prompt, parse_completion};
+use crate::run::{Choice, ChoiceSpec, Finish, TokenOut};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The handler.
+pub async fn handle(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    match run(st, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    st.authorize(&headers)?;
+    let body = st.read_json(&headers, body).await?;
+    let (g, prompts) = parse_completion(&body)?;
+    st.check_model(g.model.as_deref())?;
+    let prompts = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| match p {
+            Prompt::Ids(ids) => Ok(ids),
+            Prompt::Text(t) => st.text.encode(&t, true).map_err(ApiError::internal).and_then(|ids| {
+                if ids.is_empty() {
+                    Err(ApiError::invalid("prompt", format!("prompt {i} has no tokens")))
+                } else {
+                    Ok(ids)
+                }
+            }),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let prompt_tokens = prompts.iter().map(Vec::len).sum();
+    let choices = start_choices(&st, &g, &prompts, arrived)?;
+    let count = choices.len();
+    let merged = sse::merge(choices);
+    let id = st.response_id("cmpl");
+    let mut fmt = Completions {
+        id,
+        created: super::now(),
+        model: st.model_name.clone(),
+        include_usage: g.include_usage,
+        prompt_tokens,
+        completion_tokens: 0,
+        offsets: vec![0; count],
+    };
+    if g.stream {
+        return Ok(sse::stream(merged, fmt));
+    }
+    let out = sse::collect(merged, count).await?;
+    let mut completion_tokens = 0;
+    let choices: Vec<Value> = out
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let finish = c.finish.unwrap_or(Finish { reason: "abort", completion_tokens: 0 });
+            completion_tokens += finish.completion_tokens;
+            let logprobs = g.sampling.logprobs.map(|_| fmt.logprobs(i, &c.tokens));
+            json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": finish.reason})
+        })
+        .collect();
+    let body = json!({"id": fmt.id, "object": "text_completion", "created": fmt.created, "model": fmt.model,
+        "choices": choices, "usage": usage(prompt_tokens, completion_tokens)});
+    Ok(json_response(StatusCode::OK, &body))
+}
+
+/// Starts `g.n` choices per prompt (choice `p * n + i`; with a seed, choice `i` uses `seed + i`).
+/// Without `max_tokens`, a choice may run to the model's length limit.
+pub fn start_choices(
+    st: &Arc<AppState>,
+    g: &GenParams,
+    prompts: &[Vec<i64>],
+    arrived: Instant,
+) -> Result<Vec<Choice>, ApiError> {
+    let max_len = st.engine.limits().max_model_len;
+    let mut choices = Vec::with_capacity(prompts.len() * g.n);
+    for (p, prompt) in prompts.iter().enumerate() {
+        for i in 0..g.n {
+            let mut sampling = g.sampling.clone();
+            sampling.seed = sampling.seed.map(|s| s.wrapping_add(i as u64));
+            let spec = ChoiceSpec {
+                index: p * g.n + i,
+                prompt: prompt.clone(),
+                sampling,
+                max_tokens: g.max_tokens.unwrap_or_else(|| max_len.saturating_sub(prompt.len()).max(1)),
+                stop: g.stop.clone(),
+                stop_token_ids: g.stop_token_ids.clone(),
+                ignore_eos: g.ignore_eos,
+            };
+            choices.push(Choice::start(st, spec, arrived)?);
+        }
+    }
+    Ok(choices)
+}
+
+/// The completions response's shape.
+struct Completions {
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    /// Characters of each choice's text so far (for `text_offset`).
+    offsets: Vec<usize>,
+}
+
+impl Completions {
+    /// Legacy logprobs of `tokens`, the next of choice `index`'s.
+    fn logprobs(&mut self, index: usize, tokens: &[TokenOut]) -> Value {
+        let mut offset = self.offsets.get(index).copied().unwrap_or(0);
+        let mut text_offset = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            text_offset.push(offset);
+            offset += t.text.chars().count();
+        }
+        if let Some(o) = self.offsets.get_mut(index) {
+            *o = offset;
+        }
+        let top: Vec<Value> = tokens
+            .iter()
+            .map(|t| Value::Object(t.top.iter().map(|(s, l)| (s.clone(), json!(l))).collect::<Map<_, _>>()))
+            .collect();
+        json!({
+            "tokens": tokens.iter().map(|t| t.text.clone()).collect::<Vec<_>>(),
+            "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+            "top_logprobs": top,
+            "text_offset": text_offset,
+        })
+    }
+}
+
+impl Format for Completions {
+    fn start(&mut self) -> Vec<Value> {
+        Vec::new()
+    }
+
+    fn piece(&mut self, index: usize, text: String, tokens: Vec<TokenOut>, finish: Option<Finish>) -> Vec<Value> {
+        let logprobs = if tokens.is_empty() { Value::Null } else { self.logprobs(index, &tokens) };
+        let reason = finish.as_ref().map(|f| f.reason);
+        if let Some(f) = &finish {
+            self.completion_tokens += f.completion_tokens;
+        }
+        vec![json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]})]
+    }
+
+    fn end(&mut self) -> Vec<Value> {
+        if !self.include_usage {
+            return Vec::new();
+        }
+        vec![json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "choices": [], "usage": usage(self.prompt_tokens, self.completion_tokens)})]
+    }
+}

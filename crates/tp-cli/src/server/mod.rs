@@ -1,0 +1,179 @@
+//! The HTTP server: routes, the shared state, bearer keys, body limits, and the small endpoints
+//! (`/health`, `/metrics`, `/v1/models`). The generating endpoints are in [`completions`] and
+//! [`chat`], their server-sent events in [`sse`].
+
+pub mod chat;
+pub mod completions;
+pub mod sse;
+
+use crate::args::ServerArgs;
+use crate::error::{ApiError, json_response};
+use crate::metrics::Metrics;
+use crate::text::TextModel;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+use tp_engine::api::{EngineHandle, RequestId};
+
+/// What every handler shares.
+pub struct AppState {
+    /// The engine.
+    pub engine: EngineHandle,
+    /// Tokenizer and chat template.
+    pub text: Arc<TextModel>,
+    /// The server's metrics.
+    pub metrics: Metrics,
+    /// The model's name in the API.
+    pub model_name: String,
+    api_key: Option<String>,
+    max_body: usize,
+    /// Engine requests not finished yet (aborted when the shutdown deadline passes).
+    inflight: Mutex<HashSet<RequestId>>,
+    next_id: AtomicU64,
+    /// When the server started (seconds since the epoch).
+    pub created: u64,
+}
+
+impl AppState {
+    /// The state of a server for `args` over `engine`.
+    pub fn new(engine: EngineHandle, text: TextModel, args: &ServerArgs) -> AppState {
+        AppState {
+            engine,
+            text: Arc::new(text),
+            metrics: Metrics::default(),
+            model_name: args.served_model_name.clone(),
+            api_key: args.api_key.clone(),
+            max_body: args.max_request_bytes,
+            inflight: Mutex::new(HashSet::new()),
+            next_id: AtomicU64::new(0),
+            created: now(),
+        }
+    }
+
+    /// Remembers an engine request as in flight.
+    pub fn track(&self, id: RequestId) {
+        if let Ok(mut s) = self.inflight.lock() {
+            s.insert(id);
+        }
+    }
+
+    /// Forgets an engine request.
+    pub fn untrack(&self, id: RequestId) {
+        if let Ok(mut s) = self.inflight.lock() {
+            s.remove(&id);
+        }
+    }
+
+    /// Engine requests in flight.
+    pub fn inflight(&self) -> Vec<RequestId> {
+        self.inflight.lock().map(|s| s.iter().copied().collect()).unwrap_or_default()
+    }
+
+    /// A fresh response id with `prefix` (`cmpl`, `chatcmpl`).
+    pub fn response_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        format!("{prefix}-{:08x}{n:08x}", nanos)
+    }
+
+    /// 401 unless `--api-key` is unset or the request carries `Authorization: Bearer KEY`.
+    pub fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(key) = &self.api_key else { return Ok(()) };
+        let given = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        // Compares every byte whatever the first difference (no timing hint of the key).
+        let same =
+            given.len() == key.len() && given.bytes().zip(key.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+        if same { Ok(()) } else { Err(ApiError::unauthorized()) }
+    }
+
+    /// 404 unless `model` is absent or the served name.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.model_name => Err(ApiError::unknown_model(m)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Reads a JSON body of at most `--max-request-bytes`: a larger declared length is refused
+    /// before reading anything, a longer body as soon as the limit is passed (413).
+    pub async fn read_json(&self, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
+        let declared = headers
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > self.max_body as u64) {
+            return Err(ApiError::too_large(self.max_body));
+        }
+        let mut data = Vec::new();
+        let mut chunks = body.into_data_stream();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| ApiError::bad_request(format!("could not read the request body: {e}")))?;
+            if data.len() + chunk.len() > self.max_body {
+                return Err(ApiError::too_large(self.max_body));
+            }
+            data.extend_from_slice(&chunk);
+        }
+        serde_json::from_slice(&data).map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))
+    }
+}
+
+/// Seconds since the epoch.
+pub fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The server's routes over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/chat/completions", post(chat::handle))
+        .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()).into_response() })
+        .with_state(state)
+}
+
+/// 200 while the engine runs, 503 once it stopped.
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    match st.engine.stopped() {
+        None => StatusCode::OK.into_response(),
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
+    }
+}
+
+/// Prometheus text.
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let text = st.metrics.render(&st.engine.stats(), &st.model_name);
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The one served model.
+async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = st.authorize(&headers) {
+        return e.into_response();
+    }
+    let body = json!({"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": st.created, "owned_by": "tp", "root": st.model_name,
+        "max_model_len": st.engine.limits().max_model_len,
+    }]});
+    json_response(StatusCode::OK, &body)
+}
+
+/// Usage JSON.
+pub fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}

@@ -1,0 +1,252 @@
+//! `tp serve` over plain HTTP: every endpoint, streaming against non-streaming, stop strings,
+//! logprobs, `n`, the bad requests of OpenAI's error format, the bearer key and the body limit.
+//!
+//! Checks hold for any deterministic engine (greedy requests are compared with each other);
+//! those that rely on the stand-in engine echoing its prompt say so.
+
+mod common;
+
+use common::{BOS, MAX_LEN, Server, connect, parse_response, send};
+use serde_json::{Value, json};
+use std::io::Read;
+use std::time::{Duration, Instant};
+
+fn text_of(v: &Value, i: usize) -> String {
+    v["choices"][i]["text"].as_str().unwrap_or_else(|| panic!("no text in {v}")).to_string()
+}
+
+/// The text of a completions stream, and its finish reasons.
+fn streamed(events: &[String]) -> (String, Vec<String>) {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    let mut text = String::new();
+    let mut reasons = Vec::new();
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            text.push_str(c["text"].as_str().unwrap_or(""));
+            if let Some(r) = c["finish_reason"].as_str() {
+                reasons.push(r.to_string());
+            }
+        }
+    }
+    (text, reasons)
+}
+
+#[test]
+fn models_health_and_metrics() {
+    let s = Server::start(&["--served-model-name", "tiny"]);
+    assert_eq!(s.call("GET", "/health", None, &[]).0, 200);
+    let (status, body) = s.call("GET", "/v1/models", None, &[]);
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (v["data"][0]["id"].as_str(), v["data"][0]["max_model_len"].as_u64()),
+        (Some("tiny"), Some(MAX_LEN as u64))
+    );
+    let (status, text) = s.call("GET", "/metrics", None, &[]);
+    assert_eq!(status, 200);
+    for name in [
+        "tp_num_requests_running",
+        "tp_num_requests_waiting",
+        "tp_kv_cache_usage_perc",
+        "tp_prefix_cache_hits_total",
+        "tp_prompt_tokens_total",
+        "tp_generation_tokens_total",
+        "tp_time_to_first_token_seconds_bucket",
+    ] {
+        assert!(text.contains(&format!("# TYPE {}", name.trim_end_matches("_bucket"))), "{name} in {text}");
+    }
+    let before = s.metric("tp_time_to_first_token_seconds_count");
+    let (st, v) =
+        s.post("/v1/completions", &json!({"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(s.metric("tp_time_to_first_token_seconds_count"), before + 1.0);
+    assert!(s.wait_metric("tp_generation_tokens_total", |v| v >= 3.0));
+    let (st, body) = s.call("GET", "/nowhere", None, &[]);
+    assert_eq!(st, 404, "{body}");
+}
+
+#[test]
+fn completions_stream_as_they_answer_and_stop_strings_cut() {
+    let s = Server::start(&[]);
+    let base = json!({"prompt": "hello world, héllo €uro", "max_tokens": 20, "temperature": 0, "ignore_eos": true});
+    let (st, v) = s.post("/v1/completions", &base);
+    assert_eq!(st, 200, "{v}");
+    let full = text_of(&v, 0);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 20);
+    assert_eq!(v["object"], "text_completion");
+    let mut body = base.clone();
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let events = s.post_stream("/v1/completions", &body);
+    let (text, reasons) = streamed(&events);
+    assert_eq!((text.as_str(), reasons), (full.as_str(), vec!["length".to_string()]));
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 20, "{usage}");
+    for e in &events {
+        assert!(!e.contains('\u{FFFD}'), "a split character in {e}");
+    }
+    // A stop string from the middle of the text: the text ends before its first occurrence.
+    let stop: String = full.chars().skip(3).take(2).collect();
+    let cut = &full[..full.find(&stop).unwrap()];
+    let mut body = base.clone();
+    body["stop"] = json!(["zzzz", stop]);
+    let (_, v) = s.post("/v1/completions", &body);
+    assert_eq!((text_of(&v, 0).as_str(), &v["choices"][0]["finish_reason"]), (cut, &json!("stop")));
+    body["stream"] = json!(true);
+    let (text, reasons) = streamed(&s.post_stream("/v1/completions", &body));
+    assert_eq!((text.as_str(), reasons), (cut, vec!["stop".to_string()]));
+    // Stand-in (echoes the prompt): the multi-byte characters come out whole.
+    assert!(full.starts_with("hello world, héllo €"), "{full}");
+}
+
+#[test]
+fn completions_batches_prompts_ids_n_and_logprobs() {
+    let s = Server::start(&[]);
+    let body = json!({"prompt": ["ab", "cd"], "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+    let (st, v) = s.post("/v1/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+    }
+    // Greedy: the n choices of one prompt agree.
+    assert_eq!(text_of(&v, 0), text_of(&v, 1));
+    assert_eq!(v["usage"]["completion_tokens"], 16);
+    let (_, ids) = s.post(
+        "/v1/completions",
+        &json!({"prompt": [BOS, 97, 98], "max_tokens": 4, "temperature": 0,
+        "ignore_eos": true}),
+    );
+    assert_eq!(text_of(&ids, 0), text_of(&v, 0), "token ids and text prompts agree");
+    let (_, lp) =
+        s.post("/v1/completions", &json!({"prompt": "ab", "max_tokens": 5, "logprobs": 3, "ignore_eos": true}));
+    let l = &lp["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = l["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.len(), 5);
+    assert_eq!(l["token_logprobs"].as_array().unwrap().len(), 5);
+    let offsets: Vec<u64> = l["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+    let mut at = 0;
+    for (t, o) in tokens.iter().zip(&offsets) {
+        assert_eq!(*o, at);
+        at += t.chars().count() as u64;
+    }
+    for top in l["top_logprobs"].as_array().unwrap() {
+        assert!(top.as_object().unwrap().len() <= 3);
+    }
+}
+
+#[test]
+fn chat_renders_the_template_and_streams_role_content_finish() {
+    let s = Server::start(&[]);
+    let msgs = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]);
+    let body = json!({"messages": msgs, "max_completion_tokens": 12, "temperature": 0, "ignore_eos": true,
+        "logprobs": true, "top_logprobs": 2});
+    let (st, v) = s.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let lp = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(lp.len(), 12);
+    assert_eq!(lp[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    // The prompt is the template's text: the header, "Be brief.", then the user's turn.
+    let expected = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+        <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n";
+    let bytes: usize = expected
+        .replace("<|begin_of_text|>", "B")
+        .replace("<|start_header_id|>", "B")
+        .replace("<|end_header_id|>", "B")
+        .replace("<|eot_id|>", "B")
+        .len();
+    assert_eq!(v["usage"]["prompt_tokens"], bytes, "one id per byte and per special token");
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let events = s.post_stream("/v1/chat/completions", &sb);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, content);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    // Without ignore_eos, the stand-in echoes the prompt's first <|eot_id|> and stops there.
+    let (_, v) = s.post("/v1/chat/completions", &json!({"messages": msgs, "temperature": 0}));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+}
+
+/// (status, error object) of a POST.
+fn error(s: &Server, path: &str, body: &Value) -> (u16, Value) {
+    let (st, v) = s.post(path, body);
+    let e = v["error"].clone();
+    assert!(e["message"].is_string() && e["type"].is_string(), "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+    (st, e)
+}
+
+#[test]
+fn bad_requests_get_openai_errors() {
+    let s = Server::start(&["--max-model-len", "64", "--max-request-bytes", "4096"]);
+    let c = "/v1/completions";
+    let chat = "/v1/chat/completions";
+    let user = json!([{"role": "user", "content": "x"}]);
+    for (path, body, status, param) in [
+        (c, json!({"model": "other", "prompt": "x"}), 404, "model"),
+        (c, json!({"max_tokens": 3}), 400, "prompt"),
+        (c, json!({"prompt": "x", "max_tokens": "3"}), 400, "max_tokens"),
+        (c, json!({"prompt": "x", "temperature": -1}), 400, "temperature"),
+        (c, json!({"prompt": "x", "top_p": 0}), 400, "top_p"),
+        (c, json!({"prompt": "x", "top_p": 1.01}), 400, "top_p"),
+        (c, json!({"prompt": [5000]}), 400, "prompt"),
+        (chat, json!({"messages": [{"role": "robot", "content": "x"}]}), 400, "messages[0]"),
+        (chat, json!({"messages": user, "n": "2"}), 400, "n"),
+    ] {
+        let (st, e) = error(&s, path, &body);
+        assert_eq!((st, e["param"].as_str().unwrap_or("")), (status, param), "{body}: {e}");
+    }
+    let long = "a".repeat(80);
+    let (st, e) = error(&s, c, &json!({"prompt": long}));
+    assert_eq!(st, 400);
+    assert!(e["message"].as_str().unwrap().contains("64") && e["message"].as_str().unwrap().contains("81"), "{e}");
+    let (st, e) = error(&s, c, &json!({"prompt": "abc", "max_tokens": 62}));
+    assert_eq!(st, 400);
+    assert!(e["message"].as_str().unwrap().contains("62"), "{e}");
+    let (st, body) = s.call("POST", c, None, &[]);
+    assert_eq!(st, 400, "{body}");
+    let (st, body) = common::http(&s.addr, "POST", c, Some(b"{\"prompt\": "), &[]);
+    assert_eq!(st, 400, "{body}");
+    assert!(body.contains("not valid JSON"), "{body}");
+    // Over the limit: refused from the declared length, before the body arrives.
+    let mut sock = connect(&s.addr);
+    send(&mut sock, "POST", c, None, &[("Content-Length", "1000000000")]);
+    let t = Instant::now();
+    let mut raw = Vec::new();
+    let _ = sock.read_to_end(&mut raw);
+    let (st, body) = parse_response(&raw);
+    assert_eq!(st, 413, "{body}");
+    assert!(t.elapsed() < Duration::from_secs(5));
+    // A chunked body passing the limit is cut off too.
+    let mut sock = connect(&s.addr);
+    let chunk = format!("1000\r\n{}\r\n", "a".repeat(4096));
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n";
+    std::io::Write::write_all(&mut sock, format!("{head}{chunk}{chunk}").as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    let _ = sock.read_to_end(&mut raw);
+    assert_eq!(parse_response(&raw).0, 413);
+}
+
+#[test]
+fn the_api_key_is_required_on_v1_only() {
+    let s = Server::start(&["--api-key", "sekrit"]);
+    let body = json!({"prompt": "x", "max_tokens": 1});
+    for headers in [vec![], vec![("Authorization", "Bearer wrong")], vec![("Authorization", "sekrit")]] {
+        let (st, b) = s.call("POST", "/v1/completions", Some(&body), &headers);
+        assert_eq!(st, 401, "{headers:?}: {b}");
+        assert!(b.contains("invalid_api_key"));
+    }
+    assert_eq!(s.call("GET", "/v1/models", None, &[]).0, 401);
+    assert_eq!(s.call("POST", "/v1/completions", Some(&body), &[("Authorization", "Bearer sekrit")]).0, 200);
+    assert_eq!(s.call("GET", "/health", None, &[]).0, 200);
+}
