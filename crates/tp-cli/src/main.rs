@@ -11,7 +11,6 @@ mod request;
 mod run;
 mod serve;
 mod server;
-mod standin;
 mod template;
 mod text;
 
