@@ -48,7 +48,10 @@ mod tensor;
 pub use device::Device;
 pub use dtype::{DType, Element, IntElement, Storable, bf16, f16};
 pub use error::{Error, Result};
-pub use ops::{Activation, AttentionSpec, KvGroups, NormStyle, RopeScaling, RotaryEmbedding, WeightLayout};
+pub use ops::{
+    Activation, AttentionSpec, KvGroups, NormStyle, PagedAttentionSpec, PagedSeq, RopeScaling, RotaryEmbedding,
+    WeightLayout,
+};
 pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;
 pub use tensor::Tensor;

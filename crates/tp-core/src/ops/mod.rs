@@ -8,6 +8,8 @@ mod elementwise;
 mod layout;
 mod matmul;
 mod norm;
+mod paged;
+mod paged_cuda;
 mod rope;
 mod tokens;
 
@@ -15,6 +17,7 @@ pub use attention::{AttentionSpec, KvGroups};
 pub use elementwise::Activation;
 pub use matmul::WeightLayout;
 pub use norm::NormStyle;
+pub use paged::{PagedAttentionSpec, PagedSeq};
 pub use rope::{RopeScaling, RotaryEmbedding};
 
 use crate::{Error, Result, Tensor};

@@ -3,6 +3,7 @@
 
 pub mod block_ops;
 pub mod decoder;
+pub mod paged;
 
 use tp_core::{DType, Device, Tensor, WeightLayout};
 #[allow(unused_imports)] // each test binary uses some
