@@ -402,6 +402,21 @@ fn write_slots_writes_exactly_its_slots() {
 }
 
 #[test]
+fn sampling_kernels_match_host_references() {
+    use common::sampling::*;
+    setup();
+    for dtype in DType::FLOATS {
+        for (rows, n) in [(1, 1), (3, 7), (3, 1000), (2, 32_001)] {
+            check_penalize(GPU, rows, n, dtype);
+            check_row_max_sum_exp(GPU, rows, n, dtype);
+            for k in [1, 5, 64] {
+                check_top_k(GPU, rows, n, k, dtype);
+            }
+        }
+    }
+}
+
+#[test]
 fn decoder_kernels_agree_with_the_host() {
     setup();
     for dtype in DType::FLOATS {

@@ -34,6 +34,9 @@ pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
         v.push(("rope", format!("tp_rope_{}", t.name())));
         v.push(("attention", format!("tp_attention_{}", t.name())));
         v.push(("paged_attention", format!("tp_paged_attention_{}", t.name())));
+        v.push(("sampling", format!("tp_penalize_{}", t.name())));
+        v.push(("sampling", format!("tp_top_k_{}", t.name())));
+        v.push(("sampling", format!("tp_row_max_sum_exp_{}", t.name())));
         v.push(("tokens", format!("tp_max_index_{}", t.name())));
         for id in [ElemType::I32, ElemType::I64] {
             v.push(("tokens", format!("tp_embedding_{}_{}", t.name(), id.name())));
