@@ -46,4 +46,13 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(t);
 }
 
+// Whether (a, ia) is preferred to (b, ib): NaN first, then the larger value, then the lower index
+// (torch.argmax's rule). A strict total order on (value, index) pairs of distinct indices.
+__device__ __forceinline__ bool better(float a, int64_t ia, float b, int64_t ib) {
+    const bool na = a != a, nb = b != b;
+    if (na != nb) return na;
+    if (!na && a != b) return a > b;
+    return ia < ib;
+}
+
 }  // namespace tp

@@ -39,3 +39,6 @@ TP_CONST(SMALL_M_WARPS, 8)
 // attention.cu: largest head_dim, warps per block.
 TP_CONST(ATTENTION_MAX_HEAD_DIM, 256)
 TP_CONST(ATTENTION_WARPS, 4)
+
+// sampling.cu: most candidates tp_top_k_T returns per row.
+TP_CONST(SAMPLING_TOP_K_MAX, 64)

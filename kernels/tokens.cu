@@ -22,13 +22,7 @@ __device__ __forceinline__ void embedding(T* __restrict__ out, const T* __restri
     }
 }
 
-// Whether (a, ia) is preferred to (b, ib): NaN first, then the larger value, then the lower index.
-__device__ __forceinline__ bool better(float a, int64_t ia, float b, int64_t ib) {
-    const bool na = a != a, nb = b != b;
-    if (na != nb) return na;
-    if (!na && a != b) return a > b;
-    return ia < ib;
-}
+using tp::better;
 
 template <typename T>
 __device__ __forceinline__ void max_index(float* __restrict__ vals, int64_t* __restrict__ idx, const T* __restrict__ x,

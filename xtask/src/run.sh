@@ -193,7 +193,7 @@ else
 fi
 if [ -n "$sanitizer" ]; then
   step sanitize-memcheck "$step_secs" "$sanitizer" --tool memcheck --error-exitcode 1 \
-    "$bin/gpu-tests" --test-threads=1 decoder_kernels narrow gather casts small_sizes
+    "$bin/gpu-tests" --test-threads=1 decoder_kernels narrow gather casts small_sizes paged write_slots sampling_kernels
   step sanitize-racecheck "$step_secs" "$sanitizer" --tool racecheck --error-exitcode 1 \
     "$bin/gpu-tests" --test-threads=1 decoder_kernels_agree
 fi

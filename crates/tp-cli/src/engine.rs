@@ -39,7 +39,8 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     o.max_model_len = args.max_model_len;
     o.block_size = args.block_size;
     if let Some(b) = args.kv_cache_memory {
-        o.kv_cache_memory = usize::try_from(b).map_err(|_| CliError::Engine(format!("--kv-cache-memory {b} is too large")))?;
+        o.kv_cache_memory =
+            usize::try_from(b).map_err(|_| CliError::Engine(format!("--kv-cache-memory {b} is too large")))?;
     }
     o.enable_prefix_caching = args.enable_prefix_caching;
     o.seed = args.seed;

@@ -362,6 +362,61 @@ fn decoder_kernels_match_f64_references() {
 }
 
 #[test]
+fn paged_attention_matches_f64_and_is_batch_invariant() {
+    use common::paged_gpu::*;
+    setup();
+    // Decodes, a whole prefill, chunked-prefill continuations, a one-position sequence.
+    let cases = [
+        SeqCase { q_len: 1, kv_len: 37 },
+        SeqCase { q_len: 9, kv_len: 9 },
+        SeqCase { q_len: 5, kv_len: 23 },
+        SeqCase { q_len: 1, kv_len: 1 },
+        SeqCase { q_len: 3, kv_len: 40 },
+    ];
+    let gqa = |size, offset| Some(tp_core::KvGroups { size, offset });
+    for dtype in DType::FLOATS {
+        for block_size in [1, 16, 17] {
+            for d in [64, 80, 128] {
+                let seed = (block_size * 1000 + d) as u64;
+                check_paged_attention(GPU, &cases, block_size, (4, 2, d), None, None, dtype, seed);
+                // Query heads starting inside a KV group (a rank's uneven share), with windows.
+                check_paged_attention(GPU, &cases, block_size, (3, 2, d), Some(5), gqa(2, 1), dtype, seed + 1);
+                check_paged_attention(GPU, &cases, block_size, (5, 3, d), Some(17), gqa(2, 1), dtype, seed + 2);
+            }
+            check_paged_equals_contiguous(GPU, block_size, (6, 2, 80), dtype);
+        }
+    }
+    check_paged_attention(GPU, &cases, 16, (8, 1, 256), Some(1), None, DType::F32, 3);
+    check_paged_attention_refuses_bad_batches(GPU);
+}
+
+#[test]
+fn write_slots_writes_exactly_its_slots() {
+    setup();
+    for dtype in DType::FLOATS {
+        // Rows of 1, 10, 160 and 256 elements: copy units from 2 to 16 bytes.
+        for (dims, t) in [((5, 1, 1, 1), 3), ((7, 16, 2, 5), 40), ((4, 17, 2, 80), 17), ((3, 16, 2, 128), 1)] {
+            common::paged_gpu::check_write_slots(GPU, dims, t, dtype);
+        }
+    }
+}
+
+#[test]
+fn sampling_kernels_match_host_references() {
+    use common::sampling::*;
+    setup();
+    for dtype in DType::FLOATS {
+        for (rows, n) in [(1, 1), (3, 7), (3, 1000), (2, 32_001)] {
+            check_penalize(GPU, rows, n, dtype);
+            check_row_max_sum_exp(GPU, rows, n, dtype);
+            for k in [1, 5, 64] {
+                check_top_k(GPU, rows, n, k, dtype);
+            }
+        }
+    }
+}
+
+#[test]
 fn decoder_kernels_agree_with_the_host() {
     setup();
     for dtype in DType::FLOATS {

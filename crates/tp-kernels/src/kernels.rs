@@ -16,6 +16,7 @@ pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
     for u in UNITS {
         v.push(("shard_copy", format!("tp_row_copy_u{u}")));
         v.push(("shard_copy", format!("tp_gather_u{u}")));
+        v.push(("paged_attention", format!("tp_write_slots_u{u}")));
     }
     for from in FLOATS {
         for to in FLOATS.into_iter().filter(|&t| t != from) {
@@ -32,6 +33,10 @@ pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
         v.push(("norm", format!("tp_rms_norm_{}", t.name())));
         v.push(("rope", format!("tp_rope_{}", t.name())));
         v.push(("attention", format!("tp_attention_{}", t.name())));
+        v.push(("paged_attention", format!("tp_paged_attention_{}", t.name())));
+        v.push(("sampling", format!("tp_penalize_{}", t.name())));
+        v.push(("sampling", format!("tp_top_k_{}", t.name())));
+        v.push(("sampling", format!("tp_row_max_sum_exp_{}", t.name())));
         v.push(("tokens", format!("tp_max_index_{}", t.name())));
         for id in [ElemType::I32, ElemType::I64] {
             v.push(("tokens", format!("tp_embedding_{}_{}", t.name(), id.name())));

@@ -9,6 +9,7 @@ mod layout;
 mod matmul;
 mod norm;
 mod paged;
+mod paged_cuda;
 mod rope;
 mod tokens;
 

@@ -11,7 +11,7 @@
 //! sliding window `W`, only `j > p - W`), with the grouped-query head mapping of
 //! [`KvGroups`](crate::KvGroups), exactly as [`Tensor::attention`] does for one sequence.
 //!
-//! On the host every (row, head) is computed by one sequential algorithm (the keys in position
+//! On CUDA the kernels of `kernels/paged_attention.cu` run (`ops/paged_cuda.rs`); on the host every (row, head) is computed by one sequential algorithm (the keys in position
 //! order: scores in f32, their maximum, `exp`, their sum, the weighted sum of the values, one
 //! division, one rounding to the dtype), the same as [`Tensor::attention`]'s decode loop; rows
 //! are split over threads, never the work of one row. A row's result therefore depends only on
@@ -66,11 +66,6 @@ struct Geometry {
     groups: KvGroups,
 }
 
-/// Device tensors get this until the CUDA kernels are wired in.
-fn cuda_not_wired() -> Error {
-    Error::CudaUnavailable { reason: "paged attention on CUDA is not wired yet".into() }
-}
-
 impl Tensor {
     /// Causal (and windowed) attention of the queries `self: [T, Hq, D]` of every sequence in
     /// `seqs` over its own blocks of `k_cache, v_cache: [num_blocks, block_size, Hkv, D]` (see
@@ -93,7 +88,7 @@ impl Tensor {
         const OP: &str = "paged_attention";
         let (geo, row_seq) = check_paged(self, k_cache, v_cache, seqs, spec)?;
         if matches!(self.storage(), Storage::Cuda(_)) {
-            return Err(cuda_not_wired());
+            return super::paged_cuda::paged_attention_cuda(self, k_cache, v_cache, seqs, spec);
         }
         let (qs, ks, vs) = (self.cpu_storage(OP)?, k_cache.cpu_storage(OP)?, v_cache.cpu_storage(OP)?);
         let out = with_dtype!(qs.dtype(), E => {
@@ -157,7 +152,7 @@ impl Tensor {
             return Err(Error::InvalidArgument { op: OP, why: format!("slot {} is written by two rows", w[0]) });
         }
         if matches!(self.storage(), Storage::Cuda(_)) {
-            return Err(cuda_not_wired());
+            return super::paged_cuda::write_slots_cuda(self, src, slots);
         }
         let row = h * d;
         let from = src.cpu_storage(OP)?;

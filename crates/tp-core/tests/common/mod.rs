@@ -4,6 +4,8 @@
 pub mod block_ops;
 pub mod decoder;
 pub mod paged;
+pub mod paged_gpu;
+pub mod sampling;
 
 use tp_core::{DType, Device, Tensor, WeightLayout};
 #[allow(unused_imports)] // each test binary uses some

@@ -21,6 +21,18 @@ struct Live {
     cached_prompt_tokens: usize,
 }
 
+/// How rank 0 ends requests and paces itself.
+pub(crate) struct LeaderRules {
+    /// The model's end-of-sequence ids.
+    pub eos: Vec<i64>,
+    /// Longest prompt plus output.
+    pub max_model_len: usize,
+    /// The engine's seed (requests without their own draw from it).
+    pub seed: u64,
+    /// The longest rank 0 stays silent.
+    pub heartbeat: Duration,
+}
+
 /// Rank 0's engine state.
 pub(crate) struct Leader {
     pub worker: RankWorker,
@@ -45,11 +57,9 @@ impl Leader {
         scheduler: Scheduler,
         commands: CommandReceiver,
         stats: Arc<SharedStats>,
-        eos: Vec<i64>,
-        max_model_len: usize,
-        seed: u64,
-        heartbeat: Duration,
+        rules: LeaderRules,
     ) -> Leader {
+        let LeaderRules { eos, max_model_len, seed, heartbeat } = rules;
         Leader {
             worker,
             scheduler,

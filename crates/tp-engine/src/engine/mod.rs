@@ -9,7 +9,7 @@ mod rank;
 
 use crate::api::{EngineHandle, Limits, SharedStats};
 use crate::scheduler::{Scheduler, SchedulerConfig};
-use leader::Leader;
+use leader::{Leader, LeaderRules};
 use plan::StepKind;
 use rank::RankWorker;
 use std::collections::HashMap;
@@ -273,7 +273,8 @@ fn rank_main(
     };
     let (handle, commands) = EngineHandle::channel(limits, stats.clone());
     let eos = config.eos_token_ids.clone();
-    let leader = Leader::new(worker, scheduler, commands, stats, eos, max_model_len, opts.seed, heartbeat);
+    let rules = LeaderRules { eos, max_model_len, seed: opts.seed, heartbeat };
+    let leader = Leader::new(worker, scheduler, commands, stats, rules);
     let _ = ready.send(Ok((handle, num_blocks)));
     drop(ready);
     leader.run()

@@ -155,7 +155,7 @@ fn decode_params(r: &mut Reader<'_>) -> Result<SamplingParams, String> {
     let (top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty) = (f(r)?, f(r)?, f(r)?, f(r)?, f(r)?);
     let low = r.word()?;
     let high = r.word()?;
-    let seed = (low >= 0).then(|| low as u64 | ((high as u64) << 63));
+    let seed = (low >= 0).then_some(low as u64 | ((high as u64) << 63));
     let logprobs = r.optional()?;
     let p = SamplingParams {
         temperature,

@@ -7,6 +7,8 @@
 //! * `elementwise.rs`: gated activations (SwiGLU, GeGLU), row bias, in-place add, scale,
 //!   soft-capping.
 //! * `decoder.rs`: RMSNorm, RoPE, attention, embedding lookup, argmax.
+//! * `paged.rs`: attention over a paged KV cache (block tables), writes into cache slots.
+//! * `sampling.rs`: penalised logits, per-row top-k candidates, per-row (max, sum of exps).
 //! * `gemm_args.rs`: [`GemmArgs`] and [`GemmShape`], what every GEMM launcher takes, and their
 //!   buffer checks; `gemm.rs`: the SIMT, mma.sync and decode-shaped GEMMs; `wgmma.rs` +
 //!   `tma.rs`: the Hopper GEMM and its TMA descriptors; `dispatch.rs`: which GEMM runs for a
@@ -18,12 +20,16 @@ mod dispatch;
 mod elementwise;
 mod gemm;
 mod gemm_args;
+mod paged;
+mod sampling;
 mod tma;
 mod wgmma;
 
 pub use decoder::AttentionShape;
 pub use dispatch::GemmKernel;
 pub use gemm_args::{GemmArgs, GemmShape};
+pub use paged::{PagedSequence, PagedShape};
+pub use sampling::{RowPenalties, TOP_K_MAX};
 
 use crate::consts;
 // Launchers name it `super::ElemType`.
