@@ -34,8 +34,14 @@ pub fn run(args: &[String]) -> Result<()> {
         &cargo,
         &["clippy", "--workspace", "--all-targets", "--features", FEATURES, "--locked", "--", "-D", "warnings"],
     )?;
-    let (passed, failed, ok) =
-        cargo_test(&cargo, &["test", "--workspace", "--locked", "--features", "tp-comm/nccl-tests"], &nccl_lib)?;
+    // The official `openai` client for tp serve's client test (pinned, under target/).
+    let openai = ensure_openai()?;
+    let (passed, failed, ok) = cargo_test(
+        &cargo,
+        &["test", "--workspace", "--locked", "--features", "tp-comm/nccl-tests"],
+        &nccl_lib,
+        &openai,
+    )?;
     println!("\ntests: {passed} passed, {failed} failed");
     if !ok || failed > 0 {
         bail!("cargo test failed");
@@ -50,11 +56,45 @@ pub fn run(args: &[String]) -> Result<()> {
 /// Features compiled by clippy: the GPU suites (compiled, not run, here) and the NCCL tests.
 const FEATURES: &str = "tp-core/gpu-tests,tp-comm/gpu-tests,tp-comm/nccl-tests,tp-layers/gpu-tests,tp-models/gpu-tests,tp-models/tokenizers,tp-benches/gpu";
 
-/// Runs `cargo test` with `TP_NCCL_LIB` set, echoing its output, and sums the `test result:` lines.
-fn cargo_test(cargo: &str, args: &[&str], nccl_lib: &std::path::Path) -> Result<(u64, u64, bool)> {
+/// The `openai` package the server's client test runs (with its dependencies).
+const OPENAI: &str = "openai==3.60.0";
+
+/// The pinned `openai` package, installed from PyPI into `target/openai-<version>/` the first
+/// time; the folder to put on `PYTHONPATH`.
+fn ensure_openai() -> Result<std::path::PathBuf> {
+    let dir = crate::workspace_root().join(format!("target/openai-{}", OPENAI.trim_start_matches("openai==")));
+    if dir.join("openai/__init__.py").exists() {
+        return Ok(dir);
+    }
+    println!("\n==> installing {OPENAI} from PyPI into {} (tp serve's client test)", dir.display());
+    let status = std::process::Command::new("python3")
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
+        .arg(&dir)
+        .arg(OPENAI)
+        .status()
+        .context("cannot run python3 -m pip")?;
+    if !status.success() {
+        bail!("pip could not install {OPENAI} ({status})");
+    }
+    Ok(dir)
+}
+
+/// Runs `cargo test` with `TP_NCCL_LIB` set and `openai` on `PYTHONPATH`, echoing its output,
+/// and sums the `test result:` lines.
+fn cargo_test(
+    cargo: &str,
+    args: &[&str],
+    nccl_lib: &std::path::Path,
+    openai: &std::path::Path,
+) -> Result<(u64, u64, bool)> {
     println!("\n==> TP_NCCL_LIB={} {cargo} {}", nccl_lib.display(), args.join(" "));
+    let mut paths = vec![openai.to_path_buf()];
+    paths.extend(
+        std::env::var_os("PYTHONPATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
+    );
     let mut child = crate::command(cargo, args)
         .env("TP_NCCL_LIB", nccl_lib)
+        .env("PYTHONPATH", std::env::join_paths(paths).context("PYTHONPATH")?)
         .stdout(Stdio::piped())
         .spawn()
         .context("cannot start cargo test")?;

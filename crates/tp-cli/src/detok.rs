@@ -68,6 +68,11 @@ impl TextStream {
         self.stopped
     }
 
+    /// Whether a stop string was found (also by [`finish`](Self::finish)'s last decode).
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
     /// The text that is ready to show and not shown yet.
     pub fn take_ready(&mut self) -> String {
         let end = if self.stopped { self.text.len() } else { self.text.len() - self.held_back() };

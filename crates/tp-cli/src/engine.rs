@@ -21,6 +21,7 @@ pub struct StartedEngine {
 
 /// The engine's options for `args`. The collectives' deadline is `TP_TIMEOUT_SECS` (as for every
 /// tp job; default 300 s): a rank that dies or hangs fails the engine within it.
+/// `TP_DEBUG_STEP_DELAY_MS` pauses after each step (for tests; at most 10 s).
 pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     let mut o = EngineOptions::new(&args.model_dir);
     o.tensor_parallel_size = args.tensor_parallel_size;
@@ -52,6 +53,10 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     })
     .map_err(|e| CliError::Engine(e.to_string()))?;
     o.timeout = env.timeout;
+    // For tests that need requests to stay open: a pause after each engine step.
+    if let Some(ms) = std::env::var("TP_DEBUG_STEP_DELAY_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+        o.step_delay = std::time::Duration::from_millis(ms.min(10_000));
+    }
     Ok(o)
 }
 

@@ -159,7 +159,9 @@ impl Choice {
                 Event::Finished { reason, usage } => {
                     self.generated = usage.completion_tokens.max(self.generated);
                     let text = self.text.finish(self.state.text.as_ref());
+                    // A stop string completed by the last, forced decode ends as a stop too.
                     let reason = match reason {
+                        _ if self.text.stopped() => "stop",
                         FinishReason::Stop => "stop",
                         FinishReason::Length => "length",
                         FinishReason::Abort => "abort",

@@ -1,8 +1,8 @@
 //! `tp serve` over plain HTTP: every endpoint, streaming against non-streaming, stop strings,
 //! logprobs, `n`, the bad requests of OpenAI's error format, the bearer key and the body limit.
 //!
-//! Checks hold for any deterministic engine (greedy requests are compared with each other);
-//! those that rely on the stand-in engine echoing its prompt say so.
+//! The engine is the real one, on a tiny random checkpoint: checks compare the server's answers
+//! with each other (greedy requests are deterministic), never with fixed text.
 
 mod common;
 
@@ -84,9 +84,9 @@ fn completions_stream_as_they_answer_and_stop_strings_cut() {
     assert_eq!((text.as_str(), reasons), (full.as_str(), vec!["length".to_string()]));
     let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
     assert_eq!(usage["usage"]["completion_tokens"], 20, "{usage}");
-    for e in &events {
-        assert!(!e.contains('\u{FFFD}'), "a split character in {e}");
-    }
+    // A character split across chunks would show as U+FFFD in the stream but not in the whole
+    // text (random weights may also generate invalid bytes, which both show alike).
+    assert_eq!(text.matches('\u{FFFD}').count(), full.matches('\u{FFFD}').count());
     // A stop string from the middle of the text: the text ends before its first occurrence.
     let stop: String = full.chars().skip(3).take(2).collect();
     let cut = &full[..full.find(&stop).unwrap()];
@@ -97,8 +97,6 @@ fn completions_stream_as_they_answer_and_stop_strings_cut() {
     body["stream"] = json!(true);
     let (text, reasons) = streamed(&s.post_stream("/v1/completions", &body));
     assert_eq!((text.as_str(), reasons), (cut, vec!["stop".to_string()]));
-    // Stand-in (echoes the prompt): the multi-byte characters come out whole.
-    assert!(full.starts_with("hello world, héllo €"), "{full}");
 }
 
 #[test]
@@ -172,9 +170,6 @@ fn chat_renders_the_template_and_streams_role_content_finish() {
     assert_eq!(text, content);
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
     assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
-    // Without ignore_eos, the stand-in echoes the prompt's first <|eot_id|> and stops there.
-    let (_, v) = s.post("/v1/chat/completions", &json!({"messages": msgs, "temperature": 0}));
-    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
 }
 
 /// (status, error object) of a POST.

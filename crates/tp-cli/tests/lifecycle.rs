@@ -10,7 +10,7 @@ use std::io::Read;
 use std::time::{Duration, Instant};
 
 /// Steps slow enough that requests overlap (20 ms per token).
-const SLOW: &[(&str, &str)] = &[("TP_STANDIN_STEP_MS", "20")];
+const SLOW: &[(&str, &str)] = &[("TP_DEBUG_STEP_DELAY_MS", "20")];
 
 fn long_stream() -> Vec<u8> {
     json!({"prompt": "hello", "max_tokens": 200, "stream": true, "ignore_eos": true}).to_string().into_bytes()

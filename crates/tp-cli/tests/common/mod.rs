@@ -115,7 +115,6 @@ impl Server {
     pub fn start_in(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tp"));
         cmd.arg("serve").arg(dir).args(["--port", "0"]).args(args);
-        cmd.env("TP_STANDIN_STEP_MS", "2");
         for (k, v) in env {
             cmd.env(k, v);
         }

@@ -31,6 +31,8 @@ pub(crate) struct LeaderRules {
     pub seed: u64,
     /// The longest rank 0 stays silent.
     pub heartbeat: Duration,
+    /// A pause after each step that ran sequences.
+    pub step_delay: Duration,
 }
 
 /// Rank 0's engine state.
@@ -45,6 +47,7 @@ pub(crate) struct Leader {
     pub seeds: u64,
     /// The longest rank 0 stays silent: other ranks wait in a broadcast with a deadline.
     pub heartbeat: Duration,
+    step_delay: Duration,
     live: HashMap<RequestId, Live>,
     pending_new: Vec<NewSeq>,
     pending_drop: Vec<RequestId>,
@@ -59,7 +62,7 @@ impl Leader {
         stats: Arc<SharedStats>,
         rules: LeaderRules,
     ) -> Leader {
-        let LeaderRules { eos, max_model_len, seed, heartbeat } = rules;
+        let LeaderRules { eos, max_model_len, seed, heartbeat, step_delay } = rules;
         Leader {
             worker,
             scheduler,
@@ -69,6 +72,7 @@ impl Leader {
             max_model_len,
             seeds: seed,
             heartbeat,
+            step_delay,
             live: HashMap::new(),
             pending_new: Vec::new(),
             pending_drop: Vec::new(),
@@ -148,6 +152,9 @@ impl Leader {
                 self.deliver(id, s.token, s.logprobs);
             }
             self.publish();
+            if !plan.seqs.is_empty() && !self.step_delay.is_zero() {
+                std::thread::sleep(self.step_delay);
+            }
         }
     }
 

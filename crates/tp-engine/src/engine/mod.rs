@@ -85,6 +85,9 @@ pub struct EngineOptions {
     pub timeout: Duration,
     /// Most requests waiting before new ones are refused.
     pub max_waiting: usize,
+    /// A pause after every step that runs sequences (zero by default): lets tests of a server
+    /// hold requests open long enough to disconnect or signal mid-stream.
+    pub step_delay: Duration,
 }
 
 impl EngineOptions {
@@ -105,6 +108,7 @@ impl EngineOptions {
             seed: 0,
             timeout: Duration::from_secs(tp_comm::DEFAULT_TIMEOUT_SECS),
             max_waiting: 4096,
+            step_delay: Duration::ZERO,
         }
     }
 }
@@ -273,7 +277,7 @@ fn rank_main(
     };
     let (handle, commands) = EngineHandle::channel(limits, stats.clone());
     let eos = config.eos_token_ids.clone();
-    let rules = LeaderRules { eos, max_model_len, seed: opts.seed, heartbeat };
+    let rules = LeaderRules { eos, max_model_len, seed: opts.seed, heartbeat, step_delay: opts.step_delay };
     let leader = Leader::new(worker, scheduler, commands, stats, rules);
     let _ = ready.send(Ok((handle, num_blocks)));
     drop(ready);
