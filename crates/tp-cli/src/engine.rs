@@ -60,15 +60,16 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     Ok(o)
 }
 
-/// Loads the model and starts the engine with `args`.
+/// Loads the model and starts the engine with `args`: ranks as threads (`--backend local`), or
+/// this process as rank 0 of one process per GPU (`--backend nccl`; see [`nccl_follower`]).
 pub fn start_engine(args: &EngineArgs) -> Result<StartedEngine, CliError> {
-    if args.backend == BackendArg::Nccl {
-        return Err(CliError::Engine(
-            "--backend nccl is not available yet: use --backend local (ranks as threads; with --device cuda they share the GPUs round-robin)".into(),
-        ));
-    }
     let opts = engine_options(args)?;
-    let engine = tp_engine::start(&opts).map_err(|e| CliError::Engine(e.to_string()))?;
+    let (engine, children) = match args.backend {
+        BackendArg::Local => {
+            (tp_engine::start(&opts).map_err(|e| CliError::Engine(e.to_string()))?, Children(Vec::new()))
+        }
+        BackendArg::Nccl => start_nccl_leader(args, &opts)?,
+    };
     tracing::info!(
         "engine ready: {} rank(s), {} KV-cache blocks of {} positions per rank",
         opts.tensor_parallel_size,
@@ -78,11 +79,113 @@ pub fn start_engine(args: &EngineArgs) -> Result<StartedEngine, CliError> {
     let handle = engine.handle();
     let join: Join = Box::new(move |deadline| {
         engine.handle().begin_shutdown();
-        match engine.join(deadline) {
+        let r = match engine.join(deadline) {
             Ok(true) => Ok(()),
             Ok(false) => Err("the engine's ranks did not stop by the deadline".into()),
             Err(e) => Err(e.to_string()),
-        }
+        };
+        children.wait(deadline);
+        r
     });
     Ok(StartedEngine { handle, join })
+}
+
+/// Whether this process is a rank other than 0 of a `--backend nccl` job (`RANK` set and not 0,
+/// as torchrun or `tp serve` itself sets it): then it runs its part of the engine here, serving
+/// no HTTP, until rank 0 stops the engine, and the result is returned. `None` otherwise.
+pub fn nccl_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
+    if args.backend != BackendArg::Nccl {
+        return None;
+    }
+    let rank = std::env::var("RANK").ok()?;
+    if rank.trim() == "0" {
+        return None;
+    }
+    Some((|| {
+        let opts = engine_options(args)?;
+        check_nccl_device(args)?;
+        let group = tp_comm::DeviceGroup::from_env().map_err(|e| CliError::Engine(e.to_string()))?;
+        match tp_engine::start_process_rank(&opts, group).map_err(|e| CliError::Engine(e.to_string()))? {
+            tp_engine::ProcessRank::Follower => Ok(()),
+            tp_engine::ProcessRank::Leader(_) => Err(CliError::Engine("RANK is not 0 but this process leads".into())),
+        }
+    })())
+}
+
+fn check_nccl_device(args: &EngineArgs) -> Result<(), CliError> {
+    if args.device != DeviceArg::Cuda {
+        return Err(CliError::Engine(
+            "--backend nccl runs one process per GPU: it needs --device cuda (use --backend local on the CPU)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The ranks `tp serve` started itself; killed if still running when dropped.
+struct Children(Vec<std::process::Child>);
+
+impl Children {
+    /// Waits for every child until `deadline`, then kills those still running.
+    fn wait(mut self, deadline: Instant) {
+        for c in &mut self.0 {
+            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Rank 0 of a `--backend nccl` job. Under torchrun (`RANK=0` set) the other ranks are its
+/// processes; otherwise `tp serve` starts ranks `1..N` itself (this program with the same
+/// arguments and `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1` and a free
+/// `MASTER_PORT`), each on GPU `LOCAL_RANK`, and stops them when it stops.
+fn start_nccl_leader(args: &EngineArgs, opts: &EngineOptions) -> Result<(tp_engine::Engine, Children), CliError> {
+    check_nccl_device(args)?;
+    let n = opts.tensor_parallel_size;
+    let (env, children) = if std::env::var_os("RANK").is_some() {
+        (tp_comm::LaunchEnv::from_env().map_err(|e| CliError::Engine(e.to_string()))?, Children(Vec::new()))
+    } else {
+        let port =
+            tp_comm::free_local_port().ok_or_else(|| CliError::Engine("no free loopback port for the ranks".into()))?;
+        let exe = std::env::current_exe().map_err(|e| CliError::Engine(format!("cannot find this program: {e}")))?;
+        let mut children = Children(Vec::new());
+        for r in 1..n {
+            let child = std::process::Command::new(&exe)
+                .args(std::env::args_os().skip(1))
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdin(std::process::Stdio::null())
+                .spawn()
+                .map_err(|e| CliError::Engine(format!("cannot start rank {r}: {e}")))?;
+            children.0.push(child);
+        }
+        let env = tp_comm::LaunchEnv::from_lookup(|k| match k {
+            "RANK" | "LOCAL_RANK" => Some("0".into()),
+            "WORLD_SIZE" => Some(n.to_string()),
+            "MASTER_ADDR" => Some("127.0.0.1".into()),
+            "MASTER_PORT" => Some(port.to_string()),
+            k => std::env::var(k).ok(),
+        })
+        .map_err(|e| CliError::Engine(e.to_string()))?;
+        (env, children)
+    };
+    let group = tp_comm::DeviceGroup::from_launch_env(&env).map_err(|e| CliError::Engine(e.to_string()))?;
+    match tp_engine::start_process_rank(opts, group).map_err(|e| CliError::Engine(e.to_string()))? {
+        tp_engine::ProcessRank::Leader(engine) => Ok((engine, children)),
+        tp_engine::ProcessRank::Follower => Err(CliError::Engine("rank 0 did not lead the engine".into())),
+    }
 }

@@ -4,6 +4,7 @@
 
 use crate::args::ServeArgs;
 use crate::engine::start_engine;
+
 use crate::error::CliError;
 use crate::server::{AppState, router};
 use crate::text::TextModel;
@@ -19,6 +20,11 @@ const ENGINE_STOP: Duration = Duration::from_secs(30);
 /// Runs the server for `args` until a signal; `Ok` after a clean shutdown.
 pub fn serve(args: ServeArgs) -> Result<(), CliError> {
     let (engine_args, args) = args.split()?;
+    // A rank other than 0 of a `--backend nccl` job serves no HTTP: it runs its part of the
+    // engine until rank 0 stops it.
+    if let Some(r) = crate::engine::nccl_follower(&engine_args) {
+        return r;
+    }
     let text = TextModel::load(&args.model_dir)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -155,6 +155,56 @@ impl Engine {
 /// Errors: settings out of range, the model's (config, tensors, heads that cannot be split),
 /// a KV cache that cannot hold one block per layer.
 pub fn start(opts: &EngineOptions) -> Result<Engine, EngineError> {
+    let (config, max_model_len) = checked_settings(opts)?;
+    let n = opts.tensor_parallel_size;
+    let devices: Vec<Device> = match opts.device {
+        DeviceKind::Cpu => vec![Device::Cpu; n],
+        DeviceKind::Cuda => {
+            let count = tp_kernels::device_count().map_err(|e| EngineError::Config(format!("--device cuda: {e}")))?;
+            if count == 0 {
+                return Err(EngineError::Config("--device cuda: no CUDA device found".into()));
+            }
+            (0..n).map(|r| Device::Cuda(r % count)).collect()
+        }
+    };
+    let groups = DeviceGroup::local(n, opts.timeout, |r| devices[r])?;
+    launch(groups, opts, &config, max_model_len)
+}
+
+/// What this process does in an engine whose ranks are processes.
+pub enum ProcessRank {
+    /// Rank 0: the running engine (its rank on a thread of this process).
+    Leader(Engine),
+    /// Another rank: its part ran here until rank 0 stopped the engine.
+    Follower,
+}
+
+/// This process's rank of an engine whose ranks are processes (one per GPU over NCCL, `group`
+/// from [`DeviceGroup::from_env`], as torchrun or `tp serve` itself starts them). Rank 0 returns
+/// at once with the running engine; every other rank runs its part of every step here and
+/// returns [`ProcessRank::Follower`] once rank 0 stops the engine (or the error that ended it:
+/// a rank that dies or hangs fails the others within the group's deadline).
+///
+/// Errors: as [`start`]; a group whose world size is not `opts.tensor_parallel_size`.
+pub fn start_process_rank(opts: &EngineOptions, group: DeviceGroup) -> Result<ProcessRank, EngineError> {
+    if group.world_size() != opts.tensor_parallel_size {
+        return Err(EngineError::Config(format!(
+            "the job has {} ranks (WORLD_SIZE) but --tensor-parallel-size is {}",
+            group.world_size(),
+            opts.tensor_parallel_size
+        )));
+    }
+    let (config, max_model_len) = checked_settings(opts)?;
+    if group.rank() == 0 {
+        return launch(vec![group], opts, &config, max_model_len).map(ProcessRank::Leader);
+    }
+    let (ready_tx, _ready_rx) = mpsc::channel();
+    rank_main(group, opts, &config, max_model_len, Arc::new(SharedStats::default()), ready_tx)?;
+    Ok(ProcessRank::Follower)
+}
+
+/// Checks the settings and reads the model's config: the config and the longest sequence.
+fn checked_settings(opts: &EngineOptions) -> Result<(ModelConfig, usize), EngineError> {
     let n = opts.tensor_parallel_size;
     if n == 0 || n > tp_comm::MAX_WORLD_SIZE {
         return Err(EngineError::Config(format!(
@@ -180,20 +230,20 @@ pub fn start(opts: &EngineOptions) -> Result<Engine, EngineError> {
         Some(l) => l,
         None => config.max_position_embeddings,
     };
-    let devices: Vec<Device> = match opts.device {
-        DeviceKind::Cpu => vec![Device::Cpu; n],
-        DeviceKind::Cuda => {
-            let count = tp_kernels::device_count().map_err(|e| EngineError::Config(format!("--device cuda: {e}")))?;
-            if count == 0 {
-                return Err(EngineError::Config("--device cuda: no CUDA device found".into()));
-            }
-            (0..n).map(|r| Device::Cuda(r % count)).collect()
-        }
-    };
-    let groups = DeviceGroup::local(n, opts.timeout, |r| devices[r])?;
+    Ok((config, max_model_len))
+}
+
+/// Starts a thread per group of this process (rank 0's among them) and waits until rank 0 has
+/// loaded and holds a handle.
+fn launch(
+    groups: Vec<DeviceGroup>,
+    opts: &EngineOptions,
+    config: &ModelConfig,
+    max_model_len: usize,
+) -> Result<Engine, EngineError> {
     let stats = Arc::new(SharedStats::default());
     let (ready_tx, ready_rx) = mpsc::channel::<Result<(EngineHandle, usize), String>>();
-    let mut threads = Vec::with_capacity(n);
+    let mut threads = Vec::with_capacity(groups.len());
     for group in groups {
         let (opts, config, stats, ready_tx) = (opts.clone(), config.clone(), stats.clone(), ready_tx.clone());
         let t = std::thread::Builder::new()
