@@ -118,6 +118,10 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_timeout: f64,
+    /// Host products on the packed GEMM only: a request's logits are bitwise the same whatever
+    /// runs beside it (slower small-batch decode).
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 /// What the engine is started with (read by `engine::start_engine` alone).
@@ -149,6 +153,8 @@ pub struct EngineArgs {
     pub seed: u64,
     /// Most queued requests.
     pub max_waiting: usize,
+    /// Batch-invariant host products.
+    pub batch_invariant: bool,
 }
 
 /// What the HTTP server is started with.
@@ -247,6 +253,7 @@ impl ServeArgs {
             enable_prefix_caching: !self.no_enable_prefix_caching,
             seed: self.seed,
             max_waiting: self.max_waiting_requests,
+            batch_invariant: self.batch_invariant,
         };
         let server = ServerArgs {
             model_dir: self.model_dir,

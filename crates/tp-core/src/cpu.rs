@@ -5,8 +5,10 @@
 //! * [`CpuKernel`]: which instruction-set family runs (detected at run time; `TP_CPU_KERNEL`
 //!   caps it; [`with_kernel`] overrides it for one call, for tests and benchmarks).
 //! * [`num_threads`]: the threads of the persistent pool every host kernel runs on.
+//! * [`set_batch_invariant`]: this thread's products give each row the same bits whatever the
+//!   number of rows (the packed GEMM only).
 
-pub use tp_cpu::{CpuKernel, num_threads};
+pub use tp_cpu::{CpuKernel, batch_invariant, num_threads, set_batch_invariant};
 
 /// Runs `f` with `kernel` as this thread's host kernel family (the threads a product fans out to
 /// follow the calling thread's choice). For tests and benchmarks that compare paths.

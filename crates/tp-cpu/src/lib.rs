@@ -42,6 +42,6 @@ mod ukernel;
 pub use dispatch::{CpuKernel, with_kernel};
 pub use element::{Float, FloatKind};
 pub use error::{Error, Result};
-pub use matmul::matmul;
+pub use matmul::{batch_invariant, matmul, set_batch_invariant};
 pub use pool::{num_threads, par_rows};
 pub use shape::{GemmShape, Layout};

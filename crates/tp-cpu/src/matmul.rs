@@ -1,6 +1,6 @@
 //! The one public product: checks the buffers against the shape, then runs the decode kernel
 //! ([`crate::gemv`]) for few rows against an `[N, K]` weight and the packed GEMM
-//! ([`crate::gemm`]) otherwise, with the micro-kernel the calling thread's [`CpuKernel`] picks
+//! ([`crate::gemm`]) otherwise (always, on a thread made batch-invariant), with the micro-kernel the calling thread's [`CpuKernel`] picks
 //! for the element type.
 
 use crate::dispatch::CpuKernel;
@@ -9,7 +9,26 @@ use crate::error::{Error, Result};
 use crate::gemm::{self, Micro};
 use crate::gemv;
 use crate::shape::{GemmShape, Layout};
+use std::cell::Cell;
 use std::mem::MaybeUninit;
+
+thread_local! {
+    static BATCH_INVARIANT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes this thread's products batch-invariant (`true`) or not (the default): every product
+/// then runs on the packed GEMM, never the few-row GEMV, whose `f32` sums run in another order.
+/// The packed GEMM sums each output over `k` in the same order whatever `m` and wherever the row
+/// sits, so a row's result no longer depends on how many rows share its product. Small-`m`
+/// products cost more (the weight is packed on every call).
+pub fn set_batch_invariant(on: bool) {
+    BATCH_INVARIANT.with(|b| b.set(on));
+}
+
+/// Whether this thread's products are batch-invariant ([`set_batch_invariant`]).
+pub fn batch_invariant() -> bool {
+    BATCH_INVARIANT.with(Cell::get)
+}
 
 /// `y = x · op(W) + bias` in `f32`: `x` is `m x k` row-major, `w` is `n x k` ([`Layout::Nk`],
 /// `op(W) = W^T`) or `k x n` ([`Layout::Kn`]), `bias` has `n` entries, `y` is `m x n`
@@ -48,7 +67,7 @@ pub fn matmul<T: Float>(
         return Ok(());
     }
     let kernel = CpuKernel::current();
-    if layout == Layout::Nk && m <= gemv::MAX_ROWS {
+    if layout == Layout::Nk && m <= gemv::MAX_ROWS && !batch_invariant() {
         gemv::gemv(kernel, x, w, bias, m, k, n, y);
     } else {
         let micro = match kernel.tiles_for(T::KIND) {
@@ -130,5 +149,39 @@ mod tests {
         assert_eq!(err(&x, &w, bias, 6, shape), Error::OperandLength { operand: "bias", expected: 3, got: 2 });
         let huge = GemmShape { m: usize::MAX, n: 2, k: 2 };
         assert_eq!(err(&x, &w, None, 6, huge), Error::ShapeOverflow { m: usize::MAX, n: 2, k: 2 });
+    }
+    /// On a batch-invariant thread, a row's output is bitwise the same at every `m` (1..=40) and
+    /// at every position among the rows, in each element type, on random (inexact) data; off, the
+    /// few-row path and the packed GEMM may differ (that is what the setting is for).
+    #[test]
+    fn batch_invariant_products_give_each_row_the_same_bits() {
+        fn check<T: Float>(make: impl Fn(f32) -> T) {
+            let (n, k) = (37, 301);
+            let mut s = 0x9E37_79B9_7F4A_7C15u64;
+            let mut rnd = || {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            };
+            let rows: Vec<Vec<T>> = (0..40).map(|_| (0..k).map(|_| make(rnd())).collect()).collect();
+            let w: Vec<T> = (0..n * k).map(|_| make(rnd())).collect();
+            set_batch_invariant(true);
+            let alone = run(&rows[0], &w, Layout::Nk, None, GemmShape { m: 1, n, k }).unwrap();
+            for m in 1..=40 {
+                // Row 0's data at position m - 1 of an m-row product.
+                let mut x: Vec<T> = Vec::new();
+                for i in 0..m {
+                    x.extend_from_slice(&rows[(i + 1) % 40 * usize::from(i + 1 != m)]);
+                }
+                let got = run(&x, &w, Layout::Nk, None, GemmShape { m, n, k }).unwrap();
+                let row = &got[(m - 1) * n..m * n];
+                assert!(row.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()), "m = {m}");
+            }
+            set_batch_invariant(false);
+        }
+        check(|v| v);
+        check(bf16::from_f32);
+        check(half::f16::from_f32);
     }
 }

@@ -246,3 +246,68 @@ fn the_engine_runs_bf16_models() {
     stop(engine);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Every token's id, logprob and top-5 logprobs, as bits.
+fn logprob_bits(rx: mpsc::Receiver<Event>) -> Vec<(i64, u32, Vec<(i64, u32)>)> {
+    let mut out = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(120)).expect("an event within 120 s") {
+            Event::Token { id, logprobs } => {
+                let lp = logprobs.expect("logprobs were asked for");
+                out.push((id, lp.logprob.to_bits(), lp.top.iter().map(|&(t, l)| (t, l.to_bits())).collect()));
+            }
+            Event::Finished { .. } => return out,
+            Event::Failed(why) => panic!("failed: {why}"),
+        }
+    }
+}
+
+#[test]
+fn batch_invariant_logits_are_bitwise_the_same_alone_and_beside_63_others() {
+    let dir = model_dir("invariant", &SyntheticModel::tiny());
+    let target = || {
+        let p = SamplingParams { logprobs: Some(5), ..SamplingParams::greedy() };
+        request(prompt(4242, 21, 1001), 10, p)
+    };
+    for tp in [1, 2] {
+        let mut o = options(&dir, tp);
+        o.batch_invariant = true;
+        o.max_num_batched_tokens = 64; // the target's prompt is chunked differently in company
+        o.enable_prefix_caching = false; // its second run computes everything again
+        let engine = tp_engine::start(&o).expect("start");
+        let h = engine.handle();
+        let (tx, rx) = mpsc::channel();
+        h.submit(target(), Box::new(tx)).unwrap();
+        let alone = logprob_bits(rx);
+        assert_eq!(alone.len(), 10);
+        let mut others = Vec::new();
+        for i in 0..63u64 {
+            let params = if i % 3 == 0 {
+                SamplingParams { seed: Some(i), ..Default::default() }
+            } else {
+                SamplingParams::greedy()
+            };
+            let (tx, rx) = mpsc::channel();
+            h.submit(
+                request(prompt(i + 1, 1 + (i as usize * 7) % 40, 1001), 1 + (i as usize % 12), params),
+                Box::new(tx),
+            )
+            .unwrap();
+            others.push(rx);
+            if i == 30 {
+                let (tx, rx) = mpsc::channel();
+                h.submit(target(), Box::new(tx)).unwrap();
+                others.push(rx);
+            }
+        }
+        let in_batch = logprob_bits(others.remove(31));
+        for rx in others {
+            collect(rx);
+        }
+        assert_eq!(in_batch, alone, "tp {tp}: the target's logprobs differ bitwise in company");
+        assert_drained(&engine);
+        drop(h);
+        stop(engine);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

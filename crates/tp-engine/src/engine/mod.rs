@@ -85,6 +85,10 @@ pub struct EngineOptions {
     pub timeout: Duration,
     /// Most requests waiting before new ones are refused.
     pub max_waiting: usize,
+    /// Every host product on the packed GEMM ([`tp_core::cpu::set_batch_invariant`]): a request's
+    /// logits are then bitwise the same whatever else runs beside it, at some cost to
+    /// small-batch decode.
+    pub batch_invariant: bool,
     /// A pause after every step that runs sequences (zero by default): lets tests of a server
     /// hold requests open long enough to disconnect or signal mid-stream.
     pub step_delay: Duration,
@@ -108,6 +112,7 @@ impl EngineOptions {
             seed: 0,
             timeout: Duration::from_secs(tp_comm::DEFAULT_TIMEOUT_SECS),
             max_waiting: 4096,
+            batch_invariant: false,
             step_delay: Duration::ZERO,
         }
     }
@@ -276,6 +281,7 @@ fn rank_main(
     ready: mpsc::Sender<Result<(EngineHandle, usize), String>>,
 ) -> Result<(), EngineError> {
     let rank = group.rank();
+    tp_core::cpu::set_batch_invariant(opts.batch_invariant);
     let fail = |e: EngineError, group: &DeviceGroup| {
         group.abort(&format!("rank {rank} failed to start: {e}"));
         if rank == 0 {
