@@ -247,8 +247,11 @@ fn the_engine_runs_bf16_models() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A token's id, its logprob's bits and its top alternatives' (id, bits).
+type TokenBits = (i64, u32, Vec<(i64, u32)>);
+
 /// Every token's id, logprob and top-5 logprobs, as bits.
-fn logprob_bits(rx: mpsc::Receiver<Event>) -> Vec<(i64, u32, Vec<(i64, u32)>)> {
+fn logprob_bits(rx: mpsc::Receiver<Event>) -> Vec<TokenBits> {
     let mut out = Vec::new();
     loop {
         match rx.recv_timeout(Duration::from_secs(120)).expect("an event within 120 s") {
