@@ -77,10 +77,19 @@ pub struct Args {
     pub out: PathBuf,
     /// Whole-model rows (`--model tinyllama|DIR|none`; default tinyllama, none with `--quick`).
     pub model: Option<model::Which>,
+    /// Which tables run (`--only gemm|model|serving,..`; default all).
+    pub only: Vec<String>,
+}
+
+impl Args {
+    /// Whether the table `name` runs.
+    pub fn runs(&self, name: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| o == name)
+    }
 }
 
 const USAGE: &str = "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] \
-                     [--model tinyllama|DIR|none] [--out DIR]";
+                     [--model tinyllama|DIR|none] [--only gemm,model,serving] [--out DIR]";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -90,6 +99,7 @@ fn parse_args() -> Result<Args> {
         shapes: None,
         out: PathBuf::from("target/bench"),
         model: None,
+        only: Vec::new(),
     };
     let mut model = None;
     let mut it = std::env::args().skip(1);
@@ -101,6 +111,15 @@ fn parse_args() -> Result<Args> {
             "--shapes" => a.shapes = Some(it.next().context("--shapes needs a value")?),
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "--model" => model = Some(it.next().context("--model needs tinyllama, a folder or none")?),
+            "--only" => {
+                let list = it.next().context("--only needs gemm, model or serving (comma-separated)")?;
+                for t in list.split(',') {
+                    if !["gemm", "model", "serving"].contains(&t) {
+                        bail!("--only takes gemm, model, serving; got {t:?}");
+                    }
+                    a.only.push(t.to_string());
+                }
+            }
             other => bail!("unknown argument {other:?}; {USAGE}"),
         }
     }
@@ -135,6 +154,7 @@ fn run() -> Result<()> {
     let gpu =
         if args.cpu_only { Err("--cpu given".to_string()) } else { tp_kernels::Gpu::get(0).map_err(|e| e.to_string()) };
     let mut rows = match &gpu {
+        _ if !args.runs("gemm") => Vec::new(),
         Ok(g) => {
             println!(
                 "GPU 0: {} (sm_{}{}, {} SMs); commit {}",
@@ -153,8 +173,10 @@ fn run() -> Result<()> {
     };
     if let Some(which) = &args.model {
         let device = if gpu.is_ok() { tp_core::Device::Cuda(0) } else { tp_core::Device::Cpu };
-        rows.extend(model::rows(&args, which, device)?);
-        if device == tp_core::Device::Cpu {
+        if args.runs("model") {
+            rows.extend(model::rows(&args, which, device)?);
+        }
+        if device == tp_core::Device::Cpu && args.runs("serving") {
             rows.extend(serving::rows(&args, &model::dir_of(which)?)?);
         }
         eprintln!();

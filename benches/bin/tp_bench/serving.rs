@@ -26,7 +26,7 @@ use tp_engine::{Engine, EngineOptions};
 
 const PROMPT_LEN: usize = 64;
 /// Tokens per step while the long prompt is admitted.
-const CHUNK: usize = 128;
+const CHUNK: usize = 32;
 
 /// Token arrival times of one request.
 struct Timed {
@@ -240,12 +240,12 @@ fn chunked_prefill_row(dir: &Path, vocab: usize, max_pos: usize) -> Result<Row> 
     opts.dtype = Some(DType::BF16);
     opts.max_num_batched_tokens = CHUNK;
     let engine = tp_engine::start(&opts)?;
-    let long = (2048usize).min(max_pos - 8);
+    let decode_tokens = 64;
+    let long = 2048usize.min(max_pos.saturating_sub(decode_tokens + 1)).max(1);
     let mut prompts: Vec<_> = (0..8).map(|i| prompt(i + 5_000, 16, vocab)).collect();
     prompts.push(prompt(6_000, long, vocab));
     let mut offsets = vec![Duration::ZERO; 8];
     offsets.push(Duration::from_millis(500));
-    let decode_tokens = 64;
     let t = run_requests(&engine, &prompts, decode_tokens, &offsets)?;
     let gaps: Vec<f64> = t[..8]
         .iter()

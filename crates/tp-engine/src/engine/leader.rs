@@ -111,9 +111,18 @@ impl Leader {
 
     fn serve(&mut self) -> Result<(), EngineError> {
         let mut last_sent = Instant::now();
+        let mut stalled = false;
         loop {
-            let idle = self.live.is_empty();
-            let wait = if idle { self.heartbeat.saturating_sub(last_sent.elapsed()) } else { Duration::ZERO };
+            // Idle: wait for work up to the next heartbeat. Requests that could not be scheduled
+            // last time (none should stay so: what can never fit is refused): a short wait, not
+            // a spin.
+            let wait = if self.live.is_empty() {
+                self.heartbeat.saturating_sub(last_sent.elapsed())
+            } else if stalled {
+                Duration::from_millis(1)
+            } else {
+                Duration::ZERO
+            };
             match self.take_commands(wait) {
                 Ok(()) => {}
                 Err(()) if self.live.is_empty() => return Ok(()), // every handle is gone
@@ -129,6 +138,7 @@ impl Leader {
                 drop: std::mem::take(&mut self.pending_drop),
                 seqs: plan.seqs.clone(),
             };
+            stalled = msg.seqs.is_empty();
             if msg.seqs.is_empty() && msg.new.is_empty() && msg.drop.is_empty() {
                 if last_sent.elapsed() < self.heartbeat {
                     continue;
