@@ -58,6 +58,18 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     if let Some(ms) = std::env::var("TP_DEBUG_STEP_DELAY_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()) {
         o.step_delay = std::time::Duration::from_millis(ms.min(10_000));
     }
+    // For tests of a dying or hung rank: TP_DEBUG_FAULT=RANK:STEP[:HANG_SECS].
+    if let Ok(v) = std::env::var("TP_DEBUG_FAULT") {
+        let parts: Vec<&str> = v.trim().split(':').collect();
+        let num = |i: usize| parts.get(i).and_then(|p| p.parse::<u64>().ok());
+        match (num(0), num(1), parts.len()) {
+            (Some(rank), Some(step), 2 | 3) => {
+                let hang = num(2).map(|s| std::time::Duration::from_secs(s.min(3600)));
+                o.fault = Some(tp_engine::Fault { rank: rank as usize, step, hang });
+            }
+            _ => return Err(CliError::Engine(format!("TP_DEBUG_FAULT={v:?}: expected RANK:STEP[:HANG_SECS]"))),
+        }
+    }
     Ok(o)
 }
 

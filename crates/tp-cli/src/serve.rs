@@ -52,10 +52,31 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
                 })
                 .into_future(),
         );
+        let failed = Arc::new(std::sync::Mutex::new(None::<String>));
+        let stop_on_signal = stop_tx.clone();
         tokio::spawn(async move {
             let why = signal().await;
             tracing::info!("{why}: shutting down");
-            let _ = stop_tx.send(true);
+            let _ = stop_on_signal.send(true);
+        });
+        // An engine that stops by itself (a rank died or hung past TP_TIMEOUT_SECS: its
+        // requests have failed) ends the server too, rather than leaving it answering 503.
+        let (watch_handle, watch_failed, mut watch_stop) = (handle.clone(), failed.clone(), stop_rx.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    _ = watch_stop.wait_for(|s| *s) => return,
+                }
+                if let Some(why) = watch_handle.stopped() {
+                    tracing::error!("{why}: shutting down");
+                    if let Ok(mut f) = watch_failed.lock() {
+                        *f = Some(why);
+                    }
+                    let _ = stop_tx.send(true);
+                    return;
+                }
+            }
         });
         tokio::select! {
             r = &mut server => return r.map_err(|e| CliError::Io(e.to_string()))?.map_err(|e| CliError::Io(e.to_string())),
@@ -72,7 +93,10 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
                 server.abort();
             }
         }
-        Ok(())
+        match failed.lock().ok().and_then(|f| f.clone()) {
+            Some(why) => Err(CliError::Engine(why)),
+            None => Ok(()),
+        }
     })?;
     drop(state);
     (started.join)(Instant::now() + ENGINE_STOP).map_err(CliError::Engine)?;

@@ -96,3 +96,35 @@ fn past_the_shutdown_deadline_requests_are_aborted_and_the_exit_is_0() {
     assert_eq!(s.wait_exit(Duration::from_secs(10)), Some(0));
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
 }
+
+/// The body of a whole response read from `sock`.
+fn body_of(mut sock: std::net::TcpStream) -> String {
+    let mut raw = Vec::new();
+    let _ = sock.read_to_end(&mut raw);
+    String::from_utf8_lossy(&raw).into_owned()
+}
+
+#[test]
+fn a_rank_that_fails_ends_in_flight_requests_with_an_error_and_the_server_exits() {
+    // Rank 1 of 2 fails at its 5th step (injected); rank 0's collective sees the group aborted.
+    let env = [("TP_DEBUG_STEP_DELAY_MS", "20"), ("TP_DEBUG_FAULT", "1:5")];
+    let mut s = Server::start_in(&model_dir(), &["-tp", "2"], &env);
+    let mut sock = connect(&s.addr);
+    send(&mut sock, "POST", "/v1/completions", Some(&long_stream()), &[]);
+    let body = body_of(sock);
+    assert!(body.contains("\"error\""), "the stream ends with an error: {body}");
+    assert_eq!(s.wait_exit(Duration::from_secs(20)), Some(1), "the server exits once its engine failed");
+}
+
+#[test]
+fn a_rank_that_hangs_is_a_failure_within_the_deadline_not_a_hung_server() {
+    // Rank 1 stops for 60 s at its 5th step; the deadline is 2 s.
+    let env = [("TP_DEBUG_STEP_DELAY_MS", "20"), ("TP_DEBUG_FAULT", "1:5:60"), ("TP_TIMEOUT_SECS", "2")];
+    let mut s = Server::start_in(&model_dir(), &["-tp", "2"], &env);
+    let t = Instant::now();
+    let (st, v) = s.post("/v1/completions", &json!({"prompt": "hello", "max_tokens": 100, "ignore_eos": true}));
+    assert_eq!(st, 500, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap_or("").contains("never arrived"), "{v}");
+    assert_eq!(s.wait_exit(Duration::from_secs(20)), Some(1));
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+}

@@ -22,5 +22,5 @@ pub mod sampling;
 pub mod scheduler;
 
 pub use blocks::{BlockId, BlockPool};
-pub use engine::{DeviceKind, Engine, EngineError, EngineOptions, ProcessRank, start, start_process_rank};
+pub use engine::{DeviceKind, Engine, EngineError, EngineOptions, Fault, ProcessRank, start, start_process_rank};
 pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, StepPlan};

@@ -11,6 +11,7 @@ use crate::api::{EngineHandle, Limits, SharedStats};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use leader::{Leader, LeaderRules};
 use plan::StepKind;
+pub use rank::Fault;
 use rank::RankWorker;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -89,6 +90,8 @@ pub struct EngineOptions {
     /// logits are then bitwise the same whatever else runs beside it, at some cost to
     /// small-batch decode.
     pub batch_invariant: bool,
+    /// A fault to inject into one rank (tests of what a dying or hung rank does); `None` in use.
+    pub fault: Option<Fault>,
     /// A pause after every step that runs sequences (zero by default): lets tests of a server
     /// hold requests open long enough to disconnect or signal mid-stream.
     pub step_delay: Duration,
@@ -113,6 +116,7 @@ impl EngineOptions {
             timeout: Duration::from_secs(tp_comm::DEFAULT_TIMEOUT_SECS),
             max_waiting: 4096,
             batch_invariant: false,
+            fault: None,
             step_delay: Duration::ZERO,
         }
     }
@@ -305,7 +309,8 @@ fn rank_main(
         Ok(c) => c,
         Err(e) => return fail(e, &group),
     };
-    let worker = RankWorker { model, caches, block_size: opts.block_size, seqs: HashMap::new() };
+    let worker =
+        RankWorker { model, caches, block_size: opts.block_size, seqs: HashMap::new(), steps: 0, fault: opts.fault };
     // Idle rank 0 speaks at least this often, well inside the other ranks' deadline.
     let heartbeat = (opts.timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(2));
     if rank != 0 {

@@ -27,6 +27,22 @@ pub(crate) struct RankWorker {
     pub caches: Vec<PagedKvCache>,
     pub block_size: usize,
     pub seqs: HashMap<RequestId, SeqState>,
+    /// Steps run so far (those with sequences).
+    pub steps: u64,
+    /// A fault to inject (tests): fail or hang at this step.
+    pub fault: Option<Fault>,
+}
+
+/// A fault a test injects into one rank: at its `step`-th step (counting from 1) it fails, or
+/// hangs for `hang` before going on (past the group's deadline, as a hung process would).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// Which rank.
+    pub rank: usize,
+    /// At which of its steps.
+    pub step: u64,
+    /// `None`: fail; `Some(d)`: stop for `d` first.
+    pub hang: Option<std::time::Duration>,
 }
 
 impl RankWorker {
@@ -78,6 +94,16 @@ impl RankWorker {
         }
         if msg.seqs.is_empty() {
             return Ok(Vec::new());
+        }
+        self.steps += 1;
+        if let Some(f) = self.fault
+            && f.rank == self.group().rank()
+            && f.step == self.steps
+        {
+            match f.hang {
+                None => return Err(EngineError::Step(format!("rank {} failed at step {} (injected)", f.rank, f.step))),
+                Some(d) => std::thread::sleep(d),
+            }
         }
         let mut ids = Vec::new();
         let mut batch_seqs = Vec::with_capacity(msg.seqs.len());
