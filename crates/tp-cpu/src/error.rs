@@ -1,5 +1,7 @@
 //! The error type of `tp-cpu`.
 
+use crate::element::FloatKind;
+
 /// Result alias of `tp-cpu`.
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -25,6 +27,15 @@ pub enum Error {
         expected: usize,
         /// Elements given.
         got: usize,
+    },
+
+    /// A [`crate::PackedWeight`] was used for a product of another element type or shape.
+    #[error("host matmul: the packed weight is {packed:?} (dtype, n, k), the product needs {wanted:?}")]
+    PackedMismatch {
+        /// The packed weight's element type, `n` and `k`.
+        packed: (FloatKind, usize, usize),
+        /// The product's element type, `n` and `k`.
+        wanted: (FloatKind, usize, usize),
     },
 
     /// `m * k`, `n * k` or `m * n` does not fit in `usize`.

@@ -12,10 +12,15 @@
 //!
 //! Packed buffers live in per-thread scratch that is kept between calls, so a steady stream of
 //! products (decode, layers) allocates nothing.
+//!
+//! A caller that multiplies by the same `[N, K]` weight many times can pack it once
+//! ([`pack_weight`]: every panel step 2 would build, for every depth block) and hand the result
+//! in as [`BSource::Packed`]; the tasks then read those panels instead of packing W, and every
+//! tile sees the same panels in the same order, so the result is bitwise the same.
 
 use crate::amx;
-use crate::dispatch::Isa;
-use crate::element::Float;
+use crate::dispatch::{CpuKernel, Isa};
+use crate::element::{Float, FloatKind};
 use crate::pack::{self, Lanes, Src};
 use crate::pool;
 use crate::shape::Layout;
@@ -40,6 +45,15 @@ pub(crate) enum Micro {
 }
 
 impl Micro {
+    /// The micro-kernel `kernel` runs products of `kind` with.
+    pub(crate) fn choose(kernel: CpuKernel, kind: FloatKind) -> Micro {
+        match kernel.tiles_for(kind) {
+            Some(tiles) => Micro::Amx { tiles, fp16: kind == FloatKind::F16, pack: kernel.f32_isa() },
+            None if kind == FloatKind::BF16 && kernel.has_bf16_dot() => Micro::Bf16Dot,
+            None => Micro::F32(kernel.f32_isa()),
+        }
+    }
+
     fn shape(self) -> (usize, usize) {
         match self {
             Micro::F32(Isa::Portable) => ukernel::PORTABLE,
@@ -72,6 +86,94 @@ impl Micro {
             Micro::Amx { .. } => d.next_multiple_of(amx::STEP),
             _ => d,
         }
+    }
+}
+
+/// How the driver cuts `K` for a micro-kernel: `count` equal blocks of `elems` elements (the last
+/// may be shorter), each `depth` units once packed (a multiple of 16, so whole AMX tile steps).
+#[derive(Debug, Clone, Copy)]
+struct KBlocks {
+    elems: usize,
+    depth: usize,
+    count: usize,
+}
+
+impl KBlocks {
+    /// The blocks of `k > 0` for `micro`.
+    fn new(micro: Micro, k: usize) -> KBlocks {
+        let lanes = micro.lanes();
+        let k_depth = lanes.depth(k);
+        let depth = k_depth.div_ceil(k_depth.div_ceil(KC)).next_multiple_of(16);
+        let elems = match lanes {
+            Lanes::F32 => depth,
+            Lanes::Pairs => 2 * depth,
+        };
+        KBlocks { elems, depth, count: k.div_ceil(elems) }
+    }
+
+    /// Block `kb`: its first element, its length, and its packed depth.
+    fn block(self, micro: Micro, k: usize, kb: usize) -> (usize, usize, usize) {
+        let k0 = kb * self.elems;
+        let len = self.elems.min(k - k0);
+        (k0, len, micro.depth(len))
+    }
+
+    /// Packed depth of all blocks together.
+    fn total_depth(self, micro: Micro, k: usize) -> usize {
+        micro.depth(self.elems) * (self.count - 1) + self.block(micro, k, self.count - 1).2
+    }
+}
+
+/// Where the driver gets W's panels.
+#[derive(Clone, Copy)]
+pub(crate) enum BSource<'a, T> {
+    /// Packs them from the weight (in `layout`) in each task, for each depth block.
+    Pack(&'a [T], Layout),
+    /// Reads them from an `[N, K]` weight packed once by [`pack_weight`] (same `micro`, `n`, `k`).
+    Packed(&'a [u32]),
+}
+
+/// Lanes [`pack_weight`] writes for an `[n, k]` weight (`k > 0`), or `None` on overflow.
+pub(crate) fn packed_len(micro: Micro, n: usize, k: usize) -> Option<usize> {
+    let nr = micro.shape().1;
+    n.div_ceil(nr).checked_mul(nr)?.checked_mul(KBlocks::new(micro, k).total_depth(micro, k))
+}
+
+/// Where depth block `kb` of an `n`-column packed weight starts in [`pack_weight`]'s output:
+/// blocks follow each other, each holding all `ceil(n / NR)` panels of `NR x depth` lanes.
+fn packed_block_at(micro: Micro, blocks: KBlocks, n: usize, kb: usize) -> usize {
+    let nr = micro.shape().1;
+    kb * n.div_ceil(nr) * nr * micro.depth(blocks.elems)
+}
+
+/// Packs a whole `[n, k]` weight (`k > 0`) for `micro`, exactly as the driver's tasks pack it:
+/// for each depth block, every `NR`-column panel. `out` holds [`packed_len`] lanes, 64-byte
+/// aligned.
+pub(crate) fn pack_weight<T: Float>(micro: Micro, w: &[T], n: usize, k: usize, out: &mut [u32]) {
+    assert!(w.len() == n * k && k > 0 && Some(out.len()) == packed_len(micro, n, k), "pack_weight: operands");
+    let nr = micro.shape().1;
+    let blocks = KBlocks::new(micro, k);
+    let npanels = n.div_ceil(nr);
+    let per_task = (NC / nr).max(1);
+    let groups = npanels.div_ceil(per_task);
+    let out_ptr = Out(out.as_mut_ptr().cast());
+    let task = |t: usize| {
+        let (kb, g) = (t / groups, t % groups);
+        let (k0, len, depth) = blocks.block(micro, k, kb);
+        let (p0, p1) = (g * per_task, ((g + 1) * per_task).min(npanels));
+        let start = packed_block_at(micro, blocks, n, kb) + p0 * nr * depth;
+        let size = (p1 - p0) * nr * depth;
+        // SAFETY: tasks write disjoint ranges `start..start + size` of `out` (one per (block,
+        // panel group)), inside it (the last block ends at `packed_len`), which outlives the run.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().cast::<u32>().add(start), size) };
+        let rows = (n - p0 * nr).min((p1 - p0) * nr);
+        pack::rows(micro.pack_isa(), micro.lanes(), Src { data: w, ld: k }, p0 * nr, rows, k0, len, nr, depth, dst);
+    };
+    let tasks = blocks.count * groups;
+    if n * k >= PARALLEL_MIN_FLOPS / 2 && pool::num_threads() > 1 {
+        pool::run(tasks, &task);
+    } else {
+        (0..tasks).for_each(task);
     }
 }
 
@@ -208,37 +310,36 @@ impl Out {
     }
 }
 
-/// `y[m x n] = x[m x k] · op(W) + bias`, `op(W) = W^T` for an `[N, K]` weight. `y` need not be
-/// initialised: every element is written. `k > 0`.
+/// `y[m x n] = x[m x k] · op(W) + bias`, `op(W) = W^T` for an `[N, K]` weight, W's panels from
+/// `b`. `y` need not be initialised: every element is written. `k > 0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm<T: Float>(
     micro: Micro,
     x: &[T],
-    w: &[T],
-    layout: Layout,
+    b: BSource<'_, T>,
     bias: Option<&[f32]>,
     m: usize,
     k: usize,
     n: usize,
     y: &mut [MaybeUninit<f32>],
 ) {
-    assert!(x.len() == m * k && w.len() == n * k && y.len() == m * n && k > 0, "gemm: operands");
+    assert!(x.len() == m * k && y.len() == m * n && k > 0, "gemm: operands");
+    match b {
+        BSource::Pack(w, _) => assert!(w.len() == n * k, "gemm: w"),
+        BSource::Packed(p) => {
+            assert!(Some(p.len()) == packed_len(micro, n, k) && p.as_ptr().align_offset(64) == 0, "gemm: packed w")
+        }
+    }
     assert!(bias.is_none_or(|b| b.len() == n), "gemm: bias");
     if m == 0 || n == 0 {
         return;
     }
     let (mr, nr) = micro.shape();
     let lanes = micro.lanes();
-    let k_depth = lanes.depth(k);
-    let kc_depth = k_depth.div_ceil(k_depth.div_ceil(KC)).next_multiple_of(16);
-    let kc_elems = match lanes {
-        Lanes::F32 => kc_depth,
-        Lanes::Pairs => 2 * kc_depth,
-    };
-    let kblocks = k.div_ceil(kc_elems);
+    let blocks = KBlocks::new(micro, k);
+    let (kc_depth, kc_elems, kblocks) = (blocks.depth, blocks.elems, blocks.count);
     let mpanels = m.div_ceil(mr);
-    let total_depth = micro.depth(kc_elems) * (kblocks - 1) + micro.depth(k - (kblocks - 1) * kc_elems);
-    let a_len = mpanels * mr * total_depth;
+    let a_len = mpanels * mr * blocks.total_depth(micro, k);
     let parallel = 2 * m * n * k >= PARALLEL_MIN_FLOPS && pool::num_threads() > 1;
     let run = |tasks: usize, f: &(dyn Fn(usize) + Sync)| {
         if parallel { pool::run(tasks, f) } else { (0..tasks).for_each(f) }
@@ -254,12 +355,10 @@ pub(crate) fn gemm<T: Float>(
             let groups = mpanels.div_ceil(8);
             run(kblocks * groups, &|t| {
                 let (kb, g) = (t / groups, t % groups);
-                let k0 = kb * kc_elems;
-                let len = kc_elems.min(k - k0);
+                let (k0, len, depth) = blocks.block(micro, k, kb);
                 let (p0, p1) = (8 * g, (8 * g + 8).min(mpanels));
                 let rows = (m - p0 * mr).min((p1 - p0) * mr);
                 let start = a_at(kb, p0);
-                let depth = micro.depth(len);
                 let size = (p1 - p0) * mr * depth;
                 // SAFETY: tasks cover disjoint ranges `start..start + size` of `a_buf` (one per
                 // (block, panel group)), all inside it (`a_at` of the last panel of the last
@@ -296,48 +395,63 @@ pub(crate) fn gemm<T: Float>(
             let npanels = ncols.div_ceil(nr);
             let (p0, p1) = (rb * panels_per_rb, ((rb + 1) * panels_per_rb).min(mpanels));
             let mut runner = Runner::new(micro);
-            with_scratch(&B_SCRATCH, max_block_panels * nr * micro.depth(kc_elems), |b_buf| {
-                for kb in 0..kblocks {
-                    let k0 = kb * kc_elems;
-                    let len = kc_elems.min(k - k0);
-                    let depth = micro.depth(len);
-                    let b_len = npanels * nr * depth;
-                    let b_buf = &mut b_buf[..b_len];
-                    match layout {
-                        Layout::Nk => {
-                            let src = Src { data: w, ld: k };
-                            pack::rows(micro.pack_isa(), lanes, src, j0, ncols, k0, len, nr, depth, b_buf)
-                        }
-                        Layout::Kn => pack::cols(lanes, Src { data: w, ld: n }, k0, len, j0, ncols, nr, depth, b_buf),
+            // The tiles of depth block `kb`: this task's x panels against its `npanels` panels
+            // of W in `b_buf`.
+            let mut tiles = |kb: usize, depth: usize, b_buf: &[u32]| {
+                for p in p0..p1 {
+                    let a = &a_buf[a_at(kb, p)..][..mr * depth];
+                    if p + 1 < p1 {
+                        // The next x panel comes from L3 or memory: start fetching it now.
+                        prefetch_l2(&a_buf[a_at(kb, p + 1)..][..mr * depth]);
                     }
-                    for p in p0..p1 {
-                        let a = &a_buf[a_at(kb, p)..][..mr * depth];
-                        if p + 1 < p1 {
-                            // The next x panel comes from L3 or memory: start fetching it now.
-                            prefetch_l2(&a_buf[a_at(kb, p + 1)..][..mr * depth]);
-                        }
-                        let i0 = p * mr;
-                        for q in 0..npanels {
-                            let jj = j0 + q * nr;
-                            let tile = Tile {
-                                c: y_out.get().wrapping_add(i0 * n + jj),
-                                ldc: n,
-                                mr: mr.min(m - i0),
-                                nr: nr.min(j0 + ncols - jj),
-                                first: kb == 0,
-                                bias: bias.map(|b| b.get().cast_const().wrapping_add(jj)),
-                            };
-                            let b = &b_buf[q * nr * depth..][..nr * depth];
-                            // SAFETY: dispatch chose `micro` for this CPU; `a`/`b` hold `depth`
-                            // steps of the panel shape, 64-byte aligned (panel sizes are
-                            // multiples of 16 lanes); the tile is this task's own block of `y`
-                            // (tasks split rows by `rb` and columns by `nb`), clipped to `m x n`,
-                            // and the bias has `n` entries.
-                            unsafe { runner.run(depth, a, b, tile) };
-                        }
+                    let i0 = p * mr;
+                    for q in 0..npanels {
+                        let jj = j0 + q * nr;
+                        let tile = Tile {
+                            c: y_out.get().wrapping_add(i0 * n + jj),
+                            ldc: n,
+                            mr: mr.min(m - i0),
+                            nr: nr.min(j0 + ncols - jj),
+                            first: kb == 0,
+                            bias: bias.map(|b| b.get().cast_const().wrapping_add(jj)),
+                        };
+                        let b = &b_buf[q * nr * depth..][..nr * depth];
+                        // SAFETY: dispatch chose `micro` for this CPU; `a`/`b` hold `depth`
+                        // steps of the panel shape, 64-byte aligned (panel sizes are multiples
+                        // of 16 lanes, and both buffers start aligned); the tile is this task's
+                        // own block of `y` (tasks split rows by `rb` and columns by `nb`),
+                        // clipped to `m x n`, and the bias has `n` entries.
+                        unsafe { runner.run(depth, a, b, tile) };
                     }
                 }
-            });
+            };
+            match b {
+                BSource::Packed(packed) => {
+                    for kb in 0..kblocks {
+                        let depth = blocks.block(micro, k, kb).2;
+                        let start = packed_block_at(micro, blocks, n, kb) + j0 * depth;
+                        tiles(kb, depth, &packed[start..][..npanels * nr * depth]);
+                    }
+                }
+                BSource::Pack(w, layout) => {
+                    with_scratch(&B_SCRATCH, max_block_panels * nr * micro.depth(kc_elems), |b_buf| {
+                        for kb in 0..kblocks {
+                            let (k0, len, depth) = blocks.block(micro, k, kb);
+                            let b_buf = &mut b_buf[..npanels * nr * depth];
+                            match layout {
+                                Layout::Nk => {
+                                    let src = Src { data: w, ld: k };
+                                    pack::rows(micro.pack_isa(), lanes, src, j0, ncols, k0, len, nr, depth, b_buf)
+                                }
+                                Layout::Kn => {
+                                    pack::cols(lanes, Src { data: w, ld: n }, k0, len, j0, ncols, nr, depth, b_buf)
+                                }
+                            }
+                            tiles(kb, depth, b_buf);
+                        }
+                    });
+                }
+            }
         });
     });
 }

@@ -12,6 +12,9 @@
 //!   AVX-512 `f32`, AVX512-BF16 `vdpbf16ps`, portable / AVX2; AMX tiles in `amx`, written
 //!   against the instruction interface of `tiles`, with a software model of the instructions
 //!   in `amx_model` so machines without AMX test the AMX code).
+//! * [`PackedWeight`] and [`matmul_packed()`]: a weight packed once (`packed`) and multiplied
+//!   many times (decode steps against the same model weights) without packing it on each call,
+//!   bitwise the same as [`matmul()`].
 //! * [`num_threads`] and [`par_rows`]: the persistent thread pool (`pool`) every kernel runs on.
 //!
 //! Every `unsafe` here is SIMD (`std::arch` intrinsics behind run-time feature checks), inline
@@ -19,10 +22,11 @@
 //! disjoint parts of one output; each block states its conditions in a `SAFETY` comment.
 //!
 //! Module dependencies, acyclic (besides the leaves `element`, `error` and `shape`, which any
-//! module may use): `matmul` → `gemm`, `gemv`, `dispatch`; `gemm` → `amx`, `pack`, `ukernel`,
-//! `pool`, `dispatch`, `tiles`; `gemv` → `dispatch`, `pool`; `pack` → `dispatch`; `amx` →
-//! `amx_model`, `tiles`; `amx_model` → `tiles`; `dispatch` → `features`, `tiles`; `features`,
-//! `tiles`, `pool` and `ukernel` use no other module.
+//! module may use): `matmul` → `gemm`, `gemv`, `dispatch`, `packed`; `packed` → `gemm`,
+//! `dispatch`; `gemm` → `amx`, `pack`, `ukernel`, `pool`, `dispatch`, `tiles`; `gemv` →
+//! `dispatch`, `pool`; `pack` → `dispatch`; `amx` → `amx_model`, `tiles`; `amx_model` →
+//! `tiles`; `dispatch` → `features`, `tiles`; `features`, `tiles`, `pool` and `ukernel` use no
+//! other module.
 
 mod amx;
 mod amx_model;
@@ -34,6 +38,7 @@ mod gemm;
 mod gemv;
 mod matmul;
 mod pack;
+mod packed;
 mod pool;
 mod shape;
 mod tiles;
@@ -42,6 +47,7 @@ mod ukernel;
 pub use dispatch::{CpuKernel, with_kernel};
 pub use element::{Float, FloatKind};
 pub use error::{Error, Result};
-pub use matmul::{batch_invariant, matmul, set_batch_invariant};
+pub use matmul::{batch_invariant, matmul, matmul_packed, set_batch_invariant};
+pub use packed::PackedWeight;
 pub use pool::{num_threads, par_rows};
 pub use shape::{GemmShape, Layout};

@@ -1,13 +1,16 @@
-//! The one public product: checks the buffers against the shape, then runs the decode kernel
-//! ([`crate::gemv`]) for few rows against an `[N, K]` weight and the packed GEMM
-//! ([`crate::gemm`]) otherwise (always, on a thread made batch-invariant), with the micro-kernel the calling thread's [`CpuKernel`] picks
-//! for the element type.
+//! The public products: [`matmul`] checks the buffers against the shape, then runs the decode
+//! kernel ([`crate::gemv`]) for few rows against an `[N, K]` weight and the packed GEMM
+//! ([`crate::gemm`]) otherwise (always, on a thread made batch-invariant), with the
+//! micro-kernel the calling thread's [`CpuKernel`] picks for the element type.
+//! [`matmul_packed`] is the same product with the weight's panels packed once beforehand
+//! ([`PackedWeight`]).
 
 use crate::dispatch::CpuKernel;
-use crate::element::{Float, FloatKind};
+use crate::element::Float;
 use crate::error::{Error, Result};
-use crate::gemm::{self, Micro};
+use crate::gemm::{self, BSource, Micro};
 use crate::gemv;
+use crate::packed::PackedWeight;
 use crate::shape::{GemmShape, Layout};
 use std::cell::Cell;
 use std::mem::MaybeUninit;
@@ -46,17 +49,8 @@ pub fn matmul<T: Float>(
     shape: GemmShape,
     y: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
+    check_lengths(x, w, bias, shape, y)?;
     let GemmShape { m, n, k } = shape;
-    let size = |a: usize, b: usize| a.checked_mul(b).ok_or(Error::ShapeOverflow { m, n, k });
-    let lengths = [
-        ("x", x.len(), size(m, k)?),
-        ("w", w.len(), size(n, k)?),
-        ("y", y.len(), size(m, n)?),
-        ("bias", bias.map_or(n, <[f32]>::len), n),
-    ];
-    if let Some(&(operand, got, expected)) = lengths.iter().find(|(_, got, want)| got != want) {
-        return Err(Error::OperandLength { operand, expected, got });
-    }
     if k == 0 {
         for row in y.chunks_exact_mut(n.max(1)) {
             match bias {
@@ -70,14 +64,58 @@ pub fn matmul<T: Float>(
     if layout == Layout::Nk && m <= gemv::MAX_ROWS && !batch_invariant() {
         gemv::gemv(kernel, x, w, bias, m, k, n, y);
     } else {
-        let micro = match kernel.tiles_for(T::KIND) {
-            Some(tiles) => Micro::Amx { tiles, fp16: T::KIND == FloatKind::F16, pack: kernel.f32_isa() },
-            None if T::KIND == FloatKind::BF16 && kernel.has_bf16_dot() => Micro::Bf16Dot,
-            None => Micro::F32(kernel.f32_isa()),
-        };
-        gemm::gemm(micro, x, w, layout, bias, m, k, n, y);
+        gemm::gemm(Micro::choose(kernel, T::KIND), x, BSource::Pack(w, layout), bias, m, k, n, y);
     }
     Ok(())
+}
+
+/// [`matmul`] with an `[N, K]` weight ([`Layout::Nk`]) that was also packed once into `packed`
+/// (from this same `w`): the same result, bitwise, without packing W on the call. Few rows (not
+/// batch-invariant) still run the decode kernel on `w`; the packed GEMM reads W's panels from
+/// `packed` when it was built for the micro-kernel this thread's [`CpuKernel`] picks for `T`,
+/// and otherwise (another family chosen since, e.g. under [`crate::with_kernel`]) the call is a
+/// plain [`matmul`], which packs `w`.
+///
+/// Errors: those of [`matmul`]; [`Error::PackedMismatch`] if `packed` holds another element
+/// type or another `[n, k]` than the call's.
+pub fn matmul_packed<T: Float>(
+    x: &[T],
+    w: &[T],
+    packed: &PackedWeight,
+    bias: Option<&[f32]>,
+    shape: GemmShape,
+    y: &mut [MaybeUninit<f32>],
+) -> Result<()> {
+    check_lengths(x, w, bias, shape, y)?;
+    let GemmShape { m, n, k } = shape;
+    let (kind, pn, pk) = packed.dims();
+    if (kind, pn, pk) != (T::KIND, n, k) {
+        return Err(Error::PackedMismatch { packed: (kind, pn, pk), wanted: (T::KIND, n, k) });
+    }
+    let micro = Micro::choose(CpuKernel::current(), T::KIND);
+    match packed.panels(micro) {
+        Some(panels) if k > 0 && (m > gemv::MAX_ROWS || batch_invariant()) => {
+            gemm::gemm(micro, x, BSource::Packed(panels), bias, m, k, n, y);
+            Ok(())
+        }
+        _ => matmul(x, w, Layout::Nk, bias, shape, y),
+    }
+}
+
+/// Checks every buffer's length against `shape` (an `[N, K]` or `[K, N]` weight alike).
+fn check_lengths<T>(x: &[T], w: &[T], bias: Option<&[f32]>, shape: GemmShape, y: &[MaybeUninit<f32>]) -> Result<()> {
+    let GemmShape { m, n, k } = shape;
+    let size = |a: usize, b: usize| a.checked_mul(b).ok_or(Error::ShapeOverflow { m, n, k });
+    let lengths = [
+        ("x", x.len(), size(m, k)?),
+        ("w", w.len(), size(n, k)?),
+        ("y", y.len(), size(m, n)?),
+        ("bias", bias.map_or(n, <[f32]>::len), n),
+    ];
+    match lengths.iter().find(|(_, got, want)| got != want) {
+        Some(&(operand, got, expected)) => Err(Error::OperandLength { operand, expected, got }),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
