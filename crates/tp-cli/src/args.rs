@@ -122,6 +122,10 @@ pub struct ServeArgs {
     /// runs beside it (slower small-batch decode).
     #[arg(long)]
     pub batch_invariant: bool,
+    /// Do not pack the host weights once for the GEMM (saves as much memory as the weights;
+    /// batched steps then repack them on every call).
+    #[arg(long)]
+    pub no_prepack_weights: bool,
 }
 
 /// What the engine is started with (read by `engine::start_engine` alone).
@@ -155,6 +159,8 @@ pub struct EngineArgs {
     pub max_waiting: usize,
     /// Batch-invariant host products.
     pub batch_invariant: bool,
+    /// Pack host weights once.
+    pub prepack_weights: bool,
 }
 
 /// What the HTTP server is started with.
@@ -254,6 +260,7 @@ impl ServeArgs {
             seed: self.seed,
             max_waiting: self.max_waiting_requests,
             batch_invariant: self.batch_invariant,
+            prepack_weights: !self.no_prepack_weights,
         };
         let server = ServerArgs {
             model_dir: self.model_dir,

@@ -47,6 +47,7 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     o.seed = args.seed;
     o.max_waiting = args.max_waiting;
     o.batch_invariant = args.batch_invariant;
+    o.prepack_weights = args.prepack_weights;
     let env = tp_comm::LaunchEnv::from_lookup(|k| match k {
         "RANK" => Some("0".into()),
         "WORLD_SIZE" => Some("1".into()),

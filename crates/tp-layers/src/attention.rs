@@ -136,6 +136,13 @@ fn next_id() -> u64 {
 }
 
 impl ParallelAttention {
+    /// Packs the q/k/v and output projections' host weights once
+    /// ([`Linear::pack_host`](crate::Linear::pack_host)).
+    pub fn pack_host(&mut self) -> Result<()> {
+        self.qkv.pack_host()?;
+        self.o_proj.pack_host()
+    }
+
     /// Assembles a layer from its projections (and q/k norm weights when the config has a q/k
     /// norm: `[head_dim]` per head, or this rank's slice of the full width); `o_proj` must hold
     /// the input features of the query heads `qkv` holds.

@@ -21,6 +21,13 @@ pub struct ColumnParallel {
 }
 
 impl ColumnParallel {
+    /// Packs the local weight once into the host GEMM's panels (host weights only; a no-op on a GPU
+    /// or when already packed), so that products of many rows (prefill, batched decode) stop
+    /// repacking it: the same numbers, bitwise, for as much memory again as the weight.
+    pub fn pack_host(&mut self) -> Result<()> {
+        self.linear.pack_host()
+    }
+
     /// Wraps a local shard for `group`'s rank: `linear` holds rows `shard.start()..shard.end()`
     /// of the full weight (and those entries of the bias); `shard` splits dim 0 over the group.
     pub fn new(linear: Linear, shard: TensorShard, group: &DeviceGroup) -> Result<ColumnParallel> {

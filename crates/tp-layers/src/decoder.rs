@@ -31,6 +31,9 @@ pub trait Block: std::fmt::Debug + Send + Sync {
     fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor>;
     /// An empty cache for this block on this rank, holding `capacity` positions at first.
     fn new_cache(&self, capacity: usize) -> Result<KvCache>;
+    /// Packs the block's host weights once for the host GEMM (see
+    /// [`Linear::pack_host`](crate::Linear::pack_host)); a no-op on a GPU.
+    fn pack_host(&mut self) -> Result<()>;
     /// `x: [T, H]`, the rows of a flat batch of several sequences' next tokens, to `[T, H]`
     /// (every rank the same), their keys and values written into the paged `cache`.
     fn forward_batch(&self, x: &Tensor, batch: &TokenBatch, cache: &mut PagedKvCache) -> Result<Tensor>;
@@ -188,6 +191,11 @@ impl Block for DecoderLayer {
 
     fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         self.self_attn.new_cache(capacity)
+    }
+
+    fn pack_host(&mut self) -> Result<()> {
+        self.self_attn.pack_host()?;
+        self.mlp.pack_host()
     }
 
     /// Two all-reduces for the whole batch (attention's and the MLP's).

@@ -1,7 +1,7 @@
 //! [`Linear`]: `y = x W^T + b`, weight `[out, in]` as PyTorch and Hugging Face store it.
 
 use crate::error::{LayerError, Result};
-use tp_core::{DType, Device, Tensor};
+use tp_core::{DType, Device, PackedWeight, Tensor};
 
 /// A dense layer: weight `W: [out, in]`, optional bias `b: [out]`; `forward(x) = x W^T + b` for
 /// `x: [.., in]`, bias fused into the GEMM.
@@ -9,6 +9,8 @@ use tp_core::{DType, Device, Tensor};
 pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
+    /// The weight packed for the host GEMM, once [`pack_host`](Self::pack_host) ran.
+    packed: Option<PackedWeight>,
 }
 
 impl Linear {
@@ -31,7 +33,7 @@ impl Linear {
                 )));
             }
         }
-        Ok(Linear { weight, bias })
+        Ok(Linear { weight, bias, packed: None })
     }
 
     /// `[out, in]`.
@@ -61,7 +63,18 @@ impl Linear {
 
     /// `x W^T + b` for `x: [.., in]`, giving `[.., out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.linear(&self.weight, self.bias.as_ref())?)
+        Ok(match &self.packed {
+            Some(p) => x.linear_packed(&self.weight, p, self.bias.as_ref())?,
+            None => x.linear(&self.weight, self.bias.as_ref())?,
+        })
+    }
+
+    /// Packs the weight once into the host GEMM's panels (host weights only; a no-op on a GPU
+    /// or when already packed), so that products of many rows (prefill, batched decode) stop
+    /// repacking it: the same numbers, bitwise, for as much memory again as the weight.
+    pub fn pack_host(&mut self) -> Result<()> {
+        self.packed = pack_host(&self.weight, self.packed.take())?;
+        Ok(())
     }
 
     /// The same layer with parameters converted to `dtype` and moved to `device`.
@@ -69,4 +82,12 @@ impl Linear {
         let conv = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(dtype)?.to_device(device)?) };
         Linear::new(conv(&self.weight)?, self.bias.as_ref().map(conv).transpose()?)
     }
+}
+
+/// `weight` packed for the host GEMM (kept if `have` holds it already); `None` off the host.
+pub(crate) fn pack_host(weight: &Tensor, have: Option<PackedWeight>) -> Result<Option<PackedWeight>> {
+    if have.is_some() || weight.device() != Device::Cpu {
+        return Ok(have);
+    }
+    Ok(Some(weight.pack_weight()?))
 }

@@ -30,6 +30,8 @@ pub struct ParallelLmHead {
     /// Final-logit soft-capping `c`, if any.
     softcap: Option<f32>,
     group: DeviceGroup,
+    /// `W_r` packed for the host GEMM, once [`pack_host`](Self::pack_host) ran.
+    packed: Option<tp_core::PackedWeight>,
 }
 
 impl ParallelLmHead {
@@ -43,7 +45,7 @@ impl ParallelLmHead {
             )));
         }
         check_placement(&shard, weight.device(), group)?;
-        Ok(ParallelLmHead { weight, shard, softcap: None, group: group.clone() })
+        Ok(ParallelLmHead { weight, shard, softcap: None, group: group.clone(), packed: None })
     }
 
     /// `group`'s rank's rows of a full `[V, H]` weight (moved to the group's device).
@@ -67,6 +69,7 @@ impl ParallelLmHead {
             shard: *embedding.shard(),
             softcap: None,
             group: embedding.group().clone(),
+            packed: None,
         }
     }
 
@@ -92,10 +95,21 @@ impl ParallelLmHead {
         &self.weight
     }
 
+    /// Packs the weight once into the host GEMM's panels (host weights only; a no-op on a GPU
+    /// or when already packed), so that products of many rows (prefill, batched decode) stop
+    /// repacking it: the same numbers, bitwise, for as much memory again as the weight.
+    pub fn pack_host(&mut self) -> Result<()> {
+        self.packed = crate::linear::pack_host(&self.weight, self.packed.take())?;
+        Ok(())
+    }
+
     /// `L_r = h W_r^T: [.., V_r]` (soft-capped where the head caps), this rank's columns of
     /// the logits. No communication.
     pub fn forward_local(&self, h: &Tensor) -> Result<Tensor> {
-        let l = h.matmul_t(&self.weight)?;
+        let l = match &self.packed {
+            Some(p) => h.linear_packed(&self.weight, p, None)?,
+            None => h.matmul_t(&self.weight)?,
+        };
         Ok(match self.softcap {
             Some(c) => l.softcap(c)?,
             None => l,

@@ -22,6 +22,13 @@ pub struct MergedColumnParallel {
 }
 
 impl MergedColumnParallel {
+    /// Packs the local weight once into the host GEMM's panels (host weights only; a no-op on a GPU
+    /// or when already packed), so that products of many rows (prefill, batched decode) stop
+    /// repacking it: the same numbers, bitwise, for as much memory again as the weight.
+    pub fn pack_host(&mut self) -> Result<()> {
+        self.linear.pack_host()
+    }
+
     /// Wraps a local stacked layer whose row blocks are `shards` (each over dim 0 of its part).
     pub fn new(linear: Linear, shards: Vec<TensorShard>, group: &DeviceGroup) -> Result<MergedColumnParallel> {
         let rows: usize = shards.iter().map(|s| s.len()).sum();

@@ -41,6 +41,12 @@ pub struct ParallelMlp {
 }
 
 impl ParallelMlp {
+    /// Packs both projections' host weights once ([`Linear::pack_host`](crate::Linear::pack_host)).
+    pub fn pack_host(&mut self) -> Result<()> {
+        self.gate_up.pack_host()?;
+        self.down.pack_host()
+    }
+
     /// `group`'s rank's part of full layers `gate`, `up` (`[I, H]`) and `down` (`[H, I]`).
     pub fn from_full(
         gate: &Linear,

@@ -149,6 +149,13 @@ pub struct QkvParallel {
 }
 
 impl QkvParallel {
+    /// Packs the local weight once into the host GEMM's panels (host weights only; a no-op on a GPU
+    /// or when already packed), so that products of many rows (prefill, batched decode) stop
+    /// repacking it: the same numbers, bitwise, for as much memory again as the weight.
+    pub fn pack_host(&mut self) -> Result<()> {
+        self.linear.pack_host()
+    }
+
     /// Rank `layout.rank`'s heads of full projections `q: [heads*hd, H]`, `k`, `v:
     /// [kv_heads*hd, H]`.
     pub fn from_full(q: &Linear, k: &Linear, v: &Linear, layout: QkvLayout) -> Result<QkvParallel> {

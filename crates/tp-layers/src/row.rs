@@ -25,6 +25,8 @@ pub struct RowParallel {
     bias: Option<Tensor>,
     shard: TensorShard,
     group: DeviceGroup,
+    /// `A_r` packed for the host GEMM, once [`pack_host`](Self::pack_host) ran.
+    packed: Option<tp_core::PackedWeight>,
 }
 
 impl RowParallel {
@@ -52,7 +54,7 @@ impl RowParallel {
             )));
         }
         check_placement(&shard, weight.device(), group)?;
-        Ok(RowParallel { weight, bias, shard, group: group.clone() })
+        Ok(RowParallel { weight, bias, shard, group: group.clone(), packed: None })
     }
 
     /// `group`'s rank's balanced columns of a full `[out, in]` weight (and the full bias),
@@ -137,7 +139,18 @@ impl RowParallel {
 
     /// `X_r A_r^T`: this rank's partial product, before any communication.
     pub fn forward_partial(&self, x_local: &Tensor) -> Result<Tensor> {
-        Ok(x_local.matmul_t(&self.weight)?)
+        Ok(match &self.packed {
+            Some(p) => x_local.linear_packed(&self.weight, p, None)?,
+            None => x_local.matmul_t(&self.weight)?,
+        })
+    }
+
+    /// Packs the weight once into the host GEMM's panels (host weights only; a no-op on a GPU
+    /// or when already packed), so that products of many rows (prefill, batched decode) stop
+    /// repacking it: the same numbers, bitwise, for as much memory again as the weight.
+    pub fn pack_host(&mut self) -> Result<()> {
+        self.packed = crate::linear::pack_host(&self.weight, self.packed.take())?;
+        Ok(())
     }
 
     /// `Y = Σ_r X_r A_r^T + b` from this rank's input block `x_local: [.., in_r]`.

@@ -224,6 +224,18 @@ impl ParallelCausalLm {
         self.caches.first().map_or(0, KvCache::limit)
     }
 
+    /// Packs every host weight of the blocks and the LM head once into the host GEMM's panels
+    /// (a no-op on a GPU): products of many rows (prefill, batched decode) then stop repacking
+    /// the weights on every call, with bitwise the same results, for as much memory again as
+    /// the weights. Few-row products (single-sequence decode) read the weights as stored.
+    pub fn pack_host_weights(&mut self) -> Result<()> {
+        for layer in &mut self.layers {
+            layer.pack_host()?;
+        }
+        self.lm_head.pack_host()?;
+        Ok(())
+    }
+
     /// Forgets the current sequence.
     pub fn reset(&mut self) {
         self.caches.iter_mut().for_each(KvCache::reset);

@@ -23,6 +23,22 @@ pub enum WeightLayout {
 
 const OP: &str = "matmul";
 
+/// A host `[N, K]` weight packed once into the GEMM's panels ([`Tensor::pack_weight`]); cheap to
+/// clone (shared).
+#[derive(Debug, Clone)]
+pub struct PackedWeight {
+    inner: std::sync::Arc<tp_cpu::PackedWeight>,
+    dtype: DType,
+    dims: [usize; 2],
+}
+
+impl PackedWeight {
+    /// Bytes of the packed panels.
+    pub fn bytes(&self) -> usize {
+        self.inner.bytes()
+    }
+}
+
 impl Tensor {
     /// `y = x W^T` for `x: [.., M, K]`, `w: [N, K]`; `y: [.., M, N]`.
     pub fn matmul_t(&self, w: &Tensor) -> Result<Tensor> {
@@ -43,6 +59,54 @@ impl Tensor {
     /// The general form behind [`matmul`](Self::matmul), [`matmul_t`](Self::matmul_t) and
     /// [`linear`](Self::linear).
     pub fn matmul_layout(&self, w: &Tensor, layout: WeightLayout, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.matmul_with(w, layout, bias, None)
+    }
+
+    /// `y = x W^T + b` ([`linear`](Self::linear)) with `packed`, the form
+    /// [`pack_weight`](Self::pack_weight) made of this very `w`: on the host, products of more
+    /// rows than the decode path takes read W's panels from it instead of packing W again (the
+    /// same numbers, bitwise); elsewhere (a CUDA `x`, few rows) it is `linear`.
+    ///
+    /// Errors: as `linear`; `packed` made from a weight of another dtype or shape.
+    pub fn linear_packed(&self, w: &Tensor, packed: &PackedWeight, bias: Option<&Tensor>) -> Result<Tensor> {
+        if packed.dtype != w.dtype() || packed.dims != w.dims() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: format!(
+                    "the packed weight is {:?} {}, the weight {:?} {}",
+                    packed.dims,
+                    packed.dtype,
+                    w.dims(),
+                    w.dtype()
+                ),
+            });
+        }
+        self.matmul_with(w, WeightLayout::Nk, bias, Some(packed))
+    }
+
+    /// This `[N, K]` host weight packed once into the host GEMM's panels, for
+    /// [`linear_packed`](Self::linear_packed) (as much memory again as the weight).
+    ///
+    /// Errors: a CUDA tensor, an integer dtype, not 2-D, or memory that cannot be had.
+    pub fn pack_weight(&self) -> Result<PackedWeight> {
+        const PACK: &str = "pack_weight";
+        self.require_float()?;
+        let &[n, k] = self.dims() else {
+            return Err(Error::RankMismatch { op: PACK, expected: "2 (weight [N, K])", dims: self.dims().to_vec() });
+        };
+        let s = self.cpu_storage(PACK)?;
+        let inner =
+            with_dtype!(s.dtype(), T => tp_cpu::PackedWeight::new(s.as_slice::<T>().unwrap_or_default(), n, k)?);
+        Ok(PackedWeight { inner: std::sync::Arc::new(inner), dtype: self.dtype(), dims: [n, k] })
+    }
+
+    fn matmul_with(
+        &self,
+        w: &Tensor,
+        layout: WeightLayout,
+        bias: Option<&Tensor>,
+        packed: Option<&PackedWeight>,
+    ) -> Result<Tensor> {
         self.require_float()?;
         super::same_dtype_device(OP, self, w)?;
         let mismatch = |why| Error::ShapeMismatch { op: OP, lhs: self.dims().to_vec(), rhs: w.dims().to_vec(), why };
@@ -100,7 +164,7 @@ impl Tensor {
             let b = b_s.map(|b| b.as_slice::<T>().unwrap_or_default());
             let x = x_s.as_slice::<T>().unwrap_or_default();
             let w = w_s.as_slice::<T>().unwrap_or_default();
-            CpuStorage::from_vec(host_matmul::<T>(x, w, b, tp_cpu::GemmShape { m, n, k }, layout)?)
+            CpuStorage::from_vec(host_matmul::<T>(x, w, b, tp_cpu::GemmShape { m, n, k }, layout, packed)?)
         });
         Ok(Tensor::from_cpu(out_shape, out))
     }
@@ -132,6 +196,7 @@ fn host_matmul<T: Element>(
     bias: Option<&[T]>,
     shape: tp_cpu::GemmShape,
     layout: WeightLayout,
+    packed: Option<&PackedWeight>,
 ) -> Result<Vec<T>> {
     let tp_cpu::GemmShape { m, n, k } = shape;
     let bias = bias.map(widen).transpose()?;
@@ -148,8 +213,12 @@ fn host_matmul<T: Element>(
         WeightLayout::Nk => tp_cpu::Layout::Nk,
         WeightLayout::Kn => tp_cpu::Layout::Kn,
     };
-    tp_cpu::matmul(x, w, layout, bias.as_deref(), shape, &mut y.spare_capacity_mut()[..m * n])?;
-    // SAFETY: `tp_cpu::matmul` succeeded, so it wrote every one of the `m * n` elements (its
+    let out = &mut y.spare_capacity_mut()[..m * n];
+    match packed {
+        Some(p) if layout == tp_cpu::Layout::Nk => tp_cpu::matmul_packed(x, w, &p.inner, bias.as_deref(), shape, out)?,
+        _ => tp_cpu::matmul(x, w, layout, bias.as_deref(), shape, out)?,
+    }
+    // SAFETY: `tp_cpu::matmul` (or `matmul_packed`, the same contract) succeeded, so it wrote every one of the `m * n` elements (its
     // contract): the first `m * n` are initialised.
     unsafe { y.set_len(m * n) };
     narrow_output(y)

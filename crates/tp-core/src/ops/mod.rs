@@ -15,7 +15,7 @@ mod tokens;
 
 pub use attention::{AttentionSpec, KvGroups};
 pub use elementwise::Activation;
-pub use matmul::WeightLayout;
+pub use matmul::{PackedWeight, WeightLayout};
 pub use norm::NormStyle;
 pub use paged::{PagedAttentionSpec, PagedSeq};
 pub use rope::{RopeScaling, RotaryEmbedding};
