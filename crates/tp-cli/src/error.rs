@@ -21,6 +21,9 @@ pub enum CliError {
     /// Listening or serving failed.
     #[error("{0}")]
     Io(String),
+    /// The running engine failed (a rank died or hung) or did not stop in time.
+    #[error("{0}")]
+    Stopped(String),
 }
 
 /// One request's failure, as OpenAI reports it.

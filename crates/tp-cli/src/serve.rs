@@ -41,7 +41,9 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
     tracing::info!("serving {} on http://{addr}", args.served_model_name);
     // The line tests and scripts wait for.
     eprintln!("tp serve: listening on http://{addr}");
-    rt.block_on(async {
+    // Why the engine stopped by itself, if it did (set by the watcher below).
+    let failed = Arc::new(std::sync::Mutex::new(None::<String>));
+    let served = rt.block_on(async {
         let (stop_tx, mut stop_rx) = watch::channel(false);
         let mut graceful = stop_rx.clone();
         let app = router(state.clone());
@@ -52,7 +54,6 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
                 })
                 .into_future(),
         );
-        let failed = Arc::new(std::sync::Mutex::new(None::<String>));
         let stop_on_signal = stop_tx.clone();
         tokio::spawn(async move {
             let why = signal().await;
@@ -83,7 +84,10 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
             _ = stop_rx.wait_for(|s| *s) => {}
         }
         handle.begin_shutdown();
-        if tokio::time::timeout(args.shutdown_timeout, &mut server).await.is_err() {
+        // After an engine failure every request has already failed: drain briefly.
+        let engine_failed = failed.lock().map(|f| f.is_some()).unwrap_or(true);
+        let drain = if engine_failed { ABORT_GRACE.min(args.shutdown_timeout) } else { args.shutdown_timeout };
+        if tokio::time::timeout(drain, &mut server).await.is_err() {
             let left = state.inflight();
             tracing::warn!("{} requests still running at the shutdown deadline: aborting them", left.len());
             for id in left {
@@ -94,12 +98,22 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
             }
         }
         match failed.lock().ok().and_then(|f| f.clone()) {
-            Some(why) => Err(CliError::Engine(why)),
+            Some(why) => Err(CliError::Stopped(why)),
             None => Ok(()),
         }
-    })?;
+    });
+    // The engine failed (its ranks may still hang), whichever way the server loop ended: leave
+    // without waiting for the ranks, and for the runtime's tasks at most a second.
+    if let Some(why) = failed.lock().ok().and_then(|f| f.clone()) {
+        rt.shutdown_timeout(Duration::from_secs(1));
+        return Err(CliError::Stopped(why));
+    }
+    if let Err(e) = served {
+        rt.shutdown_timeout(Duration::from_secs(1));
+        return Err(e);
+    }
     drop(state);
-    (started.join)(Instant::now() + ENGINE_STOP).map_err(CliError::Engine)?;
+    (started.join)(Instant::now() + ENGINE_STOP).map_err(CliError::Stopped)?;
     rt.shutdown_timeout(Duration::from_secs(1));
     tracing::info!("stopped");
     Ok(())
