@@ -7,7 +7,8 @@
 //!   concurrency rows is against concurrency 1 (the goal: 16 sequences >= 8x one).
 //! * Poisson arrivals: 32 requests arriving at random (exponential gaps) at a rate near the
 //!   engine's capacity.
-//! * A 16-sequence decode step beside its GEMMs alone (each projection at M = 16, timed bare).
+//! * A 16-sequence decode step beside its GEMMs alone (each projection at M = 16 on a weight
+//!   packed once, as the engine packs them, timed bare).
 //! * Chunked prefill: 8 decoding requests while a long prompt is admitted in chunks of
 //!   `CHUNK` tokens: the decodes' p99 gap between tokens over their median.
 //! * transformers' batched `generate` (batch 16, the same prompts and lengths, greedy, same
@@ -271,14 +272,16 @@ fn gemms_alone_ms(c: &tp_models::ModelConfig, m: usize) -> Result<f64> {
     Ok((layer * c.num_hidden_layers as f64 + time_matmul(m, c.vocab_size, h)?) * 1e3)
 }
 
+/// One bare product's best time, on a weight packed once as the engine packs its weights.
 fn time_matmul(m: usize, n: usize, k: usize) -> Result<f64> {
     let x = Tensor::rand(&[m, k], DType::BF16, 1, &Device::Cpu)?;
     let w = Tensor::rand(&[n, k], DType::BF16, 2, &Device::Cpu)?;
-    std::hint::black_box(x.matmul_t(&w)?);
+    let packed = w.pack_weight()?;
+    std::hint::black_box(x.linear_packed(&w, &packed, None)?);
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let start = Instant::now();
-        std::hint::black_box(x.matmul_t(&w)?);
+        std::hint::black_box(x.linear_packed(&w, &packed, None)?);
         best = best.min(start.elapsed().as_secs_f64());
     }
     Ok(best)
