@@ -58,12 +58,12 @@ impl PagedAttentionSpec {
 
 /// The checked sizes of one call.
 #[derive(Debug, Clone, Copy)]
-struct Geometry {
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    block_size: usize,
-    groups: KvGroups,
+pub(super) struct Geometry {
+    pub(super) hq: usize,
+    pub(super) hkv: usize,
+    pub(super) d: usize,
+    pub(super) block_size: usize,
+    pub(super) groups: KvGroups,
 }
 
 impl Tensor {
@@ -88,7 +88,7 @@ impl Tensor {
         const OP: &str = "paged_attention";
         let (geo, row_seq) = check_paged(self, k_cache, v_cache, seqs, spec)?;
         if matches!(self.storage(), Storage::Cuda(_)) {
-            return super::paged_cuda::paged_attention_cuda(self, k_cache, v_cache, seqs, spec);
+            return super::paged_cuda::paged_attention_cuda(self, k_cache, v_cache, seqs, spec, geo);
         }
         let (qs, ks, vs) = (self.cpu_storage(OP)?, k_cache.cpu_storage(OP)?, v_cache.cpu_storage(OP)?);
         let out = with_dtype!(qs.dtype(), E => {
@@ -152,7 +152,7 @@ impl Tensor {
             return Err(Error::InvalidArgument { op: OP, why: format!("slot {} is written by two rows", w[0]) });
         }
         if matches!(self.storage(), Storage::Cuda(_)) {
-            return super::paged_cuda::write_slots_cuda(self, src, slots);
+            return super::paged_cuda::write_slots_cuda(self, src, slots, [nb, bs, h, d]);
         }
         let row = h * d;
         let from = src.cpu_storage(OP)?;
