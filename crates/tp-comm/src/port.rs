@@ -3,6 +3,7 @@
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
+use tp_core::rng::SplitMix64;
 
 /// Lowest port tried: below it lie well-known and registered services.
 const LOWEST: u16 = 10_000;
@@ -41,9 +42,10 @@ pub fn free_local_port() -> Option<u16> {
     }
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     let call = CALLS.fetch_add(1, Ordering::Relaxed);
-    let mut state = nanos ^ (u64::from(std::process::id()) << 32) ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut rng =
+        SplitMix64::new(nanos ^ (u64::from(std::process::id()) << 32) ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     for _ in 0..256 {
-        let i = splitmix64(&mut state) % allowed;
+        let i = rng.next_u64() % allowed;
         let port = if i < below { LOWEST as u64 + i } else { u64::from(eph_hi.max(LOWEST - 1)) + 1 + (i - below) };
         let port = port as u16;
         if TcpListener::bind(("127.0.0.1", port)).is_ok() {
@@ -51,15 +53,6 @@ pub fn free_local_port() -> Option<u16> {
         }
     }
     None
-}
-
-/// One step of SplitMix64: a well-mixed 64-bit value from a counter state.
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use crate::scheduler::Scheduler;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tp_core::rng::SplitMix64;
 
 /// What rank 0 keeps of a request besides the shared sampling state.
 struct Live {
@@ -43,8 +44,8 @@ pub(crate) struct Leader {
     pub stats: Arc<SharedStats>,
     pub eos: Vec<i64>,
     pub max_model_len: usize,
-    /// Draws seeds for requests without their own.
-    pub seeds: u64,
+    /// Draws seeds for requests without their own (SplitMix64 over the engine's seed).
+    pub seeds: SplitMix64,
     /// The longest rank 0 stays silent: other ranks wait in a broadcast with a deadline.
     pub heartbeat: Duration,
     step_delay: Duration,
@@ -70,7 +71,7 @@ impl Leader {
             stats,
             eos,
             max_model_len,
-            seeds: seed,
+            seeds: SplitMix64::new(seed),
             heartbeat,
             step_delay,
             live: HashMap::new(),
@@ -202,7 +203,7 @@ impl Leader {
                     sink.send(Event::Failed(e.to_string()));
                     return;
                 }
-                let seed = request.params.seed.unwrap_or_else(|| self.next_seed());
+                let seed = request.params.seed.unwrap_or_else(|| self.seeds.next_u64());
                 self.totals.prompt_tokens += request.prompt.len() as u64;
                 self.pending_new.push(NewSeq {
                     id,
@@ -214,15 +215,6 @@ impl Leader {
             }
             Command::Abort(id) => self.end(id, FinishReason::Abort),
         }
-    }
-
-    /// SplitMix64 over the engine's seed: a fresh seed per request without one.
-    fn next_seed(&mut self) -> u64 {
-        self.seeds = self.seeds.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.seeds;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
     }
 
     /// Sends a sampled token and ends the request if it should.

@@ -1,13 +1,11 @@
 //! The sampling noise: a uniform number per `(seed, step, id)` from a counter-based hash, so
 //! any rank can compute any id's noise without drawing the others'.
 
-/// SplitMix64's output function (Steele, Lea & Flood 2014) on `z + golden gamma`: a bijection of
-/// 64-bit words that mixes every input bit into every output bit.
+/// SplitMix64's first output from state `z` (Steele, Lea & Flood 2014): its output function on
+/// `z + golden gamma`, a bijection of 64-bit words that mixes every input bit into every output
+/// bit.
 fn mix(z: u64) -> u64 {
-    let mut z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    tp_core::rng::SplitMix64::new(z).next_u64()
 }
 
 /// The uniform number of id `id` for the token `step` of a request seeded `seed`: one of the
