@@ -48,13 +48,8 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     o.max_waiting = args.max_waiting;
     o.batch_invariant = args.batch_invariant;
     o.prepack_weights = args.prepack_weights;
-    let env = tp_comm::LaunchEnv::from_lookup(|k| match k {
-        "RANK" => Some("0".into()),
-        "WORLD_SIZE" => Some("1".into()),
-        k => std::env::var(k).ok(),
-    })
-    .map_err(|e| CliError::Engine(e.to_string()))?;
-    o.timeout = env.timeout;
+    o.timeout = tp_comm::LaunchEnv::timeout_from_lookup(|k| std::env::var(k).ok())
+        .map_err(|e| CliError::Engine(e.to_string()))?;
     // For tests that need requests to stay open: a pause after each engine step.
     if let Some(ms) = std::env::var("TP_DEBUG_STEP_DELAY_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()) {
         o.step_delay = std::time::Duration::from_millis(ms.min(10_000));

@@ -32,6 +32,11 @@ fn every_tp_degree_answers_as_tp_1() {
 
 /// Runs `tp serve` to its exit (60 s at most): (status, stderr).
 fn run_to_exit(args: &[&str]) -> (Option<i32>, String, Duration) {
+    run_to_exit_with(args, &[("TP_TIMEOUT_SECS", "20")])
+}
+
+/// `run_to_exit` with the environment variables `env`.
+fn run_to_exit_with(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, Duration) {
     let dir = model_dir();
     let start = Instant::now();
     let mut child = Command::new(env!("CARGO_BIN_EXE_tp"))
@@ -39,7 +44,7 @@ fn run_to_exit(args: &[&str]) -> (Option<i32>, String, Duration) {
         .arg(&dir)
         .args(["--port", "0"])
         .args(args)
-        .env("TP_TIMEOUT_SECS", "20")
+        .envs(env.iter().copied())
         .env_remove("RANK")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -80,4 +85,13 @@ fn the_nccl_backend_refuses_the_cpu_and_fails_cleanly_without_a_gpu() {
 /// Whether this machine has a CUDA device (then the failure case does not apply).
 fn tp_kernels_available() -> bool {
     std::path::Path::new("/dev/nvidia0").exists()
+}
+
+#[test]
+fn bad_engine_variables_are_refused_by_name() {
+    for (var, value) in [("TP_TIMEOUT_SECS", "0"), ("TP_TIMEOUT_SECS", "soon"), ("TP_DEBUG_FAULT", "one:two")] {
+        let (code, err, _) = run_to_exit_with(&[], &[(var, value)]);
+        assert_eq!(code, Some(1), "{var}={value}: {err}");
+        assert!(err.contains(var), "{var}={value}: {err}");
+    }
 }

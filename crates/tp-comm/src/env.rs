@@ -101,8 +101,18 @@ impl LaunchEnv {
         if master_port == 0 {
             return Err(CommError::Env("MASTER_PORT=0 is not a port (1..=65535)".into()));
         }
+        let timeout = Self::timeout_from_lookup(&get)?;
+        Ok(LaunchEnv { rank, world_size, local_rank, master_addr, master_port, timeout })
+    }
+
+    /// `TP_TIMEOUT_SECS` through `get` alone (for jobs whose ranks are threads, which need no
+    /// other variable): [`DEFAULT_TIMEOUT_SECS`] when unset; `1..=`[`MAX_TIMEOUT_SECS`], else a
+    /// [`CommError::Env`] naming the variable.
+    pub fn timeout_from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Duration> {
         let secs: u64 = match get("TP_TIMEOUT_SECS") {
-            Some(v) => parse("TP_TIMEOUT_SECS", &v)?,
+            Some(v) => v.trim().parse().map_err(|_| {
+                CommError::Env(format!("TP_TIMEOUT_SECS=\"{}\" is not a valid number", peer_text(v.as_bytes())))
+            })?,
             None => DEFAULT_TIMEOUT_SECS,
         };
         if secs == 0 {
@@ -113,7 +123,7 @@ impl LaunchEnv {
                 "TP_TIMEOUT_SECS={secs} exceeds the maximum of {MAX_TIMEOUT_SECS} (7 days)"
             )));
         }
-        Ok(LaunchEnv { rank, world_size, local_rank, master_addr, master_port, timeout: Duration::from_secs(secs) })
+        Ok(Duration::from_secs(secs))
     }
 
     /// `MASTER_ADDR:MASTER_PORT` as a socket address string (an IPv6 address in brackets).
