@@ -186,18 +186,23 @@ fn decode_bytes(c: &tp_models::ModelConfig, dtype: DType) -> f64 {
     (params * dtype.size_in_bytes()) as f64
 }
 
+/// `(N, K)` of one decoder layer's four products (`[N, K]` weights): the fused QKV, the output
+/// projection, the merged gate/up and the down projection.
+pub fn layer_products(c: &tp_models::ModelConfig) -> [(usize, usize); 4] {
+    let (h, i, q, kv) =
+        (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+    [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+}
+
 /// Tokens/s of a `t`-token prefill if only its GEMMs ran: one layer's four products timed on
 /// `device` (fused QKV, o, merged gate/up, down), times the layers, plus the LM head on the
 /// last token.
 fn gemm_alone_prefill_tps(c: &tp_models::ModelConfig, t: usize, dtype: DType, device: Device) -> Result<f64> {
-    let (h, i, q, kv) =
-        (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
-    let shapes = [(t, q + 2 * kv, h), (t, h, q), (t, 2 * i, h), (t, h, i)];
     let mut layer = 0.0;
-    for (m, n, k) in shapes {
-        layer += time_matmul(m, n, k, dtype, device)?;
+    for (n, k) in layer_products(c) {
+        layer += time_matmul(t, n, k, dtype, device)?;
     }
-    let head = time_matmul(1, c.vocab_size, h, dtype, device)?;
+    let head = time_matmul(1, c.vocab_size, c.hidden_size, dtype, device)?;
     Ok(t as f64 / (layer * c.num_hidden_layers as f64 + head))
 }
 

@@ -263,13 +263,11 @@ fn chunked_prefill_row(dir: &Path, vocab: usize, max_pos: usize) -> Result<Row> 
 /// Milliseconds of one step's GEMMs alone at `m` tokens: every layer's four products and the
 /// LM head, timed bare.
 fn gemms_alone_ms(c: &tp_models::ModelConfig, m: usize) -> Result<f64> {
-    let (h, i, q, kv) =
-        (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
     let mut layer = 0.0;
-    for (n, k) in [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] {
+    for (n, k) in crate::model::layer_products(c) {
         layer += time_matmul(m, n, k)?;
     }
-    Ok((layer * c.num_hidden_layers as f64 + time_matmul(m, c.vocab_size, h)?) * 1e3)
+    Ok((layer * c.num_hidden_layers as f64 + time_matmul(m, c.vocab_size, c.hidden_size)?) * 1e3)
 }
 
 /// One bare product's best time, on a weight packed once as the engine packs its weights.

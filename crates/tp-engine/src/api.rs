@@ -183,7 +183,6 @@ pub enum Command {
 #[derive(Debug, Default)]
 pub struct SharedStats {
     stats: Mutex<Stats>,
-    waiting: AtomicUsize,
     stopped: Mutex<Option<String>>,
     stopping: AtomicBool,
 }
@@ -191,7 +190,6 @@ pub struct SharedStats {
 impl SharedStats {
     /// Publishes the engine's current figures.
     pub fn publish(&self, s: Stats) {
-        self.waiting.store(s.waiting, Ordering::Relaxed);
         if let Ok(mut g) = self.stats.lock() {
             *g = s;
         }
@@ -293,7 +291,7 @@ impl EngineHandle {
         if self.stats.stopping() {
             return Err(SubmitError::Stopped("the server is shutting down".into()));
         }
-        let queued = self.stats.waiting.load(Ordering::Relaxed) + self.in_channel.load(Ordering::Relaxed);
+        let queued = self.stats().waiting + self.in_channel.load(Ordering::Relaxed);
         if queued >= self.limits.max_waiting {
             return Err(SubmitError::QueueFull(queued));
         }

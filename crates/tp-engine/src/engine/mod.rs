@@ -315,7 +315,7 @@ fn rank_main(
         Ok(b) => b,
         Err(e) => return fail(e, &group),
     };
-    let caches = match rank::caches_for(&model, num_blocks, opts.block_size) {
+    let caches = match model.new_paged_caches(num_blocks, opts.block_size).map_err(EngineError::from) {
         Ok(c) => c,
         Err(e) => return fail(e, &group),
     };

@@ -156,12 +156,3 @@ impl RankWorker {
 
 /// Longest step message accepted (words): far beyond any real step, short of a memory hazard.
 const MAX_MESSAGE_WORDS: usize = 1 << 26;
-
-/// Builds a rank's caches: `num_blocks` blocks of `block_size` positions for every layer.
-pub(crate) fn caches_for(
-    model: &ParallelCausalLm,
-    num_blocks: usize,
-    block_size: usize,
-) -> Result<Vec<PagedKvCache>, EngineError> {
-    Ok(model.new_paged_caches(num_blocks, block_size)?)
-}
