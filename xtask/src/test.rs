@@ -34,13 +34,15 @@ pub fn run(args: &[String]) -> Result<()> {
         &cargo,
         &["clippy", "--workspace", "--all-targets", "--features", FEATURES, "--locked", "--", "-D", "warnings"],
     )?;
-    // The official `openai` client for tp serve's client test (pinned, under target/).
-    let openai = ensure_openai()?;
+    // Python packages the tests run as references (pinned, under target/): the official
+    // `openai` client for tp serve's client test; `gguf` (llama.cpp's Python package, with
+    // numpy) writes the GGUF files the reader and model tests open and dequantizes their blocks.
+    let python = [ensure_pip(OPENAI, "openai", "tp serve's client test")?, ensure_pip(GGUF, "gguf", "the GGUF tests")?];
     let (passed, failed, ok) = cargo_test(
         &cargo,
         &["test", "--workspace", "--locked", "--features", "tp-comm/nccl-tests"],
         &nccl_lib,
-        &openai,
+        &python,
     )?;
     println!("\ntests: {passed} passed, {failed} failed");
     if !ok || failed > 0 {
@@ -59,36 +61,39 @@ const FEATURES: &str = "tp-core/gpu-tests,tp-comm/gpu-tests,tp-comm/nccl-tests,t
 /// The `openai` package the server's client test runs (with its dependencies).
 const OPENAI: &str = "openai==3.60.0";
 
-/// The pinned `openai` package, installed from PyPI into `target/openai-<version>/` the first
-/// time; the folder to put on `PYTHONPATH`.
-fn ensure_openai() -> Result<std::path::PathBuf> {
-    let dir = crate::workspace_root().join(format!("target/openai-{}", OPENAI.trim_start_matches("openai==")));
-    if dir.join("openai/__init__.py").exists() {
+/// The `gguf` package the GGUF tests run (with its dependencies, numpy among them).
+const GGUF: &str = "gguf==0.19.0";
+
+/// The pinned package `spec` (`name==version`, importable as `module`), installed from PyPI
+/// into `target/<name>-<version>/` the first time; the folder to put on `PYTHONPATH`.
+fn ensure_pip(spec: &str, module: &str, why: &str) -> Result<std::path::PathBuf> {
+    let dir = crate::workspace_root().join(format!("target/{}", spec.replace("==", "-")));
+    if dir.join(module).join("__init__.py").exists() {
         return Ok(dir);
     }
-    println!("\n==> installing {OPENAI} from PyPI into {} (tp serve's client test)", dir.display());
+    println!("\n==> installing {spec} from PyPI into {} ({why})", dir.display());
     let status = std::process::Command::new("python3")
         .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
         .arg(&dir)
-        .arg(OPENAI)
+        .arg(spec)
         .status()
         .context("cannot run python3 -m pip")?;
     if !status.success() {
-        bail!("pip could not install {OPENAI} ({status})");
+        bail!("pip could not install {spec} ({status})");
     }
     Ok(dir)
 }
 
-/// Runs `cargo test` with `TP_NCCL_LIB` set and `openai` on `PYTHONPATH`, echoing its output,
-/// and sums the `test result:` lines.
+/// Runs `cargo test` with `TP_NCCL_LIB` set and the `python` folders on `PYTHONPATH`, echoing
+/// its output, and sums the `test result:` lines.
 fn cargo_test(
     cargo: &str,
     args: &[&str],
     nccl_lib: &std::path::Path,
-    openai: &std::path::Path,
+    python: &[std::path::PathBuf],
 ) -> Result<(u64, u64, bool)> {
     println!("\n==> TP_NCCL_LIB={} {cargo} {}", nccl_lib.display(), args.join(" "));
-    let mut paths = vec![openai.to_path_buf()];
+    let mut paths = python.to_vec();
     paths.extend(
         std::env::var_os("PYTHONPATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
     );
