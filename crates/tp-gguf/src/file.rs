@@ -34,8 +34,9 @@ pub struct GgufFile {
 }
 
 impl GgufFile {
-    /// The largest file opened: 4 TiB, past any single GGUF file published (larger models come
-    /// split into several files). A larger file is [`GgufError::FileTooLarge`] before it is mapped.
+    /// The largest file opened: 4 TiB, well above the files models are published in (large models
+    /// come split into several files). A larger file is [`GgufError::FileTooLarge`] before it is
+    /// mapped.
     pub const MAX_FILE_BYTES: u64 = 1 << 42;
 
     /// The most dimensions a tensor may have (`GGML_MAX_DIMS`).

@@ -49,13 +49,13 @@ pub(crate) fn bytes_text(bytes: &[u8]) -> String {
 pub(crate) fn path_text(path: &Path) -> String {
     let text = String::from_utf8_lossy(path.as_os_str().as_encoded_bytes());
     let quoted = quote(&text);
-    // `quote` wraps the (cut) text in quotes and escapes `"` and `\` within; a path reads better
-    // bare, with only the characters that need it escaped.
+    // `quote` wraps the (cut) text in quotes and escapes `"` within; a path reads better without
+    // them (a backslash stays doubled, so `\n` in a message is always a newline).
     let (body, tail) = match quoted.rfind('"') {
         Some(end) => (&quoted[1..end], &quoted[end + 1..]),
         None => (quoted.as_str(), ""),
     };
-    format!("{}{tail}", body.replace("\\\"", "\"").replace("\\\\", "\\"))
+    format!("{}{tail}", body.replace("\\\"", "\""))
 }
 
 #[cfg(test)]
@@ -84,7 +84,7 @@ mod tests {
 
     #[test]
     fn paths_are_escaped_without_quotes() {
-        assert_eq!(path_text(Path::new("/tmp/a\nb\"c\\d")), "/tmp/a\\nb\"c\\d");
+        assert_eq!(path_text(Path::new("/tmp/a\nb\"c\\d")), "/tmp/a\\nb\"c\\\\d");
         let long = format!("/{}", "p".repeat(5000));
         let t = path_text(Path::new(&long));
         assert!(t.starts_with("/ppp") && t.ends_with("… (5001 bytes in all)"), "{t}");
