@@ -132,6 +132,16 @@ impl QuantType {
         }
         (elems / self.block_elems()).checked_mul(self.block_bytes())
     }
+
+    /// Whether the type is one of the K-quants (256-element super-blocks, Q8_K activations).
+    pub(crate) const fn is_k_quant(self) -> bool {
+        matches!(self, QuantType::Q2K | QuantType::Q3K | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K)
+    }
+
+    /// Whether the type is a plain float format.
+    pub(crate) const fn is_float(self) -> bool {
+        matches!(self, QuantType::F32 | QuantType::F16 | QuantType::BF16)
+    }
 }
 
 impl std::fmt::Display for QuantType {
