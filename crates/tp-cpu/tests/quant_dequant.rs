@@ -6,8 +6,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use tp_cpu::Error;
 use tp_cpu::quant::{QuantType, dequantize};
+use tp_cpu::{CpuKernel, Error, with_kernel};
 
 /// Reads `jobs.txt` in the folder given as its argument: `deq NAME TYPE` dequantizes `NAME.bin`
 /// into `NAME.out` (f32); `quant NAME TYPE` quantizes the f32 `NAME.f32` into `NAME.q` and
@@ -114,20 +114,23 @@ fn read_f32(path: &Path) -> Vec<f32> {
     bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
-/// Ours against gguf's output, bit for bit.
+/// Ours against gguf's output, bit for bit, on every kernel family (the portable and the
+/// vectorised builds of the conversion).
 fn compare(t: QuantType, what: &str, raw: &[u8], want: &[f32]) {
-    let mut got = vec![f32::NAN; raw.len() / t.block_bytes() * t.block_elems()];
-    dequantize(t, raw, &mut got).unwrap();
-    assert_eq!(got.len(), want.len(), "{t} {what}: element count");
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits()) {
-        let block = i / t.block_elems();
-        panic!(
-            "{t} {what}: element {i} (block {block}) is {} ({:#x}), gguf says {} ({:#x})",
-            got[i],
-            got[i].to_bits(),
-            want[i],
-            want[i].to_bits()
-        );
+    for kernel in CpuKernel::available() {
+        let mut got = vec![f32::NAN; raw.len() / t.block_bytes() * t.block_elems()];
+        with_kernel(kernel, || dequantize(t, raw, &mut got)).unwrap().unwrap();
+        assert_eq!(got.len(), want.len(), "{t} {what}: element count");
+        if let Some(i) = got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits()) {
+            let block = i / t.block_elems();
+            panic!(
+                "{t} {what} ({kernel}): element {i} (block {block}) is {} ({:#x}), gguf says {} ({:#x})",
+                got[i],
+                got[i].to_bits(),
+                want[i],
+                want[i].to_bits()
+            );
+        }
     }
 }
 

@@ -93,16 +93,12 @@ pub fn quant_matmul(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m:
     if m >= GEMM_MIN_M || batch_invariant() {
         gemm_tiles(kernel, shape, w, x, y);
     } else if t.is_float() {
-        stream(shape, w, y, &|rows_w, out| float_rows(kernel, shape, rows_w, x, out));
+        stream(shape, y, &|j, out| float_row(kernel, shape, &w[j * row_bytes..][..row_bytes], x, out));
     } else {
         let qx = QuantX::new(x, m, k, if t.is_k_quant() { 256 } else { 32 });
         let xs: Vec<XRow<'_>> = (0..m).map(|i| qx.row(i)).collect();
         let isa = kernel.int8_isa();
-        stream(shape, w, y, &|rows_w, out| {
-            for (row, out) in rows_w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(m)) {
-                row_dots(isa, t, row, &xs, out);
-            }
-        });
+        stream(shape, y, &|j, out| row_dots(isa, t, &w[j * row_bytes..][..row_bytes], &xs, out));
     }
     Ok(())
 }
@@ -145,40 +141,46 @@ impl Out {
     }
 }
 
-/// Runs `dots(w_rows, out)` over groups of whole weight rows (`out[r * m + i]` receives row `r`
-/// of the group against activation row `i`), on the pool when the product is large enough, and
-/// scatters each group's results into the columns of `y`.
-fn stream(s: Shape, w: &[u8], y: &mut [f32], dots: &(dyn Fn(&[u8], &mut [f32]) + Sync)) {
+/// Runs `dots(j, out)` for every weight row `j` (`out[i]` receives its product with row `i` of
+/// `x`, `m < GEMM_MIN_M` of them) in tasks of consecutive rows, on the pool when the product is
+/// large enough, and writes the results into column `j` of `y`.
+fn stream(s: Shape, y: &mut [f32], dots: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+    assert!(s.m < GEMM_MIN_M && y.len() == s.m * s.rows, "stream: operands");
     let threads = pool::num_threads();
     let per_task = (TASK_BYTES / s.row_bytes).clamp(1, s.rows.div_ceil(4 * threads).max(1));
     let tasks = s.rows.div_ceil(per_task);
     let out = Out(y.as_mut_ptr());
     let task = |task: usize| {
-        let j0 = task * per_task;
-        let n = per_task.min(s.rows - j0);
-        let mut tile = vec![0f32; n * s.m];
-        dots(&w[j0 * s.row_bytes..(j0 + n) * s.row_bytes], &mut tile);
-        for (r, vals) in tile.chunks_exact(s.m).enumerate() {
+        let mut vals = [0f32; GEMM_MIN_M];
+        let vals = &mut vals[..s.m];
+        for j in task * per_task..((task + 1) * per_task).min(s.rows) {
+            dots(j, vals);
             for (i, &v) in vals.iter().enumerate() {
-                // SAFETY: (i, j0 + r) is inside `y` (`i < m`, `j0 + r < rows`) and column
-                // `j0 + r` belongs to this task alone.
-                unsafe { *out.get().add(i * s.rows + j0 + r) = v };
+                // SAFETY: (i, j) is inside `y` (`i < m`, `j < rows`, checked above) and column
+                // `j` belongs to this task alone.
+                unsafe { *out.get().add(i * s.rows + j) = v };
             }
         }
     };
-    if tasks == 1 || w.len().saturating_mul(s.m) < PARALLEL_MIN_BYTES {
+    if tasks == 1 || (s.rows * s.row_bytes).saturating_mul(s.m) < PARALLEL_MIN_BYTES {
         (0..tasks).for_each(task);
     } else {
         pool::run(tasks, &task);
     }
 }
 
-/// `F32` / `F16` / `BF16` weight rows: each widened into a buffer, then dotted with the rows of
-/// `x` in `f32` (`out[r * m + i]`).
-fn float_rows(kernel: CpuKernel, s: Shape, w: &[u8], x: &[f32], out: &mut [f32]) {
-    let mut wide = vec![0f32; s.k];
-    for (row, out) in w.chunks_exact(s.row_bytes).zip(out.chunks_exact_mut(s.m)) {
-        dequantize_unchecked(s.t, row, &mut wide);
+thread_local! {
+    /// A weight row widened to `f32` (the float types' streaming path), kept between calls.
+    static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// An `F32` / `F16` / `BF16` weight row: widened into a buffer, then dotted with every row of `x`
+/// in `f32`.
+fn float_row(kernel: CpuKernel, s: Shape, w: &[u8], x: &[f32], out: &mut [f32]) {
+    WIDE.with(|wide| {
+        let mut wide = wide.borrow_mut();
+        wide.resize(s.k, 0.0);
+        dequantize_unchecked(s.t, w, &mut wide);
         for (o, xi) in out.iter_mut().zip(x.chunks_exact(s.k)) {
             *o = match kernel.f32_isa() {
                 // SAFETY: `f32_isa` returns `Avx2` or `Avx512` only where the CPU has AVX2 and FMA.
@@ -187,7 +189,7 @@ fn float_rows(kernel: CpuKernel, s: Shape, w: &[u8], x: &[f32], out: &mut [f32])
                 _ => dot_f32(&wide, xi),
             };
         }
-    }
+    });
 }
 
 /// `Σ a_l b_l` in 16 `f32` lanes (vectorises), then summed pairwise.
