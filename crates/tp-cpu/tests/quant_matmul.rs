@@ -246,3 +246,25 @@ fn a_non_finite_activation_poisons_its_row_only() {
         }
     }
 }
+
+/// On a batch-invariant thread every `m` runs the dequantize-and-GEMM path, so a row of `x` gets
+/// the same bits alone and among others.
+#[test]
+fn batch_invariant_products_give_each_row_the_same_bits() {
+    let mut rng = Rng(11);
+    let (rows, k) = (40, 512);
+    for t in [QuantType::Q4_0, QuantType::Q6K] {
+        let w = weight(t, rows, k, &mut rng);
+        let x: Vec<f32> = (0..20 * k).map(|_| rng.unit()).collect();
+        tp_cpu::set_batch_invariant(true);
+        let mut alone = vec![0f32; rows];
+        quant_matmul(t, &w, rows, k, &x[..k], 1, &mut alone).unwrap();
+        for m in [2, 5, 20] {
+            let mut y = vec![0f32; m * rows];
+            quant_matmul(t, &w, rows, k, &x[..m * k], m, &mut y).unwrap();
+            let same = y[..rows].iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{t} m {m}");
+        }
+        tp_cpu::set_batch_invariant(false);
+    }
+}

@@ -24,7 +24,9 @@ use std::mem::MaybeUninit;
 
 /// Rows of `x` from which the dequantize-and-GEMM path runs.
 const GEMM_MIN_M: usize = 16;
-/// Weight rows per GEMM tile (at least; more with more threads, 64 per thread).
+/// Bytes of a dequantized GEMM tile, and its rows: at most `GEMM_TILE_ROWS` (each tile packs `x`
+/// again; 256 rows make that a small part), at least 64 per thread.
+const GEMM_TILE_BYTES: usize = 4 << 20;
 const GEMM_TILE_ROWS: usize = 256;
 /// Weight bytes per task of the streaming paths.
 const TASK_BYTES: usize = 48 << 10;
@@ -234,7 +236,7 @@ thread_local! {
 /// The GEMM path: tiles of weight rows dequantized to `f32` (in parallel), each multiplied by `x`
 /// with the packed GEMM (parallel inside) into a `[m, tile]` buffer, copied into `y`'s columns.
 fn gemm_tiles(kernel: CpuKernel, s: Shape, w: &[u8], x: &[f32], y: &mut [f32]) {
-    let tile_rows = GEMM_TILE_ROWS.max(64 * pool::num_threads()).min(s.rows);
+    let tile_rows = (GEMM_TILE_BYTES / (4 * s.k)).min(GEMM_TILE_ROWS).max(64 * pool::num_threads()).min(s.rows);
     let micro = Micro::choose(kernel, FloatKind::F32);
     let mut tile = TILE.with(|t| std::mem::take(&mut *t.borrow_mut()));
     tile.resize(tile_rows * s.k, 0.0);
