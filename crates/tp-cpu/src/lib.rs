@@ -16,17 +16,24 @@
 //!   many times (decode steps against the same model weights) without packing it on each call,
 //!   bitwise the same as [`matmul()`].
 //! * [`num_threads`] and [`par_rows`]: the persistent thread pool (`pool`) every kernel runs on.
+//! * [`quant`]: weights in llama.cpp's ggml block formats ([`quant::QuantType`]: Q4_0 .. Q8_0,
+//!   Q2_K .. Q6_K, and the float types): [`quant::dequantize`], bit-exact with ggml, and
+//!   [`quant::quant_matmul`]: for decode, `x` quantized once to 8-bit blocks (Q8_0 / Q8_K) and
+//!   each weight row streamed once through integer dot products (AVX512-VNNI `vpdpbusd`, AVX2
+//!   `vpmaddubsw`, or portable); for prefill, tiles of the weight dequantized to `f32` for the
+//!   packed GEMM.
 //!
-//! Every `unsafe` here is SIMD (`std::arch` intrinsics behind run-time feature checks), inline
-//! assembly (AMX, the `arch_prctl` system call), or raw pointers handed to the pool's tasks for
-//! disjoint parts of one output; each block states its conditions in a `SAFETY` comment.
+//! Every `unsafe` here is SIMD (`std::arch` intrinsics behind run-time feature checks, with the
+//! raw block reads of the quantized kernels after their length checks), inline assembly (AMX, the
+//! `arch_prctl` system call), or raw pointers handed to the pool's tasks for disjoint parts of
+//! one output; each block states its conditions in a `SAFETY` comment.
 //!
 //! Module dependencies, acyclic (besides the leaves `element`, `error` and `shape`, which any
 //! module may use): `matmul` → `gemm`, `gemv`, `dispatch`, `packed`; `packed` → `gemm`,
 //! `dispatch`; `gemm` → `amx`, `pack`, `ukernel`, `pool`, `dispatch`, `tiles`; `gemv` →
 //! `dispatch`, `pool`; `pack` → `dispatch`; `amx` → `amx_model`, `tiles`; `amx_model` →
-//! `tiles`; `dispatch` → `features`, `tiles`; `features`, `tiles`, `pool` and `ukernel` use no
-//! other module.
+//! `tiles`; `dispatch` → `features`, `tiles`; `quant` → `gemm`, `matmul` (the batch-invariant
+//! setting), `dispatch`, `pool`; `features`, `tiles`, `pool` and `ukernel` use no other module.
 
 mod amx;
 mod amx_model;
@@ -40,6 +47,7 @@ mod matmul;
 mod pack;
 mod packed;
 mod pool;
+pub mod quant;
 mod shape;
 mod tiles;
 mod ukernel;
