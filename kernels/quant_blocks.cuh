@@ -17,8 +17,9 @@
 // at each unit function below.
 //
 // Arithmetic: each value is computed with the operations, operand order and f32 roundings of
-// ggml's dequantize_row_* (explicit __fmul_rn / __fadd_rn / __fsub_rn, so nvcc cannot contract
-// a multiply and an add into an FMA): the results are bit-exact with ggml's CPU dequantization.
+// ggml's dequantize_row_* (mul_rn / add_rn / sub_rn: __fmul_rn and friends on the device, so
+// nvcc cannot contract a multiply and an add into an FMA): the results are bit-exact with
+// ggml's CPU dequantization.
 //
 // Alignment: every block size and every field offset is even, and rows are whole blocks, so a
 // block stored anywhere in a 2-byte aligned buffer may be read with 16-bit loads; most blocks
@@ -29,9 +30,23 @@
 // legacy blocks, 32 for the 256-element K-quants). Consecutive units read consecutive bytes of
 // the quants, so a warp's loads coalesce.
 #pragma once
-#include <cuda_fp16.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+
+// Host + device: nvcc compiles these functions into the kernels; the host C++ compiler compiles
+// them into crates/tp-kernels/host/quant_blocks.cpp (built with -ffp-contract=off, so its float
+// operations round one at a time as __fmul_rn and friends do), whose exported copy the CPU
+// tests check against independent references. The device path uses the intrinsics, the host
+// path plain C++ (__CUDA_ARCH__ is defined only while nvcc compiles device code).
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#define TP_QHD __host__ __device__ __forceinline__
+#define TP_UNROLL _Pragma("unroll")
+#else
+#define TP_QHD inline
+#define TP_UNROLL
+#endif
 
 namespace tp {
 namespace quant {
@@ -44,18 +59,77 @@ struct Unit {
 };
 
 // Read-only loads from 2-byte aligned addresses.
-__device__ __forceinline__ uint32_t ld_u8(const uint8_t* p) { return __ldg(p); }
-__device__ __forceinline__ uint32_t ld_u16(const uint8_t* p) {
+TP_QHD uint32_t ld_u8(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+    return __ldg(p);
+#else
+    return *p;
+#endif
+}
+TP_QHD uint32_t ld_u16(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
     return __ldg(reinterpret_cast<const unsigned short*>(p));
+#else
+    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8);  // little-endian
+#endif
 }
 // A little-endian u32 at a 2-byte aligned address, as two 16-bit loads.
-__device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) { return ld_u16(p) | (ld_u16(p + 2) << 16); }
+TP_QHD uint32_t ld_u32(const uint8_t* p) { return ld_u16(p) | (ld_u16(p + 2) << 16); }
+
 // The binary16 at a 2-byte aligned address, widened to f32 (exact).
-__device__ __forceinline__ float ld_half(const uint8_t* p) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(ld_u16(p))));
+TP_QHD float ld_half(const uint8_t* p) {
+    const uint32_t h = ld_u16(p);
+#if defined(__CUDA_ARCH__)
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+#else
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0 && man == 0) {
+        bits = sign;
+    } else if (exp == 0) {  // subnormal: man * 2^-24, renormalised
+        int e = -1;
+        uint32_t m = man;
+        do {
+            m <<= 1;
+            ++e;
+        } while ((m & 0x400u) == 0);
+        bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (m & 0x3FFu) << 13;
+    } else if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | man << 13;
+    } else {
+        bits = sign | (exp + 127 - 15) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
 }
+
+// f32 operations rounded one at a time (never contracted into an FMA), as ggml's C computes.
+TP_QHD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+TP_QHD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+TP_QHD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fsub_rn(a, b);
+#else
+    return a - b;
+#endif
+}
+
 // Byte i (0..3) of a u32.
-__device__ __forceinline__ uint32_t byte_of(uint32_t v, int i) { return (v >> (8 * i)) & 0xFFu; }
+TP_QHD uint32_t byte_of(uint32_t v, int i) { return (v >> (8 * i)) & 0xFFu; }
 
 // ---- legacy formats: 32 elements, 4 units of 8 (unit u: elements 4u..4u+3 and 16+4u..16+4u+3,
 // from qs[4u..4u+3]; Q8_0: elements 8u..8u+7) ----
@@ -64,14 +138,14 @@ struct BlockQ4_0 {
     static constexpr int ID = 2, ELEMS = 32, BYTES = 18, UNITS = 4;
     uint8_t d[2];
     uint8_t qs[16];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const float dv = ld_half(d);
         const uint32_t q = ld_u32(qs + 4 * u);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int i = 0; i < 4; ++i) {
-            r.w[i] = __fmul_rn(static_cast<float>(static_cast<int>(byte_of(q, i) & 0xF) - 8), dv);
-            r.w[4 + i] = __fmul_rn(static_cast<float>(static_cast<int>(byte_of(q, i) >> 4) - 8), dv);
+            r.w[i] = mul_rn(static_cast<float>(static_cast<int>(byte_of(q, i) & 0xF) - 8), dv);
+            r.w[4 + i] = mul_rn(static_cast<float>(static_cast<int>(byte_of(q, i) >> 4) - 8), dv);
         }
         r.e0 = 4 * u;
         r.e1 = 16 + 4 * u;
@@ -83,14 +157,14 @@ struct BlockQ4_1 {
     static constexpr int ID = 3, ELEMS = 32, BYTES = 20, UNITS = 4;
     uint8_t d[2], m[2];
     uint8_t qs[16];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const float dv = ld_half(d), mv = ld_half(m);
         const uint32_t q = ld_u32(qs + 4 * u);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int i = 0; i < 4; ++i) {
-            r.w[i] = __fadd_rn(__fmul_rn(static_cast<float>(byte_of(q, i) & 0xF), dv), mv);
-            r.w[4 + i] = __fadd_rn(__fmul_rn(static_cast<float>(byte_of(q, i) >> 4), dv), mv);
+            r.w[i] = add_rn(mul_rn(static_cast<float>(byte_of(q, i) & 0xF), dv), mv);
+            r.w[4 + i] = add_rn(mul_rn(static_cast<float>(byte_of(q, i) >> 4), dv), mv);
         }
         r.e0 = 4 * u;
         r.e1 = 16 + 4 * u;
@@ -103,17 +177,17 @@ struct BlockQ5_0 {
     uint8_t d[2];
     uint8_t qh[4];
     uint8_t qs[16];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const float dv = ld_half(d);
         const uint32_t h = ld_u32(qh), q = ld_u32(qs + 4 * u);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int i = 0; i < 4; ++i) {
             const int j = 4 * u + i;
             const int lo = static_cast<int>((byte_of(q, i) & 0xF) | (((h >> j) & 1u) << 4)) - 16;
             const int hi = static_cast<int>((byte_of(q, i) >> 4) | (((h >> (j + 16)) & 1u) << 4)) - 16;
-            r.w[i] = __fmul_rn(static_cast<float>(lo), dv);
-            r.w[4 + i] = __fmul_rn(static_cast<float>(hi), dv);
+            r.w[i] = mul_rn(static_cast<float>(lo), dv);
+            r.w[4 + i] = mul_rn(static_cast<float>(hi), dv);
         }
         r.e0 = 4 * u;
         r.e1 = 16 + 4 * u;
@@ -126,17 +200,17 @@ struct BlockQ5_1 {
     uint8_t d[2], m[2];
     uint8_t qh[4];
     uint8_t qs[16];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const float dv = ld_half(d), mv = ld_half(m);
         const uint32_t h = ld_u32(qh), q = ld_u32(qs + 4 * u);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int i = 0; i < 4; ++i) {
             const int j = 4 * u + i;
             const uint32_t lo = (byte_of(q, i) & 0xF) | (((h >> j) & 1u) << 4);
             const uint32_t hi = (byte_of(q, i) >> 4) | (((h >> (j + 16)) & 1u) << 4);
-            r.w[i] = __fadd_rn(__fmul_rn(static_cast<float>(lo), dv), mv);
-            r.w[4 + i] = __fadd_rn(__fmul_rn(static_cast<float>(hi), dv), mv);
+            r.w[i] = add_rn(mul_rn(static_cast<float>(lo), dv), mv);
+            r.w[4 + i] = add_rn(mul_rn(static_cast<float>(hi), dv), mv);
         }
         r.e0 = 4 * u;
         r.e1 = 16 + 4 * u;
@@ -148,15 +222,15 @@ struct BlockQ8_0 {
     static constexpr int ID = 8, ELEMS = 32, BYTES = 34, UNITS = 4;
     uint8_t d[2];
     int8_t qs[32];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const float dv = ld_half(d);
         const uint8_t* p = reinterpret_cast<const uint8_t*>(qs) + 8 * u;
         const uint32_t q0 = ld_u32(p), q1 = ld_u32(p + 4);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int i = 0; i < 4; ++i) {
-            r.w[i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(byte_of(q0, i))), dv);
-            r.w[4 + i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(byte_of(q1, i))), dv);
+            r.w[i] = mul_rn(static_cast<float>(static_cast<int8_t>(byte_of(q0, i))), dv);
+            r.w[4 + i] = mul_rn(static_cast<float>(static_cast<int8_t>(byte_of(q1, i))), dv);
         }
         r.e0 = 8 * u;
         r.e1 = 8 * u + 4;
@@ -174,21 +248,21 @@ struct BlockQ2_K {
     uint8_t scales[16];
     uint8_t qs[64];
     uint8_t d[2], dmin[2];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const int n = u >> 4, p = (u >> 3) & 1, t = u & 7;
         const float dv = ld_half(d), mv = ld_half(dmin);
         const uint32_t q = ld_u32(qs + 32 * n + 4 * t);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int run = 0; run < 2; ++run) {
             const int j = 2 * p + run;
             const uint32_t sc = ld_u8(scales + 8 * n + 2 * j + t / 4);
-            const float dl = __fmul_rn(dv, static_cast<float>(sc & 0xF));
-            const float ml = __fmul_rn(mv, static_cast<float>(sc >> 4));
-#pragma unroll
+            const float dl = mul_rn(dv, static_cast<float>(sc & 0xF));
+            const float ml = mul_rn(mv, static_cast<float>(sc >> 4));
+TP_UNROLL
             for (int i = 0; i < 4; ++i) {
                 const uint32_t v = (byte_of(q, i) >> (2 * j)) & 3u;
-                r.w[4 * run + i] = __fsub_rn(__fmul_rn(dl, static_cast<float>(v)), ml);
+                r.w[4 * run + i] = sub_rn(mul_rn(dl, static_cast<float>(v)), ml);
             }
         }
         r.e0 = 128 * n + 64 * p + 4 * t;
@@ -207,23 +281,23 @@ struct BlockQ3_K {
     uint8_t qs[64];
     uint8_t scales[12];
     uint8_t d[2];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const int n = u >> 4, p = (u >> 3) & 1, t = u & 7;
         const float dv = ld_half(d);
         const uint32_t q = ld_u32(qs + 32 * n + 4 * t), h = ld_u32(hmask + 4 * t);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int run = 0; run < 2; ++run) {
             const int j = 2 * p + run;
             const int s = 8 * n + 2 * j + t / 4;
             const uint32_t low = (ld_u8(scales + (s & 7)) >> (s < 8 ? 0 : 4)) & 0xF;
             const uint32_t high = (ld_u8(scales + 8 + (s & 3)) >> (2 * (s >> 2))) & 3u;
-            const float dl = __fmul_rn(dv, static_cast<float>(static_cast<int>(low | (high << 4)) - 32));
-#pragma unroll
+            const float dl = mul_rn(dv, static_cast<float>(static_cast<int>(low | (high << 4)) - 32));
+TP_UNROLL
             for (int i = 0; i < 4; ++i) {
                 const int v = static_cast<int>((byte_of(q, i) >> (2 * j)) & 3u) -
                               (((byte_of(h, i) >> (4 * n + j)) & 1u) ? 0 : 4);
-                r.w[4 * run + i] = __fmul_rn(dl, static_cast<float>(v));
+                r.w[4 * run + i] = mul_rn(dl, static_cast<float>(v));
             }
         }
         r.e0 = 128 * n + 64 * p + 4 * t;
@@ -236,7 +310,7 @@ struct BlockQ3_K {
 // get_scale_min_k4): pairs 0..3 are the low 6 bits of bytes s and s + 4; pairs 4..7 take their
 // low 4 bits from byte s + 4 (scale: low nibble, min: high nibble) and their high 2 bits from the
 // top bits of bytes s - 4 (scale) and s (min).
-__device__ __forceinline__ void scale_min_k4(const uint8_t* sc, int s, uint32_t& scale, uint32_t& min) {
+TP_QHD void scale_min_k4(const uint8_t* sc, int s, uint32_t& scale, uint32_t& min) {
     if (s < 4) {
         scale = ld_u8(sc + s) & 63;
         min = ld_u8(sc + s + 4) & 63;
@@ -255,20 +329,20 @@ struct BlockQ4_K {
     uint8_t d[2], dmin[2];
     uint8_t scales[12];
     uint8_t qs[128];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const int c = u >> 3, t = u & 7;
         const float dv = ld_half(d), mv = ld_half(dmin);
         const uint32_t q = ld_u32(qs + 32 * c + 4 * t);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int half = 0; half < 2; ++half) {
             uint32_t sc, mn;
             scale_min_k4(scales, 2 * c + half, sc, mn);
-            const float dl = __fmul_rn(dv, static_cast<float>(sc)), ml = __fmul_rn(mv, static_cast<float>(mn));
-#pragma unroll
+            const float dl = mul_rn(dv, static_cast<float>(sc)), ml = mul_rn(mv, static_cast<float>(mn));
+TP_UNROLL
             for (int i = 0; i < 4; ++i) {
                 const uint32_t v = (byte_of(q, i) >> (4 * half)) & 0xF;
-                r.w[4 * half + i] = __fsub_rn(__fmul_rn(dl, static_cast<float>(v)), ml);
+                r.w[4 * half + i] = sub_rn(mul_rn(dl, static_cast<float>(v)), ml);
             }
         }
         r.e0 = 64 * c + 4 * t;
@@ -284,21 +358,21 @@ struct BlockQ5_K {
     uint8_t scales[12];
     uint8_t qh[32];
     uint8_t qs[128];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const int c = u >> 3, t = u & 7;
         const float dv = ld_half(d), mv = ld_half(dmin);
         const uint32_t q = ld_u32(qs + 32 * c + 4 * t), h = ld_u32(qh + 4 * t);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int half = 0; half < 2; ++half) {
             uint32_t sc, mn;
             scale_min_k4(scales, 2 * c + half, sc, mn);
-            const float dl = __fmul_rn(dv, static_cast<float>(sc)), ml = __fmul_rn(mv, static_cast<float>(mn));
-#pragma unroll
+            const float dl = mul_rn(dv, static_cast<float>(sc)), ml = mul_rn(mv, static_cast<float>(mn));
+TP_UNROLL
             for (int i = 0; i < 4; ++i) {
                 const uint32_t v =
                     ((byte_of(q, i) >> (4 * half)) & 0xF) | (((byte_of(h, i) >> (2 * c + half)) & 1u) << 4);
-                r.w[4 * half + i] = __fsub_rn(__fmul_rn(dl, static_cast<float>(v)), ml);
+                r.w[4 * half + i] = sub_rn(mul_rn(dl, static_cast<float>(v)), ml);
             }
         }
         r.e0 = 64 * c + 4 * t;
@@ -317,21 +391,21 @@ struct BlockQ6_K {
     uint8_t qh[64];
     int8_t scales[16];
     uint8_t d[2];
-    __device__ __forceinline__ Unit unit(int u) const {
+    TP_QHD Unit unit(int u) const {
         const int n = u >> 4, p = (u >> 3) & 1, t = u & 7;
         const float dv = ld_half(d);
         const uint32_t q = ld_u32(ql + 64 * n + 32 * p + 4 * t), h = ld_u32(qh + 32 * n + 4 * t);
         const uint8_t* sc = reinterpret_cast<const uint8_t*>(scales);
         Unit r;
-#pragma unroll
+TP_UNROLL
         for (int run = 0; run < 2; ++run) {
             const int g = p + 2 * run;
             const int s = static_cast<int8_t>(ld_u8(sc + 8 * n + 2 * g + t / 4));
-            const float dl = __fmul_rn(dv, static_cast<float>(s));
-#pragma unroll
+            const float dl = mul_rn(dv, static_cast<float>(s));
+TP_UNROLL
             for (int i = 0; i < 4; ++i) {
                 const uint32_t v = ((byte_of(q, i) >> (4 * run)) & 0xF) | (((byte_of(h, i) >> (2 * g)) & 3u) << 4);
-                r.w[4 * run + i] = __fmul_rn(dl, static_cast<float>(static_cast<int>(v) - 32));
+                r.w[4 * run + i] = mul_rn(dl, static_cast<float>(static_cast<int>(v) - 32));
             }
         }
         r.e0 = 128 * n + 32 * p + 4 * t;

@@ -13,13 +13,15 @@
 //! [`KernelError::CudaUnavailable`] (cudarc itself would panic); when the build had no nvcc,
 //! [`MODULES`] is empty and every launch returns [`KernelError::NotCompiled`].
 //!
-//! [`host_index`] is the kernels' index arithmetic compiled for the host, for CPU tests.
+//! [`host_index`] is the kernels' index arithmetic and [`host_quant`] their block dequantization,
+//! compiled for the host, for CPU tests.
 
 pub mod consts;
 mod elem;
 mod error;
 mod gpu;
 pub mod host_index;
+pub mod host_quant;
 mod kernels;
 mod launch;
 mod limits;
