@@ -8,6 +8,10 @@
 //! widens to `f32` and runs the AVX-512 `f32` kernel). [`CpuKernel::AmxEmulated`] is the AMX
 //! path driven through a software model of the tile instructions; it is never chosen
 //! automatically and exists so that machines without AMX test the AMX code's tiling.
+//!
+//! The integer dot products of quantized weights ([`crate::quant`]) map onto the same ladder:
+//! AVX512-VNNI from the AVX-512 rung up (where the CPU has VNNI; else AVX2), AVX2 on the AVX2
+//! rung, plain Rust on the portable one.
 
 use crate::element::FloatKind;
 use crate::error::Error;
@@ -126,6 +130,17 @@ impl CpuKernel {
         self.base().rung() >= 3
     }
 
+    /// The integer kernels of quantized products ([`crate::quant`]): AVX512-VNNI from the AVX-512
+    /// rung up where the CPU has it, else AVX2 from the AVX2 rung up, else portable.
+    pub(crate) fn int8_isa(self) -> Int8Isa {
+        match self.base().rung() {
+            0 => Int8Isa::Portable,
+            1 => Int8Isa::Avx2,
+            _ if features().avx512vnni => Int8Isa::Avx512Vnni,
+            _ => Int8Isa::Avx2,
+        }
+    }
+
     /// Which tile engine runs products of `kind`, if any.
     pub(crate) fn tiles_for(self, kind: FloatKind) -> Option<Tiles> {
         match (self, kind) {
@@ -159,6 +174,17 @@ pub(crate) enum Isa {
     Portable,
     Avx2,
     Avx512,
+}
+
+/// The instruction set of the integer (8-bit) dot products of quantized weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Int8Isa {
+    /// Plain Rust.
+    Portable,
+    /// AVX2: `vpmaddubsw` + `vpmaddwd`.
+    Avx2,
+    /// AVX512-VNNI (256-bit forms): `vpdpbusd`, `vpdpwssd`.
+    Avx512Vnni,
 }
 
 thread_local! {

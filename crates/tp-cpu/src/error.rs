@@ -38,6 +38,36 @@ pub enum Error {
         wanted: (FloatKind, usize, usize),
     },
 
+    /// A length is not a whole number of blocks of a quantized type ([`crate::quant`]).
+    #[error("{ty}: {operand} has {len} {unit}, not a whole number of {block}-{unit} blocks")]
+    NotWholeBlocks {
+        /// The quantized type's ggml name (`Q4_0`, `Q6_K`, ...).
+        ty: &'static str,
+        /// `src`, `k`, ...
+        operand: &'static str,
+        /// The length given.
+        len: usize,
+        /// The type's block, in `unit`s.
+        block: usize,
+        /// `bytes` or `elements`.
+        unit: &'static str,
+    },
+
+    /// A buffer of a quantized product or dequantization ([`crate::quant`]) has the wrong length.
+    #[error("{ty}: {operand} holds {got} {unit}, the shape needs {expected}")]
+    QuantLength {
+        /// The quantized type's ggml name.
+        ty: &'static str,
+        /// `w`, `dst`, ...
+        operand: &'static str,
+        /// `bytes` or `elements`.
+        unit: &'static str,
+        /// What the shape calls for.
+        expected: usize,
+        /// What was given.
+        got: usize,
+    },
+
     /// `m * k`, `n * k` or `m * n` does not fit in `usize`.
     #[error("host matmul: shape m {m}, n {n}, k {k} overflows usize")]
     ShapeOverflow {

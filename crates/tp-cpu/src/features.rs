@@ -1,6 +1,6 @@
 //! What the CPU and the OS offer the kernels, detected once: AVX2/FMA/F16C, AVX-512 (F, BW, VL,
-//! DQ), AVX512-BF16, and Intel AMX (CPUID, the OS's tile state in XCR0, and Linux's permission to
-//! use it, requested here).
+//! DQ), AVX512-BF16, AVX512-VNNI, and Intel AMX (CPUID, the OS's tile state in XCR0, and Linux's
+//! permission to use it, requested here).
 
 use std::sync::OnceLock;
 
@@ -10,6 +10,8 @@ pub(crate) struct Features {
     pub(crate) avx2: bool,
     pub(crate) avx512: bool,
     pub(crate) avx512bf16: bool,
+    /// AVX512-VNNI (`vpdpbusd`, `vpdpwssd`), with AVX-512 F/BW/VL.
+    pub(crate) avx512vnni: bool,
     /// AMX-TILE + AMX-BF16 per CPUID, OS state enabled and permission granted.
     pub(crate) amx_bf16: bool,
     /// AMX-BF16 per CPUID alone (to explain a refused permission).
@@ -30,11 +32,13 @@ fn detect() -> Features {
     let avx2 = has!("avx2") && has!("fma") && has!("f16c");
     let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq");
     let avx512bf16 = avx512 && has!("avx512bf16");
+    let avx512vnni = avx512 && has!("avx512vnni");
     let amx = detect_amx();
     Features {
         avx2,
         avx512,
         avx512bf16,
+        avx512vnni,
         amx_bf16: amx.usable,
         amx_bf16_cpu: amx.cpu_bf16,
         amx_fp16: amx.usable && amx.cpu_fp16,

@@ -40,6 +40,7 @@ mod matmul;
 mod pack;
 mod packed;
 mod pool;
+pub mod quant;
 mod shape;
 mod tiles;
 mod ukernel;

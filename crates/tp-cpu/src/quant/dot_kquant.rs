@@ -1,0 +1,290 @@
+//! x86 dot products of the K-quants (Q2_K .. Q6_K; super-blocks of 256) with Q8_K activations.
+//!
+//! Each 32-element slice of a super-block is unpacked to unsigned codes `u` and multiplied by
+//! its activation codes with [`Dot::dot_scaled`], which also applies the 16-bit group scales (one
+//! per 32 elements for Q4_K / Q5_K, two per 32 for the others), so a whole super-block sums in
+//! `i32` lanes. The codes' offsets (32 for Q6_K, 4 for Q3_K) are taken out in integers with the
+//! activations' sums per 16 (`bsums`), `Σ_g sc_g offset Σ_{e in g} q_x`; the mins of Q2_K, Q4_K
+//! and Q5_K likewise give `Σ_g mn_g Σ_{e in g} q_x`, scaled in `f32` by `dmin dx`:
+//!
+//! `Σ w x = d dx (Σ_g sc_g Σ u q_x - offset Σ_g sc_g Σ q_x) - dmin dx Σ_g mn_g Σ q_x`.
+//!
+//! The super-block is unpacked once and dotted with every activation row. Two integer
+//! accumulators per row alternate, so that `vpdpwssd`'s latency does not serialise one row.
+
+use super::act::XRow;
+use super::blocks::{
+    K4_SCALES, Q2K_D, Q2K_DMIN, Q2K_QS, Q3K_D, Q3K_QS, Q3K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES,
+    k4_scales_mins, q3k_scales,
+};
+use super::simd::{Dot, f16_at, hsum, load, load_x, word_pick};
+use std::arch::x86_64::*;
+
+/// What one super-block gives each activation row: the `i32` lanes of `Σ_g sc_g Σ w_int q_x`
+/// (offsets removed), the lanes of `Σ_g mn_g Σ q_x` (types with mins), `d` and `dmin`.
+pub(crate) struct Sums<const M: usize> {
+    int: [__m256i; M],
+    min: [__m256i; M],
+    d: f32,
+    dmin: f32,
+}
+
+/// One K-quant type.
+pub(crate) trait KQuant {
+    /// Bytes per super-block.
+    const BYTES: usize;
+    /// Whether the type has mins (Q2_K, Q4_K, Q5_K).
+    const HAS_MIN: bool;
+
+    /// The sums of the super-block at `p` with the activation codes at `xq[i]` (256) and their
+    /// 16 sums at `bs[i]`.
+    ///
+    /// # Safety
+    /// `p` must point at a whole super-block, `xq[i]` at 256 codes, `bs[i]` at 16 sums; the CPU
+    /// must have `D`'s instructions and AVX2, FMA, F16C.
+    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M>;
+}
+
+/// The 16 activation sums of a super-block.
+///
+/// # Safety
+/// `p..p + 16` readable; AVX2.
+#[inline(always)]
+unsafe fn bsums(p: *const i16) -> __m256i {
+    // SAFETY: as stated.
+    unsafe { _mm256_loadu_si256(p.cast()) }
+}
+
+/// The 16 scales of a 16-group type (in 16-bit lanes: lane half 0 holds scales 0..8, half 1
+/// holds 8..16) arranged for half `j` of the super-block (elements `128 j ..`): both 128-bit
+/// halves hold the scales of that half.
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+unsafe fn half_scales(sc16: __m256i, j: usize) -> __m256i {
+    // SAFETY: as stated.
+    unsafe {
+        if j == 0 {
+            _mm256_permute2x128_si256::<0x00>(sc16, sc16)
+        } else {
+            _mm256_permute2x128_si256::<0x11>(sc16, sc16)
+        }
+    }
+}
+
+/// The 2-bit fields `2s..2s+2` of 32 bytes.
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+unsafe fn two_bits(q: __m256i, s: usize) -> __m256i {
+    // SAFETY: as stated.
+    unsafe { _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)), _mm256_set1_epi8(3)) }
+}
+
+pub(crate) struct Q2;
+pub(crate) struct Q3;
+pub(crate) struct Q4;
+pub(crate) struct Q5;
+pub(crate) struct Q6;
+
+impl KQuant for Q2 {
+    const BYTES: usize = 84;
+    const HAS_MIN: bool = true;
+    #[inline(always)]
+    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+        // SAFETY: the reads stay in the super-block and the activations the caller guarantees.
+        unsafe {
+            let raw = _mm_loadu_si128(p.cast());
+            let sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+            let mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0F)));
+            let mut acc = [[_mm256_setzero_si256(); 2]; M];
+            for j in 0..2 {
+                let sc = half_scales(sc16, j);
+                let q = load(p.add(Q2K_QS + 32 * j));
+                for s in 0..4 {
+                    let (u, scale) = (two_bits(q, s), _mm256_shuffle_epi8(sc, word_pick(2 * s, 2 * s + 1)));
+                    for i in 0..M {
+                        let x = load_x(xq[i].add(128 * j + 32 * s));
+                        acc[i][s & 1] = D::dot_scaled(acc[i][s & 1], u, x, scale);
+                    }
+                }
+            }
+            let int = std::array::from_fn(|i| _mm256_add_epi32(acc[i][0], acc[i][1]));
+            let min = std::array::from_fn(|i| _mm256_madd_epi16(bsums(bs[i]), mn16));
+            Sums { int, min, d: f16_at(p.add(Q2K_D)), dmin: f16_at(p.add(Q2K_DMIN)) }
+        }
+    }
+}
+
+impl KQuant for Q3 {
+    const BYTES: usize = 110;
+    const HAS_MIN: bool = false;
+    #[inline(always)]
+    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+        // SAFETY: as for Q2.
+        unsafe {
+            let scales = q3k_scales(std::slice::from_raw_parts(p.add(Q3K_SCALES), 12));
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(scales.as_ptr().cast()));
+            let mut hmask = load(p);
+            let mut acc = [[_mm256_setzero_si256(); 2]; M];
+            for j in 0..2 {
+                let sc = half_scales(sc16, j);
+                let q = load(p.add(Q3K_QS + 32 * j));
+                for s in 0..4 {
+                    // Bit 4 j + s of the mask, moved to bit 2 (`hmask` shifts right once per step).
+                    let high = _mm256_and_si256(_mm256_slli_epi16::<2>(hmask), _mm256_set1_epi8(4));
+                    hmask = _mm256_srli_epi16::<1>(hmask);
+                    let u = _mm256_or_si256(two_bits(q, s), high);
+                    let scale = _mm256_shuffle_epi8(sc, word_pick(2 * s, 2 * s + 1));
+                    for i in 0..M {
+                        let x = load_x(xq[i].add(128 * j + 32 * s));
+                        acc[i][s & 1] = D::dot_scaled(acc[i][s & 1], u, x, scale);
+                    }
+                }
+            }
+            // Codes are `u - 4`.
+            let int = std::array::from_fn(|i| {
+                let offset = _mm256_slli_epi32::<2>(_mm256_madd_epi16(bsums(bs[i]), sc16));
+                _mm256_sub_epi32(_mm256_add_epi32(acc[i][0], acc[i][1]), offset)
+            });
+            Sums { int, min: [_mm256_setzero_si256(); M], d: f16_at(p.add(Q3K_D)), dmin: 0.0 }
+        }
+    }
+}
+
+/// Q4_K (`FIVE = false`) and Q5_K.
+///
+/// # Safety
+/// As [`KQuant::sums`].
+#[inline(always)]
+unsafe fn sums_45<D: Dot, const M: usize, const FIVE: bool>(
+    p: *const u8,
+    xq: [*const i8; M],
+    bs: [*const i16; M],
+) -> Sums<M> {
+    // SAFETY: as for Q2.
+    unsafe {
+        let (sc, mn) = k4_scales_mins(std::slice::from_raw_parts(p.add(K4_SCALES), 12));
+        let sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(sc.as_ptr().cast())));
+        let mn8 = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr().cast()));
+        // Each min twice: it covers two groups of 16 sums.
+        let mn16 = _mm256_set_m128i(_mm_unpackhi_epi16(mn8, mn8), _mm_unpacklo_epi16(mn8, mn8));
+        let qs = if FIVE { Q5K_QS } else { Q4K_QS };
+        let (low4, bit4) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
+        let mut qh = if FIVE { load(p.add(Q5K_QH)) } else { _mm256_setzero_si256() };
+        let mut acc = [[_mm256_setzero_si256(); 2]; M];
+        for c in 0..4 {
+            let v = load(p.add(qs + 32 * c));
+            let mut u = [_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4)];
+            if FIVE {
+                // Bits 2c and 2c + 1 of `qh` to bit 4 (`qh` shifts right once per group).
+                for u in &mut u {
+                    *u = _mm256_or_si256(*u, _mm256_and_si256(_mm256_slli_epi16::<4>(qh), bit4));
+                    qh = _mm256_srli_epi16::<1>(qh);
+                }
+            }
+            for (h, &u) in u.iter().enumerate() {
+                let scale = _mm256_shuffle_epi8(sc16, word_pick(2 * c + h, 2 * c + h));
+                for i in 0..M {
+                    let x = load_x(xq[i].add(64 * c + 32 * h));
+                    acc[i][h] = D::dot_scaled(acc[i][h], u, x, scale);
+                }
+            }
+        }
+        let int = std::array::from_fn(|i| _mm256_add_epi32(acc[i][0], acc[i][1]));
+        let min = std::array::from_fn(|i| _mm256_madd_epi16(bsums(bs[i]), mn16));
+        Sums { int, min, d: f16_at(p), dmin: f16_at(p.add(2)) }
+    }
+}
+
+impl KQuant for Q4 {
+    const BYTES: usize = 144;
+    const HAS_MIN: bool = true;
+    #[inline(always)]
+    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+        // SAFETY: forwarded.
+        unsafe { sums_45::<D, M, false>(p, xq, bs) }
+    }
+}
+
+impl KQuant for Q5 {
+    const BYTES: usize = 176;
+    const HAS_MIN: bool = true;
+    #[inline(always)]
+    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+        // SAFETY: forwarded.
+        unsafe { sums_45::<D, M, true>(p, xq, bs) }
+    }
+}
+
+impl KQuant for Q6 {
+    const BYTES: usize = 210;
+    const HAS_MIN: bool = false;
+    #[inline(always)]
+    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+        // SAFETY: as for Q2.
+        unsafe {
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(Q6K_SCALES).cast()));
+            let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+            let mut acc = [[_mm256_setzero_si256(); 2]; M];
+            for j in 0..2 {
+                let sc = half_scales(sc16, j);
+                let (l0, l1) = (load(p.add(64 * j)), load(p.add(64 * j + 32)));
+                let h = load(p.add(Q6K_QH + 32 * j));
+                let u = [
+                    _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16::<4>(h), top2)),
+                    _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16::<2>(h), top2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l0), low4), _mm256_and_si256(h, top2)),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(l1), low4),
+                        _mm256_and_si256(_mm256_srli_epi16::<2>(h), top2),
+                    ),
+                ];
+                for (s, &u) in u.iter().enumerate() {
+                    let scale = _mm256_shuffle_epi8(sc, word_pick(2 * s, 2 * s + 1));
+                    for i in 0..M {
+                        let x = load_x(xq[i].add(128 * j + 32 * s));
+                        acc[i][s & 1] = D::dot_scaled(acc[i][s & 1], u, x, scale);
+                    }
+                }
+            }
+            // Codes are `u - 32`.
+            let int = std::array::from_fn(|i| {
+                let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums(bs[i]), sc16));
+                _mm256_sub_epi32(_mm256_add_epi32(acc[i][0], acc[i][1]), offset)
+            });
+            Sums { int, min: [_mm256_setzero_si256(); M], d: f16_at(p.add(Q6K_D)), dmin: 0.0 }
+        }
+    }
+}
+
+/// `Σ_e w[e] x_i[e]` for the weight row at `w` (`nb` super-blocks of `K`) and `M` activation
+/// rows: per super-block, `d dx` times the integer sums and `-dmin dx` times the min sums,
+/// accumulated in 8 `f32` lanes.
+///
+/// # Safety
+/// `w` must hold `nb * K::BYTES` readable bytes; every `xs[i]` must have `256 nb` codes, `nb`
+/// scales and `16 nb` sums; the CPU must have `D`'s instructions, AVX2, FMA and F16C.
+#[inline(always)]
+pub(crate) unsafe fn row<D: Dot, K: KQuant, const M: usize>(w: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [f32; M] {
+    // SAFETY: super-block `s < nb` is inside `w`, and its activations inside every `xs[i]`.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); M];
+        for s in 0..nb {
+            let xq = std::array::from_fn(|i| xs[i].qs.as_ptr().add(256 * s));
+            let bs = std::array::from_fn(|i| xs[i].bsums.as_ptr().add(16 * s));
+            let sums = K::sums::<D, M>(w.add(s * K::BYTES), xq, bs);
+            for i in 0..M {
+                let dx = xs[i].d[s];
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums.int[i]), _mm256_set1_ps(sums.d * dx), acc[i]);
+                if K::HAS_MIN {
+                    let m = _mm256_set1_ps(-(sums.dmin * dx));
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums.min[i]), m, acc[i]);
+                }
+            }
+        }
+        std::array::from_fn(|i| hsum(acc[i]))
+    }
+}

@@ -1,0 +1,176 @@
+//! x86 dot products of the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; blocks of 32) with Q8_0
+//! activations.
+//!
+//! A block's codes are unpacked to 32 unsigned bytes `u` (nibbles, plus the 5th bit for Q5) and
+//! multiplied by the block's 32 activation codes with [`Dot::dot`]. The signed value of a code is
+//! `u - offset` (8 for Q4_0, 16 for Q5_0), so
+//!
+//! `Σ w x = d dx Σ u q_x + c dx Σ q_x`, with `c = -offset d` (Q4_0, Q5_0) or `c = m` (Q4_1, Q5_1),
+//!
+//! as llama.cpp's x86 kernels do it: the integer part per block, its float product with the
+//! block's `d dx` accumulated in 8 lanes, and the second term `c (dx Σ q_x)` 8 blocks at a time
+//! (the activations keep `dx Σ q_x` per block). Q8_0's signed codes go through the sign trick
+//! instead: `|w|` times `x` with `w`'s sign.
+//!
+//! Scales are read 8 blocks at a time (8 `f16` at the block stride, one `vcvtph2ps`) and
+//! multiplied by the 8 activation scales, for all `M` activation rows; each block is unpacked
+//! once and dotted with every activation row.
+
+use super::act::XRow;
+use super::blocks::{Q4_0_QS, Q4_1_QS, Q5_0_QH, Q5_0_QS, Q5_1_QH, Q5_1_QS, Q8_0_QS};
+use super::simd::{Dot, f16x8, hsum, load, load_f32, load_x, nibbles16};
+use std::arch::x86_64::*;
+
+/// One legacy type: its block size, where its codes are, how its offset enters.
+pub(crate) trait Legacy {
+    /// Bytes per block.
+    const BYTES: usize;
+    /// Whether the block has an `f16` `m` at byte 2 (Q4_1, Q5_1).
+    const HAS_MIN: bool;
+    /// The code offset (8 for Q4_0, 16 for Q5_0), else 0.
+    const OFFSET: f32;
+
+    /// The 32 codes of the block at `p`, as unsigned bytes (Q8_0: its signed bytes).
+    ///
+    /// # Safety
+    /// `p` must point at a whole block; the CPU must have `D`'s instructions and AVX2.
+    unsafe fn codes<D: Dot>(p: *const u8) -> __m256i;
+
+    /// The 8 lanes of `Σ codes * x`.
+    ///
+    /// # Safety
+    /// As [`Dot::dot`].
+    #[inline(always)]
+    unsafe fn dot<D: Dot>(codes: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: the caller guarantees `D`'s instructions.
+        unsafe { D::dot(codes, x) }
+    }
+}
+
+pub(crate) struct Q40;
+pub(crate) struct Q41;
+pub(crate) struct Q50;
+pub(crate) struct Q51;
+pub(crate) struct Q80;
+
+impl Legacy for Q40 {
+    const BYTES: usize = 18;
+    const HAS_MIN: bool = false;
+    const OFFSET: f32 = 8.0;
+    #[inline(always)]
+    unsafe fn codes<D: Dot>(p: *const u8) -> __m256i {
+        // SAFETY: the 16 nibble bytes are inside the block.
+        unsafe { nibbles16(p.add(Q4_0_QS)) }
+    }
+}
+
+impl Legacy for Q41 {
+    const BYTES: usize = 20;
+    const HAS_MIN: bool = true;
+    const OFFSET: f32 = 0.0;
+    #[inline(always)]
+    unsafe fn codes<D: Dot>(p: *const u8) -> __m256i {
+        // SAFETY: as above.
+        unsafe { nibbles16(p.add(Q4_1_QS)) }
+    }
+}
+
+/// Nibbles at `qs` with the 5th bits of the `u32` at `qh`.
+///
+/// # Safety
+/// Both fields inside the block at `p`; `D`'s instructions and AVX2.
+#[inline(always)]
+unsafe fn five_bits<D: Dot>(p: *const u8, qh: usize, qs: usize) -> __m256i {
+    // SAFETY: the caller guarantees the fields and the instructions.
+    unsafe {
+        let high = D::byte_mask(p.add(qh).cast::<u32>().read_unaligned());
+        _mm256_or_si256(nibbles16(p.add(qs)), _mm256_and_si256(high, _mm256_set1_epi8(0x10)))
+    }
+}
+
+impl Legacy for Q50 {
+    const BYTES: usize = 22;
+    const HAS_MIN: bool = false;
+    const OFFSET: f32 = 16.0;
+    #[inline(always)]
+    unsafe fn codes<D: Dot>(p: *const u8) -> __m256i {
+        // SAFETY: as [`five_bits`].
+        unsafe { five_bits::<D>(p, Q5_0_QH, Q5_0_QS) }
+    }
+}
+
+impl Legacy for Q51 {
+    const BYTES: usize = 24;
+    const HAS_MIN: bool = true;
+    const OFFSET: f32 = 0.0;
+    #[inline(always)]
+    unsafe fn codes<D: Dot>(p: *const u8) -> __m256i {
+        // SAFETY: as [`five_bits`].
+        unsafe { five_bits::<D>(p, Q5_1_QH, Q5_1_QS) }
+    }
+}
+
+impl Legacy for Q80 {
+    const BYTES: usize = 34;
+    const HAS_MIN: bool = false;
+    const OFFSET: f32 = 0.0;
+    #[inline(always)]
+    unsafe fn codes<D: Dot>(p: *const u8) -> __m256i {
+        // SAFETY: the 32 code bytes are inside the block.
+        unsafe { load(p.add(Q8_0_QS)) }
+    }
+    #[inline(always)]
+    unsafe fn dot<D: Dot>(codes: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: the caller guarantees `D`'s instructions (AVX2 included).
+        unsafe { D::dot(_mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes)) }
+    }
+}
+
+/// `Σ_e w[e] x_i[e]` for the weight row at `w` (`nb` blocks of `L`) and `M` activation rows.
+///
+/// # Safety
+/// `w` must hold `nb * L::BYTES` readable bytes; every `xs[i]` must have `32 nb` codes and `nb`
+/// scales and sums; the CPU must have `D`'s instructions, AVX2, FMA and F16C.
+#[inline(always)]
+pub(crate) unsafe fn row<D: Dot, L: Legacy, const M: usize>(w: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [f32; M] {
+    let has_c = L::HAS_MIN || L::OFFSET != 0.0;
+    // SAFETY: every read below stays in the blocks `0..nb` of `w` and the first `nb` blocks of
+    // each activation row, as the caller guarantees; the instructions are the caller's.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 2]; M];
+        let mut corr = [_mm256_setzero_ps(); M];
+        let mut g0 = 0;
+        while g0 < nb {
+            let n = (nb - g0).min(8);
+            let base = w.add(g0 * L::BYTES);
+            let dw = f16x8(base, L::BYTES, n);
+            let c = if L::HAS_MIN {
+                f16x8(base.add(2), L::BYTES, n)
+            } else {
+                _mm256_mul_ps(dw, _mm256_set1_ps(-L::OFFSET))
+            };
+            let mut scale = [[0f32; 8]; M];
+            for i in 0..M {
+                let dx = load_f32(xs[i].d.as_ptr().add(g0), n);
+                _mm256_storeu_ps(scale[i].as_mut_ptr(), _mm256_mul_ps(dw, dx));
+                if has_c {
+                    corr[i] = _mm256_fmadd_ps(c, load_f32(xs[i].sx.as_ptr().add(g0), n), corr[i]);
+                }
+            }
+            for b in 0..n {
+                let u = L::codes::<D>(base.add(b * L::BYTES));
+                for i in 0..M {
+                    let r = L::dot::<D>(u, load_x(xs[i].qs.as_ptr().add((g0 + b) * 32)));
+                    let a = &mut acc[i][b & 1];
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(scale[i][b]), *a);
+                }
+            }
+            g0 += 8;
+        }
+        let mut out = [0f32; M];
+        for i in 0..M {
+            out[i] = hsum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), corr[i]));
+        }
+        out
+    }
+}

@@ -1,0 +1,265 @@
+//! [`quant_matmul`]: `y = x W^T` with a quantized weight, on three paths:
+//!
+//! * few rows of `x` (decode, `m < GEMM_MIN_M`), quantized weight types: `x` quantized once per
+//!   call (`act`), then each weight row streamed once and dotted in integers with all `m` rows
+//!   (`dot_x86` / `dot_portable`), weight rows split over the pool's threads;
+//! * few rows, `F32` / `F16` / `BF16` weights: each weight row widened to `f32` in a buffer and
+//!   dotted with the `f32` rows of `x`;
+//! * many rows (prefill), or a batch-invariant thread ([`crate::set_batch_invariant`]): tiles of
+//!   weight rows dequantized to `f32` and multiplied by the `f32` `x` with the packed GEMM.
+
+use super::act::{QuantX, XRow};
+use super::dequant::dequantize_unchecked;
+use super::dot_portable;
+use super::types::QuantType;
+use crate::dispatch::{CpuKernel, Int8Isa, Isa};
+use crate::element::FloatKind;
+use crate::error::{Error, Result};
+use crate::gemm::{self, BSource, Micro};
+use crate::matmul::batch_invariant;
+use crate::pool;
+use crate::shape::Layout;
+use std::cell::RefCell;
+use std::mem::MaybeUninit;
+
+/// Rows of `x` from which the dequantize-and-GEMM path runs.
+const GEMM_MIN_M: usize = 16;
+/// Weight rows per GEMM tile (at least; more with more threads, 64 per thread).
+const GEMM_TILE_ROWS: usize = 256;
+/// Weight bytes per task of the streaming paths.
+const TASK_BYTES: usize = 48 << 10;
+/// Weight bytes times activation rows below which one thread streams everything.
+const PARALLEL_MIN_BYTES: usize = 64 << 10;
+
+/// y[m, n] = sum_k x[m, k] * W[n, k] (+ nothing): `W` is `rows` rows of `k` elements of type `t`
+/// stored row after row (`w.len() == rows * t.row_bytes(k)`), `x` is `[m, k]` `f32` row-major,
+/// `y` is `[m, rows]` `f32` row-major (every element written).
+///
+/// For quantized `t` and `m < 16` (decode), each block of `x` is quantized once to 8 bits (Q8_0
+/// blocks of 32 for the legacy types, Q8_K blocks of 256 for the K-quants; `f32` scales), the
+/// dot products run on integers (AVX512-VNNI, AVX2 or portable, as the calling thread's
+/// [`CpuKernel`] allows) with `f32` accumulation, and each weight row is streamed once for all
+/// `m` rows of `x`. `F32` / `F16` / `BF16` weights take `x` as `f32`. For `m >= 16`, or on a
+/// batch-invariant thread ([`crate::set_batch_invariant`]), tiles of `W` are dequantized to `f32`
+/// (exactly) and multiplied by the `f32` `x` with the packed GEMM, so `x` is not quantized.
+/// Rows are split over tp-cpu's thread pool.
+///
+/// Error bound (integer path). Write `d_b = amax_b / 127` for the activation block `b` (32 or 256
+/// elements of a row of `x`), `r_b` for the largest magnitude the weight block under it can encode
+/// given its scales (Q4_0 `8|d|`, Q4_1 `|m| + 15|d|`, Q5_0 `16|d|`, Q5_1 `|m| + 31|d|`, Q8_0
+/// `128|d|`, Q2_K `45|d| + 15|dmin|`, Q3_K `128|d|`, Q4_K `945|d| + 63|dmin|`, Q5_K
+/// `1953|d| + 63|dmin|`, Q6_K `4096|d|`), `N` for the blocks in a row and `w` for the dequantized
+/// weights. Then each output differs from the exact `Σ_k w_k x_k` by at most
+///
+/// `Σ_b (d_b / 2)(1 + 2^-20) Σ_{k in b} |w_k|  +  (N + 8) 2^-22 Σ_b r_b Σ_{k in b} (|x_k| + d_b)`:
+///
+/// the first term is the activation rounding (`|x - d q| <= d / 2` per element), the second the
+/// `f32` arithmetic (integer sums are exact; every term that enters the `f32` sums is at most
+/// `2 r_b (|x_k| + d_b)` per element, and each passes through at most `N + 8` roundings). The
+/// GEMM path and the float types carry only an `f32` accumulation error, at most
+/// `(k + 8) 2^-23 Σ_k |w_k x_k|`.
+///
+/// Errors: [`Error::NotWholeBlocks`] if `k` is not a multiple of `t`'s block;
+/// [`Error::ShapeOverflow`] if a buffer size overflows `usize`; [`Error::QuantLength`] if `w` is
+/// not `rows * t.row_bytes(k)` bytes; [`Error::OperandLength`] if `x` or `y` has the wrong length.
+pub fn quant_matmul(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+    let row_bytes = t.row_bytes(k).ok_or(Error::NotWholeBlocks {
+        ty: t.name(),
+        operand: "k",
+        len: k,
+        block: t.block_elems(),
+        unit: "elements",
+    })?;
+    let overflow = Error::ShapeOverflow { m, n: rows, k };
+    let w_len = rows.checked_mul(row_bytes).ok_or(overflow.clone())?;
+    if w.len() != w_len {
+        return Err(Error::QuantLength { ty: t.name(), operand: "w", unit: "bytes", expected: w_len, got: w.len() });
+    }
+    for (operand, got, expected) in [("x", x.len(), m.checked_mul(k)), ("y", y.len(), m.checked_mul(rows))] {
+        let expected = expected.ok_or(overflow.clone())?;
+        if got != expected {
+            return Err(Error::OperandLength { operand, expected, got });
+        }
+    }
+    if m == 0 || rows == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
+    let kernel = CpuKernel::current();
+    let shape = Shape { t, rows, k, row_bytes, m };
+    if m >= GEMM_MIN_M || batch_invariant() {
+        gemm_tiles(kernel, shape, w, x, y);
+    } else if t.is_float() {
+        stream(shape, w, y, &|rows_w, out| float_rows(kernel, shape, rows_w, x, out));
+    } else {
+        let qx = QuantX::new(x, m, k, if t.is_k_quant() { 256 } else { 32 });
+        let xs: Vec<XRow<'_>> = (0..m).map(|i| qx.row(i)).collect();
+        let isa = kernel.int8_isa();
+        stream(shape, w, y, &|rows_w, out| {
+            for (row, out) in rows_w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(m)) {
+                row_dots(isa, t, row, &xs, out);
+            }
+        });
+    }
+    Ok(())
+}
+
+/// The sizes of one product.
+#[derive(Clone, Copy)]
+struct Shape {
+    t: QuantType,
+    rows: usize,
+    k: usize,
+    row_bytes: usize,
+    m: usize,
+}
+
+/// One weight row against every activation row, on `isa`.
+fn row_dots(isa: Int8Isa, t: QuantType, w: &[u8], xs: &[XRow<'_>], out: &mut [f32]) {
+    match isa {
+        // SAFETY: `int8_isa` returns `Avx512Vnni` only where the CPU has AVX-512 F/BW/VL/VNNI
+        // (and AVX2, FMA, F16C, which AVX-512 detection requires).
+        #[cfg(target_arch = "x86_64")]
+        Int8Isa::Avx512Vnni => unsafe { super::dot_x86::vnni::row_dots(t, w, xs, out) },
+        // SAFETY: `int8_isa` returns `Avx2` only where the CPU has AVX2, FMA and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Int8Isa::Avx2 => unsafe { super::dot_x86::avx2::row_dots(t, w, xs, out) },
+        _ => dot_portable::row_dots(t, w, xs, out),
+    }
+}
+
+/// `y` as a raw pointer for the tasks, which write disjoint columns of it.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: used only inside `pool::run` (or inline), which returns after every task, while the
+// `&mut [f32]` it came from is borrowed; each task writes its own columns.
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// The pointer (a method, so closures capture the whole `Out`).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Runs `dots(w_rows, out)` over groups of whole weight rows (`out[r * m + i]` receives row `r`
+/// of the group against activation row `i`), on the pool when the product is large enough, and
+/// scatters each group's results into the columns of `y`.
+fn stream(s: Shape, w: &[u8], y: &mut [f32], dots: &(dyn Fn(&[u8], &mut [f32]) + Sync)) {
+    let threads = pool::num_threads();
+    let per_task = (TASK_BYTES / s.row_bytes).clamp(1, s.rows.div_ceil(4 * threads).max(1));
+    let tasks = s.rows.div_ceil(per_task);
+    let out = Out(y.as_mut_ptr());
+    let task = |task: usize| {
+        let j0 = task * per_task;
+        let n = per_task.min(s.rows - j0);
+        let mut tile = vec![0f32; n * s.m];
+        dots(&w[j0 * s.row_bytes..(j0 + n) * s.row_bytes], &mut tile);
+        for (r, vals) in tile.chunks_exact(s.m).enumerate() {
+            for (i, &v) in vals.iter().enumerate() {
+                // SAFETY: (i, j0 + r) is inside `y` (`i < m`, `j0 + r < rows`) and column
+                // `j0 + r` belongs to this task alone.
+                unsafe { *out.get().add(i * s.rows + j0 + r) = v };
+            }
+        }
+    };
+    if tasks == 1 || w.len().saturating_mul(s.m) < PARALLEL_MIN_BYTES {
+        (0..tasks).for_each(task);
+    } else {
+        pool::run(tasks, &task);
+    }
+}
+
+/// `F32` / `F16` / `BF16` weight rows: each widened into a buffer, then dotted with the rows of
+/// `x` in `f32` (`out[r * m + i]`).
+fn float_rows(kernel: CpuKernel, s: Shape, w: &[u8], x: &[f32], out: &mut [f32]) {
+    let mut wide = vec![0f32; s.k];
+    for (row, out) in w.chunks_exact(s.row_bytes).zip(out.chunks_exact_mut(s.m)) {
+        dequantize_unchecked(s.t, row, &mut wide);
+        for (o, xi) in out.iter_mut().zip(x.chunks_exact(s.k)) {
+            *o = match kernel.f32_isa() {
+                // SAFETY: `f32_isa` returns `Avx2` or `Avx512` only where the CPU has AVX2 and FMA.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 | Isa::Avx512 => unsafe { dot_f32_avx2(&wide, xi) },
+                _ => dot_f32(&wide, xi),
+            };
+        }
+    }
+}
+
+/// `Σ a_l b_l` in 16 `f32` lanes (vectorises), then summed pairwise.
+#[inline(always)]
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (a_main, a_tail) = a.split_at(a.len() / 16 * 16);
+    let (b_main, b_tail) = b.split_at(a_main.len());
+    for (a, b) in a_main.chunks_exact(16).zip(b_main.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] += a[l] * b[l];
+        }
+    }
+    for (l, (a, b)) in a_tail.iter().zip(b_tail).enumerate() {
+        acc[l] += a * b;
+    }
+    let mut half = 8;
+    while half > 0 {
+        for l in 0..half {
+            acc[l] += acc[l + half];
+        }
+        half /= 2;
+    }
+    acc[0]
+}
+
+/// [`dot_f32`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
+    dot_f32(a, b)
+}
+
+thread_local! {
+    /// The dequantized tile of the GEMM path, kept between calls.
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The GEMM path: tiles of weight rows dequantized to `f32` (in parallel), each multiplied by `x`
+/// with the packed GEMM (parallel inside) into a `[m, tile]` buffer, copied into `y`'s columns.
+fn gemm_tiles(kernel: CpuKernel, s: Shape, w: &[u8], x: &[f32], y: &mut [f32]) {
+    let tile_rows = GEMM_TILE_ROWS.max(64 * pool::num_threads()).min(s.rows);
+    let micro = Micro::choose(kernel, FloatKind::F32);
+    let mut tile = TILE.with(|t| std::mem::take(&mut *t.borrow_mut()));
+    tile.resize(tile_rows * s.k, 0.0);
+    let mut y_tile = vec![MaybeUninit::<f32>::uninit(); s.m * tile_rows];
+    for j0 in (0..s.rows).step_by(tile_rows) {
+        let n = tile_rows.min(s.rows - j0);
+        let tile = &mut tile[..n * s.k];
+        let src = &w[j0 * s.row_bytes..(j0 + n) * s.row_bytes];
+        // Dequantize in groups of 16 rows, spread over the pool.
+        let group = 16;
+        let dst = Out(tile.as_mut_ptr());
+        pool::run(n.div_ceil(group), &|g| {
+            let r0 = g * group;
+            let r1 = (r0 + group).min(n);
+            // SAFETY: group `g` owns rows `r0..r1` of the tile (disjoint from the others'), inside
+            // it; the tile outlives `run`.
+            let part = unsafe { std::slice::from_raw_parts_mut(dst.get().add(r0 * s.k), (r1 - r0) * s.k) };
+            dequantize_unchecked(s.t, &src[r0 * s.row_bytes..r1 * s.row_bytes], part);
+        });
+        let y_tile = &mut y_tile[..s.m * n];
+        gemm::gemm(micro, x, BSource::Pack(tile, Layout::Nk), None, s.m, s.k, n, y_tile);
+        for (i, yt) in y_tile.chunks_exact(n).enumerate() {
+            for (dst, v) in y[i * s.rows + j0..][..n].iter_mut().zip(yt) {
+                // SAFETY: `gemm` wrote every element of `y_tile`.
+                *dst = unsafe { v.assume_init() };
+            }
+        }
+    }
+    TILE.with(|t| *t.borrow_mut() = tile);
+}

@@ -1,0 +1,30 @@
+//! Quantized weights in llama.cpp's ggml block formats ([`QuantType`]): [`dequantize`] (bit-exact
+//! with ggml) and [`quant_matmul`] (`y = x W^T` with integer dot products for decode and the
+//! packed GEMM on dequantized tiles for prefill).
+//!
+//! Files: `types` ([`QuantType`]), `blocks` (the byte layouts, a scalar block decoder),
+//! `dequant` ([`dequantize`]), `act` (activation quantization to Q8_0 / Q8_K), `dot_portable`
+//! (scalar integer dots), `simd` (the x86 dot-product instructions and helpers), `dot_legacy` and
+//! `dot_kquant` (the x86 kernels of the 32- and 256-element formats), `dot_x86` (their
+//! `#[target_feature]` entry points, AVX2 and AVX512-VNNI), `matmul` ([`quant_matmul`]: checks,
+//! the three paths, the split over the pool).
+
+mod act;
+mod blocks;
+mod dequant;
+mod dot_portable;
+mod matmul;
+mod types;
+
+#[cfg(target_arch = "x86_64")]
+mod dot_kquant;
+#[cfg(target_arch = "x86_64")]
+mod dot_legacy;
+#[cfg(target_arch = "x86_64")]
+mod dot_x86;
+#[cfg(target_arch = "x86_64")]
+mod simd;
+
+pub use dequant::dequantize;
+pub use matmul::quant_matmul;
+pub use types::QuantType;

@@ -1,0 +1,248 @@
+//! `tp_cpu::quant::quant_matmul` against `f64` products of the dequantized weight (whose
+//! dequantization `quant_dequant.rs` checks against gguf), for every type, on every kernel family
+//! this machine runs, at `m` = 1, 3, 7 (integer path: 1, 2 and 4 activation rows at a time), 17
+//! and 64 (dequantize-and-GEMM path), with row counts off every tile and task size.
+//!
+//! The bound is the one `quant_matmul` documents: activation rounding `Σ_b (d_b / 2) Σ |w|` plus
+//! `f32` arithmetic `(N + 8) 2^-22 Σ_b r_b Σ (|x| + d_b)`. Each integer-path output is also
+//! checked against the product with the activations quantized as documented (`d = amax / 127`,
+//! `q = round(x / d)`), within the arithmetic term alone, which any wrong integer or scale
+//! would break; and every family's output against the portable one's, within twice that term.
+
+use tp_cpu::quant::{QuantType, dequantize, quant_matmul};
+use tp_cpu::{CpuKernel, Error, with_kernel};
+
+/// xorshift64.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+fn f16(b: &[u8], at: usize) -> f64 {
+    f64::from(half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32())
+}
+
+/// A random weight of `rows x k`: random code bytes, `f16` scales in +-[2^-8, 2^-4) (mins too).
+fn weight(t: QuantType, rows: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut w: Vec<u8> = (0..rows * t.row_bytes(k).unwrap()).map(|_| rng.next() as u8).collect();
+    let scales: &[usize] = match t {
+        QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4K | QuantType::Q5K => &[0, 2],
+        QuantType::Q2K => &[80, 82],
+        QuantType::Q3K => &[108],
+        QuantType::Q6K => &[208],
+        QuantType::F32 | QuantType::F16 | QuantType::BF16 => &[],
+    };
+    for block in w.chunks_exact_mut(t.block_bytes()) {
+        for &at in scales {
+            let v = rng.unit() * 0.06;
+            let v = if v.abs() < 0.004 { 0.004f32.copysign(v) } else { v };
+            block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+        }
+        let v = rng.unit();
+        match t {
+            QuantType::F32 => block.copy_from_slice(&v.to_le_bytes()),
+            QuantType::F16 => block.copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes()),
+            QuantType::BF16 => block.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+            _ => {}
+        }
+    }
+    w
+}
+
+/// `r_b`: the largest magnitude a block can encode given its scales (see `quant_matmul`).
+fn reach(t: QuantType, b: &[u8]) -> f64 {
+    let d = |at: usize| f16(b, at).abs();
+    match t {
+        QuantType::Q4_0 => 8.0 * d(0),
+        QuantType::Q4_1 => d(2) + 15.0 * d(0),
+        QuantType::Q5_0 => 16.0 * d(0),
+        QuantType::Q5_1 => d(2) + 31.0 * d(0),
+        QuantType::Q8_0 => 128.0 * d(0),
+        QuantType::Q2K => 45.0 * d(80) + 15.0 * d(82),
+        QuantType::Q3K => 128.0 * d(108),
+        QuantType::Q4K => 945.0 * d(0) + 63.0 * d(2),
+        QuantType::Q5K => 1953.0 * d(0) + 63.0 * d(2),
+        QuantType::Q6K => 4096.0 * d(208),
+        QuantType::F32 | QuantType::F16 | QuantType::BF16 => 0.0,
+    }
+}
+
+/// One product's references: per output, the exact value, the value with quantized activations,
+/// the activation-rounding and arithmetic terms of the integer path's bound, and the bound of the
+/// `f32` paths (GEMM, float types).
+struct Reference {
+    exact: Vec<f64>,
+    quantized: Vec<f64>,
+    act: Vec<f64>,
+    arith: Vec<f64>,
+    float: Vec<f64>,
+}
+
+fn reference(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m: usize) -> Reference {
+    let mut wf = vec![0f32; rows * k];
+    dequantize(t, w, &mut wf).unwrap();
+    let block = if t.block_elems() == 256 { 256 } else { 32 };
+    let nb = k / block;
+    let row_bytes = t.row_bytes(k).unwrap();
+    // Activations quantized as documented: d = amax / 127, q = round(x / d), ties to even.
+    let mut xq = vec![0f64; m * k];
+    let mut dx = vec![0f64; m * nb];
+    for (b, (xb, qb)) in x.chunks_exact(block).zip(xq.chunks_exact_mut(block)).enumerate() {
+        let d = xb.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+        dx[b] = f64::from(d);
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = if d == 0.0 { 0.0 } else { f64::from((v / d).round_ties_even()) * f64::from(d) };
+        }
+    }
+    let size = m * rows;
+    let zeros = vec![0f64; size];
+    let mut r = Reference {
+        exact: zeros.clone(),
+        quantized: zeros.clone(),
+        act: zeros.clone(),
+        arith: zeros.clone(),
+        float: zeros,
+    };
+    for j in 0..rows {
+        let wr = &wf[j * k..(j + 1) * k];
+        let wb = &w[j * row_bytes..(j + 1) * row_bytes];
+        for i in 0..m {
+            let (xr, qr) = (&x[i * k..(i + 1) * k], &xq[i * k..(i + 1) * k]);
+            let (mut exact, mut quantized, mut act, mut arith, mut sum_abs) = (0f64, 0f64, 0f64, 0f64, 0f64);
+            for b in 0..nb {
+                let d = dx[i * nb + b];
+                let rb = reach(t, &wb[b * row_bytes / nb..]);
+                for l in b * block..(b + 1) * block {
+                    let (wv, xv) = (f64::from(wr[l]), f64::from(xr[l]));
+                    exact += wv * xv;
+                    quantized += wv * qr[l];
+                    act += d / 2.0 * (1.0 + 2f64.powi(-20)) * wv.abs();
+                    arith += rb * (xv.abs() + d);
+                    sum_abs += (wv * xv).abs();
+                }
+            }
+            let o = i * rows + j;
+            r.exact[o] = exact;
+            r.quantized[o] = quantized;
+            r.act[o] = act;
+            r.arith[o] = (nb as f64 + 8.0) * 2f64.powi(-22) * arith;
+            r.float[o] = (k as f64 + 8.0) * 2f64.powi(-23) * sum_abs;
+        }
+    }
+    r
+}
+
+fn run(kernel: CpuKernel, t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
+    let mut y = vec![f32::NAN; m * rows];
+    with_kernel(kernel, || quant_matmul(t, w, rows, k, x, m, &mut y)).unwrap().unwrap();
+    y
+}
+
+/// Every type, kernel family and shape within the documented bound; the integer path also
+/// within the arithmetic term of the product with quantized activations; the families agree.
+#[test]
+fn products_stay_within_the_documented_bound_on_every_kernel() {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let kernels = CpuKernel::available();
+    for t in QuantType::ALL {
+        // An odd number of blocks: legacy rows of 13 blocks (groups of 8 and 5), K rows of 3.
+        let k = if t.block_elems() == 256 { 768 } else { 416 };
+        for (rows, m) in [(300, 1), (37, 3), (45, 7), (300, 17), (70, 64)] {
+            let w = weight(t, rows, k, &mut rng);
+            // Rows of x at different magnitudes, a few large elements among small ones.
+            let x: Vec<f32> =
+                (0..m * k).map(|i| rng.unit() * if i % 97 == 5 { 8.0 } else { 1.0 } * (1 + i / k % 3) as f32).collect();
+            let r = reference(t, &w, rows, k, &x, m);
+            let integer = m < 16 && t.block_elems() > 1;
+            let portable = run(CpuKernel::Portable, t, &w, rows, k, &x, m);
+            let mut max_err = 0f64;
+            for &kernel in &kernels {
+                let y =
+                    if kernel == CpuKernel::Portable { portable.clone() } else { run(kernel, t, &w, rows, k, &x, m) };
+                for o in 0..m * rows {
+                    let case = format!("{t} {kernel} rows {rows} m {m} output {o}");
+                    let (arith, got) = (if integer { r.arith[o] } else { r.float[o] }, f64::from(y[o]));
+                    let bound = if integer { r.act[o] + arith } else { arith };
+                    let err = (got - r.exact[o]).abs();
+                    assert!(err <= bound, "{case}: {got} vs exact {}, error {err:e} > bound {bound:e}", r.exact[o]);
+                    max_err = max_err.max(err);
+                    if integer {
+                        let err = (got - r.quantized[o]).abs();
+                        assert!(err <= arith, "{case}: {got} vs {} (quantized x), error {err:e}", r.quantized[o]);
+                    }
+                    let diff = (got - f64::from(portable[o])).abs();
+                    assert!(diff <= 2.0 * arith, "{case}: {got} vs portable {}", portable[o]);
+                }
+            }
+            assert!(max_err > 0.0, "{t} rows {rows} m {m}: no rounding error at all");
+        }
+    }
+}
+
+/// Wrong lengths, `k` off the block, overflow: typed errors, nothing written.
+#[test]
+fn bad_shapes_are_typed_errors() {
+    let t = QuantType::Q4_0;
+    let (rows, k, m) = (3, 64, 2);
+    let w = vec![0u8; rows * 36];
+    let (x, mut y) = (vec![0f32; m * k], vec![7f32; m * rows]);
+    let call = |t, w: &[u8], rows, k, x: &[f32], m, y_len| {
+        let mut y = vec![7f32; y_len];
+        let r = quant_matmul(t, w, rows, k, x, m, &mut y);
+        assert!(r.is_ok() || y.iter().all(|&v| v == 7.0), "an error wrote to y");
+        r
+    };
+    assert_eq!(
+        call(t, &w, rows, 48, &x[..96], m, 6),
+        Err(Error::NotWholeBlocks { ty: "Q4_0", operand: "k", len: 48, block: 32, unit: "elements" })
+    );
+    assert_eq!(
+        call(QuantType::Q6K, &w, rows, 64, &x, m, 6),
+        Err(Error::NotWholeBlocks { ty: "Q6_K", operand: "k", len: 64, block: 256, unit: "elements" })
+    );
+    assert_eq!(
+        call(t, &w[..107], rows, k, &x, m, 6),
+        Err(Error::QuantLength { ty: "Q4_0", operand: "w", unit: "bytes", expected: 108, got: 107 })
+    );
+    assert_eq!(
+        call(t, &w, rows, k, &x[..127], m, 6),
+        Err(Error::OperandLength { operand: "x", expected: 128, got: 127 })
+    );
+    assert_eq!(call(t, &w, rows, k, &x, m, 5), Err(Error::OperandLength { operand: "y", expected: 6, got: 5 }));
+    assert_eq!(call(t, &w, usize::MAX / 4, k, &x, m, 6), Err(Error::ShapeOverflow { m: 2, n: usize::MAX / 4, k: 64 }));
+    assert_eq!(
+        call(t, &w, rows, k, &x, usize::MAX / 2, 6),
+        Err(Error::ShapeOverflow { m: usize::MAX / 2, n: 3, k: 64 })
+    );
+    // Empty products succeed; k = 0 writes zeros.
+    assert!(call(t, &[], 0, k, &x, m, 0).is_ok());
+    quant_matmul(t, &[], rows, 0, &[], m, &mut y).unwrap();
+    assert_eq!(y, vec![0.0; m * rows]);
+}
+
+/// A non-finite element of x makes its row of y NaN on the integer path (its block's scale is
+/// NaN), and leaves the other rows alone.
+#[test]
+fn a_non_finite_activation_poisons_its_row_only() {
+    let mut rng = Rng(7);
+    for t in [QuantType::Q4_0, QuantType::Q4K] {
+        let k = t.block_elems() * 2;
+        let w = weight(t, 5, k, &mut rng);
+        let mut x: Vec<f32> = (0..2 * k).map(|_| rng.unit()).collect();
+        x[k + 3] = f32::INFINITY;
+        for kernel in CpuKernel::available() {
+            let y = run(kernel, t, &w, 5, k, &x, 2);
+            assert!(y[..5].iter().all(|v| v.is_finite()) && y[5..].iter().all(|v| v.is_nan()), "{t} {kernel}: {y:?}");
+        }
+    }
+}
