@@ -6,8 +6,9 @@
 //! * SASS for `sm_90a` (Hopper; the `a` features such as wgmma and setmaxnreg need it),
 //!
 //! and writes `$OUT_DIR/kernels.rs`, the table `tp-kernels` embeds with `include_bytes!`.
-//! It also compiles `kernels/index_math.cuh` as host C++ (through `host/index_math.cpp`, with
-//! the `cc` crate), so that CPU tests exercise the index arithmetic the kernels use.
+//! It also compiles `kernels/index_math.cuh` and `kernels/quant_blocks.cuh` as host C++ (through
+//! `host/index_math.cpp` and `host/quant_blocks.cpp`, with the `cc` crate), so that CPU tests
+//! exercise the index arithmetic and the block dequantization the kernels use.
 //!
 //! nvcc is found through `NVCC`, then `CUDA_HOME/bin/nvcc` (or `CUDA_PATH`), then `PATH`. Use
 //! nvcc 13.0 (PTX `.version 9.0`): a CUDA 13.0 driver cannot load PTX from a newer nvcc.
@@ -38,10 +39,20 @@ fn main() {
     for f in sources.iter().chain(&headers) {
         println!("cargo::rerun-if-changed={}", f.display());
     }
-    // The kernels' index math, built as host C++ so CPU tests run the code the GPU runs.
-    let host = manifest.join("host/index_math.cpp");
-    println!("cargo::rerun-if-changed={}", host.display());
-    cc::Build::new().cpp(true).file(&host).flag_if_supported("-std=c++17").warnings(true).compile("tp_index_math");
+    // The kernels' index math and block dequantization, built as host C++ so CPU tests run the
+    // code the GPU runs. No FMA contraction: the dequantization must round each f32 operation
+    // on its own, as the kernels' __fmul_rn and friends do.
+    let hosts = [manifest.join("host/index_math.cpp"), manifest.join("host/quant_blocks.cpp")];
+    for host in &hosts {
+        println!("cargo::rerun-if-changed={}", host.display());
+    }
+    cc::Build::new()
+        .cpp(true)
+        .files(&hosts)
+        .flag_if_supported("-std=c++17")
+        .flag_if_supported("-ffp-contract=off")
+        .warnings(true)
+        .compile("tp_host_kernels");
     let table = match find_nvcc() {
         None => {
             println!(

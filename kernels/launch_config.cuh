@@ -36,6 +36,10 @@ TP_CONST(WGMMA_CONSUMER_REGS, 232)
 TP_CONST(SMALL_M_MAX, 8)
 TP_CONST(SMALL_M_WARPS, 8)
 
+// quant_gemv.cu: largest M, warps (= weight rows in flight) per block.
+TP_CONST(QUANT_GEMV_MAX_M, 8)
+TP_CONST(QUANT_GEMV_WARPS, 8)
+
 // attention.cu: largest head_dim, warps per block.
 TP_CONST(ATTENTION_MAX_HEAD_DIM, 256)
 TP_CONST(ATTENTION_WARPS, 4)

@@ -19,6 +19,7 @@ const ARCHIVE: &str = "bins.tar.gz";
 /// The GPU suites: (file in the bundle, package, test target). run.sh runs each.
 const SUITES: &[(&str, &str, &str)] = &[
     ("gpu-tests", "tp-core", "gpu"),
+    ("gpu-quant-tests", "tp-core", "gpu_quant"),
     ("gpu-comm-tests", "tp-comm", "gpu_comm"),
     ("gpu-layer-tests", "tp-layers", "gpu_layers"),
     ("gpu-model-tests", "tp-models", "gpu_models"),

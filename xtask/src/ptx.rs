@@ -1,7 +1,9 @@
 //! `cargo xtask ptx`: the `ptxas -v` resource report of every kernel for every target
 //! architecture, failing if any kernel spills registers or uses a stack frame; then the SASS
 //! (cuobjdump) of the GEMM kernels, failing unless each uses the instructions it exists for:
-//! `HMMA` (mma.sync) and, on sm_90a, `HGMMA` (wgmma) with `UTMALDG` (TMA loads).
+//! `HMMA` (mma.sync) and, on sm_90a, `HGMMA` (wgmma) with `UTMALDG` (TMA loads); and the SASS
+//! of the quantized-weight kernels, failing on any 32-bit global load (ggml blocks are only
+//! 2-byte aligned: a pair of 16-bit loads merged into one 32-bit load would fault).
 
 use anyhow::{Context, Result, bail};
 use std::path::Path;
@@ -16,6 +18,12 @@ const SASS_EXPECT: &[(&str, &str, &[&str])] = &[
     ("gemm_mma", "sm_90a", &["HMMA.16816.F32.BF16", "LDSM", "LDGSTS"]),
     ("gemm_wgmma", "sm_90a", &["HGMMA.64x128x16.F32.BF16", "UTMALDG.2D", "SYNCS", "USETMAXREG"]),
 ];
+
+/// (kernel file stem, widest global load allowed in bits); 32-bit loads are refused in each.
+/// The quant kernels read ggml blocks, which are only 2-byte aligned, with 8- and 16-bit loads:
+/// `quant_dequant` loads nothing else; `quant_gemv` also loads 4 activations at a time (64 or
+/// 128 bits, aligned), so there only 32-bit loads, which can only be weights, are refused.
+const SASS_LOADS: &[(&str, u32)] = &[("quant_dequant", 16), ("quant_gemv", 128)];
 
 /// One kernel's figures from ptxas.
 #[derive(Debug, Default)]
@@ -160,11 +168,12 @@ fn split_problems(p: u32, c: u32, threads: u32, regs: u32) -> Vec<String> {
     v
 }
 
-/// Disassembles the GEMM cubins and checks each uses its instructions.
+/// Disassembles the GEMM cubins and checks each uses its instructions, then the quant kernels'
+/// global load widths.
 fn check_sass(cubins: &Path) -> Result<()> {
     let tools = crate::cuda::ensure_sass_tools()?;
     let path = format!("{}:{}", tools.display(), std::env::var("PATH").unwrap_or_default());
-    for (stem, arch, needles) in SASS_EXPECT {
+    let disassemble = |stem: &str, arch: &str| -> Result<String> {
         let cubin = cubins.join(format!("{stem}.{arch}.cubin"));
         let out = Command::new(tools.join("cuobjdump"))
             .arg("-sass")
@@ -172,17 +181,65 @@ fn check_sass(cubins: &Path) -> Result<()> {
             .env("PATH", &path)
             .output()
             .with_context(|| format!("cannot run cuobjdump on {}", cubin.display()))?;
-        let sass = String::from_utf8_lossy(&out.stdout);
+        let sass = String::from_utf8_lossy(&out.stdout).into_owned();
         if !out.status.success() || sass.trim().is_empty() {
             bail!("cuobjdump failed on {}: {}", cubin.display(), String::from_utf8_lossy(&out.stderr));
         }
+        Ok(sass)
+    };
+    for (stem, arch, needles) in SASS_EXPECT {
+        let sass = disassemble(stem, arch)?;
         let counts: Vec<String> = needles.iter().map(|n| format!("{n} x{}", sass.matches(n).count())).collect();
         println!("sass {stem} {arch}: {}", counts.join(", "));
         if let Some(missing) = needles.iter().find(|n| !sass.contains(**n)) {
             bail!("{stem} for {arch} has no {missing} in its SASS");
         }
     }
+    for &(stem, widest) in SASS_LOADS {
+        for arch in ARCHS {
+            let widths = global_load_widths(&disassemble(stem, arch)?);
+            let mut counts: Vec<(u32, usize)> = Vec::new();
+            for &w in &widths {
+                match counts.iter_mut().find(|(x, _)| *x == w) {
+                    Some((_, n)) => *n += 1,
+                    None => counts.push((w, 1)),
+                }
+            }
+            counts.sort();
+            let shown: Vec<String> = counts.iter().map(|(w, n)| format!("{w}-bit x{n}")).collect();
+            println!("sass {stem} {arch}: global loads {}", shown.join(", "));
+            if widths.is_empty() {
+                bail!("{stem} for {arch}: no global loads found in its SASS (did the disassembly change?)");
+            }
+            if let Some(w) = widths.iter().find(|&&w| w > widest || w == 32) {
+                bail!("{stem} for {arch} has a {w}-bit global load: its ggml blocks are only 2-byte aligned");
+            }
+        }
+    }
     Ok(())
+}
+
+/// The width in bits of every global load (`LDG...`) of a SASS listing: the opcode's `U8`/`S8`,
+/// `U16`/`S16`, `64` or `128` part, 32 when it has none.
+fn global_load_widths(sass: &str) -> Vec<u32> {
+    sass.split_whitespace()
+        .filter(|t| *t == "LDG" || t.starts_with("LDG."))
+        .map(|t| {
+            let parts: Vec<&str> = t.split('.').collect();
+            let has = |p: &str| parts.contains(&p);
+            if has("U8") || has("S8") {
+                8
+            } else if has("U16") || has("S16") {
+                16
+            } else if has("64") {
+                64
+            } else if has("128") {
+                128
+            } else {
+                32
+            }
+        })
+        .collect()
 }
 
 /// Parses `ptxas -v` output: "Compiling entry function 'X' for 'sm_90a'", then "N bytes stack
@@ -228,6 +285,17 @@ mod tests {
         assert!(!super::split_problems(40, 160, 384, 168).is_empty(), "consumers below the launch count");
         assert!(!super::split_problems(180, 232, 384, 168).is_empty(), "producer above it");
         assert!(!super::split_problems(41, 232, 384, 168).is_empty(), "not a multiple of 8");
+    }
+
+    #[test]
+    fn reads_global_load_widths_from_sass() {
+        let sass = "/*0040*/ LDG.E.U16.CONSTANT R2, desc[UR4][R2.64] ;\n\
+                    /*0050*/ LDG.E.128.CONSTANT R4, desc[UR4][R6.64] ;\n\
+                    /*0060*/ @P0 LDG.E R9, desc[UR4][R10.64] ;\n\
+                    /*0070*/ LDG.E.S8 R1, desc[UR4][R12.64] ;\n\
+                    /*0080*/ LDG.E.64.CONSTANT R2, desc[UR4][R2.64] ;\n\
+                    /*0090*/ STG.E.128 desc[UR4][R2.64], R4 ; LDS.U16 R0, [R1] ;";
+        assert_eq!(super::global_load_widths(sass), vec![16, 128, 32, 8, 64]);
     }
 
     #[test]

@@ -24,6 +24,14 @@ pub enum KernelError {
     #[error("CUDA driver error in {op}: {message}")]
     Driver { op: &'static str, message: String },
 
+    /// A ggml type id with no CUDA quant kernels (the launchers of `kernels/quant_*.cu` take
+    /// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q6_K).
+    #[error(
+        "ggml type id {id} has no CUDA quant kernels (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, \
+         Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14)"
+    )]
+    UnsupportedQuantType { id: u32 },
+
     /// A launch's arguments break the kernel's contract (sizes, alignment, grid limits).
     #[error("invalid launch of {kernel}: {why}")]
     InvalidLaunch { kernel: &'static str, why: String },

@@ -3,6 +3,7 @@
 //! so a launch looks its function up without a lock or a driver call after the first time.
 
 use crate::elem::ElemType;
+use crate::quant::{QUANT_FORMATS, QuantFormat};
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
@@ -54,6 +55,12 @@ pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
         }
         v.push(("gemm_wgmma", format!("tp_gemm_wgmma_{}", t.name())));
     }
+    for q in QUANT_FORMATS {
+        for t in [ElemType::F32, ElemType::BF16] {
+            v.push(("quant_dequant", dequant(q, t)));
+            v.push(("quant_gemv", quant_gemv(q, t)));
+        }
+    }
     v
 });
 
@@ -69,6 +76,12 @@ pub(crate) fn small_m(t: ElemType, vec: bool) -> String {
 }
 pub(crate) fn simt(nk: bool) -> String {
     (if nk { "tp_gemm_simt_f32_nk" } else { "tp_gemm_simt_f32_kn" }).to_string()
+}
+pub(crate) fn dequant(q: QuantFormat, t: ElemType) -> String {
+    format!("tp_dequant_{}_{}", q.kernel_name(), t.name())
+}
+pub(crate) fn quant_gemv(q: QuantFormat, t: ElemType) -> String {
+    format!("tp_quant_gemv_{}_{}", q.kernel_name(), t.name())
 }
 pub(crate) fn mma(t: ElemType, aligned: bool) -> String {
     format!("tp_gemm_mma_{}_nk{}", t.name(), if aligned { "" } else { "_unaligned" })

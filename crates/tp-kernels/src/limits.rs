@@ -6,3 +6,5 @@ use crate::consts;
 pub const SMALL_M_MAX: usize = consts::SMALL_M_MAX as usize;
 /// Largest head size the attention kernel takes.
 pub const ATTENTION_MAX_HEAD_DIM: usize = consts::ATTENTION_MAX_HEAD_DIM as usize;
+/// Largest M the quantized-weight product takes (`QUANT_GEMV_MAX_M` of kernels/launch_config.cuh).
+pub const QUANT_GEMV_MAX_M: usize = consts::QUANT_GEMV_MAX_M as usize;

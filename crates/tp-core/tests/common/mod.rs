@@ -5,6 +5,7 @@ pub mod block_ops;
 pub mod decoder;
 pub mod paged;
 pub mod paged_gpu;
+pub mod quant;
 pub mod sampling;
 
 use tp_core::{DType, Device, Tensor, WeightLayout};

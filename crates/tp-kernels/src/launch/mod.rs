@@ -9,6 +9,8 @@
 //! * `decoder.rs`: RMSNorm, RoPE, attention, embedding lookup, argmax.
 //! * `paged.rs`: attention over a paged KV cache (block tables), writes into cache slots.
 //! * `sampling.rs`: penalised logits, per-row top-k candidates, per-row (max, sum of exps).
+//! * `quant.rs`: ggml block-quantized weights: dequantization into f32/bf16 and the
+//!   decode-shaped product straight from the quantized weight.
 //! * `gemm_args.rs`: [`GemmArgs`] and [`GemmShape`], what every GEMM launcher takes, and their
 //!   buffer checks; `gemm.rs`: the SIMT, mma.sync and decode-shaped GEMMs; `wgmma.rs` +
 //!   `tma.rs`: the Hopper GEMM and its TMA descriptors; `dispatch.rs`: which GEMM runs for a
@@ -21,6 +23,7 @@ mod elementwise;
 mod gemm;
 mod gemm_args;
 mod paged;
+mod quant;
 mod sampling;
 mod tma;
 mod wgmma;
