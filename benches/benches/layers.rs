@@ -22,7 +22,7 @@ fn layers(c: &mut Criterion) {
     let gate = Linear::new(Tensor::rand(&[inter, hidden], DType::F32, 1, &cpu).unwrap(), None).unwrap();
     let col = ColumnParallel::from_full(&gate, rank0).unwrap();
     let x = Tensor::rand(&[tokens, hidden], DType::F32, 2, &cpu).unwrap();
-    let w_col = col.local().weight().clone();
+    let w_col = col.local().weight().unwrap().clone();
     g.throughput(Throughput::Elements(2 * (tokens * w_col.dims()[0] * hidden) as u64));
     g.bench_function("column/bare_gemm", |b| b.iter(|| black_box(x.matmul_t(&w_col).unwrap())));
     g.bench_function("column/forward", |b| b.iter(|| black_box(col.forward(&x).unwrap())));
@@ -30,7 +30,7 @@ fn layers(c: &mut Criterion) {
     let down = Tensor::rand(&[hidden, inter], DType::F32, 3, &cpu).unwrap();
     let row = RowParallel::from_full(&down, None, rank0).unwrap();
     let xr = Tensor::rand(&[tokens, row.shard().len()], DType::F32, 4, &cpu).unwrap();
-    let w_row = row.weight().clone();
+    let w_row = row.weight().unwrap().clone();
     g.throughput(Throughput::Elements(2 * (tokens * hidden * row.shard().len()) as u64));
     g.bench_function("row/bare_gemm", |b| b.iter(|| black_box(xr.matmul_t(&w_row).unwrap())));
     g.bench_function("row/forward_partial", |b| b.iter(|| black_box(row.forward_partial(&xr).unwrap())));

@@ -49,9 +49,12 @@ pub use device::Device;
 pub use dtype::{DType, Element, IntElement, Storable, bf16, f16};
 pub use error::{Error, Result};
 pub use ops::{
-    Activation, AttentionSpec, KvGroups, NormStyle, PackedWeight, PagedAttentionSpec, PagedSeq, RopeScaling,
-    RotaryEmbedding, WeightLayout,
+    Activation, AttentionSpec, KvGroups, NormStyle, PackedWeight, PagedAttentionSpec, PagedSeq, QuantWeight,
+    RopeScaling, RotaryEmbedding, WeightLayout,
 };
 pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;
 pub use tensor::Tensor;
+/// llama.cpp's quantized block formats: their types, dequantization and the host kernels
+/// ([`QuantWeight`] holds a layer's blocks).
+pub use tp_cpu::quant;

@@ -221,7 +221,7 @@ impl ParallelAttention {
         let moved = |l: &Linear| l.to(l.dtype(), &dev);
         let qkv = QkvParallel::from_full(&moved(q)?, &moved(k)?, &moved(v)?, layout)?;
         let cols = layout.q_start * h.head_dim..(layout.q_start + layout.q_len) * h.head_dim;
-        let o_proj = RowParallel::from_full_columns(o.weight(), o.bias(), cols, group)?;
+        let o_proj = RowParallel::from_full_columns(o.weight()?, o.bias(), cols, group)?;
         let norms = match (config.qk_norm, qk_norm) {
             (Some(n), Some((wq, wk))) => {
                 let (wq, wk) = (wq.to_device(&dev)?, wk.to_device(&dev)?);

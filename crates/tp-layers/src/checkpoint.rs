@@ -1,5 +1,8 @@
 //! Sharded loading from safetensors checkpoints, as Hugging Face writes them: one
-//! `model.safetensors`, or several files listed by `model.safetensors.index.json`.
+//! `model.safetensors`, or several files listed by `model.safetensors.index.json`; or from a
+//! GGUF file whose tensors a model table maps to Hugging Face names
+//! ([`Checkpoint::from_gguf`], [`crate::gguf_tensors`]), dequantized while loading or kept as
+//! quantized blocks ([`Checkpoint::quant_range`]).
 //!
 //! Files are memory-mapped and each rank reads only its shard: the slice of the tensor's bytes
 //! that `TensorShard` assigns it is copied out of the map, so only those pages are read from
@@ -18,12 +21,13 @@
 //! ([`crate::text`]).
 
 use crate::error::{LayerError, Result, dtype_name};
+use crate::gguf_tensors::{GgufTensor, GgufTensors};
 use crate::text::{cut, foreign, path_text, quote_text};
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
-use tp_core::{DType, Device, Tensor, TensorShard};
+use tp_core::{DType, Device, QuantWeight, Tensor, TensorShard};
 
 /// One mapped safetensors file.
 struct File {
@@ -49,11 +53,18 @@ pub struct Checkpoint {
     files: Vec<File>,
     /// Tensor name -> its file, dtype, shape and bytes.
     entries: HashMap<String, Entry>,
+    /// A GGUF file's tensors instead (then `files` and `entries` are empty).
+    gguf: Option<GgufTensors>,
 }
 
 impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Checkpoint({}, {} files, {} tensors)", self.origin, self.files.len(), self.entries.len())
+        match &self.gguf {
+            Some(g) => write!(f, "Checkpoint({}, GGUF, {} tensors)", self.origin, g.len()),
+            None => {
+                write!(f, "Checkpoint({}, {} files, {} tensors)", self.origin, self.files.len(), self.entries.len())
+            }
+        }
     }
 }
 
@@ -164,7 +175,7 @@ impl Checkpoint {
     fn open_file(origin: &Path, path: &Path) -> Result<Checkpoint> {
         let file = map_file(path)?;
         let entries = read_header(&file, 0, &mut 0)?.into_iter().collect();
-        Ok(Checkpoint { origin: path_text(origin), files: vec![file], entries })
+        Ok(Checkpoint { origin: path_text(origin), files: vec![file], entries, gguf: None })
     }
 
     /// A Hugging Face index: `{"weight_map": {"tensor name": "file name", ...}, ...}`, file
@@ -228,19 +239,51 @@ impl Checkpoint {
                 format!("lists {} in {} but that file has no such tensor", quote_text(name), quote_text(file)),
             ));
         }
-        Ok(Checkpoint { origin: path_text(index), files, entries })
+        Ok(Checkpoint { origin: path_text(index), files, entries, gguf: None })
+    }
+
+    /// The tensors of GGUF file `file` (opened from `path`) that `tensors` maps to Hugging Face
+    /// names: each must exist in the file, with one or two dims, of a type tp runs.
+    pub fn from_gguf(file: tp_gguf::GgufFile, path: &Path, tensors: Vec<GgufTensor>) -> Result<Checkpoint> {
+        let origin = path_text(path);
+        let gguf = GgufTensors::new(file, origin.clone(), tensors)?;
+        Ok(Checkpoint { origin, files: Vec::new(), entries: HashMap::new(), gguf: Some(gguf) })
+    }
+
+    /// The GGUF file, when the checkpoint is one.
+    pub fn gguf(&self) -> Option<&tp_gguf::GgufFile> {
+        self.gguf.as_ref().map(GgufTensors::file)
+    }
+
+    /// Entries `start..start + len` of dim `dim` (0: rows, 1: columns) of the 2-D tensor
+    /// `name`, kept as the GGUF file's quantized blocks; `None` for a safetensors checkpoint.
+    /// A column range that does not start or end on a block boundary holds the blocks covering
+    /// it, padded as [`QuantWeight`] describes.
+    pub fn quant_range(&self, name: &str, dim: usize, start: usize, len: usize) -> Result<Option<QuantWeight>> {
+        self.gguf.as_ref().map(|g| g.quant_range(name, dim, start, len)).transpose()
+    }
+
+    /// The stored block type of tensor `name` in a GGUF checkpoint (`None` for safetensors).
+    pub fn quant_type(&self, name: &str) -> Result<Option<tp_core::quant::QuantType>> {
+        self.gguf.as_ref().map(|g| g.qtype(name)).transpose()
     }
 
     /// Every tensor name, sorted.
     pub fn names(&self) -> Vec<&str> {
-        let mut v: Vec<&str> = self.entries.keys().map(String::as_str).collect();
+        let mut v: Vec<&str> = match &self.gguf {
+            Some(g) => g.names().collect(),
+            None => self.entries.keys().map(String::as_str).collect(),
+        };
         v.sort_unstable();
         v
     }
 
     /// Whether the checkpoint has a tensor called `name`.
     pub fn contains(&self, name: &str) -> bool {
-        self.entries.contains_key(name)
+        match &self.gguf {
+            Some(g) => g.contains(name),
+            None => self.entries.contains_key(name),
+        }
     }
 
     /// Tensor `name`'s entry and tp dtype: [`LayerError::MissingTensor`] if there is none,
@@ -271,6 +314,9 @@ impl Checkpoint {
 
     /// `(dtype, shape)` of tensor `name`.
     pub fn info(&self, name: &str) -> Result<(DType, Vec<usize>)> {
+        if let Some(g) = &self.gguf {
+            return g.info(name);
+        }
         let (e, dtype) = self.entry(name)?;
         Ok((dtype, e.shape.clone()))
     }
@@ -291,6 +337,10 @@ impl Checkpoint {
 
     /// The whole tensor `name`, converted to `dtype` (if given) and placed on `device`.
     pub fn load(&self, name: &str, dtype: Option<DType>, device: &Device) -> Result<Tensor> {
+        if let Some(g) = &self.gguf {
+            let rows = g.info(name)?.1.first().copied().unwrap_or(0);
+            return Ok(g.load_range(name, 0, 0, rows, dtype, device)?.0);
+        }
         let (v, d) = self.view(name)?;
         let t = Tensor::from_bytes(v.data(), v.shape(), d, &Device::Cpu)?;
         finish(t, dtype, device)
@@ -328,6 +378,9 @@ impl Checkpoint {
         dtype: Option<DType>,
         device: &Device,
     ) -> Result<(Tensor, usize)> {
+        if let Some(g) = &self.gguf {
+            return g.load_range(name, dim, start, len, dtype, device);
+        }
         let (v, d) = self.view(name)?;
         let fail = |why: String| err_at(&self.origin, format!("tensor {}: {why}", quote_text(name)));
         let dims = v.shape().to_vec();

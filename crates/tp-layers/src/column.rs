@@ -46,7 +46,7 @@ impl ColumnParallel {
     /// `group`'s rank's shard of a full layer (moved to the group's device).
     pub fn from_full(full: &Linear, group: &DeviceGroup) -> Result<ColumnParallel> {
         let shard = TensorShard::new(0, full.out_features(), group.rank(), group.world_size())?;
-        let weight = shard.shard(full.weight())?.to_device(&group.device())?;
+        let weight = shard.shard(full.weight()?)?.to_device(&group.device())?;
         let bias = full.bias().map(|b| shard.shard(b)?.to_device(&group.device())).transpose()?;
         Self::new(Linear::new(weight, bias)?, shard, group)
     }
@@ -56,7 +56,7 @@ impl ColumnParallel {
     pub fn load(ld: &Loader<'_>) -> Result<ColumnParallel> {
         let (out, _) = ld.dims2("weight")?;
         let shard = TensorShard::new(0, out, ld.rank(), ld.world_size())?;
-        let weight = ld.rows("weight", shard.start(), shard.len())?;
+        let weight = ld.linear_rows("weight", shard.start(), shard.len())?;
         let bias = if ld.contains("bias") {
             ld.expect("bias", &[out])?;
             Some(ld.rows("bias", shard.start(), shard.len())?)

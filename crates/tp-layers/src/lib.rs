@@ -71,6 +71,7 @@ mod decoder;
 mod embedding;
 mod error;
 mod files;
+mod gguf_tensors;
 mod kv_cache;
 mod linear;
 mod lm_head;
@@ -84,6 +85,7 @@ mod parts;
 mod qkv;
 mod row;
 mod text;
+mod weight;
 
 pub use attention::{AttentionConfig, AttentionNames, ParallelAttention, QkNorm, QkNormSpan};
 pub use batch::{BatchSeq, TokenBatch};
@@ -92,6 +94,7 @@ pub use column::ColumnParallel;
 pub use decoder::{Block, BlockNorms, DecoderConfig, DecoderLayer, DecoderNames};
 pub use embedding::VocabParallelEmbedding;
 pub use error::{LayerError, Result};
+pub use gguf_tensors::{GgufTensor, RowOrder};
 pub use kv_cache::KvCache;
 pub use linear::Linear;
 pub use lm_head::ParallelLmHead;
@@ -106,6 +109,7 @@ pub use qkv::{AttentionHeads, QkvLayout, QkvParallel};
 pub use row::RowParallel;
 pub use text::quote_text;
 pub use tp_comm;
+pub use weight::Weight;
 
 /// The contents of the file `path`, as UTF-8, if it is (after following symlinks) a regular file
 /// of at most `limit` bytes: what tp reads from a model folder besides the safetensors files

@@ -1,43 +1,35 @@
-//! [`Linear`]: `y = x W^T + b`, weight `[out, in]` as PyTorch and Hugging Face store it.
+//! [`Linear`]: `y = x W^T + b`, weight `[out, in]` as PyTorch and Hugging Face store it
+//! (a tensor, or a GGUF file's quantized blocks: [`Weight`]).
 
 use crate::error::{LayerError, Result};
-use tp_core::{DType, Device, PackedWeight, Tensor};
+use crate::weight::Weight;
+use tp_core::{DType, Device, Tensor};
 
-/// A dense layer: weight `W: [out, in]`, optional bias `b: [out]`; `forward(x) = x W^T + b` for
-/// `x: [.., in]`, bias fused into the GEMM.
+/// A linear layer: weight `W: [out, in]`, optional bias `b: [out]`; `forward(x) = x W^T + b`
+/// for `x: [.., in]`, bias fused into the GEMM.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    weight: Tensor,
+    weight: Weight,
     bias: Option<Tensor>,
-    /// The weight packed for the host GEMM, once [`pack_host`](Self::pack_host) ran.
-    packed: Option<PackedWeight>,
 }
 
 impl Linear {
     /// Checks that `weight` is 2-D and `bias` is `[out]` with the same dtype and device.
-    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Linear> {
-        let &[out, _] = weight.dims() else {
-            return Err(LayerError::Config(format!("Linear weight must be [out, in], got {:?}", weight.dims())));
-        };
+    pub fn new(weight: impl Into<Weight>, bias: Option<Tensor>) -> Result<Linear> {
+        let weight = weight.into();
+        let (out, _) = weight.check_2d("Linear")?;
         if let Some(b) = &bias {
-            if b.dims() != [out] {
-                return Err(LayerError::Config(format!("Linear bias must be [{out}], got {:?}", b.dims())));
-            }
-            if b.dtype() != weight.dtype() || b.device() != weight.device() {
-                return Err(LayerError::Config(format!(
-                    "Linear bias is {} on {}, weight is {} on {}",
-                    b.dtype(),
-                    b.device(),
-                    weight.dtype(),
-                    weight.device()
-                )));
-            }
+            check_bias(b, out, &weight, "Linear")?;
         }
-        Ok(Linear { weight, bias, packed: None })
+        Ok(Linear { weight, bias })
     }
 
-    /// `[out, in]`.
-    pub fn weight(&self) -> &Tensor {
+    /// `[out, in]` as a tensor; an error for quantized blocks ([`Weight::dense`]).
+    pub fn weight(&self) -> Result<&Tensor> {
+        self.weight.dense()
+    }
+    /// The weight, however it is held.
+    pub fn weights(&self) -> &Weight {
         &self.weight
     }
     /// `[out]`, if any.
@@ -46,15 +38,15 @@ impl Linear {
     }
     /// Output features.
     pub fn out_features(&self) -> usize {
-        self.weight.dims()[0]
+        self.weight.out_features()
     }
     /// Input features.
     pub fn in_features(&self) -> usize {
-        self.weight.dims()[1]
+        self.weight.in_features()
     }
-    /// The parameters' dtype.
+    /// The parameters' dtype (f32 for quantized blocks, which compute in f32).
     pub fn dtype(&self) -> DType {
-        self.weight.dtype()
+        self.weight.dtype().unwrap_or(DType::F32)
     }
     /// Where the parameters live.
     pub fn device(&self) -> Device {
@@ -63,31 +55,39 @@ impl Linear {
 
     /// `x W^T + b` for `x: [.., in]`, giving `[.., out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(match &self.packed {
-            Some(p) => x.linear_packed(&self.weight, p, self.bias.as_ref())?,
-            None => x.linear(&self.weight, self.bias.as_ref())?,
-        })
+        self.weight.linear(x, self.bias.as_ref())
     }
 
     /// Packs the weight once into the host GEMM's panels (host weights only; a no-op on a GPU
     /// or when already packed), so that products of many rows (prefill, batched decode) stop
     /// repacking it: the same numbers, bitwise, for as much memory again as the weight.
     pub fn pack_host(&mut self) -> Result<()> {
-        self.packed = pack_host(&self.weight, self.packed.take())?;
-        Ok(())
+        self.weight.pack_host()
     }
 
-    /// The same layer with parameters converted to `dtype` and moved to `device`.
+    /// The same layer with parameters converted to `dtype` and moved to `device` (a dense
+    /// weight only).
     pub fn to(&self, dtype: DType, device: &Device) -> Result<Linear> {
         let conv = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(dtype)?.to_device(device)?) };
-        Linear::new(conv(&self.weight)?, self.bias.as_ref().map(conv).transpose()?)
+        Linear::new(conv(self.weight.dense()?)?, self.bias.as_ref().map(conv).transpose()?)
     }
 }
 
-/// `weight` packed for the host GEMM (kept if `have` holds it already); `None` off the host.
-pub(crate) fn pack_host(weight: &Tensor, have: Option<PackedWeight>) -> Result<Option<PackedWeight>> {
-    if have.is_some() || weight.device() != Device::Cpu {
-        return Ok(have);
+/// Checks that `b` is `[out]` and, for a dense weight, of its dtype and on its device (a bias
+/// beside quantized blocks is any float dtype on their device; it is added in f32).
+pub(crate) fn check_bias(b: &Tensor, out: usize, weight: &Weight, what: &str) -> Result<()> {
+    if b.dims() != [out] {
+        return Err(LayerError::Config(format!("{what} bias must be [{out}], got {:?}", b.dims())));
     }
-    Ok(Some(weight.pack_weight()?))
+    let dtype_ok = weight.dtype().is_none_or(|d| d == b.dtype());
+    if !dtype_ok || b.device() != weight.device() {
+        return Err(LayerError::Config(format!(
+            "{what} bias is {} on {}, weight is {} on {}",
+            b.dtype(),
+            b.device(),
+            weight.dtype().map_or("quantized".to_string(), |d| d.to_string()),
+            weight.device()
+        )));
+    }
+    Ok(())
 }

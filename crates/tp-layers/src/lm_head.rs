@@ -18,34 +18,34 @@ use crate::column::check_placement;
 use crate::embedding::VocabParallelEmbedding;
 use crate::error::{LayerError, Result};
 use crate::loader::Loader;
+use crate::weight::Weight;
 use tp_comm::DeviceGroup;
 use tp_core::{Device, Tensor, TensorShard};
 
 /// Rank `shard.rank()`'s rows of a vocab-parallel LM head.
 #[derive(Debug, Clone)]
 pub struct ParallelLmHead {
-    /// `W_r: [V_r, H]`.
-    weight: Tensor,
+    /// `W_r: [V_r, H]` (packed for the host GEMM once [`pack_host`](Self::pack_host) ran).
+    weight: Weight,
     shard: TensorShard,
     /// Final-logit soft-capping `c`, if any.
     softcap: Option<f32>,
     group: DeviceGroup,
-    /// `W_r` packed for the host GEMM, once [`pack_host`](Self::pack_host) ran.
-    packed: Option<tp_core::PackedWeight>,
 }
 
 impl ParallelLmHead {
     /// Wraps a local weight holding rows `shard.start()..shard.end()` of the full `[V, H]`.
-    pub fn new(weight: Tensor, shard: TensorShard, group: &DeviceGroup) -> Result<ParallelLmHead> {
-        if weight.ndim() != 2 || shard.dim() != 0 || weight.dims()[0] != shard.len() {
+    pub fn new(weight: impl Into<Weight>, shard: TensorShard, group: &DeviceGroup) -> Result<ParallelLmHead> {
+        let weight = weight.into();
+        let (rows, _) = weight.check_2d("LM head")?;
+        if shard.dim() != 0 || rows != shard.len() {
             return Err(LayerError::Config(format!(
-                "LM head weight {:?} does not hold the {} rows of its shard",
-                weight.dims(),
+                "LM head weight of {rows} rows does not hold the {} rows of its shard",
                 shard.len()
             )));
         }
         check_placement(&shard, weight.device(), group)?;
-        Ok(ParallelLmHead { weight, shard, softcap: None, group: group.clone(), packed: None })
+        Ok(ParallelLmHead { weight, shard, softcap: None, group: group.clone() })
     }
 
     /// `group`'s rank's rows of a full `[V, H]` weight (moved to the group's device).
@@ -59,17 +59,16 @@ impl ParallelLmHead {
     pub fn load(ld: &Loader<'_>) -> Result<ParallelLmHead> {
         let (rows, _) = ld.dims2("weight")?;
         let shard = TensorShard::new(0, rows, ld.rank(), ld.world_size())?;
-        Self::new(ld.rows("weight", shard.start(), shard.len())?, shard, ld.group())
+        Self::new(ld.linear_rows("weight", shard.start(), shard.len())?, shard, ld.group())
     }
 
     /// The head of a model with tied embeddings: the embedding's own shard (shared, not copied).
     pub fn tied(embedding: &VocabParallelEmbedding) -> ParallelLmHead {
         ParallelLmHead {
-            weight: embedding.table().clone(),
+            weight: embedding.table().clone().into(),
             shard: *embedding.shard(),
             softcap: None,
             group: embedding.group().clone(),
-            packed: None,
         }
     }
 
@@ -90,26 +89,22 @@ impl ParallelLmHead {
     pub fn shard(&self) -> &TensorShard {
         &self.shard
     }
-    /// `W_r`.
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
+    /// `W_r` as a tensor; an error for quantized blocks ([`Weight::dense`]).
+    pub fn weight(&self) -> Result<&Tensor> {
+        self.weight.dense()
     }
 
     /// Packs the weight once into the host GEMM's panels (host weights only; a no-op on a GPU
     /// or when already packed), so that products of many rows (prefill, batched decode) stop
     /// repacking it: the same numbers, bitwise, for as much memory again as the weight.
     pub fn pack_host(&mut self) -> Result<()> {
-        self.packed = crate::linear::pack_host(&self.weight, self.packed.take())?;
-        Ok(())
+        self.weight.pack_host()
     }
 
     /// `L_r = h W_r^T: [.., V_r]` (soft-capped where the head caps), this rank's columns of
     /// the logits. No communication.
     pub fn forward_local(&self, h: &Tensor) -> Result<Tensor> {
-        let l = match &self.packed {
-            Some(p) => h.linear_packed(&self.weight, p, None)?,
-            None => h.matmul_t(&self.weight)?,
-        };
+        let l = self.weight.matmul_t(h)?;
         Ok(match self.softcap {
             Some(c) => l.softcap(c)?,
             None => l,

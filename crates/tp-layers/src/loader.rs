@@ -12,6 +12,7 @@
 use crate::checkpoint::Checkpoint;
 use crate::error::{LayerError, Result};
 use crate::options::LoadOptions;
+use crate::weight::Weight;
 use tp_comm::DeviceGroup;
 use tp_core::{DType, Device, Tensor};
 
@@ -116,6 +117,27 @@ impl<'a> Loader<'a> {
     /// Columns `start..start + len` (dim 1) of the 2-D parameter `t`, reading only those bytes.
     pub fn columns(&self, t: &str, start: usize, len: usize) -> Result<Tensor> {
         self.range(t, 1, start, len)
+    }
+
+    /// Rows `start..start + len` of the 2-D linear weight `t`: the GGUF file's quantized
+    /// blocks when the options keep them, else a tensor as [`rows`](Self::rows) reads it.
+    pub fn linear_rows(&self, t: &str, start: usize, len: usize) -> Result<Weight> {
+        self.linear_range(t, 0, start, len)
+    }
+
+    /// Columns `start..start + len` of the 2-D linear weight `t`, as
+    /// [`linear_rows`](Self::linear_rows) (quantized blocks covering the columns, padded).
+    pub fn linear_columns(&self, t: &str, start: usize, len: usize) -> Result<Weight> {
+        self.linear_range(t, 1, start, len)
+    }
+
+    fn linear_range(&self, t: &str, dim: usize, start: usize, len: usize) -> Result<Weight> {
+        if self.opts.quantized
+            && let Some(q) = self.ckpt.quant_range(&self.name(t), dim, start, len)?
+        {
+            return Ok(Weight::Quant(q));
+        }
+        Ok(self.range(t, dim, start, len)?.into())
     }
 
     fn range(&self, t: &str, dim: usize, start: usize, len: usize) -> Result<Tensor> {

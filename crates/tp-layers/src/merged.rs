@@ -10,6 +10,7 @@ use crate::error::{LayerError, Result};
 use crate::linear::Linear;
 use crate::loader::Loader;
 use crate::parts::Projections;
+use crate::weight::Weight;
 use tp_comm::DeviceGroup;
 use tp_core::{Tensor, TensorShard};
 
@@ -49,7 +50,7 @@ impl MergedColumnParallel {
         let (mut weights, mut biases, mut shards) = (Vec::new(), Vec::new(), Vec::new());
         for p in parts {
             let s = TensorShard::new(0, p.out_features(), group.rank(), group.world_size())?;
-            weights.push(s.shard(p.weight())?);
+            weights.push(s.shard(p.weight()?)?);
             biases.push(p.bias().map(|b| s.shard(b)).transpose()?);
             shards.push(s);
         }
@@ -100,7 +101,7 @@ impl MergedColumnParallel {
             shards.push(s);
         }
         let bias = if bias { Some(Tensor::cat(&biases, 0)?) } else { None };
-        Self::new(Linear::new(Tensor::cat(&weights, 0)?, bias)?, shards, ld.group())
+        Self::new(Linear::new(Weight::stack(weights)?, bias)?, shards, ld.group())
     }
 
     /// Each part's shard, in order.

@@ -56,7 +56,7 @@ impl ParallelMlp {
         group: &DeviceGroup,
     ) -> Result<ParallelMlp> {
         let gate_up = MergedColumnParallel::from_full(&[gate, up], group)?;
-        let down = RowParallel::from_full(down.weight(), down.bias(), group)?;
+        let down = RowParallel::from_full(down.weight()?, down.bias(), group)?;
         Self::new(gate_up, down, act)
     }
 

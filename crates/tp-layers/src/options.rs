@@ -10,6 +10,9 @@ use tp_core::DType;
 pub struct LoadOptions {
     /// Convert every parameter to this dtype (`None`: keep the checkpoint's).
     pub dtype: Option<DType>,
+    /// Keep a GGUF checkpoint's linear weights as its quantized blocks (multiplied without
+    /// being dequantized) instead of dequantizing them to `dtype`. No effect on safetensors.
+    pub quantized: bool,
 }
 
 impl LoadOptions {
@@ -21,6 +24,12 @@ impl LoadOptions {
     /// Parameters converted to `dtype` (round to nearest even when narrowing).
     pub fn with_dtype(mut self, dtype: DType) -> LoadOptions {
         self.dtype = Some(dtype);
+        self
+    }
+
+    /// Linear weights of a GGUF checkpoint kept as quantized blocks (`true`) or dequantized.
+    pub fn with_quantized(mut self, yes: bool) -> LoadOptions {
+        self.quantized = yes;
         self
     }
 }

@@ -6,6 +6,7 @@
 
 use crate::error::{LayerError, Result};
 use crate::loader::Loader;
+use crate::weight::Weight;
 use tp_core::Tensor;
 
 /// The checkpoint names of `N` projections of one input (relative to a [`Loader`]'s prefix,
@@ -80,9 +81,9 @@ impl<const N: usize> Projections<N> {
         rows: &[usize; N],
         (start, len): (usize, usize),
         bias: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    ) -> Result<(Weight, Option<Tensor>)> {
         let (name, base) = self.locate(i, rows);
-        let w = ld.rows(&format!("{name}.weight"), base + start, len)?;
+        let w = ld.linear_rows(&format!("{name}.weight"), base + start, len)?;
         let b = if bias {
             let t = format!("{name}.bias");
             let want = match self {

@@ -15,6 +15,7 @@ use crate::error::{LayerError, Result};
 use crate::linear::Linear;
 use crate::loader::Loader;
 use crate::parts::Projections;
+use crate::weight::Weight;
 use std::ops::Range;
 use tp_core::{Tensor, TensorShard};
 
@@ -173,8 +174,8 @@ impl QkvParallel {
         }
         let (qs, ql) = layout.rows(layout.q_start, layout.q_len);
         let (ks, kl) = layout.rows(layout.kv_start, layout.kv_len);
-        let take = |l: &Linear, s: usize, n: usize| -> Result<(Tensor, Option<Tensor>)> {
-            Ok((l.weight().narrow(0, s, n)?, l.bias().map(|b| b.narrow(0, s, n)).transpose()?))
+        let take = |l: &Linear, s: usize, n: usize| -> Result<(Weight, Option<Tensor>)> {
+            Ok((l.weight()?.narrow(0, s, n)?.into(), l.bias().map(|b| b.narrow(0, s, n)).transpose()?))
         };
         let parts = [take(q, qs, ql)?, take(k, ks, kl)?, take(v, ks, kl)?];
         Self::assemble(parts, layout)
@@ -199,8 +200,8 @@ impl QkvParallel {
         Self::assemble(parts, layout)
     }
 
-    fn assemble(parts: [(Tensor, Option<Tensor>); 3], layout: QkvLayout) -> Result<QkvParallel> {
-        let weight = Tensor::cat(&[&parts[0].0, &parts[1].0, &parts[2].0], 0)?;
+    fn assemble(parts: [(Weight, Option<Tensor>); 3], layout: QkvLayout) -> Result<QkvParallel> {
+        let weight = Weight::stack(parts.iter().map(|p| p.0.clone()).collect())?;
         let biases: Vec<&Tensor> = parts.iter().filter_map(|p| p.1.as_ref()).collect();
         let bias = match biases.len() {
             0 => None,

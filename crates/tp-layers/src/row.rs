@@ -12,6 +12,7 @@
 use crate::column::check_placement;
 use crate::error::{LayerError, Result};
 use crate::loader::Loader;
+use crate::weight::Weight;
 use std::ops::Range;
 use tp_comm::{DeviceGroup, ReduceOp};
 use tp_core::{Tensor, TensorShard};
@@ -19,14 +20,12 @@ use tp_core::{Tensor, TensorShard};
 /// Rank `r`'s part of a row-parallel linear layer, with the group it runs on.
 #[derive(Debug, Clone)]
 pub struct RowParallel {
-    /// `A_r: [out, in_r]`.
-    weight: Tensor,
+    /// `A_r: [out, in_r]` (packed for the host GEMM once [`pack_host`](Self::pack_host) ran).
+    weight: Weight,
     /// The full `b: [out]` (every rank holds it; it is added after the all-reduce).
     bias: Option<Tensor>,
     shard: TensorShard,
     group: DeviceGroup,
-    /// `A_r` packed for the host GEMM, once [`pack_host`](Self::pack_host) ran.
-    packed: Option<tp_core::PackedWeight>,
 }
 
 impl RowParallel {
@@ -34,10 +33,14 @@ impl RowParallel {
     /// `shard.start()..shard.end()` of the full `[out, in]` weight (the balanced shard, or any
     /// range built with `TensorShard::with_range`); `shard.dim()` must be 1; `bias` is the full
     /// `[out]` bias.
-    pub fn new(weight: Tensor, bias: Option<Tensor>, shard: TensorShard, group: &DeviceGroup) -> Result<RowParallel> {
-        let &[out, in_r] = weight.dims() else {
-            return Err(LayerError::Config(format!("RowParallel weight must be [out, in_r], got {:?}", weight.dims())));
-        };
+    pub fn new(
+        weight: impl Into<Weight>,
+        bias: Option<Tensor>,
+        shard: TensorShard,
+        group: &DeviceGroup,
+    ) -> Result<RowParallel> {
+        let weight = weight.into();
+        let (out, in_r) = weight.check_2d("RowParallel")?;
         if shard.dim() != 1 || shard.len() != in_r {
             return Err(LayerError::Config(format!(
                 "RowParallel shard must split dim 1 with {in_r} columns, got dim {} with {}",
@@ -45,16 +48,11 @@ impl RowParallel {
                 shard.len()
             )));
         }
-        if let Some(b) = &bias
-            && (b.dims() != [out] || b.dtype() != weight.dtype() || b.device() != weight.device())
-        {
-            return Err(LayerError::Config(format!(
-                "RowParallel bias must be [{out}] like the weight, got {:?}",
-                b.dims()
-            )));
+        if let Some(b) = &bias {
+            crate::linear::check_bias(b, out, &weight, "RowParallel")?;
         }
         check_placement(&shard, weight.device(), group)?;
-        Ok(RowParallel { weight, bias, shard, group: group.clone(), packed: None })
+        Ok(RowParallel { weight, bias, shard, group: group.clone() })
     }
 
     /// `group`'s rank's balanced columns of a full `[out, in]` weight (and the full bias),
@@ -110,7 +108,7 @@ impl RowParallel {
 
     fn load_shard(ld: &Loader<'_>, shard: TensorShard) -> Result<RowParallel> {
         let (out, _) = ld.dims2("weight")?;
-        let weight = ld.columns("weight", shard.start(), shard.len())?;
+        let weight = ld.linear_columns("weight", shard.start(), shard.len())?;
         let bias = if ld.contains("bias") {
             ld.expect("bias", &[out])?;
             Some(ld.full("bias")?)
@@ -124,8 +122,12 @@ impl RowParallel {
     pub fn shard(&self) -> &TensorShard {
         &self.shard
     }
-    /// `A_r`.
-    pub fn weight(&self) -> &Tensor {
+    /// `A_r` as a tensor; an error for quantized blocks ([`Weight::dense`]).
+    pub fn weight(&self) -> Result<&Tensor> {
+        self.weight.dense()
+    }
+    /// `A_r`, however it is held.
+    pub fn weights(&self) -> &Weight {
         &self.weight
     }
     /// The full bias.
@@ -139,18 +141,14 @@ impl RowParallel {
 
     /// `X_r A_r^T`: this rank's partial product, before any communication.
     pub fn forward_partial(&self, x_local: &Tensor) -> Result<Tensor> {
-        Ok(match &self.packed {
-            Some(p) => x_local.linear_packed(&self.weight, p, None)?,
-            None => x_local.matmul_t(&self.weight)?,
-        })
+        self.weight.matmul_t(x_local)
     }
 
     /// Packs the weight once into the host GEMM's panels (host weights only; a no-op on a GPU
     /// or when already packed), so that products of many rows (prefill, batched decode) stop
     /// repacking it: the same numbers, bitwise, for as much memory again as the weight.
     pub fn pack_host(&mut self) -> Result<()> {
-        self.packed = crate::linear::pack_host(&self.weight, self.packed.take())?;
-        Ok(())
+        self.weight.pack_host()
     }
 
     /// `Y = Σ_r X_r A_r^T + b` from this rank's input block `x_local: [.., in_r]`.

@@ -34,7 +34,7 @@ fn mlp(dtype: DType, bias: bool) -> Mlp {
 fn named<'a>(m: &'a Mlp, prefix: &str) -> Vec<(String, &'a Tensor)> {
     let mut v = Vec::new();
     for (n, l) in [("gate_proj", &m.gate), ("up_proj", &m.up), ("down_proj", &m.down)] {
-        v.push((format!("{prefix}.{n}.weight"), l.weight()));
+        v.push((format!("{prefix}.{n}.weight"), l.weight().unwrap()));
         if let Some(b) = l.bias() {
             v.push((format!("{prefix}.{n}.bias"), b));
         }
@@ -60,15 +60,18 @@ fn shards_read_only_their_bytes_and_equal_narrow() {
     for world in 1..=8 {
         for dim in 0..2 {
             for rank in 0..world {
-                let shard = TensorShard::new(dim, m.down.weight().dims()[dim], rank, world).unwrap();
+                let shard = TensorShard::new(dim, m.down.weight().unwrap().dims()[dim], rank, world).unwrap();
                 let (t, read) = ckpt.load_shard(&name, &shard, None, &CPU).unwrap();
-                assert_eq!(t, shard.shard(m.down.weight()).unwrap());
+                assert_eq!(t, shard.shard(m.down.weight().unwrap()).unwrap());
                 assert_eq!(read, t.size_in_bytes(), "read exactly the shard's bytes");
             }
         }
     }
-    assert_eq!(ckpt.load(&name, None, &CPU).unwrap(), *m.down.weight());
-    assert_eq!(ckpt.load(&name, Some(DType::F32), &CPU).unwrap(), m.down.weight().to_dtype(DType::F32).unwrap());
+    assert_eq!(ckpt.load(&name, None, &CPU).unwrap(), *m.down.weight().unwrap());
+    assert_eq!(
+        ckpt.load(&name, Some(DType::F32), &CPU).unwrap(),
+        m.down.weight().unwrap().to_dtype(DType::F32).unwrap()
+    );
 }
 
 #[test]
@@ -115,8 +118,11 @@ fn layers_load_from_a_single_file_and_from_an_index() {
                     let col = ColumnParallel::load(&ld.pp("gate_proj")).unwrap();
                     let full = ColumnParallel::from_full(&m.gate, &g).unwrap();
                     let row = RowParallel::load(&ld.pp("down_proj")).unwrap();
-                    let full_row = RowParallel::from_full(m.down.weight(), m.down.bias(), &g).unwrap();
-                    (col.forward(&x).unwrap() == full.forward(&x).unwrap(), row.weight() == full_row.weight())
+                    let full_row = RowParallel::from_full(m.down.weight().unwrap(), m.down.bias(), &g).unwrap();
+                    (
+                        col.forward(&x).unwrap() == full.forward(&x).unwrap(),
+                        row.weight().unwrap() == full_row.weight().unwrap(),
+                    )
                 });
                 assert!(got.iter().all(|&(c, r)| c && r), "{} world {world}", source.display());
             }
@@ -152,7 +158,7 @@ fn malformed_checkpoints_are_typed_errors() {
     let bad = linear(24, 42, false, DType::F32, 7);
     let mut tensors = named(&m, P);
     tensors.retain(|(n, _)| !n.contains("down_proj"));
-    tensors.push((format!("{P}.down_proj.weight"), bad.weight()));
+    tensors.push((format!("{P}.down_proj.weight"), bad.weight().unwrap()));
     let wrong_shape = dir.join("shape.safetensors");
     write(&wrong_shape, &tensors);
     expect_err(

@@ -301,7 +301,7 @@ fn layers_keep_their_group_and_refuse_parts_of_another_rank() {
     let errs = on_ranks(2, CPU, |g| {
         let other = (g.rank() + 1) % 2;
         let s = TensorShard::new(0, 10, other, 2).unwrap();
-        let local = Linear::new(s.shard(full.weight()).unwrap(), None).unwrap();
+        let local = Linear::new(s.shard(full.weight().unwrap()).unwrap(), None).unwrap();
         let a = ColumnParallel::new(local, s, &g).unwrap_err();
         let s3 = TensorShard::new(0, VOCAB, g.rank(), 3).unwrap();
         let e = VocabParallelEmbedding::new(s3.shard(&table).unwrap(), s3, &g).unwrap_err();
@@ -321,7 +321,7 @@ fn impossible_attention_layouts_and_shapes_are_typed_errors() {
     let w = AttnWeights::random(HIDDEN, 4, 2, 6, false, DType::F32, 20);
     let named: Vec<(String, Tensor)> = [("q", &w.q), ("k", &w.k), ("v", &w.v), ("o", &w.o)]
         .iter()
-        .map(|(n, l)| (format!("a.{n}_proj.weight"), l.weight().clone()))
+        .map(|(n, l)| (format!("a.{n}_proj.weight"), l.weight().unwrap().clone()))
         .collect();
     save_named(&dir.join("model.safetensors"), &named);
     let ckpt = Checkpoint::open(&dir).unwrap();

@@ -34,9 +34,9 @@ fn setup(name: &str) -> (PathBuf, MlpRef, usize) {
     save(
         dir.join("model.safetensors"),
         &[
-            (&format!("{p}.gate_proj.weight"), gate.weight()),
-            (&format!("{p}.up_proj.weight"), up.weight()),
-            (&format!("{p}.down_proj.weight"), down.weight()),
+            (&format!("{p}.gate_proj.weight"), gate.weight().unwrap()),
+            (&format!("{p}.up_proj.weight"), up.weight().unwrap()),
+            (&format!("{p}.down_proj.weight"), down.weight().unwrap()),
             (&format!("{p}.down_proj.bias"), down.bias().unwrap()),
         ],
     )

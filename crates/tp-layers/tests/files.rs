@@ -47,9 +47,9 @@ fn mlp_tensors() -> Vec<(String, Tensor)> {
     let (gate, up, down) =
         (linear(12, 8, false, DType::F32, 1), linear(12, 8, false, DType::F32, 2), linear(8, 12, true, DType::F32, 3));
     vec![
-        (format!("{P}.gate_proj.weight"), gate.weight().clone()),
-        (format!("{P}.up_proj.weight"), up.weight().clone()),
-        (format!("{P}.down_proj.weight"), down.weight().clone()),
+        (format!("{P}.gate_proj.weight"), gate.weight().unwrap().clone()),
+        (format!("{P}.up_proj.weight"), up.weight().unwrap().clone()),
+        (format!("{P}.down_proj.weight"), down.weight().unwrap().clone()),
         (format!("{P}.down_proj.bias"), down.bias().unwrap().clone()),
     ]
 }

@@ -52,7 +52,7 @@ fn layers_on_ranks_sharing_one_gpu_match_the_host() {
                 let xg = x.to_device(&GPU).unwrap();
                 let mlp = ParallelMlp::from_full(&gg, &ug, &dg, Activation::Silu, &g).unwrap();
                 let col = ColumnParallel::from_full(&gg, &g).unwrap().forward_gathered(&xg).unwrap();
-                let row = RowParallel::from_full(dg.weight(), dg.bias(), &g).unwrap();
+                let row = RowParallel::from_full(dg.weight().unwrap(), dg.bias(), &g).unwrap();
                 let act = Tensor::rand(&[9, inter], dtype, 11, &CPU).unwrap().to_device(&GPU).unwrap();
                 let row_y = row.forward_split(&act).unwrap();
                 (
@@ -163,7 +163,7 @@ fn forwards_over_nccl_issue_no_host_synchronisation() {
     );
     let mlp = ParallelMlp::from_full(&gate, &up, &down, Activation::Silu, &g).unwrap();
     let col = ColumnParallel::from_full(&gate, &g).unwrap();
-    let row = RowParallel::from_full(down.weight(), down.bias(), &g).unwrap();
+    let row = RowParallel::from_full(down.weight().unwrap(), down.bias(), &g).unwrap();
     let x = Tensor::rand(&[9, 64], dtype, 4, &CPU).unwrap().to_device(&GPU).unwrap();
     let act = Tensor::rand(&[9, 200], dtype, 5, &CPU).unwrap().to_device(&GPU).unwrap();
     // Warm up (modules load on first use), then count.

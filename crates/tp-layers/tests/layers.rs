@@ -50,7 +50,7 @@ fn row_parallel_sums_partials_and_adds_the_bias_once() {
         let (want, abs) = linear_f64(&x, &full);
         for world in 1..=8 {
             let got = on_ranks(world, CPU, |g| {
-                let layer = RowParallel::from_full(full.weight(), full.bias(), &g).unwrap();
+                let layer = RowParallel::from_full(full.weight().unwrap(), full.bias(), &g).unwrap();
                 let split = layer.forward_split(&x).unwrap();
                 // The same through an explicitly split input.
                 let xr = TensorShard::new(2, IN, g.rank(), world).unwrap().shard(&x).unwrap();
@@ -190,8 +190,10 @@ fn parallel_mlp_matches_the_unsharded_block_at_every_world_size() {
 fn bad_layer_arguments_are_typed_errors() {
     let l = linear(OUT, IN, true, DType::F32, 1);
     assert!(Linear::new(Tensor::zeros(&[3], DType::F32, &CPU).unwrap(), None).is_err());
-    assert!(Linear::new(l.weight().clone(), Some(Tensor::zeros(&[OUT + 1], DType::F32, &CPU).unwrap())).is_err());
-    assert!(Linear::new(l.weight().clone(), Some(Tensor::zeros(&[OUT], DType::BF16, &CPU).unwrap())).is_err());
+    assert!(
+        Linear::new(l.weight().unwrap().clone(), Some(Tensor::zeros(&[OUT + 1], DType::F32, &CPU).unwrap())).is_err()
+    );
+    assert!(Linear::new(l.weight().unwrap().clone(), Some(Tensor::zeros(&[OUT], DType::BF16, &CPU).unwrap())).is_err());
     assert!(TensorShard::new(0, OUT, 3, 3).is_err(), "rank >= world");
     assert!(TensorShard::new(0, OUT, 0, 0).is_err(), "world 0");
     let x_wrong = Tensor::zeros(&[TOKENS, IN + 1], DType::F32, &CPU).unwrap();

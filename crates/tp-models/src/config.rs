@@ -246,8 +246,14 @@ impl ModelConfig {
     /// Reads `dir/config.json` (and `dir/generation_config.json` for the end-of-sequence ids, as
     /// transformers' `generate` does, when present). Both are read once, as regular files of
     /// at most [`MAX_CONFIG_BYTES`].
+    ///
+    /// `dir` may instead be a GGUF file, or a folder holding one and no `config.json`: the
+    /// config then comes from the file's metadata ([`crate::gguf`]).
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<ModelConfig> {
         let dir = dir.as_ref();
+        if let Some(path) = crate::gguf::find_gguf(dir)? {
+            return Ok(crate::gguf::GgufModel::open(&path)?.config);
+        }
         let mut config = Self::from_json(&read_json(&dir.join("config.json"))?)?;
         let gen_path = dir.join("generation_config.json");
         if std::fs::symlink_metadata(&gen_path).is_ok() {

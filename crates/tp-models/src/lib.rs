@@ -41,6 +41,7 @@ mod arch;
 mod blocks;
 mod config;
 mod error;
+pub mod gguf;
 mod model;
 mod rope_config;
 mod rope_kinds;

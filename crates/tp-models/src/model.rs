@@ -131,6 +131,11 @@ impl ParallelCausalLm {
     /// several files) for `group`: each rank reads only its shards, onto the group's device.
     /// The config is read here; [`load_with_config`](Self::load_with_config) takes one read
     /// already (so that every rank of a process uses one copy).
+    ///
+    /// `dir` may instead be a GGUF file, or a folder holding one and no `config.json`
+    /// ([`crate::gguf`]): the config comes from its metadata. With no dtype in `opts` its linear
+    /// weights stay quantized blocks (computing in f32); with one, every tensor is dequantized
+    /// to it while loading.
     pub fn load(dir: impl AsRef<Path>, group: &DeviceGroup, opts: &ModelOptions) -> Result<ParallelCausalLm> {
         let config = ModelConfig::from_dir(dir.as_ref())?;
         Self::load_with_config(dir, &config, group, opts)
@@ -155,14 +160,21 @@ impl ParallelCausalLm {
         let c = config;
         let layout =
             QkvLayout::new(c.num_attention_heads, c.num_key_value_heads, c.head_dim, group.rank(), group.world_size())?;
-        let ckpt = Checkpoint::open(dir)?;
+        let (ckpt, quantized) = match crate::gguf::find_gguf(dir)? {
+            Some(path) => {
+                let m = crate::gguf::GgufModel::open(&path)?;
+                let tensors = crate::gguf::tensor_map(c, &m.arch);
+                (Checkpoint::from_gguf(m.file, &path, tensors)?, opts.dtype.is_none())
+            }
+            None => (Checkpoint::open(dir)?, false),
+        };
         check_tensors(&ckpt, c)?;
         let dtype = match opts.dtype {
             Some(d) => d,
             None => ckpt.param_info("model.embed_tokens.weight")?.0,
         };
         check_same_config(c, group)?;
-        let root = Loader::new(&ckpt, group, LoadOptions::new().with_dtype(dtype));
+        let root = Loader::new(&ckpt, group, LoadOptions::new().with_dtype(dtype).with_quantized(quantized));
         let model = root.pp("model");
         let mut embed = VocabParallelEmbedding::load(&model.pp("embed_tokens"))?;
         if let Some(s) = c.embedding_scale {
@@ -172,7 +184,10 @@ impl ParallelCausalLm {
             .map(|i| crate::blocks::decoder_layer(&model.pp("layers").pp(i), c, i))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(&model.pp("norm"), c.rms_norm_eps, c.norm_style)?;
-        let mut lm_head = if c.tie_word_embeddings {
+        let mut lm_head = if c.tie_word_embeddings && quantized {
+            // The embedding's quantized rows, not its dequantized table: the head reads them.
+            ParallelLmHead::load(&model.pp("embed_tokens"))?
+        } else if c.tie_word_embeddings {
             ParallelLmHead::tied(&embed)
         } else {
             ParallelLmHead::load(&root.pp("lm_head"))?

@@ -127,20 +127,29 @@ def type_for(kind, gname):
     return T[kind]
 
 
-K_SCALE_BYTES = {  # offsets of the f16 scales (d, and dmin where present) in each K block
-    T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+# Per K-quant type: the byte offsets of its f16 super-block scales (d, then dmin where it has
+# one), the typical |w| / d of random blocks (so that d = 1 / (that * sqrt(cols)) gives weights of
+# order 1/sqrt(fan_in), like a trained layer's), and dmin / d that centres the weights on zero.
+K_SCALES = {
+    T.Q2_K: ([80, 82], 10.0, 1.5),
+    T.Q3_K: ([108], 32.0, None),
+    T.Q4_K: ([0, 2], 240.0, 7.5),
+    T.Q5_K: ([0, 2], 500.0, 15.5),
+    T.Q6_K: ([208], 1000.0, None),
 }
 
 
 def random_k_blocks(qtype, shape, rng):
-    """Seeded random blocks of a K-quant type for a [rows, cols] weight, small finite scales."""
+    """Seeded random blocks of a K-quant type for a [rows, cols] weight: random quants and
+    sub-block scales, super-block scales that give zero-centred weights of order 1/sqrt(cols)."""
     elems, size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = shape
     n = rows * cols // elems
     raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    scale = 0.5 / np.sqrt(cols) / 32.0
-    for i, off in enumerate(K_SCALE_BYTES[qtype]):
-        v = rng.uniform(0.5, 1.5, size=n).astype(np.float32) * scale * (1.0 if i == 0 else 0.5)
+    offsets, typical, dmin_ratio = K_SCALES[qtype]
+    d = rng.uniform(0.5, 1.5, size=n).astype(np.float32) / (typical * np.sqrt(cols))
+    scales = [d] if dmin_ratio is None else [d, d * dmin_ratio]
+    for off, v in zip(offsets, scales):
         raw[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(n, 2)
     return raw.reshape(rows, cols // elems * size)
 
@@ -149,7 +158,7 @@ def encode(a, qtype, rng):
     """(the GGUF payload, its dequantized f32 values) of the f32 array `a` as `qtype`."""
     if qtype == T.F32:
         return a.astype(np.float32), a.astype(np.float32)
-    if qtype in K_SCALE_BYTES:
+    if qtype in K_SCALES:
         q = random_k_blocks(qtype, a.shape, rng)
     else:
         q = gguf.quants.quantize(a.astype(np.float32), qtype)

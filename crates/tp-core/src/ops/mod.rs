@@ -10,6 +10,7 @@ mod matmul;
 mod norm;
 mod paged;
 mod paged_cuda;
+mod quant;
 mod rope;
 mod tokens;
 
@@ -18,6 +19,7 @@ pub use elementwise::Activation;
 pub use matmul::{PackedWeight, WeightLayout};
 pub use norm::NormStyle;
 pub use paged::{PagedAttentionSpec, PagedSeq};
+pub use quant::QuantWeight;
 pub use rope::{RopeScaling, RotaryEmbedding};
 
 use crate::{Error, Result, Tensor};

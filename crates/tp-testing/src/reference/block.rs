@@ -21,7 +21,7 @@ pub fn random_linear(out: usize, inp: usize, bias: bool, dtype: DType, seed: u64
 /// `x W^T + b` of layer `l` for rows `x: [t, in]`, with `Σ|x·w| + |b|` per element.
 pub fn layer_abs(x: &[f64], l: &Linear) -> (Vec<f64>, Vec<f64>) {
     let b = l.bias().map(f64s);
-    linear_abs(x, &f64s(l.weight()), b.as_deref(), l.in_features())
+    linear_abs(x, &f64s(l.weight().expect("a dense weight")), b.as_deref(), l.in_features())
 }
 
 /// `x W^T + b` of layer `l` for rows `x: [t, in]`.
@@ -43,8 +43,9 @@ impl AttnWeights {
         let s = 0.3; // keeps scores O(1) so softmax is not one-hot
         let scaled = |out, inp, b, seed| {
             let l = random_linear(out, inp, b, dtype, seed);
-            let wv = f64s(l.weight());
-            let w = Tensor::from_fn_f64(l.weight().dims(), dtype, &Device::Cpu, |i| wv[i] * s).expect("scaled weight");
+            let wv = f64s(l.weight().expect("a dense weight"));
+            let w = Tensor::from_fn_f64(l.weight().expect("a dense weight").dims(), dtype, &Device::Cpu, |i| wv[i] * s)
+                .expect("scaled weight");
             Linear::new(w, l.bias().cloned()).expect("a layer of matching shapes")
         };
         AttnWeights {
@@ -97,7 +98,7 @@ pub fn mlp_f64(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear) -> MlpRef 
     let (g, u) = (layer(&xv, gate), layer(&xv, up));
     let act = glu_f64(&g, &u, Activation::Silu);
     let (y, partial_abs) = layer_abs(&act, down);
-    let (wd, bd) = (f64s(down.weight()), down.bias().map(f64s));
+    let (wd, bd) = (f64s(down.weight().expect("a dense weight")), down.bias().map(f64s));
     let (h, inter) = (down.out_features(), gate.out_features());
     let scale = (0..y.len())
         .map(|e| {
@@ -165,7 +166,7 @@ impl BlockWeights {
             ("mlp.down_proj", &self.down),
         ];
         for (n, l) in parts {
-            v.push((format!("{prefix}.{n}.weight"), l.weight().clone()));
+            v.push((format!("{prefix}.{n}.weight"), l.weight().expect("a dense weight").clone()));
             if let Some(b) = l.bias() {
                 v.push((format!("{prefix}.{n}.bias"), b.clone()));
             }

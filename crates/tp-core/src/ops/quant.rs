@@ -1,0 +1,202 @@
+//! [`QuantWeight`]: a linear layer's weight held as llama.cpp's quantized blocks, and
+//! [`Tensor::linear_quant`], `y = x W^T (+ b)` straight from those blocks.
+//!
+//! `W: [out, width]` is one or more *parts* stacked along the rows (a fused q/k/v or gate/up
+//! weight whose parts a GGUF file stores as separate tensors, each of its own type: a Q4_K_M
+//! file mixes Q4_K and Q6_K). Every part's rows have the same stored length `k`, a multiple of
+//! each part's block (32 elements, or 256 for the K-quants). The logical input columns
+//! `lead .. lead + width` of the stored rows are the layer's; the others (at most one block's
+//! worth on each side) are there only because a rank's column range need not start or end on a
+//! block boundary (a row-parallel shard at an uneven TP degree): `x` is placed at column `lead`
+//! of a zero row of length `k`, so the columns outside the range meet zeros and add nothing,
+//! exactly. The cost is the padding's bytes, read on every product.
+//!
+//! The host product quantizes `x` per block to 8 bits (tp-cpu's [`tp_cpu::quant`]) and takes
+//! integer dot products with f32 accumulation; its error against the exact product of the
+//! dequantized weight is bounded in [`tp_cpu::quant::quant_matmul`]'s documentation.
+
+use crate::{DType, Device, Error, Result, Tensor};
+use std::sync::Arc;
+use tp_cpu::quant::{QuantType, quant_matmul};
+
+const OP: &str = "linear_quant";
+
+/// One block of rows of a [`QuantWeight`], of one type.
+#[derive(Debug, Clone)]
+struct Part {
+    qtype: QuantType,
+    rows: usize,
+    /// `rows * qtype.row_bytes(k)` bytes, row after row.
+    data: Arc<Vec<u8>>,
+}
+
+/// A weight `[out, width]` held as quantized blocks (host memory), for
+/// [`Tensor::linear_quant`].
+#[derive(Debug, Clone)]
+pub struct QuantWeight {
+    parts: Vec<Part>,
+    /// Stored row length in elements.
+    k: usize,
+    /// Zero columns before the layer's input within a stored row.
+    lead: usize,
+    /// The layer's input features.
+    width: usize,
+}
+
+impl QuantWeight {
+    /// One part: `rows` rows of `k` elements of type `qtype` (`data`: exactly
+    /// `rows * qtype.row_bytes(k)` bytes), of which columns `lead .. lead + width` are the
+    /// layer's input.
+    ///
+    /// Errors: `k` not a multiple of the type's block, a byte count that does not match, or
+    /// `lead + width > k`.
+    pub fn new(qtype: QuantType, rows: usize, k: usize, lead: usize, width: usize, data: Vec<u8>) -> Result<Self> {
+        let row_bytes = qtype.row_bytes(k).ok_or_else(|| Error::InvalidArgument {
+            op: OP,
+            why: format!("a row of {k} elements is not whole {} blocks of {}", qtype.name(), qtype.block_elems()),
+        })?;
+        if rows.checked_mul(row_bytes) != Some(data.len()) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: format!(
+                    "{rows} rows of {k} {} elements take {rows} x {row_bytes} bytes, got {}",
+                    qtype.name(),
+                    data.len()
+                ),
+            });
+        }
+        if lead.checked_add(width).is_none_or(|end| end > k) || width == 0 {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: format!("input columns {lead}..{lead}+{width} do not lie within a stored row of {k}"),
+            });
+        }
+        Ok(QuantWeight { parts: vec![Part { qtype, rows, data: Arc::new(data) }], k, lead, width })
+    }
+
+    /// The weights stacked along the rows, in order (their outputs side by side).
+    ///
+    /// Errors: no weight, or weights whose stored rows or input columns differ.
+    pub fn stack(weights: &[QuantWeight]) -> Result<QuantWeight> {
+        let first = weights.first().ok_or_else(|| Error::InvalidArgument { op: OP, why: "nothing to stack".into() })?;
+        let mut out = first.clone();
+        for w in &weights[1..] {
+            if (w.k, w.lead, w.width) != (first.k, first.lead, first.width) {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    why: format!(
+                        "cannot stack rows of {} stored / {}+{} input columns on rows of {} / {}+{}",
+                        w.k, w.lead, w.width, first.k, first.lead, first.width
+                    ),
+                });
+            }
+            out.parts.extend(w.parts.iter().cloned());
+        }
+        Ok(out)
+    }
+
+    /// Output features (rows of every part).
+    pub fn out_features(&self) -> usize {
+        self.parts.iter().map(|p| p.rows).sum()
+    }
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.width
+    }
+    /// Stored row length and the input's first column in it.
+    pub fn stored(&self) -> (usize, usize) {
+        (self.k, self.lead)
+    }
+    /// Each part's type and rows.
+    pub fn parts(&self) -> impl Iterator<Item = (QuantType, usize)> + '_ {
+        self.parts.iter().map(|p| (p.qtype, p.rows))
+    }
+    /// Bytes held (what one product reads).
+    pub fn bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.data.len()).sum()
+    }
+    /// Where the blocks live (host memory).
+    pub fn device(&self) -> Device {
+        Device::Cpu
+    }
+}
+
+impl Tensor {
+    /// `x W^T + b` for `x: [.., width]` (self) and a quantized `W: [out, width]`, in f32:
+    /// `x` is converted to f32, the result is `[.., out]` in `x`'s dtype, the bias (`[out]`,
+    /// any float dtype) added in f32.
+    ///
+    /// Errors: a CUDA tensor, an integer dtype, a last dim other than `width`, a bias of another
+    /// length.
+    pub fn linear_quant(&self, w: &QuantWeight, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.require_float()?;
+        if self.device() != Device::Cpu {
+            return Err(Error::UnsupportedDevice { op: OP, device: self.device() });
+        }
+        let (&width, lead_dims) = self.dims().split_last().ok_or_else(|| Error::RankMismatch {
+            op: OP,
+            expected: "at least 1",
+            dims: vec![],
+        })?;
+        if width != w.width {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: vec![w.out_features(), w.width],
+                why: "the input's last dim must be the weight's input features",
+            });
+        }
+        let out = w.out_features();
+        if let Some(b) = bias
+            && b.dims() != [out]
+        {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: b.dims().to_vec(),
+                rhs: vec![out],
+                why: "bias must be [out]",
+            });
+        }
+        let m: usize = lead_dims.iter().product();
+        let x = self.to_dtype(DType::F32)?;
+        let x = x.as_slice::<f32>()?;
+        // The input at column `lead` of zero rows of the stored length, when they differ.
+        let padded;
+        let xs = if w.k == w.width {
+            x
+        } else {
+            let mut p = vec![0f32; m * w.k];
+            for (dst, src) in p.chunks_exact_mut(w.k).zip(x.chunks_exact(width)) {
+                dst[w.lead..w.lead + width].copy_from_slice(src);
+            }
+            padded = p;
+            &padded[..]
+        };
+        let mut y = vec![0f32; m * out];
+        if w.parts.len() == 1 {
+            let p = &w.parts[0];
+            quant_matmul(p.qtype, &p.data, p.rows, w.k, xs, m, &mut y)?;
+        } else {
+            // Each part's outputs are a block of columns of `y`.
+            let mut col = 0;
+            for p in &w.parts {
+                let mut part = vec![0f32; m * p.rows];
+                quant_matmul(p.qtype, &p.data, p.rows, w.k, xs, m, &mut part)?;
+                for (dst, src) in y.chunks_exact_mut(out).zip(part.chunks_exact(p.rows)) {
+                    dst[col..col + p.rows].copy_from_slice(src);
+                }
+                col += p.rows;
+            }
+        }
+        if let Some(b) = bias {
+            let b = b.to_dtype(DType::F32)?;
+            let b = b.as_slice::<f32>()?;
+            for row in y.chunks_exact_mut(out) {
+                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            }
+        }
+        let mut dims = lead_dims.to_vec();
+        dims.push(out);
+        Tensor::from_vec(y, &dims, &Device::Cpu)?.to_dtype(self.dtype())
+    }
+}
