@@ -41,6 +41,8 @@ mod arch;
 mod blocks;
 mod config;
 mod error;
+#[cfg(feature = "tokenizers")]
+pub mod gguf_tokenizer;
 mod model;
 mod rope_config;
 mod rope_kinds;
