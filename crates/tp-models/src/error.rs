@@ -24,6 +24,10 @@ pub enum ModelError {
     #[error("{0}")]
     Request(String),
 
+    /// The tokenizer metadata of a GGUF file is inconsistent or of a kind tp does not build.
+    #[error("GGUF tokenizer: {0}")]
+    Vocabulary(String),
+
     /// Loading or running a layer failed (checkpoint tensors, shapes, caches, collectives).
     #[error(transparent)]
     Layer(#[from] tp_layers::LayerError),

@@ -42,6 +42,8 @@ mod blocks;
 mod config;
 mod error;
 pub mod gguf;
+#[cfg(feature = "tokenizers")]
+pub mod gguf_tokenizer;
 mod model;
 mod rope_config;
 mod rope_kinds;
