@@ -59,7 +59,8 @@ pub enum BackendArg {
 /// `tp serve MODEL_DIR [FLAGS]`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
-    /// The model folder (config.json, safetensors, tokenizer.json, tokenizer_config.json).
+    /// The model folder (config.json, safetensors, tokenizer.json, tokenizer_config.json), or a
+    /// GGUF file (or a folder holding one), which carries its tokenizer and chat template.
     pub model_dir: PathBuf,
     /// Ranks the model is split over.
     #[arg(long = "tensor-parallel-size", alias = "tp", default_value_t = 1)]

@@ -1,6 +1,8 @@
 //! The model folder's text side: `tokenizer.json` (the `tokenizers` crate) and the chat
 //! template (`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`, a string or a
-//! list of named templates, the one named `default` or the first).
+//! list of named templates, the one named `default` or the first). A GGUF model without a
+//! `tokenizer.json` beside it takes both from the file (`tokenizer.ggml.*`, built as
+//! transformers builds it, and `tokenizer.chat_template`).
 
 use crate::error::CliError;
 use crate::template::ChatTemplate;
@@ -22,6 +24,14 @@ pub struct TextModel {
 impl TextModel {
     /// Reads `dir/tokenizer.json`, and the chat template if the folder has one.
     pub fn load(dir: &Path) -> Result<TextModel, CliError> {
+        let gguf = tp_models::gguf::find_gguf(dir).map_err(|e| CliError::Model(e.to_string()))?;
+        if let Some(path) = gguf {
+            let beside = path.parent().map(|p| p.join("tokenizer.json"));
+            if !beside.as_ref().is_some_and(|t| t.exists()) {
+                return Self::from_gguf(&path);
+            }
+        }
+        let dir = if dir.is_dir() { dir } else { dir.parent().unwrap_or(Path::new(".")) };
         let tok_text = read_text(&dir.join("tokenizer.json"), MAX_TOKENIZER_BYTES)?
             .ok_or_else(|| CliError::Model(format!("{}: no tokenizer.json in the model folder", dir.display())))?;
         let tokenizer = tok_text
@@ -40,6 +50,26 @@ impl TextModel {
         };
         let template = match source {
             Some(s) => Some(ChatTemplate::new(s, special_tokens(&config)).map_err(CliError::Model)?),
+            None => None,
+        };
+        Ok(TextModel { tokenizer, template })
+    }
+
+    /// The tokenizer and chat template a GGUF file carries.
+    fn from_gguf(path: &Path) -> Result<TextModel, CliError> {
+        let model_err = |e: tp_models::ModelError| CliError::Model(e.to_string());
+        let model = tp_models::gguf::GgufModel::open(path).map_err(model_err)?;
+        let tokenizer = model.tokenizer().map_err(model_err)?;
+        let mut specials = BTreeMap::new();
+        for (name, key) in
+            [("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")]
+        {
+            if let Some(t) = model.special_token(&format!("tokenizer.ggml.{key}_token_id")).map_err(model_err)? {
+                specials.insert(name.to_string(), t);
+            }
+        }
+        let template = match model.chat_template().map_err(model_err)? {
+            Some(s) => Some(ChatTemplate::new(s, specials).map_err(CliError::Model)?),
             None => None,
         };
         Ok(TextModel { tokenizer, template })

@@ -243,3 +243,66 @@ fn gguf_name(name: &str, c: &ModelConfig, rotary: bool) -> Option<(String, RowOr
     };
     Some((format!("blk.{layer}.{g}.{param}"), rows))
 }
+
+impl GgufModel {
+    /// `tokenizer.chat_template`, if the file has one.
+    pub fn chat_template(&self) -> Result<Option<String>> {
+        Ok(get_str(&self.file, &self.path, "tokenizer.chat_template")?.map(str::to_string))
+    }
+
+    /// The text of special token `key` (`tokenizer.ggml.bos_token_id`, ...), if the file names
+    /// one within its tokens: what a chat template reads as `bos_token`.
+    pub fn special_token(&self, key: &str) -> Result<Option<String>> {
+        let Some(id) = get_u64(&self.file, &self.path, key)? else { return Ok(None) };
+        let tokens = self.file.get_str_array("tokenizer.ggml.tokens").map_err(|e| meta_err(&self.path, key, e))?;
+        Ok(tokens.and_then(|t| usize::try_from(id).ok().and_then(|i| t.get(i))).cloned())
+    }
+
+    /// The tokenizer metadata (`tokenizer.ggml.*`), each field read with its type checked.
+    #[cfg(feature = "tokenizers")]
+    pub fn vocab(&self) -> Result<crate::gguf_tokenizer::GgufVocab> {
+        let (f, p) = (&self.file, self.path.as_path());
+        fn err<'a>(p: &'a Path, key: &'a str) -> impl Fn(tp_gguf::GgufError) -> ModelError + 'a {
+            move |e| meta_err(p, key, e)
+        }
+        let id = |key: &str| -> Result<Option<u32>> { f.get_u32(key).map_err(err(p, key)) };
+        let flag = |key: &str| -> Result<Option<bool>> { f.get_bool(key).map_err(err(p, key)) };
+        let model = get_str(f, p, "tokenizer.ggml.model")?
+            .ok_or_else(|| meta_err(p, "tokenizer.ggml.model", "is missing: the file carries no tokenizer"))?;
+        let tokens = f
+            .get_str_array("tokenizer.ggml.tokens")
+            .map_err(err(p, "tokenizer.ggml.tokens"))?
+            .ok_or_else(|| meta_err(p, "tokenizer.ggml.tokens", "is missing"))?;
+        Ok(crate::gguf_tokenizer::GgufVocab {
+            model: model.to_string(),
+            pre: get_str(f, p, "tokenizer.ggml.pre")?.map(str::to_string),
+            tokens: tokens.to_vec(),
+            scores: f
+                .get_f32_array("tokenizer.ggml.scores")
+                .map_err(err(p, "tokenizer.ggml.scores"))?
+                .map(<[f32]>::to_vec),
+            token_types: f
+                .get_i32_array("tokenizer.ggml.token_type")
+                .map_err(err(p, "tokenizer.ggml.token_type"))?
+                .map(<[i32]>::to_vec),
+            merges: f
+                .get_str_array("tokenizer.ggml.merges")
+                .map_err(err(p, "tokenizer.ggml.merges"))?
+                .map(<[String]>::to_vec),
+            bos: id("tokenizer.ggml.bos_token_id")?,
+            eos: id("tokenizer.ggml.eos_token_id")?,
+            unk: id("tokenizer.ggml.unknown_token_id")?,
+            pad: id("tokenizer.ggml.padding_token_id")?,
+            add_bos: flag("tokenizer.ggml.add_bos_token")?,
+            add_eos: flag("tokenizer.ggml.add_eos_token")?,
+            add_space_prefix: flag("tokenizer.ggml.add_space_prefix")?,
+            architecture: Some(self.arch.clone()),
+        })
+    }
+
+    /// The file's tokenizer, built as transformers builds it ([`crate::gguf_tokenizer`]).
+    #[cfg(feature = "tokenizers")]
+    pub fn tokenizer(&self) -> Result<tokenizers::Tokenizer> {
+        crate::gguf_tokenizer::tokenizer_from_gguf(&self.vocab()?)
+    }
+}

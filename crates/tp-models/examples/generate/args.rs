@@ -44,7 +44,8 @@ pub struct Args {
     pub world_size: usize,
     pub backend: Backend,
     pub device: DeviceKind,
-    pub dtype: DType,
+    /// `None`: f32 for a Hugging Face folder; a GGUF file's own quantized blocks.
+    pub dtype: Option<DType>,
     pub logits_out: Option<String>,
     pub ignore_eos: bool,
 }
@@ -68,7 +69,7 @@ fn ids(v: &str) -> Result<Vec<i64>, String> {
 /// Parses the flags (without the program name).
 pub fn parse(args: &[String]) -> Result<Args, String> {
     let (mut model, mut prompt, mut n, mut world, mut logits_out) = (None, None, None, None, None);
-    let (mut backend, mut device, mut dtype, mut ignore_eos) = (Backend::Local, DeviceKind::Cpu, DType::F32, false);
+    let (mut backend, mut device, mut dtype, mut ignore_eos) = (Backend::Local, DeviceKind::Cpu, None, false);
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().cloned().ok_or_else(|| format!("{flag} needs a value; {USAGE}"));
@@ -109,7 +110,7 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
             "--dtype" => {
                 let v = value()?;
                 dtype = match v.parse::<DType>() {
-                    Ok(d) if d.is_float() => d,
+                    Ok(d) if d.is_float() => Some(d),
                     _ => return Err(format!("--dtype {v:?}: expected f32, f16 or bf16")),
                 }
             }

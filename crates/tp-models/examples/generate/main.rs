@@ -1,4 +1,6 @@
-//! Runs a Hugging Face Llama / Qwen2 / Mistral checkpoint folder to tokens, tensor-parallel.
+//! Runs a Hugging Face checkpoint folder, or a GGUF file (or a folder holding one), to tokens,
+//! tensor-parallel. Without `--dtype` a Hugging Face folder runs in f32 and a GGUF file on its
+//! quantized blocks; with one, a GGUF file is dequantized to it while loading.
 //!
 //! ```text
 //! cargo run --release -p tp-models --example generate -- --model DIR --prompt-ids 1,2,3 \
@@ -39,10 +41,15 @@ fn main() {
 
 fn run() -> Result<(), String> {
     let argv = args::utf8(std::env::args_os().skip(1))?;
-    let a = args::parse(&argv)?;
+    let mut a = args::parse(&argv)?;
     if a.backend == Backend::Nccl && a.device != DeviceKind::Cuda {
         return Err("--backend nccl needs --device cuda (NCCL moves GPU memory)".into());
     }
+    // A Hugging Face folder runs in f32 unless told otherwise; a GGUF file on its own blocks.
+    if tp_models::gguf::find_gguf(Path::new(&a.model)).map_err(|e| e.to_string())?.is_none() {
+        a.dtype = a.dtype.or(Some(tp_core::DType::F32));
+    }
+    let a = a;
     let dir = Path::new(&a.model);
     // The config and the prompt are checked before any rank starts.
     let config = ModelConfig::from_dir(dir).map_err(|e| e.to_string())?;
@@ -101,7 +108,10 @@ fn check_request(c: &ModelConfig, prompt: &[i64], n: usize) -> Result<(), String
 
 /// One rank: load its shards, generate.
 fn one_rank(a: &Args, config: &ModelConfig, prompt: &[i64], g: &DeviceGroup) -> Result<Generation, String> {
-    let opts = ModelOptions::new().with_dtype(a.dtype).with_max_seq_len(prompt.len() + a.max_new_tokens);
+    let mut opts = ModelOptions::new().with_max_seq_len(prompt.len() + a.max_new_tokens);
+    if let Some(d) = a.dtype {
+        opts = opts.with_dtype(d);
+    }
     let mut lm = ParallelCausalLm::load_with_config(&a.model, config, g, &opts).map_err(|e| e.to_string())?;
     let how = GenerateOptions::new().ignore_eos(a.ignore_eos).keep_logits(a.logits_out.is_some());
     lm.generate(prompt, a.max_new_tokens, &how).map_err(|e| e.to_string())

@@ -1,5 +1,6 @@
-//! `--prompt TEXT` through the model folder's `tokenizer.json` (the `tokenizers` crate, behind
-//! tp-models' `tokenizers` feature: it adds about 85 crates to the build).
+//! `--prompt TEXT` through the model folder's `tokenizer.json`, or a GGUF file's own tokenizer
+//! (`tokenizer.ggml.*`) when the model is one (the `tokenizers` crate, behind tp-models'
+//! `tokenizers` feature: it adds about 85 crates to the build).
 
 use std::path::Path;
 
@@ -27,6 +28,10 @@ const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 /// or a device is an error at once, never a blocked open) of at most `MAX_TOKENIZER_BYTES`.
 #[cfg(feature = "tokenizers")]
 fn load(dir: &Path) -> Result<tokenizers::Tokenizer, String> {
+    if let Some(gguf) = tp_models::gguf::find_gguf(dir).map_err(|e| e.to_string())? {
+        let model = tp_models::gguf::GgufModel::open(&gguf).map_err(|e| e.to_string())?;
+        return model.tokenizer().map_err(|e| e.to_string());
+    }
     let path = dir.join("tokenizer.json");
     if std::fs::symlink_metadata(&path).is_err() {
         return Err(format!("--prompt needs {}, which does not exist (use --prompt-ids)", path.display()));
