@@ -10,6 +10,7 @@
 //! ours beside the reference, one panel per dtype) into DIR (default `target/bench`).
 
 mod cpu;
+mod gguf;
 mod gpu;
 mod model;
 mod serving;
@@ -89,7 +90,7 @@ impl Args {
 }
 
 const USAGE: &str = "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] \
-                     [--model tinyllama|DIR|none] [--only gemm,model,serving] [--out DIR]";
+                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf] [--out DIR]";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -112,10 +113,10 @@ fn parse_args() -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "--model" => model = Some(it.next().context("--model needs tinyllama, a folder or none")?),
             "--only" => {
-                let list = it.next().context("--only needs gemm, model or serving (comma-separated)")?;
+                let list = it.next().context("--only needs gemm, model, serving or gguf (comma-separated)")?;
                 for t in list.split(',') {
-                    if !["gemm", "model", "serving"].contains(&t) {
-                        bail!("--only takes gemm, model, serving; got {t:?}");
+                    if !["gemm", "model", "serving", "gguf"].contains(&t) {
+                        bail!("--only takes gemm, model, serving, gguf; got {t:?}");
                     }
                     a.only.push(t.to_string());
                 }
@@ -178,6 +179,9 @@ fn run() -> Result<()> {
         }
         if device == tp_core::Device::Cpu && args.runs("serving") {
             rows.extend(serving::rows(&args, &model::dir_of(which)?)?);
+        }
+        if device == tp_core::Device::Cpu && args.runs("gguf") && matches!(which, model::Which::TinyLlama) {
+            rows.extend(gguf::rows(&args, &model::dir_of(which)?)?);
         }
         eprintln!();
     }
