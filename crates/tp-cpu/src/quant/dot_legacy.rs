@@ -13,8 +13,8 @@
 //! instead: `|w|` times `x` with `w`'s sign.
 //!
 //! Scales are read 8 blocks at a time (8 `f16` at the block stride, one `vcvtph2ps`) and
-//! multiplied by the 8 activation scales, for all `M` activation rows; each block is unpacked
-//! once and dotted with every activation row.
+//! multiplied by the 8 activation scales, for all `M` activation rows, ahead of the dots (see
+//! [`row`]); each block is unpacked once and dotted with every activation row.
 
 use super::act::XRow;
 use super::blocks::{Q4_0_QS, Q4_1_QS, Q5_0_QH, Q5_0_QS, Q5_1_QH, Q5_1_QS, Q8_0_QS};
