@@ -1,10 +1,11 @@
 //! `tp_cpu::quant::quant_matmul` against `f64` products of the dequantized weight (whose
 //! dequantization `quant_dequant.rs` checks against gguf), for every type, on every kernel family
-//! this machine runs, at `m` = 1, 3, 7 (integer path: 1, 2 and 4 activation rows at a time), 17
-//! and 64 (dequantize-and-GEMM path), with row counts off every tile and task size.
+//! this machine runs, at `m` = 1, 3, 7, 17 (integer path: 1, 2 and 4 activation rows at a time),
+//! 33 and 64 (dequantize-and-GEMM path), with row counts off every tile and task size.
 //!
 //! The bound is the one `quant_matmul` documents: activation rounding `Σ_b (d_b / 2) Σ |w|` plus
-//! `f32` arithmetic `(N + 8) 2^-22 Σ_b r_b Σ (|x| + d_b)`. Each integer-path output is also
+//! `f32` arithmetic `(N + 8) 2^-22 Σ_b r_b Σ (|x| + d_b)` (integer path), `bf16` rounding plus
+//! accumulation (GEMM path), accumulation alone (float weights). Each integer-path output is also
 //! checked against the product with the activations quantized as documented (`d = amax / 127`,
 //! `q = round(x / d)`), within the arithmetic term alone, which any wrong integer or scale
 //! would break; and every family's output against the portable one's, within twice that term.
@@ -78,14 +79,15 @@ fn reach(t: QuantType, b: &[u8]) -> f64 {
 }
 
 /// One product's references: per output, the exact value, the value with quantized activations,
-/// the activation-rounding and arithmetic terms of the integer path's bound, and the bound of the
-/// `f32` paths (GEMM, float types).
+/// the activation-rounding and arithmetic terms of the integer path's bound, and the bounds of the
+/// `f32` paths (float weights) and of the `bf16` GEMM path.
 struct Reference {
     exact: Vec<f64>,
     quantized: Vec<f64>,
     act: Vec<f64>,
     arith: Vec<f64>,
     float: Vec<f64>,
+    bf16: Vec<f64>,
 }
 
 fn reference(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m: usize) -> Reference {
@@ -111,7 +113,8 @@ fn reference(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m: usize)
         quantized: zeros.clone(),
         act: zeros.clone(),
         arith: zeros.clone(),
-        float: zeros,
+        float: zeros.clone(),
+        bf16: zeros,
     };
     for j in 0..rows {
         let wr = &wf[j * k..(j + 1) * k];
@@ -137,6 +140,7 @@ fn reference(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m: usize)
             r.act[o] = act;
             r.arith[o] = (nb as f64 + 8.0) * 2f64.powi(-22) * arith;
             r.float[o] = (k as f64 + 8.0) * 2f64.powi(-23) * sum_abs;
+            r.bf16[o] = (2f64.powi(-8) + 2f64.powi(-17) + (k as f64 + 8.0) * 2f64.powi(-22)) * sum_abs;
         }
     }
     r
@@ -157,13 +161,16 @@ fn products_stay_within_the_documented_bound_on_every_kernel() {
     for t in QuantType::ALL {
         // An odd number of blocks: legacy rows of 13 blocks (groups of 8 and 5), K rows of 3.
         let k = if t.block_elems() == 256 { 768 } else { 416 };
-        for (rows, m) in [(300, 1), (37, 3), (45, 7), (300, 17), (70, 64)] {
+        for (rows, m) in [(300, 1), (37, 3), (45, 7), (40, 17), (300, 33), (70, 64)] {
             let w = weight(t, rows, k, &mut rng);
             // Rows of x at different magnitudes, a few large elements among small ones.
             let x: Vec<f32> =
                 (0..m * k).map(|i| rng.unit() * if i % 97 == 5 { 8.0 } else { 1.0 } * (1 + i / k % 3) as f32).collect();
             let r = reference(t, &w, rows, k, &x, m);
-            let integer = m < 16 && t.block_elems() > 1;
+            // quant_matmul's paths: integer below 32 rows of x (quantized types), the GEMM
+            // from 32 (bf16 tiles but for F32 / F16), f32 dots for float weights below 32.
+            let integer = m < 32 && t.block_elems() > 1;
+            let bf16_gemm = m >= 32 && !matches!(t, QuantType::F32 | QuantType::F16);
             let portable = run(CpuKernel::Portable, t, &w, rows, k, &x, m);
             let mut max_err = 0f64;
             for &kernel in &kernels {
@@ -171,7 +178,14 @@ fn products_stay_within_the_documented_bound_on_every_kernel() {
                     if kernel == CpuKernel::Portable { portable.clone() } else { run(kernel, t, &w, rows, k, &x, m) };
                 for o in 0..m * rows {
                     let case = format!("{t} {kernel} rows {rows} m {m} output {o}");
-                    let (arith, got) = (if integer { r.arith[o] } else { r.float[o] }, f64::from(y[o]));
+                    let arith = if integer {
+                        r.arith[o]
+                    } else if bf16_gemm {
+                        r.bf16[o]
+                    } else {
+                        r.float[o]
+                    };
+                    let got = f64::from(y[o]);
                     let bound = if integer { r.act[o] + arith } else { arith };
                     let err = (got - r.exact[o]).abs();
                     assert!(err <= bound, "{case}: {got} vs exact {}, error {err:e} > bound {bound:e}", r.exact[o]);

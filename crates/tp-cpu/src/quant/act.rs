@@ -86,29 +86,46 @@ impl QuantX {
 
 /// Quantizes one block: writes `q` and returns its scale `d` (see the module docs).
 fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    if !x.iter().all(|v| v.is_finite()) {
+    // Lane-wise (8 lanes, so it vectorises): the largest magnitude, and `Σ v * 0`, which is NaN
+    // exactly when some `v` is a NaN or an infinity.
+    let (mut max, mut probe) = ([0f32; 8], [0f32; 8]);
+    for chunk in x.chunks_exact(8) {
+        for l in 0..8 {
+            max[l] = max[l].max(chunk[l].abs());
+            probe[l] += chunk[l] * 0.0;
+        }
+    }
+    if probe.iter().any(|p| p.is_nan()) {
         q.fill(0);
         return f32::NAN;
     }
-    let d = amax / 127.0;
+    let d = max.iter().fold(0f32, |a, &m| a.max(m)) / 127.0;
     if d < f32::MIN_POSITIVE {
         q.fill(0);
         return 0.0;
     }
     for (q, &v) in q.iter_mut().zip(x) {
-        *q = round_ties_even(v / d).clamp(-127.0, 127.0) as i8;
+        // |v / d| <= 127 (1 + 2^-23) rounds to at most 127 anyway.
+        *q = round_to_int((v / d).clamp(-127.0, 127.0)) as i8;
     }
     d
 }
 
-/// `v` rounded to the nearest integer, ties to even, for `|v| <= 2^22`: adding and subtracting
-/// `1.5 * 2^23` leaves no fraction bits, and IEEE addition rounds ties to even. (The same value as
-/// `f32::round_ties_even`, which the baseline x86-64 target turns into a library call per element;
-/// this vectorises.)
+/// `1.5 * 2^23`: added to an `f32` of magnitude at most `2^22`, it leaves no fraction bits.
+const MAGIC: f32 = 12_582_912.0;
+
+/// [`round_ties_even`] of `v` (`|v| <= 2^22`) as an integer: the low bits of `v + MAGIC`.
+/// Integer arithmetic only, so it vectorises where a float-to-int cast would not.
 #[inline(always)]
+fn round_to_int(v: f32) -> i32 {
+    (v + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32
+}
+
+/// `v` rounded to the nearest integer, ties to even, for `|v| <= 2^22`: adding and subtracting
+/// [`MAGIC`] leaves no fraction bits, and IEEE addition rounds ties to even. (The same value as
+/// `f32::round_ties_even`, which the baseline x86-64 target turns into a library call per element.)
+#[cfg(test)]
 fn round_ties_even(v: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
     (v + MAGIC) - MAGIC
 }
 
@@ -154,8 +171,9 @@ mod tests {
         assert_eq!(quantize_block(&[0.0; 32], &mut q), 0.0);
         assert_eq!(quantize_block(&[1e-40; 32], &mut q), 0.0);
         assert_eq!(q, [0; 32]);
-        for v in [0.5f32, 1.5, 2.5, -0.5, -2.5, 126.5, -127.5, 3.49, 0.0, -0.0] {
+        for v in [0.5f32, 1.5, 2.5, -0.5, -2.5, 126.5, -127.5, 3.49, 0.0, -0.0, 4e6, -4e6] {
             assert_eq!(round_ties_even(v), v.round_ties_even(), "{v}");
+            assert_eq!(round_to_int(v), v.round_ties_even() as i32, "{v}");
         }
         let mut bad = [1.0f32; 32];
         bad[3] = f32::INFINITY;

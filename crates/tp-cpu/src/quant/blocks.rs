@@ -52,14 +52,15 @@ pub(crate) const Q6K_QH: usize = 128;
 pub(crate) const Q6K_SCALES: usize = 192;
 pub(crate) const Q6K_D: usize = 208;
 
-/// The little-endian `f16` at `b[at..at + 2]`, widened (exactly) to `f32`.
-#[inline]
+/// The little-endian `f16` at `b[at..at + 2]`, widened (exactly) to `f32`. (`half`'s integer
+/// conversion, which inlines; its `to_f32` checks for F16C on every call.)
+#[inline(always)]
 pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32_const()
 }
 
 /// The little-endian `u32` at `b[at..at + 4]`.
-#[inline]
+#[inline(always)]
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
@@ -68,7 +69,7 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 /// Groups 0..4 keep their 6 bits in the low bits of bytes 0..4 (scales) and 4..8 (mins); groups
 /// 4..8 take their low 4 bits from the nibbles of bytes 8..12 and their top 2 bits from the top
 /// bits of bytes 0..4 (scales) and 4..8 (mins).
-#[inline]
+#[inline(always)]
 pub(crate) fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
     for j in 0..4 {
@@ -83,7 +84,7 @@ pub(crate) fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
 /// Q3_K's 12 scale bytes: 16 six-bit scales, minus 32. Scale `i`'s low 4 bits are the low
 /// (`i < 8`) or high (`i >= 8`) nibble of byte `i % 8`; its top 2 bits are bits `2 (i / 4)` of
 /// byte `8 + i % 4`.
-#[inline]
+#[inline(always)]
 pub(crate) fn q3k_scales(s: &[u8]) -> [i8; 16] {
     let mut out = [0i8; 16];
     for (i, o) in out.iter_mut().enumerate() {
@@ -116,7 +117,9 @@ impl Decoded {
         Decoded { q: [0; 256], sc: [1; 16], mn: [0; 16], group: 32, d: 0.0, dmin: 0.0 }
     }
 
-    /// Decodes block `b` (exactly `t.block_bytes()` bytes) of quantized type `t`.
+    /// Decodes block `b` (exactly `t.block_bytes()` bytes) of quantized type `t`. Inlined, so
+    /// that the vectorised builds of the dequantization vectorise it too.
+    #[inline(always)]
     pub(crate) fn decode(&mut self, t: QuantType, b: &[u8]) {
         assert_eq!(b.len(), t.block_bytes(), "decode: one block");
         match t {
@@ -139,6 +142,7 @@ impl Decoded {
     }
 
     /// One group of 32 with `sc = 1`; `m` (Q4_1 / Q5_1) becomes `dmin = -m`, `mn = 1`.
+    #[inline(always)]
     fn set_legacy(&mut self, d: f32, m: Option<f32>) {
         self.group = 32;
         self.d = d;
@@ -150,17 +154,21 @@ impl Decoded {
     }
 
     /// Q4_0 / Q4_1 / Q5_0 / Q5_1: nibbles at `qs`, 5th bits in `qh`, minus `offset`.
+    #[inline(always)]
     fn legacy(&mut self, b: &[u8], qs: usize, qh: Option<u32>, offset: u8, m: Option<f32>) {
         let qh = qh.unwrap_or(0);
-        for l in 0..16 {
-            let (lo, hi) = (b[qs + l] & 0x0F, b[qs + l] >> 4);
-            let (h_lo, h_hi) = (((qh >> l) & 1) as u8, ((qh >> (l + 16)) & 1) as u8);
-            self.q[l] = ((lo | (h_lo << 4)) as i8) - offset as i8;
-            self.q[l + 16] = ((hi | (h_hi << 4)) as i8) - offset as i8;
+        let nibbles = &b[qs..qs + 16];
+        // Low nibbles are elements 0..16, high nibbles 16..32 (two simple loops vectorise).
+        for (l, (q, &v)) in self.q[..16].iter_mut().zip(nibbles).enumerate() {
+            *q = ((v & 0x0F) | ((((qh >> l) & 1) as u8) << 4)) as i8 - offset as i8;
+        }
+        for (l, (q, &v)) in self.q[16..32].iter_mut().zip(nibbles).enumerate() {
+            *q = ((v >> 4) | ((((qh >> (l + 16)) & 1) as u8) << 4)) as i8 - offset as i8;
         }
         self.set_legacy(f16_at(b, 0), m);
     }
 
+    #[inline(always)]
     fn q2k(&mut self, b: &[u8]) {
         for j in 0..2 {
             for s in 0..4 {
@@ -175,6 +183,7 @@ impl Decoded {
         (self.group, self.d, self.dmin) = (16, f16_at(b, Q2K_D), f16_at(b, Q2K_DMIN));
     }
 
+    #[inline(always)]
     fn q3k(&mut self, b: &[u8]) {
         for j in 0..2 {
             for s in 0..4 {
@@ -193,6 +202,7 @@ impl Decoded {
     }
 
     /// Q4_K (`qh` absent) and Q5_K.
+    #[inline(always)]
     fn q45k(&mut self, t: QuantType, b: &[u8]) {
         let (qs, qh) = if t == QuantType::Q5K { (Q5K_QS, Some(Q5K_QH)) } else { (Q4K_QS, None) };
         for c in 0..4 {
@@ -212,6 +222,7 @@ impl Decoded {
         (self.group, self.d, self.dmin) = (32, f16_at(b, 0), f16_at(b, 2));
     }
 
+    #[inline(always)]
     fn q6k(&mut self, b: &[u8]) {
         for j in 0..2 {
             for l in 0..32 {
@@ -233,6 +244,7 @@ impl Decoded {
     }
 
     /// The block's elements, in `f32`, bit-exact with ggml's dequantization.
+    #[inline(always)]
     pub(crate) fn dequantize(&self, out: &mut [f32]) {
         for (g, chunk) in out.chunks_mut(self.group).enumerate() {
             let dl = self.d * f32::from(self.sc[g]);

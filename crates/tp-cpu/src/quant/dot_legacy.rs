@@ -13,8 +13,8 @@
 //! instead: `|w|` times `x` with `w`'s sign.
 //!
 //! Scales are read 8 blocks at a time (8 `f16` at the block stride, one `vcvtph2ps`) and
-//! multiplied by the 8 activation scales, for all `M` activation rows; each block is unpacked
-//! once and dotted with every activation row.
+//! multiplied by the 8 activation scales, for all `M` activation rows, ahead of the dots (see
+//! [`row`]); each block is unpacked once and dotted with every activation row.
 
 use super::act::XRow;
 use super::blocks::{Q4_0_QS, Q4_1_QS, Q5_0_QH, Q5_0_QS, Q5_1_QH, Q5_1_QS, Q8_0_QS};
@@ -126,7 +126,15 @@ impl Legacy for Q80 {
     }
 }
 
+/// Blocks per pass: the scales of a pass stay on the stack.
+const PASS: usize = 64;
+
 /// `Σ_e w[e] x_i[e]` for the weight row at `w` (`nb` blocks of `L`) and `M` activation rows.
+///
+/// The row goes in passes of [`PASS`] blocks: first the blocks' `d dx` for every activation row,
+/// 8 blocks at a time, into a stack buffer (and the offset terms into their accumulators), then
+/// the integer dots, each block's `f32` sum scaled by its `d dx` broadcast from that buffer.
+/// Consecutive blocks go to different accumulators.
 ///
 /// # Safety
 /// `w` must hold `nb * L::BYTES` readable bytes; every `xs[i]` must have `32 nb` codes and `nb`
@@ -135,42 +143,71 @@ impl Legacy for Q80 {
 pub(crate) unsafe fn row<D: Dot, L: Legacy, const M: usize>(w: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [f32; M] {
     let has_c = L::HAS_MIN || L::OFFSET != 0.0;
     // SAFETY: every read below stays in the blocks `0..nb` of `w` and the first `nb` blocks of
-    // each activation row, as the caller guarantees; the instructions are the caller's.
+    // each activation row, as the caller guarantees; the stores stay in `scale` (a pass has at
+    // most `PASS` blocks, a multiple of 8); the instructions are the caller's.
     unsafe {
-        let mut acc = [[_mm256_setzero_ps(); 2]; M];
+        // Independent accumulators per activation row: four for one row (the FMA latency would
+        // otherwise bound a block to half its throughput), two for more.
+        let chains = if M == 1 { 4 } else { 2 };
+        let mut acc = [[_mm256_setzero_ps(); M]; 4];
         let mut corr = [_mm256_setzero_ps(); M];
-        let mut g0 = 0;
-        while g0 < nb {
-            let n = (nb - g0).min(8);
-            let base = w.add(g0 * L::BYTES);
-            let dw = f16x8(base, L::BYTES, n);
-            let c = if L::HAS_MIN {
-                f16x8(base.add(2), L::BYTES, n)
-            } else {
-                _mm256_mul_ps(dw, _mm256_set1_ps(-L::OFFSET))
-            };
-            let mut scale = [[0f32; 8]; M];
-            for i in 0..M {
-                let dx = load_f32(xs[i].d.as_ptr().add(g0), n);
-                _mm256_storeu_ps(scale[i].as_mut_ptr(), _mm256_mul_ps(dw, dx));
-                if has_c {
-                    corr[i] = _mm256_fmadd_ps(c, load_f32(xs[i].sx.as_ptr().add(g0), n), corr[i]);
-                }
-            }
-            for b in 0..n {
-                let u = L::codes::<D>(base.add(b * L::BYTES));
+        let mut scale = [[0f32; PASS]; M];
+        for p0 in (0..nb).step_by(PASS) {
+            let len = PASS.min(nb - p0);
+            for g in (0..len).step_by(8) {
+                let n = (len - g).min(8);
+                let base = w.add((p0 + g) * L::BYTES);
+                let dw = f16x8(base, L::BYTES, n);
+                let c = if L::HAS_MIN {
+                    f16x8(base.add(2), L::BYTES, n)
+                } else {
+                    _mm256_mul_ps(dw, _mm256_set1_ps(-L::OFFSET))
+                };
                 for i in 0..M {
-                    let r = L::dot::<D>(u, load_x(xs[i].qs.as_ptr().add((g0 + b) * 32)));
-                    let a = &mut acc[i][b & 1];
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(scale[i][b]), *a);
+                    let dx = load_f32(xs[i].d.as_ptr().add(p0 + g), n);
+                    _mm256_storeu_ps(scale[i].as_mut_ptr().add(g), _mm256_mul_ps(dw, dx));
+                    if has_c {
+                        corr[i] = _mm256_fmadd_ps(c, load_f32(xs[i].sx.as_ptr().add(p0 + g), n), corr[i]);
+                    }
                 }
             }
-            g0 += 8;
+            for b in (0..len).step_by(chains) {
+                for (c, acc) in acc.iter_mut().enumerate().take(chains) {
+                    if b + c < len {
+                        block::<D, L, M>(w, p0 + b + c, xs, &scale, b + c, acc);
+                    }
+                }
+            }
         }
         let mut out = [0f32; M];
         for i in 0..M {
-            out[i] = hsum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), corr[i]));
+            let sum = _mm256_add_ps(_mm256_add_ps(acc[0][i], acc[1][i]), _mm256_add_ps(acc[2][i], acc[3][i]));
+            out[i] = hsum(_mm256_add_ps(sum, corr[i]));
         }
         out
+    }
+}
+
+/// Block `b` of the row at `w` into `acc`: its integer dots with each activation row, times
+/// `scale[i][at]`.
+///
+/// # Safety
+/// As [`row`], with `b < nb` and `at < PASS`.
+#[inline(always)]
+unsafe fn block<D: Dot, L: Legacy, const M: usize>(
+    w: *const u8,
+    b: usize,
+    xs: &[XRow<'_>; M],
+    scale: &[[f32; PASS]; M],
+    at: usize,
+    acc: &mut [__m256; M],
+) {
+    // SAFETY: block `b` is inside `w` and the activation rows, as the caller guarantees.
+    unsafe {
+        let u = L::codes::<D>(w.add(b * L::BYTES));
+        for i in 0..M {
+            let r = L::dot::<D>(u, load_x(xs[i].qs.as_ptr().add(b * 32)));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), _mm256_broadcast_ss(&scale[i][at]), acc[i]);
+        }
     }
 }

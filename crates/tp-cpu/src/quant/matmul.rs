@@ -6,28 +6,23 @@
 //! * few rows, `F32` / `F16` / `BF16` weights: each weight row widened to `f32` in a buffer and
 //!   dotted with the `f32` rows of `x`;
 //! * many rows (prefill), or a batch-invariant thread ([`crate::set_batch_invariant`]): tiles of
-//!   weight rows dequantized to `f32` and multiplied by the `f32` `x` with the packed GEMM.
+//!   weight rows dequantized for the packed GEMM (`prefill`).
 
 use super::act::{QuantX, XRow};
 use super::dequant::dequantize_unchecked;
 use super::dot_portable;
+use super::prefill;
 use super::types::QuantType;
 use crate::dispatch::{CpuKernel, Int8Isa, Isa};
-use crate::element::FloatKind;
 use crate::error::{Error, Result};
-use crate::gemm::{self, BSource, Micro};
 use crate::matmul::batch_invariant;
 use crate::pool;
-use crate::shape::Layout;
 use std::cell::RefCell;
-use std::mem::MaybeUninit;
 
-/// Rows of `x` from which the dequantize-and-GEMM path runs.
-const GEMM_MIN_M: usize = 16;
-/// Bytes of a dequantized GEMM tile, and its rows: at most `GEMM_TILE_ROWS` (each tile packs `x`
-/// again; 256 rows make that a small part), at least 64 per thread.
-const GEMM_TILE_BYTES: usize = 4 << 20;
-const GEMM_TILE_ROWS: usize = 256;
+/// Rows of `x` from which the dequantize-and-GEMM path runs: below it the integer kernels are
+/// faster (measured on Zen 4, one thread, 1024 x 2048 weights of Q4_0 / Q4_K / Q6_K / Q8_0: the
+/// two paths tie at 32 rows; at 16 the integer path takes 0.5-0.6 of the time, at 256 twice it).
+const GEMM_MIN_M: usize = 32;
 /// Weight bytes per task of the streaming paths.
 const TASK_BYTES: usize = 48 << 10;
 /// Weight bytes times activation rows below which one thread streams everything.
@@ -35,16 +30,19 @@ const PARALLEL_MIN_BYTES: usize = 64 << 10;
 
 /// y[m, n] = sum_k x[m, k] * W[n, k] (+ nothing): `W` is `rows` rows of `k` elements of type `t`
 /// stored row after row (`w.len() == rows * t.row_bytes(k)`), `x` is `[m, k]` `f32` row-major,
-/// `y` is `[m, rows]` `f32` row-major (every element written).
+/// `y` is `[m, rows]` `f32` row-major (every element written). Rows are split over tp-cpu's
+/// thread pool.
 ///
-/// For quantized `t` and `m < 16` (decode), each block of `x` is quantized once to 8 bits (Q8_0
-/// blocks of 32 for the legacy types, Q8_K blocks of 256 for the K-quants; `f32` scales), the
-/// dot products run on integers (AVX512-VNNI, AVX2 or portable, as the calling thread's
-/// [`CpuKernel`] allows) with `f32` accumulation, and each weight row is streamed once for all
-/// `m` rows of `x`. `F32` / `F16` / `BF16` weights take `x` as `f32`. For `m >= 16`, or on a
-/// batch-invariant thread ([`crate::set_batch_invariant`]), tiles of `W` are dequantized to `f32`
-/// (exactly) and multiplied by the `f32` `x` with the packed GEMM, so `x` is not quantized.
-/// Rows are split over tp-cpu's thread pool.
+/// For quantized `t` and `m < 32` (decode, small batches), each block of `x` is quantized once to
+/// 8 bits (Q8_0 blocks of 32 for the legacy types, Q8_K blocks of 256 for the K-quants; `f32`
+/// scales `d = amax / 127`, codes rounded to nearest), the dot products run on integers
+/// (AVX512-VNNI, AVX2 or portable, as the calling thread's [`CpuKernel`] allows) with `f32`
+/// accumulation, and each weight row is streamed once for all `m` rows of `x`. `F32` / `F16` /
+/// `BF16` weights take `x` as `f32` there. For `m >= 32` (prefill), or on a batch-invariant
+/// thread ([`crate::set_batch_invariant`]), tiles of `W` are dequantized and multiplied by `x`
+/// with the packed GEMM: quantized and `BF16` weights as `bf16` with `x` rounded to `bf16`
+/// (the `bf16` micro-kernels; denormal `bf16` values may be flushed to zero there), `F32` and
+/// `F16` weights as `f32` with the `f32` `x`.
 ///
 /// Error bound (integer path). Write `d_b = amax_b / 127` for the activation block `b` (32 or 256
 /// elements of a row of `x`), `r_b` for the largest magnitude the weight block under it can encode
@@ -57,9 +55,10 @@ const PARALLEL_MIN_BYTES: usize = 64 << 10;
 ///
 /// the first term is the activation rounding (`|x - d q| <= d / 2` per element), the second the
 /// `f32` arithmetic (integer sums are exact; every term that enters the `f32` sums is at most
-/// `2 r_b (|x_k| + d_b)` per element, and each passes through at most `N + 8` roundings). The
-/// GEMM path and the float types carry only an `f32` accumulation error, at most
-/// `(k + 8) 2^-23 Σ_k |w_k x_k|`.
+/// `2 r_b (|x_k| + d_b)` per element, and each passes through at most `N + 8` roundings).
+/// The `bf16` GEMM path rounds `w` and `x` by at most `2^-9` each (relative) and accumulates in
+/// `f32`: at most `(2^-8 + 2^-17 + (k + 8) 2^-22) Σ_k |w_k x_k|`. The `f32` paths (float
+/// weights) carry only the accumulation, at most `(k + 8) 2^-23 Σ_k |w_k x_k|`.
 ///
 /// Errors: [`Error::NotWholeBlocks`] if `k` is not a multiple of `t`'s block;
 /// [`Error::ShapeOverflow`] if a buffer size overflows `usize`; [`Error::QuantLength`] if `w` is
@@ -93,7 +92,7 @@ pub fn quant_matmul(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m:
     let kernel = CpuKernel::current();
     let shape = Shape { t, rows, k, row_bytes, m };
     if m >= GEMM_MIN_M || batch_invariant() {
-        gemm_tiles(kernel, shape, w, x, y);
+        prefill::gemm_tiles(kernel, t, w, rows, k, x, m, y);
     } else if t.is_float() {
         stream(shape, y, &|j, out| float_row(kernel, shape, &w[j * row_bytes..][..row_bytes], x, out));
     } else {
@@ -226,44 +225,4 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
     dot_f32(a, b)
-}
-
-thread_local! {
-    /// The dequantized tile of the GEMM path, kept between calls.
-    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// The GEMM path: tiles of weight rows dequantized to `f32` (in parallel), each multiplied by `x`
-/// with the packed GEMM (parallel inside) into a `[m, tile]` buffer, copied into `y`'s columns.
-fn gemm_tiles(kernel: CpuKernel, s: Shape, w: &[u8], x: &[f32], y: &mut [f32]) {
-    let tile_rows = (GEMM_TILE_BYTES / (4 * s.k)).min(GEMM_TILE_ROWS).max(64 * pool::num_threads()).min(s.rows);
-    let micro = Micro::choose(kernel, FloatKind::F32);
-    let mut tile = TILE.with(|t| std::mem::take(&mut *t.borrow_mut()));
-    tile.resize(tile_rows * s.k, 0.0);
-    let mut y_tile = vec![MaybeUninit::<f32>::uninit(); s.m * tile_rows];
-    for j0 in (0..s.rows).step_by(tile_rows) {
-        let n = tile_rows.min(s.rows - j0);
-        let tile = &mut tile[..n * s.k];
-        let src = &w[j0 * s.row_bytes..(j0 + n) * s.row_bytes];
-        // Dequantize in groups of 16 rows, spread over the pool.
-        let group = 16;
-        let dst = Out(tile.as_mut_ptr());
-        pool::run(n.div_ceil(group), &|g| {
-            let r0 = g * group;
-            let r1 = (r0 + group).min(n);
-            // SAFETY: group `g` owns rows `r0..r1` of the tile (disjoint from the others'), inside
-            // it; the tile outlives `run`.
-            let part = unsafe { std::slice::from_raw_parts_mut(dst.get().add(r0 * s.k), (r1 - r0) * s.k) };
-            dequantize_unchecked(s.t, &src[r0 * s.row_bytes..r1 * s.row_bytes], part);
-        });
-        let y_tile = &mut y_tile[..s.m * n];
-        gemm::gemm(micro, x, BSource::Pack(tile, Layout::Nk), None, s.m, s.k, n, y_tile);
-        for (i, yt) in y_tile.chunks_exact(n).enumerate() {
-            for (dst, v) in y[i * s.rows + j0..][..n].iter_mut().zip(yt) {
-                // SAFETY: `gemm` wrote every element of `y_tile`.
-                *dst = unsafe { v.assume_init() };
-            }
-        }
-    }
-    TILE.with(|t| *t.borrow_mut() = tile);
 }

@@ -7,13 +7,14 @@
 //! (scalar integer dots), `simd` (the x86 dot-product instructions and helpers), `dot_legacy` and
 //! `dot_kquant` (the x86 kernels of the 32- and 256-element formats), `dot_x86` (their
 //! `#[target_feature]` entry points, AVX2 and AVX512-VNNI), `matmul` ([`quant_matmul`]: checks,
-//! the three paths, the split over the pool).
+//! the decode paths, the split over the pool), `prefill` (its GEMM path).
 
 mod act;
 mod blocks;
 mod dequant;
 mod dot_portable;
 mod matmul;
+mod prefill;
 mod types;
 
 #[cfg(target_arch = "x86_64")]

@@ -1,0 +1,112 @@
+//! The GEMM path of `quant_matmul` (many rows of `x`, or a batch-invariant thread): tiles of
+//! weight rows dequantized and multiplied by `x` with the packed GEMM.
+//!
+//! Quantized and `BF16` weights are dequantized to `bf16` tiles and `x` is rounded to `bf16` once
+//! per call, so the GEMM runs its `bf16` micro-kernel (`vdpbf16ps` / AMX where the CPU has them;
+//! widened to `f32` otherwise); `F32` and `F16` weights are widened to `f32` tiles (exactly) and
+//! multiplied by the `f32` `x`.
+
+use super::dequant::{dequantize_bf16_unchecked, dequantize_unchecked};
+use super::types::QuantType;
+use crate::dispatch::CpuKernel;
+use crate::element::Float;
+use crate::gemm::{self, BSource, Micro};
+use crate::pool;
+use crate::shape::Layout;
+use half::bf16;
+use std::cell::RefCell;
+use std::mem::MaybeUninit;
+
+/// Bytes of a dequantized tile, and its rows: at most [`TILE_ROWS`] (each tile packs `x` again;
+/// 256 rows make that a small part), at least 64 per thread.
+const TILE_BYTES: usize = 4 << 20;
+const TILE_ROWS: usize = 256;
+/// Weight rows per dequantization task.
+const ROWS_PER_TASK: usize = 16;
+
+thread_local! {
+    /// The dequantized tile, kept between calls (as `u32`, viewed as `f32` or `bf16` pairs).
+    static TILE: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `y = x W^T` for `rows` weight rows of `k` elements of `t` (`w` holds them, whole blocks), `x`
+/// `[m, k]`, `y` `[m, rows]` (every element written). `k > 0`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_tiles(
+    kernel: CpuKernel,
+    t: QuantType,
+    w: &[u8],
+    rows: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+) {
+    if matches!(t, QuantType::F32 | QuantType::F16) {
+        tiles::<f32>(kernel, t, w, rows, k, x, m, y, &dequantize_unchecked);
+    } else {
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        tiles::<bf16>(kernel, t, w, rows, k, &xb, m, y, &dequantize_bf16_unchecked);
+    }
+}
+
+/// A pointer to a tile (or `y`) shared with the pool's tasks, which write disjoint parts.
+#[derive(Clone, Copy)]
+struct Shared<T>(*mut T);
+// SAFETY: used only inside `pool::run`, which returns after every task, while the buffer it
+// points into is borrowed; each task writes its own rows.
+unsafe impl<T> Sync for Shared<T> {}
+
+impl<T> Shared<T> {
+    /// The pointer (a method, so closures capture the whole `Shared`).
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// Fills a tile of `T` with whole blocks of a type.
+type Dequant<T> = dyn Fn(QuantType, &[u8], &mut [T]) + Sync;
+
+/// [`gemm_tiles`] with tiles of `T`, filled by `dequant`.
+#[allow(clippy::too_many_arguments)]
+fn tiles<T: Float>(
+    kernel: CpuKernel,
+    t: QuantType,
+    w: &[u8],
+    rows: usize,
+    k: usize,
+    x: &[T],
+    m: usize,
+    y: &mut [f32],
+    dequant: &Dequant<T>,
+) {
+    let row_bytes = w.len() / rows;
+    let size = std::mem::size_of::<T>();
+    let tile_rows = (TILE_BYTES / (size * k)).min(TILE_ROWS).max(64 * pool::num_threads()).min(rows);
+    let micro = Micro::choose(kernel, T::KIND);
+    let mut buf = TILE.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    buf.resize((tile_rows * k * size).div_ceil(4), 0);
+    let mut y_tile = vec![MaybeUninit::<f32>::uninit(); m * tile_rows];
+    for j0 in (0..rows).step_by(tile_rows) {
+        let n = tile_rows.min(rows - j0);
+        let tile = &mut bytemuck::cast_slice_mut::<u32, T>(&mut buf)[..n * k];
+        let src = &w[j0 * row_bytes..(j0 + n) * row_bytes];
+        let dst = Shared(tile.as_mut_ptr());
+        pool::run(n.div_ceil(ROWS_PER_TASK), &|g| {
+            let (r0, r1) = (g * ROWS_PER_TASK, ((g + 1) * ROWS_PER_TASK).min(n));
+            // SAFETY: task `g` owns rows `r0..r1` of the tile (disjoint from the others'), inside
+            // it; the tile outlives `run`.
+            let part = unsafe { std::slice::from_raw_parts_mut(dst.get().add(r0 * k), (r1 - r0) * k) };
+            dequant(t, &src[r0 * row_bytes..r1 * row_bytes], part);
+        });
+        let y_tile = &mut y_tile[..m * n];
+        gemm::gemm(micro, x, BSource::Pack(tile, Layout::Nk), None, m, k, n, y_tile);
+        for (i, yt) in y_tile.chunks_exact(n).enumerate() {
+            for (dst, v) in y[i * rows + j0..][..n].iter_mut().zip(yt) {
+                // SAFETY: `gemm` wrote every element of `y_tile`.
+                *dst = unsafe { v.assume_init() };
+            }
+        }
+    }
+    TILE.with(|b| *b.borrow_mut() = buf);
+}
