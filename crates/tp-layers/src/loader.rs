@@ -131,6 +131,15 @@ impl<'a> Loader<'a> {
         self.linear_range(t, 1, start, len)
     }
 
+    /// Elements per block of the 2-D weight `t` when the options keep it as quantized blocks
+    /// (32, or 256 for the K-quants); 1 when it is read as a tensor.
+    pub fn quant_block(&self, t: &str) -> Result<usize> {
+        if !self.opts.quantized {
+            return Ok(1);
+        }
+        Ok(self.ckpt.quant_type(&self.name(t))?.map_or(1, |q| q.block_elems()))
+    }
+
     fn linear_range(&self, t: &str, dim: usize, start: usize, len: usize) -> Result<Weight> {
         if self.opts.quantized
             && let Some(q) = self.ckpt.quant_range(&self.name(t), dim, start, len)?

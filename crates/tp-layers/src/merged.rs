@@ -69,6 +69,19 @@ impl MergedColumnParallel {
     /// split into `N` equal parts of rows), reading only this rank's rows of each; biases when
     /// every part has one. The parts must share their input size.
     pub fn load<const N: usize>(ld: &Loader<'_>, names: Projections<N>) -> Result<MergedColumnParallel> {
+        Self::load_aligned(ld, names, 1)
+    }
+
+    /// [`load`](Self::load), each part's rows split over the ranks in whole units of `granule`
+    /// rows (balanced over the units, uneven where they do not divide) when the rows are a
+    /// multiple of it and every rank gets at least one unit; otherwise the balanced split. The
+    /// MLP splits its intermediate features so on the blocks of its quantized down projection,
+    /// so that no rank's columns of it cut a block.
+    pub fn load_aligned<const N: usize>(
+        ld: &Loader<'_>,
+        names: Projections<N>,
+        granule: usize,
+    ) -> Result<MergedColumnParallel> {
         let rows: [usize; N] = match names {
             Projections::Separate(n) => {
                 let mut rows = [0; N];
@@ -94,7 +107,7 @@ impl MergedColumnParallel {
         let bias = names.has_bias(ld)?;
         let (mut weights, mut biases, mut shards) = (Vec::new(), Vec::new(), Vec::new());
         for (i, &r) in rows.iter().enumerate() {
-            let s = TensorShard::new(0, r, ld.rank(), ld.world_size())?;
+            let s = aligned_shard(r, granule, ld.rank(), ld.world_size())?;
             let (w, b) = names.read(ld, i, &rows, (s.start(), s.len()), bias)?;
             weights.push(w);
             biases.extend(b);
@@ -146,4 +159,15 @@ impl MergedColumnParallel {
             .map(|(p, s)| Ok(self.group.all_gather_balanced(p, p.ndim() - 1, s.global_len())?))
             .collect()
     }
+}
+
+/// Rank `rank`'s rows of `len` split in whole units of `granule` (balanced over the units) when
+/// `len` is a multiple of `granule` and there are at least as many units as ranks; the balanced
+/// split of the rows otherwise.
+pub(crate) fn aligned_shard(len: usize, granule: usize, rank: usize, world: usize) -> Result<TensorShard> {
+    if granule > 1 && len % granule == 0 && len / granule >= world {
+        let units = TensorShard::new(0, len / granule, rank, world)?;
+        return Ok(TensorShard::with_range(0, len, rank, world, units.start() * granule, units.len() * granule)?);
+    }
+    Ok(TensorShard::new(0, len, rank, world)?)
 }

@@ -63,11 +63,18 @@ impl ParallelMlp {
     /// Loads the projections named by `names` under the loader's prefix (biases optional),
     /// reading only this rank's rows/columns, checking that the shapes agree (`gate, up:
     /// [I, H]`, `down: [H, I]`).
+    ///
+    /// The intermediate features are split in balanced ranges, or, when the down projection is
+    /// kept as quantized blocks, in whole blocks of it (uneven where they do not divide; see
+    /// [`MergedColumnParallel::load_aligned`]), so that no rank's columns of it cut a block.
     pub fn load(ld: &Loader<'_>, names: MlpNames, act: Activation) -> Result<ParallelMlp> {
-        let gate_up = MergedColumnParallel::load(ld, names.gate_up)?;
+        let down_name = format!("{}.weight", names.down);
+        let granule = ld.quant_block(&down_name)?;
+        let gate_up = MergedColumnParallel::load_aligned(ld, names.gate_up, granule)?;
         let (inter, hidden) = (gate_up.shards()[0].global_len(), gate_up.local().in_features());
-        ld.expect(&format!("{}.weight", names.down), &[hidden, inter])?;
-        let down = RowParallel::load(&ld.pp(names.down))?;
+        ld.expect(&down_name, &[hidden, inter])?;
+        let s = gate_up.shards()[0];
+        let down = RowParallel::load_columns(&ld.pp(names.down), s.start()..s.end())?;
         Self::new(gate_up, down, act)
     }
 
