@@ -326,22 +326,47 @@ pub(crate) unsafe fn row<D: Dot, K: KQuant, const M: usize>(w: *const u8, nb: us
     unsafe {
         // Even and odd super-blocks, and the min terms, in separate accumulators (the FMA
         // latency would otherwise chain the super-blocks).
-        let mut acc = [[_mm256_setzero_ps(); M]; 3];
-        for s in 0..nb {
-            let xq = std::array::from_fn(|i| xs[i].qs.as_ptr().add(256 * s));
-            let bs = std::array::from_fn(|i| xs[i].bsums.as_ptr().add(16 * s));
-            let sums = K::sums::<D, M>(w.add(s * K::BYTES), xq, bs);
-            for i in 0..M {
-                let dx = xs[i].d[s];
-                let a = &mut acc[s & 1][i];
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums.int[i]), _mm256_set1_ps(sums.d * dx), *a);
-                if K::HAS_MIN {
-                    let m = _mm256_set1_ps(-(sums.dmin * dx));
-                    acc[2][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums.min[i]), m, acc[2][i]);
-                }
+        let (mut even, mut odd, mut mins) =
+            ([_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M]);
+        let mut s = 0;
+        while s + 2 <= nb {
+            superblock::<D, K, M>(w, s, xs, &mut even, &mut mins);
+            superblock::<D, K, M>(w, s + 1, xs, &mut odd, &mut mins);
+            s += 2;
+        }
+        if s < nb {
+            superblock::<D, K, M>(w, s, xs, &mut even, &mut mins);
+        }
+        let acc: [__m256; M] = std::array::from_fn(|i| _mm256_add_ps(_mm256_add_ps(even[i], odd[i]), mins[i]));
+        std::array::from_fn(|i| hsum(acc[i]))
+    }
+}
+
+/// Super-block `s` of the row at `w` against every activation row: `d dx` times its integer sums
+/// into `acc`, `-dmin dx` times its min sums into `mins`.
+///
+/// # Safety
+/// As [`row`], with `s < nb`.
+#[inline(always)]
+unsafe fn superblock<D: Dot, K: KQuant, const M: usize>(
+    w: *const u8,
+    s: usize,
+    xs: &[XRow<'_>; M],
+    acc: &mut [__m256; M],
+    mins: &mut [__m256; M],
+) {
+    // SAFETY: super-block `s` is inside `w` and every activation row, as the caller guarantees.
+    unsafe {
+        let xq = std::array::from_fn(|i| xs[i].qs.as_ptr().add(256 * s));
+        let bs = std::array::from_fn(|i| xs[i].bsums.as_ptr().add(16 * s));
+        let sums = K::sums::<D, M>(w.add(s * K::BYTES), xq, bs);
+        for i in 0..M {
+            let dx = xs[i].d[s];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums.int[i]), _mm256_set1_ps(sums.d * dx), acc[i]);
+            if K::HAS_MIN {
+                let m = _mm256_set1_ps(-(sums.dmin * dx));
+                mins[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums.min[i]), m, mins[i]);
             }
         }
-        let acc: [__m256; M] = std::array::from_fn(|i| _mm256_add_ps(_mm256_add_ps(acc[0][i], acc[1][i]), acc[2][i]));
-        std::array::from_fn(|i| hsum(acc[i]))
     }
 }
