@@ -12,7 +12,7 @@ use super::types::QuantType;
 
 /// `out[i] = Σ_e w[e] x_i[e]` for one weight row `w` (whole blocks of `t`, a quantized type) and
 /// the rows `xs` of quantized activations (Q8_0 for the legacy types, Q8_K for the K-quants).
-pub(crate) fn row_dots(t: QuantType, w: &[u8], xs: &[XRow<'_>], out: &mut [f32]) {
+fn row_dots(t: QuantType, w: &[u8], xs: &[XRow<'_>], out: &mut [f32]) {
     let (bb, be) = (t.block_bytes(), t.block_elems());
     assert!(xs.len() == out.len() && xs.iter().all(|x| x.qs.len() * bb == w.len() * be), "row_dots: operands");
     out.fill(0.0);
@@ -42,5 +42,13 @@ pub(crate) fn row_dots(t: QuantType, w: &[u8], xs: &[XRow<'_>], out: &mut [f32])
             };
             *acc += dec.d * dx * isum as f32 - min_term;
         }
+    }
+}
+
+/// [`row_dots`] for each row of `w` (`row_bytes` each): `out[r * m + i]` for weight row `r` and
+/// activation row `i`.
+pub(crate) fn rows_dots(t: QuantType, w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &mut [f32]) {
+    for (row, out) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(xs.len())) {
+        row_dots(t, row, xs, out);
     }
 }

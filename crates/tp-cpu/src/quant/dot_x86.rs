@@ -1,11 +1,47 @@
 //! The `#[target_feature]` entry points of the x86 integer dot products: one per instruction set
 //! ([`avx2`], [`vnni`]), each compiling every type's kernel (`dot_legacy`, `dot_kquant`) for
-//! 1, 2 and 4 activation rows at a time.
+//! 1, 2 and 4 activation rows at a time, inside a loop over a task's weight rows (so a row costs
+//! no call, dispatch or check of its own).
 
 use super::act::XRow;
 use super::types::QuantType;
 
-/// Defines module `$isa` with `row_dots`, the kernels compiled with `$features` and `$dot`.
+/// The loop over weight rows: each row of `$w` (`$row_bytes` bytes) against the activation rows
+/// `$xs`, 4, 2 or 1 at a time, through the kernel `$kernel::<$ty, M>`, into `$out` (row-major by
+/// weight row).
+macro_rules! row_loop {
+    ($kernel:ident, $ty:ty, $w:expr, $row_bytes:expr, $xs:expr, $out:expr) => {{
+        let (xs, m) = ($xs, $xs.len());
+        let nb = $row_bytes / <$ty>::BYTES;
+        for (row, out) in $w.chunks_exact($row_bytes).zip($out.chunks_exact_mut(m)) {
+            let p = row.as_ptr();
+            let mut i = 0;
+            while i < m {
+                // SAFETY: `check` verified the operands (every row `nb` blocks, every activation
+                // row as long, with its scales and sums); the caller guarantees the CPU.
+                unsafe {
+                    match m - i {
+                        1 => {
+                            out[i] = $kernel::<$ty, 1>(p, nb, &[xs[i]])[0];
+                            i += 1;
+                        }
+                        2 | 3 => {
+                            out[i..i + 2].copy_from_slice(&$kernel::<$ty, 2>(p, nb, &[xs[i], xs[i + 1]]));
+                            i += 2;
+                        }
+                        _ => {
+                            let x4 = [xs[i], xs[i + 1], xs[i + 2], xs[i + 3]];
+                            out[i..i + 4].copy_from_slice(&$kernel::<$ty, 4>(p, nb, &x4));
+                            i += 4;
+                        }
+                    }
+                }
+            }
+        }
+    }};
+}
+
+/// Defines module `$isa` with `rows_dots`, the kernels compiled with `$features` and `$dot`.
 macro_rules! isa_entry {
     ($isa:ident, $features:literal, $dot:ty) => {
         pub(crate) mod $isa {
@@ -14,93 +50,87 @@ macro_rules! isa_entry {
             use super::super::dot_legacy::{self as lg, Legacy};
             use super::super::types::QuantType;
 
-            /// One weight row of a legacy type against `M` activation rows.
+            /// `dot_legacy::row` with this instruction set.
             ///
             /// # Safety
-            /// As `dot_legacy::row`, and the CPU must have `$features`.
+            /// As `dot_legacy::row`.
+            #[inline(always)]
+            unsafe fn legacy_m<L: Legacy, const M: usize>(w: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [f32; M] {
+                // SAFETY: forwarded.
+                unsafe { lg::row::<$dot, L, M>(w, nb, xs) }
+            }
+
+            /// `dot_kquant::row` with this instruction set.
+            ///
+            /// # Safety
+            /// As `dot_kquant::row`.
+            #[inline(always)]
+            unsafe fn kquant_m<K: KQuant, const M: usize>(w: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [f32; M] {
+                // SAFETY: forwarded.
+                unsafe { kq::row::<$dot, K, M>(w, nb, xs) }
+            }
+
+            /// The rows of a legacy type.
+            ///
+            /// # Safety
+            /// Operands as [`super::check`] verifies them; the CPU must have `$features`.
             #[target_feature(enable = $features)]
-            unsafe fn legacy<L: Legacy, const M: usize>(w: &[u8], xs: &[XRow<'_>; M]) -> [f32; M] {
-                // SAFETY: the caller guarantees the operands and the features.
-                unsafe { lg::row::<$dot, L, M>(w.as_ptr(), w.len() / L::BYTES, xs) }
+            unsafe fn legacy<L: Legacy>(w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &mut [f32]) {
+                row_loop!(legacy_m, L, w, row_bytes, xs, out)
             }
 
-            /// One weight row of a K-quant against `M` activation rows.
+            /// The rows of a K-quant.
             ///
             /// # Safety
-            /// As `dot_kquant::row`, and the CPU must have `$features`.
+            /// As [`legacy`].
             #[target_feature(enable = $features)]
-            unsafe fn kquant<K: KQuant, const M: usize>(w: &[u8], xs: &[XRow<'_>; M]) -> [f32; M] {
-                // SAFETY: as above.
-                unsafe { kq::row::<$dot, K, M>(w.as_ptr(), w.len() / K::BYTES, xs) }
+            unsafe fn kquant<K: KQuant>(w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &mut [f32]) {
+                row_loop!(kquant_m, K, w, row_bytes, xs, out)
             }
 
-            /// `M` activation rows at once.
-            ///
-            /// # Safety
-            /// As [`row_dots`].
-            unsafe fn rows_m<const M: usize>(t: QuantType, w: &[u8], xs: &[XRow<'_>; M]) -> [f32; M] {
-                // SAFETY: forwarded from the caller.
-                unsafe {
-                    match t {
-                        QuantType::Q4_0 => legacy::<lg::Q40, M>(w, xs),
-                        QuantType::Q4_1 => legacy::<lg::Q41, M>(w, xs),
-                        QuantType::Q5_0 => legacy::<lg::Q50, M>(w, xs),
-                        QuantType::Q5_1 => legacy::<lg::Q51, M>(w, xs),
-                        QuantType::Q8_0 => legacy::<lg::Q80, M>(w, xs),
-                        QuantType::Q2K => kquant::<kq::Q2, M>(w, xs),
-                        QuantType::Q3K => kquant::<kq::Q3, M>(w, xs),
-                        QuantType::Q4K => kquant::<kq::Q4, M>(w, xs),
-                        QuantType::Q5K => kquant::<kq::Q5, M>(w, xs),
-                        QuantType::Q6K => kquant::<kq::Q6, M>(w, xs),
-                        QuantType::F32 | QuantType::F16 | QuantType::BF16 => unreachable!("row_dots: float type"),
-                    }
-                }
-            }
-
-            /// `out[i] = Σ_e w[e] x_i[e]` for one weight row `w` (whole blocks of the quantized
-            /// type `t`) and the activation rows `xs` (Q8_0 / Q8_K to match `t`), 4, 2 or 1 rows
-            /// at a time.
+            /// `out[r * m + i] = Σ_e w_r[e] x_i[e]` for the weight rows `w_r` of `w` (`row_bytes`
+            /// each, whole blocks of the quantized type `t`) and the `m` activation rows `xs`
+            /// (Q8_0 / Q8_K to match `t`).
             ///
             /// # Safety
             /// The CPU must have `$features`. (Operands are checked.)
-            pub(crate) unsafe fn row_dots(t: QuantType, w: &[u8], xs: &[XRow<'_>], out: &mut [f32]) {
-                super::check(t, w, xs, out);
-                let mut i = 0;
-                while i < xs.len() {
-                    // SAFETY: `check` verified the operands; the caller, the CPU.
-                    unsafe {
-                        match xs.len() - i {
-                            1 => out[i] = rows_m::<1>(t, w, &[xs[i]])[0],
-                            2 | 3 => {
-                                out[i..i + 2].copy_from_slice(&rows_m::<2>(t, w, &[xs[i], xs[i + 1]]));
-                                i += 1;
-                            }
-                            _ => {
-                                let x4 = [xs[i], xs[i + 1], xs[i + 2], xs[i + 3]];
-                                out[i..i + 4].copy_from_slice(&rows_m::<4>(t, w, &x4));
-                                i += 3;
-                            }
-                        }
+            pub(crate) unsafe fn rows_dots(t: QuantType, w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &mut [f32]) {
+                super::check(t, w, row_bytes, xs, out);
+                // SAFETY: `check` verified the operands; the caller, the CPU.
+                unsafe {
+                    match t {
+                        QuantType::Q4_0 => legacy::<lg::Q40>(w, row_bytes, xs, out),
+                        QuantType::Q4_1 => legacy::<lg::Q41>(w, row_bytes, xs, out),
+                        QuantType::Q5_0 => legacy::<lg::Q50>(w, row_bytes, xs, out),
+                        QuantType::Q5_1 => legacy::<lg::Q51>(w, row_bytes, xs, out),
+                        QuantType::Q8_0 => legacy::<lg::Q80>(w, row_bytes, xs, out),
+                        QuantType::Q2K => kquant::<kq::Q2>(w, row_bytes, xs, out),
+                        QuantType::Q3K => kquant::<kq::Q3>(w, row_bytes, xs, out),
+                        QuantType::Q4K => kquant::<kq::Q4>(w, row_bytes, xs, out),
+                        QuantType::Q5K => kquant::<kq::Q5>(w, row_bytes, xs, out),
+                        QuantType::Q6K => kquant::<kq::Q6>(w, row_bytes, xs, out),
+                        QuantType::F32 | QuantType::F16 | QuantType::BF16 => unreachable!("rows_dots: float type"),
                     }
-                    i += 1;
                 }
             }
         }
     };
 }
 
-/// Checks what the kernels rely on: `w` whole blocks of the quantized type `t`, each activation
-/// row as long as `w` with its scales (and sums), one output per activation row.
-fn check(t: QuantType, w: &[u8], xs: &[XRow<'_>], out: &[f32]) {
+/// Checks what the kernels rely on: `w` whole rows of `row_bytes`, each whole blocks of the
+/// quantized type `t`; each activation row as long as a weight row, with its scales (and sums);
+/// one output per weight row and activation row.
+fn check(t: QuantType, w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &[f32]) {
     let (bb, be) = (t.block_bytes(), t.block_elems());
-    let nb = w.len() / bb;
-    assert!(!t.is_float() && w.len() == nb * bb && xs.len() == out.len(), "row_dots: operands");
+    let nb = row_bytes / bb;
+    assert!(!t.is_float() && row_bytes == nb * bb && nb > 0, "rows_dots: row size");
+    assert!(w.len().is_multiple_of(row_bytes) && out.len() == w.len() / row_bytes * xs.len(), "rows_dots: operands");
     for x in xs {
-        assert!(x.qs.len() == nb * be && x.d.len() >= nb, "row_dots: activations");
+        assert!(x.qs.len() == nb * be && x.d.len() >= nb, "rows_dots: activations");
         if t.is_k_quant() {
-            assert!(x.bsums.len() == 16 * nb, "row_dots: activation sums");
+            assert!(x.bsums.len() == 16 * nb, "rows_dots: activation sums");
         } else {
-            assert!(x.sx.len() >= nb, "row_dots: activation sums");
+            assert!(x.sx.len() >= nb, "rows_dots: activation sums");
         }
     }
 }

@@ -94,12 +94,18 @@ pub fn quant_matmul(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m:
     if m >= GEMM_MIN_M || batch_invariant() {
         prefill::gemm_tiles(kernel, t, w, rows, k, x, m, y);
     } else if t.is_float() {
-        stream(shape, y, &|j, out| float_row(kernel, shape, &w[j * row_bytes..][..row_bytes], x, out));
+        stream(shape, y, &|j0, n, out| {
+            for (r, out) in out.chunks_exact_mut(m).enumerate().take(n) {
+                float_row(kernel, shape, &w[(j0 + r) * row_bytes..][..row_bytes], x, out);
+            }
+        });
     } else {
         let qx = QuantX::new(x, m, k, if t.is_k_quant() { 256 } else { 32 });
         let xs: Vec<XRow<'_>> = (0..m).map(|i| qx.row(i)).collect();
         let isa = kernel.int8_isa();
-        stream(shape, y, &|j, out| row_dots(isa, t, &w[j * row_bytes..][..row_bytes], &xs, out));
+        stream(shape, y, &|j0, n, out| {
+            rows_dots(isa, t, &w[j0 * row_bytes..(j0 + n) * row_bytes], row_bytes, &xs, out)
+        });
     }
     Ok(())
 }
@@ -114,17 +120,17 @@ struct Shape {
     m: usize,
 }
 
-/// One weight row against every activation row, on `isa`.
-fn row_dots(isa: Int8Isa, t: QuantType, w: &[u8], xs: &[XRow<'_>], out: &mut [f32]) {
+/// Weight rows against every activation row, on `isa` (`out[r * m + i]`).
+fn rows_dots(isa: Int8Isa, t: QuantType, w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &mut [f32]) {
     match isa {
         // SAFETY: `int8_isa` returns `Avx512Vnni` only where the CPU has AVX-512 F/BW/VL/VNNI
         // (and AVX2, FMA, F16C, which AVX-512 detection requires).
         #[cfg(target_arch = "x86_64")]
-        Int8Isa::Avx512Vnni => unsafe { super::dot_x86::vnni::row_dots(t, w, xs, out) },
+        Int8Isa::Avx512Vnni => unsafe { super::dot_x86::vnni::rows_dots(t, w, row_bytes, xs, out) },
         // SAFETY: `int8_isa` returns `Avx2` only where the CPU has AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        Int8Isa::Avx2 => unsafe { super::dot_x86::avx2::row_dots(t, w, xs, out) },
-        _ => dot_portable::row_dots(t, w, xs, out),
+        Int8Isa::Avx2 => unsafe { super::dot_x86::avx2::rows_dots(t, w, row_bytes, xs, out) },
+        _ => dot_portable::rows_dots(t, w, row_bytes, xs, out),
     }
 }
 
@@ -142,24 +148,29 @@ impl Out {
     }
 }
 
-/// Runs `dots(j, out)` for every weight row `j` (`out[i]` receives its product with row `i` of
-/// `x`, `m < GEMM_MIN_M` of them) in tasks of consecutive rows, on the pool when the product is
-/// large enough, and writes the results into column `j` of `y`.
-fn stream(s: Shape, y: &mut [f32], dots: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+/// Weight rows per task of the streaming paths, at most.
+const MAX_TASK_ROWS: usize = 64;
+
+/// Runs `dots(j0, n, out)` for groups of `n <= MAX_TASK_ROWS` consecutive weight rows from `j0`
+/// (`out[r * m + i]` receives row `j0 + r` against row `i` of `x`, `m < GEMM_MIN_M`), on the pool
+/// when the product is large enough, and writes the results into those columns of `y`.
+fn stream(s: Shape, y: &mut [f32], dots: &(dyn Fn(usize, usize, &mut [f32]) + Sync)) {
     assert!(s.m < GEMM_MIN_M && y.len() == s.m * s.rows, "stream: operands");
     let threads = pool::num_threads();
-    let per_task = (TASK_BYTES / s.row_bytes).clamp(1, s.rows.div_ceil(4 * threads).max(1));
+    let per_task = (TASK_BYTES / s.row_bytes).clamp(1, MAX_TASK_ROWS).min(s.rows.div_ceil(4 * threads).max(1));
     let tasks = s.rows.div_ceil(per_task);
     let out = Out(y.as_mut_ptr());
     let task = |task: usize| {
-        let mut vals = [0f32; GEMM_MIN_M];
-        let vals = &mut vals[..s.m];
-        for j in task * per_task..((task + 1) * per_task).min(s.rows) {
-            dots(j, vals);
-            for (i, &v) in vals.iter().enumerate() {
-                // SAFETY: (i, j) is inside `y` (`i < m`, `j < rows`, checked above) and column
-                // `j` belongs to this task alone.
-                unsafe { *out.get().add(i * s.rows + j) = v };
+        let j0 = task * per_task;
+        let n = per_task.min(s.rows - j0);
+        let mut vals = [0f32; MAX_TASK_ROWS * GEMM_MIN_M];
+        let vals = &mut vals[..n * s.m];
+        dots(j0, n, vals);
+        for (r, row) in vals.chunks_exact(s.m).enumerate() {
+            for (i, &v) in row.iter().enumerate() {
+                // SAFETY: (i, j0 + r) is inside `y` (`i < m`, `j0 + r < rows`, checked above)
+                // and column `j0 + r` belongs to this task alone.
+                unsafe { *out.get().add(i * s.rows + j0 + r) = v };
             }
         }
     };
