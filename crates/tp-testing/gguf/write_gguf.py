@@ -165,15 +165,25 @@ def encode(a, qtype, rng):
     return q, gguf.quants.dequantize(q, qtype).reshape(a.shape).astype(np.float32)
 
 
+def word(i):
+    """The i-th lowercase word: a .. z, aa .. zz, aaa .. (bijective base 26)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    s = ""
+    while True:
+        s = letters[i % 26] + s
+        i = i // 26 - 1
+        if i < 0:
+            return s
+
+
 def synthetic_vocab(n, kind):
     if kind == "spm":
         tokens = ["<unk>", "<s>", "</s>"] + ["<0x%02X>" % b for b in range(256)]
         types = [2, 3, 3] + [6] * 256
-        letters = "abcdefghijklmnopqrstuvwxyz"
         i = 0
         while len(tokens) < n:
-            a, b = letters[i % 26], letters[(i // 26) % 26]
-            tokens.append(("\u2581" if i % 2 == 0 else "") + a + (b if i >= 26 else ""))
+            # Every (parity, i // 2) a distinct word: llama.cpp refuses a vocabulary with repeats.
+            tokens.append(("\u2581" if i % 2 == 0 else "") + word(i // 2))
             types.append(1)
             i += 1
         tokens, types = tokens[:n], types[:n]
