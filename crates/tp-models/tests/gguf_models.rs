@@ -11,6 +11,13 @@
 //!   is tp-cpu's `quant_matmul`'s) and picks the same greedy tokens wherever the reference's
 //!   best two logits are further apart than the error seen.
 //!
+//! Gemma 3, Phi-3 and OLMo 2 run through what llama.cpp changes for them: Gemma's norms stored
+//! as `1 + w`, its sliding layers (a window shorter than the prompt, a per-layer pattern), local
+//! rope base, linear scaling of the global layers and final soft-capping; Phi-3's fused QKV and
+//! gate-up tensors, partial rotary embedding (24 of 32 features), LongRoPE factors as tensors
+//! (long ones in use: the prompt is longer than its original context of 4) and sliding window;
+//! OLMo 2's post-norms. Files tp must refuse are refused with errors naming what it cannot read.
+//!
 //! The shapes are off the blocks at most TP degrees: 8 query heads of 32 over 2 KV heads, so at
 //! 3, 5, 6 and 7 ranks the output projection's column ranges cut 32- and 256-element blocks; an
 //! intermediate size of 768 (three 256-blocks) split in balanced, unaligned ranges; a vocabulary
@@ -21,10 +28,11 @@
 
 mod common;
 use common::*;
+use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use tp_core::DType;
-use tp_models::{Architecture, ModelOptions, ParallelCausalLm};
+use tp_models::{Architecture, ModelConfig, ModelOptions, ParallelCausalLm};
 use tp_testing::synthetic::SyntheticModel;
 
 const PROMPT: [i64; 9] = [1, 523, 17, 999, 1000, 4, 311, 77, 2];
@@ -47,6 +55,36 @@ fn spec(architecture: Architecture, tie: bool, seed: u64) -> SyntheticModel {
     }
 }
 
+/// Gemma 3 with a sliding window of 4 (shorter than the prompt) on llama.cpp's default layers
+/// (every 6th full: here both slide); with `extras`, layers that slide and attend fully in turn,
+/// a local rope base of 20000, linear scaling 8 on the global layers, soft-capping at 30.
+fn gemma3(tie: bool, seed: u64, extras: bool) -> SyntheticModel {
+    let mut extra = json!({"query_pre_attn_scalar": 32, "sliding_window": 4});
+    if extras {
+        extra["layer_types"] = json!(["sliding_attention", "full_attention"]);
+        extra["rope_local_base_freq"] = json!(20_000.0);
+        extra["final_logit_softcapping"] = json!(30.0);
+    }
+    SyntheticModel {
+        extra: Some(extra),
+        rope_scaling: extras.then(|| json!({"rope_type": "linear", "factor": 8.0})),
+        ..spec(Architecture::Gemma3, tie, seed)
+    }
+}
+
+/// Phi-3 rotating 24 of 32 features per head, a sliding window of 4; with `longrope`, LongRoPE
+/// factors (not f32 values: the file rounds them) over an original context of 4.
+fn phi3(seed: u64, longrope: bool) -> SyntheticModel {
+    let factors = |a: f64| (0..12).map(|i| a + 0.1 * i as f64).collect::<Vec<_>>();
+    SyntheticModel {
+        extra: Some(json!({"partial_rotary_factor": 0.75, "original_max_position_embeddings": 4})),
+        rope_scaling: longrope
+            .then(|| json!({"type": "longrope", "long_factor": factors(1.3), "short_factor": factors(0.9)})),
+        sliding_window: Some(4),
+        ..spec(Architecture::Phi3, false, seed)
+    }
+}
+
 /// The script beside tp-testing's sources.
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tp-testing/gguf/write_gguf.py")
@@ -55,6 +93,11 @@ fn script() -> PathBuf {
 /// Writes `spec` as a Hugging Face folder, then as a GGUF file of `qtype` with its dequantized
 /// reference folder; returns `(gguf file, reference folder)`.
 fn write(test: &str, spec: &SyntheticModel, qtype: &str) -> (PathBuf, PathBuf) {
+    write_with(test, spec, qtype, &[])
+}
+
+/// [`write`] with more arguments to the script (`--meta`, `--drop-tensor`, `--extra-tensor`).
+fn write_with(test: &str, spec: &SyntheticModel, qtype: &str, args: &[&str]) -> (PathBuf, PathBuf) {
     let dir = tmpdir(&format!("gguf-{test}-{qtype}"));
     let hf = dir.join("hf");
     spec.write(&hf).unwrap();
@@ -64,6 +107,7 @@ fn write(test: &str, spec: &SyntheticModel, qtype: &str) -> (PathBuf, PathBuf) {
         .args([hf.as_os_str(), gguf.as_os_str()])
         .args(["--type", qtype, "--ref"])
         .arg(&reference)
+        .args(args)
         .output()
         .expect("python3 must be installed for the GGUF tests");
     assert!(
@@ -94,9 +138,14 @@ fn dequantized_gguf_equals_its_reference_bit_for_bit_at_every_world_size() {
         ("llama-mixed-k", spec(Architecture::Llama, false, 13), "MIXED_K"),
         ("qwen2-Q8_0", spec(Architecture::Qwen2, false, 14), "Q8_0"),
         ("qwen3-Q5_K", spec(Architecture::Qwen3, true, 15), "Q5_K"),
+        ("gemma3-mixed-k", gemma3(true, 16, true), "MIXED_K"),
+        ("phi3-longrope-Q4_0", phi3(17, true), "Q4_0"),
+        ("olmo2-Q5_1", spec(Architecture::Olmo2, false, 18), "Q5_1"),
     ];
     for (name, spec, qtype) in cases {
         let (gguf, reference) = write(name, &spec, qtype);
+        let read = tp_models::gguf::GgufModel::open(&gguf).unwrap().config;
+        assert_eq!(read, ModelConfig::from_dir(&reference).unwrap(), "{name}: the file's config");
         for world in 1..=8 {
             let f32s = ModelOptions::new().with_dtype(DType::F32);
             let got = prefill(&gguf, world, f32s);
@@ -127,6 +176,8 @@ fn quantized_runs_stay_near_the_dequantized_model_and_pick_its_tokens() {
         ("llama-Q8_0-tied", spec(Architecture::Llama, true, 32), "Q8_0"),
         ("llama-mixed-k", spec(Architecture::Llama, false, 33), "MIXED_K"),
         ("qwen2-mixed-legacy", spec(Architecture::Qwen2, false, 34), "MIXED_LEGACY"),
+        ("gemma3-Q8_0-tied", gemma3(true, 35, false), "Q8_0"),
+        ("phi3-mixed-k", phi3(36, false), "MIXED_K"),
     ];
     for (name, spec, qtype) in cases {
         let (gguf, reference) = write(name, &spec, qtype);
@@ -172,4 +223,32 @@ fn a_folder_holding_one_gguf_file_loads_as_the_file() {
     std::fs::copy(&gguf, folder.join("other.gguf")).unwrap();
     let err = on_ranks(1, CPU, |g| ParallelCausalLm::load(&folder, &g, &f32s).map(|_| ()).unwrap_err().to_string());
     assert!(err[0].contains("2 GGUF files"), "{}", err[0]);
+}
+
+/// Files llama.cpp writes or reads that tp cannot run as they say are refused by name.
+#[test]
+fn files_tp_cannot_read_are_refused_naming_why() {
+    let cases: [(&str, SyntheticModel, &[&str], &str); 5] = [
+        ("olmo3-window", spec(Architecture::Olmo2, false, 51), &["--meta", "attention.sliding_window=8"], "OLMo 3"),
+        ("phi3-bias", phi3(52, false), &["--extra-tensor", "blk.0.attn_qkv.bias"], "blk.0.attn_qkv.bias"),
+        ("phi3-one-factor", phi3(53, true), &["--drop-tensor", "rope_factors_short.weight"], "LongRoPE needs both"),
+        (
+            "gemma3-partial",
+            gemma3(true, 54, false),
+            &["--meta", "rope.dimension_count=16"],
+            "rotates part of each head",
+        ),
+        (
+            "llama-rope-factors",
+            spec(Architecture::Llama, false, 55),
+            &["--extra-tensor", "rope_factors_long.weight"],
+            "no place",
+        ),
+    ];
+    for (name, spec, args, want) in cases {
+        let (gguf, _) = write_with(name, &spec, "Q8_0", args);
+        let err = tp_models::gguf::GgufModel::open(&gguf).map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains(want), "{name}: {err}");
+        eprintln!("{name}: {err}");
+    }
 }

@@ -3,10 +3,26 @@
 out, with the `gguf` package's writer and quantizers, for tp's tests and benchmarks.
 
     write_gguf.py HF_DIR OUT.gguf --type Q4_0 [--ref REF_DIR] [--seed N] [--tokenizer spm|bpe]
+                  [--meta KEY=N] [--drop-tensor NAME] [--extra-tensor NAME]
 
-* Names and metadata follow llama.cpp (`blk.N.attn_q.weight`, `llama.embedding_length`, ...);
-  the rows of Q and K are permuted into llama.cpp's rotary layout for the `llama` architecture
-  (as its converter does for Llama and Mistral checkpoints).
+* Names and metadata follow llama.cpp's converter (`blk.N.attn_q.weight`,
+  `llama.embedding_length`, ...; names from the `gguf` package's tensor map, as the converter
+  takes them) for the architectures `llama` (Llama, Mistral), `qwen2`, `qwen3`, `gemma3`, `phi3`
+  and `olmo2`, with what it changes in the tensors:
+  - `llama`: the rows of Q and K permuted into llama.cpp's rotary layout;
+  - `gemma3`: every norm stored as `1 + w` (Gemma3RMSNorm's weight); the global rope base and
+    any linear scaling, the local base (`rope.freq_base_swa`), `attention.key_length`,
+    `final_logit_softcapping`, `attention.sliding_window` (unless `sliding_window_pattern` is
+    1). llama.cpp takes every 6th layer as full attention; where the config's layer types differ
+    from that, `attention.sliding_window_pattern` (one bool per layer, which llama.cpp's loader
+    reads) is written too. A `query_pre_attn_scalar` other than the one llama.cpp assumes
+    (`head_dim`; 27B: `hidden / heads`) is refused: the file would be another model;
+  - `phi3`: fused `attn_qkv` and `ffn_up` (gate and up) as the checkpoint holds them;
+    `rope.dimension_count` the rotated features (`int(partial_rotary_factor * hidden) //
+    heads`), `rope.scaling.original_context_length`, `attention.sliding_window` (0: none); with
+    LongRoPE, `rope.scaling.attn_factor` and the `rope_factors_long` / `rope_factors_short`
+    tensors (F32);
+  - `olmo2`: norms after attention and after the MLP (`post_attention_norm`, `post_ffw_norm`).
 * `--type` is the type of every 2-D weight (norms and biases stay F32): F32, F16, BF16, Q8_0,
   Q4_0, Q4_1, Q5_0, Q5_1 quantize the checkpoint's values with `gguf.quants`; the K-quants
   (Q2_K .. Q6_K), which `gguf` cannot quantize, are written as seeded random blocks of that
@@ -15,7 +31,11 @@ out, with the `gguf` package's writer and quantizers, for tp's tests and benchma
   `ffn_down` and `output`, Q4_K elsewhere), and `MIXED_LEGACY` alternates Q4_0 / Q8_0 / Q5_1.
 * `--ref REF_DIR` writes the same model as a Hugging Face folder in f32 holding exactly the
   weights the GGUF file holds (each tensor dequantized by `gguf.quants.dequantize`, the Q/K
-  permutation undone): the independent reference the tests load beside the GGUF file.
+  permutation undone, Gemma's stored norms less 1 in f32, as transformers' GGUF loader reads
+  them back), its config the original's with LongRoPE factors rounded to f32 as the file holds
+  them: the independent reference the tests load beside the GGUF file.
+* `--meta KEY=N` sets `{arch}.KEY` to the u32 `N`, `--drop-tensor` leaves a GGUF tensor out,
+  `--extra-tensor` adds a 1-D F32 tensor of zeros: files tp must refuse, for its tests.
 * The tokenizer (`tokenizer.ggml.*`) is a synthetic one of the config's vocabulary size:
   SentencePiece-style (`llama`: `<unk>`, `<s>`, `</s>`, the 256 byte tokens, pieces with
   scores) or byte-level BPE (`gpt2`: tokens and merges).
@@ -23,6 +43,7 @@ out, with the `gguf` package's writer and quantizers, for tp's tests and benchma
 
 import argparse
 import json
+import math
 import os
 import struct
 import sys
@@ -36,31 +57,12 @@ ARCH = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
 }
 PERMUTES_QK = {"llama"}
-
-LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.o_proj.bias": "attn_output.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-TOP_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+NORM_PLUS_ONE = {"gemma3"}
 
 ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
@@ -205,6 +207,137 @@ def synthetic_vocab(n, kind):
     return tokens, None, types, merges
 
 
+def rope_params(cfg):
+    """The rope parameters as llama.cpp's converter reads them: transformers 5's
+    `rope_parameters`, else 4's `rope_scaling`, with the top-level keys mirrored in."""
+    p = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "full_attention" not in p and "sliding_attention" not in p:
+        if cfg.get("rope_local_base_freq") is not None:
+            p["sliding_attention"] = {"rope_theta": cfg["rope_local_base_freq"]}
+        if "rope_theta" not in p and cfg.get("rope_theta") is not None:
+            p["rope_theta"] = cfg["rope_theta"]
+        if "rope_type" not in p and p.get("type") is not None:
+            p["rope_type"] = p["type"]
+        for k in ("partial_rotary_factor", "original_max_position_embeddings"):
+            if k not in p and cfg.get(k) is not None:
+                p[k] = cfg[k]
+    return p
+
+
+def gemma3_layer_types(cfg):
+    """Per layer, whether it slides (Gemma3TextConfig's rule)."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return [t == "sliding_attention" for t in cfg["layer_types"]]
+    period = cfg.get("sliding_window_pattern", 6)
+    return [bool((i + 1) % period) for i in range(n)]
+
+
+def write_gemma3(w, cfg, rp, head_dim):
+    full = rp.get("full_attention", rp)
+    kind = full.get("rope_type", "default")
+    if kind == "linear" and full.get("factor") is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    elif kind != "default":
+        sys.exit("write_gguf.py: gemma3 rope type %r is not written" % kind)
+    w.add_rope_freq_base(float(full.get("rope_theta", 1_000_000.0)))
+    local = rp.get("sliding_attention", {}).get("rope_theta")
+    if local is not None:
+        w.add_rope_freq_base_swa(float(local))
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if cfg.get("attn_logit_softcapping") is not None:
+        sys.exit("write_gguf.py: llama.cpp's converter refuses Gemma 3 with attn_logit_softcapping")
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(cfg.get("sliding_window") or 4096)
+        types = gemma3_layer_types(cfg)
+        if types != [i % 6 < 5 for i in range(len(types))]:
+            w.add_sliding_window_pattern(types)
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    implied = cfg["hidden_size"] // heads if layers == 62 else head_dim
+    if cfg.get("query_pre_attn_scalar", 256) != implied:
+        sys.exit("write_gguf.py: query_pre_attn_scalar %s is not the %s llama.cpp assumes"
+                 % (cfg.get("query_pre_attn_scalar", 256), implied))
+
+
+def write_phi3(w, cfg, rp):
+    """Phi-3's metadata; returns its extra tensors (LongRoPE's factors)."""
+    n_embd, heads, max_pos = cfg["hidden_size"], cfg["num_attention_heads"], cfg["max_position_embeddings"]
+    orig = rp.get("original_max_position_embeddings", 4096)
+    rope_dims = int(rp.get("partial_rotary_factor", 1.0) * n_embd) // heads
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_rope_dimension_count(rope_dims)
+    w.add_rope_freq_base(float(rp.get("full_attention", rp).get("rope_theta", 10000.0)))
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    long, short = rp.get("long_factor"), rp.get("short_factor")
+    if not long:
+        return []
+    scale = max_pos / orig
+    kind = rp.get("rope_type", "").lower()
+    if kind in ("su", "longrope"):
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    elif kind == "yarn":
+        attn_factor = 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    else:
+        sys.exit("write_gguf.py: phi3 rope type %r is not written" % kind)
+    w.add_rope_scaling_attn_factors(attn_factor)
+    if len(long) != len(short) or len(long) != rope_dims / 2:
+        sys.exit("write_gguf.py: LongRoPE factors must number rope dims / 2 = %s" % (rope_dims / 2))
+    return [("rope_factors_long.weight", np.array(long, dtype=np.float32)),
+            ("rope_factors_short.weight", np.array(short, dtype=np.float32))]
+
+
+def write_metadata(w, arch, cfg, heads, kv, head_dim):
+    """The model's metadata as llama.cpp's converter writes it for `arch`; returns the extra
+    tensors it generates."""
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(0)
+    rp = rope_params(cfg)
+    if arch == "gemma3":
+        write_gemma3(w, cfg, rp, head_dim)
+        return []
+    if arch == "phi3":
+        return write_phi3(w, cfg, rp)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    if arch == "olmo2":
+        if cfg.get("head_dim") is not None:
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        if "sliding_window" in cfg:
+            w.add_sliding_window(cfg["sliding_window"])
+        return []
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    if cfg.get("sliding_window") and cfg["architectures"][0] == "MistralForCausalLM":
+        w.add_sliding_window(cfg["sliding_window"])
+    return []
+
+
+def reference_config(cfg):
+    """The config of the --ref folder: the original's, LongRoPE factors rounded to f32 as the
+    GGUF file holds them."""
+    rc = json.loads(json.dumps(cfg))
+    rc["torch_dtype"] = "float32"
+    rc.pop("dtype", None)
+    for key in ("rope_scaling", "rope_parameters"):
+        p = rc.get(key)
+        for f in ("long_factor", "short_factor"):
+            if isinstance(p, dict) and p.get(f):
+                p[f] = [float(np.float32(x)) for x in p[f]]
+    return rc
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("hf_dir")
@@ -213,6 +346,11 @@ def main():
     p.add_argument("--ref")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", choices=["spm", "bpe"], default="spm")
+    # For tests of files tp refuses: a u32 `{arch}.KEY` set (or overridden), a GGUF tensor
+    # left out, a 1-D F32 tensor of zeros added.
+    p.add_argument("--meta", action="append", default=[], metavar="KEY=N")
+    p.add_argument("--drop-tensor", action="append", default=[], metavar="NAME")
+    p.add_argument("--extra-tensor", action="append", default=[], metavar="NAME")
     a = p.parse_args()
 
     cfg = json.load(open(os.path.join(a.hf_dir, "config.json")))
@@ -223,24 +361,15 @@ def main():
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     tensors = read_checkpoint(a.hf_dir)
     rng = np.random.default_rng(a.seed)
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], cfg["num_hidden_layers"])
 
     w = gguf.GGUFWriter(a.out, arch)
     w.add_name("tp test model")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_vocab_size(cfg["vocab_size"])
-    if cfg.get("sliding_window") and cfg["architectures"][0] == "MistralForCausalLM":
-        w.add_sliding_window(cfg["sliding_window"])
-    w.add_file_type(0)
+    extra_tensors = write_metadata(w, arch, cfg, heads, kv, head_dim)
+    for kv_arg in a.meta:
+        key, value = kv_arg.split("=", 1)
+        w.add_uint32("%s.%s" % (arch, key), int(value))
+    extra_tensors += [(n, np.zeros(8, dtype=np.float32)) for n in a.extra_tensor]
 
     tokens, scores, types, merges = synthetic_vocab(cfg["vocab_size"], a.tokenizer)
     w.add_tokenizer_model("llama" if a.tokenizer == "spm" else "gpt2")
@@ -257,31 +386,40 @@ def main():
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
         w.add_add_bos_token(True)
+    if arch == "gemma3":
+        w.add_add_space_prefix(False)
     w.add_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                         "{% if add_generation_prompt %}<assistant>{% endif %}")
 
     ref = {}
     for name, t in tensors.items():
-        if name in TOP_NAMES:
-            gname = TOP_NAMES[name]
-        else:
-            parts = name.split(".")
-            if parts[:2] != ["model", "layers"]:
-                sys.exit("write_gguf.py: unexpected tensor " + name)
-            gname = "blk.%s.%s" % (parts[2], LAYER_NAMES[".".join(parts[3:])])
-        if arch in PERMUTES_QK and (".q_proj." in name or ".k_proj." in name):
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            sys.exit("write_gguf.py: unexpected tensor " + name)
+        permuted = arch in PERMUTES_QK and (".q_proj." in name or ".k_proj." in name)
+        if permuted:
             t = permute(t, heads if ".q_proj." in name else kv)
+        plus_one = arch in NORM_PLUS_ONE and name.endswith("norm.weight")
+        if plus_one:
+            t = t.astype(np.float32) + np.float32(1)
         qtype = T.F32 if t.ndim == 1 else type_for(a.type, gname)
         data, deq = encode(t, qtype, rng)
-        if arch in PERMUTES_QK and (".q_proj." in name or ".k_proj." in name):
+        if permuted:
             deq = unpermute(deq, heads if ".q_proj." in name else kv)
+        if plus_one:
+            deq = deq - np.float32(1)
         ref[name] = deq
+        if gname in a.drop_tensor:
+            continue
         if qtype in (T.F32,):
             w.add_tensor(gname, data)
         elif qtype in (T.F16,):
             w.add_tensor(gname, data, raw_dtype=T.F16)
         else:
             w.add_tensor(gname, data, raw_dtype=qtype)
+    for gname, data in extra_tensors:
+        if gname not in a.drop_tensor:
+            w.add_tensor(gname, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -289,10 +427,7 @@ def main():
 
     if a.ref:
         os.makedirs(a.ref, exist_ok=True)
-        rc = dict(cfg)
-        rc["torch_dtype"] = "float32"
-        rc.pop("dtype", None)
-        json.dump(rc, open(os.path.join(a.ref, "config.json"), "w"), indent=1)
+        json.dump(reference_config(cfg), open(os.path.join(a.ref, "config.json"), "w"), indent=1)
         write_safetensors(os.path.join(a.ref, "model.safetensors"), ref)
 
 
