@@ -123,7 +123,8 @@ def unpermute(w, heads):
 
 def type_for(kind, gname):
     if kind == "MIXED_K":
-        return T.Q6_K if any(k in gname for k in ("attn_v", "ffn_down", "output.weight")) else T.Q4_K
+        q6 = gname == "output.weight" or any(k in gname for k in (".attn_v.", ".ffn_down."))
+        return T.Q6_K if q6 else T.Q4_K
     if kind == "MIXED_LEGACY":
         return [T.Q4_0, T.Q8_0, T.Q5_1][sum(map(ord, gname)) % 3]
     return T[kind]
