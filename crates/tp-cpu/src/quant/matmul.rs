@@ -192,7 +192,7 @@ fn float_row(kernel: CpuKernel, s: Shape, w: &[u8], x: &[f32], out: &mut [f32]) 
     WIDE.with(|wide| {
         let mut wide = wide.borrow_mut();
         wide.resize(s.k, 0.0);
-        dequantize_unchecked(s.t, w, &mut wide);
+        dequantize_unchecked(kernel, s.t, w, &mut wide);
         for (o, xi) in out.iter_mut().zip(x.chunks_exact(s.k)) {
             *o = match kernel.f32_isa() {
                 // SAFETY: `f32_isa` returns `Avx2` or `Avx512` only where the CPU has AVX2 and FMA.
