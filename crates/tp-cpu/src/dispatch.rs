@@ -183,7 +183,7 @@ pub(crate) enum Int8Isa {
     Portable,
     /// AVX2: `vpmaddubsw` + `vpmaddwd`.
     Avx2,
-    /// AVX512-VNNI (256-bit forms): `vpdpbusd`, `vpdpwssd`.
+    /// AVX512-VNNI (256-bit forms): `vpdpbusd`.
     Avx512Vnni,
 }
 

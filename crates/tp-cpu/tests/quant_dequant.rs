@@ -105,7 +105,7 @@ fn python(folder: &Path) {
     match out.status.code() {
         Some(0) => {}
         Some(3) => panic!("python3 cannot import gguf / numpy ({}); {hint}", stderr.trim()),
-        _ => panic!("the gguf reference script failed ({}): {stderr}", out.status),
+        _ => panic!("the gguf reference script failed ({}): {stderr}\n({hint})", out.status),
     }
 }
 

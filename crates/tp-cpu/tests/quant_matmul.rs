@@ -159,8 +159,9 @@ fn products_stay_within_the_documented_bound_on_every_kernel() {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let kernels = CpuKernel::available();
     for t in QuantType::ALL {
-        // An odd number of blocks: legacy rows of 13 blocks (groups of 8 and 5), K rows of 3.
-        let k = if t.block_elems() == 256 { 768 } else { 416 };
+        // An odd number of blocks: legacy rows of 37 (two passes of 16 and 5 blocks, groups of 8
+        // and a remainder), K rows of 3 (a pair and one).
+        let k = if t.block_elems() == 256 { 768 } else { 37 * 32 };
         for (rows, m) in [(300, 1), (37, 3), (45, 7), (40, 17), (300, 33), (70, 64)] {
             let w = weight(t, rows, k, &mut rng);
             // Rows of x at different magnitudes, a few large elements among small ones.

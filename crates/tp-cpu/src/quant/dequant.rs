@@ -26,16 +26,17 @@ pub fn dequantize(t: QuantType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     if dst.len() != expected {
         return Err(Error::QuantLength { ty: t.name(), operand: "dst", unit: "elements", expected, got: dst.len() });
     }
-    dequantize_unchecked(t, src, dst);
+    dequantize_unchecked(CpuKernel::current(), t, src, dst);
     Ok(())
 }
 
 /// [`dequantize`] without the checks: `src` holds whole blocks and `dst` their elements. Compiled
 /// twice, for the baseline and for AVX2 + F16C (the same operations, vectorised; the values are
-/// the same bits either way), as the calling thread's [`CpuKernel`] allows.
-pub(crate) fn dequantize_unchecked(t: QuantType, src: &[u8], dst: &mut [f32]) {
+/// the same bits either way), as `kernel` allows (the caller's [`CpuKernel`], which pool tasks
+/// carry over).
+pub(crate) fn dequantize_unchecked(kernel: CpuKernel, t: QuantType, src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if CpuKernel::current().f32_isa() != Isa::Portable {
+    if kernel.f32_isa() != Isa::Portable {
         // SAFETY: the AVX2 and AVX-512 families require AVX2, FMA and F16C (dispatch).
         return unsafe { dequantize_avx2(t, src, dst) };
     }
@@ -121,9 +122,9 @@ fn blocks(t: QuantType, src: &[u8], dst: &mut [f32]) {
 /// Dequantizes whole blocks of `t` (any type) into `bf16`, rounding each `f32` value of
 /// [`dequantize`] to nearest even (`BF16` elements are copied exactly). For the GEMM tiles of
 /// `quant_matmul`; compiled for AVX2 too, like [`dequantize_unchecked`].
-pub(crate) fn dequantize_bf16_unchecked(t: QuantType, src: &[u8], dst: &mut [bf16]) {
+pub(crate) fn dequantize_bf16_unchecked(kernel: CpuKernel, t: QuantType, src: &[u8], dst: &mut [bf16]) {
     #[cfg(target_arch = "x86_64")]
-    if CpuKernel::current().f32_isa() != Isa::Portable {
+    if kernel.f32_isa() != Isa::Portable {
         // SAFETY: the AVX2 and AVX-512 families require AVX2, FMA and F16C (dispatch).
         return unsafe { dequantize_bf16_avx2(t, src, dst) };
     }

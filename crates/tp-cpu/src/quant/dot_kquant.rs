@@ -10,14 +10,16 @@
 //! `Σ w x = d dx (Σ_g sc_g Σ u q_x - offset Σ_g sc_g Σ q_x) - dmin dx Σ_g mn_g Σ q_x`.
 //!
 //! The super-block is unpacked once and dotted with every activation row. Two integer
-//! accumulators per row alternate.
+//! accumulators per row alternate. The kernels use AVX2 instructions only (`vpdpwssd` measured
+//! slower, see [`dot_scaled`]); the AVX512-VNNI entry points compile them with the wider
+//! register file.
 
 use super::act::XRow;
 use super::blocks::{
     K4_SCALES, Q2K_D, Q2K_DMIN, Q2K_QS, Q3K_D, Q3K_QS, Q3K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES,
     q3k_scales,
 };
-use super::simd::{Dot, dot_scaled, f16_at, hsum, load, load_x, word_pick};
+use super::simd::{dot_scaled, f16_at, hsum, load, load_x, word_pick};
 use std::arch::x86_64::*;
 
 /// What one super-block gives each activation row: the `i32` lanes of `Σ_g sc_g Σ w_int q_x`
@@ -43,8 +45,8 @@ pub(crate) trait KQuant {
     ///
     /// # Safety
     /// `p` must point at a whole super-block, `xq[i]` at 256 codes, `bs[i]` at 16 sums; the CPU
-    /// must have `D`'s instructions and AVX2, FMA, F16C.
-    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M>;
+    /// must have AVX2, FMA and F16C.
+    unsafe fn sums<const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M>;
 }
 
 /// Integer accumulators of a super-block: two per activation row, taken in turn.
@@ -127,7 +129,7 @@ impl KQuant for Q2 {
     const BYTES: usize = 84;
     const HAS_MIN: bool = true;
     #[inline(always)]
-    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+    unsafe fn sums<const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
         // SAFETY: the reads stay in the super-block and the activations the caller guarantees.
         unsafe {
             let raw = _mm_loadu_si128(p.cast());
@@ -156,7 +158,7 @@ impl KQuant for Q3 {
     const BYTES: usize = 110;
     const HAS_MIN: bool = false;
     #[inline(always)]
-    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+    unsafe fn sums<const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
         // SAFETY: as for Q2.
         unsafe {
             let scales = q3k_scales(std::slice::from_raw_parts(p.add(Q3K_SCALES), 12));
@@ -218,11 +220,7 @@ unsafe fn k4_scales(p: *const u8) -> (__m256i, __m256i) {
 /// # Safety
 /// As [`KQuant::sums`].
 #[inline(always)]
-unsafe fn sums_45<D: Dot, const M: usize, const FIVE: bool>(
-    p: *const u8,
-    xq: [*const i8; M],
-    bs: [*const i16; M],
-) -> Sums<M> {
+unsafe fn sums_45<const M: usize, const FIVE: bool>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
     // SAFETY: as for Q2.
     unsafe {
         let (sc16, mn16) = k4_scales(p.add(K4_SCALES));
@@ -258,9 +256,9 @@ impl KQuant for Q4 {
     const BYTES: usize = 144;
     const HAS_MIN: bool = true;
     #[inline(always)]
-    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+    unsafe fn sums<const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
         // SAFETY: forwarded.
-        unsafe { sums_45::<D, M, false>(p, xq, bs) }
+        unsafe { sums_45::<M, false>(p, xq, bs) }
     }
 }
 
@@ -268,9 +266,9 @@ impl KQuant for Q5 {
     const BYTES: usize = 176;
     const HAS_MIN: bool = true;
     #[inline(always)]
-    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+    unsafe fn sums<const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
         // SAFETY: forwarded.
-        unsafe { sums_45::<D, M, true>(p, xq, bs) }
+        unsafe { sums_45::<M, true>(p, xq, bs) }
     }
 }
 
@@ -282,7 +280,7 @@ impl KQuant for Q6 {
     // other types ran slower with it.
     const PREFETCH: usize = 8;
     #[inline(always)]
-    unsafe fn sums<D: Dot, const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
+    unsafe fn sums<const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
         // SAFETY: as for Q2.
         unsafe {
             let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(Q6K_SCALES).cast()));
@@ -325,9 +323,9 @@ impl KQuant for Q6 {
 ///
 /// # Safety
 /// `w` must hold `nb * K::BYTES` readable bytes; every `xs[i]` must have `256 nb` codes, `nb`
-/// scales and `16 nb` sums; the CPU must have `D`'s instructions, AVX2, FMA and F16C.
+/// scales and `16 nb` sums; the CPU must have AVX2, FMA and F16C.
 #[inline(always)]
-pub(crate) unsafe fn row<D: Dot, K: KQuant, const M: usize>(w: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [f32; M] {
+pub(crate) unsafe fn row<K: KQuant, const M: usize>(w: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [f32; M] {
     // SAFETY: super-block `s < nb` is inside `w`, and its activations inside every `xs[i]`.
     unsafe {
         // Even and odd super-blocks, and the min terms, in separate accumulators (the FMA
@@ -336,12 +334,12 @@ pub(crate) unsafe fn row<D: Dot, K: KQuant, const M: usize>(w: *const u8, nb: us
             ([_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M]);
         let mut s = 0;
         while s + 2 <= nb {
-            superblock::<D, K, M>(w, s, xs, &mut even, &mut mins);
-            superblock::<D, K, M>(w, s + 1, xs, &mut odd, &mut mins);
+            superblock::<K, M>(w, s, xs, &mut even, &mut mins);
+            superblock::<K, M>(w, s + 1, xs, &mut odd, &mut mins);
             s += 2;
         }
         if s < nb {
-            superblock::<D, K, M>(w, s, xs, &mut even, &mut mins);
+            superblock::<K, M>(w, s, xs, &mut even, &mut mins);
         }
         let acc: [__m256; M] = std::array::from_fn(|i| _mm256_add_ps(_mm256_add_ps(even[i], odd[i]), mins[i]));
         std::array::from_fn(|i| hsum(acc[i]))
@@ -354,7 +352,7 @@ pub(crate) unsafe fn row<D: Dot, K: KQuant, const M: usize>(w: *const u8, nb: us
 /// # Safety
 /// As [`row`], with `s < nb`.
 #[inline(always)]
-unsafe fn superblock<D: Dot, K: KQuant, const M: usize>(
+unsafe fn superblock<K: KQuant, const M: usize>(
     w: *const u8,
     s: usize,
     xs: &[XRow<'_>; M],
@@ -373,7 +371,7 @@ unsafe fn superblock<D: Dot, K: KQuant, const M: usize>(
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l).cast());
             }
         }
-        let sums = K::sums::<D, M>(w.add(s * K::BYTES), xq, bs);
+        let sums = K::sums::<M>(w.add(s * K::BYTES), xq, bs);
         for i in 0..M {
             let dx = xs[i].d[s];
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums.int[i]), _mm256_set1_ps(sums.d * dx), acc[i]);

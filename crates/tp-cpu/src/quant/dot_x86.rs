@@ -60,14 +60,15 @@ macro_rules! isa_entry {
                 unsafe { lg::row::<$dot, L, M>(w, nb, xs) }
             }
 
-            /// `dot_kquant::row` with this instruction set.
+            /// `dot_kquant::row` (the same code for every instruction set, compiled with this
+            /// one's features).
             ///
             /// # Safety
             /// As `dot_kquant::row`.
             #[inline(always)]
             unsafe fn kquant_m<K: KQuant, const M: usize>(w: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [f32; M] {
                 // SAFETY: forwarded.
-                unsafe { kq::row::<$dot, K, M>(w, nb, xs) }
+                unsafe { kq::row::<K, M>(w, nb, xs) }
             }
 
             /// The rows of a legacy type.

@@ -64,8 +64,8 @@ impl<T> Shared<T> {
     }
 }
 
-/// Fills a tile of `T` with whole blocks of a type.
-type Dequant<T> = dyn Fn(QuantType, &[u8], &mut [T]) + Sync;
+/// Fills a tile of `T` with whole blocks of a type, on a kernel family.
+type Dequant<T> = dyn Fn(CpuKernel, QuantType, &[u8], &mut [T]) + Sync;
 
 /// [`gemm_tiles`] with tiles of `T`, filled by `dequant`.
 #[allow(clippy::too_many_arguments)]
@@ -97,7 +97,7 @@ fn tiles<T: Float>(
             // SAFETY: task `g` owns rows `r0..r1` of the tile (disjoint from the others'), inside
             // it; the tile outlives `run`.
             let part = unsafe { std::slice::from_raw_parts_mut(dst.get().add(r0 * k), (r1 - r0) * k) };
-            dequant(t, &src[r0 * row_bytes..r1 * row_bytes], part);
+            dequant(kernel, t, &src[r0 * row_bytes..r1 * row_bytes], part);
         });
         let y_tile = &mut y_tile[..m * n];
         gemm::gemm(micro, x, BSource::Pack(tile, Layout::Nk), None, m, k, n, y_tile);
