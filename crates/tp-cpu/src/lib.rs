@@ -18,10 +18,10 @@
 //! * [`num_threads`] and [`par_rows`]: the persistent thread pool (`pool`) every kernel runs on.
 //! * [`quant`]: weights in llama.cpp's ggml block formats ([`quant::QuantType`]: Q4_0 .. Q8_0,
 //!   Q2_K .. Q6_K, and the float types): [`quant::dequantize`], bit-exact with ggml, and
-//!   [`quant::quant_matmul`]: for decode, `x` quantized once to 8-bit blocks (Q8_0 / Q8_K) and
-//!   each weight row streamed once through integer dot products (AVX512-VNNI `vpdpbusd`, AVX2
-//!   `vpmaddubsw`, or portable); for prefill, tiles of the weight dequantized to `f32` for the
-//!   packed GEMM.
+//!   [`quant::quant_matmul`]: for decode and small batches, `x` quantized once to 8-bit blocks
+//!   (Q8_0 / Q8_K) and each weight row streamed once through integer dot products (AVX512-VNNI
+//!   `vpdpbusd`, AVX2 `vpmaddubsw`, or portable); for prefill, tiles of the weight dequantized to
+//!   `bf16` for the packed GEMM.
 //!
 //! Every `unsafe` here is SIMD (`std::arch` intrinsics behind run-time feature checks, with the
 //! raw block reads of the quantized kernels after their length checks), inline assembly (AMX, the

@@ -1,7 +1,8 @@
 //! `tp_cpu::quant::quant_matmul` against `f64` products of the dequantized weight (whose
 //! dequantization `quant_dequant.rs` checks against gguf), for every type, on every kernel family
-//! this machine runs, at `m` = 1, 3, 7, 17 (integer path: 1, 2 and 4 activation rows at a time),
-//! 33 and 64 (dequantize-and-GEMM path), with row counts off every tile and task size.
+//! this machine runs, at `m` = 1, 3, 7, 17, 47 (integer path: 1, 2 and 4 activation rows at a
+//! time) and 48 (dequantize-and-GEMM path, across a 256-row tile), with row counts off every tile
+//! and task size.
 //!
 //! The bound is the one `quant_matmul` documents: activation rounding `Σ_b (d_b / 2) Σ |w|` plus
 //! `f32` arithmetic `(N + 8) 2^-22 Σ_b r_b Σ (|x| + d_b)` (integer path), `bf16` rounding plus
@@ -162,16 +163,16 @@ fn products_stay_within_the_documented_bound_on_every_kernel() {
         // An odd number of blocks: legacy rows of 37 (two passes of 16 and 5 blocks, groups of 8
         // and a remainder), K rows of 3 (a pair and one).
         let k = if t.block_elems() == 256 { 768 } else { 37 * 32 };
-        for (rows, m) in [(300, 1), (37, 3), (45, 7), (40, 17), (300, 33), (70, 64)] {
+        for (rows, m) in [(300, 1), (37, 3), (45, 7), (40, 17), (30, 47), (260, 48)] {
             let w = weight(t, rows, k, &mut rng);
             // Rows of x at different magnitudes, a few large elements among small ones.
             let x: Vec<f32> =
                 (0..m * k).map(|i| rng.unit() * if i % 97 == 5 { 8.0 } else { 1.0 } * (1 + i / k % 3) as f32).collect();
             let r = reference(t, &w, rows, k, &x, m);
-            // quant_matmul's paths: integer below 32 rows of x (quantized types), the GEMM
-            // from 32 (bf16 tiles but for F32 / F16), f32 dots for float weights below 32.
-            let integer = m < 32 && t.block_elems() > 1;
-            let bf16_gemm = m >= 32 && !matches!(t, QuantType::F32 | QuantType::F16);
+            // quant_matmul's paths: integer below 48 rows of x (quantized types), the GEMM
+            // from 48 (bf16 tiles but for F32 / F16), f32 dots for float weights below 48.
+            let integer = m < 48 && t.block_elems() > 1;
+            let bf16_gemm = m >= 48 && !matches!(t, QuantType::F32 | QuantType::F16);
             let portable = run(CpuKernel::Portable, t, &w, rows, k, &x, m);
             let mut max_err = 0f64;
             for &kernel in &kernels {

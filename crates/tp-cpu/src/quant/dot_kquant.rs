@@ -17,7 +17,6 @@
 use super::act::XRow;
 use super::blocks::{
     K4_SCALES, Q2K_D, Q2K_DMIN, Q2K_QS, Q3K_D, Q3K_QS, Q3K_SCALES, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_D, Q6K_QH, Q6K_SCALES,
-    q3k_scales,
 };
 use super::simd::{dot_scaled, f16_at, hsum, load, load_x, word_pick};
 use std::arch::x86_64::*;
@@ -161,8 +160,7 @@ impl KQuant for Q3 {
     unsafe fn sums<const M: usize>(p: *const u8, xq: [*const i8; M], bs: [*const i16; M]) -> Sums<M> {
         // SAFETY: as for Q2.
         unsafe {
-            let scales = q3k_scales(std::slice::from_raw_parts(p.add(Q3K_SCALES), 12));
-            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(scales.as_ptr().cast()));
+            let sc16 = q3k_scales(p.add(Q3K_SCALES));
             let mut hmask = load(p);
             let mut acc = Acc::<M>::new();
             for j in 0..2 {
@@ -187,6 +185,27 @@ impl KQuant for Q3 {
             });
             Sums { int, min: [_mm256_setzero_si256(); M], d: f16_at(p.add(Q3K_D)), dmin: 0.0 }
         }
+    }
+}
+
+/// Q3_K's 12 scale bytes at `p` (`blocks::q3k_scales`, eight bytes at a time): the 16 scales
+/// minus 32, in 16-bit lanes.
+///
+/// # Safety
+/// `p..p + 12` readable; AVX2.
+#[inline(always)]
+unsafe fn q3k_scales(p: *const u8) -> __m256i {
+    // SAFETY: as stated.
+    unsafe {
+        let low = p.cast::<u64>().read_unaligned();
+        let high = u64::from(p.add(8).cast::<u32>().read_unaligned());
+        // Scale i: the low (i < 8) or high nibble of byte i % 8, and bits 2 (i / 4) of byte
+        // 8 + i % 4 on top.
+        let two = |shift: u32| (high >> shift) & 0x0303_0303;
+        let s0 = (low & 0x0F0F_0F0F_0F0F_0F0F) | ((two(0) | (two(2) << 32)) << 4);
+        let s1 = ((low >> 4) & 0x0F0F_0F0F_0F0F_0F0F) | ((two(4) | (two(6) << 32)) << 4);
+        let codes = _mm256_cvtepu8_epi16(_mm_set_epi64x(s1 as i64, s0 as i64));
+        _mm256_sub_epi16(codes, _mm256_set1_epi16(32))
     }
 }
 

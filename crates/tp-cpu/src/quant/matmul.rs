@@ -20,9 +20,10 @@ use crate::pool;
 use std::cell::RefCell;
 
 /// Rows of `x` from which the dequantize-and-GEMM path runs: below it the integer kernels are
-/// faster (measured on Zen 4, one thread, 1024 x 2048 weights of Q4_0 / Q4_K / Q6_K / Q8_0: the
-/// two paths tie at 32 rows; at 16 the integer path takes 0.5-0.6 of the time, at 256 twice it).
-const GEMM_MIN_M: usize = 32;
+/// faster (measured on this Zen 4, two threads, 5632 x 2048 weights of Q4_0 / Q4_K / Q6_K / Q8_0:
+/// at 32 rows the integer path takes 0.65-0.9 of the GEMM path's time, at 64 they are within 10%
+/// either way, at 128 the GEMM takes 0.75-0.9, at 256 0.5-0.8).
+const GEMM_MIN_M: usize = 48;
 /// Weight bytes per task of the streaming paths (with at most `MAX_TASK_ROWS` rows: 64 rows of
 /// the usual widths, llama.cpp's chunk; measured faster than 48 KiB tasks streaming from memory).
 const TASK_BYTES: usize = 256 << 10;
@@ -34,12 +35,12 @@ const PARALLEL_MIN_BYTES: usize = 64 << 10;
 /// `y` is `[m, rows]` `f32` row-major (every element written). Rows are split over tp-cpu's
 /// thread pool.
 ///
-/// For quantized `t` and `m < 32` (decode, small batches), each block of `x` is quantized once to
+/// For quantized `t` and `m < 48` (decode, small batches), each block of `x` is quantized once to
 /// 8 bits (Q8_0 blocks of 32 for the legacy types, Q8_K blocks of 256 for the K-quants; `f32`
 /// scales `d = amax / 127`, codes rounded to nearest), the dot products run on integers
 /// (AVX512-VNNI, AVX2 or portable, as the calling thread's [`CpuKernel`] allows) with `f32`
 /// accumulation, and each weight row is streamed once for all `m` rows of `x`. `F32` / `F16` /
-/// `BF16` weights take `x` as `f32` there. For `m >= 32` (prefill), or on a batch-invariant
+/// `BF16` weights take `x` as `f32` there. For `m >= 48` (prefill), or on a batch-invariant
 /// thread ([`crate::set_batch_invariant`]), tiles of `W` are dequantized and multiplied by `x`
 /// with the packed GEMM: quantized and `BF16` weights as `bf16` with `x` rounded to `bf16`
 /// (the `bf16` micro-kernels; denormal `bf16` values may be flushed to zero there), `F32` and

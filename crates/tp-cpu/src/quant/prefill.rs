@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
 /// Bytes of a dequantized tile, and its rows: at most [`TILE_ROWS`] (each tile packs `x` again;
-/// 256 rows make that a small part), at least 64 per thread.
+/// 256 rows make that a small part), at least 32 per thread (a panel of the GEMM's columns each).
 const TILE_BYTES: usize = 4 << 20;
 const TILE_ROWS: usize = 256;
 /// Weight rows per dequantization task.
@@ -82,7 +82,7 @@ fn tiles<T: Float>(
 ) {
     let row_bytes = w.len() / rows;
     let size = std::mem::size_of::<T>();
-    let tile_rows = (TILE_BYTES / (size * k)).min(TILE_ROWS).max(64 * pool::num_threads()).min(rows);
+    let tile_rows = (TILE_BYTES / (size * k)).min(TILE_ROWS).max(32 * pool::num_threads()).min(rows);
     let micro = Micro::choose(kernel, T::KIND);
     let mut buf = TILE.with(|b| std::mem::take(&mut *b.borrow_mut()));
     buf.resize((tile_rows * k * size).div_ceil(4), 0);
