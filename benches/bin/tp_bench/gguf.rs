@@ -57,10 +57,10 @@ llm.eval(ids[:8]); llm.reset()
 pre = []
 for _ in range(2):
     llm.reset(); t = time.perf_counter(); llm.eval(ids); pre.append(time.perf_counter() - t)
-tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 t = time.perf_counter()
 for _ in range(steps):
-    llm.eval([tok]); tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    llm.eval([tok]); tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 dec = time.perf_counter() - t
 print(plen / min(pre), steps / dec)
 "#;
