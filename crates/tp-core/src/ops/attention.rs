@@ -142,10 +142,17 @@ impl Tensor {
     }
 }
 
-fn widen<T: Element>(s: &[T]) -> Vec<f32> {
-    let mut v = vec![0f32; s.len()];
-    T::slice_to_f32(s, &mut v);
-    v
+/// `s` as `f32`: borrowed when it already is (an f32 KV cache is read in place, not copied on
+/// every step), widened into a new buffer otherwise.
+fn widen<T: Element>(s: &[T]) -> std::borrow::Cow<'_, [f32]> {
+    match bytemuck::try_cast_slice::<T, f32>(s) {
+        Ok(f) if T::DTYPE == crate::DType::F32 => std::borrow::Cow::Borrowed(f),
+        _ => {
+            let mut v = vec![0f32; s.len()];
+            T::slice_to_f32(s, &mut v);
+            std::borrow::Cow::Owned(v)
+        }
+    }
 }
 
 /// Prefill attention on the host as GEMMs, one KV head at a time: its query heads' rows
