@@ -133,7 +133,7 @@ fn rows_generic<T: Float, const FMA: bool>(x: &[f32], w: &[T], m: usize, k: usiz
 
 /// Sum of 16 lanes, pairwise.
 #[inline(always)]
-fn pairwise(mut v: [f32; 16]) -> f32 {
+pub(crate) fn pairwise(mut v: [f32; 16]) -> f32 {
     let mut half = 8;
     while half > 0 {
         for l in 0..half {

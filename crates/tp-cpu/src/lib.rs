@@ -33,7 +33,7 @@
 //! `dispatch`; `gemm` → `amx`, `pack`, `ukernel`, `pool`, `dispatch`, `tiles`; `gemv` →
 //! `dispatch`, `pool`; `pack` → `dispatch`; `amx` → `amx_model`, `tiles`; `amx_model` →
 //! `tiles`; `dispatch` → `features`, `tiles`; `quant` → `gemm`, `matmul` (the batch-invariant
-//! setting), `dispatch`, `pool`; `features`, `tiles`, `pool` and `ukernel` use no other module.
+//! setting), `gemv` (its pairwise lane sum), `dispatch`, `pool`; `features`, `tiles`, `pool` and `ukernel` use no other module.
 
 mod amx;
 mod amx_model;

@@ -220,14 +220,7 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     for (l, (a, b)) in a_tail.iter().zip(b_tail).enumerate() {
         acc[l] += a * b;
     }
-    let mut half = 8;
-    while half > 0 {
-        for l in 0..half {
-            acc[l] += acc[l + half];
-        }
-        half /= 2;
-    }
-    acc[0]
+    crate::gemv::pairwise(acc)
 }
 
 /// [`dot_f32`] compiled for AVX2.
