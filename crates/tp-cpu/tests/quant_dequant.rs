@@ -4,6 +4,8 @@
 //! Q5_0, Q5_1, Q8_0) the blocks gguf makes from random floats. Without python3 and gguf the test
 //! fails, naming the package to install.
 
+mod common;
+use common::Rng;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use tp_cpu::quant::{QuantType, dequantize};
@@ -36,28 +38,6 @@ for line in open(os.path.join(folder, "jobs.txt")):
     out = gguf.quants.dequantize(raw.reshape(-1, size), t)
     np.asarray(out, dtype=np.float32).reshape(-1).tofile(path(".out"))
 "#;
-
-/// xorshift64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    /// A sane finite `f16` scale: sign, magnitude in [2^-12, 2^2).
-    fn scale(&mut self) -> [u8; 2] {
-        let mag = 2f32.powf(-12.0 + 14.0 * (self.unit() * 0.5 + 0.5));
-        let v = if self.next() & 1 == 0 { mag } else { -mag };
-        half::f16::from_f32(v).to_bits().to_le_bytes()
-    }
-}
 
 /// Byte offsets of the `f16` scales of each type's block (set to sane values in raw blocks).
 fn scale_offsets(t: QuantType) -> &'static [usize] {

@@ -11,23 +11,10 @@
 //! `q = round(x / d)`), within the arithmetic term alone, which any wrong integer or scale
 //! would break; and every family's output against the portable one's, within twice that term.
 
+mod common;
+use common::Rng;
 use tp_cpu::quant::{QuantType, dequantize, quant_matmul};
 use tp_cpu::{CpuKernel, Error, with_kernel};
-
-/// xorshift64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
 
 fn f16(b: &[u8], at: usize) -> f64 {
     f64::from(half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32())
