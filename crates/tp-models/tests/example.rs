@@ -356,14 +356,28 @@ fn a_signal_during_the_logits_write_leaves_no_file_behind() {
         for _ in 0..8 {
             let _ = std::fs::remove_file(&target);
             let before = entries(&dir);
-            let mut child = Command::new(binary())
+            let mut command = Command::new(binary());
+            command
                 .args(["--model", dir.to_str().unwrap(), "--prompt-ids", PROMPT, "--max-new-tokens", "40"])
                 .args(["--world-size", "1", "--ignore-eos", "--logits-out", target.to_str().unwrap()])
                 .env("TP_TIMEOUT_SECS", "60")
                 .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
+                .stderr(Stdio::piped());
+            // A test run started in the background by a non-interactive shell (`nohup cmd &`)
+            // ignores SIGINT, and an ignored signal stays ignored across exec; the example then
+            // rightly keeps ignoring it. Give the child the default disposition, as a terminal's
+            // foreground job has, so the handler under test is the one installed.
+            // SAFETY: between fork and exec only async-signal-safe calls are allowed; `signal`
+            // is one, and it touches nothing of the parent's.
+            unsafe {
+                use std::os::unix::process::CommandExt;
+                command.pre_exec(|| {
+                    libc::signal(libc::SIGINT, libc::SIG_DFL);
+                    libc::signal(libc::SIGTERM, libc::SIG_DFL);
+                    Ok(())
+                });
+            }
+            let mut child = command.spawn().unwrap();
             let pid = child.id();
             let is_temporary =
                 |n: &std::ffi::OsString| !before.contains(n) && n.as_os_str() != target.file_name().unwrap();
