@@ -15,7 +15,7 @@
 //! * [`PackedWeight`] and [`matmul_packed()`]: a weight packed once (`packed`) and multiplied
 //!   many times (decode steps against the same model weights) without packing it on each call,
 //!   bitwise the same as [`matmul()`].
-//! * [`num_threads`] and [`par_rows`]: the persistent thread pool (`pool`) every kernel runs on.
+//! * [`num_threads`], [`par_rows`] and [`par_row_groups`]: the persistent thread pool (`pool`) every kernel runs on.
 //! * [`quant`]: weights in llama.cpp's ggml block formats ([`quant::QuantType`]: Q4_0 .. Q8_0,
 //!   Q2_K .. Q6_K, and the float types): [`quant::dequantize`], bit-exact with ggml, and
 //!   [`quant::quant_matmul`]: for decode and small batches, `x` quantized once to 8-bit blocks
@@ -57,5 +57,5 @@ pub use element::{Float, FloatKind};
 pub use error::{Error, Result};
 pub use matmul::{batch_invariant, matmul, matmul_packed, set_batch_invariant};
 pub use packed::PackedWeight;
-pub use pool::{num_threads, par_rows};
+pub use pool::{num_threads, par_row_groups, par_rows};
 pub use shape::{GemmShape, Layout};

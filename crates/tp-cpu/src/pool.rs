@@ -61,10 +61,21 @@ where
 {
     /// Elements below which one thread does everything.
     const MIN_ELEMS: usize = 1 << 16;
+    let groups = if data.len() < MIN_ELEMS { 1 } else { 4 * num_threads() };
+    par_row_groups(data, row_len, groups, f)
+}
+
+/// Like [`par_rows`], but cut into (at most) `groups` groups of whole rows whatever the size of
+/// `data`: for callers whose work per output row is large (attention over a long cache writes
+/// few rows, each after reading thousands of keys). `groups <= 1` runs `f(0, data)` inline.
+pub fn par_row_groups<E: Send, F>(data: &mut [E], row_len: usize, groups: usize, f: F)
+where
+    F: Fn(usize, &mut [E]) + Sync,
+{
     let row_len = row_len.max(1);
     let rows = data.len().div_ceil(row_len);
-    let groups = (4 * num_threads()).min(rows);
-    if groups < 2 || data.len() < MIN_ELEMS {
+    let groups = groups.min(rows);
+    if groups < 2 {
         f(0, data);
         return;
     }

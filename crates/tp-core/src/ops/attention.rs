@@ -71,7 +71,14 @@ impl AttentionSpec {
 }
 
 /// Work (multiply-adds) below which attention runs on one thread.
-pub(super) const PARALLEL_MIN_WORK: usize = 1 << 18;
+const PARALLEL_MIN_WORK: usize = 1 << 18;
+
+/// How many groups of rows attention's `work` multiply-adds are cut into on tp-cpu's persistent
+/// pool: one (inline) when too little to pay for it, else four per pool thread, claimed one at
+/// a time so that a descheduled core delays only the groups it took.
+pub(super) fn row_groups(work: usize) -> usize {
+    if work < PARALLEL_MIN_WORK { 1 } else { 4 * crate::cpu::num_threads() }
+}
 /// Queries from which attention runs as GEMMs (prefill); fewer (decode) take the row loop.
 const GEMM_MIN_TOKENS: usize = 8;
 /// Score elements one GEMM tile may hold (16 MiB of f32): long prefills go tile by tile.
@@ -226,18 +233,8 @@ fn gemm_attention(
 /// Row `r` of `s` (rows of `width` scores) becomes `softmax(scale · s[r, a..b])` on its
 /// visible keys `range(r) = (a, b)` and zero elsewhere; rows are split over threads when many.
 fn softmax_rows(s: &mut [f32], width: usize, range: impl Fn(usize) -> (usize, usize) + Sync, scale: f32) {
-    let rows = s.len() / width.max(1);
-    let threads = if s.len() < PARALLEL_MIN_WORK { 1 } else { crate::cpu::num_threads().min(rows).max(1) };
-    if threads <= 1 {
-        softmax_chunk(s, width, 0, &range, scale);
-        return;
-    }
-    let per = rows.div_ceil(threads);
-    std::thread::scope(|sc| {
-        for (i, chunk) in s.chunks_mut(per * width).enumerate() {
-            let range = &range;
-            sc.spawn(move || softmax_chunk(chunk, width, i * per, range, scale));
-        }
+    tp_cpu::par_row_groups(s, width, row_groups(s.len()), |first, chunk| {
+        softmax_chunk(chunk, width, first, &range, scale)
     });
 }
 
@@ -304,7 +301,8 @@ fn softmax_chunk_body<R: Fn(usize) -> (usize, usize)>(
     }
 }
 
-/// f32 attention on the host, threaded over (token, head) rows when the work pays for it.
+/// f32 attention on the host, its (token, head) rows spread over tp-cpu's pool when the work
+/// pays for it.
 fn host_attention(
     q: &[f32],
     k: &[f32],
@@ -315,18 +313,12 @@ fn host_attention(
 ) -> Vec<f32> {
     let (t, hq, _, d) = dims;
     let mut out = vec![0f32; t * hq * d];
-    let rows = t * hq;
-    let work = rows.saturating_mul(spec.kv_len).saturating_mul(d);
-    let threads = if work < PARALLEL_MIN_WORK { 1 } else { crate::cpu::num_threads().min(rows).max(1) };
-    if threads <= 1 || d == 0 {
-        attend_rows((q, k, v), dims, spec, groups, 0, &mut out);
+    if d == 0 {
         return out;
     }
-    let per = rows.div_ceil(threads);
-    std::thread::scope(|s| {
-        for (i, chunk) in out.chunks_mut(per * d).enumerate() {
-            s.spawn(move || attend_rows((q, k, v), dims, spec, groups, i * per, chunk));
-        }
+    let work = (t * hq).saturating_mul(spec.kv_len).saturating_mul(d);
+    tp_cpu::par_row_groups(&mut out, d, row_groups(work), |first, chunk| {
+        attend_rows((q, k, v), dims, spec, groups, first, chunk)
     });
     out
 }
@@ -451,7 +443,9 @@ pub(super) fn exp_neg(x: f32) -> f32 {
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
-/// `Σ a_i b_i` in f32 with sixteen independent partial sums.
+/// `Σ a_i b_i` in f32 with sixteen independent partial sums, added pairwise at the end
+/// (lanes `l` and `l + 8`, then `l + 4`, ...): a tree of shuffles and vector adds rather than
+/// fifteen dependent scalar adds, which cost more than the products at a head_dim of 64.
 #[inline(always)]
 pub(super) fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     const L: usize = 16;
@@ -463,7 +457,14 @@ pub(super) fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
             acc[l] = if FMA { x[l].mul_add(y[l], acc[l]) } else { acc[l] + x[l] * y[l] };
         }
     }
-    acc.iter().sum::<f32>() + tail
+    let mut width = L / 2;
+    while width > 0 {
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+        width /= 2;
+    }
+    acc[0] + tail
 }
 
 #[cfg(test)]

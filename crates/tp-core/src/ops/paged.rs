@@ -17,7 +17,7 @@
 //! are split over threads, never the work of one row. A row's result therefore depends only on
 //! its query and its sequence's keys, bitwise, whatever else is in the batch.
 
-use super::attention::{PARALLEL_MIN_WORK, dot, exp_neg};
+use super::attention::{dot, exp_neg, row_groups};
 use crate::storage::{CpuStorage, Storage};
 use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
 
@@ -243,7 +243,8 @@ fn check_paged(
     Ok((Geometry { hq, hkv, d, block_size, groups }, row_seq))
 }
 
-/// The f32 attention of every (row, head) on the host, threaded over rows when the work pays.
+/// The f32 attention of every (row, head) on the host, rows spread over tp-cpu's pool when the
+/// work pays.
 fn host_paged<E: Element>(
     q: &[f32],
     kv: (&[E], &[E]),
@@ -256,19 +257,11 @@ fn host_paged<E: Element>(
     let mut out = vec![0f32; rows * geo.d];
     let longest = seqs.iter().map(|s| s.kv_len).max().unwrap_or(0);
     let work = rows.saturating_mul(longest).saturating_mul(geo.d);
-    let threads = if work < PARALLEL_MIN_WORK { 1 } else { crate::cpu::num_threads().min(rows).max(1) };
     let ctx = RowCtx { q, kv, geo, seqs, row_seq, spec: spec.as_spec() };
-    if threads <= 1 || geo.d == 0 {
-        paged_rows(&ctx, 0, &mut out);
+    if geo.d == 0 {
         return out;
     }
-    let per = rows.div_ceil(threads);
-    std::thread::scope(|s| {
-        for (i, chunk) in out.chunks_mut(per * geo.d).enumerate() {
-            let ctx = &ctx;
-            s.spawn(move || paged_rows(ctx, i * per, chunk));
-        }
-    });
+    tp_cpu::par_row_groups(&mut out, geo.d, row_groups(work), |first, chunk| paged_rows(&ctx, first, chunk));
     out
 }
 
