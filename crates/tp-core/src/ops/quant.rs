@@ -17,7 +17,7 @@
 
 use crate::{DType, Device, Error, Result, Tensor};
 use std::sync::Arc;
-use tp_cpu::quant::{QuantType, quant_matmul};
+use tp_cpu::quant::{QuantPart, QuantType, quant_matmul_parts};
 
 const OP: &str = "linear_quant";
 
@@ -173,21 +173,10 @@ impl Tensor {
             &padded[..]
         };
         let mut y = vec![0f32; m * out];
-        if w.parts.len() == 1 {
-            let p = &w.parts[0];
-            quant_matmul(p.qtype, &p.data, p.rows, w.k, xs, m, &mut y)?;
-        } else {
-            // Each part's outputs are a block of columns of `y`.
-            let mut col = 0;
-            for p in &w.parts {
-                let mut part = vec![0f32; m * p.rows];
-                quant_matmul(p.qtype, &p.data, p.rows, w.k, xs, m, &mut part)?;
-                for (dst, src) in y.chunks_exact_mut(out).zip(part.chunks_exact(p.rows)) {
-                    dst[col..col + p.rows].copy_from_slice(src);
-                }
-                col += p.rows;
-            }
-        }
+        // Each part's outputs are a block of columns of `y`; one pass over all of them.
+        let parts: Vec<QuantPart<'_>> =
+            w.parts.iter().map(|p| QuantPart { t: p.qtype, w: &p.data[..], rows: p.rows }).collect();
+        quant_matmul_parts(&parts, w.k, xs, m, &mut y)?;
         if let Some(b) = bias {
             let b = b.to_dtype(DType::F32)?;
             let b = b.as_slice::<f32>()?;

@@ -66,25 +66,58 @@ const PARALLEL_MIN_BYTES: usize = 64 << 10;
 /// [`Error::ShapeOverflow`] if a buffer size overflows `usize`; [`Error::QuantLength`] if `w` is
 /// not `rows * t.row_bytes(k)` bytes; [`Error::OperandLength`] if `x` or `y` has the wrong length.
 pub fn quant_matmul(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
-    let row_bytes = t.row_bytes(k).ok_or(Error::NotWholeBlocks {
-        ty: t.name(),
-        operand: "k",
-        len: k,
-        block: t.block_elems(),
-        unit: "elements",
-    })?;
-    let overflow = Error::ShapeOverflow { m, n: rows, k };
-    let w_len = rows.checked_mul(row_bytes).ok_or(overflow.clone())?;
-    if w.len() != w_len {
-        return Err(Error::QuantLength { ty: t.name(), operand: "w", unit: "bytes", expected: w_len, got: w.len() });
+    quant_matmul_parts(&[QuantPart { t, w, rows }], k, x, m, y)
+}
+
+/// One block of weight rows of a [`quant_matmul_parts`] product: `rows` rows of type `t`,
+/// stored row after row in `w`.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantPart<'a> {
+    pub t: QuantType,
+    pub w: &'a [u8],
+    pub rows: usize,
+}
+
+/// [`quant_matmul`] of a weight made of several parts stacked along the rows (a fused q/k/v or
+/// gate/up projection whose parts are stored apart, each of its own type, all with rows of `k`
+/// elements): `y` is `[m, Σ rows]`, part `p`'s outputs in the columns after those of the parts
+/// before it. Bitwise the same as one [`quant_matmul`] per part with the columns put side by
+/// side, but in one pass: on the decode paths `x` is quantized once (per block size the parts
+/// need) and every part's rows go to the pool as one job.
+///
+/// Errors: those of [`quant_matmul`], for any part.
+pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+    let mut shapes = Vec::with_capacity(parts.len());
+    let mut n = 0usize;
+    for p in parts {
+        let row_bytes = p.t.row_bytes(k).ok_or(Error::NotWholeBlocks {
+            ty: p.t.name(),
+            operand: "k",
+            len: k,
+            block: p.t.block_elems(),
+            unit: "elements",
+        })?;
+        n = n.checked_add(p.rows).ok_or(Error::ShapeOverflow { m, n: usize::MAX, k })?;
+        let w_len = p.rows.checked_mul(row_bytes).ok_or(Error::ShapeOverflow { m, n, k })?;
+        if p.w.len() != w_len {
+            return Err(Error::QuantLength {
+                ty: p.t.name(),
+                operand: "w",
+                unit: "bytes",
+                expected: w_len,
+                got: p.w.len(),
+            });
+        }
+        shapes.push(Shape { t: p.t, rows: p.rows, k, row_bytes, m });
     }
-    for (operand, got, expected) in [("x", x.len(), m.checked_mul(k)), ("y", y.len(), m.checked_mul(rows))] {
+    let overflow = Error::ShapeOverflow { m, n, k };
+    for (operand, got, expected) in [("x", x.len(), m.checked_mul(k)), ("y", y.len(), m.checked_mul(n))] {
         let expected = expected.ok_or(overflow.clone())?;
         if got != expected {
             return Err(Error::OperandLength { operand, expected, got });
         }
     }
-    if m == 0 || rows == 0 {
+    if m == 0 || n == 0 {
         return Ok(());
     }
     if k == 0 {
@@ -92,23 +125,49 @@ pub fn quant_matmul(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m:
         return Ok(());
     }
     let kernel = CpuKernel::current();
-    let shape = Shape { t, rows, k, row_bytes, m };
     if m >= GEMM_MIN_M || batch_invariant() {
-        prefill::gemm_tiles(kernel, t, w, rows, k, x, m, y);
-    } else if t.is_float() {
-        stream(shape, y, &|j0, n, out| {
-            for (r, out) in out.chunks_exact_mut(m).enumerate().take(n) {
-                float_row(kernel, shape, &w[(j0 + r) * row_bytes..][..row_bytes], x, out);
+        if let [p] = parts {
+            prefill::gemm_tiles(kernel, p.t, p.w, p.rows, k, x, m, y);
+            return Ok(());
+        }
+        // Compute-bound: one GEMM per part, its columns copied into place.
+        let mut col = 0;
+        for p in parts {
+            let mut part = vec![0f32; m * p.rows];
+            prefill::gemm_tiles(kernel, p.t, p.w, p.rows, k, x, m, &mut part);
+            for (dst, src) in y.chunks_exact_mut(n).zip(part.chunks_exact(p.rows.max(1))) {
+                dst[col..col + p.rows].copy_from_slice(src);
             }
-        });
-    } else {
-        let qx = QuantX::new(x, m, k, if t.is_k_quant() { 256 } else { 32 });
-        let xs: Vec<XRow<'_>> = (0..m).map(|i| qx.row(i)).collect();
-        let isa = kernel.int8_isa();
-        stream(shape, y, &|j0, n, out| {
-            rows_dots(isa, t, &w[j0 * row_bytes..(j0 + n) * row_bytes], row_bytes, &xs, out)
-        });
+            col += p.rows;
+        }
+        return Ok(());
     }
+    // `x` quantized once per block size that a quantized part needs.
+    let quantized = |block: usize| {
+        parts
+            .iter()
+            .any(|p| !p.t.is_float() && (p.t.is_k_quant() == (block == 256)))
+            .then(|| QuantX::new(x, m, k, block))
+    };
+    let (q32, q256) = (quantized(32), quantized(256));
+    fn rows_of(q: &Option<QuantX>, m: usize) -> Option<Vec<XRow<'_>>> {
+        q.as_ref().map(|q| (0..m).map(|i| q.row(i)).collect())
+    }
+    let (x32, x256) = (rows_of(&q32, m), rows_of(&q256, m));
+    let isa = kernel.int8_isa();
+    let dots = |p: usize, j0: usize, nr: usize, out: &mut [f32]| {
+        let s = shapes[p];
+        let w = &parts[p].w[j0 * s.row_bytes..(j0 + nr) * s.row_bytes];
+        if s.t.is_float() {
+            for (r, out) in out.chunks_exact_mut(m).enumerate().take(nr) {
+                float_row(kernel, s, &w[r * s.row_bytes..][..s.row_bytes], x, out);
+            }
+        } else {
+            let xs = if s.t.is_k_quant() { &x256 } else { &x32 };
+            rows_dots(isa, s.t, w, s.row_bytes, xs.as_deref().unwrap_or_default(), out)
+        }
+    };
+    stream(&shapes, n, y, &dots);
     Ok(())
 }
 
@@ -153,33 +212,46 @@ impl Out {
 /// Weight rows per task of the streaming paths, at most.
 const MAX_TASK_ROWS: usize = 64;
 
-/// Runs `dots(j0, n, out)` for groups of `n <= MAX_TASK_ROWS` consecutive weight rows from `j0`
-/// (`out[r * m + i]` receives row `j0 + r` against row `i` of `x`, `m < GEMM_MIN_M`), on the pool
-/// when the product is large enough, and writes the results into those columns of `y`.
-fn stream(s: Shape, y: &mut [f32], dots: &(dyn Fn(usize, usize, &mut [f32]) + Sync)) {
-    assert!(s.m < GEMM_MIN_M && y.len() == s.m * s.rows, "stream: operands");
+/// `dots(p, j0, n, out)`: rows `j0 .. j0 + n` of part `p` against every row of `x` (see [`stream`]).
+type PartDots<'a> = dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 'a;
+
+/// Runs `dots(p, j0, n, out)` for groups of `n <= MAX_TASK_ROWS` consecutive rows from `j0` of
+/// part `p` (`out[r * m + i]` receives the part's row `j0 + r` against row `i` of `x`,
+/// `m < GEMM_MIN_M`), every part's groups in one job on the pool when the product is large
+/// enough, and writes the results into those columns of `y` (`[m, n]`, the parts' columns side
+/// by side).
+fn stream(parts: &[Shape], n: usize, y: &mut [f32], dots: &PartDots<'_>) {
+    let m = parts.first().map_or(0, |s| s.m);
+    assert!(m < GEMM_MIN_M && y.len() == m * n, "stream: operands");
     let threads = pool::num_threads();
-    let per_task = (TASK_BYTES / s.row_bytes).clamp(1, MAX_TASK_ROWS).min(s.rows.div_ceil(4 * threads).max(1));
-    let tasks = s.rows.div_ceil(per_task);
+    // (part, its first column in `y`, first row, rows) of every task.
+    let mut tasks = Vec::new();
+    let (mut col, mut bytes) = (0, 0usize);
+    for (p, s) in parts.iter().enumerate() {
+        let per_task = (TASK_BYTES / s.row_bytes).clamp(1, MAX_TASK_ROWS).min(n.div_ceil(4 * threads).max(1));
+        tasks.extend((0..s.rows).step_by(per_task).map(|j0| (p, col, j0, per_task.min(s.rows - j0))));
+        col += s.rows;
+        bytes = bytes.saturating_add(s.rows * s.row_bytes);
+    }
     let out = Out(y.as_mut_ptr());
-    let task = |task: usize| {
-        let j0 = task * per_task;
-        let n = per_task.min(s.rows - j0);
+    let task = |i: usize| {
+        let (p, col, j0, nr) = tasks[i];
         let mut vals = [0f32; MAX_TASK_ROWS * GEMM_MIN_M];
-        let vals = &mut vals[..n * s.m];
-        dots(j0, n, vals);
-        for (r, row) in vals.chunks_exact(s.m).enumerate() {
+        let vals = &mut vals[..nr * m];
+        dots(p, j0, nr, vals);
+        for (r, row) in vals.chunks_exact(m).enumerate() {
             for (i, &v) in row.iter().enumerate() {
-                // SAFETY: (i, j0 + r) is inside `y` (`i < m`, `j0 + r < rows`, checked above)
-                // and column `j0 + r` belongs to this task alone.
-                unsafe { *out.get().add(i * s.rows + j0 + r) = v };
+                // SAFETY: (i, col + j0 + r) is inside `y` (`i < m`, `col + j0 + r < n`: the
+                // part's columns start at `col` and it has more than `j0 + r` rows) and that
+                // column belongs to this task alone.
+                unsafe { *out.get().add(i * n + col + j0 + r) = v };
             }
         }
     };
-    if tasks == 1 || (s.rows * s.row_bytes).saturating_mul(s.m) < PARALLEL_MIN_BYTES {
-        (0..tasks).for_each(task);
+    if tasks.len() == 1 || bytes.saturating_mul(m) < PARALLEL_MIN_BYTES {
+        (0..tasks.len()).for_each(task);
     } else {
-        pool::run(tasks, &task);
+        pool::run(tasks.len(), &task);
     }
 }
 

@@ -27,5 +27,5 @@ mod dot_x86;
 mod simd;
 
 pub use dequant::dequantize;
-pub use matmul::quant_matmul;
+pub use matmul::{QuantPart, quant_matmul, quant_matmul_parts};
 pub use types::QuantType;
