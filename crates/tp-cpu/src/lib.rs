@@ -16,6 +16,8 @@
 //!   many times (decode steps against the same model weights) without packing it on each call,
 //!   bitwise the same as [`matmul()`].
 //! * [`num_threads`], [`par_rows`] and [`par_row_groups`]: the persistent thread pool (`pool`) every kernel runs on.
+//! * [`WeightBuf`] (`weight_buf`): weight bytes on 2 MiB transparent huge pages, which decode
+//!   streams with far fewer TLB misses.
 //! * [`quant`]: weights in llama.cpp's ggml block formats ([`quant::QuantType`]: Q4_0 .. Q8_0,
 //!   Q2_K .. Q6_K, and the float types): [`quant::dequantize`], bit-exact with ggml, and
 //!   [`quant::quant_matmul`]: for decode and small batches, `x` quantized once to 8-bit blocks
@@ -25,7 +27,7 @@
 //!
 //! Every `unsafe` here is SIMD (`std::arch` intrinsics behind run-time feature checks, with the
 //! raw block reads of the quantized kernels after their length checks), inline assembly (AMX, the
-//! `arch_prctl` system call), or raw pointers handed to the pool's tasks for disjoint parts of
+//! `arch_prctl` system call), the allocation and `madvise` of [`WeightBuf`], or raw pointers handed to the pool's tasks for disjoint parts of
 //! one output; each block states its conditions in a `SAFETY` comment.
 //!
 //! Module dependencies, acyclic (besides the leaves `element`, `error` and `shape`, which any
@@ -51,6 +53,7 @@ pub mod quant;
 mod shape;
 mod tiles;
 mod ukernel;
+mod weight_buf;
 
 pub use dispatch::{CpuKernel, with_kernel};
 pub use element::{Float, FloatKind};
@@ -59,3 +62,4 @@ pub use matmul::{batch_invariant, matmul, matmul_packed, set_batch_invariant};
 pub use packed::PackedWeight;
 pub use pool::{num_threads, par_row_groups, par_rows};
 pub use shape::{GemmShape, Layout};
+pub use weight_buf::WeightBuf;

@@ -13,6 +13,7 @@
 //! sum are computed in f32 and the output rounded once to the dtype (PyTorch's SDPA does the
 //! same on its fused paths).
 
+use super::dot_f32::{dot, weighted_rows};
 use crate::storage::{CpuStorage, Storage};
 use crate::{Element, Error, Result, Tensor, with_dtype};
 
@@ -71,7 +72,7 @@ impl AttentionSpec {
 }
 
 /// Work (multiply-adds) below which attention runs on one thread.
-const PARALLEL_MIN_WORK: usize = 1 << 18;
+const PARALLEL_MIN_WORK: usize = 1 << 15;
 
 /// How many groups of rows attention's `work` multiply-adds are cut into on tp-cpu's persistent
 /// pool: one (inline) when too little to pay for it, else four per pool thread, claimed one at
@@ -346,7 +347,8 @@ fn attend_rows(
             return unsafe { attend_rows_avx2(qkv, dims, spec, groups, first, out) };
         }
     }
-    attend_rows_body::<false>(qkv, dims, spec, groups, first, out)
+    // SAFETY: without FMA the body uses no instruction the CPU may lack.
+    unsafe { attend_rows_body::<false>(qkv, dims, spec, groups, first, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -359,7 +361,8 @@ fn attend_rows_avx512(
     first: usize,
     out: &mut [f32],
 ) {
-    attend_rows_body::<true>(qkv, dims, spec, groups, first, out)
+    // SAFETY: this function's `#[target_feature]` holds AVX2 and FMA, which its caller checked.
+    unsafe { attend_rows_body::<true>(qkv, dims, spec, groups, first, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -372,12 +375,16 @@ fn attend_rows_avx2(
     first: usize,
     out: &mut [f32],
 ) {
-    attend_rows_body::<true>(qkv, dims, spec, groups, first, out)
+    // SAFETY: this function's `#[target_feature]` holds AVX2 and FMA, which its caller checked.
+    unsafe { attend_rows_body::<true>(qkv, dims, spec, groups, first, out) }
 }
 
-/// The portable body; `FMA` fuses the multiply-adds (only where the CPU has them).
+/// The portable body; `FMA` fuses the multiply-adds and takes the AVX2 dot product.
+///
+/// # Safety
+/// With `FMA`, the CPU must have AVX2 and FMA.
 #[inline(always)]
-fn attend_rows_body<const FMA: bool>(
+unsafe fn attend_rows_body<const FMA: bool>(
     (q, k, v): (&[f32], &[f32], &[f32]),
     (t, hq, hkv, d): (usize, usize, usize, usize),
     spec: &AttentionSpec,
@@ -396,7 +403,8 @@ fn attend_rows_body<const FMA: bool>(
         let mut max = f32::NEG_INFINITY;
         for j in lo..=hi {
             let kj = &k[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
-            let s = dot::<FMA>(qv, kj) * spec.scale;
+            // SAFETY: `FMA` only where the CPU has AVX2 and FMA (this function's contract).
+            let s = unsafe { dot::<FMA>(qv, kj) } * spec.scale;
             max = max.max(s);
             scores.push(s);
         }
@@ -404,13 +412,7 @@ fn attend_rows_body<const FMA: bool>(
             *s = exp_neg(*s - max);
         }
         let sum: f32 = scores.iter().sum();
-        y.fill(0.0);
-        for (j, &w) in (lo..=hi).zip(&scores) {
-            let vj = &v[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
-            for (a, b) in y.iter_mut().zip(vj) {
-                *a = if FMA { w.mul_add(*b, *a) } else { *a + w * b };
-            }
-        }
+        weighted_rows::<FMA>(y, &scores, &v[(lo * hkv + kvh) * d..], hkv * d);
         let inv = 1.0 / sum;
         y.iter_mut().for_each(|a| *a *= inv);
     }
@@ -441,30 +443,6 @@ pub(super) fn exp_neg(x: f32) -> f32 {
     let y = p * r * r + r + 1.0;
     // 2^n for n in -126..=0: the biased exponent n + 127 in the exponent field.
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
-
-/// `Σ a_i b_i` in f32 with sixteen independent partial sums, added pairwise at the end
-/// (lanes `l` and `l + 8`, then `l + 4`, ...): a tree of shuffles and vector adds rather than
-/// fifteen dependent scalar adds, which cost more than the products at a head_dim of 64.
-#[inline(always)]
-pub(super) fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
-    const L: usize = 16;
-    let mut acc = [0f32; L];
-    let (ac, bc) = (a.chunks_exact(L), b.chunks_exact(L));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..L {
-            acc[l] = if FMA { x[l].mul_add(y[l], acc[l]) } else { acc[l] + x[l] * y[l] };
-        }
-    }
-    let mut width = L / 2;
-    while width > 0 {
-        for l in 0..width {
-            acc[l] += acc[l + width];
-        }
-        width /= 2;
-    }
-    acc[0] + tail
 }
 
 #[cfg(test)]

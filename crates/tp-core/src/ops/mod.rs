@@ -4,6 +4,7 @@
 mod attention;
 mod cast;
 mod cuda;
+mod dot_f32;
 mod elementwise;
 mod layout;
 mod matmul;

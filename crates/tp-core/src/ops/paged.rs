@@ -17,7 +17,8 @@
 //! are split over threads, never the work of one row. A row's result therefore depends only on
 //! its query and its sequence's keys, bitwise, whatever else is in the batch.
 
-use super::attention::{dot, exp_neg, row_groups};
+use super::attention::{exp_neg, row_groups};
+use super::dot_f32::{dot, weighted_rows};
 use crate::storage::{CpuStorage, Storage};
 use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
 
@@ -291,28 +292,34 @@ fn paged_rows<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
             return unsafe { paged_rows_avx2(ctx, first, out) };
         }
     }
-    paged_rows_body::<E, false>(ctx, first, out)
+    // SAFETY: without FMA the body uses no instruction the CPU may lack.
+    unsafe { paged_rows_body::<E, false>(ctx, first, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn paged_rows_avx512<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
-    paged_rows_body::<E, true>(ctx, first, out)
+    // SAFETY: this function's `#[target_feature]` holds AVX2 and FMA, which its caller checked.
+    unsafe { paged_rows_body::<E, true>(ctx, first, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn paged_rows_avx2<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
-    paged_rows_body::<E, true>(ctx, first, out)
+    // SAFETY: as in `paged_rows_avx512`.
+    unsafe { paged_rows_body::<E, true>(ctx, first, out) }
 }
 
-/// The portable body; `FMA` fuses the multiply-adds (only where the CPU has them). Keys are
+/// The portable body; `FMA` fuses the multiply-adds and takes the AVX2 dot product. Keys are
 /// visited in position order through the sequence's block table.
+///
+/// # Safety
+/// With `FMA`, the CPU must have AVX2 and FMA.
 #[inline(always)]
-fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
+unsafe fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
     let Geometry { hq, hkv, d, block_size: bs, groups } = ctx.geo;
     let (k, v) = ctx.kv;
-    let (mut scores, mut kvrow) = (Vec::new(), vec![0f32; d]);
+    let (mut scores, mut kvrow, mut vrows) = (Vec::new(), vec![0f32; d], Vec::new());
     for (r, y) in (first..).zip(out.chunks_exact_mut(d.max(1))) {
         let (tok, head) = (r / hq, r % hq);
         let s = &ctx.seqs[ctx.row_seq[tok]];
@@ -325,7 +332,8 @@ fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, first: usiz
         let mut max = f32::NEG_INFINITY;
         for j in lo..=hi {
             E::slice_to_f32(&k[at(j)..at(j) + d], &mut kvrow);
-            let sc = dot::<FMA>(qv, &kvrow) * ctx.spec.scale;
+            // SAFETY: `FMA` only where the CPU has AVX2 and FMA (this function's contract).
+            let sc = unsafe { dot::<FMA>(qv, &kvrow) } * ctx.spec.scale;
             max = max.max(sc);
             scores.push(sc);
         }
@@ -333,13 +341,12 @@ fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, first: usiz
             *sc = exp_neg(*sc - max);
         }
         let sum: f32 = scores.iter().sum();
-        y.fill(0.0);
-        for (j, &w) in (lo..=hi).zip(&scores) {
-            E::slice_to_f32(&v[at(j)..at(j) + d], &mut kvrow);
-            for (a, b) in y.iter_mut().zip(&kvrow) {
-                *a = if FMA { w.mul_add(*b, *a) } else { *a + w * b };
-            }
+        // The row's values in f32, key after key, then their weighted sum.
+        vrows.resize(scores.len() * d, 0.0);
+        for (j, dst) in (lo..=hi).zip(vrows.chunks_exact_mut(d)) {
+            E::slice_to_f32(&v[at(j)..at(j) + d], dst);
         }
+        weighted_rows::<FMA>(y, &scores, &vrows, d);
         let inv = 1.0 / sum;
         y.iter_mut().for_each(|a| *a *= inv);
     }

@@ -17,6 +17,7 @@
 
 use crate::{DType, Device, Error, Result, Tensor};
 use std::sync::Arc;
+use tp_cpu::WeightBuf;
 use tp_cpu::quant::{QuantPart, QuantType, quant_matmul_parts};
 
 const OP: &str = "linear_quant";
@@ -26,8 +27,9 @@ const OP: &str = "linear_quant";
 struct Part {
     qtype: QuantType,
     rows: usize,
-    /// `rows * qtype.row_bytes(k)` bytes, row after row.
-    data: Arc<Vec<u8>>,
+    /// `rows * qtype.row_bytes(k)` bytes, row after row, on huge pages where the system
+    /// allows ([`WeightBuf`]: decode streams them every token).
+    data: Arc<WeightBuf>,
 }
 
 /// A weight `[out, width]` held as quantized blocks (host memory), for
@@ -71,7 +73,12 @@ impl QuantWeight {
                 why: format!("input columns {lead}..{lead}+{width} do not lie within a stored row of {k}"),
             });
         }
-        Ok(QuantWeight { parts: vec![Part { qtype, rows, data: Arc::new(data) }], k, lead, width })
+        Ok(QuantWeight {
+            parts: vec![Part { qtype, rows, data: Arc::new(WeightBuf::from_slice(&data)) }],
+            k,
+            lead,
+            width,
+        })
     }
 
     /// The weights stacked along the rows, in order (their outputs side by side).
