@@ -1,8 +1,11 @@
-//! Opening the file a user names without ever blocking in `open`, as `tp-layers` does: only a
-//! regular file is read, after following symlinks. A named pipe, a device, a socket or a
-//! directory is a [`GgufError::NotRegularFile`] saying what it is, before anything is opened. The
-//! file is then opened non-blocking and checked again, so a path swapped for a pipe between the
-//! two looks cannot block either.
+//! Opening the file a user names without ever blocking in `open`: only a regular file is read,
+//! after following symlinks. A named pipe, a device, a socket or a directory is a
+//! [`GgufError::NotRegularFile`] saying what it is, before anything is opened. The file is then
+//! opened non-blocking and checked again, so a path swapped for a pipe between the two looks
+//! cannot block either.
+//!
+//! [`non_blocking`] and [`file_kind`] are public: `tp-layers` opens checkpoint files (and
+//! checks files it writes) the same way, with its own errors.
 
 use crate::error::{GgufError, Result};
 use std::fs::{File, FileType, Metadata, OpenOptions};
@@ -37,8 +40,9 @@ const O_NONBLOCK: i32 = if cfg!(all(
     0
 };
 
-/// What a file that is not a regular file is, in words.
-fn kind(t: FileType) -> &'static str {
+/// What a file that is not a regular file is, in words ("a named pipe (FIFO)", "a directory",
+/// ...).
+pub fn file_kind(t: FileType) -> &'static str {
     #[cfg(unix)]
     {
         use std::os::unix::fs::FileTypeExt;
@@ -62,8 +66,19 @@ fn regular(shown: &str, meta: &Metadata) -> Result<()> {
     if meta.is_file() {
         Ok(())
     } else {
-        Err(GgufError::NotRegularFile { path: shown.to_string(), kind: kind(meta.file_type()) })
+        Err(GgufError::NotRegularFile { path: shown.to_string(), kind: file_kind(meta.file_type()) })
     }
+}
+
+/// `opts` with `O_NONBLOCK` where the platform has it (see the constant): opening a FIFO then
+/// returns at once instead of waiting for the other end.
+pub fn non_blocking(opts: &mut OpenOptions) -> &mut OpenOptions {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.custom_flags(O_NONBLOCK);
+    }
+    opts
 }
 
 fn io<'a>(shown: &'a str, action: &'static str) -> impl FnOnce(std::io::Error) -> GgufError + 'a {
@@ -74,14 +89,7 @@ fn io<'a>(shown: &'a str, action: &'static str) -> impl FnOnce(std::io::Error) -
 /// regular file, and returns it with its length.
 pub(crate) fn open_regular(path: &std::path::Path, shown: &str) -> Result<(File, u64)> {
     regular(shown, &std::fs::metadata(path).map_err(io(shown, "open"))?)?;
-    let mut opts = OpenOptions::new();
-    opts.read(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        opts.custom_flags(O_NONBLOCK);
-    }
-    let file = opts.open(path).map_err(io(shown, "open"))?;
+    let file = non_blocking(OpenOptions::new().read(true)).open(path).map_err(io(shown, "open"))?;
     // What was opened, not what the name pointed at a moment ago.
     let meta = file.metadata().map_err(io(shown, "stat"))?;
     regular(shown, &meta)?;

@@ -86,6 +86,7 @@ mod value;
 
 pub use error::{GgufError, Result};
 pub use file::GgufFile;
+pub use files::{file_kind, non_blocking};
 pub use ggml_type::GgmlType;
 pub use tensors::TensorInfo;
 pub use value::{Array, Value};

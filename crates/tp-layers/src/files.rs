@@ -1,4 +1,5 @@
-//! Opening the files a user names, without ever blocking in `open`.
+//! Opening the files a user names, without ever blocking in `open` (non-blocking opens and the
+//! file kinds from `tp-gguf`, which opens GGUF files the same way).
 //!
 //! Only regular files are read, after following symlinks (so a Hugging Face cache, whose
 //! `snapshots/<rev>/*.safetensors` are symlinks into `blobs/`, loads as usual). A named pipe,
@@ -12,39 +13,10 @@
 
 use crate::error::{LayerError, Result};
 use crate::text::path_text;
-use std::fs::{File, FileType, Metadata, OpenOptions};
+use std::fs::{File, Metadata, OpenOptions};
 use std::io::Read;
 use std::path::Path;
-
-/// `O_NONBLOCK` for `open(2)`: opening a FIFO then returns at once instead of waiting for a
-/// writer (or a reader); regular files ignore it. The kernel's value on Linux (all but MIPS
-/// and SPARC) and on the BSDs and macOS; elsewhere no flag is added, and the check before
-/// opening still refuses every file that is not regular.
-#[cfg_attr(not(unix), allow(dead_code))]
-const O_NONBLOCK: i32 = if cfg!(all(
-    any(target_os = "linux", target_os = "android"),
-    not(any(
-        target_arch = "mips",
-        target_arch = "mips64",
-        target_arch = "mips32r6",
-        target_arch = "mips64r6",
-        target_arch = "sparc",
-        target_arch = "sparc64"
-    ))
-)) {
-    0o4000
-} else if cfg!(any(
-    target_os = "macos",
-    target_os = "ios",
-    target_os = "freebsd",
-    target_os = "openbsd",
-    target_os = "netbsd",
-    target_os = "dragonfly"
-)) {
-    0x0004
-} else {
-    0
-};
+use tp_gguf::{file_kind, non_blocking};
 
 /// An error about `path`, named escaped and bounded ([`crate::text`]): a path is the user's, but
 /// an index entry's file name within it comes from a file.
@@ -52,43 +24,13 @@ fn err(path: &Path, why: impl std::fmt::Display) -> LayerError {
     LayerError::Checkpoint { path: path_text(path), why: why.to_string() }
 }
 
-/// What a file that is not a regular file is, in words.
-fn kind(t: FileType) -> &'static str {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        if t.is_fifo() {
-            return "a named pipe (FIFO)";
-        }
-        if t.is_char_device() {
-            return "a character device";
-        }
-        if t.is_block_device() {
-            return "a block device";
-        }
-        if t.is_socket() {
-            return "a socket";
-        }
-    }
-    if t.is_dir() { "a directory" } else { "not a regular file" }
-}
-
 /// `Err(why)` unless `meta` is a regular file's.
 fn regular_or(meta: &Metadata) -> std::result::Result<(), String> {
-    if meta.is_file() { Ok(()) } else { Err(format!("is {}, not a regular file", kind(meta.file_type()))) }
+    if meta.is_file() { Ok(()) } else { Err(format!("is {}, not a regular file", file_kind(meta.file_type()))) }
 }
 
 fn regular(path: &Path, meta: &Metadata) -> Result<()> {
     regular_or(meta).map_err(|why| err(path, why))
-}
-
-fn non_blocking(opts: &mut OpenOptions) -> &mut OpenOptions {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        opts.custom_flags(O_NONBLOCK);
-    }
-    opts
 }
 
 /// Opens `path` for reading if it is, after following symlinks, a regular file.
