@@ -5,8 +5,9 @@
 //! (`llama_cpp.Llama(path, n_threads=T)`, the same file and threads) in the same run, and
 //! beside tp's own bf16 run of the safetensors checkpoint.
 //!
-//! Each file gets a prefill row (a 512-token prompt, best of 2) and a decode row (tokens/s of
-//! greedy steps after that prompt). The roofline column of a decode row is our tokens/s over
+//! Each file gets a prefill row (a 512-token prompt, best of 2) and two decode rows (tokens/s of
+//! greedy steps after that prompt, `decode`, and after its first 8 tokens, `decode@8`: the
+//! weights alone against the weights plus attention over a 512-token cache). The roofline column of a decode row is our tokens/s over
 //! `bandwidth / bytes of the file's weights one step reads` (every linear weight and the LM
 //! head; one embedding row); a prefill row's is over tp's own bf16 prefill of the same prompt,
 //! the issue's floor being 0.8 of it.
@@ -44,7 +45,8 @@ rc = llama_cpp.llama_model_quantize(src, dst, ctypes.byref(p))
 sys.exit(rc)
 "#;
 
-/// llama.cpp's prefill (best of 2) and greedy decode tokens/s on `path`, `threads` threads.
+/// llama.cpp's prefill (best of 2) and greedy decode tokens/s on `path`, `threads` threads:
+/// decode after the whole prompt, and after its first 8 tokens.
 const LLAMA_CPP_SCRIPT: &str = r#"
 import sys, time
 import numpy as np
@@ -62,7 +64,13 @@ t = time.perf_counter()
 for _ in range(steps):
     llm.eval([tok]); tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 dec = time.perf_counter() - t
-print(plen / min(pre), steps / dec)
+llm.reset(); llm.eval(ids[:8])
+tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+t = time.perf_counter()
+for _ in range(steps):
+    llm.eval([tok]); tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+short = time.perf_counter() - t
+print(plen / min(pre), steps / dec, steps / short)
 "#;
 
 /// Writes (once) the GGUF file `label` of the checkpoint in `dir`; `None` (with the reason
@@ -125,15 +133,17 @@ fn step_bytes(path: &Path) -> Result<f64> {
     Ok(bytes as f64)
 }
 
-/// `(prefill tokens/s, decode tokens/s)` of tp on `path` at `world` ranks (`dtype`: `None` runs
-/// the quantized blocks).
-fn measure(path: &Path, dtype: Option<DType>, world: usize, prompt: &[i64], steps: usize) -> Result<(f64, f64)> {
+/// Tokens/s: prefill of the prompt, decode after it, decode after its first 8 tokens.
+type Speeds = (f64, f64, f64);
+
+/// [`Speeds`] of tp on `path` at `world` ranks (`dtype`: `None` runs the quantized blocks).
+fn measure(path: &Path, dtype: Option<DType>, world: usize, prompt: &[i64], steps: usize) -> Result<Speeds> {
     let groups = DeviceGroup::local(world, Duration::from_secs(600), |_| Device::Cpu)?;
-    let results: Vec<Result<(f64, f64)>> = std::thread::scope(|s| {
+    let results: Vec<Result<Speeds>> = std::thread::scope(|s| {
         let hs: Vec<_> = groups
             .into_iter()
             .map(|g| {
-                s.spawn(move || -> Result<(f64, f64)> {
+                s.spawn(move || -> Result<Speeds> {
                     let mut opts = ModelOptions::new().with_max_seq_len(prompt.len() + steps + 1);
                     if let Some(d) = dtype {
                         opts = opts.with_dtype(d);
@@ -147,19 +157,24 @@ fn measure(path: &Path, dtype: Option<DType>, world: usize, prompt: &[i64], step
                         prefill = prefill.min(lm.generate(prompt, 1, &greedy)?.prefill_time.as_secs_f64());
                     }
                     let out = lm.generate(prompt, steps + 1, &greedy)?;
-                    Ok((prompt.len() as f64 / prefill, steps as f64 / out.decode_time.as_secs_f64()))
+                    let short = lm.generate(&prompt[..8], steps + 1, &greedy)?;
+                    Ok((
+                        prompt.len() as f64 / prefill,
+                        steps as f64 / out.decode_time.as_secs_f64(),
+                        steps as f64 / short.decode_time.as_secs_f64(),
+                    ))
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("rank panicked")))).collect()
     });
     let per_rank = results.into_iter().collect::<Result<Vec<_>>>()?;
-    let slowest = |f: fn(&(f64, f64)) -> f64| per_rank.iter().map(f).fold(f64::INFINITY, f64::min);
-    Ok((slowest(|r| r.0), slowest(|r| r.1)))
+    let slowest = |f: fn(&Speeds) -> f64| per_rank.iter().map(f).fold(f64::INFINITY, f64::min);
+    Ok((slowest(|r| r.0), slowest(|r| r.1), slowest(|r| r.2)))
 }
 
-/// llama.cpp's `(prefill, decode)` tokens/s on `path`.
-fn llama_cpp(path: &Path, steps: usize) -> Result<(f64, f64)> {
+/// llama.cpp's [`Speeds`] on `path`.
+fn llama_cpp(path: &Path, steps: usize) -> Result<Speeds> {
     let threads = tp_core::cpu::num_threads().to_string();
     let out = Command::new("python3")
         .args(["-c", LLAMA_CPP_SCRIPT])
@@ -173,7 +188,7 @@ fn llama_cpp(path: &Path, steps: usize) -> Result<(f64, f64)> {
     }
     let text = String::from_utf8_lossy(&out.stdout);
     match text.lines().last().map(|l| l.split_whitespace().filter_map(|t| t.parse().ok()).collect::<Vec<f64>>()) {
-        Some(v) if v.len() == 2 => Ok((v[0], v[1])),
+        Some(v) if v.len() == 3 => Ok((v[0], v[1], v[2])),
         _ => bail!("llama-cpp-python printed {text:?}"),
     }
 }
@@ -188,7 +203,7 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
         "GGUF rows: tinyllama-shaped, {PROMPT_LEN}-token prompt, {steps} decode steps, bandwidth {bandwidth:.1} GB/s"
     );
     eprint!("\r  measuring tp bf16 (the safetensors checkpoint)...          ");
-    let (bf16_prefill, bf16_decode) = measure(dir, Some(DType::BF16), 1, &prompt, steps)?;
+    let (bf16_prefill, bf16_decode, bf16_short) = measure(dir, Some(DType::BF16), 1, &prompt, steps)?;
     let mut rows = Vec::new();
     let row = |name: String, ours: f64, base: Option<(&'static str, f64)>, roof: Option<(f64, &'static str)>| Row {
         kind: "gguf",
@@ -205,6 +220,7 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
     };
     rows.push(row("prefill bf16 TP1 (tp, safetensors)".into(), bf16_prefill, None, None));
     rows.push(row("decode bf16 TP1 (tp, safetensors)".into(), bf16_decode, None, None));
+    rows.push(row("decode@8 bf16 TP1 (tp, safetensors)".into(), bf16_short, None, None));
     for (label, make) in FILES {
         let Some(path) = file(dir, label, make)? else { continue };
         let roof = bandwidth * 1e9 / step_bytes(&path)?;
@@ -214,8 +230,8 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
         }
         for world in [1, 2] {
             eprint!("\r  measuring GGUF {label} TP {world}...          ");
-            let (prefill, decode) = measure(&path, None, world, &prompt, steps)?;
-            let base = |f: fn(&(f64, f64)) -> f64| lc.as_ref().ok().filter(|_| world == 1).map(|b| ("llama.cpp", f(b)));
+            let (prefill, decode, short) = measure(&path, None, world, &prompt, steps)?;
+            let base = |f: fn(&Speeds) -> f64| lc.as_ref().ok().filter(|_| world == 1).map(|b| ("llama.cpp", f(b)));
             rows.push(row(
                 format!("prefill {label} TP{world} (vs tp bf16 {:.2}x)", prefill / bf16_prefill),
                 prefill,
@@ -227,6 +243,12 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
                 decode,
                 base(|b| b.1),
                 Some((decode / roof, "memory")),
+            ));
+            rows.push(row(
+                format!("decode@8 {label} TP{world} (vs tp bf16 {:.2}x)", short / bf16_short),
+                short,
+                base(|b| b.2),
+                Some((short / roof, "memory")),
             ));
         }
     }
