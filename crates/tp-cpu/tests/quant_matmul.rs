@@ -13,7 +13,7 @@
 
 mod common;
 use common::Rng;
-use tp_cpu::quant::{QuantPart, QuantType, dequantize, quant_matmul, quant_matmul_parts};
+use tp_cpu::quant::{QuantPart, QuantType, RowLayout, dequantize, quant_matmul, quant_matmul_parts, to_layout};
 use tp_cpu::{CpuKernel, Error, with_kernel};
 
 fn f16(b: &[u8], at: usize) -> f64 {
@@ -282,7 +282,8 @@ fn stacked_parts_are_the_per_part_products_side_by_side() {
     let spec =
         [(QuantType::Q4K, 70), (QuantType::Q6K, 33), (QuantType::Q8_0, 40), (QuantType::F16, 9), (QuantType::Q4_0, 1)];
     let ws: Vec<Vec<u8>> = spec.iter().map(|&(t, rows)| weight(t, rows, k, &mut rng)).collect();
-    let parts: Vec<QuantPart<'_>> = spec.iter().zip(&ws).map(|(&(t, rows), w)| QuantPart { t, w, rows }).collect();
+    let parts: Vec<QuantPart<'_>> =
+        spec.iter().zip(&ws).map(|(&(t, rows), w)| QuantPart { t, w, rows, layout: RowLayout::Ggml }).collect();
     let n: usize = spec.iter().map(|s| s.1).sum();
     for m in [1, 5, 47, 48] {
         let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
@@ -316,4 +317,46 @@ fn stacked_parts_are_the_per_part_products_side_by_side() {
         Err(Error::NotWholeBlocks { ty: "Q4_K", operand: "k", len: 288, block: 256, unit: "elements" })
     );
     assert!(y.iter().all(|&v| v == 7.0), "an error wrote to y");
+}
+
+/// Q4_0 rows interleaved eight at a time (`RowLayout::Q4_0x8`, as `RowLayout::preferred` gives
+/// for Q4_0) stay within the documented bound on every kernel and both paths, at row counts off
+/// the group of eight and task sizes, with 1 to 47 activation rows and 48: the same checks as
+/// for ggml's layout (the integer sums are the same; only the order of the f32 additions differs).
+#[test]
+fn interleaved_q4_0_rows_stay_within_the_bound_on_every_kernel() {
+    let t = QuantType::Q4_0;
+    assert_eq!(RowLayout::preferred(t), RowLayout::Q4_0x8);
+    assert_eq!(RowLayout::preferred(QuantType::Q4K), RowLayout::Ggml);
+    let mut rng = Rng(31);
+    let k = 37 * 32;
+    let row_bytes = t.row_bytes(k).unwrap();
+    for (rows, m) in [(8, 1), (13, 1), (300, 1), (70, 2), (45, 3), (64, 5), (83, 47), (260, 48)] {
+        let w = weight(t, rows, k, &mut rng);
+        let mut x8 = w.clone();
+        to_layout(t, RowLayout::Q4_0x8, &mut x8, row_bytes);
+        assert_eq!(x8 == w, rows < 8, "rows {rows}: the layout moved nothing");
+        let x: Vec<f32> = (0..m * k).map(|i| rng.unit() * if i % 89 == 3 { 6.0 } else { 1.0 }).collect();
+        let r = reference(t, &w, rows, k, &x, m);
+        let part = [QuantPart { t, w: &x8, rows, layout: RowLayout::Q4_0x8 }];
+        for kernel in CpuKernel::available() {
+            let mut y = vec![f32::NAN; m * rows];
+            with_kernel(kernel, || quant_matmul_parts(&part, k, &x, m, &mut y)).unwrap().unwrap();
+            let ggml = run(kernel, t, &w, rows, k, &x, m);
+            for o in 0..m * rows {
+                let case = format!("{kernel} rows {rows} m {m} output {o}");
+                let got = f64::from(y[o]);
+                let arith = if m < 48 { r.arith[o] } else { r.bf16[o] };
+                let bound = if m < 48 { r.act[o] + arith } else { arith };
+                let err = (got - r.exact[o]).abs();
+                assert!(err <= bound, "{case}: {got} vs exact {}, error {err:e} > {bound:e}", r.exact[o]);
+                if m < 48 {
+                    let err = (got - r.quantized[o]).abs();
+                    assert!(err <= arith, "{case}: {got} vs {} (quantized x)", r.quantized[o]);
+                }
+                let diff = (got - f64::from(ggml[o])).abs();
+                assert!(diff <= 2.0 * arith, "{case}: {got} vs ggml layout {}", ggml[o]);
+            }
+        }
+    }
 }

@@ -18,7 +18,7 @@
 use crate::{DType, Device, Error, Result, Tensor};
 use std::sync::Arc;
 use tp_cpu::WeightBuf;
-use tp_cpu::quant::{QuantPart, QuantType, quant_matmul_parts};
+use tp_cpu::quant::{QuantPart, QuantType, RowLayout, quant_matmul_parts, to_layout};
 
 const OP: &str = "linear_quant";
 
@@ -27,9 +27,12 @@ const OP: &str = "linear_quant";
 struct Part {
     qtype: QuantType,
     rows: usize,
-    /// `rows * qtype.row_bytes(k)` bytes, row after row, on huge pages where the system
-    /// allows ([`WeightBuf`]: decode streams them every token).
+    /// `rows * qtype.row_bytes(k)` bytes on huge pages where the system allows ([`WeightBuf`]:
+    /// decode streams them every token), in `layout`.
     data: Arc<WeightBuf>,
+    /// How the rows are stored: the layout the host decode kernels read fastest
+    /// ([`RowLayout::preferred`]: Q4_0 rows eight at a time; ggml's for the other types).
+    layout: RowLayout,
 }
 
 /// A weight `[out, width]` held as quantized blocks (host memory), for
@@ -73,8 +76,11 @@ impl QuantWeight {
                 why: format!("input columns {lead}..{lead}+{width} do not lie within a stored row of {k}"),
             });
         }
+        let mut data = data;
+        let layout = RowLayout::preferred(qtype);
+        to_layout(qtype, layout, &mut data, row_bytes);
         Ok(QuantWeight {
-            parts: vec![Part { qtype, rows, data: Arc::new(WeightBuf::from_slice(&data)) }],
+            parts: vec![Part { qtype, rows, data: Arc::new(WeightBuf::from_slice(&data)), layout }],
             k,
             lead,
             width,
@@ -182,7 +188,7 @@ impl Tensor {
         let mut y = vec![0f32; m * out];
         // Each part's outputs are a block of columns of `y`; one pass over all of them.
         let parts: Vec<QuantPart<'_>> =
-            w.parts.iter().map(|p| QuantPart { t: p.qtype, w: &p.data[..], rows: p.rows }).collect();
+            w.parts.iter().map(|p| QuantPart { t: p.qtype, w: &p.data[..], rows: p.rows, layout: p.layout }).collect();
         quant_matmul_parts(&parts, w.k, xs, m, &mut y)?;
         if let Some(b) = bias {
             let b = b.to_dtype(DType::F32)?;

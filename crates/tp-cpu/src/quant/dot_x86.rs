@@ -48,6 +48,8 @@ macro_rules! isa_entry {
             use super::super::act::XRow;
             use super::super::dot_kquant::{self as kq, KQuant};
             use super::super::dot_legacy::{self as lg, Legacy};
+            use super::super::dot_q4x8 as q4;
+            use super::super::interleave::RowLayout;
             use super::super::types::QuantType;
 
             /// `dot_legacy::row` with this instruction set.
@@ -80,6 +82,54 @@ macro_rules! isa_entry {
                 row_loop!(legacy_m, L, w, row_bytes, xs, out)
             }
 
+            /// Q4_0 rows in `RowLayout::Q4_0x8`: whole groups of eight through `dot_q4x8`
+            /// (1, 2 or 4 activation rows at a time), the rows past the last group (ggml's
+            /// layout) through the legacy kernel.
+            ///
+            /// # Safety
+            /// As [`legacy`].
+            #[target_feature(enable = $features)]
+            unsafe fn q4x8(w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &mut [f32]) {
+                let m = xs.len();
+                let nb = row_bytes / <lg::Q40 as Legacy>::BYTES;
+                let whole = w.len() / (8 * row_bytes) * 8 * row_bytes;
+                for (g, out) in w[..whole].chunks_exact(8 * row_bytes).zip(out.chunks_exact_mut(8 * m)) {
+                    let p = g.as_ptr();
+                    let mut i = 0;
+                    while i < m {
+                        let take = match m - i {
+                            1 => 1,
+                            2 | 3 => 2,
+                            _ => 4,
+                        };
+                        // SAFETY: `check` verified the operands (a group is 8 whole rows of
+                        // `nb` blocks; every activation row as long, with its scales and
+                        // sums); the caller guarantees the CPU.
+                        let sums: [[f32; 8]; 4] = unsafe {
+                            match take {
+                                1 => {
+                                    let r = q4::group::<$dot, 1>(p, nb, &[xs[i]]);
+                                    [r[0], [0.0; 8], [0.0; 8], [0.0; 8]]
+                                }
+                                2 => {
+                                    let r = q4::group::<$dot, 2>(p, nb, &[xs[i], xs[i + 1]]);
+                                    [r[0], r[1], [0.0; 8], [0.0; 8]]
+                                }
+                                _ => q4::group::<$dot, 4>(p, nb, &[xs[i], xs[i + 1], xs[i + 2], xs[i + 3]]),
+                            }
+                        };
+                        for (j, row_sums) in sums.iter().enumerate().take(take) {
+                            for (r, &v) in row_sums.iter().enumerate() {
+                                out[r * m + i + j] = v;
+                            }
+                        }
+                        i += take;
+                    }
+                }
+                // SAFETY: as above, for the rows past the last group.
+                unsafe { legacy::<lg::Q40>(&w[whole..], row_bytes, xs, &mut out[whole / row_bytes * m..]) }
+            }
+
             /// The rows of a K-quant.
             ///
             /// # Safety
@@ -91,15 +141,24 @@ macro_rules! isa_entry {
 
             /// `out[r * m + i] = Σ_e w_r[e] x_i[e]` for the weight rows `w_r` of `w` (`row_bytes`
             /// each, whole blocks of the quantized type `t`) and the `m` activation rows `xs`
-            /// (Q8_0 / Q8_K to match `t`).
+            /// (Q8_0 / Q8_K to match `t`), the rows stored in `layout`.
             ///
             /// # Safety
             /// The CPU must have `$features`. (Operands are checked.)
-            pub(crate) unsafe fn rows_dots(t: QuantType, w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &mut [f32]) {
+            pub(crate) unsafe fn rows_dots(
+                t: QuantType,
+                layout: RowLayout,
+                w: &[u8],
+                row_bytes: usize,
+                xs: &[XRow<'_>],
+                out: &mut [f32],
+            ) {
                 super::check(t, w, row_bytes, xs, out);
+                let interleaved = layout.applies(t);
                 // SAFETY: `check` verified the operands; the caller, the CPU.
                 unsafe {
                     match t {
+                        QuantType::Q4_0 if interleaved => q4x8(w, row_bytes, xs, out),
                         QuantType::Q4_0 => legacy::<lg::Q40>(w, row_bytes, xs, out),
                         QuantType::Q4_1 => legacy::<lg::Q41>(w, row_bytes, xs, out),
                         QuantType::Q5_0 => legacy::<lg::Q50>(w, row_bytes, xs, out),

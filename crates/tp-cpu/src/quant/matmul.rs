@@ -11,6 +11,7 @@
 use super::act::{QuantX, XRow};
 use super::dequant::dequantize_unchecked;
 use super::dot_portable;
+use super::interleave::{RowLayout, to_ggml};
 use super::prefill;
 use super::types::QuantType;
 use crate::dispatch::{CpuKernel, Int8Isa, Isa};
@@ -66,16 +67,18 @@ const PARALLEL_MIN_BYTES: usize = 64 << 10;
 /// [`Error::ShapeOverflow`] if a buffer size overflows `usize`; [`Error::QuantLength`] if `w` is
 /// not `rows * t.row_bytes(k)` bytes; [`Error::OperandLength`] if `x` or `y` has the wrong length.
 pub fn quant_matmul(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
-    quant_matmul_parts(&[QuantPart { t, w, rows }], k, x, m, y)
+    quant_matmul_parts(&[QuantPart { t, w, rows, layout: RowLayout::Ggml }], k, x, m, y)
 }
 
-/// One block of weight rows of a [`quant_matmul_parts`] product: `rows` rows of type `t`,
-/// stored row after row in `w`.
+/// One block of weight rows of a [`quant_matmul_parts`] product: `rows` rows of type `t` in `w`,
+/// stored in `layout` ([`RowLayout`]: ggml's, or Q4_0's eight-row interleaving, which the host
+/// decode kernels read fastest; every path accepts either).
 #[derive(Debug, Clone, Copy)]
 pub struct QuantPart<'a> {
     pub t: QuantType,
     pub w: &'a [u8],
     pub rows: usize,
+    pub layout: RowLayout,
 }
 
 /// [`quant_matmul`] of a weight made of several parts stacked along the rows (a fused q/k/v or
@@ -86,7 +89,7 @@ pub struct QuantPart<'a> {
 /// need) and every part's rows go to the pool as one job.
 ///
 /// Errors: those of [`quant_matmul`], for any part.
-pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+pub fn quant_matmul_parts<'a>(parts: &[QuantPart<'a>], k: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
     let mut shapes = Vec::with_capacity(parts.len());
     let mut n = 0usize;
     for p in parts {
@@ -108,7 +111,7 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
                 got: p.w.len(),
             });
         }
-        shapes.push(Shape { t: p.t, rows: p.rows, k, row_bytes, m });
+        shapes.push(Shape { t: p.t, rows: p.rows, k, row_bytes, m, layout: p.layout });
     }
     let overflow = Error::ShapeOverflow { m, n, k };
     for (operand, got, expected) in [("x", x.len(), m.checked_mul(k)), ("y", y.len(), m.checked_mul(n))] {
@@ -126,15 +129,25 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
     }
     let kernel = CpuKernel::current();
     if m >= GEMM_MIN_M || batch_invariant() {
-        if let [p] = parts {
-            prefill::gemm_tiles(kernel, p.t, p.w, p.rows, k, x, m, y);
+        // The GEMM path dequantizes ggml's layout: other layouts are put back first (a copy of
+        // the weight, small beside the GEMM).
+        let ggml = |p: &QuantPart<'a>, row_bytes: usize| -> std::borrow::Cow<'a, [u8]> {
+            if !p.layout.applies(p.t) {
+                return std::borrow::Cow::Borrowed(p.w);
+            }
+            let mut g = vec![0u8; p.w.len()];
+            to_ggml(p.t, p.layout, p.w, row_bytes, &mut g);
+            std::borrow::Cow::Owned(g)
+        };
+        if let ([p], [s]) = (parts, &shapes[..]) {
+            prefill::gemm_tiles(kernel, p.t, &ggml(p, s.row_bytes), p.rows, k, x, m, y);
             return Ok(());
         }
         // Compute-bound: one GEMM per part, its columns copied into place.
         let mut col = 0;
-        for p in parts {
+        for (p, s) in parts.iter().zip(&shapes) {
             let mut part = vec![0f32; m * p.rows];
-            prefill::gemm_tiles(kernel, p.t, p.w, p.rows, k, x, m, &mut part);
+            prefill::gemm_tiles(kernel, p.t, &ggml(p, s.row_bytes), p.rows, k, x, m, &mut part);
             for (dst, src) in y.chunks_exact_mut(n).zip(part.chunks_exact(p.rows.max(1))) {
                 dst[col..col + p.rows].copy_from_slice(src);
             }
@@ -164,7 +177,7 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
             }
         } else {
             let xs = if s.t.is_k_quant() { &x256 } else { &x32 };
-            rows_dots(isa, s.t, w, s.row_bytes, xs.as_deref().unwrap_or_default(), out)
+            rows_dots(isa, s.t, parts[p].layout, w, s.row_bytes, xs.as_deref().unwrap_or_default(), out)
         }
     };
     stream(&shapes, n, y, &dots);
@@ -175,6 +188,7 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
 #[derive(Clone, Copy)]
 struct Shape {
     t: QuantType,
+    layout: RowLayout,
     rows: usize,
     k: usize,
     row_bytes: usize,
@@ -182,15 +196,30 @@ struct Shape {
 }
 
 /// Weight rows against every activation row, on `isa` (`out[r * m + i]`).
-fn rows_dots(isa: Int8Isa, t: QuantType, w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &mut [f32]) {
+fn rows_dots(
+    isa: Int8Isa,
+    t: QuantType,
+    layout: RowLayout,
+    w: &[u8],
+    row_bytes: usize,
+    xs: &[XRow<'_>],
+    out: &mut [f32],
+) {
     match isa {
         // SAFETY: `int8_isa` returns `Avx512Vnni` only where the CPU has AVX-512 F/BW/VL/VNNI
         // (and AVX2, FMA, F16C, which AVX-512 detection requires).
         #[cfg(target_arch = "x86_64")]
-        Int8Isa::Avx512Vnni => unsafe { super::dot_x86::vnni::rows_dots(t, w, row_bytes, xs, out) },
+        Int8Isa::Avx512Vnni => unsafe { super::dot_x86::vnni::rows_dots(t, layout, w, row_bytes, xs, out) },
         // SAFETY: `int8_isa` returns `Avx2` only where the CPU has AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        Int8Isa::Avx2 => unsafe { super::dot_x86::avx2::rows_dots(t, w, row_bytes, xs, out) },
+        Int8Isa::Avx2 => unsafe { super::dot_x86::avx2::rows_dots(t, layout, w, row_bytes, xs, out) },
+        _ if layout.applies(t) => GGML_ROWS.with(|g| {
+            // The portable kernels read ggml's layout: the task's rows put back first.
+            let mut g = g.borrow_mut();
+            g.resize(w.len(), 0);
+            to_ggml(t, layout, w, row_bytes, &mut g);
+            dot_portable::rows_dots(t, &g, row_bytes, xs, out)
+        }),
         _ => dot_portable::rows_dots(t, w, row_bytes, xs, out),
     }
 }
@@ -228,7 +257,11 @@ fn stream(parts: &[Shape], n: usize, y: &mut [f32], dots: &PartDots<'_>) {
     let mut tasks = Vec::new();
     let (mut col, mut bytes) = (0, 0usize);
     for (p, s) in parts.iter().enumerate() {
-        let per_task = (TASK_BYTES / s.row_bytes).clamp(1, MAX_TASK_ROWS).min(n.div_ceil(4 * threads).max(1));
+        let mut per_task = (TASK_BYTES / s.row_bytes).clamp(1, MAX_TASK_ROWS).min(n.div_ceil(4 * threads).max(1));
+        if s.layout.applies(s.t) {
+            // Whole groups of eight interleaved rows (MAX_TASK_ROWS is a multiple of 8).
+            per_task = per_task.next_multiple_of(8);
+        }
         tasks.extend((0..s.rows).step_by(per_task).map(|j0| (p, col, j0, per_task.min(s.rows - j0))));
         col += s.rows;
         bytes = bytes.saturating_add(s.rows * s.row_bytes);
@@ -256,6 +289,8 @@ fn stream(parts: &[Shape], n: usize, y: &mut [f32], dots: &PartDots<'_>) {
 }
 
 thread_local! {
+    /// A task's rows put back into ggml's layout for the portable kernels, kept between calls.
+    static GGML_ROWS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// A weight row widened to `f32` (the float types' streaming path), kept between calls.
     static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }

@@ -7,12 +7,14 @@
 //! (scalar integer dots), `simd` (the x86 dot-product instructions and helpers), `dot_legacy` and
 //! `dot_kquant` (the x86 kernels of the 32- and 256-element formats), `dot_x86` (their
 //! `#[target_feature]` entry points, AVX2 and AVX512-VNNI), `matmul` ([`quant_matmul`]: checks,
-//! the decode paths, the split over the pool), `prefill` (its GEMM path).
+//! the decode paths, the split over the pool), `prefill` (its GEMM path), `interleave` (Q4_0
+//! rows eight at a time, [`RowLayout`]) and `dot_q4x8` (their decode kernel).
 
 mod act;
 mod blocks;
 mod dequant;
 mod dot_portable;
+mod interleave;
 mod matmul;
 mod prefill;
 mod types;
@@ -22,10 +24,13 @@ mod dot_kquant;
 #[cfg(target_arch = "x86_64")]
 mod dot_legacy;
 #[cfg(target_arch = "x86_64")]
+mod dot_q4x8;
+#[cfg(target_arch = "x86_64")]
 mod dot_x86;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
 pub use dequant::dequantize;
+pub use interleave::{RowLayout, to_layout};
 pub use matmul::{QuantPart, quant_matmul, quant_matmul_parts};
 pub use types::QuantType;

@@ -17,6 +17,15 @@ pub(crate) trait Dot {
     /// # Safety
     /// The CPU must have the implementation's instructions (the caller's target features).
     unsafe fn dot(u: __m256i, x: __m256i) -> __m256i;
+    /// `acc` plus [`Dot::dot`] (one instruction with VNNI).
+    ///
+    /// # Safety
+    /// As [`Dot::dot`].
+    #[inline(always)]
+    unsafe fn dot_acc(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: as `dot`, plus AVX2 for the add (every implementation's caller has it).
+        unsafe { _mm256_add_epi32(acc, Self::dot(u, x)) }
+    }
     /// Byte `j` = `0xFF` where bit `j` of `bits` is set, else 0.
     ///
     /// # Safety
@@ -56,6 +65,12 @@ impl Dot for Vnni {
     unsafe fn dot(u: __m256i, x: __m256i) -> __m256i {
         // SAFETY: the caller's target features include AVX512-VNNI and AVX512-VL.
         unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot_acc(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: as above.
+        unsafe { _mm256_dpbusd_epi32(acc, u, x) }
     }
 
     #[inline(always)]

@@ -1,0 +1,76 @@
+//! The x86 decode kernel of Q4_0 rows in [`RowLayout::Q4_0x8`](super::interleave::RowLayout):
+//! eight weight rows against `M` Q8_0 activation rows, one interleaved block at a time.
+//!
+//! Per block: the eight rows' scales in one load and one `vcvtph2ps`; the 128 code bytes in four
+//! 32-byte loads, each split into its low and high nibbles (elements `8h..8h + 8` and
+//! `16 + 8h..` of four rows); then, per activation row, eight dot-product instructions against
+//! the activation's matching 8 bytes broadcast to every row (two `i32` lanes per row, in one
+//! register for rows 0-3 and one for rows 4-7), one horizontal add that leaves the eight rows'
+//! integer sums in the lane order [`LANES`], and one conversion and one multiply-add by the
+//! scales for all eight rows. The Q4_0 offset enters as ggml's does: `Σ w x = d dx Σ u q_x −
+//! 8 d (dx Σ q_x)`, the second term accumulated apart and subtracted at the end.
+//!
+//! The integer sums are exact, and each block adds one rounded term per row, so the error bound
+//! of `quant_matmul` holds as for ggml's layout (the rounding order differs, not the count).
+
+use super::act::XRow;
+use super::interleave::LANES;
+use super::simd::Dot;
+use std::arch::x86_64::*;
+
+/// Bytes of one interleaved block of eight rows.
+const GROUP_BLOCK: usize = 144;
+
+/// `out[i][r] = Σ_e w_r[e] x_i[e]` for the eight rows `w_r` of the interleaved group at `g`
+/// (`nb` interleaved blocks) and the `M` activation rows `xs`.
+///
+/// # Safety
+/// `g` must hold `nb * 144` readable bytes; every `xs[i]` must have `32 nb` codes and `nb`
+/// scales and sums; the CPU must have `D`'s instructions, AVX2, FMA and F16C.
+#[inline(always)]
+pub(crate) unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
+    // SAFETY: every read stays in the `nb` interleaved blocks at `g` and the first `nb` blocks of
+    // each activation row (codes, scales, sums), as the caller guarantees; the instructions are
+    // the caller's.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); M];
+        let mut corr = [_mm256_setzero_ps(); M];
+        let nibble = _mm256_set1_epi8(0x0F);
+        for b in 0..nb {
+            let blk = g.add(b * GROUP_BLOCK);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
+            let mut lo = [_mm256_setzero_si256(); 4];
+            let mut hi = [_mm256_setzero_si256(); 4];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
+                lo[c] = _mm256_and_si256(v, nibble);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+            }
+            for i in 0..M {
+                let xq = xs[i].qs.as_ptr().add(b * 32);
+                let bytes = |at: usize| _mm256_set1_epi64x(xq.add(at).cast::<i64>().read_unaligned());
+                let (mut rows03, mut rows47) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for h in 0..2 {
+                    let (xl, xh) = (bytes(8 * h), bytes(16 + 8 * h));
+                    rows03 = D::dot_acc(rows03, lo[2 * h], xl);
+                    rows03 = D::dot_acc(rows03, hi[2 * h], xh);
+                    rows47 = D::dot_acc(rows47, lo[2 * h + 1], xl);
+                    rows47 = D::dot_acc(rows47, hi[2 * h + 1], xh);
+                }
+                let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(rows03, rows47));
+                let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
+                acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), acc[i]);
+                corr[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(*xs[i].sx.get_unchecked(b)), corr[i]);
+            }
+        }
+        let mut out = [[0f32; 8]; M];
+        for i in 0..M {
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_fnmadd_ps(_mm256_set1_ps(8.0), corr[i], acc[i]));
+            for (l, &r) in LANES.iter().enumerate() {
+                out[i][r] = lanes[l];
+            }
+        }
+        out
+    }
+}
