@@ -329,9 +329,20 @@ fn interleaved_q4_0_rows_stay_within_the_bound_on_every_kernel() {
     assert_eq!(RowLayout::preferred(t), RowLayout::Q4_0x8);
     assert_eq!(RowLayout::preferred(QuantType::Q4K), RowLayout::Ggml);
     let mut rng = Rng(31);
-    let k = 37 * 32;
-    let row_bytes = t.row_bytes(k).unwrap();
-    for (rows, m) in [(8, 1), (13, 1), (300, 1), (70, 2), (45, 3), (64, 5), (83, 47), (260, 48)] {
+    // The last case's rows are long enough that the GEMM path's tiles (224 rows there) end
+    // inside the weight: the second tile starts on a group and ends in the ggml-layout rows.
+    for (rows, m, k) in [
+        (8, 1, 1184),
+        (13, 1, 1184),
+        (300, 1, 1184),
+        (70, 2, 1184),
+        (45, 3, 1184),
+        (64, 5, 1184),
+        (83, 47, 1184),
+        (260, 48, 1184),
+        (300, 48, 9216),
+    ] {
+        let row_bytes = t.row_bytes(k).unwrap();
         let w = weight(t, rows, k, &mut rng);
         let mut x8 = w.clone();
         to_layout(t, RowLayout::Q4_0x8, &mut x8, row_bytes);

@@ -89,7 +89,7 @@ pub struct QuantPart<'a> {
 /// need) and every part's rows go to the pool as one job.
 ///
 /// Errors: those of [`quant_matmul`], for any part.
-pub fn quant_matmul_parts<'a>(parts: &[QuantPart<'a>], k: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
     let mut shapes = Vec::with_capacity(parts.len());
     let mut n = 0usize;
     for p in parts {
@@ -129,25 +129,15 @@ pub fn quant_matmul_parts<'a>(parts: &[QuantPart<'a>], k: usize, x: &[f32], m: u
     }
     let kernel = CpuKernel::current();
     if m >= GEMM_MIN_M || batch_invariant() {
-        // The GEMM path dequantizes ggml's layout: other layouts are put back first (a copy of
-        // the weight, small beside the GEMM).
-        let ggml = |p: &QuantPart<'a>, row_bytes: usize| -> std::borrow::Cow<'a, [u8]> {
-            if !p.layout.applies(p.t) {
-                return std::borrow::Cow::Borrowed(p.w);
-            }
-            let mut g = vec![0u8; p.w.len()];
-            to_ggml(p.t, p.layout, p.w, row_bytes, &mut g);
-            std::borrow::Cow::Owned(g)
-        };
-        if let ([p], [s]) = (parts, &shapes[..]) {
-            prefill::gemm_tiles(kernel, p.t, &ggml(p, s.row_bytes), p.rows, k, x, m, y);
+        if let [p] = parts {
+            prefill::gemm_tiles(kernel, (p.t, p.layout), p.w, p.rows, k, x, m, y);
             return Ok(());
         }
         // Compute-bound: one GEMM per part, its columns copied into place.
         let mut col = 0;
-        for (p, s) in parts.iter().zip(&shapes) {
+        for p in parts {
             let mut part = vec![0f32; m * p.rows];
-            prefill::gemm_tiles(kernel, p.t, &ggml(p, s.row_bytes), p.rows, k, x, m, &mut part);
+            prefill::gemm_tiles(kernel, (p.t, p.layout), p.w, p.rows, k, x, m, &mut part);
             for (dst, src) in y.chunks_exact_mut(n).zip(part.chunks_exact(p.rows.max(1))) {
                 dst[col..col + p.rows].copy_from_slice(src);
             }

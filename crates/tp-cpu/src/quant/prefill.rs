@@ -7,6 +7,7 @@
 //! multiplied by the `f32` `x`.
 
 use super::dequant::{dequantize_bf16_unchecked, dequantize_unchecked};
+use super::interleave::{RowLayout, to_ggml};
 use super::types::QuantType;
 use crate::dispatch::CpuKernel;
 use crate::element::Float;
@@ -27,14 +28,16 @@ const ROWS_PER_TASK: usize = 16;
 thread_local! {
     /// The dequantized tile, kept between calls (as `u32`, viewed as `f32` or `bf16` pairs).
     static TILE: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// A task's interleaved rows put back into ggml's layout, kept between calls.
+    static GGML: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `y = x W^T` for `rows` weight rows of `k` elements of `t` (`w` holds them, whole blocks), `x`
-/// `[m, k]`, `y` `[m, rows]` (every element written). `k > 0`.
+/// `y = x W^T` for `rows` weight rows of `k` elements of `t` (`w` holds them, whole blocks, in
+/// `layout`), `x` `[m, k]`, `y` `[m, rows]` (every element written). `k > 0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_tiles(
     kernel: CpuKernel,
-    t: QuantType,
+    (t, layout): (QuantType, RowLayout),
     w: &[u8],
     rows: usize,
     k: usize,
@@ -43,10 +46,10 @@ pub(crate) fn gemm_tiles(
     y: &mut [f32],
 ) {
     if matches!(t, QuantType::F32 | QuantType::F16) {
-        tiles::<f32>(kernel, t, w, rows, k, x, m, y, &dequantize_unchecked);
+        tiles::<f32>(kernel, (t, layout), w, rows, k, x, m, y, &dequantize_unchecked);
     } else {
         let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        tiles::<bf16>(kernel, t, w, rows, k, &xb, m, y, &dequantize_bf16_unchecked);
+        tiles::<bf16>(kernel, (t, layout), w, rows, k, &xb, m, y, &dequantize_bf16_unchecked);
     }
 }
 
@@ -71,7 +74,7 @@ type Dequant<T> = dyn Fn(CpuKernel, QuantType, &[u8], &mut [T]) + Sync;
 #[allow(clippy::too_many_arguments)]
 fn tiles<T: Float>(
     kernel: CpuKernel,
-    t: QuantType,
+    (t, layout): (QuantType, RowLayout),
     w: &[u8],
     rows: usize,
     k: usize,
@@ -82,7 +85,10 @@ fn tiles<T: Float>(
 ) {
     let row_bytes = w.len() / rows;
     let size = std::mem::size_of::<T>();
-    let tile_rows = (TILE_BYTES / (size * k)).min(TILE_ROWS).max(32 * pool::num_threads()).min(rows);
+    // Whole tasks per tile, so that every task starts on a group of eight interleaved rows.
+    let tile_rows = ((TILE_BYTES / (size * k)).min(TILE_ROWS).max(32 * pool::num_threads()) / ROWS_PER_TASK
+        * ROWS_PER_TASK)
+        .min(rows);
     let micro = Micro::choose(kernel, T::KIND);
     let mut buf = TILE.with(|b| std::mem::take(&mut *b.borrow_mut()));
     buf.resize((tile_rows * k * size).div_ceil(4), 0);
@@ -97,7 +103,19 @@ fn tiles<T: Float>(
             // SAFETY: task `g` owns rows `r0..r1` of the tile (disjoint from the others'), inside
             // it; the tile outlives `run`.
             let part = unsafe { std::slice::from_raw_parts_mut(dst.get().add(r0 * k), (r1 - r0) * k) };
-            dequant(kernel, t, &src[r0 * row_bytes..r1 * row_bytes], part);
+            let bytes = &src[r0 * row_bytes..r1 * row_bytes];
+            if layout.applies(t) {
+                // Whole groups of interleaved rows (and the part's last rows): back to ggml's
+                // layout first.
+                GGML.with(|g| {
+                    let mut g = g.borrow_mut();
+                    g.resize(bytes.len(), 0);
+                    to_ggml(t, layout, bytes, row_bytes, &mut g);
+                    dequant(kernel, t, &g, part)
+                })
+            } else {
+                dequant(kernel, t, bytes, part)
+            }
         });
         let y_tile = &mut y_tile[..m * n];
         gemm::gemm(micro, x, BSource::Pack(tile, Layout::Nk), None, m, k, n, y_tile);
