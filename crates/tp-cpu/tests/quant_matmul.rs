@@ -319,54 +319,61 @@ fn stacked_parts_are_the_per_part_products_side_by_side() {
     assert!(y.iter().all(|&v| v == 7.0), "an error wrote to y");
 }
 
-/// Q4_0 rows interleaved eight at a time (`RowLayout::Q4_0x8`, as `RowLayout::preferred` gives
-/// for Q4_0) stay within the documented bound on every kernel and both paths, at row counts off
-/// the group of eight and task sizes, with 1 to 47 activation rows and 48: the same checks as
-/// for ggml's layout (the integer sums are the same; only the order of the f32 additions differs).
+/// Q4_0 and Q4_K rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`: what
+/// `RowLayout::preferred` gives them) stay within the documented bound on every kernel and both
+/// paths, at row counts off the group of eight and task sizes, with 1 to 47 activation rows and
+/// 48: the same checks as for ggml's layout (the integer sums are the same; only the order of
+/// the f32 additions differs).
 #[test]
-fn interleaved_q4_0_rows_stay_within_the_bound_on_every_kernel() {
-    let t = QuantType::Q4_0;
-    assert_eq!(RowLayout::preferred(t), RowLayout::Q4_0x8);
-    assert_eq!(RowLayout::preferred(QuantType::Q4K), RowLayout::Ggml);
+fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
+    assert_eq!(RowLayout::preferred(QuantType::Q4_0), RowLayout::Q4_0x8);
+    assert_eq!(RowLayout::preferred(QuantType::Q4K), RowLayout::Q4Kx8);
+    assert_eq!(RowLayout::preferred(QuantType::Q6K), RowLayout::Ggml);
     let mut rng = Rng(31);
     // The last case's rows are long enough that the GEMM path's tiles (224 rows there) end
     // inside the weight: the second tile starts on a group and ends in the ggml-layout rows.
-    for (rows, m, k) in [
-        (8, 1, 1184),
-        (13, 1, 1184),
-        (300, 1, 1184),
-        (70, 2, 1184),
-        (45, 3, 1184),
-        (64, 5, 1184),
-        (83, 47, 1184),
-        (260, 48, 1184),
-        (300, 48, 9216),
-    ] {
-        let row_bytes = t.row_bytes(k).unwrap();
-        let w = weight(t, rows, k, &mut rng);
-        let mut x8 = w.clone();
-        to_layout(t, RowLayout::Q4_0x8, &mut x8, row_bytes);
-        assert_eq!(x8 == w, rows < 8, "rows {rows}: the layout moved nothing");
-        let x: Vec<f32> = (0..m * k).map(|i| rng.unit() * if i % 89 == 3 { 6.0 } else { 1.0 }).collect();
-        let r = reference(t, &w, rows, k, &x, m);
-        let part = [QuantPart { t, w: &x8, rows, layout: RowLayout::Q4_0x8 }];
-        for kernel in CpuKernel::available() {
-            let mut y = vec![f32::NAN; m * rows];
-            with_kernel(kernel, || quant_matmul_parts(&part, k, &x, m, &mut y)).unwrap().unwrap();
-            let ggml = run(kernel, t, &w, rows, k, &x, m);
-            for o in 0..m * rows {
-                let case = format!("{kernel} rows {rows} m {m} output {o}");
-                let got = f64::from(y[o]);
-                let arith = if m < 48 { r.arith[o] } else { r.bf16[o] };
-                let bound = if m < 48 { r.act[o] + arith } else { arith };
-                let err = (got - r.exact[o]).abs();
-                assert!(err <= bound, "{case}: {got} vs exact {}, error {err:e} > {bound:e}", r.exact[o]);
-                if m < 48 {
-                    let err = (got - r.quantized[o]).abs();
-                    assert!(err <= arith, "{case}: {got} vs {} (quantized x)", r.quantized[o]);
+    let cases = [
+        (8, 1, 1),
+        (13, 1, 1),
+        (300, 1, 1),
+        (70, 2, 1),
+        (45, 3, 1),
+        (64, 5, 1),
+        (83, 47, 1),
+        (260, 48, 1),
+        (300, 48, 8),
+    ];
+    for t in [QuantType::Q4_0, QuantType::Q4K] {
+        let layout = RowLayout::preferred(t);
+        for (rows, m, scale_k) in cases {
+            // An odd number of blocks: 37 of Q4_0, 5 super-blocks of Q4_K (times 8 in the last case).
+            let k = scale_k * if t == QuantType::Q4K { 5 * 256 } else { 37 * 32 } + if scale_k > 1 { 256 } else { 0 };
+            let row_bytes = t.row_bytes(k).unwrap();
+            let w = weight(t, rows, k, &mut rng);
+            let mut x8 = w.clone();
+            to_layout(t, layout, &mut x8, row_bytes);
+            assert_eq!(x8 == w, rows < 8, "{t} rows {rows}: the layout moved nothing");
+            let x: Vec<f32> = (0..m * k).map(|i| rng.unit() * if i % 89 == 3 { 6.0 } else { 1.0 }).collect();
+            let r = reference(t, &w, rows, k, &x, m);
+            let part = [QuantPart { t, w: &x8, rows, layout }];
+            for kernel in CpuKernel::available() {
+                let mut y = vec![f32::NAN; m * rows];
+                with_kernel(kernel, || quant_matmul_parts(&part, k, &x, m, &mut y)).unwrap().unwrap();
+                let ggml = run(kernel, t, &w, rows, k, &x, m);
+                for o in 0..m * rows {
+                    let case = format!("{t} {kernel} rows {rows} m {m} k {k} output {o}");
+                    let got = f64::from(y[o]);
+                    let arith = if m < 48 { r.arith[o] } else { r.bf16[o] };
+                    let bound = if m < 48 { r.act[o] + arith } else { arith };
+                    let err = (got - r.exact[o]).abs();
+                    assert!(err <= bound, "{case}: {got} vs exact {}, error {err:e} > {bound:e}", r.exact[o]);
+                    if m < 48 {
+                        let err = (got - r.quantized[o]).abs();
+                        assert!(err <= arith, "{case}: {got} vs {} (quantized x)", r.quantized[o]);
+                    }
+                    let diff = (got - f64::from(ggml[o])).abs();
+                    assert!(diff <= 2.0 * arith, "{case}: {got} vs ggml layout {}", ggml[o]);
                 }
-                let diff = (got - f64::from(ggml[o])).abs();
-                assert!(diff <= 2.0 * arith, "{case}: {got} vs ggml layout {}", ggml[o]);
             }
         }
     }

@@ -21,6 +21,32 @@ use std::arch::x86_64::*;
 /// Bytes of one interleaved block of eight rows.
 const GROUP_BLOCK: usize = 144;
 
+/// A type whose rows are interleaved eight at a time: its kernel for one group.
+pub(crate) trait Group {
+    /// Bytes of one (super-)block of one row.
+    const BLOCK_BYTES: usize;
+
+    /// `out[i][r] = Σ_e w_r[e] x_i[e]` for the eight rows of the interleaved group at `g` (`nb`
+    /// interleaved blocks) and the `M` activation rows `xs`.
+    ///
+    /// # Safety
+    /// `g` must hold `8 nb BLOCK_BYTES` readable bytes; every `xs[i]` must cover `nb` blocks
+    /// (codes, scales, sums); the CPU must have `D`'s instructions, AVX2, FMA and F16C.
+    unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M];
+}
+
+/// Q4_0 in `RowLayout::Q4_0x8`.
+pub(crate) struct Q40x8;
+
+impl Group for Q40x8 {
+    const BLOCK_BYTES: usize = 18;
+    #[inline(always)]
+    unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
+        // SAFETY: forwarded.
+        unsafe { group::<D, M>(g, nb, xs) }
+    }
+}
+
 /// `out[i][r] = Σ_e w_r[e] x_i[e]` for the eight rows `w_r` of the interleaved group at `g`
 /// (`nb` interleaved blocks) and the `M` activation rows `xs`.
 ///
@@ -28,7 +54,7 @@ const GROUP_BLOCK: usize = 144;
 /// `g` must hold `nb * 144` readable bytes; every `xs[i]` must have `32 nb` codes and `nb`
 /// scales and sums; the CPU must have `D`'s instructions, AVX2, FMA and F16C.
 #[inline(always)]
-pub(crate) unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
+unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
     // SAFETY: every read stays in the `nb` interleaved blocks at `g` and the first `nb` blocks of
     // each activation row (codes, scales, sums), as the caller guarantees; the instructions are
     // the caller's.

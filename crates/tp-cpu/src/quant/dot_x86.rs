@@ -48,6 +48,7 @@ macro_rules! isa_entry {
             use super::super::act::XRow;
             use super::super::dot_kquant::{self as kq, KQuant};
             use super::super::dot_legacy::{self as lg, Legacy};
+            use super::super::dot_q4kx8 as q4k;
             use super::super::dot_q4x8 as q4;
             use super::super::interleave::RowLayout;
             use super::super::types::QuantType;
@@ -82,16 +83,22 @@ macro_rules! isa_entry {
                 row_loop!(legacy_m, L, w, row_bytes, xs, out)
             }
 
-            /// Q4_0 rows in `RowLayout::Q4_0x8`: whole groups of eight through `dot_q4x8`
-            /// (1, 2 or 4 activation rows at a time), the rows past the last group (ggml's
-            /// layout) through the legacy kernel.
+            /// Rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`): whole groups
+            /// through `G`'s kernel (1, 2 or 4 activation rows at a time); the rows past the last
+            /// group (ggml's layout) go to `tail`.
             ///
             /// # Safety
-            /// As [`legacy`].
+            /// As [`legacy`]; `tail` must be the one-row kernel of the same type.
             #[target_feature(enable = $features)]
-            unsafe fn q4x8(w: &[u8], row_bytes: usize, xs: &[XRow<'_>], out: &mut [f32]) {
+            unsafe fn grouped<G: q4::Group>(
+                w: &[u8],
+                row_bytes: usize,
+                xs: &[XRow<'_>],
+                out: &mut [f32],
+                tail: unsafe fn(&[u8], usize, &[XRow<'_>], &mut [f32]),
+            ) {
                 let m = xs.len();
-                let nb = row_bytes / <lg::Q40 as Legacy>::BYTES;
+                let nb = row_bytes / G::BLOCK_BYTES;
                 let whole = w.len() / (8 * row_bytes) * 8 * row_bytes;
                 for (g, out) in w[..whole].chunks_exact(8 * row_bytes).zip(out.chunks_exact_mut(8 * m)) {
                     let p = g.as_ptr();
@@ -108,14 +115,14 @@ macro_rules! isa_entry {
                         let sums: [[f32; 8]; 4] = unsafe {
                             match take {
                                 1 => {
-                                    let r = q4::group::<$dot, 1>(p, nb, &[xs[i]]);
+                                    let r = G::group::<$dot, 1>(p, nb, &[xs[i]]);
                                     [r[0], [0.0; 8], [0.0; 8], [0.0; 8]]
                                 }
                                 2 => {
-                                    let r = q4::group::<$dot, 2>(p, nb, &[xs[i], xs[i + 1]]);
+                                    let r = G::group::<$dot, 2>(p, nb, &[xs[i], xs[i + 1]]);
                                     [r[0], r[1], [0.0; 8], [0.0; 8]]
                                 }
-                                _ => q4::group::<$dot, 4>(p, nb, &[xs[i], xs[i + 1], xs[i + 2], xs[i + 3]]),
+                                _ => G::group::<$dot, 4>(p, nb, &[xs[i], xs[i + 1], xs[i + 2], xs[i + 3]]),
                             }
                         };
                         for (j, row_sums) in sums.iter().enumerate().take(take) {
@@ -127,7 +134,7 @@ macro_rules! isa_entry {
                     }
                 }
                 // SAFETY: as above, for the rows past the last group.
-                unsafe { legacy::<lg::Q40>(&w[whole..], row_bytes, xs, &mut out[whole / row_bytes * m..]) }
+                unsafe { tail(&w[whole..], row_bytes, xs, &mut out[whole / row_bytes * m..]) }
             }
 
             /// The rows of a K-quant.
@@ -158,7 +165,10 @@ macro_rules! isa_entry {
                 // SAFETY: `check` verified the operands; the caller, the CPU.
                 unsafe {
                     match t {
-                        QuantType::Q4_0 if interleaved => q4x8(w, row_bytes, xs, out),
+                        QuantType::Q4_0 if interleaved => {
+                            grouped::<q4::Q40x8>(w, row_bytes, xs, out, legacy::<lg::Q40>)
+                        }
+                        QuantType::Q4K if interleaved => grouped::<q4k::Q4Kx8>(w, row_bytes, xs, out, kquant::<kq::Q4>),
                         QuantType::Q4_0 => legacy::<lg::Q40>(w, row_bytes, xs, out),
                         QuantType::Q4_1 => legacy::<lg::Q41>(w, row_bytes, xs, out),
                         QuantType::Q5_0 => legacy::<lg::Q50>(w, row_bytes, xs, out),

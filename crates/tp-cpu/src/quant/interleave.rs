@@ -12,6 +12,10 @@
 //!   in turn, bytes `8h .. 8h + 8` of that row's 16 code bytes (byte `j` of a Q4_0 block holds
 //!   element `j` in its low nibble and `j + 16` in its high one).
 //!
+//! [`RowLayout::Q4Kx8`] does the same for Q4_K super-blocks (see [`k_place`]): eight rows'
+//! `d`, `dmin` and packed scales side by side, so that the kernel (`dot_q4kx8`) unpacks the
+//! scales of eight rows at once, and their codes in the same 8-byte pieces as Q4_0x8.
+//!
 //! Rows past the last whole group (`rows % 8` of them) keep ggml's layout, after the groups.
 //! Everything but the host decode kernels reads ggml's layout: [`to_ggml`] puts rows back.
 
@@ -25,17 +29,24 @@ pub enum RowLayout {
     Ggml,
     /// Q4_0 only: groups of eight rows interleaved block by block (see the module docs).
     Q4_0x8,
+    /// Q4_K only: groups of eight rows interleaved super-block by super-block (see
+    /// [`interleave_k`]).
+    Q4Kx8,
 }
 
 impl RowLayout {
     /// The layout the host decode kernels read fastest for `t`.
     pub fn preferred(t: QuantType) -> RowLayout {
-        if t == QuantType::Q4_0 { RowLayout::Q4_0x8 } else { RowLayout::Ggml }
+        match t {
+            QuantType::Q4_0 => RowLayout::Q4_0x8,
+            QuantType::Q4K => RowLayout::Q4Kx8,
+            _ => RowLayout::Ggml,
+        }
     }
 
     /// Whether rows of `t` in this layout differ from ggml's.
     pub(crate) fn applies(self, t: QuantType) -> bool {
-        self == RowLayout::Q4_0x8 && t == QuantType::Q4_0
+        (self == RowLayout::Q4_0x8 && t == QuantType::Q4_0) || (self == RowLayout::Q4Kx8 && t == QuantType::Q4K)
     }
 }
 
@@ -86,6 +97,64 @@ fn deinterleave(src: &[u8], nb: usize, dst: &mut [u8]) {
     }
 }
 
+/// Bytes of a Q4_K super-block (d, dmin, 12 bytes of packed scales, 128 code bytes), and of
+/// an interleaved super-block of eight rows.
+const K_BLOCK: usize = 144;
+const K_GROUP_BLOCK: usize = 8 * K_BLOCK;
+
+/// Where byte `i` of super-block field data goes in an interleaved Q4_K super-block of eight
+/// rows (`RowLayout::Q4Kx8`), for row `r` whose lane is `l` (`LANES[l] == r`):
+///
+/// * `d` at `2 l`, `dmin` at `16 + 2 l` (bytes `0..32`);
+/// * the packed scales as three `u32` words, word `w` at `32 + 4 (8 w + l)` (bytes `32..128`),
+///   so that each word of the eight rows is one register of eight lanes;
+/// * the 128 code bytes at `128 + 32 ((4 c + p) 2 + q) + 8 rr` for bytes `32 c + 8 p ..+ 8`
+///   of row `4 q + rr` (`c`: the 32-byte chunk whose low and high nibbles are sub-blocks `2c`
+///   and `2c + 1`; `p`: its 8-byte piece; `q`: rows 0-3 or 4-7).
+fn k_place(r: usize, i: usize) -> usize {
+    let l = LANES.iter().position(|&x| x == r).unwrap_or(0);
+    match i {
+        0..2 => 2 * l + i,
+        2..4 => 16 + 2 * l + (i - 2),
+        4..16 => {
+            let (w, b) = ((i - 4) / 4, (i - 4) % 4);
+            32 + 4 * (8 * w + l) + b
+        }
+        _ => {
+            let j = i - 16;
+            let (c, p, b) = (j / 32, j % 32 / 8, j % 8);
+            let (q, rr) = (r / 4, r % 4);
+            128 + 32 * ((4 * c + p) * 2 + q) + 8 * rr + b
+        }
+    }
+}
+
+/// One Q4_K group: eight ggml rows of `nb` super-blocks into `dst` interleaved ([`k_place`]).
+fn interleave_k(src: &[u8], nb: usize, dst: &mut [u8]) {
+    let row_bytes = nb * K_BLOCK;
+    for s in 0..nb {
+        let out = &mut dst[s * K_GROUP_BLOCK..(s + 1) * K_GROUP_BLOCK];
+        for r in 0..8 {
+            for (i, &v) in src[r * row_bytes + s * K_BLOCK..][..K_BLOCK].iter().enumerate() {
+                out[k_place(r, i)] = v;
+            }
+        }
+    }
+}
+
+/// One interleaved Q4_K group back into eight ggml rows.
+fn deinterleave_k(src: &[u8], nb: usize, dst: &mut [u8]) {
+    let row_bytes = nb * K_BLOCK;
+    for s in 0..nb {
+        let inp = &src[s * K_GROUP_BLOCK..(s + 1) * K_GROUP_BLOCK];
+        for r in 0..8 {
+            for (i, v) in dst[r * row_bytes + s * K_BLOCK..][..K_BLOCK].iter_mut().enumerate() {
+                *v = inp[k_place(r, i)];
+            }
+        }
+    }
+}
+
 /// Whole rows of `t` (`row_bytes` each, whole blocks; the first row a multiple of 8 from the
 /// weight's first) from ggml's layout into `layout`, in place. Nothing changes where the layout
 /// does not apply to `t`.
@@ -93,10 +162,12 @@ pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: us
     if !layout.applies(t) || row_bytes == 0 {
         return;
     }
-    let nb = row_bytes / BLOCK;
     let mut tmp = vec![0u8; 8 * row_bytes];
     for group in data.chunks_exact_mut(8 * row_bytes) {
-        interleave(group, nb, &mut tmp);
+        match layout {
+            RowLayout::Q4Kx8 => interleave_k(group, row_bytes / K_BLOCK, &mut tmp),
+            _ => interleave(group, row_bytes / BLOCK, &mut tmp),
+        }
         group.copy_from_slice(&tmp);
     }
 }
@@ -109,10 +180,12 @@ pub(crate) fn to_ggml(t: QuantType, layout: RowLayout, src: &[u8], row_bytes: us
         dst.copy_from_slice(src);
         return;
     }
-    let nb = row_bytes / BLOCK;
     let whole = src.len() / (8 * row_bytes) * 8 * row_bytes;
     for (s, d) in src[..whole].chunks_exact(8 * row_bytes).zip(dst[..whole].chunks_exact_mut(8 * row_bytes)) {
-        deinterleave(s, nb, d);
+        match layout {
+            RowLayout::Q4Kx8 => deinterleave_k(s, row_bytes / K_BLOCK, d),
+            _ => deinterleave(s, row_bytes / BLOCK, d),
+        }
     }
     dst[whole..].copy_from_slice(&src[whole..]);
 }
@@ -139,6 +212,25 @@ mod tests {
         let mut back = vec![0u8; ggml.len()];
         to_ggml(t, RowLayout::Q4_0x8, &x8, row_bytes, &mut back);
         assert_eq!(back, ggml);
+        // Q4_K: there and back, and a code byte where k_place says.
+        let kt = QuantType::Q4K;
+        let krow = 2 * K_BLOCK;
+        let kg: Vec<u8> = (0..11 * krow).map(|i| (i * 53 % 241) as u8).collect();
+        let mut kx = kg.clone();
+        to_layout(kt, RowLayout::Q4Kx8, &mut kx, krow);
+        assert_ne!(kx, kg);
+        // Row 5, super-block 1, code byte 32 * 2 + 8 * 3 + 1 (chunk 2, piece 3).
+        let want = kg[5 * krow + K_BLOCK + 16 + 64 + 24 + 1];
+        assert_eq!(kx[K_GROUP_BLOCK + 128 + 32 * ((4 * 2 + 3) * 2 + 1) + 8 + 1], want);
+        let mut kb = vec![0u8; kg.len()];
+        to_ggml(kt, RowLayout::Q4Kx8, &kx, krow, &mut kb);
+        assert_eq!(kb, kg);
+        let mut seen = vec![false; K_BLOCK * 8];
+        for r in 0..8 {
+            for i in 0..K_BLOCK {
+                assert!(!std::mem::replace(&mut seen[k_place(r, i)], true), "k_place({r}, {i}) reused");
+            }
+        }
         // Other types are left alone.
         let mut q8 = ggml.clone();
         to_layout(QuantType::Q8_0, RowLayout::Q4_0x8, &mut q8, row_bytes);

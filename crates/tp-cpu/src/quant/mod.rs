@@ -8,7 +8,8 @@
 //! `dot_kquant` (the x86 kernels of the 32- and 256-element formats), `dot_x86` (their
 //! `#[target_feature]` entry points, AVX2 and AVX512-VNNI), `matmul` ([`quant_matmul`]: checks,
 //! the decode paths, the split over the pool), `prefill` (its GEMM path), `interleave` (Q4_0
-//! rows eight at a time, [`RowLayout`]) and `dot_q4x8` (their decode kernel).
+//! and Q4_K rows eight at a time, [`RowLayout`]) and `dot_q4x8`, `dot_q4kx8` (their decode
+//! kernels).
 
 mod act;
 mod blocks;
@@ -23,6 +24,8 @@ mod types;
 mod dot_kquant;
 #[cfg(target_arch = "x86_64")]
 mod dot_legacy;
+#[cfg(target_arch = "x86_64")]
+mod dot_q4kx8;
 #[cfg(target_arch = "x86_64")]
 mod dot_q4x8;
 #[cfg(target_arch = "x86_64")]
