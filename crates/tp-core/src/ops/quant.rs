@@ -31,7 +31,7 @@ struct Part {
     /// decode streams them every token), in `layout`.
     data: Arc<WeightBuf>,
     /// How the rows are stored: the layout the host decode kernels read fastest
-    /// ([`RowLayout::preferred`]: Q4_0 rows eight at a time; ggml's for the other types).
+    /// ([`RowLayout::preferred`]: Q4_0 and Q4_K rows eight at a time; ggml's for the others).
     layout: RowLayout,
 }
 
@@ -55,7 +55,7 @@ impl QuantWeight {
     ///
     /// Errors: `k` not a multiple of the type's block, a byte count that does not match, or
     /// `lead + width > k`.
-    pub fn new(qtype: QuantType, rows: usize, k: usize, lead: usize, width: usize, data: Vec<u8>) -> Result<Self> {
+    pub fn new(qtype: QuantType, rows: usize, k: usize, lead: usize, width: usize, mut data: Vec<u8>) -> Result<Self> {
         let row_bytes = qtype.row_bytes(k).ok_or_else(|| Error::InvalidArgument {
             op: OP,
             why: format!("a row of {k} elements is not whole {} blocks of {}", qtype.name(), qtype.block_elems()),
@@ -76,7 +76,6 @@ impl QuantWeight {
                 why: format!("input columns {lead}..{lead}+{width} do not lie within a stored row of {k}"),
             });
         }
-        let mut data = data;
         let layout = RowLayout::preferred(qtype);
         to_layout(qtype, layout, &mut data, row_bytes);
         Ok(QuantWeight {

@@ -18,8 +18,7 @@
 //! `dot_kquant`, so `quant_matmul`'s bound holds unchanged.
 
 use super::act::XRow;
-use super::dot_q4x8::Group;
-use super::interleave::LANES;
+use super::dot_q4x8::{Group, by_row};
 use super::simd::Dot;
 use std::arch::x86_64::*;
 
@@ -86,15 +85,7 @@ impl Group for Q4Kx8 {
                     acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[i]);
                 }
             }
-            let mut out = [[0f32; 8]; M];
-            for i in 0..M {
-                let mut lanes = [0f32; 8];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[i]);
-                for (l, &r) in LANES.iter().enumerate() {
-                    out[i][r] = lanes[l];
-                }
-            }
-            out
+            std::array::from_fn(|i| by_row(acc[i]))
         }
     }
 }

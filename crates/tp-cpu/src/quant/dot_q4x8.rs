@@ -38,65 +38,62 @@ pub(crate) trait Group {
 /// Q4_0 in `RowLayout::Q4_0x8`.
 pub(crate) struct Q40x8;
 
-impl Group for Q40x8 {
-    const BLOCK_BYTES: usize = 18;
-    #[inline(always)]
-    unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
-        // SAFETY: forwarded.
-        unsafe { group::<D, M>(g, nb, xs) }
-    }
-}
-
-/// `out[i][r] = Σ_e w_r[e] x_i[e]` for the eight rows `w_r` of the interleaved group at `g`
-/// (`nb` interleaved blocks) and the `M` activation rows `xs`.
+/// The eight sums of `v`, in lane order [`LANES`], by row.
 ///
 /// # Safety
-/// `g` must hold `nb * 144` readable bytes; every `xs[i]` must have `32 nb` codes and `nb`
-/// scales and sums; the CPU must have `D`'s instructions, AVX2, FMA and F16C.
+/// AVX.
 #[inline(always)]
-unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
-    // SAFETY: every read stays in the `nb` interleaved blocks at `g` and the first `nb` blocks of
-    // each activation row (codes, scales, sums), as the caller guarantees; the instructions are
-    // the caller's.
-    unsafe {
-        let mut acc = [_mm256_setzero_ps(); M];
-        let mut corr = [_mm256_setzero_ps(); M];
-        let nibble = _mm256_set1_epi8(0x0F);
-        for b in 0..nb {
-            let blk = g.add(b * GROUP_BLOCK);
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
-            let mut lo = [_mm256_setzero_si256(); 4];
-            let mut hi = [_mm256_setzero_si256(); 4];
-            for c in 0..4 {
-                let v = _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
-                lo[c] = _mm256_and_si256(v, nibble);
-                hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
-            }
-            for i in 0..M {
-                let xq = xs[i].qs.as_ptr().add(b * 32);
-                let bytes = |at: usize| _mm256_set1_epi64x(xq.add(at).cast::<i64>().read_unaligned());
-                let (mut rows03, mut rows47) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for h in 0..2 {
-                    let (xl, xh) = (bytes(8 * h), bytes(16 + 8 * h));
-                    rows03 = D::dot_acc(rows03, lo[2 * h], xl);
-                    rows03 = D::dot_acc(rows03, hi[2 * h], xh);
-                    rows47 = D::dot_acc(rows47, lo[2 * h + 1], xl);
-                    rows47 = D::dot_acc(rows47, hi[2 * h + 1], xh);
+pub(crate) unsafe fn by_row(v: __m256) -> [f32; 8] {
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds 8 floats; AVX is the caller's.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+    let mut rows = [0f32; 8];
+    for (l, &r) in LANES.iter().enumerate() {
+        rows[r] = lanes[l];
+    }
+    rows
+}
+
+impl Group for Q40x8 {
+    const BLOCK_BYTES: usize = 18;
+
+    #[inline(always)]
+    unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
+        // SAFETY: every read stays in the `nb` interleaved blocks at `g` and the first `nb`
+        // blocks of each activation row (codes, scales, sums), as the caller guarantees; the
+        // instructions are the caller's.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); M];
+            let mut corr = [_mm256_setzero_ps(); M];
+            let nibble = _mm256_set1_epi8(0x0F);
+            for b in 0..nb {
+                let blk = g.add(b * GROUP_BLOCK);
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
+                let mut lo = [_mm256_setzero_si256(); 4];
+                let mut hi = [_mm256_setzero_si256(); 4];
+                for c in 0..4 {
+                    let v = _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
+                    lo[c] = _mm256_and_si256(v, nibble);
+                    hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
                 }
-                let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(rows03, rows47));
-                let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
-                acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), acc[i]);
-                corr[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(*xs[i].sx.get_unchecked(b)), corr[i]);
+                for i in 0..M {
+                    let xq = xs[i].qs.as_ptr().add(b * 32);
+                    let bytes = |at: usize| _mm256_set1_epi64x(xq.add(at).cast::<i64>().read_unaligned());
+                    let (mut rows03, mut rows47) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for h in 0..2 {
+                        let (xl, xh) = (bytes(8 * h), bytes(16 + 8 * h));
+                        rows03 = D::dot_acc(rows03, lo[2 * h], xl);
+                        rows03 = D::dot_acc(rows03, hi[2 * h], xh);
+                        rows47 = D::dot_acc(rows47, lo[2 * h + 1], xl);
+                        rows47 = D::dot_acc(rows47, hi[2 * h + 1], xh);
+                    }
+                    let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(rows03, rows47));
+                    let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
+                    acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), acc[i]);
+                    corr[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(*xs[i].sx.get_unchecked(b)), corr[i]);
+                }
             }
+            std::array::from_fn(|i| by_row(_mm256_fnmadd_ps(_mm256_set1_ps(8.0), corr[i], acc[i])))
         }
-        let mut out = [[0f32; 8]; M];
-        for i in 0..M {
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_fnmadd_ps(_mm256_set1_ps(8.0), corr[i], acc[i]));
-            for (l, &r) in LANES.iter().enumerate() {
-                out[i][r] = lanes[l];
-            }
-        }
-        out
     }
 }

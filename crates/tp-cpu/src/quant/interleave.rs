@@ -172,6 +172,31 @@ pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: us
     }
 }
 
+/// `f` of the rows `w` of `t` (stored in `layout`, starting on a group of eight) in ggml's
+/// layout: `w` itself when the layout does not apply to `t`, else a copy put back in a
+/// thread-local buffer kept between calls. For the paths that read only ggml's layout (the
+/// portable kernels, the dequantizing GEMM).
+pub(crate) fn with_ggml_rows<R>(
+    t: QuantType,
+    layout: RowLayout,
+    w: &[u8],
+    row_bytes: usize,
+    f: impl FnOnce(&[u8]) -> R,
+) -> R {
+    thread_local! {
+        static GGML: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if !layout.applies(t) {
+        return f(w);
+    }
+    GGML.with(|g| {
+        let mut g = g.borrow_mut();
+        g.resize(w.len(), 0);
+        to_ggml(t, layout, w, row_bytes, &mut g);
+        f(&g)
+    })
+}
+
 /// Rows of `t` stored in `layout` (as [`to_layout`] left them) written into `dst` in ggml's
 /// layout (`dst.len() == src.len()`).
 pub(crate) fn to_ggml(t: QuantType, layout: RowLayout, src: &[u8], row_bytes: usize, dst: &mut [u8]) {

@@ -11,7 +11,7 @@
 use super::act::{QuantX, XRow};
 use super::dequant::dequantize_unchecked;
 use super::dot_portable;
-use super::interleave::{RowLayout, to_ggml};
+use super::interleave::{RowLayout, with_ggml_rows};
 use super::prefill;
 use super::types::QuantType;
 use crate::dispatch::{CpuKernel, Int8Isa, Isa};
@@ -71,13 +71,17 @@ pub fn quant_matmul(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m:
 }
 
 /// One block of weight rows of a [`quant_matmul_parts`] product: `rows` rows of type `t` in `w`,
-/// stored in `layout` ([`RowLayout`]: ggml's, or Q4_0's eight-row interleaving, which the host
-/// decode kernels read fastest; every path accepts either).
+/// stored in `layout` ([`RowLayout`]: ggml's, or the eight-row interleaving of Q4_0 and Q4_K,
+/// which the host decode kernels read fastest; every path accepts either).
 #[derive(Debug, Clone, Copy)]
 pub struct QuantPart<'a> {
+    /// The rows' block type.
     pub t: QuantType,
+    /// `rows * t.row_bytes(k)` bytes.
     pub w: &'a [u8],
+    /// Weight rows (outputs) in this part.
     pub rows: usize,
+    /// How the rows are stored.
     pub layout: RowLayout,
 }
 
@@ -167,7 +171,7 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
             }
         } else {
             let xs = if s.t.is_k_quant() { &x256 } else { &x32 };
-            rows_dots(isa, s.t, parts[p].layout, w, s.row_bytes, xs.as_deref().unwrap_or_default(), out)
+            rows_dots(isa, s.t, s.layout, w, s.row_bytes, xs.as_deref().unwrap_or_default(), out)
         }
     };
     stream(&shapes, n, y, &dots);
@@ -203,14 +207,8 @@ fn rows_dots(
         // SAFETY: `int8_isa` returns `Avx2` only where the CPU has AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
         Int8Isa::Avx2 => unsafe { super::dot_x86::avx2::rows_dots(t, layout, w, row_bytes, xs, out) },
-        _ if layout.applies(t) => GGML_ROWS.with(|g| {
-            // The portable kernels read ggml's layout: the task's rows put back first.
-            let mut g = g.borrow_mut();
-            g.resize(w.len(), 0);
-            to_ggml(t, layout, w, row_bytes, &mut g);
-            dot_portable::rows_dots(t, &g, row_bytes, xs, out)
-        }),
-        _ => dot_portable::rows_dots(t, w, row_bytes, xs, out),
+        // The portable kernels read ggml's layout.
+        _ => with_ggml_rows(t, layout, w, row_bytes, |w| dot_portable::rows_dots(t, w, row_bytes, xs, out)),
     }
 }
 
@@ -279,8 +277,6 @@ fn stream(parts: &[Shape], n: usize, y: &mut [f32], dots: &PartDots<'_>) {
 }
 
 thread_local! {
-    /// A task's rows put back into ggml's layout for the portable kernels, kept between calls.
-    static GGML_ROWS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// A weight row widened to `f32` (the float types' streaming path), kept between calls.
     static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }

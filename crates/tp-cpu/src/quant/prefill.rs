@@ -7,7 +7,7 @@
 //! multiplied by the `f32` `x`.
 
 use super::dequant::{dequantize_bf16_unchecked, dequantize_unchecked};
-use super::interleave::{RowLayout, to_ggml};
+use super::interleave::{RowLayout, with_ggml_rows};
 use super::types::QuantType;
 use crate::dispatch::CpuKernel;
 use crate::element::Float;
@@ -28,8 +28,6 @@ const ROWS_PER_TASK: usize = 16;
 thread_local! {
     /// The dequantized tile, kept between calls (as `u32`, viewed as `f32` or `bf16` pairs).
     static TILE: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
-    /// A task's interleaved rows put back into ggml's layout, kept between calls.
-    static GGML: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `y = x W^T` for `rows` weight rows of `k` elements of `t` (`w` holds them, whole blocks, in
@@ -103,19 +101,9 @@ fn tiles<T: Float>(
             // SAFETY: task `g` owns rows `r0..r1` of the tile (disjoint from the others'), inside
             // it; the tile outlives `run`.
             let part = unsafe { std::slice::from_raw_parts_mut(dst.get().add(r0 * k), (r1 - r0) * k) };
-            let bytes = &src[r0 * row_bytes..r1 * row_bytes];
-            if layout.applies(t) {
-                // Whole groups of interleaved rows (and the part's last rows): back to ggml's
-                // layout first.
-                GGML.with(|g| {
-                    let mut g = g.borrow_mut();
-                    g.resize(bytes.len(), 0);
-                    to_ggml(t, layout, bytes, row_bytes, &mut g);
-                    dequant(kernel, t, &g, part)
-                })
-            } else {
-                dequant(kernel, t, bytes, part)
-            }
+            // Whole groups of interleaved rows (and the part's last rows) dequantize from
+            // ggml's layout.
+            with_ggml_rows(t, layout, &src[r0 * row_bytes..r1 * row_bytes], row_bytes, |w| dequant(kernel, t, w, part));
         });
         let y_tile = &mut y_tile[..m * n];
         gemm::gemm(micro, x, BSource::Pack(tile, Layout::Nk), None, m, k, n, y_tile);
