@@ -49,7 +49,7 @@ fn quant(c: &mut Criterion) {
                         block[at..at + 2].copy_from_slice(&0x2012u16.to_le_bytes()); // 2^-7 * 1.0176
                     }
                 }
-                to_layout(t, layout, &mut w, row_bytes);
+                to_layout(t, layout, &mut w, row_bytes).expect("whole rows");
                 w
             })
             .collect();

@@ -351,7 +351,7 @@ fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
             let row_bytes = t.row_bytes(k).unwrap();
             let w = weight(t, rows, k, &mut rng);
             let mut x8 = w.clone();
-            to_layout(t, layout, &mut x8, row_bytes);
+            to_layout(t, layout, &mut x8, row_bytes).unwrap();
             assert_eq!(x8 == w, rows < 8, "{t} rows {rows}: the layout moved nothing");
             let x: Vec<f32> = (0..m * k).map(|i| rng.unit() * if i % 89 == 3 { 6.0 } else { 1.0 }).collect();
             let r = reference(t, &w, rows, k, &x, m);

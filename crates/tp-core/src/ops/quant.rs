@@ -77,7 +77,7 @@ impl QuantWeight {
             });
         }
         let layout = RowLayout::preferred(qtype);
-        to_layout(qtype, layout, &mut data, row_bytes);
+        to_layout(qtype, layout, &mut data, row_bytes)?;
         Ok(QuantWeight {
             parts: vec![Part { qtype, rows, data: Arc::new(WeightBuf::from_slice(&data)), layout }],
             k,

@@ -20,6 +20,7 @@
 //! Everything but the host decode kernels reads ggml's layout: [`to_ggml`] puts rows back.
 
 use super::types::QuantType;
+use crate::error::{Error, Result};
 
 /// How the rows of a quantized weight are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -158,9 +159,21 @@ fn deinterleave_k(src: &[u8], nb: usize, dst: &mut [u8]) {
 /// Whole rows of `t` (`row_bytes` each, whole blocks; the first row a multiple of 8 from the
 /// weight's first) from ggml's layout into `layout`, in place. Nothing changes where the layout
 /// does not apply to `t`.
-pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: usize) {
+///
+/// Errors (nothing changed): [`Error::NotWholeBlocks`] if `row_bytes` is not whole blocks of `t`
+/// or `data` not whole rows.
+pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: usize) -> Result<()> {
+    let whole = |operand, len: usize, block: usize| {
+        if if block == 0 { len == 0 } else { len.is_multiple_of(block) } {
+            Ok(())
+        } else {
+            Err(Error::NotWholeBlocks { ty: t.name(), operand, len, block, unit: "bytes" })
+        }
+    };
+    whole("row_bytes", row_bytes, t.block_bytes())?;
+    whole("data (rows of row_bytes)", data.len(), row_bytes)?;
     if !layout.applies(t) || row_bytes == 0 {
-        return;
+        return Ok(());
     }
     let mut tmp = vec![0u8; 8 * row_bytes];
     for group in data.chunks_exact_mut(8 * row_bytes) {
@@ -170,6 +183,7 @@ pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: us
         }
         group.copy_from_slice(&tmp);
     }
+    Ok(())
 }
 
 /// `f` of the rows `w` of `t` (stored in `layout`, starting on a group of eight) in ggml's
@@ -226,7 +240,7 @@ mod tests {
         let row_bytes = nb * BLOCK;
         let ggml: Vec<u8> = (0..rows * row_bytes).map(|i| (i * 37 % 251) as u8).collect();
         let mut x8 = ggml.clone();
-        to_layout(t, RowLayout::Q4_0x8, &mut x8, row_bytes);
+        to_layout(t, RowLayout::Q4_0x8, &mut x8, row_bytes).unwrap();
         // Group 1, block 2: lane 2's scale is row 4's; chunk (h 1, q 1), row 6's bytes 8..16.
         let (g, b) = (8 * row_bytes, 2 * GROUP_BLOCK);
         assert_eq!(x8[g + b + 4..g + b + 6], ggml[(8 + 4) * row_bytes + 2 * BLOCK..][..2]);
@@ -242,7 +256,7 @@ mod tests {
         let krow = 2 * K_BLOCK;
         let kg: Vec<u8> = (0..11 * krow).map(|i| (i * 53 % 241) as u8).collect();
         let mut kx = kg.clone();
-        to_layout(kt, RowLayout::Q4Kx8, &mut kx, krow);
+        to_layout(kt, RowLayout::Q4Kx8, &mut kx, krow).unwrap();
         assert_ne!(kx, kg);
         // Row 5, super-block 1, code byte 32 * 2 + 8 * 3 + 1 (chunk 2, piece 3).
         let want = kg[5 * krow + K_BLOCK + 16 + 64 + 24 + 1];
@@ -257,8 +271,27 @@ mod tests {
             }
         }
         // Other types are left alone.
-        let mut q8 = ggml.clone();
-        to_layout(QuantType::Q8_0, RowLayout::Q4_0x8, &mut q8, row_bytes);
-        assert_eq!(q8, ggml);
+        let q8_row = 2 * 34;
+        let mut q8: Vec<u8> = (0..9 * q8_row).map(|i| i as u8).collect();
+        let q8_before = q8.clone();
+        to_layout(QuantType::Q8_0, RowLayout::Q4_0x8, &mut q8, q8_row).unwrap();
+        assert_eq!(q8, q8_before);
+    }
+
+    /// Rows that are not whole blocks, and data that is not whole rows, are typed errors that
+    /// change nothing.
+    #[test]
+    fn bad_rows_are_typed_errors() {
+        let t = QuantType::Q4_0;
+        let mut data: Vec<u8> = (0..8 * 36).map(|i| i as u8).collect();
+        let before = data.clone();
+        let err = to_layout(t, RowLayout::Q4_0x8, &mut data, 35).unwrap_err();
+        assert!(matches!(err, Error::NotWholeBlocks { operand: "row_bytes", len: 35, block: 18, .. }), "{err}");
+        let err = to_layout(t, RowLayout::Q4_0x8, &mut data[..8 * 36 - 18], 36).unwrap_err();
+        assert!(matches!(err, Error::NotWholeBlocks { len: 270, block: 36, .. }), "{err}");
+        let err = to_layout(t, RowLayout::Q4_0x8, &mut data, 0).unwrap_err();
+        assert!(matches!(err, Error::NotWholeBlocks { len: 288, block: 0, .. }), "{err}");
+        assert!(to_layout(t, RowLayout::Q4_0x8, &mut [], 0).is_ok());
+        assert_eq!(data, before);
     }
 }
