@@ -233,7 +233,7 @@ fn gemm_attention(
 
 /// Row `r` of `s` (rows of `width` scores) becomes `softmax(scale · s[r, a..b])` on its
 /// visible keys `range(r) = (a, b)` and zero elsewhere; rows are split over threads when many.
-fn softmax_rows(s: &mut [f32], width: usize, range: impl Fn(usize) -> (usize, usize) + Sync, scale: f32) {
+pub(super) fn softmax_rows(s: &mut [f32], width: usize, range: impl Fn(usize) -> (usize, usize) + Sync, scale: f32) {
     tp_cpu::par_row_groups(s, width, row_groups(s.len()), |first, chunk| {
         softmax_chunk(chunk, width, first, &range, scale)
     });

@@ -34,6 +34,24 @@ impl Activation {
         }
     }
 
+    /// The activation's derivative in f32: `silu'(g) = σ(g) · (1 + g · (1 - σ(g)))`;
+    /// `gelu_tanh'(g) = (1 + tanh u) / 2 + g/2 · (1 - tanh² u) · β (1 + 3κ g²)` with
+    /// `u = β (g + κ g³)`.
+    pub fn derivative(self, g: f32) -> f32 {
+        match self {
+            Activation::Silu => {
+                let s = 1.0 / (1.0 + (-g).exp());
+                s * (1.0 + g * (1.0 - s))
+            }
+            Activation::GeluTanh => {
+                const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+                const KAPPA: f32 = 0.044715;
+                let th = (BETA * (g + KAPPA * g * g * g)).tanh();
+                0.5 * (1.0 + th) + 0.5 * g * (1.0 - th * th) * BETA * (1.0 + 3.0 * KAPPA * g * g)
+            }
+        }
+    }
+
     /// The kernels' code for the activation.
     pub(crate) fn code(self) -> i32 {
         match self {
@@ -213,5 +231,62 @@ impl Tensor {
             CpuStorage::from_vec(crate::alloc::collect(op, self.numel(), v)?)
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
+    }
+}
+
+/// Backward passes of the element-wise ops (training; host, f32 results).
+impl Tensor {
+    /// The gradient of [`glu`](Tensor::glu)`(act)` with respect to its input `self =
+    /// [gate | up]: [.., 2I]`, given `dy: [.., I]`: `[dgate | dup]` with
+    /// `dgate = dy ⊙ up ⊙ act'(gate)` and `dup = dy ⊙ act(gate)`, in f32.
+    ///
+    /// Errors: `dy` not `[.., I]` for this input, [`Error::UnsupportedDevice`] off the host.
+    pub fn glu_backward(&self, act: Activation, dy: &Tensor) -> Result<Tensor> {
+        const OP: &str = "glu_backward";
+        let (rows, two_i) = super::grad::rows_cols(OP, self)?;
+        let inner = two_i / 2;
+        if two_i % 2 != 0 || super::grad::rows_cols(OP, dy)? != (rows, inner) {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: dy.dims().to_vec(),
+                why: "needs an input [.., 2I] and a gradient [.., I]",
+            });
+        }
+        let (x, dyt) = (super::grad::f32_host(OP, self)?, super::grad::f32_host(OP, dy)?);
+        let (x, dys) = (x.as_slice::<f32>()?, dyt.as_slice::<f32>()?);
+        let mut out = vec![0f32; rows * two_i];
+        for r in 0..rows {
+            let (g, u) = (&x[r * two_i..r * two_i + inner], &x[r * two_i + inner..(r + 1) * two_i]);
+            let d = &dys[r * inner..(r + 1) * inner];
+            let (dg, du) = out[r * two_i..(r + 1) * two_i].split_at_mut(inner);
+            for i in 0..inner {
+                dg[i] = d[i] * u[i] * act.derivative(g[i]);
+                du[i] = d[i] * act.apply(g[i]);
+            }
+        }
+        Tensor::from_vec(out, self.dims(), &crate::Device::Cpu)
+    }
+
+    /// The gradient of [`softcap`](Tensor::softcap)`(cap)` with respect to its input, from its
+    /// output `self = y = cap · tanh(x / cap)` and `dy`: `dy ⊙ (1 - (y / cap)²)`, in f32.
+    ///
+    /// Errors: shapes differing, a cap not finite and > 0, [`Error::UnsupportedDevice`].
+    pub fn softcap_backward(&self, cap: f32, dy: &Tensor) -> Result<Tensor> {
+        const OP: &str = "softcap_backward";
+        if self.dims() != dy.dims() || !(cap.is_finite() && cap > 0.0) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: format!("needs one shape ({:?} vs {:?}) and a cap > 0 (got {cap})", self.dims(), dy.dims()),
+            });
+        }
+        let (y, d) = (super::grad::f32_host(OP, self)?, super::grad::f32_host(OP, dy)?);
+        let out: Vec<f32> = y
+            .as_slice::<f32>()?
+            .iter()
+            .zip(d.as_slice::<f32>()?)
+            .map(|(&y, &d)| d * (1.0 - (y / cap).powi(2)))
+            .collect();
+        Tensor::from_vec(out, self.dims(), &crate::Device::Cpu)
     }
 }

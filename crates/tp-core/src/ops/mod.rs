@@ -2,11 +2,14 @@
 //! typed errors before touching data.
 
 mod attention;
+mod attention_backward;
 mod cast;
 mod cuda;
 mod dot_f32;
 mod elementwise;
+mod grad;
 mod layout;
+mod loss;
 mod matmul;
 mod norm;
 mod paged;

@@ -183,3 +183,123 @@ fn host_rms_norm<T: Element>(
     }
     Ok(out)
 }
+
+/// The weight as the style applies it: `w`, or Gemma's `1 + w`.
+fn applied_weight(w: &[f32], style: NormStyle) -> Vec<f32> {
+    match style {
+        NormStyle::Weight | NormStyle::WeightF32 => w.to_vec(),
+        NormStyle::OnePlusWeight => w.iter().map(|v| 1.0 + v).collect(),
+    }
+}
+
+/// Backward of the RMSNorm (training; host, f32 results).
+///
+/// With `r = (mean(x²) + eps)^-1/2` per row, `w'` the applied weight (`w` or `1 + w`) and
+/// `g = dy ⊙ w'`:
+///
+/// * `dx = r · g - x · r³ · (Σ_i g_i x_i) / n`
+/// * `dw = Σ_rows dy ⊙ x · r` (the same for both styles, `d(1 + w)/dw = 1`)
+///
+/// where `n` and the sum `Σ_i g_i x_i` run over the row's full width. For a norm whose features
+/// are split across ranks, each rank computes its part of the sum ([`Tensor::rms_norm_grad_dot`]),
+/// the ranks add them up, and [`Tensor::rms_norm_backward`] takes the total with the statistics
+/// of the forward.
+impl Tensor {
+    /// `Σ_i g_i x_i` of every row of `self = x: [.., H]`, `g = dy ⊙ w'`: `[rows]` f32 (summed in
+    /// f64). This rank's part of the sum a split norm's backward needs.
+    ///
+    /// Errors: shapes as [`rms_norm_with`](Tensor::rms_norm_with), `dy` not shaped as `x`,
+    /// [`Error::UnsupportedDevice`] off the host.
+    pub fn rms_norm_grad_dot(&self, weight: &Tensor, dy: &Tensor, style: NormStyle) -> Result<Tensor> {
+        const OP: &str = "rms_norm_grad_dot";
+        let (rows, h) = norm_grad_shapes(OP, self, weight, dy)?;
+        let (x, w, dy) = (f32_of(OP, self)?, f32_of(OP, weight)?, f32_of(OP, dy)?);
+        let (x, dy) = (x.as_slice::<f32>()?, dy.as_slice::<f32>()?);
+        let w = applied_weight(w.as_slice::<f32>()?, style);
+        let dots: Vec<f32> = (0..rows)
+            .map(|r| {
+                let (xr, gr) = (&x[r * h..(r + 1) * h], &dy[r * h..(r + 1) * h]);
+                xr.iter().zip(gr).zip(&w).map(|((&x, &g), &w)| f64::from(g * w) * f64::from(x)).sum::<f64>() as f32
+            })
+            .collect();
+        Tensor::from_vec(dots, &[rows], &crate::Device::Cpu)
+    }
+
+    /// `(dx, dw)` of [`rms_norm_with`](Tensor::rms_norm_with)`(self, weight, eps, style, ..)`
+    /// given `dy`, both f32: `dx` shaped as `self`, `dw: [H]` summed over the rows (see the
+    /// docs above). `split = Some((sum_sq, n, dot))` for a norm over features split across
+    /// ranks: the forward's sums of squares `sum_sq: [rows]` over `n` features, and the total
+    /// of [`rms_norm_grad_dot`](Tensor::rms_norm_grad_dot) over the ranks, `dot: [rows]`.
+    ///
+    /// Errors: as [`rms_norm_grad_dot`](Tensor::rms_norm_grad_dot), statistics not `[rows]`, `n == 0`.
+    pub fn rms_norm_backward(
+        &self,
+        weight: &Tensor,
+        dy: &Tensor,
+        eps: f64,
+        style: NormStyle,
+        split: Option<(&Tensor, usize, &Tensor)>,
+    ) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "rms_norm_backward";
+        let (rows, h) = norm_grad_shapes(OP, self, weight, dy)?;
+        let (xt, wt, dyt) = (f32_of(OP, self)?, f32_of(OP, weight)?, f32_of(OP, dy)?);
+        let (x, dy) = (xt.as_slice::<f32>()?, dyt.as_slice::<f32>()?);
+        let w = applied_weight(wt.as_slice::<f32>()?, style);
+        let split = match split {
+            None => None,
+            Some((ss, n, dot)) => {
+                let (ss, dot) = (f32_of(OP, ss)?, f32_of(OP, dot)?);
+                if ss.dims() != [rows] || dot.dims() != [rows] || n == 0 {
+                    return Err(Error::ShapeMismatch {
+                        op: OP,
+                        lhs: self.dims().to_vec(),
+                        rhs: ss.dims().to_vec(),
+                        why: "a split norm's statistics must be [rows] over n > 0 features",
+                    });
+                }
+                Some((ss, n, dot))
+            }
+        };
+        let eps = eps as f32;
+        let mut dx = vec![0f32; rows * h];
+        let mut dw = vec![0f64; h];
+        for r in 0..rows {
+            let (xr, dyr) = (&x[r * h..(r + 1) * h], &dy[r * h..(r + 1) * h]);
+            let (mean, n, dot) = match &split {
+                Some((ss, n, dot)) => (ss.as_slice::<f32>()?[r] / *n as f32, *n, dot.as_slice::<f32>()?[r]),
+                None => {
+                    let ms = (xr.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / h as f64) as f32;
+                    let dot = xr.iter().zip(dyr).zip(&w).map(|((&x, &g), &w)| f64::from(g * w) * f64::from(x));
+                    (ms, h, dot.sum::<f64>() as f32)
+                }
+            };
+            let rstd = 1.0 / (mean + eps).sqrt();
+            let c = rstd * rstd * rstd * dot / n as f32;
+            for i in 0..h {
+                dx[r * h + i] = rstd * dyr[i] * w[i] - xr[i] * c;
+                dw[i] += f64::from(dyr[i] * xr[i] * rstd);
+            }
+        }
+        let cpu = crate::Device::Cpu;
+        let dw: Vec<f32> = dw.into_iter().map(|v| v as f32).collect();
+        Ok((Tensor::from_vec(dx, self.dims(), &cpu)?, Tensor::from_vec(dw, &[h], &cpu)?))
+    }
+}
+
+fn f32_of(op: &'static str, t: &Tensor) -> Result<Tensor> {
+    super::grad::f32_host(op, t)
+}
+
+/// `(rows, H)` of a norm's backward inputs, checked.
+fn norm_grad_shapes(op: &'static str, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(usize, usize)> {
+    let (rows, h) = super::grad::rows_cols(op, x)?;
+    if w.dims() != [h] || dy.dims() != x.dims() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: x.dims().to_vec(),
+            rhs: dy.dims().to_vec(),
+            why: "needs x and dy of one shape [.., H] and a weight [H]",
+        });
+    }
+    Ok((rows, h))
+}

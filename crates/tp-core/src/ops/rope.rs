@@ -423,3 +423,49 @@ fn host_rope<T: Element>(
     }
     out
 }
+
+impl Tensor {
+    /// The gradient of [`rope`](Tensor::rope)`(positions, rope)` with respect to its input,
+    /// given the output's gradient `self = dy: [T, H, D]`, in f32. The rotation is orthogonal
+    /// (up to the attention scaling `m` on both cos and sin), so its transpose rotates by the
+    /// negated angle: `dx1 = c·dy1 + s·dy2`, `dx2 = c·dy2 - s·dy1` per rotated pair, and the
+    /// features past the embedding's `head_dim` pass through. `positions` must be those of the
+    /// forward call (dynamic scaling takes its frequencies from their maximum).
+    ///
+    /// Errors: as [`rope`](Tensor::rope), [`Error::UnsupportedDevice`] off the host.
+    pub fn rope_backward(&self, positions: &[usize], rope: &RotaryEmbedding) -> Result<Tensor> {
+        const OP: &str = "rope_backward";
+        let &[t, h, d] = self.dims() else {
+            return Err(Error::RankMismatch {
+                op: OP,
+                expected: "3 ([tokens, heads, head_dim])",
+                dims: self.dims().to_vec(),
+            });
+        };
+        if d < rope.head_dim || positions.len() != t {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: vec![positions.len(), h, rope.head_dim],
+                why: "needs [tokens, heads, D] with one position per token and D at least the embedding's head_dim",
+            });
+        }
+        let inv_freq = rope.inv_freq_for(positions.iter().max().map_or(0, |&p| p.saturating_add(1)));
+        let half = inv_freq.len();
+        let dy = super::grad::f32_host(OP, self)?;
+        let dy = dy.as_slice::<f32>()?;
+        let mut out = dy.to_vec();
+        for (tok, &p) in positions.iter().enumerate() {
+            let cs: Vec<(f32, f32)> = (0..half).map(|i| cos_sin(&inv_freq, rope.attention_scaling, p, i)).collect();
+            for head in 0..h {
+                let base = (tok * h + head) * d;
+                for (i, &(c, s)) in cs.iter().enumerate() {
+                    let (g1, g2) = (dy[base + i], dy[base + half + i]);
+                    out[base + i] = c * g1 + s * g2;
+                    out[base + half + i] = c * g2 - s * g1;
+                }
+            }
+        }
+        Tensor::from_vec(out, self.dims(), &crate::Device::Cpu)
+    }
+}

@@ -116,3 +116,39 @@ fn row_max<T: Element>(row: &[T]) -> (f32, i64) {
     }
     (best.0, best.1 as i64)
 }
+
+impl Tensor {
+    /// The gradient of the local table in [`embedding`](Tensor::embedding)`(ids, row_offset)`:
+    /// `self = dy: [.., H]` (one row per id) scatter-added into `[rows, H]` f32, row
+    /// `ids[i] - row_offset` receiving `dy[i]` for every id this table holds (ids elsewhere, on
+    /// other ranks' rows, add nothing). Repeated ids add up.
+    ///
+    /// Errors: [`Error::NotInteger`] for float ids, `dy` not `[ids.., H]`,
+    /// [`Error::UnsupportedDevice`] off the host.
+    pub fn embedding_backward(&self, ids: &Tensor, rows: usize, row_offset: usize) -> Result<Tensor> {
+        const OP: &str = "embedding_backward";
+        if ids.dtype().is_float() {
+            return Err(Error::NotInteger { op: OP, dtype: ids.dtype() });
+        }
+        let (n, h) = super::grad::rows_cols(OP, self)?;
+        if n != ids.numel() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: ids.dims().to_vec(),
+                why: "needs one gradient row per id",
+            });
+        }
+        let dy = super::grad::f32_host(OP, self)?;
+        let dy = dy.as_slice::<f32>()?;
+        let mut out = vec![0f32; rows * h];
+        for (i, id) in ids.to_i64_vec()?.into_iter().enumerate() {
+            let Some(r) = usize::try_from(id).ok().and_then(|id| id.checked_sub(row_offset)).filter(|&r| r < rows)
+            else {
+                continue;
+            };
+            out[r * h..(r + 1) * h].iter_mut().zip(&dy[i * h..(i + 1) * h]).for_each(|(a, &b)| *a += b);
+        }
+        Tensor::from_vec(out, &[rows, h], &crate::Device::Cpu)
+    }
+}

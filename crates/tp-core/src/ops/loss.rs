@@ -1,0 +1,108 @@
+//! The host pieces of a vocab-parallel cross-entropy (training; f32).
+//!
+//! A rank holds columns `[v_r, v_{r+1})` of the logits `L: [T, V]`. For row `t` with target
+//! `y_t`: `loss_t = log Σ_j e^{L_tj} - L_{t,y_t} = M_t + log S_t - L_{t,y_t}` with
+//! `M_t = max_j L_tj` and `S_t = Σ_j e^{L_tj - M_t}`. Each term is a sum or a maximum over the
+//! columns, so each rank computes its part on its own columns ([`Tensor::row_max`], then
+//! [`Tensor::cross_entropy_parts`] with the global maximum) and the ranks reduce `O(T)`
+//! numbers; the logits never move. The gradient is local too:
+//! `dL_tj = w_t · (e^{L_tj - M_t} / S_t - [j = y_t])` on the rank's own columns
+//! ([`Tensor::cross_entropy_backward`]), `w_t` the row's weight in the loss.
+
+use super::grad::{f32_host, rows_cols};
+use crate::{Device, Error, Result, Tensor};
+
+/// Checks that there is one target per row.
+fn check_targets(op: &'static str, rows: usize, targets: &[Option<usize>], cols: usize) -> Result<()> {
+    if targets.len() != rows || targets.iter().flatten().any(|&c| c >= cols) {
+        return Err(Error::InvalidArgument {
+            op,
+            why: format!("needs one target per row ({rows} rows, got {}) within the {cols} columns", targets.len()),
+        });
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// The maximum of every row of `self: [.., N]`: `[rows]` f32 (`-inf` for `N = 0`).
+    ///
+    /// Errors: [`Error::UnsupportedDevice`] off the host, [`Error::NotFloat`].
+    pub fn row_max(&self) -> Result<Tensor> {
+        const OP: &str = "row_max";
+        let (rows, n) = rows_cols(OP, self)?;
+        let x = f32_host(OP, self)?;
+        let x = x.as_slice::<f32>()?;
+        let out: Vec<f32> =
+            (0..rows).map(|r| x[r * n..(r + 1) * n].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))).collect();
+        Tensor::from_vec(out, &[rows], &Device::Cpu)
+    }
+
+    /// This rank's parts of the cross-entropy of the logit columns `self: [rows, N]`, given the
+    /// rows' global maxima `max: [rows]`: `[2, rows]` f32 holding `Σ_j e^{L_tj - M_t}` over the
+    /// local columns and the target's logit `L_{t,y_t}` where the target is a local column
+    /// (`targets[t] = Some(j)`), else 0. Summed over the ranks they give `S_t` and `L_{t,y_t}`.
+    ///
+    /// Errors: `max` not `[rows]`, a target outside the columns, [`Error::UnsupportedDevice`].
+    pub fn cross_entropy_parts(&self, max: &Tensor, targets: &[Option<usize>]) -> Result<Tensor> {
+        const OP: &str = "cross_entropy_parts";
+        let (rows, n) = rows_cols(OP, self)?;
+        check_targets(OP, rows, targets, n)?;
+        let (x, m) = (f32_host(OP, self)?, f32_host(OP, max)?);
+        if m.dims() != [rows] {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: m.dims().to_vec(),
+                why: "max must be [rows]",
+            });
+        }
+        let (x, m) = (x.as_slice::<f32>()?, m.as_slice::<f32>()?);
+        let mut out = vec![0f32; 2 * rows];
+        for r in 0..rows {
+            let row = &x[r * n..(r + 1) * n];
+            out[r] = row.iter().map(|&v| f64::from((v - m[r]).exp())).sum::<f64>() as f32;
+            out[rows + r] = targets[r].map_or(0.0, |j| row[j]);
+        }
+        Tensor::from_vec(out, &[2, rows], &Device::Cpu)
+    }
+
+    /// The gradient of `Σ_t w_t · loss_t` with respect to this rank's logit columns
+    /// `self: [rows, N]`: `w_t · (e^{L_tj - M_t} / S_t - [j = y_t])`, f32, from the global
+    /// `max` and `sum_exp` (`[rows]` each); rows of weight 0 get zeros.
+    ///
+    /// Errors: statistics or weights not `[rows]`, a target outside the columns,
+    /// [`Error::UnsupportedDevice`].
+    pub fn cross_entropy_backward(
+        &self,
+        max: &Tensor,
+        sum_exp: &Tensor,
+        targets: &[Option<usize>],
+        weights: &[f32],
+    ) -> Result<Tensor> {
+        const OP: &str = "cross_entropy_backward";
+        let (rows, n) = rows_cols(OP, self)?;
+        check_targets(OP, rows, targets, n)?;
+        let (x, m, s) = (f32_host(OP, self)?, f32_host(OP, max)?, f32_host(OP, sum_exp)?);
+        if m.dims() != [rows] || s.dims() != [rows] || weights.len() != rows {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: format!("statistics and weights must have {rows} entries"),
+            });
+        }
+        let (x, m, s) = (x.as_slice::<f32>()?, m.as_slice::<f32>()?, s.as_slice::<f32>()?);
+        let mut out = vec![0f32; rows * n];
+        for r in 0..rows {
+            let w = weights[r];
+            if w == 0.0 {
+                continue;
+            }
+            let inv = w / s[r];
+            let (src, dst) = (&x[r * n..(r + 1) * n], &mut out[r * n..(r + 1) * n]);
+            dst.iter_mut().zip(src).for_each(|(d, &v)| *d = (v - m[r]).exp() * inv);
+            if let Some(j) = targets[r] {
+                dst[j] -= w;
+            }
+        }
+        Tensor::from_vec(out, self.dims(), &Device::Cpu)
+    }
+}
