@@ -436,3 +436,244 @@ impl ParallelAttention {
         }
     }
 }
+
+/// q and k after the q/k norm, and a full-width norm's summed statistics `(Σq², Σk²)`.
+type NormedQk = (Tensor, Tensor, Option<(Tensor, Tensor)>);
+
+/// What [`ParallelAttention::backward`] needs of a training forward.
+#[derive(Debug, Clone)]
+pub struct AttentionSaved {
+    x: Tensor,
+    /// `q_r`, `k_r` before the q/k norm, and a full-width norm's summed statistics.
+    q: Tensor,
+    k: Tensor,
+    stats: Option<(Tensor, Tensor)>,
+    /// After RoPE: `[T, q_len, D]`, `[T, kv_len, D]`; and `v: [T, kv_len, D]`.
+    q_rot: Tensor,
+    k_rot: Tensor,
+    v: Tensor,
+    /// Attention's output `[T, q_len·D]`, the input of `o_proj`.
+    o: Tensor,
+    positions: Vec<usize>,
+    lens: Vec<usize>,
+}
+
+/// Training: a forward over a batch of whole sequences, and its backward.
+///
+/// The input `x: [T, H]` holds the sequences' tokens one after the other (`lens` of them each,
+/// each sequence from position 0, attending only within itself: no padding is ever computed).
+/// The backward runs the forward's steps in reverse: the output projection's (row-parallel,
+/// local), attention's per sequence ([`Tensor::attention_backward`], scores recomputed, never
+/// stored), RoPE's (the transposed rotation), the q/k norm's (for a full-width norm the ranks
+/// all-reduce each token's `Σ g·x` over q and over k, `2T` floats, as the forward did its sums
+/// of squares), and the q/k/v projection's (one all-reduce of `dX`). A KV head that other
+/// ranks hold too gets only this rank's query heads' share here; see [`QkvParallel::params`].
+impl ParallelAttention {
+    /// Self-attention of the sequences of `x` (`lens` tokens each), keeping what the
+    /// backward needs; `[T, H]` on every rank.
+    pub fn forward_train(&self, x: &Tensor, lens: &[usize]) -> Result<(Tensor, AttentionSaved)> {
+        let l = *self.layout();
+        let d = l.head_dim;
+        let t: usize = lens.iter().sum();
+        if x.ndim() != 2 || x.dims()[0] != t {
+            return Err(LayerError::Config(format!(
+                "attention input must be [{t} tokens of the sequences, hidden], got {:?}",
+                x.dims()
+            )));
+        }
+        let positions: Vec<usize> = lens.iter().flat_map(|&n| 0..n).collect();
+        let (q, k, v) = self.qkv.forward(x)?;
+        let (qn, kn, stats) = self.qk_normed_stats(q.clone(), k.clone(), t)?;
+        let q_rot = qn.reshape(&[t, l.q_len, d])?.rope(&positions, &self.config.rope)?;
+        let k_rot = kn.reshape(&[t, l.kv_len, d])?.rope(&positions, &self.config.rope)?;
+        let v = v.reshape(&[t, l.kv_len, d])?;
+        let mut outs = Vec::with_capacity(lens.len());
+        let mut start = 0;
+        for &n in lens.iter().filter(|&&n| n > 0) {
+            let spec = self.train_spec(n);
+            let part = |t: &Tensor| t.narrow(0, start, n);
+            outs.push(part(&q_rot)?.attention(&part(&k_rot)?, &part(&v)?, &spec)?);
+            start += n;
+        }
+        let o = Tensor::cat(&outs, 0)?.reshape(&[t, l.q_len * d])?;
+        let y = self.o_proj.forward(&o)?;
+        let saved = AttentionSaved { x: x.clone(), q, k, stats, q_rot, k_rot, v, o, positions, lens: lens.to_vec() };
+        Ok((y, saved))
+    }
+
+    /// `dx` (f32, every rank the same) from `dy: [T, H]`, accumulating the gradients of the
+    /// projections and q/k norms.
+    pub fn backward(&mut self, saved: AttentionSaved, dy: &Tensor) -> Result<Tensor> {
+        let l = *self.layout();
+        let d = l.head_dim;
+        let t = saved.positions.len();
+        let d_o = self.o_proj.backward(&saved.o, dy)?.reshape(&[t, l.q_len, d])?;
+        let (mut dq, mut dk, mut dv) = (Vec::new(), Vec::new(), Vec::new());
+        let mut start = 0;
+        for &n in saved.lens.iter().filter(|&&n| n > 0) {
+            let part = |t: &Tensor| t.narrow(0, start, n);
+            let (a, b, c) = part(&saved.q_rot)?.attention_backward(
+                &part(&saved.k_rot)?,
+                &part(&saved.v)?,
+                &part(&d_o)?,
+                &self.train_spec(n),
+            )?;
+            dq.push(a);
+            dk.push(b);
+            dv.push(c);
+            start += n;
+        }
+        let rope = &self.config.rope;
+        let dq = Tensor::cat(&dq, 0)?.rope_backward(&saved.positions, rope)?.reshape(&[t, l.q_len * d])?;
+        let dk = Tensor::cat(&dk, 0)?.rope_backward(&saved.positions, rope)?.reshape(&[t, l.kv_len * d])?;
+        let dv = Tensor::cat(&dv, 0)?.reshape(&[t, l.kv_len * d])?;
+        let (dq, dk) = self.qk_norm_backward(&saved, dq, dk, t)?;
+        let dqkv = Tensor::cat(&[dq, dk, dv], 1)?;
+        let group = self.o_proj.group().clone();
+        self.qkv.backward(&saved.x, &dqkv, &group)
+    }
+
+    /// The layer's parameters under `prefix` (named by `names`): q/k/v and o as their layers
+    /// place them; a per-head q/k norm replicated with partial gradients (each rank's heads
+    /// contribute), a full-width one by this rank's slice (its KV heads' part placed as the
+    /// k rows are).
+    pub fn params<'a>(
+        &'a mut self,
+        prefix: &str,
+        names: AttentionNames,
+        f: &mut dyn FnMut(crate::Param<'a>),
+    ) -> Result<()> {
+        use crate::parts::join;
+        let l = *self.layout();
+        let d = l.head_dim;
+        self.qkv.params(prefix, names.qkv, f)?;
+        self.o_proj.params(&join(prefix, names.o), f)?;
+        let Some(n) = &mut self.qk_norm else { return Ok(()) };
+        let (qname, kname) =
+            (join(prefix, &format!("{}.weight", names.q_norm)), join(prefix, &format!("{}.weight", names.k_norm)));
+        match n.span {
+            QkNormSpan::PerHead => {
+                n.q.param(vec![crate::Placement::replicated(qname, &[d], l.rank, true)], f);
+                n.k.param(vec![crate::Placement::replicated(kname, &[d], l.rank, true)], f);
+            }
+            QkNormSpan::FullWidth => {
+                let q = crate::Placement::block(qname, &[l.num_heads * d], 0, (0, l.q_start * d, l.q_len * d));
+                n.q.param(vec![q], f);
+                let kp = l
+                    .kv_sharing()
+                    .into_iter()
+                    .enumerate()
+                    .map(|(j, (owned, partial))| crate::Placement {
+                        name: kname.clone(),
+                        full_dims: vec![l.num_kv_heads * d],
+                        dim: 0,
+                        local_start: j * d,
+                        full_start: (l.kv_start + j) * d,
+                        len: d,
+                        owned,
+                        partial,
+                    })
+                    .collect();
+                n.k.param(kp, f);
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention of one whole sequence of `n` tokens (no cache before it).
+    fn train_spec(&self, n: usize) -> AttentionSpec {
+        AttentionSpec {
+            kv_len: n,
+            scale: self.scale,
+            sliding_window: self.config.sliding_window,
+            kv_groups: Some(self.layout().kv_groups()),
+        }
+    }
+
+    /// [`qk_normed`](Self::qk_normed), also returning a full-width norm's summed statistics.
+    fn qk_normed_stats(&self, q: Tensor, k: Tensor, t: usize) -> Result<NormedQk> {
+        match &self.qk_norm {
+            Some(n) if n.span == QkNormSpan::FullWidth => {
+                let l = *self.layout();
+                let d = l.head_dim;
+                let owned = l.kv_owned();
+                let ss_q = q.sum_squares()?;
+                let ss_k = if owned.is_empty() {
+                    Tensor::zeros(&[t], DType::F32, &q.device())?
+                } else {
+                    k.narrow(1, owned.start * d, owned.len() * d)?.sum_squares()?
+                };
+                let stats = Tensor::cat(&[ss_q.reshape(&[1, t])?, ss_k.reshape(&[1, t])?], 0)?;
+                let stats = self.group().all_reduce(&stats, ReduceOp::Sum)?;
+                let (sq, sk) = (stats.narrow(0, 0, 1)?.reshape(&[t])?, stats.narrow(0, 1, 1)?.reshape(&[t])?);
+                let qn = n.q.forward_with_sum_squares(&q, &sq, l.num_heads * d)?;
+                let kn = n.k.forward_with_sum_squares(&k, &sk, l.num_kv_heads * d)?;
+                Ok((qn, kn, Some((sq, sk))))
+            }
+            _ => {
+                let (qn, kn) = self.qk_normed(q, k, t)?;
+                Ok((qn, kn, None))
+            }
+        }
+    }
+
+    /// The q/k norm's backward: `(dq, dk)` before the norm from their gradients after it.
+    fn qk_norm_backward(
+        &mut self,
+        saved: &AttentionSaved,
+        dq: Tensor,
+        dk: Tensor,
+        t: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let l = *self.layout();
+        let d = l.head_dim;
+        let group = self.o_proj.group().clone();
+        let Some(n) = &mut self.qk_norm else { return Ok((dq, dk)) };
+        match (n.span, &saved.stats) {
+            (QkNormSpan::PerHead, _) => {
+                let dq = n.q.backward(&saved.q.reshape(&[t, l.q_len, d])?, &dq.reshape(&[t, l.q_len, d])?)?;
+                let dk = n.k.backward(&saved.k.reshape(&[t, l.kv_len, d])?, &dk.reshape(&[t, l.kv_len, d])?)?;
+                Ok((dq.reshape(&[t, l.q_len * d])?, dk.reshape(&[t, l.kv_len * d])?))
+            }
+            (QkNormSpan::FullWidth, Some((sq, sk))) => {
+                // Σ g·x over every feature: this rank's q features and all its KV heads' k
+                // features (a shared head's gradient here is this rank's share, so the sum over
+                // the ranks is the whole).
+                let dots = Tensor::cat(
+                    &[n.q.grad_dot(&saved.q, &dq)?.reshape(&[1, t])?, n.k.grad_dot(&saved.k, &dk)?.reshape(&[1, t])?],
+                    0,
+                )?;
+                let dots =
+                    group.all_reduce(&dots.to_device(&group.device())?, ReduceOp::Sum)?.to_device(&Device::Cpu)?;
+                let (dot_q, dot_k) = (dots.narrow(0, 0, 1)?.reshape(&[t])?, dots.narrow(0, 1, 1)?.reshape(&[t])?);
+                let dq = n.q.backward_split(&saved.q, &dq, sq, l.num_heads * d, &dot_q)?;
+                let nk = l.num_kv_heads * d;
+                let dk = n.k.backward_split(&saved.k, &dk, sk, nk, &dot_k)?;
+                // A KV head other ranks hold too: its `dx = r·g - x·r³·dot/n` has a share
+                // `r·g` per rank (linear in this rank's g) but the one `x·r³·dot/n` term, from
+                // the ranks' total dot, must enter the all-reduced dX once: on the rank owning
+                // the head. The other copies take it back out.
+                let not_owned = l.kv_owned().start;
+                if not_owned == 0 {
+                    return Ok((dq, dk));
+                }
+                let mut dk = dk.to_dtype(DType::F32)?;
+                let (x, ss, dot) = (saved.k.to_dtype(DType::F32)?, sk.to_f64_vec()?, dot_k.to_f64_vec()?);
+                let (x, width) = (x.as_slice::<f32>()?, l.kv_len * d);
+                let eps = n.k.eps() as f32;
+                let g = dk.as_mut_slice::<f32>()?;
+                for row in 0..t {
+                    let rstd = 1.0 / ((ss[row] as f32) / nk as f32 + eps).sqrt();
+                    let c = rstd * rstd * rstd * dot[row] as f32 / nk as f32;
+                    for i in row * width..row * width + not_owned * d {
+                        g[i] += x[i] * c;
+                    }
+                }
+                Ok((dq, dk))
+            }
+            (QkNormSpan::FullWidth, None) => {
+                Err(LayerError::Config("a full-width q/k norm saved no statistics".into()))
+            }
+        }
+    }
+}

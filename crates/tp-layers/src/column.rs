@@ -92,6 +92,46 @@ impl ColumnParallel {
     }
 }
 
+/// Training.
+///
+/// `dX = Σ_r dY_r A_r`: each rank's product is partial (its output columns only), so the
+/// ranks all-reduce it (Megatron's copy-to-region backward); the all-reduce is issued before
+/// the weight gradient `dA_r += dY_r^T X` (and `db_r += Σ_t dY_r[t]`) is computed, so the two
+/// overlap where the backend overlaps.
+impl ColumnParallel {
+    /// `dX: [T, in]` (f32, every rank the same) from this rank's output gradient
+    /// `dy_r: [T, out_r]`, accumulating `dA_r`, `db_r`; `x` is the forward's input.
+    pub fn backward(&mut self, x: &Tensor, dy_r: &Tensor) -> Result<Tensor> {
+        column_backward(&mut self.linear, &self.group, x, dy_r)
+    }
+
+    /// The local weight and bias as parameters `{prefix}.weight` / `{prefix}.bias`: rows
+    /// `shard` of the full tensors.
+    pub fn params<'a>(&'a mut self, prefix: &str, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()> {
+        let s = self.shard;
+        let (full, width) = (s.global_len(), self.linear.in_features());
+        let block = (0, s.start(), s.len());
+        let w = crate::Placement::block(crate::parts::join(prefix, "weight"), &[full, width], 0, block);
+        let b = crate::Placement::block(crate::parts::join(prefix, "bias"), &[full], 0, block);
+        self.linear.params(vec![w], vec![b], f)
+    }
+}
+
+/// The backward of a column-parallel `linear` on `group`: the all-reduce of `dX` issued, the
+/// weight gradient computed, then the all-reduce waited for.
+pub(crate) fn column_backward(linear: &mut Linear, group: &DeviceGroup, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let partial = linear.input_grad(dy)?;
+    if group.world_size() == 1 {
+        linear.accumulate_grads(x, dy)?;
+        return Ok(partial);
+    }
+    let work = group.all_reduce_async(&partial, tp_comm::ReduceOp::Sum)?;
+    let grads = linear.accumulate_grads(x, dy);
+    let dx = work.wait()?;
+    grads?;
+    Ok(dx)
+}
+
 /// Checks, once when a layer is built, that a shard of `shard`'s rank and world size with
 /// parameters on `device` belongs to `group`.
 pub(crate) fn check_placement(shard: &TensorShard, device: tp_core::Device, group: &DeviceGroup) -> Result<()> {

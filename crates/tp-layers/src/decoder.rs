@@ -40,7 +40,22 @@ pub trait Block: std::fmt::Debug + Send + Sync {
     /// An empty paged cache for this block on this rank: `num_blocks` blocks of `block_size`
     /// positions.
     fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache>;
+
+    /// Training: the forward of whole sequences packed one after the other in `x: [T, H]`
+    /// (`lens` tokens each, each from position 0), keeping what [`backward`](Block::backward)
+    /// needs. No cache is read or written.
+    fn forward_train(&self, x: &Tensor, lens: &[usize]) -> Result<(Tensor, BlockSaved)>;
+    /// Training: `dx` (f32, every rank the same) from `dy`, accumulating the gradients of the
+    /// block's parameters.
+    fn backward(&mut self, saved: BlockSaved, dy: &Tensor) -> Result<Tensor>;
+    /// The block's trainable parameters under `prefix` (`model.layers.N`), named by `names`.
+    fn params<'a>(&'a mut self, prefix: &str, names: &DecoderNames, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()>;
 }
+
+/// What a block's backward needs of its training forward (opaque; each block kind keeps its
+/// own).
+#[derive(Debug)]
+pub struct BlockSaved(Box<dyn std::any::Any + Send>);
 
 /// The names of a block's norms under its prefix; `None` where the block has no such norm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -205,5 +220,79 @@ impl Block for DecoderLayer {
 
     fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
         self.self_attn.new_paged_cache(num_blocks, block_size)
+    }
+
+    /// Two all-reduces (three with a full-width q/k norm), as the forward.
+    fn forward_train(&self, x: &Tensor, lens: &[usize]) -> Result<(Tensor, BlockSaved)> {
+        let a_in = norm(&self.attn_in, x.clone())?;
+        let (a_raw, attn) = self.self_attn.forward_train(&a_in, lens)?;
+        let mut h = norm(&self.attn_out, a_raw.clone())?;
+        h.add_assign(x)?;
+        let m_in = norm(&self.mlp_in, h.clone())?;
+        let (m_raw, mlp) = self.mlp.forward_train(&m_in)?;
+        let mut y = norm(&self.mlp_out, m_raw.clone())?;
+        y.add_assign(&h)?;
+        let saved = DecoderSaved { x: x.clone(), attn, a_raw, h, mlp, m_raw };
+        Ok((y, BlockSaved(Box::new(saved))))
+    }
+
+    /// `h = x + attn_out(attn(attn_in(x)))`, `y = h + mlp_out(mlp(mlp_in(h)))`, backwards:
+    /// `dh = dy + mlp_in'(mlp'(mlp_out'(dy)))`, `dx = dh + attn_in'(attn'(attn_out'(dh)))`
+    /// (each primed step the backward of that part, an absent norm the identity).
+    fn backward(&mut self, saved: BlockSaved, dy: &Tensor) -> Result<Tensor> {
+        let s = *saved.0.downcast::<DecoderSaved>().map_err(|_| {
+            crate::LayerError::Config("a decoder layer's backward got another block's saved state".into())
+        })?;
+        let dy = dy.to_dtype(tp_core::DType::F32)?;
+        let d_mraw = norm_backward(&mut self.mlp_out, &s.m_raw, &dy)?;
+        let d_min = self.mlp.backward(s.mlp, &d_mraw)?;
+        let mut dh = norm_backward(&mut self.mlp_in, &s.h, &d_min)?;
+        dh.add_assign(&dy)?;
+        let d_araw = norm_backward(&mut self.attn_out, &s.a_raw, &dh)?;
+        let d_ain = self.self_attn.backward(s.attn, &d_araw)?;
+        let mut dx = norm_backward(&mut self.attn_in, &s.x, &d_ain)?;
+        dx.add_assign(&dh)?;
+        Ok(dx)
+    }
+
+    fn params<'a>(&'a mut self, prefix: &str, names: &DecoderNames, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()> {
+        use crate::parts::join;
+        let rank = self.self_attn.group().rank();
+        let n = names.norms;
+        for (norm, name) in [
+            (&mut self.attn_in, n.attn_in),
+            (&mut self.attn_out, n.attn_out),
+            (&mut self.mlp_in, n.mlp_in),
+            (&mut self.mlp_out, n.mlp_out),
+        ] {
+            if let (Some(norm), Some(name)) = (norm.as_mut(), name) {
+                let h = norm.weight().numel();
+                norm.param(
+                    vec![crate::Placement::replicated(join(prefix, &format!("{name}.weight")), &[h], rank, false)],
+                    f,
+                );
+            }
+        }
+        self.self_attn.params(&join(prefix, names.attn), names.attn_names, f)?;
+        self.mlp.params(&join(prefix, names.mlp), names.mlp_names, f)
+    }
+}
+
+/// A decoder layer's training forward, kept for its backward.
+#[derive(Debug)]
+struct DecoderSaved {
+    x: Tensor,
+    attn: crate::AttentionSaved,
+    a_raw: Tensor,
+    h: Tensor,
+    mlp: crate::MlpSaved,
+    m_raw: Tensor,
+}
+
+/// The backward of `norm` at input `x` (the identity where the block has no such norm).
+fn norm_backward(n: &mut Option<RmsNorm>, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    match n {
+        Some(n) => n.backward(x, dy),
+        None => Ok(dy.clone()),
     }
 }

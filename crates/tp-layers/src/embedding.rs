@@ -23,6 +23,8 @@ pub struct VocabParallelEmbedding {
     /// A factor on every looked-up row (Gemma's `sqrt(H)`), if any.
     scale: Option<f32>,
     group: DeviceGroup,
+    /// fp32 gradient of `E_r` (training).
+    grad: crate::Grad,
 }
 
 impl VocabParallelEmbedding {
@@ -37,7 +39,7 @@ impl VocabParallelEmbedding {
             )));
         }
         check_placement(&shard, table.device(), group)?;
-        Ok(VocabParallelEmbedding { table, shard, scale: None, group: group.clone() })
+        Ok(VocabParallelEmbedding { table, shard, scale: None, group: group.clone(), grad: crate::Grad::default() })
     }
 
     /// `group`'s rank's rows of a full `[V, H]` table (moved to the group's device).
@@ -98,6 +100,41 @@ impl VocabParallelEmbedding {
     /// The group the layer runs on.
     pub fn group(&self) -> &DeviceGroup {
         &self.group
+    }
+}
+
+/// Training: the lookup's gradient is a scatter-add into the rows this rank holds,
+/// `dE_r[t - v_r] += s · dy[t]` for every id `t` in `[v_r, v_{r+1})` (`s` the scale rounded to
+/// the table's dtype, or 1); no communication (every rank has the whole `dy`).
+impl VocabParallelEmbedding {
+    /// Accumulates `dE_r` from the forward's `ids` and the output gradient `dy: [.., H]`.
+    pub fn backward(&mut self, ids: &Tensor, dy: &Tensor) -> Result<()> {
+        let ids = ids.to_device(&tp_core::Device::Cpu)?;
+        let mut g = dy.embedding_backward(&ids, self.shard.len(), self.shard.start())?;
+        if let Some(s) = self.scale {
+            let rounded =
+                Tensor::from_vec(vec![s], &[1], &tp_core::Device::Cpu)?.to_dtype(self.table.dtype())?.to_f64_vec()?[0];
+            g = g.scale(rounded as f32)?;
+        }
+        self.grad.add(&g)
+    }
+
+    /// Adds `g: [V_r, H]` to the table's gradient: the LM head's share when it is tied to
+    /// this table (one parameter, the sum of both uses).
+    pub fn add_grad(&mut self, g: &Tensor) -> Result<()> {
+        self.grad.add(g)
+    }
+
+    /// The table as the parameter `{prefix}.weight`: rows `shard` of the full `[V, H]`.
+    pub fn params<'a>(&'a mut self, prefix: &str, f: &mut dyn FnMut(crate::Param<'a>)) {
+        let (s, h) = (self.shard, self.hidden_size());
+        let p = crate::Placement::block(
+            crate::parts::join(prefix, "weight"),
+            &[s.global_len(), h],
+            0,
+            (0, s.start(), s.len()),
+        );
+        f(crate::Param { value: &mut self.table, grad: &mut self.grad, placements: vec![p] });
     }
 }
 

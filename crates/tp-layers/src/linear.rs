@@ -2,6 +2,7 @@
 //! (a tensor, or a GGUF file's quantized blocks: [`Weight`]).
 
 use crate::error::{LayerError, Result};
+use crate::grad::{Grad, Param, Placement};
 use crate::weight::Weight;
 use tp_core::{DType, Device, Tensor};
 
@@ -11,6 +12,9 @@ use tp_core::{DType, Device, Tensor};
 pub struct Linear {
     weight: Weight,
     bias: Option<Tensor>,
+    /// fp32 gradients of the weight and the bias (training; empty until a backward runs).
+    grad_weight: Grad,
+    grad_bias: Grad,
 }
 
 impl Linear {
@@ -21,7 +25,7 @@ impl Linear {
         if let Some(b) = &bias {
             check_bias(b, out, &weight, "Linear")?;
         }
-        Ok(Linear { weight, bias })
+        Ok(Linear { weight, bias, grad_weight: Grad::default(), grad_bias: Grad::default() })
     }
 
     /// `[out, in]` as a tensor; an error for quantized blocks ([`Weight::dense`]).
@@ -70,6 +74,53 @@ impl Linear {
     pub fn to(&self, dtype: DType, device: &Device) -> Result<Linear> {
         let conv = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(dtype)?.to_device(device)?) };
         Linear::new(conv(self.weight.dense()?)?, self.bias.as_ref().map(conv).transpose()?)
+    }
+}
+
+/// Training: the backward of `y = x W^T + b`, with `x: [T, in]`, `dy: [T, out]` (f32):
+///
+/// * `dx = dy W` ([`input_grad`](Linear::input_grad), no parameter touched);
+/// * `dW += dy^T x`, `db += Σ_t dy[t]` ([`accumulate_grads`](Linear::accumulate_grads)).
+///
+/// The two are separate calls so that a tensor-parallel caller can start the all-reduce of `dx`
+/// before the weight-gradient GEMM runs, overlapping them.
+impl Linear {
+    /// `dx = dy W` in f32 (the weight widened when it is not f32).
+    pub fn input_grad(&self, dy: &Tensor) -> Result<Tensor> {
+        let w = self.weight.dense()?.to_dtype(tp_core::DType::F32)?;
+        Ok(dy.to_dtype(tp_core::DType::F32)?.matmul(&w)?)
+    }
+
+    /// `dW += dy^T x` and, with a bias, `db += Σ_t dy[t]`, into the layer's fp32 gradients.
+    pub fn accumulate_grads(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
+        self.grad_weight.add(&dy.t_matmul(x)?)?;
+        if self.bias.is_some() {
+            self.grad_bias.add(&dy.sum_rows()?)?;
+        }
+        Ok(())
+    }
+
+    /// `dx` of [`input_grad`](Self::input_grad), then the parameters' gradients.
+    pub fn backward(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        let dx = self.input_grad(dy)?;
+        self.accumulate_grads(x, dy)?;
+        Ok(dx)
+    }
+
+    /// The weight and (if any) the bias as trainable parameters, placed by `weight` and `bias`
+    /// (the placements of each local tensor's blocks; see [`Placement`]). An error for
+    /// quantized blocks.
+    pub fn params<'a>(
+        &'a mut self,
+        weight: Vec<Placement>,
+        bias: Vec<Placement>,
+        f: &mut dyn FnMut(Param<'a>),
+    ) -> Result<()> {
+        f(Param { value: self.weight.dense_mut()?, grad: &mut self.grad_weight, placements: weight });
+        if let Some(b) = &mut self.bias {
+            f(Param { value: b, grad: &mut self.grad_bias, placements: bias });
+        }
+        Ok(())
     }
 }
 

@@ -31,6 +31,8 @@ pub struct ParallelLmHead {
     /// Final-logit soft-capping `c`, if any.
     softcap: Option<f32>,
     group: DeviceGroup,
+    /// fp32 gradient of `W_r` (training; [`loss_backward`](Self::loss_backward) adds to it).
+    pub(crate) grad: crate::Grad,
 }
 
 impl ParallelLmHead {
@@ -45,7 +47,7 @@ impl ParallelLmHead {
             )));
         }
         check_placement(&shard, weight.device(), group)?;
-        Ok(ParallelLmHead { weight, shard, softcap: None, group: group.clone() })
+        Ok(ParallelLmHead { weight, shard, softcap: None, group: group.clone(), grad: crate::Grad::default() })
     }
 
     /// `group`'s rank's rows of a full `[V, H]` weight (moved to the group's device).
@@ -69,6 +71,7 @@ impl ParallelLmHead {
             shard: *embedding.shard(),
             softcap: None,
             group: embedding.group().clone(),
+            grad: crate::Grad::default(),
         }
     }
 
@@ -88,6 +91,18 @@ impl ParallelLmHead {
     /// Which rows (vocabulary entries) this rank holds.
     pub fn shard(&self) -> &TensorShard {
         &self.shard
+    }
+    /// The dense weight, writable, and its gradient (training).
+    pub(crate) fn weight_and_grad(&mut self) -> Result<(&mut Tensor, &mut crate::Grad)> {
+        Ok((self.weight.dense_mut()?, &mut self.grad))
+    }
+    /// The final-logit soft-capping, if any.
+    pub fn softcap(&self) -> Option<f32> {
+        self.softcap
+    }
+    /// `W_r`, however it is held.
+    pub fn weights(&self) -> &Weight {
+        &self.weight
     }
     /// `W_r` as a tensor; an error for quantized blocks ([`Weight::dense`]).
     pub fn weight(&self) -> Result<&Tensor> {

@@ -161,6 +161,40 @@ impl MergedColumnParallel {
     }
 }
 
+/// Training: the backward of a column-parallel layer ([`ColumnParallel::backward`](crate::ColumnParallel::backward)),
+/// the stacked parts in one GEMM each.
+impl MergedColumnParallel {
+    /// `dX: [T, in]` (f32, every rank the same) from this rank's stacked output gradient
+    /// `[dY^(0)_r | .. | dY^(k-1)_r]`, accumulating the local weight's and bias's gradients.
+    pub fn backward(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        crate::column::column_backward(&mut self.linear, &self.group, x, dy)
+    }
+
+    /// The stacked weight and bias as parameters: part `i`'s rows are rows `shards[i]` of the
+    /// checkpoint's tensor named by `names` under `prefix` (separate or fused).
+    pub fn params<'a, const N: usize>(
+        &'a mut self,
+        prefix: &str,
+        names: Projections<N>,
+        f: &mut dyn FnMut(crate::Param<'a>),
+    ) -> Result<()> {
+        if self.shards.len() != N {
+            return Err(LayerError::Config(format!("{} parts named for {} shards", N, self.shards.len())));
+        }
+        let mut rows = [0; N];
+        let mut blocks = Vec::new();
+        let mut local = 0;
+        for (i, s) in self.shards.iter().enumerate() {
+            rows[i] = s.global_len();
+            let (start, len) = (s.start(), s.len());
+            blocks.push(crate::parts::RowBlock { part: i, local, start, len, owned: true, partial: false });
+            local += len;
+        }
+        let (w, b) = names.placements(prefix, &rows, self.linear.in_features(), &blocks);
+        self.linear.params(w, b, f)
+    }
+}
+
 /// Rank `rank`'s rows of `len` split in whole units of `granule` (balanced over the units) when
 /// `len` is a multiple of `granule` and there are at least as many units as ranks; the balanced
 /// split of the rows otherwise.

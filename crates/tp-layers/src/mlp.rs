@@ -114,3 +114,39 @@ impl ParallelMlp {
         self.act
     }
 }
+
+/// What [`ParallelMlp::backward`] needs of a training forward.
+#[derive(Debug, Clone)]
+pub struct MlpSaved {
+    x: Tensor,
+    gate_up: Tensor,
+    act: Tensor,
+}
+
+/// Training.
+///
+/// With `[G_r | U_r] = x [Wg_r; Wu_r]^T`, `A_r = act(G_r) ⊙ U_r`, `y = Σ_r A_r Wd_r^T`:
+/// `dA_r = dy Wd_r` (local), `dG_r = dA_r ⊙ U_r ⊙ act'(G_r)`, `dU_r = dA_r ⊙ act(G_r)`, and
+/// `dx = Σ_r [dG_r | dU_r] [Wg_r; Wu_r]` with one all-reduce; the weight gradients are local.
+impl ParallelMlp {
+    /// The forward, keeping what the backward needs.
+    pub fn forward_train(&self, x: &Tensor) -> Result<(Tensor, MlpSaved)> {
+        let gate_up = self.gate_up.forward(x)?;
+        let act = gate_up.glu(self.act)?;
+        let y = self.down.forward(&act)?;
+        Ok((y, MlpSaved { x: x.clone(), gate_up, act }))
+    }
+
+    /// `dx` (f32, every rank the same) from `dy`, accumulating every weight's gradient.
+    pub fn backward(&mut self, saved: MlpSaved, dy: &Tensor) -> Result<Tensor> {
+        let da = self.down.backward(&saved.act, dy)?;
+        let dgu = saved.gate_up.glu_backward(self.act, &da)?;
+        self.gate_up.backward(&saved.x, &dgu)
+    }
+
+    /// The projections as parameters under `prefix` (named by `names`).
+    pub fn params<'a>(&'a mut self, prefix: &str, names: MlpNames, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()> {
+        self.gate_up.params(prefix, names.gate_up, f)?;
+        self.down.params(&crate::parts::join(prefix, names.down), f)
+    }
+}

@@ -16,6 +16,8 @@ pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
     style: NormStyle,
+    /// fp32 gradient of the weight (training).
+    grad: crate::Grad,
 }
 
 impl RmsNorm {
@@ -32,7 +34,7 @@ impl RmsNorm {
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(LayerError::Config(format!("RmsNorm eps must be finite and >= 0, got {eps}")));
         }
-        Ok(RmsNorm { weight, eps, style })
+        Ok(RmsNorm { weight, eps, style, grad: crate::Grad::default() })
     }
 
     /// Loads `weight` (under the loader's prefix) whole onto the group's device.
@@ -69,5 +71,42 @@ impl RmsNorm {
     /// computed together (`mean = sum_sq / n`).
     pub fn forward_with_sum_squares(&self, x: &Tensor, sum_sq: &Tensor, n: usize) -> Result<Tensor> {
         Ok(x.rms_norm_with(&self.weight, self.eps, self.style, Some((sum_sq, n)))?)
+    }
+}
+
+/// Training: `dx = r·g - x·r³·(Σ g·x)/n` and `dw += Σ_rows dy ⊙ x·r` with `g = dy ⊙ w'`
+/// (`tp_core::Tensor::rms_norm_backward`).
+impl RmsNorm {
+    /// `dx` (f32) from the forward's input `x` and `dy`, accumulating the weight's gradient.
+    pub fn backward(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        let (dx, dw) = x.rms_norm_backward(&self.weight, dy, self.eps, self.style, None)?;
+        self.grad.add(&dw)?;
+        Ok(dx)
+    }
+
+    /// This rank's part of `Σ g·x` per row, for a norm over features split across ranks.
+    pub fn grad_dot(&self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm_grad_dot(&self.weight, dy, self.style)?)
+    }
+
+    /// [`backward`](Self::backward) of [`forward_with_sum_squares`](Self::forward_with_sum_squares):
+    /// the forward's statistics `sum_sq` over `n` features, and `dot`, the ranks' total of
+    /// [`grad_dot`](Self::grad_dot).
+    pub fn backward_split(
+        &mut self,
+        x: &Tensor,
+        dy: &Tensor,
+        sum_sq: &Tensor,
+        n: usize,
+        dot: &Tensor,
+    ) -> Result<Tensor> {
+        let (dx, dw) = x.rms_norm_backward(&self.weight, dy, self.eps, self.style, Some((sum_sq, n, dot)))?;
+        self.grad.add(&dw)?;
+        Ok(dx)
+    }
+
+    /// The weight as a parameter placed by `placements`.
+    pub fn param<'a>(&'a mut self, placements: Vec<crate::Placement>, f: &mut dyn FnMut(crate::Param<'a>)) {
+        f(crate::Param { value: &mut self.weight, grad: &mut self.grad, placements });
     }
 }

@@ -5,6 +5,7 @@
 //! rows of each part: part `i` of a fused tensor starts at the sum of the earlier parts' rows.
 
 use crate::error::{LayerError, Result};
+use crate::grad::Placement;
 use crate::loader::Loader;
 use crate::weight::Weight;
 use tp_core::Tensor;
@@ -96,5 +97,56 @@ impl<const N: usize> Projections<N> {
             None
         };
         Ok((w, b))
+    }
+}
+
+/// `prefix.name`, or `name` under an empty prefix.
+pub(crate) fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() { name.to_string() } else { format!("{prefix}.{name}") }
+}
+
+/// A block of a rank's stacked rows (training): `len` rows of part `part`, starting at row
+/// `start` of that part, held at row `local` of the stacked local weight.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowBlock {
+    pub part: usize,
+    pub local: usize,
+    pub start: usize,
+    pub len: usize,
+    pub owned: bool,
+    pub partial: bool,
+}
+
+impl<const N: usize> Projections<N> {
+    /// Where each block of a rank's stacked weight (`[rows, width]`) and bias sits in the
+    /// checkpoint's tensors under `prefix`: `(weight placements, bias placements)`.
+    pub(crate) fn placements(
+        &self,
+        prefix: &str,
+        rows: &[usize; N],
+        width: usize,
+        blocks: &[RowBlock],
+    ) -> (Vec<Placement>, Vec<Placement>) {
+        let (mut w, mut b) = (Vec::new(), Vec::new());
+        for blk in blocks {
+            let (name, base) = self.locate(blk.part, rows);
+            let total = match self {
+                Projections::Separate(_) => rows[blk.part],
+                Projections::Fused(_) => rows.iter().sum(),
+            };
+            let at = |suffix: &str, dims: &[usize]| Placement {
+                name: join(prefix, &format!("{name}.{suffix}")),
+                full_dims: dims.to_vec(),
+                dim: 0,
+                local_start: blk.local,
+                full_start: base + blk.start,
+                len: blk.len,
+                owned: blk.owned,
+                partial: blk.partial,
+            };
+            w.push(at("weight", &[total, width]));
+            b.push(at("bias", &[total]));
+        }
+        (w, b)
     }
 }

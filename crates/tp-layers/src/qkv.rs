@@ -134,6 +134,25 @@ impl QkvLayout {
         start - self.kv_start..self.kv_len
     }
 
+    /// For each of this rank's KV heads (`0..kv_len`): whether this rank owns it (is the first
+    /// to hold it, [`kv_owned`](Self::kv_owned)) and whether another rank holds it too (a
+    /// neighbour: ranks hold contiguous ranges of KV heads in rank order), so that its
+    /// gradient here is a partial sum.
+    pub fn kv_sharing(&self) -> Vec<(bool, bool)> {
+        let holds = |rank: Option<usize>, head: usize| {
+            rank.filter(|&r| r < self.world_size)
+                .and_then(|r| QkvLayout::new(self.num_heads, self.num_kv_heads, self.head_dim, r, self.world_size).ok())
+                .is_some_and(|o| o.kv_heads().contains(&head))
+        };
+        let owned = self.kv_owned();
+        (0..self.kv_len)
+            .map(|j| {
+                let head = self.kv_start + j;
+                (owned.contains(&j), holds(self.rank.checked_sub(1), head) || holds(Some(self.rank + 1), head))
+            })
+            .collect()
+    }
+
     /// How this rank's query heads share its KV heads: local query head `h` attends with local
     /// KV head `(h + offset) / size`.
     pub fn kv_groups(&self) -> tp_core::KvGroups {
@@ -228,5 +247,57 @@ impl QkvParallel {
         let last = y.ndim() - 1;
         let (q, kv) = (self.layout.q_len * self.layout.head_dim, self.layout.kv_len * self.layout.head_dim);
         Ok((y.narrow(last, 0, q)?, y.narrow(last, q, kv)?, y.narrow(last, q + kv, kv)?))
+    }
+}
+
+/// Training.
+///
+/// `dX = Σ_r [dQ_r | dK_r | dV_r] [Wq_r; Wk_r; Wv_r]`, all-reduced as a column-parallel layer's.
+/// A KV head held by several ranks (replicated where there are fewer KV heads than ranks, or
+/// shared by straddling query heads) gets from each of them the gradient of its own query heads
+/// only: each rank's `dX` term is still right (the all-reduce adds them), and its weight
+/// gradient is a partial sum, marked so in [`params`](QkvParallel::params).
+impl QkvParallel {
+    /// `dX: [T, H]` (f32, every rank the same) from this rank's `[dQ_r | dK_r | dV_r]`,
+    /// accumulating the local weight's and bias's gradients.
+    pub fn backward(&mut self, x: &Tensor, dqkv: &Tensor, group: &tp_comm::DeviceGroup) -> Result<Tensor> {
+        crate::column::column_backward(&mut self.linear, group, x, dqkv)
+    }
+
+    /// The stacked weight and bias as parameters named by `names` under `prefix`: this rank's
+    /// query heads' rows of q (owned), and per KV head its rows of k and v, owned by the first
+    /// rank holding the head and partial where other ranks hold it too.
+    pub fn params<'a>(
+        &'a mut self,
+        prefix: &str,
+        names: Projections<3>,
+        f: &mut dyn FnMut(crate::Param<'a>),
+    ) -> Result<()> {
+        let l = self.layout;
+        let d = l.head_dim;
+        let rows = [l.num_heads * d, l.num_kv_heads * d, l.num_kv_heads * d];
+        let sharing = l.kv_sharing();
+        let mut blocks = vec![crate::parts::RowBlock {
+            part: 0,
+            local: 0,
+            start: l.q_start * d,
+            len: l.q_len * d,
+            owned: true,
+            partial: false,
+        }];
+        for part in [1, 2] {
+            for (j, &(owned, partial)) in sharing.iter().enumerate() {
+                blocks.push(crate::parts::RowBlock {
+                    part,
+                    local: l.q_len * d + (part - 1) * l.kv_len * d + j * d,
+                    start: (l.kv_start + j) * d,
+                    len: d,
+                    owned,
+                    partial,
+                });
+            }
+        }
+        let (w, b) = names.placements(prefix, &rows, self.linear.in_features(), &blocks);
+        self.linear.params(w, b, f)
     }
 }

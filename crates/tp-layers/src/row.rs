@@ -24,6 +24,9 @@ pub struct RowParallel {
     weight: Weight,
     /// The full `b: [out]` (every rank holds it; it is added after the all-reduce).
     bias: Option<Tensor>,
+    /// fp32 gradients of `A_r` and `b` (training).
+    grad_weight: crate::Grad,
+    grad_bias: crate::Grad,
     shard: TensorShard,
     group: DeviceGroup,
 }
@@ -52,7 +55,14 @@ impl RowParallel {
             crate::linear::check_bias(b, out, &weight, "RowParallel")?;
         }
         check_placement(&shard, weight.device(), group)?;
-        Ok(RowParallel { weight, bias, shard, group: group.clone() })
+        Ok(RowParallel {
+            weight,
+            bias,
+            grad_weight: crate::Grad::default(),
+            grad_bias: crate::Grad::default(),
+            shard,
+            group: group.clone(),
+        })
     }
 
     /// `group`'s rank's balanced columns of a full `[out, in]` weight (and the full bias),
@@ -167,5 +177,45 @@ impl RowParallel {
         let s = &self.shard;
         let shard = TensorShard::with_range(last, s.global_len(), s.rank(), s.world_size(), s.start(), s.len())?;
         self.forward(&shard.shard(x)?)
+    }
+}
+
+/// Training.
+///
+/// With `Y = Σ_r X_r A_r^T + b` and `dY` the same on every rank: `dX_r = dY A_r` (this rank's
+/// input columns, no communication: Megatron's reduce-from-region backward is the identity),
+/// `dA_r += dY^T X_r`, and the bias, added once after the reduction, gets the full
+/// `db += Σ_t dY[t]` on every rank (identical, so counted once).
+impl RowParallel {
+    /// `dX_r: [T, in_r]` (f32) from `dy: [T, out]`, accumulating `dA_r` and `db`; `x_local` is
+    /// the forward's input block.
+    pub fn backward(&mut self, x_local: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        let dy = dy.to_dtype(tp_core::DType::F32)?;
+        let w = self.weight.dense()?.to_dtype(tp_core::DType::F32)?;
+        let dx = dy.matmul(&w)?;
+        self.grad_weight.add(&dy.t_matmul(x_local)?)?;
+        if self.bias.is_some() {
+            self.grad_bias.add(&dy.sum_rows()?)?;
+        }
+        Ok(dx)
+    }
+
+    /// `A_r` and `b` as parameters `{prefix}.weight` (columns `shard` of the full `[out, in]`)
+    /// and `{prefix}.bias` (replicated).
+    pub fn params<'a>(&'a mut self, prefix: &str, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()> {
+        let s = self.shard;
+        let out = self.weight.out_features();
+        let w = crate::Placement::block(
+            crate::parts::join(prefix, "weight"),
+            &[out, s.global_len()],
+            1,
+            (0, s.start(), s.len()),
+        );
+        f(crate::Param { value: self.weight.dense_mut()?, grad: &mut self.grad_weight, placements: vec![w] });
+        if let Some(b) = &mut self.bias {
+            let p = crate::Placement::replicated(crate::parts::join(prefix, "bias"), &[out], self.group.rank(), false);
+            f(crate::Param { value: b, grad: &mut self.grad_bias, placements: vec![p] });
+        }
+        Ok(())
     }
 }

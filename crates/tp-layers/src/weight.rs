@@ -59,6 +59,20 @@ impl Weight {
             )),
         }
     }
+    /// The dense tensor, writable (training: the optimizer updates it in place); any host
+    /// packing of it is dropped, since it would go stale. [`LayerError::Config`] for quantized
+    /// blocks.
+    pub fn dense_mut(&mut self) -> Result<&mut Tensor> {
+        match self {
+            Weight::Dense { tensor, packed } => {
+                *packed = None;
+                Ok(tensor)
+            }
+            Weight::Quant(_) => {
+                Err(LayerError::Config("a quantized weight cannot be trained (load it with a dtype)".into()))
+            }
+        }
+    }
     /// The quantized blocks, if that is how the weight is held.
     pub fn quant(&self) -> Option<&QuantWeight> {
         match self {

@@ -52,7 +52,10 @@ mod tensors;
 pub use arch::Architecture;
 pub use config::{LayerType, MAX_CONFIG_BYTES, ModelConfig};
 pub use error::{ModelError, Result};
-pub use model::{GenerateOptions, Generation, INITIAL_CACHE_POSITIONS, ModelOptions, ParallelCausalLm};
+pub use model::{
+    GenerateOptions, Generation, INITIAL_CACHE_POSITIONS, MicroBatchLoss, ModelOptions, ParallelCausalLm, Recompute,
+    TrainRow,
+};
 pub use rope_kinds::{RopeKindError, rope_scaling_from_kind};
 pub use tensors::expected_tensors;
 pub use tp_comm;

@@ -9,6 +9,9 @@
 //! the same tokens.
 
 mod batch;
+mod train;
+
+pub use train::{MicroBatchLoss, Recompute, TrainRow};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};

@@ -1,0 +1,287 @@
+//! Gradients and trainable parameters, as each rank holds them.
+//!
+//! A layer owns an fp32 accumulator ([`Grad`]) per parameter; its backward adds into it, so
+//! micro-batches accumulate until the optimizer takes them. A training loop sees every
+//! parameter through [`Param`]: this rank's tensor, its gradient, and where its blocks sit in
+//! the checkpoint's full tensors ([`Placement`]). From the placements alone, without knowing
+//! the layer, the loop can
+//!
+//! * complete gradients that are partial sums ([`sync_partial_grads`]): a KV head replicated
+//!   on several ranks, or a q/k norm weight every rank applies to its own heads, gets a
+//!   gradient from each of those ranks, and the true one is their sum;
+//! * take the global gradient norm counting every element of the model once
+//!   ([`owned_sum_squares`]: a sharded parameter once per shard, a replicated one once);
+//! * gather full tensors (weights to save, gradients to dump: [`gather_full`]).
+
+use crate::error::{LayerError, Result};
+use std::collections::BTreeMap;
+use tp_comm::{DeviceGroup, ReduceOp};
+use tp_core::{DType, Device, Tensor};
+
+/// An fp32 gradient accumulator: empty until the first backward adds to it.
+#[derive(Debug, Clone, Default)]
+pub struct Grad(Option<Tensor>);
+
+impl Grad {
+    /// Adds `g` (converted to f32) to the accumulated gradient.
+    pub fn add(&mut self, g: &Tensor) -> Result<()> {
+        let g = g.to_dtype(DType::F32)?;
+        match &mut self.0 {
+            None => self.0 = Some(g),
+            Some(acc) => {
+                if acc.dims() != g.dims() {
+                    return Err(LayerError::Config(format!(
+                        "gradient {:?} cannot add to the accumulated {:?}",
+                        g.dims(),
+                        acc.dims()
+                    )));
+                }
+                acc.add_assign(&g)?
+            }
+        }
+        Ok(())
+    }
+    /// The accumulated gradient, if any backward ran.
+    pub fn get(&self) -> Option<&Tensor> {
+        self.0.as_ref()
+    }
+    /// The accumulated gradient, writable (for clipping and syncing).
+    pub fn get_mut(&mut self) -> Option<&mut Tensor> {
+        self.0.as_mut()
+    }
+    /// Replaces the accumulated gradient.
+    pub fn set(&mut self, g: Option<Tensor>) {
+        self.0 = g;
+    }
+    /// Takes the gradient, leaving the accumulator empty.
+    pub fn take(&mut self) -> Option<Tensor> {
+        self.0.take()
+    }
+}
+
+/// Where a block of a rank's parameter tensor sits in a full checkpoint tensor: elements
+/// `local_start..local_start + len` of the local tensor along `dim` are elements
+/// `full_start..full_start + len` of the tensor `name` (shape `full_dims`) along the same dim;
+/// every other dim is whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The checkpoint tensor's full name (`model.layers.0.self_attn.q_proj.weight`).
+    pub name: String,
+    /// Its full shape.
+    pub full_dims: Vec<usize>,
+    /// The dim the block is cut along.
+    pub dim: usize,
+    /// First element of the block in the local tensor, along `dim`.
+    pub local_start: usize,
+    /// First element of the block in the full tensor, along `dim`.
+    pub full_start: usize,
+    /// Length of the block along `dim`.
+    pub len: usize,
+    /// This rank is the one that counts the block (exactly one rank owns each element).
+    pub owned: bool,
+    /// This rank's gradient of the block is one of several partial sums (one per rank holding
+    /// the block) whose total is the gradient.
+    pub partial: bool,
+}
+
+impl Placement {
+    /// A whole tensor held by this rank alone or sharded (`owned`, not partial): the block
+    /// `full_start..+len` along `dim`, at the same place locally counted from `local_start`.
+    pub fn block(
+        name: String,
+        full_dims: &[usize],
+        dim: usize,
+        (local_start, full_start, len): (usize, usize, usize),
+    ) -> Placement {
+        Placement {
+            name,
+            full_dims: full_dims.to_vec(),
+            dim,
+            local_start,
+            full_start,
+            len,
+            owned: true,
+            partial: false,
+        }
+    }
+    /// A tensor every rank holds whole: owned by rank 0; `partial` when each rank's gradient is
+    /// only its share.
+    pub fn replicated(name: String, full_dims: &[usize], rank: usize, partial: bool) -> Placement {
+        let len = full_dims.first().copied().unwrap_or(0);
+        Placement {
+            name,
+            full_dims: full_dims.to_vec(),
+            dim: 0,
+            local_start: 0,
+            full_start: 0,
+            len,
+            owned: rank == 0,
+            partial,
+        }
+    }
+}
+
+/// One trainable parameter as this rank holds it.
+#[derive(Debug)]
+pub struct Param<'a> {
+    /// The local tensor (the model's dtype), updated in place by the optimizer.
+    pub value: &'a mut Tensor,
+    /// Its fp32 gradient.
+    pub grad: &'a mut Grad,
+    /// Where its blocks sit in the checkpoint's tensors (together they cover the local tensor).
+    pub placements: Vec<Placement>,
+}
+
+impl Param<'_> {
+    /// Whether weight decay applies: false for parameters whose checkpoint tensors are 1-D
+    /// (biases, norm weights), as Megatron-LM and transformers' Trainer decide.
+    pub fn decays(&self) -> bool {
+        self.placements.first().is_some_and(|p| p.full_dims.len() > 1)
+    }
+}
+
+/// The `[outer, size, inner]` view of `dims` around `dim`.
+fn around(dims: &[usize], dim: usize) -> (usize, usize, usize) {
+    let outer = dims[..dim].iter().product();
+    let inner = dims[dim + 1..].iter().product();
+    (outer, dims[dim], inner)
+}
+
+/// Copies the block of `p` from `src` (local, f32) into `dst` (full, f32), adding.
+fn add_block(p: &Placement, local_dims: &[usize], src: &[f32], dst: &mut [f32]) {
+    let (outer, lsize, inner) = around(local_dims, p.dim);
+    let (_, fsize, _) = around(&p.full_dims, p.dim);
+    for o in 0..outer {
+        let s = (o * lsize + p.local_start) * inner;
+        let d = (o * fsize + p.full_start) * inner;
+        dst[d..d + p.len * inner].iter_mut().zip(&src[s..s + p.len * inner]).for_each(|(a, &b)| *a += b);
+    }
+}
+
+/// Copies the block of `p` from `src` (full) back into `dst` (local).
+fn read_block(p: &Placement, local_dims: &[usize], src: &[f32], dst: &mut [f32]) {
+    let (outer, lsize, inner) = around(local_dims, p.dim);
+    let (_, fsize, _) = around(&p.full_dims, p.dim);
+    for o in 0..outer {
+        let s = (o * fsize + p.full_start) * inner;
+        let d = (o * lsize + p.local_start) * inner;
+        dst[d..d + p.len * inner].copy_from_slice(&src[s..s + p.len * inner]);
+    }
+}
+
+/// The checkpoint names the placements mention, with their full shapes, in name order (the
+/// same list on every rank of a model).
+fn names<'p>(
+    params: impl Iterator<Item = &'p [Placement]>,
+    keep: impl Fn(&Placement) -> bool,
+) -> BTreeMap<String, Vec<usize>> {
+    let mut out = BTreeMap::new();
+    for p in params.flatten().filter(|p| keep(p)) {
+        out.entry(p.name.clone()).or_insert_with(|| p.full_dims.clone());
+    }
+    out
+}
+
+/// Completes partial gradients: every block marked `partial` becomes the sum over the ranks of
+/// their gradients of it (one all-reduce of a full-size buffer per tensor with partial blocks;
+/// every rank of the group must call it with the same parameters). Parameters with no gradient
+/// count as zeros.
+pub fn sync_partial_grads(params: &mut [Param<'_>], group: &DeviceGroup) -> Result<()> {
+    if group.world_size() == 1 {
+        return Ok(());
+    }
+    // The tensors with a partial block on any rank (a rank may hold none of a shared head's
+    // copies): one all-reduce (max) of a flag per name, the names being the same on every rank.
+    let all = names(params.iter().map(|p| p.placements.as_slice()), |_| true);
+    let mine = names(params.iter().map(|p| p.placements.as_slice()), |p| p.partial);
+    let flags: Vec<f32> = all.keys().map(|n| if mine.contains_key(n) { 1.0 } else { 0.0 }).collect();
+    let n = flags.len();
+    let flags =
+        group.all_reduce(&Tensor::from_vec(flags, &[n], &Device::Cpu)?.to_device(&group.device())?, ReduceOp::Max)?;
+    let flags = flags.to_f64_vec()?;
+    let partial: Vec<(String, Vec<usize>)> =
+        all.into_iter().zip(flags).filter(|(_, f)| *f > 0.0).map(|(named, _)| named).collect();
+    for (name, full) in partial {
+        let mut buf = vec![0f32; full.iter().product()];
+        for p in params.iter() {
+            if let Some(g) = p.grad.get() {
+                let src = g.to_dtype(DType::F32)?;
+                for pl in p.placements.iter().filter(|pl| pl.partial && pl.name == name) {
+                    add_block(pl, g.dims(), src.as_slice::<f32>()?, &mut buf);
+                }
+            }
+        }
+        let total = group.all_reduce(&Tensor::from_vec(buf, &full, &group.device())?, ReduceOp::Sum)?;
+        let total = total.to_device(&Device::Cpu)?;
+        for p in params.iter_mut() {
+            let dims = p.value.dims().to_vec();
+            let mine: Vec<&Placement> = p.placements.iter().filter(|pl| pl.partial && pl.name == name).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let mut g = match p.grad.take() {
+                Some(g) => g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+                None => Tensor::zeros(&dims, DType::F32, &Device::Cpu)?,
+            };
+            for pl in mine {
+                read_block(pl, &dims, total.as_slice::<f32>()?, g.as_mut_slice::<f32>()?);
+            }
+            p.grad.set(Some(g));
+        }
+    }
+    Ok(())
+}
+
+/// The sum of squares (f64) of this rank's owned gradient elements; summed over the ranks (an
+/// all-reduce), it is the squared global norm with every element of the model counted once.
+/// Call after [`sync_partial_grads`].
+pub fn owned_sum_squares(params: &[Param<'_>]) -> Result<f64> {
+    let mut total = 0f64;
+    for p in params {
+        let Some(g) = p.grad.get() else { continue };
+        let g = g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        let (g, dims) = (g.as_slice::<f32>()?, p.value.dims());
+        for pl in p.placements.iter().filter(|pl| pl.owned) {
+            let (outer, lsize, inner) = around(dims, pl.dim);
+            for o in 0..outer {
+                let s = (o * lsize + pl.local_start) * inner;
+                total += g[s..s + pl.len * inner].iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>();
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// Which tensor of a parameter [`gather_full`] gathers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gather {
+    /// The values.
+    Values,
+    /// The gradients (zeros where none).
+    Grads,
+}
+
+/// The full checkpoint tensors, f32, on every rank: each rank adds its owned blocks into a
+/// zero tensor and one all-reduce (sum) per tensor completes it (every element comes from
+/// exactly one rank, so the sum is exact). Every rank must call it with the same parameters.
+pub fn gather_full(params: &[Param<'_>], what: Gather, group: &DeviceGroup) -> Result<BTreeMap<String, Tensor>> {
+    let all = names(params.iter().map(|p| p.placements.as_slice()), |_| true);
+    let mut out = BTreeMap::new();
+    for (name, full) in all {
+        let mut buf = vec![0f32; full.iter().product()];
+        for p in params {
+            let src = match what {
+                Gather::Values => Some(p.value.to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
+                Gather::Grads => p.grad.get().map(|g| g.to_dtype(DType::F32)?.to_device(&Device::Cpu)).transpose()?,
+            };
+            let Some(src) = src else { continue };
+            for pl in p.placements.iter().filter(|pl| pl.owned && pl.name == name) {
+                add_block(pl, p.value.dims(), src.as_slice::<f32>()?, &mut buf);
+            }
+        }
+        let t = Tensor::from_vec(buf, &full, &group.device())?;
+        let t = if group.world_size() == 1 { t } else { group.all_reduce(&t, ReduceOp::Sum)? };
+        out.insert(name, t.to_device(&Device::Cpu)?);
+    }
+    Ok(out)
+}

@@ -1,0 +1,16 @@
+//! # tp-train
+//!
+//! Training a tensor-parallel model: the optimizer ([`optim`]: AdamW with torch's semantics over
+//! fp32 master weights), the learning-rate schedules ([`schedule`]: transformers' constant,
+//! linear and cosine with warmup), and the data reader ([`data`]: JSONL rows of token ids and
+//! labels, text, or chat messages).
+
+mod error;
+
+pub mod data;
+pub mod optim;
+pub mod schedule;
+mod trainer;
+
+pub use error::{Result, TrainError};
+pub use trainer::{Accumulated, ParamState, StepLog, TrainConfig, Trainer};

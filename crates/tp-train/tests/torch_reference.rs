@@ -1,0 +1,194 @@
+//! Training against torch autograd on the transformers models: for each family of the
+//! architecture table, a tiny random model, its data and the float64 reference of three
+//! optimizer steps (loss, gradient norm and rate per step; every gradient of step 1; every
+//! weight after step 3) were written once by `benches/reference/train_fixtures.py` into
+//! `tests/fixtures/<case>/`. Here tp trains the same model on the same rows at TP 1 and at
+//! uneven TP degrees (heads, KV heads and vocabulary split unevenly, KV heads replicated past
+//! their count) and must match.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use tp_comm::DeviceGroup;
+use tp_core::{Device, Tensor};
+use tp_layers::{Gather, gather_full};
+use tp_models::{ModelOptions, ParallelCausalLm, Recompute};
+use tp_train::data::Dataset;
+use tp_train::optim::AdamW;
+use tp_train::schedule::{LrSchedule, LrScheduleKind};
+use tp_train::{TrainConfig, Trainer};
+
+fn fixture(case: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case)
+}
+
+fn read_json(path: PathBuf) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn read_tensors(path: PathBuf) -> BTreeMap<String, Vec<f64>> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let v: Vec<f64> =
+                view.data().chunks_exact(4).map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect();
+            (name, v)
+        })
+        .collect()
+}
+
+fn config(hyper: &serde_json::Value, recompute: Recompute) -> TrainConfig {
+    let f = |k: &str| hyper[k].as_f64().unwrap();
+    let u = |k: &str| hyper[k].as_u64().unwrap();
+    let kind: LrScheduleKind = hyper["lr_schedule"].as_str().unwrap().parse().unwrap();
+    TrainConfig {
+        micro_batch_size: u("micro_batch_size") as usize,
+        grad_accum: u("grad_accum") as usize,
+        adamw: AdamW {
+            beta1: f("adam_beta1"),
+            beta2: f("adam_beta2"),
+            eps: f("adam_eps"),
+            weight_decay: f("weight_decay"),
+        },
+        schedule: LrSchedule::new(kind, f("lr"), u("warmup_steps"), u("steps")).unwrap(),
+        max_grad_norm: f("max_grad_norm"),
+        recompute,
+    }
+}
+
+/// What rank 0 saw: per-step (loss, grad_norm, lr, tokens), step 1's full gradients and the
+/// full weights at the end.
+type Run = (Vec<(f64, f64, f64, usize)>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>);
+
+fn train(case: &str, world: usize, recompute: Recompute) -> Run {
+    let dir = fixture(case);
+    let reference = read_json(dir.join("reference.json"));
+    let hyper = &reference["hyper"];
+    let groups = DeviceGroup::local(world, tp_testing::ranks::timeout(), |_| Device::Cpu).unwrap();
+    let results = tp_testing::ranks::run_threads(groups, "train", |g| -> Result<Run, String> {
+        let mut model = ParallelCausalLm::load(&dir, g, &ModelOptions::new()).map_err(|e| e.to_string())?;
+        let vocab = model.config().vocab_size;
+        let seq_len = hyper["seq_len"].as_u64().unwrap() as usize;
+        let mut data = Dataset::open(&dir.join("data.jsonl"), vocab, seq_len, None).map_err(|e| e.to_string())?;
+        let mut trainer = Trainer::new(config(hyper, recompute)).map_err(|e| e.to_string())?;
+        let (mut logs, mut grads) = (Vec::new(), BTreeMap::new());
+        for step in 1..=hyper["steps"].as_u64().unwrap() {
+            let rows = data.next_rows(trainer.rows_per_step());
+            let acc = trainer.accumulate(&mut model, &rows).map_err(|e| e.to_string())?;
+            if step == 1 {
+                let params = model.params_mut().map_err(|e| e.to_string())?;
+                grads = gather_full(&params, Gather::Grads, g).map_err(|e| e.to_string())?;
+            }
+            let lr = trainer.apply(&mut model, acc.grad_norm).map_err(|e| e.to_string())?;
+            logs.push((acc.loss_sum / acc.targets as f64, acc.grad_norm, lr, acc.targets));
+        }
+        let params = model.params_mut().map_err(|e| e.to_string())?;
+        let weights = gather_full(&params, Gather::Values, g).map_err(|e| e.to_string())?;
+        Ok((logs, grads, weights))
+    });
+    let mut results: Vec<Run> =
+        results.into_iter().map(|r| r.unwrap_or_else(|e| panic!("{case} at TP {world}: {e:?}"))).collect();
+    results.swap_remove(0)
+}
+
+/// `max |a - b| <= atol + rtol · max |b|` over the tensor.
+fn close(what: &str, got: &[f64], want: &[f64], rtol: f64, atol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+    assert!(worst <= atol + rtol * scale, "{what}: max error {worst:e} against max |want| {scale:e}");
+}
+
+fn check_case(case: &str, worlds: &[usize]) {
+    let dir = fixture(case);
+    let reference = read_json(dir.join("reference.json"));
+    let want_grads = read_tensors(dir.join("grads.safetensors"));
+    let want_weights = read_tensors(dir.join("weights_after.safetensors"));
+    let before = read_tensors(dir.join("model.safetensors"));
+    for &world in worlds {
+        let (logs, grads, weights) = train(case, world, Recompute::None);
+        let at = format!("{case} TP {world}");
+        for (i, (loss, norm, lr, tokens)) in logs.iter().enumerate() {
+            let s = &reference["steps"][i];
+            let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
+            assert!(
+                rel(*loss, s["loss"].as_f64().unwrap()) < 2e-6,
+                "{at} step {}: loss {loss} vs {}",
+                i + 1,
+                s["loss"]
+            );
+            assert!(
+                rel(*norm, s["grad_norm"].as_f64().unwrap()) < 2e-5,
+                "{at} step {}: grad_norm {norm} vs {}",
+                i + 1,
+                s["grad_norm"]
+            );
+            assert!((lr - s["lr"].as_f64().unwrap()).abs() < 1e-15, "{at} step {}: lr", i + 1);
+            assert_eq!(*tokens as u64, s["tokens"].as_u64().unwrap(), "{at} step {}: tokens", i + 1);
+        }
+        let names: Vec<&String> = want_grads.keys().collect();
+        assert_eq!(grads.keys().collect::<Vec<_>>(), names, "{at}: the gradients' names");
+        for (name, want) in &want_grads {
+            close(&format!("{at} grad {name}"), &grads[name].to_f64_vec().unwrap(), want, 2e-5, 1e-9);
+        }
+        for (name, want) in &want_weights {
+            // Compare the updates (the weights move by about 1e-3 in three steps).
+            let got: Vec<f64> =
+                weights[name].to_f64_vec().unwrap().iter().zip(&before[name]).map(|(a, b)| a - b).collect();
+            let delta: Vec<f64> = want.iter().zip(&before[name]).map(|(a, b)| a - b).collect();
+            close(&format!("{at} update of {name}"), &got, &delta, 2e-3, 1e-8);
+        }
+    }
+}
+
+#[test]
+fn llama_matches_torch_at_tp_1_3_8() {
+    check_case("llama", &[1, 3, 8]);
+}
+
+#[test]
+fn llama_tied_biases_matches_torch() {
+    check_case("llama_tied_biases", &[1, 2, 5]);
+}
+
+#[test]
+fn qwen2_matches_torch() {
+    check_case("qwen2", &[1, 3, 4]);
+}
+
+#[test]
+fn qwen3_matches_torch() {
+    check_case("qwen3", &[1, 3, 6]);
+}
+
+#[test]
+fn mistral_matches_torch() {
+    check_case("mistral", &[1, 4, 7]);
+}
+
+#[test]
+fn gemma3_matches_torch() {
+    check_case("gemma3", &[1, 3, 8]);
+}
+
+#[test]
+fn phi3_matches_torch() {
+    check_case("phi3", &[1, 2, 3]);
+}
+
+#[test]
+fn olmo2_matches_torch() {
+    check_case("olmo2", &[1, 3, 4]);
+}
+
+#[test]
+fn full_recompute_gives_the_same_bits() {
+    for case in ["gemma3", "olmo2"] {
+        let a = train(case, 3, Recompute::None);
+        let b = train(case, 3, Recompute::Full);
+        assert_eq!(a.0, b.0, "{case}: step logs");
+        assert_eq!(a.1, b.1, "{case}: gradients");
+        assert_eq!(a.2, b.2, "{case}: weights");
+    }
+}
