@@ -20,6 +20,8 @@ pub struct Cli {
 pub enum Command {
     /// Serve a Hugging Face model folder over OpenAI's HTTP API.
     Serve(ServeArgs),
+    /// Fine-tune a Hugging Face model folder on a JSONL file (tensor-parallel, on the host).
+    Train(Box<crate::train::TrainArgs>),
 }
 
 /// Weight and activation dtype.
@@ -304,8 +306,74 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<(EngineArgs, ServerArgs), String> {
         let cli = parse_cli(args.iter().map(std::ffi::OsString::from)).map_err(|e| e.to_string())?;
-        let Command::Serve(s) = cli.command;
-        s.split().map_err(|e| e.to_string())
+        match cli.command {
+            Command::Serve(s) => s.split().map_err(|e| e.to_string()),
+            Command::Train(_) => Err("not tp serve".into()),
+        }
+    }
+
+    #[test]
+    fn train_flags_have_the_issue_names_and_trainer_defaults() {
+        let cli = parse_cli(["tp", "train", "m", "--data", "d.jsonl"].map(std::ffi::OsString::from)).unwrap();
+        let Command::Train(t) = cli.command else { panic!("not train") };
+        assert_eq!(
+            (t.lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.max_grad_norm),
+            (5e-5, 0.9, 0.999, 1e-8, 0.0, 1.0)
+        );
+        assert_eq!((t.micro_batch_size, t.grad_accum, t.warmup_steps, t.tensor_parallel_size), (8, 1, 0, 1));
+        let all = [
+            "tp",
+            "train",
+            "m",
+            "--data",
+            "d",
+            "--tensor-parallel-size",
+            "2",
+            "--dtype",
+            "bf16",
+            "--seq-len",
+            "64",
+            "--micro-batch-size",
+            "2",
+            "--grad-accum",
+            "3",
+            "--steps",
+            "9",
+            "--lr",
+            "1e-4",
+            "--weight-decay",
+            "0.1",
+            "--adam-beta1",
+            "0.8",
+            "--adam-beta2",
+            "0.95",
+            "--adam-eps",
+            "1e-6",
+            "--max-grad-norm",
+            "0.5",
+            "--warmup-steps",
+            "2",
+            "--lr-schedule",
+            "cosine",
+            "--seed",
+            "7",
+            "--sequence-parallel",
+            "--recompute",
+            "selective",
+            "--log-json",
+            "l",
+            "--dump-grads",
+            "g",
+            "--save",
+            "s",
+            "--save-every",
+            "3",
+            "--resume",
+            "r",
+        ];
+        let cli = parse_cli(all.map(std::ffi::OsString::from)).unwrap();
+        let Command::Train(t) = cli.command else { panic!("not train") };
+        assert!(t.sequence_parallel && t.steps == Some(9) && t.save_every == Some(3) && t.resume.is_some());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `tp`: tensor-parallel LLM serving. `tp serve MODEL_DIR` serves a Hugging Face model folder
 //! over OpenAI's HTTP API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-//! `/metrics`).
+//! `/metrics`). `tp train MODEL_DIR --data FILE.jsonl` fine-tunes it.
 
 mod args;
 mod detok;
@@ -13,6 +13,7 @@ mod serve;
 mod server;
 mod template;
 mod text;
+mod train;
 
 use std::process::ExitCode;
 
@@ -30,6 +31,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("tp serve: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        args::Command::Train(a) => match train::train(*a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("tp train: {e}");
                 ExitCode::FAILURE
             }
         },

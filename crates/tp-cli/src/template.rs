@@ -32,11 +32,17 @@ impl ChatTemplate {
     /// Renders `messages` (a JSON list of `{role, content}` with string content) with
     /// `add_generation_prompt = true`. A template's `raise_exception` comes back as the error.
     pub fn render(&self, messages: &serde_json::Value) -> Result<String, String> {
+        self.render_with(messages, true)
+    }
+
+    /// Renders `messages` with `add_generation_prompt` as given (training renders whole
+    /// conversations without it, and each prefix before an assistant turn with it).
+    pub fn render_with(&self, messages: &serde_json::Value, add_generation_prompt: bool) -> Result<String, String> {
         let tmpl = self.env.get_template(NAME).map_err(|e| e.to_string())?;
         let mut ctx: BTreeMap<String, Value> =
             self.specials.iter().map(|(k, v)| (k.clone(), Value::from(v.clone()))).collect();
         ctx.insert("messages".into(), Value::from_serialize(messages));
-        ctx.insert("add_generation_prompt".into(), Value::from(true));
+        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         ctx.insert("tools".into(), Value::from(()));
         ctx.insert("documents".into(), Value::from(()));
         tmpl.render(ctx).map_err(|e| match e.kind() {

@@ -265,18 +265,37 @@ pub enum Gather {
 /// zero tensor and one all-reduce (sum) per tensor completes it (every element comes from
 /// exactly one rank, so the sum is exact). Every rank must call it with the same parameters.
 pub fn gather_full(params: &[Param<'_>], what: Gather, group: &DeviceGroup) -> Result<BTreeMap<String, Tensor>> {
-    let all = names(params.iter().map(|p| p.placements.as_slice()), |_| true);
+    let items = params
+        .iter()
+        .map(|p| {
+            let t = match what {
+                Gather::Values => Some(p.value.clone()),
+                Gather::Grads => p.grad.get().cloned(),
+            };
+            (p.placements.as_slice(), p.value.dims(), t)
+        })
+        .collect::<Vec<_>>();
+    gather_blocks(&items, group)
+}
+
+/// [`gather_full`] of any per-parameter tensors (optimizer moments, master weights): each item
+/// is a parameter's placements, its local shape, and the tensor to gather (`None`: zeros).
+pub fn gather_blocks(
+    items: &[(&[Placement], &[usize], Option<Tensor>)],
+    group: &DeviceGroup,
+) -> Result<BTreeMap<String, Tensor>> {
+    let all = names(items.iter().map(|i| i.0), |_| true);
+    let hosts = items
+        .iter()
+        .map(|(_, _, t)| t.as_ref().map(|t| t.to_dtype(DType::F32)?.to_device(&Device::Cpu)).transpose())
+        .collect::<std::result::Result<Vec<_>, tp_core::Error>>()?;
     let mut out = BTreeMap::new();
     for (name, full) in all {
         let mut buf = vec![0f32; full.iter().product()];
-        for p in params {
-            let src = match what {
-                Gather::Values => Some(p.value.to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
-                Gather::Grads => p.grad.get().map(|g| g.to_dtype(DType::F32)?.to_device(&Device::Cpu)).transpose()?,
-            };
+        for ((placements, dims, _), src) in items.iter().zip(&hosts) {
             let Some(src) = src else { continue };
-            for pl in p.placements.iter().filter(|pl| pl.owned && pl.name == name) {
-                add_block(pl, p.value.dims(), src.as_slice::<f32>()?, &mut buf);
+            for pl in placements.iter().filter(|pl| pl.owned && pl.name == name) {
+                add_block(pl, dims, src.as_slice::<f32>()?, &mut buf);
             }
         }
         let t = Tensor::from_vec(buf, &full, &group.device())?;
@@ -284,4 +303,32 @@ pub fn gather_full(params: &[Param<'_>], what: Gather, group: &DeviceGroup) -> R
         out.insert(name, t.to_device(&Device::Cpu)?);
     }
     Ok(out)
+}
+
+/// This rank's local tensor (shape `local_dims`, f32) of a parameter placed by `placements`,
+/// read from full tensors by name: the inverse of [`gather_blocks`] (resuming a checkpoint
+/// written at any TP degree).
+///
+/// Errors: a tensor the placements name missing from `full`, or of another shape.
+pub fn local_from_full(
+    placements: &[Placement],
+    local_dims: &[usize],
+    full: &BTreeMap<String, Tensor>,
+) -> Result<Tensor> {
+    let mut out = vec![0f32; local_dims.iter().product()];
+    for pl in placements {
+        let t = full
+            .get(&pl.name)
+            .ok_or_else(|| LayerError::MissingTensor { path: String::new(), name: pl.name.clone() })?;
+        if t.dims() != pl.full_dims.as_slice() {
+            return Err(LayerError::WrongShape {
+                name: pl.name.clone(),
+                found: t.dims().to_vec(),
+                expected: pl.full_dims.clone(),
+            });
+        }
+        let t = t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        read_block(pl, local_dims, t.as_slice::<f32>()?, &mut out);
+    }
+    Ok(Tensor::from_vec(out, local_dims, &Device::Cpu)?)
 }

@@ -97,7 +97,9 @@ pub use decoder::{Block, BlockNorms, BlockSaved, DecoderConfig, DecoderLayer, De
 pub use embedding::VocabParallelEmbedding;
 pub use error::{LayerError, Result};
 pub use gguf_tensors::{GgufTensor, RowOrder};
-pub use grad::{Gather, Grad, Param, Placement, gather_full, owned_sum_squares, sync_partial_grads};
+pub use grad::{
+    Gather, Grad, Param, Placement, gather_blocks, gather_full, local_from_full, owned_sum_squares, sync_partial_grads,
+};
 pub use kv_cache::KvCache;
 pub use linear::Linear;
 pub use lm_head::ParallelLmHead;

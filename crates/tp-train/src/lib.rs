@@ -7,10 +7,13 @@
 
 mod error;
 
+pub mod checkpoint;
 pub mod data;
 pub mod optim;
+mod run;
 pub mod schedule;
 mod trainer;
 
 pub use error::{Result, TrainError};
+pub use run::{RunOptions, run};
 pub use trainer::{Accumulated, ParamState, StepLog, TrainConfig, Trainer};

@@ -40,6 +40,8 @@ pub struct TrainConfig {
     pub max_grad_norm: f64,
     /// What the forward keeps for the backward.
     pub recompute: Recompute,
+    /// Sequence parallelism: norms and residuals on sequence shards.
+    pub sequence_parallel: bool,
 }
 
 /// A finished step, as `tp train --log-json` writes it.

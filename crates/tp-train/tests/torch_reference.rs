@@ -54,6 +54,7 @@ fn config(hyper: &serde_json::Value, recompute: Recompute) -> TrainConfig {
         schedule: LrSchedule::new(kind, f("lr"), u("warmup_steps"), u("steps")).unwrap(),
         max_grad_norm: f("max_grad_norm"),
         recompute,
+        sequence_parallel: false,
     }
 }
 

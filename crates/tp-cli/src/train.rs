@@ -1,0 +1,364 @@
+//! `tp train MODEL --data FILE.jsonl [FLAGS]`: fine-tunes a Hugging Face model folder at any
+//! TP degree, ranks as threads of this process on the host backend (tp-train's loop on every
+//! rank). Flags follow transformers' `TrainingArguments` where they overlap, with their
+//! defaults (lr 5e-5, betas 0.9/0.999, eps 1e-8, no weight decay, clipping at 1.0, a linear
+//! schedule without warmup, 8 rows per micro-batch, three passes over the data).
+//!
+//! Rank 0 writes one JSON line per step to `--log-json` and a progress line to stderr. Every
+//! input is checked before anything is written: the data file (file and line of the first bad
+//! row), the TP degree against the model, the `--save` folder.
+
+use crate::error::CliError;
+use crate::text::TextModel;
+use clap::ValueEnum;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+use tp_comm::DeviceGroup;
+use tp_core::{DType, Device};
+use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute};
+use tp_train::data::{Dataset, TextTokenizer};
+use tp_train::optim::AdamW;
+use tp_train::schedule::{LrSchedule, LrScheduleKind};
+use tp_train::{RunOptions, StepLog, TrainConfig, Trainer, checkpoint};
+
+/// The training dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TrainDType {
+    /// 32-bit float everywhere.
+    #[value(alias = "float32")]
+    F32,
+    /// bfloat16 weights and activations, fp32 master weights and optimizer state.
+    #[value(alias = "bfloat16")]
+    Bf16,
+}
+
+/// `--lr-schedule`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ScheduleArg {
+    /// The rate after warmup stays.
+    Constant,
+    /// Decays linearly to 0 at the last step.
+    Linear,
+    /// Half a cosine down to 0 at the last step.
+    Cosine,
+}
+
+/// `--recompute`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RecomputeArg {
+    /// Keep the blocks' activations.
+    None,
+    /// Recompute attention's scores (tp never stores them, so as `none`).
+    Selective,
+    /// Keep only each block's input; rerun the block in the backward.
+    Full,
+}
+
+/// `tp train MODEL --data FILE.jsonl [FLAGS]`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainArgs {
+    /// A Hugging Face model folder (config.json, safetensors in f32 or bf16, tokenizer files
+    /// for `text` and `messages` rows).
+    pub model: PathBuf,
+    /// The training rows: one JSON object a line, `{"input_ids", "labels"}`, `{"text"}` or
+    /// `{"messages"}`.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Ranks the model is split over.
+    #[arg(long = "tensor-parallel-size", alias = "tp", default_value_t = 1)]
+    pub tensor_parallel_size: usize,
+    /// Training dtype (default: the checkpoint's, when it is f32 or bf16).
+    #[arg(long, value_enum)]
+    pub dtype: Option<TrainDType>,
+    /// Longest row in tokens; longer rows are truncated (default: max_position_embeddings).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Rows per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    pub micro_batch_size: usize,
+    /// Micro-batches per step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
+    /// Optimizer steps (default: three passes over the data, as the Trainer's 3 epochs).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 5e-5)]
+    pub lr: f64,
+    /// Decoupled weight decay (not on biases and norm weights).
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// AdamW's beta1.
+    #[arg(long, default_value_t = 0.9)]
+    pub adam_beta1: f64,
+    /// AdamW's beta2.
+    #[arg(long, default_value_t = 0.999)]
+    pub adam_beta2: f64,
+    /// AdamW's epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    pub adam_eps: f64,
+    /// Global gradient-norm clipping (0: none).
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Steps of linear warmup.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// The rate after warmup.
+    #[arg(long, value_enum, default_value = "linear")]
+    pub lr_schedule: ScheduleArg,
+    /// Seed (rows are read in file order and nothing samples, so it changes nothing yet; kept
+    /// in the log for the record).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Sequence parallelism: norms and residuals on sequence shards.
+    #[arg(long)]
+    pub sequence_parallel: bool,
+    /// What the forward keeps for the backward.
+    #[arg(long, value_enum, default_value = "none")]
+    pub recompute: RecomputeArg,
+    /// One JSON line per step: step, loss, grad_norm, lr, tokens, elapsed_s.
+    #[arg(long)]
+    pub log_json: Option<PathBuf>,
+    /// Step 1's gradients (full, f32, before clipping) as a safetensors file.
+    #[arg(long)]
+    pub dump_grads: Option<PathBuf>,
+    /// Write a checkpoint (an HF folder plus optimizer state) here at the end.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Also write SAVE/step-N every N steps.
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// Continue from a checkpoint of this run (same flags).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+}
+
+/// The model folder's tokenizer and chat template, as the data reader asks for them.
+struct Tokenizer(TextModel);
+
+impl TextTokenizer for Tokenizer {
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
+        Ok(self.0.encode(text, add_special_tokens)?.into_iter().filter_map(|i| u32::try_from(i).ok()).collect())
+    }
+    fn render_chat(&self, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<String, String> {
+        let t = self.0.template().ok_or("the model folder has no chat template")?;
+        t.render_with(&serde_json::Value::Array(messages.to_vec()), add_generation_prompt)
+    }
+}
+
+fn bad(msg: impl Into<String>) -> CliError {
+    CliError::Args(msg.into())
+}
+
+/// Checks the flags' ranges.
+fn check(a: &TrainArgs) -> Result<(), CliError> {
+    if a.tensor_parallel_size == 0 || a.micro_batch_size == 0 || a.grad_accum == 0 {
+        return Err(bad("--tensor-parallel-size, --micro-batch-size and --grad-accum must be at least 1"));
+    }
+    if a.seq_len == Some(0) || a.steps == Some(0) || a.save_every == Some(0) {
+        return Err(bad("--seq-len, --steps and --save-every must be at least 1"));
+    }
+    if !(a.lr.is_finite() && a.lr >= 0.0 && a.weight_decay.is_finite() && a.weight_decay >= 0.0) {
+        return Err(bad("--lr and --weight-decay must be finite and >= 0"));
+    }
+    if !a.max_grad_norm.is_finite() || a.max_grad_norm < 0.0 {
+        return Err(bad("--max-grad-norm must be finite and >= 0 (0: no clipping)"));
+    }
+    if a.save_every.is_some() && a.save.is_none() {
+        return Err(bad("--save-every needs --save DIR"));
+    }
+    Ok(())
+}
+
+/// Runs `tp train`.
+pub fn train(a: TrainArgs) -> Result<(), CliError> {
+    check(&a)?;
+    let model_err = |e: tp_models::ModelError| CliError::Model(e.to_string());
+    let train_err = |e: tp_train::TrainError| CliError::Model(e.to_string());
+    if let Some(dir) = &a.save {
+        checkpoint::check_save_dir(dir).map_err(train_err)?;
+    }
+    let resumed = a.resume.as_deref().map(checkpoint::read_state).transpose().map_err(train_err)?;
+    // The weights come from the checkpoint when resuming; its config, dtype and tokenizer too.
+    let weights_dir: &Path = a.resume.as_deref().unwrap_or(&a.model);
+    let config = ModelConfig::from_dir(weights_dir).map_err(model_err)?;
+    let n = a.tensor_parallel_size;
+    tp_layers::QkvLayout::new(config.num_attention_heads, config.num_key_value_heads, config.head_dim, 0, n)
+        .map_err(|e| bad(format!("--tensor-parallel-size {n}: {e}")))?;
+    let dtype = match a.dtype {
+        Some(TrainDType::F32) => DType::F32,
+        Some(TrainDType::Bf16) => DType::BF16,
+        None => {
+            let ckpt = tp_layers::Checkpoint::open(weights_dir).map_err(|e| CliError::Model(e.to_string()))?;
+            match ckpt.param_info("model.embed_tokens.weight").map_err(|e| CliError::Model(e.to_string()))?.0 {
+                DType::BF16 => DType::BF16,
+                _ => DType::F32,
+            }
+        }
+    };
+    let seq_len = a.seq_len.unwrap_or(config.max_position_embeddings).min(config.max_position_embeddings);
+    let tokenizer = if weights_dir.join("tokenizer.json").is_file() {
+        Some(Tokenizer(TextModel::load(weights_dir)?))
+    } else {
+        None
+    };
+    let tok: Option<&dyn TextTokenizer> = tokenizer.as_ref().map(|t| t as &dyn TextTokenizer);
+    let mut data = Dataset::open(&a.data, config.vocab_size, seq_len, tok).map_err(train_err)?;
+    let steps = a.steps.unwrap_or_else(|| {
+        let per_epoch = data.len().div_ceil(a.micro_batch_size).div_ceil(a.grad_accum).max(1);
+        3 * per_epoch as u64
+    });
+    if let Some(r) = resumed {
+        if r.step >= steps {
+            return Err(bad(format!("--resume: the checkpoint is at step {}, past --steps {steps}", r.step)));
+        }
+        data.set_position(r.data_position);
+    }
+    let kind = match a.lr_schedule {
+        ScheduleArg::Constant => LrScheduleKind::Constant,
+        ScheduleArg::Linear => LrScheduleKind::Linear,
+        ScheduleArg::Cosine => LrScheduleKind::Cosine,
+    };
+    let recompute = match a.recompute {
+        RecomputeArg::None => Recompute::None,
+        RecomputeArg::Selective => Recompute::Selective,
+        RecomputeArg::Full => Recompute::Full,
+    };
+    let config_t = TrainConfig {
+        micro_batch_size: a.micro_batch_size,
+        grad_accum: a.grad_accum,
+        adamw: AdamW { beta1: a.adam_beta1, beta2: a.adam_beta2, eps: a.adam_eps, weight_decay: a.weight_decay },
+        schedule: LrSchedule::new(kind, a.lr, a.warmup_steps, steps).map_err(train_err)?,
+        max_grad_norm: a.max_grad_norm,
+        recompute,
+        sequence_parallel: a.sequence_parallel,
+    };
+    Trainer::new(config_t.clone()).map_err(train_err)?;
+    let opts = RunOptions {
+        steps,
+        dump_grads: a.dump_grads.clone(),
+        save: a.save.clone(),
+        save_every: a.save_every,
+        source: weights_dir.to_path_buf(),
+    };
+    let timeout = tp_comm::LaunchEnv::timeout_from_lookup(|k| std::env::var(k).ok()).map_err(|e| bad(e.to_string()))?;
+    let groups = DeviceGroup::local(n, timeout, |_| Device::Cpu).map_err(|e| CliError::Engine(e.to_string()))?;
+    let log = Log::new(a.log_json.clone(), steps);
+    let errors: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for g in groups {
+            let (data, config_t, opts, log, errors, config) =
+                (data.clone(), config_t.clone(), &opts, &log, &errors, &config);
+            let spawned = std::thread::Builder::new().name(format!("train-{}", g.rank())).spawn_scoped(s, move || {
+                let out = rank_main(&g, weights_dir, config, dtype, config_t, data, opts, resumed.is_some(), log);
+                if let Err(e) = out {
+                    g.abort("this rank failed");
+                    if let Ok(mut v) = errors.lock() {
+                        v.push((g.rank(), e));
+                    }
+                }
+            });
+            if let Err(e) = spawned {
+                if let Ok(mut v) = errors.lock() {
+                    v.push((usize::MAX, format!("cannot start a rank's thread: {e}")));
+                }
+                break;
+            }
+        }
+    });
+    let mut errors = errors.into_inner().unwrap_or_default();
+    errors.sort();
+    // The first rank's own error, not the others' "aborted by a peer".
+    match errors.into_iter().next() {
+        Some((_, e)) => Err(CliError::Model(e)),
+        None => Ok(()),
+    }
+}
+
+/// One rank: load its shards, restore the optimizer when resuming, run the loop.
+#[allow(clippy::too_many_arguments)]
+fn rank_main(
+    g: &DeviceGroup,
+    dir: &Path,
+    config: &ModelConfig,
+    dtype: DType,
+    config_t: TrainConfig,
+    mut data: Dataset,
+    opts: &RunOptions,
+    resume: bool,
+    log: &Log,
+) -> Result<(), String> {
+    let mut model = ParallelCausalLm::load_with_config(dir, config, g, &ModelOptions::new().with_dtype(dtype))
+        .map_err(|e| e.to_string())?;
+    let mut trainer = Trainer::new(config_t).map_err(|e| e.to_string())?;
+    if resume {
+        tp_train::checkpoint::resume(dir, &mut model, &mut trainer).map_err(|e| e.to_string())?;
+    }
+    let rank = g.rank();
+    let mut failed = None;
+    let mut on_step = |l: &StepLog| {
+        if rank == 0
+            && failed.is_none()
+            && let Err(e) = log.step(l)
+        {
+            failed = Some(e);
+        }
+    };
+    tp_train::run(&mut model, &mut trainer, &mut data, opts, &mut on_step).map_err(|e| e.to_string())?;
+    failed.map_or(Ok(()), Err)
+}
+
+/// Rank 0's step reports: the JSON log and the progress line.
+struct Log {
+    path: Option<PathBuf>,
+    file: Mutex<Option<std::fs::File>>,
+    start: Instant,
+    steps: u64,
+    /// Tokens run so far (this process's steps).
+    seen: AtomicU64,
+}
+
+impl Log {
+    fn new(path: Option<PathBuf>, steps: u64) -> Log {
+        Log { path, file: Mutex::new(None), start: Instant::now(), steps, seen: AtomicU64::new(0) }
+    }
+
+    fn step(&self, l: &StepLog) -> Result<(), String> {
+        let elapsed = self.start.elapsed().as_secs_f64();
+        if let Some(path) = &self.path {
+            let mut file = self.file.lock().map_err(|_| "the log's lock is poisoned".to_string())?;
+            if file.is_none() {
+                *file = Some(std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?);
+            }
+            let line = serde_json::json!({
+                "step": l.step, "loss": l.loss, "grad_norm": l.grad_norm, "lr": l.lr, "tokens": l.tokens, "elapsed_s": elapsed,
+            });
+            if let Some(f) = file.as_mut() {
+                writeln!(f, "{line}").and_then(|()| f.flush()).map_err(|e| format!("{}: {e}", path.display()))?;
+            }
+        }
+        let seen = self.seen.fetch_add(l.input_tokens as u64, Ordering::Relaxed) + l.input_tokens as u64;
+        let rate = seen as f64 / elapsed.max(1e-9);
+        let left = self.steps.saturating_sub(l.step) as f64 * elapsed / l.step.max(1) as f64;
+        eprintln!(
+            "step {}/{} | loss {:.4} | grad_norm {:.3} | lr {:.3e} | {:.0} tok/s | ETA {}",
+            l.step,
+            self.steps,
+            l.loss,
+            l.grad_norm,
+            l.lr,
+            rate,
+            clock(left)
+        );
+        Ok(())
+    }
+}
+
+/// `h:mm:ss`.
+fn clock(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}

@@ -1,0 +1,355 @@
+//! `tp train` from outside: the binary against the float64 torch reference of a fixture (log
+//! lines, step 1's dumped gradients, the saved checkpoint), resume equality, micro-batch split
+//! invariance, text and chat rows through the model folder's tokenizer and template, and every
+//! bad input refused with the file and line, writing nothing.
+
+mod common;
+
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+fn fixture(case: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tp-train/tests/fixtures").join(case)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "tp-train-cli-{}-{name}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn tp_train(model: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tp")).arg("train").arg(model).args(args).output().unwrap()
+}
+
+/// The fixtures' hyper-parameters as flags.
+fn hyper_flags(data: &Path) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "--steps",
+        "3",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-3",
+        "--warmup-steps",
+        "1",
+        "--lr-schedule",
+        "cosine",
+        "--weight-decay",
+        "0.1",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--adam-eps",
+        "1e-8",
+        "--max-grad-norm",
+        "1.0",
+        "--seq-len",
+        "16",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(["--data".to_string(), data.display().to_string()]);
+    v
+}
+
+fn log_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn tensors(path: &Path) -> BTreeMap<String, Vec<f64>> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            assert_eq!(v.dtype(), safetensors::Dtype::F32, "{n}");
+            (n, v.data().chunks_exact(4).map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect())
+        })
+        .collect()
+}
+
+fn ok(out: &Output) {
+    assert!(out.status.success(), "tp train failed: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn the_command_matches_torch_and_writes_a_loadable_checkpoint() {
+    let case = fixture("gemma3");
+    let dir = scratch("torch");
+    let (log, grads, save) = (dir.join("log.jsonl"), dir.join("grads.safetensors"), dir.join("ckpt"));
+    let mut args = hyper_flags(&case.join("data.jsonl"));
+    for (k, v) in [("--log-json", &log), ("--dump-grads", &grads), ("--save", &save)] {
+        args.extend([k.to_string(), v.display().to_string()]);
+    }
+    args.extend(["--tensor-parallel-size".into(), "3".into()]);
+    let out = tp_train(&case, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    ok(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("step 3/3") && stderr.contains("tok/s") && stderr.contains("ETA"), "progress: {stderr}");
+
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("reference.json")).unwrap()).unwrap();
+    let lines = log_lines(&log);
+    assert_eq!(lines.len(), 3);
+    for (got, want) in lines.iter().zip(reference["steps"].as_array().unwrap()) {
+        assert_eq!(got["step"], want["step"]);
+        assert_eq!(got["tokens"], want["tokens"]);
+        let rel = |k: &str| {
+            (got[k].as_f64().unwrap() - want[k].as_f64().unwrap()).abs() / want[k].as_f64().unwrap().abs().max(1e-12)
+        };
+        assert!(rel("loss") < 2e-6 && rel("grad_norm") < 2e-5, "{got} vs {want}");
+        assert_eq!(got["lr"].as_f64(), want["lr"].as_f64());
+        assert!(got["elapsed_s"].as_f64().unwrap() >= 0.0);
+    }
+
+    let (got, want) = (tensors(&grads), tensors(&case.join("grads.safetensors")));
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "tied embedding once, checkpoint names"
+    );
+    for (name, w) in &want {
+        let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let err = got[name].iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+        assert!(err <= 2e-5 * scale + 1e-9, "{name}: {err:e} of {scale:e}");
+    }
+
+    // The checkpoint: an HF folder whose weights are the reference's after 3 steps, that tp
+    // loads; a state file marking it complete.
+    for f in ["config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"] {
+        assert!(save.join(f).is_file(), "{f} missing");
+    }
+    let (saved, after, before) = (
+        tensors(&save.join("model.safetensors")),
+        tensors(&case.join("weights_after.safetensors")),
+        tensors(&case.join("model.safetensors")),
+    );
+    for (name, w) in &after {
+        let err = saved[name].iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+        let moved = w.iter().zip(&before[name]).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+        assert!(err <= 2e-3 * moved + 1e-7, "{name}: {err:e} (moved {moved:e})");
+    }
+    let group = tp_comm::DeviceGroup::local(1, std::time::Duration::from_secs(60), |_| tp_core::Device::Cpu).unwrap();
+    tp_models::ParallelCausalLm::load(&save, &group[0], &tp_models::ModelOptions::new())
+        .expect("tp loads the checkpoint");
+}
+
+fn fields(v: &Value) -> Value {
+    let mut v = v.clone();
+    v.as_object_mut().unwrap().remove("elapsed_s");
+    v
+}
+
+#[test]
+fn a_resumed_run_logs_what_the_uninterrupted_one_does() {
+    for (case, dtype) in [("qwen3", "f32"), ("llama_tied_biases", "bf16")] {
+        let case = fixture(case);
+        let dir = scratch("resume");
+        let base = hyper_flags(&case.join("data.jsonl"));
+        let run = |extra: &[&str], log: &Path| {
+            let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+            let log = log.display().to_string();
+            args.extend(["--tensor-parallel-size", "2", "--dtype", dtype, "--log-json", &log]);
+            args.extend(extra);
+            ok(&tp_train(&case, &args));
+        };
+        let save = dir.join("ckpt").display().to_string();
+        run(&["--save", &save, "--save-every", "1"], &dir.join("full.jsonl"));
+        let step1 = dir.join("ckpt/step-1").display().to_string();
+        run(&["--resume", &step1], &dir.join("resumed.jsonl"));
+        let (full, resumed) = (log_lines(&dir.join("full.jsonl")), log_lines(&dir.join("resumed.jsonl")));
+        assert_eq!(resumed.len(), 2, "{dtype}: logs the steps after the checkpoint");
+        assert_eq!(
+            resumed.iter().map(fields).collect::<Vec<_>>(),
+            full[1..].iter().map(fields).collect::<Vec<_>>(),
+            "{dtype}"
+        );
+    }
+}
+
+#[test]
+fn how_a_step_is_split_into_micro_batches_changes_nothing() {
+    let case = fixture("mistral");
+    let dir = scratch("split");
+    let mut logs = Vec::new();
+    for (b, k) in [("4", "1"), ("2", "2"), ("1", "4"), ("3", "2")] {
+        let log = dir.join(format!("{b}x{k}.jsonl"));
+        let data = case.join("data.jsonl");
+        let args = [
+            "--data",
+            &data.display().to_string(),
+            "--steps",
+            "3",
+            "--micro-batch-size",
+            b,
+            "--grad-accum",
+            k,
+            "--lr",
+            "1e-3",
+            "--seq-len",
+            "16",
+            "--log-json",
+            &log.display().to_string(),
+            "--tensor-parallel-size",
+            "2",
+        ]
+        .map(String::from);
+        ok(&tp_train(&case, &args.iter().map(String::as_str).collect::<Vec<_>>()));
+        logs.push(log_lines(&log));
+    }
+    // 4x1, 2x2 and 1x4 take the same rows per step: the same loss, norm and tokens.
+    for other in &logs[1..3] {
+        for (a, b) in logs[0].iter().zip(other) {
+            assert_eq!(a["tokens"], b["tokens"]);
+            for k in ["loss", "grad_norm"] {
+                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+                assert!((x - y).abs() <= 1e-5 * y.abs(), "{k}: {x} vs {y}");
+            }
+        }
+    }
+    assert_ne!(logs[0][1]["tokens"], logs[3][1]["tokens"], "3x2 takes six rows a step");
+}
+
+#[test]
+fn text_and_chat_rows_train_through_the_tokenizer_and_template() {
+    let model = common::model_dir();
+    let dir = scratch("text");
+    let data = dir.join("data.jsonl");
+    let rows = [
+        json!({"text": "hello world, hello tp"}),
+        json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "well, hello"}]}),
+        json!({"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}),
+    ];
+    std::fs::write(&data, rows.iter().map(|r| r.to_string() + "\n").collect::<String>()).unwrap();
+    let (log, save) = (dir.join("log.jsonl"), dir.join("out"));
+    let out = tp_train(
+        &model,
+        &[
+            "--data",
+            data.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--micro-batch-size",
+            "3",
+            "--lr",
+            "1e-2",
+            "--log-json",
+            log.to_str().unwrap(),
+            "--save",
+            save.to_str().unwrap(),
+            "--tensor-parallel-size",
+            "2",
+        ],
+    );
+    ok(&out);
+    let lines = log_lines(&log);
+    assert_eq!(lines.len(), 2);
+    assert!(
+        lines[1]["loss"].as_f64().unwrap() < lines[0]["loss"].as_f64().unwrap(),
+        "a step at lr 1e-2 lowers the loss on the same rows: {lines:?}"
+    );
+    for f in ["tokenizer.json", "tokenizer_config.json", "config.json"] {
+        assert!(save.join(f).is_file(), "{f} copied into the checkpoint");
+    }
+}
+
+#[test]
+fn bad_inputs_are_refused_naming_the_file_and_line_and_nothing_is_written() {
+    let case = fixture("llama");
+    let dir = scratch("bad");
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("malformed", "{\"input_ids\": [1, 2], \"labels\": [1, 2]}\n{\"input_ids\": [1,\n".into(), ":2:"),
+        ("neither", "{\"input_ids\": [1, 2], \"labels\": [1, 2]}\n{\"prompt\": \"x\"}\n".into(), ":2:"),
+        ("length", "{\"input_ids\": [1, 2, 3], \"labels\": [1, 2]}\n".into(), ":1:"),
+        ("vocab", "{\"input_ids\": [1, 97], \"labels\": [1, 2]}\n".into(), ":1:"),
+        ("empty", "\n\n".into(), "no rows"),
+        ("no target", "{\"input_ids\": [1, 2], \"labels\": [-100, -100]}\n".into(), "step 1"),
+    ];
+    for (name, text, want) in cases {
+        let data = dir.join(format!("{name}.jsonl"));
+        std::fs::write(&data, text).unwrap();
+        let (log, save) = (dir.join(format!("{name}.log")), dir.join(format!("{name}-ckpt")));
+        let out = tp_train(
+            &case,
+            &[
+                "--data",
+                data.to_str().unwrap(),
+                "--steps",
+                "1",
+                "--log-json",
+                log.to_str().unwrap(),
+                "--save",
+                save.to_str().unwrap(),
+            ],
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name}: accepted");
+        assert!(err.contains(want), "{name}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{name}: one line: {err}");
+        assert!(!log.exists() && !save.exists(), "{name}: wrote something");
+    }
+    let data = case.join("data.jsonl");
+    let d = data.to_str().unwrap();
+    // A TP degree the model cannot take; --save into a foreign non-empty folder.
+    let out = tp_train(&case, &["--data", d, "--tensor-parallel-size", "9"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("9 ranks"));
+    let foreign = dir.join("foreign");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(foreign.join("notes.txt"), "mine").unwrap();
+    let out = tp_train(&case, &["--data", d, "--steps", "1", "--save", foreign.to_str().unwrap()]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not a tp checkpoint"));
+    assert_eq!(std::fs::read_dir(&foreign).unwrap().count(), 1, "the foreign folder is untouched");
+}
+
+#[test]
+fn a_non_finite_loss_stops_at_its_step_and_leaves_the_checkpoint_alone() {
+    // A model whose weights overflow f32 in the first step: an infinite loss.
+    let case = fixture("llama");
+    let dir = scratch("nan");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(case.join("config.json"), model.join("config.json")).unwrap();
+    let bytes = std::fs::read(case.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (n, v) in st.tensors() {
+        let mut data = v.data().to_vec();
+        if n == "lm_head.weight" {
+            data = data
+                .chunks_exact(4)
+                .flat_map(|b| (f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * 3e38).to_le_bytes())
+                .collect();
+        }
+        owned.push((n, v.shape().to_vec(), data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, s, d)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &model.join("model.safetensors")).unwrap();
+    let save = dir.join("ckpt");
+    let out = tp_train(
+        &model,
+        &["--data", case.join("data.jsonl").to_str().unwrap(), "--steps", "2", "--save", save.to_str().unwrap()],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("step 1") && err.contains("not finite"), "{err}");
+    assert!(!save.exists(), "no checkpoint after a non-finite step");
+}
