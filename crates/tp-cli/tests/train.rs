@@ -95,7 +95,7 @@ fn the_command_matches_torch_and_writes_a_loadable_checkpoint() {
     for (k, v) in [("--log-json", &log), ("--dump-grads", &grads), ("--save", &save)] {
         args.extend([k.to_string(), v.display().to_string()]);
     }
-    args.extend(["--tensor-parallel-size".into(), "3".into()]);
+    args.extend(["--tensor-parallel-size".into(), "3".into(), "--sequence-parallel".into()]);
     let out = tp_train(&case, &args.iter().map(String::as_str).collect::<Vec<_>>());
     ok(&out);
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -455,7 +455,7 @@ pub struct AttentionSaved {
     /// Attention's output `[T, q_len·D]`, the input of `o_proj`.
     o: Tensor,
     positions: Vec<usize>,
-    lens: Vec<usize>,
+    batch: crate::SeqBatch,
 }
 
 /// Training: a forward over a batch of whole sequences, and its backward.
@@ -469,48 +469,55 @@ pub struct AttentionSaved {
 /// of squares), and the q/k/v projection's (one all-reduce of `dX`). A KV head that other
 /// ranks hold too gets only this rank's query heads' share here; see [`QkvParallel::params`].
 impl ParallelAttention {
-    /// Self-attention of the sequences of `x` (`lens` tokens each), keeping what the
-    /// backward needs; `[T, H]` on every rank.
-    pub fn forward_train(&self, x: &Tensor, lens: &[usize]) -> Result<(Tensor, AttentionSaved)> {
+    /// Self-attention of the sequences of `batch`, keeping what the backward needs. `x` is
+    /// this rank's rows of `[T, H]` (all of them, or its sequence shard under sequence
+    /// parallelism, all-gathered first); the output comes back in the same rows (all-reduced,
+    /// or reduce-scattered to the shard).
+    pub fn forward_train(&self, x: &Tensor, batch: &crate::SeqBatch) -> Result<(Tensor, AttentionSaved)> {
         let l = *self.layout();
         let d = l.head_dim;
-        let t: usize = lens.iter().sum();
-        if x.ndim() != 2 || x.dims()[0] != t {
+        let group = self.group();
+        let t = batch.tokens();
+        let rows = batch.shard(group)?.len();
+        if x.ndim() != 2 || x.dims()[0] != rows {
             return Err(LayerError::Config(format!(
-                "attention input must be [{t} tokens of the sequences, hidden], got {:?}",
+                "attention input must be [{rows} tokens of the batch on this rank, hidden], got {:?}",
                 x.dims()
             )));
         }
-        let positions: Vec<usize> = lens.iter().flat_map(|&n| 0..n).collect();
-        let (q, k, v) = self.qkv.forward(x)?;
+        let x_full = batch.gather(x, group)?;
+        let positions: Vec<usize> = batch.lens().iter().flat_map(|&n| 0..n).collect();
+        let (q, k, v) = self.qkv.forward(&x_full)?;
         let (qn, kn, stats) = self.qk_normed_stats(q.clone(), k.clone(), t)?;
         let q_rot = qn.reshape(&[t, l.q_len, d])?.rope(&positions, &self.config.rope)?;
         let k_rot = kn.reshape(&[t, l.kv_len, d])?.rope(&positions, &self.config.rope)?;
         let v = v.reshape(&[t, l.kv_len, d])?;
-        let mut outs = Vec::with_capacity(lens.len());
+        let mut outs = Vec::with_capacity(batch.lens().len());
         let mut start = 0;
-        for &n in lens.iter().filter(|&&n| n > 0) {
+        for &n in batch.lens().iter().filter(|&&n| n > 0) {
             let spec = self.train_spec(n);
             let part = |t: &Tensor| t.narrow(0, start, n);
             outs.push(part(&q_rot)?.attention(&part(&k_rot)?, &part(&v)?, &spec)?);
             start += n;
         }
         let o = Tensor::cat(&outs, 0)?.reshape(&[t, l.q_len * d])?;
-        let y = self.o_proj.forward(&o)?;
-        let saved = AttentionSaved { x: x.clone(), q, k, stats, q_rot, k_rot, v, o, positions, lens: lens.to_vec() };
+        let y = self.o_proj.add_bias(batch.reduce(&self.o_proj.forward_partial(&o)?, group)?)?;
+        let saved = AttentionSaved { x: x.clone(), q, k, stats, q_rot, k_rot, v, o, positions, batch: batch.clone() };
         Ok((y, saved))
     }
 
-    /// `dx` (f32, every rank the same) from `dy: [T, H]`, accumulating the gradients of the
-    /// projections and q/k norms.
+    /// `dx` (f32, this rank's rows as the forward's input) from `dy` (the output's rows),
+    /// accumulating the gradients of the projections and q/k norms.
     pub fn backward(&mut self, saved: AttentionSaved, dy: &Tensor) -> Result<Tensor> {
         let l = *self.layout();
         let d = l.head_dim;
         let t = saved.positions.len();
-        let d_o = self.o_proj.backward(&saved.o, dy)?.reshape(&[t, l.q_len, d])?;
+        let group = self.o_proj.group().clone();
+        let dy = saved.batch.gather(dy, &group)?;
+        let d_o = self.o_proj.backward(&saved.o, &dy)?.reshape(&[t, l.q_len, d])?;
         let (mut dq, mut dk, mut dv) = (Vec::new(), Vec::new(), Vec::new());
         let mut start = 0;
-        for &n in saved.lens.iter().filter(|&&n| n > 0) {
+        for &n in saved.batch.lens().iter().filter(|&&n| n > 0) {
             let part = |t: &Tensor| t.narrow(0, start, n);
             let (a, b, c) = part(&saved.q_rot)?.attention_backward(
                 &part(&saved.k_rot)?,
@@ -529,8 +536,8 @@ impl ParallelAttention {
         let dv = Tensor::cat(&dv, 0)?.reshape(&[t, l.kv_len * d])?;
         let (dq, dk) = self.qk_norm_backward(&saved, dq, dk, t)?;
         let dqkv = Tensor::cat(&[dq, dk, dv], 1)?;
-        let group = self.o_proj.group().clone();
-        self.qkv.backward(&saved.x, &dqkv, &group)
+        let x_full = saved.batch.gather(&saved.x, &group)?; // gathered again, not kept
+        self.qkv.backward(&x_full, &dqkv, &group, Some(&saved.batch))
     }
 
     /// The layer's parameters under `prefix` (named by `names`): q/k/v and o as their layers

@@ -102,7 +102,7 @@ impl ColumnParallel {
     /// `dX: [T, in]` (f32, every rank the same) from this rank's output gradient
     /// `dy_r: [T, out_r]`, accumulating `dA_r`, `db_r`; `x` is the forward's input.
     pub fn backward(&mut self, x: &Tensor, dy_r: &Tensor) -> Result<Tensor> {
-        column_backward(&mut self.linear, &self.group, x, dy_r)
+        column_backward(&mut self.linear, &self.group, x, dy_r, None)
     }
 
     /// The local weight and bias as parameters `{prefix}.weight` / `{prefix}.bias`: rows
@@ -118,12 +118,23 @@ impl ColumnParallel {
 }
 
 /// The backward of a column-parallel `linear` on `group`: the all-reduce of `dX` issued, the
-/// weight gradient computed, then the all-reduce waited for.
-pub(crate) fn column_backward(linear: &mut Linear, group: &DeviceGroup, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+/// weight gradient computed, then the all-reduce waited for. Under sequence parallelism
+/// (`batch`), `dX` is reduce-scattered to this rank's rows instead.
+pub(crate) fn column_backward(
+    linear: &mut Linear,
+    group: &DeviceGroup,
+    x: &Tensor,
+    dy: &Tensor,
+    batch: Option<&crate::SeqBatch>,
+) -> Result<Tensor> {
     let partial = linear.input_grad(dy)?;
     if group.world_size() == 1 {
         linear.accumulate_grads(x, dy)?;
         return Ok(partial);
+    }
+    if let Some(b) = batch.filter(|b| b.sequence_parallel()) {
+        linear.accumulate_grads(x, dy)?;
+        return b.reduce(&partial, group);
     }
     let work = group.all_reduce_async(&partial, tp_comm::ReduceOp::Sum)?;
     let grads = linear.accumulate_grads(x, dy);

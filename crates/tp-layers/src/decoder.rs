@@ -41,15 +41,22 @@ pub trait Block: std::fmt::Debug + Send + Sync {
     /// positions.
     fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache>;
 
-    /// Training: the forward of whole sequences packed one after the other in `x: [T, H]`
-    /// (`lens` tokens each, each from position 0), keeping what [`backward`](Block::backward)
-    /// needs. No cache is read or written.
-    fn forward_train(&self, x: &Tensor, lens: &[usize]) -> Result<(Tensor, BlockSaved)>;
+    /// Training: the forward of `batch`'s whole sequences (packed one after the other, each
+    /// from position 0) from this rank's rows `x` of them (all, or its sequence shard),
+    /// keeping what [`backward`](Block::backward) needs. No cache is read or written.
+    fn forward_train(&self, x: &Tensor, batch: &crate::SeqBatch) -> Result<(Tensor, BlockSaved)>;
     /// Training: `dx` (f32, every rank the same) from `dy`, accumulating the gradients of the
     /// block's parameters.
     fn backward(&mut self, saved: BlockSaved, dy: &Tensor) -> Result<Tensor>;
-    /// The block's trainable parameters under `prefix` (`model.layers.N`), named by `names`.
-    fn params<'a>(&'a mut self, prefix: &str, names: &DecoderNames, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()>;
+    /// The block's trainable parameters under `prefix` (`model.layers.N`), named by `names`;
+    /// under `sequence_parallel` the replicated norms' gradients are partial (each rank's rows).
+    fn params<'a>(
+        &'a mut self,
+        prefix: &str,
+        names: &DecoderNames,
+        sequence_parallel: bool,
+        f: &mut dyn FnMut(crate::Param<'a>),
+    ) -> Result<()>;
 }
 
 /// What a block's backward needs of its training forward (opaque; each block kind keeps its
@@ -223,13 +230,13 @@ impl Block for DecoderLayer {
     }
 
     /// Two all-reduces (three with a full-width q/k norm), as the forward.
-    fn forward_train(&self, x: &Tensor, lens: &[usize]) -> Result<(Tensor, BlockSaved)> {
+    fn forward_train(&self, x: &Tensor, batch: &crate::SeqBatch) -> Result<(Tensor, BlockSaved)> {
         let a_in = norm(&self.attn_in, x.clone())?;
-        let (a_raw, attn) = self.self_attn.forward_train(&a_in, lens)?;
+        let (a_raw, attn) = self.self_attn.forward_train(&a_in, batch)?;
         let mut h = norm(&self.attn_out, a_raw.clone())?;
         h.add_assign(x)?;
         let m_in = norm(&self.mlp_in, h.clone())?;
-        let (m_raw, mlp) = self.mlp.forward_train(&m_in)?;
+        let (m_raw, mlp) = self.mlp.forward_train(&m_in, batch)?;
         let mut y = norm(&self.mlp_out, m_raw.clone())?;
         y.add_assign(&h)?;
         let saved = DecoderSaved { x: x.clone(), attn, a_raw, h, mlp, m_raw };
@@ -255,7 +262,13 @@ impl Block for DecoderLayer {
         Ok(dx)
     }
 
-    fn params<'a>(&'a mut self, prefix: &str, names: &DecoderNames, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()> {
+    fn params<'a>(
+        &'a mut self,
+        prefix: &str,
+        names: &DecoderNames,
+        sequence_parallel: bool,
+        f: &mut dyn FnMut(crate::Param<'a>),
+    ) -> Result<()> {
         use crate::parts::join;
         let rank = self.self_attn.group().rank();
         let n = names.norms;
@@ -268,7 +281,12 @@ impl Block for DecoderLayer {
             if let (Some(norm), Some(name)) = (norm.as_mut(), name) {
                 let h = norm.weight().numel();
                 norm.param(
-                    vec![crate::Placement::replicated(join(prefix, &format!("{name}.weight")), &[h], rank, false)],
+                    vec![crate::Placement::replicated(
+                        join(prefix, &format!("{name}.weight")),
+                        &[h],
+                        rank,
+                        sequence_parallel,
+                    )],
                     f,
                 );
             }

@@ -107,8 +107,26 @@ impl VocabParallelEmbedding {
 /// `dE_r[t - v_r] += s · dy[t]` for every id `t` in `[v_r, v_{r+1})` (`s` the scale rounded to
 /// the table's dtype, or 1); no communication (every rank has the whole `dy`).
 impl VocabParallelEmbedding {
-    /// Accumulates `dE_r` from the forward's `ids` and the output gradient `dy: [.., H]`.
-    pub fn backward(&mut self, ids: &Tensor, dy: &Tensor) -> Result<()> {
+    /// Training: the lookup of `batch`'s `ids: [T]` into this rank's rows of the output (all
+    /// `T`, all-reduced; or its sequence shard, reduce-scattered).
+    pub fn forward_train(&self, ids: &Tensor, batch: &crate::SeqBatch) -> Result<Tensor> {
+        if !batch.sequence_parallel() {
+            return self.forward(ids);
+        }
+        check_ids(ids, self.vocab_size())?;
+        let local = self.table.embedding(&self.group.to_local(ids)?, self.shard.start())?;
+        let rows = batch.reduce(&local, &self.group)?;
+        Ok(match self.scale {
+            Some(s) => rows.scale(s)?,
+            None => rows,
+        })
+    }
+
+    /// Accumulates `dE_r` from the forward's `ids: [T]` and the output gradient `dy` (this
+    /// rank's rows of `batch`, all-gathered first under sequence parallelism).
+    pub fn backward(&mut self, ids: &Tensor, dy: &Tensor, batch: &crate::SeqBatch) -> Result<()> {
+        let dy = batch.gather(dy, &self.group)?;
+        let dy = &dy;
         let ids = ids.to_device(&tp_core::Device::Cpu)?;
         let mut g = dy.embedding_backward(&ids, self.shard.len(), self.shard.start())?;
         if let Some(s) = self.scale {

@@ -86,6 +86,7 @@ mod paged_cache;
 mod parts;
 mod qkv;
 mod row;
+mod seq_batch;
 mod text;
 mod weight;
 
@@ -113,6 +114,7 @@ pub use paged_cache::PagedKvCache;
 pub use parts::Projections;
 pub use qkv::{AttentionHeads, QkvLayout, QkvParallel};
 pub use row::RowParallel;
+pub use seq_batch::SeqBatch;
 pub use text::quote_text;
 pub use tp_comm;
 pub use weight::Weight;

@@ -167,7 +167,13 @@ impl MergedColumnParallel {
     /// `dX: [T, in]` (f32, every rank the same) from this rank's stacked output gradient
     /// `[dY^(0)_r | .. | dY^(k-1)_r]`, accumulating the local weight's and bias's gradients.
     pub fn backward(&mut self, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        crate::column::column_backward(&mut self.linear, &self.group, x, dy)
+        crate::column::column_backward(&mut self.linear, &self.group, x, dy, None)
+    }
+
+    /// [`backward`](Self::backward) where `dX` goes back to `batch`'s layout (under sequence
+    /// parallelism, reduce-scattered to this rank's rows).
+    pub fn backward_batch(&mut self, x: &Tensor, dy: &Tensor, batch: &crate::SeqBatch) -> Result<Tensor> {
+        crate::column::column_backward(&mut self.linear, &self.group, x, dy, Some(batch))
     }
 
     /// The stacked weight and bias as parameters: part `i`'s rows are rows `shards[i]` of the

@@ -121,6 +121,7 @@ pub struct MlpSaved {
     x: Tensor,
     gate_up: Tensor,
     act: Tensor,
+    batch: crate::SeqBatch,
 }
 
 /// Training.
@@ -129,19 +130,26 @@ pub struct MlpSaved {
 /// `dA_r = dy Wd_r` (local), `dG_r = dA_r ⊙ U_r ⊙ act'(G_r)`, `dU_r = dA_r ⊙ act(G_r)`, and
 /// `dx = Σ_r [dG_r | dU_r] [Wg_r; Wu_r]` with one all-reduce; the weight gradients are local.
 impl ParallelMlp {
-    /// The forward, keeping what the backward needs.
-    pub fn forward_train(&self, x: &Tensor) -> Result<(Tensor, MlpSaved)> {
-        let gate_up = self.gate_up.forward(x)?;
+    /// The forward of this rank's rows `x` of `batch` (all of them, or its sequence shard,
+    /// all-gathered first), keeping what the backward needs; the output in the same rows.
+    pub fn forward_train(&self, x: &Tensor, batch: &crate::SeqBatch) -> Result<(Tensor, MlpSaved)> {
+        let group = self.down.group();
+        let x_full = batch.gather(x, group)?;
+        let gate_up = self.gate_up.forward(&x_full)?;
         let act = gate_up.glu(self.act)?;
-        let y = self.down.forward(&act)?;
-        Ok((y, MlpSaved { x: x.clone(), gate_up, act }))
+        let y = self.down.add_bias(batch.reduce(&self.down.forward_partial(&act)?, group)?)?;
+        Ok((y, MlpSaved { x: x.clone(), gate_up, act, batch: batch.clone() }))
     }
 
-    /// `dx` (f32, every rank the same) from `dy`, accumulating every weight's gradient.
+    /// `dx` (f32, the forward's input rows) from `dy` (the output's rows), accumulating every
+    /// weight's gradient.
     pub fn backward(&mut self, saved: MlpSaved, dy: &Tensor) -> Result<Tensor> {
-        let da = self.down.backward(&saved.act, dy)?;
+        let group = self.down.group().clone();
+        let dy = saved.batch.gather(dy, &group)?;
+        let da = self.down.backward(&saved.act, &dy)?;
         let dgu = saved.gate_up.glu_backward(self.act, &da)?;
-        self.gate_up.backward(&saved.x, &dgu)
+        let x_full = saved.batch.gather(&saved.x, &group)?; // gathered again, not kept
+        self.gate_up.backward_batch(&x_full, &dgu, &saved.batch)
     }
 
     /// The projections as parameters under `prefix` (named by `names`).

@@ -260,8 +260,15 @@ impl QkvParallel {
 impl QkvParallel {
     /// `dX: [T, H]` (f32, every rank the same) from this rank's `[dQ_r | dK_r | dV_r]`,
     /// accumulating the local weight's and bias's gradients.
-    pub fn backward(&mut self, x: &Tensor, dqkv: &Tensor, group: &tp_comm::DeviceGroup) -> Result<Tensor> {
-        crate::column::column_backward(&mut self.linear, group, x, dqkv)
+    /// Under sequence parallelism (`batch`), `dX` is reduce-scattered to this rank's rows.
+    pub fn backward(
+        &mut self,
+        x: &Tensor,
+        dqkv: &Tensor,
+        group: &tp_comm::DeviceGroup,
+        batch: Option<&crate::SeqBatch>,
+    ) -> Result<Tensor> {
+        crate::column::column_backward(&mut self.linear, group, x, dqkv, batch)
     }
 
     /// The stacked weight and bias as parameters named by `names` under `prefix`: this rank's

@@ -187,6 +187,14 @@ impl RowParallel {
 /// `dA_r += dY^T X_r`, and the bias, added once after the reduction, gets the full
 /// `db += Σ_t dY[t]` on every rank (identical, so counted once).
 impl RowParallel {
+    /// The bias added to reduced outputs `y` (`y` itself when the layer has none).
+    pub fn add_bias(&self, y: Tensor) -> Result<Tensor> {
+        Ok(match &self.bias {
+            Some(b) => y.add_row(b)?,
+            None => y,
+        })
+    }
+
     /// `dX_r: [T, in_r]` (f32) from `dy: [T, out]`, accumulating `dA_r` and `db`; `x_local` is
     /// the forward's input block.
     pub fn backward(&mut self, x_local: &Tensor, dy: &Tensor) -> Result<Tensor> {

@@ -113,6 +113,8 @@ pub struct ParallelCausalLm {
     caches: Vec<KvCache>,
     /// KV heads this rank holds in every layer (replicated ones included).
     kv_heads: usize,
+    /// Training: norms and residuals on sequence shards.
+    sequence_parallel: bool,
 }
 
 impl std::fmt::Debug for ParallelCausalLm {
@@ -213,6 +215,7 @@ impl ParallelCausalLm {
             lm_head,
             caches,
             kv_heads: layout.kv_len,
+            sequence_parallel: false,
         })
     }
 

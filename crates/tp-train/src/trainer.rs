@@ -141,6 +141,7 @@ impl Trainer {
         if targets == 0 {
             return Err(TrainError::NoTargets { step, rows: rows.len() });
         }
+        model.set_sequence_parallel(self.config.sequence_parallel);
         model.zero_grads()?;
         let scale = (1.0 / targets as f64) as f32;
         let (mut loss_sum, mut tokens) = (0f64, 0usize);

@@ -38,7 +38,7 @@ fn read_tensors(path: PathBuf) -> BTreeMap<String, Vec<f64>> {
         .collect()
 }
 
-fn config(hyper: &serde_json::Value, recompute: Recompute) -> TrainConfig {
+fn config(hyper: &serde_json::Value, recompute: Recompute, sequence_parallel: bool) -> TrainConfig {
     let f = |k: &str| hyper[k].as_f64().unwrap();
     let u = |k: &str| hyper[k].as_u64().unwrap();
     let kind: LrScheduleKind = hyper["lr_schedule"].as_str().unwrap().parse().unwrap();
@@ -54,7 +54,7 @@ fn config(hyper: &serde_json::Value, recompute: Recompute) -> TrainConfig {
         schedule: LrSchedule::new(kind, f("lr"), u("warmup_steps"), u("steps")).unwrap(),
         max_grad_norm: f("max_grad_norm"),
         recompute,
-        sequence_parallel: false,
+        sequence_parallel,
     }
 }
 
@@ -62,7 +62,7 @@ fn config(hyper: &serde_json::Value, recompute: Recompute) -> TrainConfig {
 /// full weights at the end.
 type Run = (Vec<(f64, f64, f64, usize)>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>);
 
-fn train(case: &str, world: usize, recompute: Recompute) -> Run {
+fn train(case: &str, world: usize, recompute: Recompute, sp: bool) -> Run {
     let dir = fixture(case);
     let reference = read_json(dir.join("reference.json"));
     let hyper = &reference["hyper"];
@@ -72,7 +72,7 @@ fn train(case: &str, world: usize, recompute: Recompute) -> Run {
         let vocab = model.config().vocab_size;
         let seq_len = hyper["seq_len"].as_u64().unwrap() as usize;
         let mut data = Dataset::open(&dir.join("data.jsonl"), vocab, seq_len, None).map_err(|e| e.to_string())?;
-        let mut trainer = Trainer::new(config(hyper, recompute)).map_err(|e| e.to_string())?;
+        let mut trainer = Trainer::new(config(hyper, recompute, sp)).map_err(|e| e.to_string())?;
         let (mut logs, mut grads) = (Vec::new(), BTreeMap::new());
         for step in 1..=hyper["steps"].as_u64().unwrap() {
             let rows = data.next_rows(trainer.rows_per_step());
@@ -102,14 +102,18 @@ fn close(what: &str, got: &[f64], want: &[f64], rtol: f64, atol: f64) {
 }
 
 fn check_case(case: &str, worlds: &[usize]) {
+    check_case_with(case, worlds, false);
+}
+
+fn check_case_with(case: &str, worlds: &[usize], sp: bool) {
     let dir = fixture(case);
     let reference = read_json(dir.join("reference.json"));
     let want_grads = read_tensors(dir.join("grads.safetensors"));
     let want_weights = read_tensors(dir.join("weights_after.safetensors"));
     let before = read_tensors(dir.join("model.safetensors"));
     for &world in worlds {
-        let (logs, grads, weights) = train(case, world, Recompute::None);
-        let at = format!("{case} TP {world}");
+        let (logs, grads, weights) = train(case, world, Recompute::None, sp);
+        let at = format!("{case} TP {world}{}", if sp { " SP" } else { "" });
         for (i, (loss, norm, lr, tokens)) in logs.iter().enumerate() {
             let s = &reference["steps"][i];
             let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
@@ -186,10 +190,35 @@ fn olmo2_matches_torch() {
 #[test]
 fn full_recompute_gives_the_same_bits() {
     for case in ["gemma3", "olmo2"] {
-        let a = train(case, 3, Recompute::None);
-        let b = train(case, 3, Recompute::Full);
+        let a = train(case, 3, Recompute::None, false);
+        let b = train(case, 3, Recompute::Full, false);
         assert_eq!(a.0, b.0, "{case}: step logs");
         assert_eq!(a.1, b.1, "{case}: gradients");
         assert_eq!(a.2, b.2, "{case}: weights");
     }
+}
+
+#[test]
+fn sequence_parallelism_matches_torch_in_every_family() {
+    // Norm weights see each rank's rows only: their gradients must be summed over the group.
+    for (case, worlds) in [
+        ("llama", &[2, 3, 8][..]),
+        ("llama_tied_biases", &[4][..]),
+        ("qwen2", &[3][..]),
+        ("qwen3", &[5][..]),
+        ("mistral", &[2][..]),
+        ("gemma3", &[3, 7][..]),
+        ("phi3", &[4][..]),
+        ("olmo2", &[3][..]),
+    ] {
+        check_case_with(case, worlds, true);
+    }
+}
+
+#[test]
+fn full_recompute_under_sequence_parallelism_gives_the_same_bits() {
+    let a = train("gemma3", 4, Recompute::None, true);
+    let b = train("gemma3", 4, Recompute::Full, true);
+    assert_eq!(a.0, b.0);
+    assert_eq!(a.1, b.1);
 }

@@ -15,7 +15,7 @@
 use super::ParallelCausalLm;
 use crate::error::{ModelError, Result};
 use tp_core::{Device, Tensor};
-use tp_layers::{BlockSaved, Param, Placement};
+use tp_layers::{BlockSaved, Param, Placement, SeqBatch};
 
 /// What a training forward keeps of the blocks for the backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -102,27 +102,30 @@ impl ParallelCausalLm {
         let ids = Tensor::from_vec(ids, &[targets.len()], &Device::Cpu)?;
 
         self.sync_tied_head()?;
-        // Forward.
-        let mut x = self.embed.forward(&ids)?;
+        let batch = SeqBatch::new(&lens, self.sequence_parallel && self.group.world_size() > 1);
+        // Forward (this rank's rows of every activation outside attention and the MLP: all of
+        // them, or its sequence shard).
+        let mut x = self.embed.forward_train(&ids, &batch)?;
         let mut saved: Vec<(Tensor, Option<BlockSaved>)> = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let (y, s) = layer.forward_train(&x, &lens)?;
+            let (y, s) = layer.forward_train(&x, &batch)?;
             let keep = if recompute == Recompute::Full { None } else { Some(s) };
             saved.push((std::mem::replace(&mut x, y), keep));
         }
         let h = self.norm.forward(&x)?;
-        let out = self.lm_head.loss_backward(&h, &targets, loss_scale)?;
+        // The LM head sees every token (vocab-parallel); its dh is the same on every rank.
+        let out = self.lm_head.loss_backward(&batch.gather(&h, &self.group)?, &targets, loss_scale)?;
 
         // Backward.
-        let mut dx = self.norm.backward(&x, &out.dh)?;
+        let mut dx = self.norm.backward(&x, &batch.local(&out.dh, &self.group)?)?;
         for (layer, (input, s)) in self.layers.iter_mut().zip(saved).rev() {
             let s = match s {
                 Some(s) => s,
-                None => layer.forward_train(&input, &lens)?.1,
+                None => layer.forward_train(&input, &batch)?.1,
             };
             dx = layer.backward(s, &dx)?;
         }
-        self.embed.backward(&ids, &dx)?;
+        self.embed.backward(&ids, &dx, &batch)?;
         if self.config.tie_word_embeddings
             && let Some(g) = self.lm_head.take_grad()
         {
@@ -139,19 +142,26 @@ impl ParallelCausalLm {
     /// Errors: quantized weights (a GGUF model loaded without a dtype cannot be trained).
     pub fn params_mut(&mut self) -> Result<Vec<Param<'_>>> {
         let names = self.config.architecture.spec().names;
+        let sp = self.sequence_parallel;
         let mut out = Vec::new();
         let mut push = |p| out.push(p);
         self.embed.params("model.embed_tokens", &mut push);
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            layer.params(&format!("model.layers.{i}"), &names, &mut push)?;
+            layer.params(&format!("model.layers.{i}"), &names, sp, &mut push)?;
         }
         let h = self.config.hidden_size;
         self.norm
-            .param(vec![Placement::replicated("model.norm.weight".into(), &[h], self.group.rank(), false)], &mut push);
+            .param(vec![Placement::replicated("model.norm.weight".into(), &[h], self.group.rank(), sp)], &mut push);
         if !self.config.tie_word_embeddings {
             self.lm_head.params("lm_head", &mut push)?;
         }
         Ok(out)
+    }
+
+    /// Sequence parallelism for the training calls that follow (norms and residuals on
+    /// sequence shards, [`SeqBatch`]); off by default. No effect at world size 1.
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.sequence_parallel = on;
     }
 
     /// Points a tied LM head at the embedding table again (after the table was updated in
