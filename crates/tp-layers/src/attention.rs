@@ -101,12 +101,7 @@ pub struct AttentionNames {
 
 impl Default for AttentionNames {
     fn default() -> Self {
-        AttentionNames {
-            qkv: Projections::Separate(["q_proj", "k_proj", "v_proj"]),
-            o: "o_proj",
-            q_norm: "q_norm",
-            k_norm: "k_norm",
-        }
+        AttentionNames { qkv: Projections::default(), o: "o_proj", q_norm: "q_norm", k_norm: "k_norm" }
     }
 }
 
@@ -160,7 +155,7 @@ impl ParallelAttention {
             return Err(LayerError::Config(format!("attention layout {l:?} and config {config:?} disagree")));
         }
         let s = o_proj.shard();
-        let cols = l.q_start * l.head_dim..(l.q_start + l.q_len) * l.head_dim;
+        let cols = l.o_proj_columns();
         if (s.start()..s.end()) != cols
             || s.global_len() != l.num_heads * l.head_dim
             || (s.rank(), s.world_size()) != (l.rank, l.world_size)
@@ -220,8 +215,7 @@ impl ParallelAttention {
         let dev = group.device();
         let moved = |l: &Linear| l.to(l.dtype(), &dev);
         let qkv = QkvParallel::from_full(&moved(q)?, &moved(k)?, &moved(v)?, layout)?;
-        let cols = layout.q_start * h.head_dim..(layout.q_start + layout.q_len) * h.head_dim;
-        let o_proj = RowParallel::from_full_columns(o.weight()?, o.bias(), cols, group)?;
+        let o_proj = RowParallel::from_full_columns(o.weight()?, o.bias(), layout.o_proj_columns(), group)?;
         let norms = match (config.qk_norm, qk_norm) {
             (Some(n), Some((wq, wk))) => {
                 let (wq, wk) = (wq.to_device(&dev)?, wk.to_device(&dev)?);
@@ -248,10 +242,9 @@ impl ParallelAttention {
     pub fn load(ld: &Loader<'_>, config: &AttentionConfig, names: AttentionNames) -> Result<ParallelAttention> {
         let qkv = QkvParallel::load(ld, config.heads, names.qkv)?;
         let l = *qkv.layout();
-        let cols = l.q_start * l.head_dim..(l.q_start + l.q_len) * l.head_dim;
         let hidden = qkv.local().in_features();
         ld.expect(&format!("{}.weight", names.o), &[hidden, l.num_heads * l.head_dim])?;
-        let o_proj = RowParallel::load_columns(&ld.pp(names.o), cols)?;
+        let o_proj = RowParallel::load_columns(&ld.pp(names.o), l.o_proj_columns())?;
         let norms = match config.qk_norm {
             None => None,
             Some(n) => {

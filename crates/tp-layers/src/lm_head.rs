@@ -64,7 +64,10 @@ impl ParallelLmHead {
         Self::new(ld.linear_rows("weight", shard.start(), shard.len())?, shard, ld.group())
     }
 
-    /// The head of a model with tied embeddings: the embedding's own shard (shared, not copied).
+    /// The head of a model with tied embeddings: the embedding's own shard (shared, not copied),
+    /// so in the embedding's dtype, on its device, and with no soft-capping (add it with
+    /// [`with_softcap`](Self::with_softcap)). To compute the logits in another dtype, use
+    /// [`tied_as`](Self::tied_as).
     pub fn tied(embedding: &VocabParallelEmbedding) -> ParallelLmHead {
         ParallelLmHead {
             weight: embedding.table().clone().into(),
@@ -73,6 +76,23 @@ impl ParallelLmHead {
             group: embedding.group().clone(),
             grad: crate::Grad::default(),
         }
+    }
+
+    /// The head of a model with tied embeddings, its weight the embedding's shard converted to
+    /// `dtype` (a copy when the dtype differs; shared when it is the same, as [`tied`](Self::tied)).
+    /// A tied head is the table itself: training it updates the embedding, so a copy in
+    /// another dtype is for inference.
+    pub fn tied_as(embedding: &VocabParallelEmbedding, dtype: tp_core::DType) -> Result<ParallelLmHead> {
+        let mut head = Self::tied(embedding);
+        if embedding.table().dtype() != dtype {
+            head.weight = embedding.table().to_dtype(dtype)?.into();
+        }
+        Ok(head)
+    }
+
+    /// The dtype of the logits (the weight's; f32 for quantized blocks).
+    pub fn dtype(&self) -> tp_core::DType {
+        self.weight.dtype().unwrap_or(tp_core::DType::F32)
     }
 
     /// The same head with final-logit soft-capping at `cap` (> 0, finite).

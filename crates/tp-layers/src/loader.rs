@@ -23,18 +23,47 @@ pub struct Loader<'a> {
     group: &'a DeviceGroup,
     opts: LoadOptions,
     prefix: String,
+    /// Why the prefix is not a checkpoint path (an empty segment), reported by every read.
+    invalid: Option<String>,
 }
 
 impl<'a> Loader<'a> {
     /// The whole checkpoint (empty prefix) for the rank of `group`.
     pub fn new(ckpt: &'a Checkpoint, group: &'a DeviceGroup, opts: LoadOptions) -> Loader<'a> {
-        Loader { ckpt, group, opts, prefix: String::new() }
+        Loader { ckpt, group, opts, prefix: String::new(), invalid: None }
     }
 
     /// The same view one level down: tensor `t` of the result is `{prefix}.{name}.{t}`.
+    ///
+    /// `name` may hold several levels at once: `pp("model.layers.3")` is
+    /// `pp("model").pp("layers").pp(3)`. Each level must be a non-empty segment: a name with an
+    /// empty one (`""`, `"a..b"`, `".a"`, `"a."`) gives a loader whose every read fails with
+    /// [`LayerError::Config`] naming the path (so a typo is an error at the first read, not a
+    /// missing tensor under a mangled name).
     pub fn pp(&self, name: impl std::fmt::Display) -> Loader<'a> {
-        let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
-        Loader { prefix, ..self.clone() }
+        let name = name.to_string();
+        let prefix = if self.prefix.is_empty() { name.clone() } else { format!("{}.{name}", self.prefix) };
+        let invalid = self.invalid.clone().or_else(|| {
+            name.split('.')
+                .any(str::is_empty)
+                .then(|| format!("pp({name:?}) under {:?} has an empty path segment", self.prefix))
+        });
+        Loader { prefix, invalid, ..self.clone() }
+    }
+
+    /// The full name of tensor `t`, checked: an error if the prefix or `t` has an empty
+    /// segment.
+    fn checked(&self, t: &str) -> Result<String> {
+        if let Some(why) = &self.invalid {
+            return Err(LayerError::Config(format!("checkpoint path: {why}")));
+        }
+        if t.split('.').any(str::is_empty) {
+            return Err(LayerError::Config(format!(
+                "checkpoint path: tensor {t:?} under {:?} has an empty segment",
+                self.prefix
+            )));
+        }
+        Ok(self.name(t))
     }
 
     /// The prefix (empty at the top).
@@ -76,12 +105,12 @@ impl<'a> Loader<'a> {
 
     /// Whether tensor `t` exists.
     pub fn contains(&self, t: &str) -> bool {
-        self.ckpt.contains(&self.name(t))
+        self.checked(t).is_ok_and(|n| self.ckpt.contains(&n))
     }
 
     /// The shape of parameter `t` (a float tensor; otherwise [`LayerError::WrongDtype`]).
     pub fn dims(&self, t: &str) -> Result<Vec<usize>> {
-        Ok(self.ckpt.param_info(&self.name(t))?.1)
+        Ok(self.ckpt.param_info(&self.checked(t)?)?.1)
     }
 
     /// The shape of the 2-D parameter `t`, `(rows, columns)`.
@@ -97,14 +126,14 @@ impl<'a> Loader<'a> {
 
     /// Checks that parameter `t` exists with shape `dims`.
     pub fn expect(&self, t: &str, dims: &[usize]) -> Result<()> {
-        let name = self.name(t);
+        let name = self.checked(t)?;
         self.ckpt.param_info(&name)?;
         self.ckpt.expect(&name, dims, None)
     }
 
     /// The whole parameter `t`, converted and placed as the options and group say.
     pub fn full(&self, t: &str) -> Result<Tensor> {
-        let name = self.name(t);
+        let name = self.checked(t)?;
         self.ckpt.param_info(&name)?;
         self.ckpt.load(&name, self.opts.dtype, &self.device())
     }
@@ -137,12 +166,12 @@ impl<'a> Loader<'a> {
         if !self.opts.quantized {
             return Ok(1);
         }
-        Ok(self.ckpt.quant_type(&self.name(t))?.map_or(1, |q| q.block_elems()))
+        Ok(self.ckpt.quant_type(&self.checked(t)?)?.map_or(1, |q| q.block_elems()))
     }
 
     fn linear_range(&self, t: &str, dim: usize, start: usize, len: usize) -> Result<Weight> {
         if self.opts.quantized
-            && let Some(q) = self.ckpt.quant_range(&self.name(t), dim, start, len)?
+            && let Some(q) = self.ckpt.quant_range(&self.checked(t)?, dim, start, len)?
         {
             return Ok(Weight::Quant(q));
         }
@@ -150,7 +179,7 @@ impl<'a> Loader<'a> {
     }
 
     fn range(&self, t: &str, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        let name = self.name(t);
+        let name = self.checked(t)?;
         self.ckpt.param_info(&name)?;
         Ok(self.ckpt.load_range(&name, dim, start, len, self.opts.dtype, &self.device())?.0)
     }

@@ -28,7 +28,7 @@ pub struct MlpNames {
 
 impl Default for MlpNames {
     fn default() -> Self {
-        MlpNames { gate_up: Projections::Separate(["gate_proj", "up_proj"]), down: "down_proj" }
+        MlpNames { gate_up: Projections::default(), down: "down_proj" }
     }
 }
 

@@ -20,6 +20,20 @@ pub enum Projections<const N: usize> {
     Fused(&'static str),
 }
 
+/// Hugging Face's separate attention projections: `q_proj`, `k_proj`, `v_proj`.
+impl Default for Projections<3> {
+    fn default() -> Self {
+        Projections::Separate(["q_proj", "k_proj", "v_proj"])
+    }
+}
+
+/// Hugging Face's separate MLP input projections: `gate_proj`, `up_proj`.
+impl Default for Projections<2> {
+    fn default() -> Self {
+        Projections::Separate(["gate_proj", "up_proj"])
+    }
+}
+
 impl<const N: usize> Projections<N> {
     /// The tensor holding part `i` and the row where that part starts in it, given every
     /// part's row count.

@@ -115,6 +115,14 @@ impl QkvLayout {
         self.q_start..self.q_start + self.q_len
     }
 
+    /// The input features of the output projection (`o_proj`, `[H, heads·D]`) this rank
+    /// holds: those of its query heads, `[q_start·D, (q_start + q_len)·D)`, the head-aligned
+    /// range [`RowParallel::load_columns`](crate::RowParallel::load_columns) takes (uneven
+    /// where the heads are).
+    pub fn o_proj_columns(&self) -> Range<usize> {
+        self.q_start * self.head_dim..(self.q_start + self.q_len) * self.head_dim
+    }
+
     /// This rank's KV heads, counted in the model.
     pub fn kv_heads(&self) -> Range<usize> {
         self.kv_start..self.kv_start + self.kv_len
