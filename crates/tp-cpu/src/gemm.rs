@@ -126,6 +126,15 @@ impl KBlocks {
 
 /// Where the driver gets W's panels.
 #[derive(Clone, Copy)]
+pub(crate) enum ASource<'a, T> {
+    /// `x: [m, k]` row-major.
+    Rows(&'a [T]),
+    /// `x` given as its transpose, `[k, m]` row-major (the `dY^T` of a weight gradient); not for
+    /// AMX, whose tiles take x from rows.
+    Cols(&'a [T]),
+}
+
+/// Where the GEMM's `W` comes from.
 pub(crate) enum BSource<'a, T> {
     /// Packs them from the weight (in `layout`) in each task, for each depth block.
     Pack(&'a [T], Layout),
@@ -315,7 +324,7 @@ impl Out {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm<T: Float>(
     micro: Micro,
-    x: &[T],
+    x: ASource<'_, T>,
     b: BSource<'_, T>,
     bias: Option<&[f32]>,
     m: usize,
@@ -323,7 +332,12 @@ pub(crate) fn gemm<T: Float>(
     n: usize,
     y: &mut [MaybeUninit<f32>],
 ) {
+    let (x, x_cols) = match x {
+        ASource::Rows(x) => (x, false),
+        ASource::Cols(x) => (x, true),
+    };
     assert!(x.len() == m * k && y.len() == m * n && k > 0, "gemm: operands");
+    assert!(!(x_cols && matches!(micro, Micro::Amx { .. })), "gemm: AMX packs x from rows only");
     match b {
         BSource::Pack(w, _) => assert!(w.len() == n * k, "gemm: w"),
         BSource::Packed(p) => {
@@ -364,10 +378,24 @@ pub(crate) fn gemm<T: Float>(
                 // (block, panel group)), all inside it (`a_at` of the last panel of the last
                 // block plus its size is `a_len`), and `a_buf` outlives `run`.
                 let dst = unsafe { std::slice::from_raw_parts_mut(a_out.get().cast::<u32>().add(start), size) };
-                let src = Src { data: x, ld: k };
                 match micro {
-                    Micro::Amx { .. } => pack::rows_plain(src, p0 * mr, rows, k0, len, mr, depth, dst),
-                    _ => pack::rows(micro.pack_isa(), lanes, src, p0 * mr, rows, k0, len, mr, depth, dst),
+                    // x given as its transpose `[k, m]`: its columns are x's rows.
+                    _ if x_cols => pack::cols(lanes, Src { data: x, ld: m }, k0, len, p0 * mr, rows, mr, depth, dst),
+                    Micro::Amx { .. } => {
+                        pack::rows_plain(Src { data: x, ld: k }, p0 * mr, rows, k0, len, mr, depth, dst)
+                    }
+                    _ => pack::rows(
+                        micro.pack_isa(),
+                        lanes,
+                        Src { data: x, ld: k },
+                        p0 * mr,
+                        rows,
+                        k0,
+                        len,
+                        mr,
+                        depth,
+                        dst,
+                    ),
                 }
             });
         }

@@ -8,7 +8,7 @@
 use crate::dispatch::CpuKernel;
 use crate::element::Float;
 use crate::error::{Error, Result};
-use crate::gemm::{self, BSource, Micro};
+use crate::gemm::{self, ASource, BSource, Micro};
 use crate::gemv;
 use crate::packed::PackedWeight;
 use crate::shape::{GemmShape, Layout};
@@ -64,7 +64,7 @@ pub fn matmul<T: Float>(
     if layout == Layout::Nk && m <= gemv::MAX_ROWS && !batch_invariant() {
         gemv::gemv(kernel, x, w, bias, m, k, n, y);
     } else {
-        gemm::gemm(Micro::choose(kernel, T::KIND), x, BSource::Pack(w, layout), bias, m, k, n, y);
+        gemm::gemm(Micro::choose(kernel, T::KIND), ASource::Rows(x), BSource::Pack(w, layout), bias, m, k, n, y);
     }
     Ok(())
 }
@@ -95,11 +95,44 @@ pub fn matmul_packed<T: Float>(
     let micro = Micro::choose(CpuKernel::current(), T::KIND);
     match packed.panels(micro) {
         Some(panels) if k > 0 && (m > gemv::MAX_ROWS || batch_invariant()) => {
-            gemm::gemm(micro, x, BSource::Packed(panels), bias, m, k, n, y);
+            gemm::gemm(micro, ASource::Rows(x), BSource::Packed(panels), bias, m, k, n, y);
             Ok(())
         }
         _ => matmul(x, w, Layout::Nk, bias, shape, y),
     }
+}
+
+/// `y = a^T · op(W) + bias` for `a` given as `[k, m]` row-major (so `a^T` is the `m x k`
+/// operand): the weight gradient `dW = dY^T X` of `Y = X W^T` is `matmul_tn(dY, X, Kn, ..)`
+/// with `dY: [T, out]` (`k = T`, `m = out`) and `X: [T, in]` read as a `[K, N]` weight. The
+/// packed GEMM packs `a`'s panels straight from its columns, so no transposed copy is made
+/// (on AMX, whose tiles take rows, `a` is transposed into a scratch copy first). Same contract
+/// and errors as [`matmul`] otherwise (`a`'s length is checked as `m * k`).
+pub fn matmul_tn<T: Float>(
+    a: &[T],
+    w: &[T],
+    layout: Layout,
+    bias: Option<&[f32]>,
+    shape: GemmShape,
+    y: &mut [MaybeUninit<f32>],
+) -> Result<()> {
+    check_lengths(a, w, bias, shape, y)?;
+    let GemmShape { m, n, k } = shape;
+    if k == 0 || m == 0 || n == 0 {
+        // Nothing is read from `a`: the plain product gives the bias (or zeros).
+        return matmul(a, w, layout, bias, shape, y);
+    }
+    let micro = Micro::choose(CpuKernel::current(), T::KIND);
+    if matches!(micro, Micro::Amx { .. }) {
+        let mut t = Vec::with_capacity(m * k);
+        for i in 0..m {
+            t.extend((0..k).map(|j| a[j * m + i]));
+        }
+        gemm::gemm(micro, ASource::Rows(&t), BSource::Pack(w, layout), bias, m, k, n, y);
+    } else {
+        gemm::gemm(micro, ASource::Cols(a), BSource::Pack(w, layout), bias, m, k, n, y);
+    }
+    Ok(())
 }
 
 /// Checks every buffer's length against `shape` (an `[N, K]` or `[K, N]` weight alike).

@@ -106,7 +106,7 @@ fn tiles<T: Float>(
             with_ggml_rows(t, layout, &src[r0 * row_bytes..r1 * row_bytes], row_bytes, |w| dequant(kernel, t, w, part));
         });
         let y_tile = &mut y_tile[..m * n];
-        gemm::gemm(micro, x, BSource::Pack(tile, Layout::Nk), None, m, k, n, y_tile);
+        gemm::gemm(micro, gemm::ASource::Rows(x), BSource::Pack(tile, Layout::Nk), None, m, k, n, y_tile);
         for (i, yt) in y_tile.chunks_exact(n).enumerate() {
             for (dst, v) in y[i * rows + j0..][..n].iter_mut().zip(yt) {
                 // SAFETY: `gemm` wrote every element of `y_tile`.
