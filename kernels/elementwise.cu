@@ -16,18 +16,9 @@
 //   Launch: grid-stride over n.
 // Launch: blocks stride over rows, threads over the columns of a row (no integer division in
 // the loop), 256 threads per block, grid = min(rows, 32 * SMs); 64-bit indices.
-#include "common.cuh"
+#include "activation.cuh"
 
-// sqrt(2/pi), as PyTorch's kBeta = M_SQRT2 * M_2_SQRTPI * 0.5 rounded to float.
-#define TP_GELU_BETA 0.7978845608028654f
-#define TP_GELU_KAPPA 0.044715f
-
-__device__ __forceinline__ float activation(float g, int act) {
-    if (act == 0) return __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-    const float cube = __fmul_rn(__fmul_rn(g, g), g);
-    const float inner = __fmul_rn(TP_GELU_BETA, __fadd_rn(g, __fmul_rn(TP_GELU_KAPPA, cube)));
-    return __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, tanhf(inner)));
-}
+using tp::activation;
 
 template <typename T>
 __device__ __forceinline__ void glu(T* __restrict__ out, const T* __restrict__ in, int64_t rows, int64_t inner,

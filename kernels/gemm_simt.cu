@@ -1,16 +1,20 @@
-// gemm_simt.cu -- tiled fp32 SIMT GEMM with fused bias: C = A * op(B) + bias.
+// gemm_simt.cu -- tiled fp32 SIMT GEMM with fused bias: C = op(A) * op(B) + bias, and the
+// accumulating weight-gradient form C (+)= A^T B.
 //
 // Layouts (all row-major, 64-bit offsets):
-//   A:    M x K activations.
-//   B:    weight, either N x K ("NK": nn.Linear / checkpoint layout, C = A B^T) or K x N ("KN").
-//   bias: N entries, or null.
-//   C:    M x N output.
+//   A:    M x K activations, or K x M for tp_gemm_simt_f32_tn (C = A^T B: a weight gradient
+//         dW = dY^T X, the K rows being tokens).
+//   B:    weight, either N x K ("NK": nn.Linear / checkpoint layout, C = A B^T) or K x N ("KN":
+//         C = A B, the data gradient dX = dY W of an [N, K] weight read as [K, N]; and TN's B).
+//   bias: N entries, or null (TN: none).
+//   C:    M x N output; TN with beta = 1 adds the product to it (C += A^T B), beta = 0 overwrites.
 // Tiling: a 256-thread block computes a 128 x 128 tile of C in K-steps of 8; each thread owns an
 // 8 x 8 sub-tile held in registers. A and B tiles are staged through shared memory, k-major, with
 // double buffering: the next tile is fetched into registers while the current one is multiplied.
 // Edges: any M, N, K; out-of-range loads read 0 and out-of-range stores are skipped. 16-byte
-// loads are used where K (NK) or N (KN) is a multiple of 4 and the pointers are 16-byte aligned
-// (`vec` != 0, checked by the launcher), scalar loads otherwise.
+// loads are used where the contiguous dim of an operand (A: K, or M for TN; B: K for NK, N
+// otherwise) is a multiple of 4 and the pointers are 16-byte aligned (`vec` bit 0 for A, bit 1
+// for B, set by the launcher), scalar loads otherwise.
 // Launch: grid = (ceil(N / 128), ceil(M / 128)), block = 256, no dynamic shared memory.
 #include "common.cuh"
 
@@ -62,10 +66,22 @@ __device__ __forceinline__ void store_kn(float (*s)[BN], float4 v) {
     *reinterpret_cast<float4*>(&s[t / 32][4 * (t % 32)]) = v;
 }
 
-template <bool NK>
+// One thread's share of A's next tile and its store: A is M x K (K-contiguous), or K x M when AT
+// (transposed: the TN form).
+template <bool AT>
+__device__ __forceinline__ float4 fetch_a(const float* A, int64_t M, int64_t K, int64_t m0, int64_t k0, bool vec) {
+    return AT ? fetch_kn(A, K, M, k0, m0, vec) : fetch_rows_k(A, M, K, m0, k0, vec);
+}
+template <bool AT>
+__device__ __forceinline__ void store_a(float (*s)[BM], float4 v) {
+    static_assert(BM == BN, "a K x M tile of A is staged as a K x N tile of B");
+    if (AT) store_kn(s, v); else store_rows_k(s, v);
+}
+
+template <bool AT, bool NK>
 __device__ __forceinline__ void gemm_simt(float* __restrict__ C, const float* __restrict__ A,
                                           const float* __restrict__ B, const float* __restrict__ bias, int64_t M,
-                                          int64_t N, int64_t K, int vec) {
+                                          int64_t N, int64_t K, int vec, int beta) {
     __shared__ __align__(16) float As[2][BK][BM];
     __shared__ __align__(16) float Bs[2][BK][BN];
 
@@ -74,9 +90,9 @@ __device__ __forceinline__ void gemm_simt(float* __restrict__ C, const float* __
     const bool vec_a = vec & 1, vec_b = vec & 2;
 
     float acc[TM][TN] = {};
-    float4 ra = fetch_rows_k(A, M, K, m0, 0, vec_a);
+    float4 ra = fetch_a<AT>(A, M, K, m0, 0, vec_a);
     float4 rb = NK ? fetch_rows_k(B, N, K, n0, 0, vec_b) : fetch_kn(B, K, N, 0, n0, vec_b);
-    store_rows_k(As[0], ra);
+    store_a<AT>(As[0], ra);
     if (NK) store_rows_k(Bs[0], rb); else store_kn(Bs[0], rb);
     __syncthreads();
 
@@ -86,7 +102,7 @@ __device__ __forceinline__ void gemm_simt(float* __restrict__ C, const float* __
         const bool more = kt + 1 < ktiles;
         if (more) {  // fetch the next tile into registers while this one is multiplied
             const int64_t k0 = (kt + 1) * BK;
-            ra = fetch_rows_k(A, M, K, m0, k0, vec_a);
+            ra = fetch_a<AT>(A, M, K, m0, k0, vec_a);
             rb = NK ? fetch_rows_k(B, N, K, n0, k0, vec_b) : fetch_kn(B, K, N, k0, n0, vec_b);
         }
 #pragma unroll
@@ -104,13 +120,13 @@ __device__ __forceinline__ void gemm_simt(float* __restrict__ C, const float* __
                 for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
         }
         if (more) {  // the other buffer was last read before the previous barrier
-            store_rows_k(As[cur ^ 1], ra);
+            store_a<AT>(As[cur ^ 1], ra);
             if (NK) store_rows_k(Bs[cur ^ 1], rb); else store_kn(Bs[cur ^ 1], rb);
         }
         __syncthreads();
     }
 
-    // Epilogue: C = acc + bias, bounds-checked.
+    // Epilogue: C = acc + bias, or C = C + acc (beta), bounds-checked.
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int64_t m = m0 + tr * TM + i;
@@ -118,7 +134,9 @@ __device__ __forceinline__ void gemm_simt(float* __restrict__ C, const float* __
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
             const int64_t n = n0 + tc * TN + j;
-            if (n < N) C[m * N + n] = acc[i][j] + (bias ? bias[n] : 0.f);
+            if (n >= N) continue;
+            if (beta) C[m * N + n] = __fadd_rn(C[m * N + n], acc[i][j]);
+            else C[m * N + n] = acc[i][j] + (bias ? bias[n] : 0.f);
         }
     }
 }
@@ -128,11 +146,17 @@ __device__ __forceinline__ void gemm_simt(float* __restrict__ C, const float* __
 extern "C" __global__ void __launch_bounds__(THREADS) tp_gemm_simt_f32_nk(float* C, const float* A, const float* B,
                                                                            const float* bias, int64_t M, int64_t N,
                                                                            int64_t K, int vec) {
-    gemm_simt<true>(C, A, B, bias, M, N, K, vec);
+    gemm_simt<false, true>(C, A, B, bias, M, N, K, vec, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) tp_gemm_simt_f32_kn(float* C, const float* A, const float* B,
                                                                            const float* bias, int64_t M, int64_t N,
                                                                            int64_t K, int vec) {
-    gemm_simt<false>(C, A, B, bias, M, N, K, vec);
+    gemm_simt<false, false>(C, A, B, bias, M, N, K, vec, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) tp_gemm_simt_f32_tn(float* C, const float* A, const float* B,
+                                                                           int64_t M, int64_t N, int64_t K, int vec,
+                                                                           int beta) {
+    gemm_simt<true, false>(C, A, B, nullptr, M, N, K, vec, beta);
 }

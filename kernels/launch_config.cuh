@@ -46,3 +46,14 @@ TP_CONST(ATTENTION_WARPS, 4)
 
 // sampling.cu: most candidates tp_top_k_T returns per row.
 TP_CONST(SAMPLING_TOP_K_MAX, 64)
+
+// grad.cu: rows per chunk of a column sum's first pass, and the most chunks (then the chunks
+// grow): the partial sums are at most COL_SUM_MAX_CHUNKS x cols floats.
+TP_CONST(COL_SUM_CHUNK_ROWS, 64)
+TP_CONST(COL_SUM_MAX_CHUNKS, 128)
+
+// optim.cu: tensors per launch of the multi-tensor AdamW (its table is a kernel parameter of
+// ADAMW_TABLE_BYTES), and elements per block-sized chunk of work.
+TP_CONST(ADAMW_MAX_TENSORS, 32)
+TP_CONST(ADAMW_TABLE_BYTES, 1680)
+TP_CONST(ADAMW_CHUNK, 16384)

@@ -14,8 +14,9 @@ const ARCHS: &[&str] = &["sm_80", "sm_90a"];
 
 /// (kernel file stem, arch, SASS mnemonics that must appear).
 const SASS_EXPECT: &[(&str, &str, &[&str])] = &[
-    ("gemm_mma", "sm_80", &["HMMA.16816.F32.BF16", "LDSM", "LDGSTS"]),
-    ("gemm_mma", "sm_90a", &["HMMA.16816.F32.BF16", "LDSM", "LDGSTS"]),
+    // LDSM.16.MT88: ldmatrix.trans, how the kn and tn layouts read their [K][rows] tiles.
+    ("gemm_mma", "sm_80", &["HMMA.16816.F32.BF16", "LDSM", "LDSM.16.MT88", "LDGSTS"]),
+    ("gemm_mma", "sm_90a", &["HMMA.16816.F32.BF16", "LDSM", "LDSM.16.MT88", "LDGSTS"]),
     ("gemm_wgmma", "sm_90a", &["HGMMA.64x128x16.F32.BF16", "UTMALDG.2D", "SYNCS", "USETMAXREG"]),
 ];
 

@@ -10,6 +10,7 @@
 # LD_LIBRARY_PATH folders, then `ldconfig -p`), then runs:
 #   gpu-tests       -> RESULTS_DIR/gpu-tests.txt (exit status in gpu-tests.rc)
 #   gpu-quant-tests -> RESULTS_DIR/gpu-quant-tests.txt (ggml-format weight kernels vs tp-cpu)
+#   gpu-grad-tests  -> RESULTS_DIR/gpu-grad-tests.txt (training's kernels vs the host ops)
 #   gpu-comm-tests  -> RESULTS_DIR/gpu-comm-tests.txt (NCCL at world 1, LocalGroup on one GPU)
 #   gpu-layer-tests -> RESULTS_DIR/gpu-layer-tests.txt (layers on LocalGroup ranks sharing GPU 0)
 #   gpu-model-tests -> RESULTS_DIR/gpu-model-tests.txt (whole models on GPU 0, 1..4 ranks)
@@ -152,7 +153,7 @@ note_fault() {
   fi
 }
 
-for suite in gpu-tests gpu-quant-tests gpu-comm-tests gpu-layer-tests gpu-model-tests; do
+for suite in gpu-tests gpu-quant-tests gpu-grad-tests gpu-comm-tests gpu-layer-tests gpu-model-tests; do
   step "$suite" "$step_secs" "$bin/$suite" --test-threads=1
   note_fault "$suite"
 done

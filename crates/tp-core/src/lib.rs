@@ -49,8 +49,8 @@ pub use device::Device;
 pub use dtype::{DType, Element, IntElement, Storable, bf16, f16};
 pub use error::{Error, Result};
 pub use ops::{
-    Activation, AttentionSpec, KvGroups, NormStyle, PackedWeight, PagedAttentionSpec, PagedSeq, QuantWeight,
-    RopeScaling, RotaryEmbedding, WeightLayout,
+    Activation, AdamwParam, AdamwStep, AttentionSpec, KvGroups, NormStyle, PackedWeight, PagedAttentionSpec, PagedSeq,
+    QuantWeight, RopeScaling, RotaryEmbedding, WeightLayout, adamw_step,
 };
 pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;

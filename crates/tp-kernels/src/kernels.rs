@@ -45,13 +45,31 @@ pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
         for vec in [true, false] {
             v.push(("gemm_small_m", small_m(t, vec)));
         }
+        // Training: the backward kernels, the cross-entropy pieces.
+        for k in ["rms_norm_grad_dot", "rms_norm_backward", "col_sum", "rope_backward", "glu_backward"] {
+            v.push(("grad", format!("tp_{k}_{}", t.name())));
+        }
+        v.push(("grad", format!("tp_softcap_backward_{}", t.name())));
+        v.push(("grad", format!("tp_transpose_{}", t.name())));
+        for id in [ElemType::I32, ElemType::I64] {
+            v.push(("grad", format!("tp_embedding_backward_{}_{}", t.name(), id.name())));
+        }
+        for k in ["row_max", "cross_entropy_parts", "cross_entropy_backward"] {
+            v.push(("loss", format!("tp_{k}_{}", t.name())));
+        }
     }
+    v.push(("grad", "tp_col_sum_finish".to_string()));
+    v.push(("optim", "tp_adamw".to_string()));
     for nk in [true, false] {
         v.push(("gemm_simt", simt(nk)));
     }
+    v.push(("gemm_simt", SIMT_TN.to_string()));
     for t in HALVES {
         for aligned in [true, false] {
             v.push(("gemm_mma", mma(t, aligned)));
+            for layout in [MmaLayout::Kn, MmaLayout::Tn] {
+                v.push(("gemm_mma", mma_layout(t, layout, aligned)));
+            }
         }
         v.push(("gemm_wgmma", format!("tp_gemm_wgmma_{}", t.name())));
     }
@@ -84,7 +102,27 @@ pub(crate) fn quant_gemv(q: QuantFormat, t: ElemType) -> String {
     format!("tp_quant_gemv_{}_{}", q.kernel_name(), t.name())
 }
 pub(crate) fn mma(t: ElemType, aligned: bool) -> String {
-    format!("tp_gemm_mma_{}_nk{}", t.name(), if aligned { "" } else { "_unaligned" })
+    mma_layout(t, MmaLayout::Nk, aligned)
+}
+
+/// The SIMT GEMM's `C (+)= A^T B` kernel.
+pub(crate) const SIMT_TN: &str = "tp_gemm_simt_f32_tn";
+
+/// The layouts of `kernels/gemm_mma.cu`: `C = A B^T` (nk), `C = A B` (kn), `C (+)= A^T B` (tn).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MmaLayout {
+    Nk,
+    Kn,
+    Tn,
+}
+
+pub(crate) fn mma_layout(t: ElemType, layout: MmaLayout, aligned: bool) -> String {
+    let l = match layout {
+        MmaLayout::Nk => "nk",
+        MmaLayout::Kn => "kn",
+        MmaLayout::Tn => "tn",
+    };
+    format!("tp_gemm_mma_{}_{l}{}", t.name(), if aligned { "" } else { "_unaligned" })
 }
 
 #[cfg(test)]

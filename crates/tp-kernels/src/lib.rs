@@ -6,6 +6,8 @@
 //! ([`Gpu`]), and launches them through typed launchers that check sizes, alignment and grid
 //! limits first ([`Gpu::row_copy`], [`Gpu::gather_interleave`], [`Gpu::cast`],
 //! [`Gpu::gemm_simt_f32`], [`Gpu::gemm_mma`], [`Gpu::gemm_wgmma`], [`Gpu::gemm_tensor_core`];
+//! for training the data- and weight-gradient GEMMs [`Gpu::gemm_nn`] and [`Gpu::gemm_tn`], the
+//! backward kernels, the cross-entropy pieces and [`Gpu::adamw`];
 //! for ggml block-quantized weights [`Gpu::dequantize`] and [`Gpu::quant_gemv`], the formats
 //! named by [`QuantFormat`]). All `unsafe` of the GPU path lives here.
 //!
@@ -33,7 +35,8 @@ pub use elem::ElemType;
 pub use error::{KernelError, Result, STICKY_ERROR_NOTE, note_sticky_errors_on_panic, sticky_error_note};
 pub use gpu::{Gpu, count_host_sync, device_count, driver_available, host_syncs, set_poison_allocations};
 pub use launch::{
-    AttentionShape, GemmArgs, GemmKernel, GemmShape, PagedSequence, PagedShape, RowCopy, RowPenalties, TOP_K_MAX,
+    AdamwFactors, AdamwTensor, AttentionShape, GemmArgs, GemmKernel, GemmShape, GemmTnArgs, NormSplit, PagedSequence,
+    PagedShape, RowCopy, RowPenalties, TOP_K_MAX,
 };
 pub use limits::{ATTENTION_MAX_HEAD_DIM, QUANT_GEMV_MAX_M, SMALL_M_MAX};
 pub use modules::{KernelModule, MODULES, NOT_COMPILED, module};

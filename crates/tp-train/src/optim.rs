@@ -119,10 +119,31 @@ impl AdamW {
         let step_size = (lr / bc1) as f32;
         let bc2_sqrt = bc2.sqrt() as f32;
         let eps = self.eps as f32;
-        update(param, grad, &mut state.m, &mut state.v, Factors { w1, b2, w2, step_size, bc2_sqrt, eps });
+        let f = Factors { w1, b2, w2, step_size, bc2_sqrt, eps };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(n / PARALLEL_MIN_ELEMS).max(1);
+        if threads == 1 {
+            update(param, grad, &mut state.m, &mut state.v, f);
+        } else {
+            // Contiguous pieces, one per thread: the same arithmetic per element, so the same
+            // bits as the single-threaded loop.
+            let piece = n.div_ceil(threads);
+            std::thread::scope(|s| {
+                let parts = param
+                    .chunks_mut(piece)
+                    .zip(grad.chunks(piece))
+                    .zip(state.m.chunks_mut(piece))
+                    .zip(state.v.chunks_mut(piece));
+                for (((p, g), m), v) in parts {
+                    s.spawn(move || update(p, g, m, v, f));
+                }
+            });
+        }
         Ok(())
     }
 }
+
+/// Parameters with fewer elements per thread than this are updated on the calling thread.
+const PARALLEL_MIN_ELEMS: usize = 1 << 16;
 
 /// The f32 scalars of one step.
 #[derive(Clone, Copy)]

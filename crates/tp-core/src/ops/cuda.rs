@@ -140,8 +140,8 @@ pub(crate) fn interleave(s: &CudaStorage, rows: usize, cols: usize, world: usize
 /// dtype, on one device.
 ///
 /// The `[N, K]` layout goes to `Gpu::gemm_nt` (decode kernel for M <= 8, SIMT for f32,
-/// tensor cores for f16/bf16). `[K, N]`: f32 runs SIMT; f16/bf16 widen to f32, run SIMT and round
-/// back once, the same single rounding but slower (checkpoints use `[N, K]`).
+/// tensor cores for f16/bf16); `[K, N]` (a data gradient `dY W`) to `Gpu::gemm_nn` (SIMT for
+/// f32, the mma.sync kernel's `kn` layout for f16/bf16: f32 accumulation, one rounding).
 pub(crate) fn matmul(
     x: &CudaStorage,
     w: &CudaStorage,
@@ -149,7 +149,7 @@ pub(crate) fn matmul(
     shape: GemmShape,
     layout: WeightLayout,
 ) -> Result<CudaStorage> {
-    let GemmShape { m, n, k } = shape;
+    let GemmShape { m, n, .. } = shape;
     for other in std::iter::once(w).chain(bias) {
         if other.gpu.ordinal() != x.gpu.ordinal() {
             return Err(Error::DeviceMismatch { op: "matmul", lhs: x.device(), rhs: other.device() });
@@ -157,28 +157,14 @@ pub(crate) fn matmul(
     }
     let gpu = &x.gpu;
     let dtype = x.dtype;
-    match (dtype, layout) {
-        (_, WeightLayout::Nk) => {
-            // Decode shapes, SIMT f32 or tensor cores: tp-kernels picks per shape and device.
-            let (mut buf, parts) = alloc_like(x, m * n * dtype.size_in_bytes(), dtype)?;
-            let bias = bias.map(|b| &*b.buf);
-            gpu.gemm_nt(GemmArgs { c: &mut buf, a: &x.buf, b: &w.buf, bias, shape, ty: elem_type(dtype) })?;
-            Ok(parts.finish(buf))
-        }
-        (DType::F32, WeightLayout::Kn) => {
-            let (mut buf, parts) = alloc_like(x, m * n * 4, dtype)?;
-            let bias = bias.map(|b| &*b.buf);
-            gpu.gemm_simt_f32(GemmArgs { c: &mut buf, a: &x.buf, b: &w.buf, bias, shape, ty: ElemType::F32 }, false)?;
-            Ok(parts.finish(buf))
-        }
-        (_, WeightLayout::Kn) => {
-            let xf = cast(x, m * k, DType::F32)?;
-            let wf = cast(w, k * n, DType::F32)?;
-            let bf = bias.map(|b| cast(b, n, DType::F32)).transpose()?;
-            let yf = matmul(&xf, &wf, bf.as_ref(), shape, layout)?;
-            cast(&yf, m * n, dtype)
-        }
+    let (mut buf, parts) = alloc_like(x, m * n * dtype.size_in_bytes(), dtype)?;
+    let args = GemmArgs { c: &mut buf, a: &x.buf, b: &w.buf, bias: bias.map(|b| &*b.buf), shape, ty: elem_type(dtype) };
+    match layout {
+        // Decode shapes, SIMT f32 or tensor cores: tp-kernels picks per shape and device.
+        WeightLayout::Nk => gpu.gemm_nt(args)?,
+        WeightLayout::Kn => gpu.gemm_nn(args)?,
     }
+    Ok(parts.finish(buf))
 }
 
 /// `x += y` in place over `n` elements.
@@ -312,5 +298,241 @@ fn same_gpu(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()> {
     if a.gpu.ordinal() != b.gpu.ordinal() {
         return Err(Error::DeviceMismatch { op, lhs: a.device(), rhs: b.device() });
     }
+    Ok(())
+}
+
+// ---- Training: backward ops, cross-entropy pieces, gradient GEMMs, AdamW (results in f32) ----
+
+/// The operands (`(storage, elements)`) in one element type, on one GPU: as they are when they
+/// share a dtype, else each widened to f32 on the device (exact), so one kernel type `T` covers
+/// them all.
+fn unify<const N: usize>(op: &'static str, xs: [(&CudaStorage, usize); N]) -> Result<([CudaStorage; N], DType)> {
+    let first = xs[0].0;
+    for (s, _) in &xs[1..] {
+        same_gpu(op, first, s)?;
+    }
+    let dtype = if xs.iter().all(|(s, _)| s.dtype == first.dtype) { first.dtype } else { DType::F32 };
+    let mut out = Vec::with_capacity(N);
+    for (s, n) in xs {
+        out.push(if s.dtype == dtype { s.clone() } else { cast(s, n, dtype)? });
+    }
+    let out: [CudaStorage; N] =
+        out.try_into().map_err(|_| Error::InvalidArgument { op, why: "operand count".into() })?;
+    Ok((out, dtype))
+}
+
+/// `s` as `n` f32 on `like`'s GPU (a cast when it is another float dtype).
+fn f32_on(op: &'static str, like: &CudaStorage, s: &CudaStorage, n: usize) -> Result<CudaStorage> {
+    same_gpu(op, like, s)?;
+    if s.dtype == DType::F32 { Ok(s.clone()) } else { cast(s, n, DType::F32) }
+}
+
+/// Each row's `Σ_j (dy ⊙ w')[r, j] · x[r, j]` (f32) over `rows` rows of `h`.
+pub(crate) fn rms_norm_grad_dot(
+    x: &CudaStorage,
+    w: &CudaStorage,
+    dy: &CudaStorage,
+    (rows, h): (usize, usize),
+    style: crate::NormStyle,
+) -> Result<CudaStorage> {
+    let ([x, w, dy], dtype) = unify("rms_norm_grad_dot", [(x, rows * h), (w, h), (dy, rows * h)])?;
+    let (mut buf, parts) = alloc_like(&x, rows * 4, DType::F32)?;
+    x.gpu.rms_norm_grad_dot(&mut buf, &x.buf, &w.buf, &dy.buf, (rows, h), style.code(), elem_type(dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// RMSNorm's `(dx: rows x h, dw: h)` in f32; `split`: the forward's sums of squares over `n`
+/// features and the summed dots (`rows` each) of a norm split over ranks.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rms_norm_backward(
+    x: &CudaStorage,
+    w: &CudaStorage,
+    dy: &CudaStorage,
+    (rows, h): (usize, usize),
+    eps: f32,
+    style: crate::NormStyle,
+    split: Option<(&CudaStorage, usize, &CudaStorage)>,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "rms_norm_backward";
+    let ([x, w, dy], dtype) = unify(OP, [(x, rows * h), (w, h), (dy, rows * h)])?;
+    let split = split.map(|(ss, n, dot)| Ok::<_, Error>((f32_on(OP, &x, ss, rows)?, n, f32_on(OP, &x, dot, rows)?)));
+    let split = split.transpose()?;
+    let ty = elem_type(dtype);
+    let gpu = &x.gpu;
+    let (mut dx, dx_parts) = alloc_like(&x, rows * h * 4, DType::F32)?;
+    let mut rstd = gpu.alloc(rows * 4)?;
+    let stats = split.as_ref().map(|(ss, n, dot)| tp_kernels::NormSplit { sum_sq: &ss.buf, n: *n, dot: &dot.buf });
+    gpu.rms_norm_backward(&mut dx, &mut rstd, &x.buf, &w.buf, &dy.buf, (rows, h), eps, style.code(), stats, ty)?;
+    let (mut dw, dw_parts) = alloc_like(&x, h * 4, DType::F32)?;
+    gpu.col_sum(&mut dw, &dy.buf, Some((&*x.buf, &rstd)), (rows, h), ty)?;
+    Ok((dx_parts.finish(dx), dw_parts.finish(dw)))
+}
+
+/// The column sums (f32) of `rows` rows of `cols`.
+pub(crate) fn sum_rows(x: &CudaStorage, rows: usize, cols: usize) -> Result<CudaStorage> {
+    let (mut buf, parts) = alloc_like(x, cols * 4, DType::F32)?;
+    x.gpu.col_sum(&mut buf, &x.buf, None, (rows, cols), elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// `[cols, rows]` f32, the transpose of `x: [rows, cols]`.
+pub(crate) fn transpose2d(x: &CudaStorage, rows: usize, cols: usize) -> Result<CudaStorage> {
+    let (mut buf, parts) = alloc_like(x, rows * cols * 4, DType::F32)?;
+    x.gpu.transpose(&mut buf, &x.buf, (rows, cols), elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// RoPE's input gradient (f32) of `dy: [tokens, heads, d]`, as [`rope`]'s arguments.
+pub(crate) fn rope_backward(
+    dy: &CudaStorage,
+    positions: &[usize],
+    inv_freq: &[f32],
+    attention_scaling: f32,
+    (t, h, d): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let pos: Vec<i64> = positions.iter().map(|&p| i64::try_from(p).unwrap_or(i64::MAX)).collect();
+    let pos = dy.gpu.htod(bytemuck::cast_slice(&pos))?;
+    let freq = dy.gpu.htod(bytemuck::cast_slice(inv_freq))?;
+    let (mut buf, parts) = alloc_like(dy, t * h * d * 4, DType::F32)?;
+    let shape = (t, h, inv_freq.len(), d);
+    dy.gpu.rope_backward(&mut buf, &dy.buf, &pos, &freq, attention_scaling, shape, elem_type(dy.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// The gated activation's input gradient `[rows, 2 inner]` (f32).
+pub(crate) fn glu_backward(
+    x: &CudaStorage,
+    dy: &CudaStorage,
+    rows: usize,
+    inner: usize,
+    act: crate::Activation,
+) -> Result<CudaStorage> {
+    let ([x, dy], dtype) = unify("glu_backward", [(x, rows * 2 * inner), (dy, rows * inner)])?;
+    let (mut buf, parts) = alloc_like(&x, rows * 2 * inner * 4, DType::F32)?;
+    x.gpu.glu_backward(&mut buf, &x.buf, &dy.buf, (rows, inner), act.code(), elem_type(dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// Soft-capping's input gradient (f32) from its output `y`, `n` elements.
+pub(crate) fn softcap_backward(y: &CudaStorage, dy: &CudaStorage, n: usize, cap: f32) -> Result<CudaStorage> {
+    let ([y, dy], dtype) = unify("softcap_backward", [(y, n), (dy, n)])?;
+    let (mut buf, parts) = alloc_like(&y, n * 4, DType::F32)?;
+    y.gpu.softcap_backward(&mut buf, &y.buf, &dy.buf, n, cap, elem_type(dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// The embedding table's gradient `[rows, h]` (f32): `dy: [n, h]` scatter-added by `ids`.
+pub(crate) fn embedding_backward(
+    dy: &CudaStorage,
+    ids: &CudaStorage,
+    n: usize,
+    (rows, h): (usize, usize),
+    offset: i64,
+) -> Result<CudaStorage> {
+    same_gpu("embedding_backward", dy, ids)?;
+    let (mut buf, parts) = alloc_like(dy, rows * h * 4, DType::F32)?;
+    let (ty, id_ty) = (elem_type(dy.dtype), elem_type(ids.dtype));
+    dy.gpu.embedding_backward(&mut buf, &dy.buf, &ids.buf, n, (rows, h), offset, ty, id_ty)?;
+    Ok(parts.finish(buf))
+}
+
+/// Each row's maximum (f32) of `x: [rows, n]`.
+pub(crate) fn row_max(x: &CudaStorage, rows: usize, n: usize) -> Result<CudaStorage> {
+    let (mut buf, parts) = alloc_like(x, rows * 4, DType::F32)?;
+    x.gpu.row_max(&mut buf, &x.buf, (rows, n), elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// The targets as the kernels take them: int64, -1 where a row's target is on another rank.
+fn upload_targets(x: &CudaStorage, targets: &[Option<usize>]) -> Result<tp_kernels::cudarc::driver::CudaSlice<u8>> {
+    let t: Vec<i64> = targets.iter().map(|t| t.map_or(-1, |j| i64::try_from(j).unwrap_or(-1))).collect();
+    Ok(x.gpu.htod(bytemuck::cast_slice(&t))?)
+}
+
+/// `[2, rows]` f32: each row's `Σ_j e^{x - max}` and its target's logit (0 when not local).
+pub(crate) fn cross_entropy_parts(
+    x: &CudaStorage,
+    max: &CudaStorage,
+    targets: &[Option<usize>],
+    (rows, n): (usize, usize),
+) -> Result<CudaStorage> {
+    let max = f32_on("cross_entropy_parts", x, max, rows)?;
+    let t = upload_targets(x, targets)?;
+    let (mut buf, parts) = alloc_like(x, 2 * rows * 4, DType::F32)?;
+    x.gpu.cross_entropy_parts(&mut buf, &x.buf, &max.buf, &t, (rows, n), elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// The cross-entropy's gradient `[rows, n]` (f32) on these logit columns.
+pub(crate) fn cross_entropy_backward(
+    x: &CudaStorage,
+    (max, sum_exp): (&CudaStorage, &CudaStorage),
+    targets: &[Option<usize>],
+    weights: &[f32],
+    (rows, n): (usize, usize),
+) -> Result<CudaStorage> {
+    const OP: &str = "cross_entropy_backward";
+    let (max, sum_exp) = (f32_on(OP, x, max, rows)?, f32_on(OP, x, sum_exp, rows)?);
+    let t = upload_targets(x, targets)?;
+    let w = x.gpu.htod(bytemuck::cast_slice(weights))?;
+    let (mut buf, parts) = alloc_like(x, rows * n * 4, DType::F32)?;
+    x.gpu.cross_entropy_backward(&mut buf, &x.buf, &max.buf, &sum_exp.buf, &t, &w, (rows, n), elem_type(x.dtype))?;
+    Ok(parts.finish(buf))
+}
+
+/// `a^T b` for `a: [t, m]`, `b: [t, k]`: `[m, k]` f32. Two f16 or two bf16 operands run on
+/// tensor cores; anything else in f32 (operands of another dtype widened first) on the SIMT
+/// kernel.
+pub(crate) fn t_matmul(a: &CudaStorage, b: &CudaStorage, (t, m, k): (usize, usize, usize)) -> Result<CudaStorage> {
+    let ([a, b], dtype) = unify("t_matmul", [(a, t * m), (b, t * k)])?;
+    let (mut buf, parts) = alloc_like(&a, m * k * 4, DType::F32)?;
+    let shape = GemmShape { m, n: k, k: t };
+    let args =
+        tp_kernels::GemmTnArgs { c: &mut buf, a: &a.buf, b: &b.buf, shape, ty: elem_type(dtype), accumulate: false };
+    a.gpu.gemm_tn(args)?;
+    Ok(parts.finish(buf))
+}
+
+/// `acc += a^T b` in place (`acc`: `m * k` f32), as [`t_matmul`], added in the GEMM's epilogue.
+pub(crate) fn add_t_matmul(
+    acc: &mut CudaStorage,
+    a: &CudaStorage,
+    b: &CudaStorage,
+    (t, m, k): (usize, usize, usize),
+) -> Result<()> {
+    const OP: &str = "add_t_matmul";
+    let ([a, b], dtype) = unify(OP, [(a, t * m), (b, t * k)])?;
+    same_gpu(OP, acc, &a)?;
+    let gpu = acc.gpu.clone();
+    let shape = GemmShape { m, n: k, k: t };
+    let c = acc.unique_buf()?;
+    gpu.gemm_tn(tp_kernels::GemmTnArgs { c, a: &a.buf, b: &b.buf, shape, ty: elem_type(dtype), accumulate: true })?;
+    Ok(())
+}
+
+/// One AdamW step over device tensors (f32, one GPU; checked by the caller): `params[i]`'s
+/// weights, gradient, moments and decay flag.
+pub(crate) fn adamw(
+    params: Vec<(&mut CudaStorage, &CudaStorage, &mut CudaStorage, &mut CudaStorage, usize, bool)>,
+    f: tp_kernels::AdamwFactors,
+) -> Result<()> {
+    let Some(gpu) = params.first().map(|p| p.1.gpu.clone()) else { return Ok(()) };
+    for (p, g, m, v, _, _) in &params {
+        for s in [&**p, *g, &**m, &**v] {
+            same_gpu("adamw_step", s, g)?;
+        }
+    }
+    let mut tensors = Vec::with_capacity(params.len());
+    for (p, g, m, v, n, decay) in params {
+        tensors.push(tp_kernels::AdamwTensor {
+            param: p.unique_buf()?,
+            grad: &g.buf,
+            m: m.unique_buf()?,
+            v: v.unique_buf()?,
+            n,
+            decay,
+        });
+    }
+    gpu.adamw(&mut tensors, f)?;
     Ok(())
 }

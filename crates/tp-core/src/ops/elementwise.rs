@@ -234,13 +234,14 @@ impl Tensor {
     }
 }
 
-/// Backward passes of the element-wise ops (training; host, f32 results).
+/// Backward passes of the element-wise ops (training; f32 results, on the host or the GPU:
+/// `kernels/grad.cu`, the same formulas rounded in the same order).
 impl Tensor {
     /// The gradient of [`glu`](Tensor::glu)`(act)` with respect to its input `self =
     /// [gate | up]: [.., 2I]`, given `dy: [.., I]`: `[dgate | dup]` with
     /// `dgate = dy ⊙ up ⊙ act'(gate)` and `dup = dy ⊙ act(gate)`, in f32.
     ///
-    /// Errors: `dy` not `[.., I]` for this input, [`Error::UnsupportedDevice`] off the host.
+    /// Errors: `dy` not `[.., I]` for this input, operands on different devices.
     pub fn glu_backward(&self, act: Activation, dy: &Tensor) -> Result<Tensor> {
         const OP: &str = "glu_backward";
         let (rows, two_i) = super::grad::rows_cols(OP, self)?;
@@ -252,6 +253,11 @@ impl Tensor {
                 rhs: dy.dims().to_vec(),
                 why: "needs an input [.., 2I] and a gradient [.., I]",
             });
+        }
+        if let Storage::Cuda(x) = self.storage() {
+            self.require_float()?;
+            let d = super::grad::cuda_float(OP, self, dy)?;
+            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::glu_backward(x, d, rows, inner, act)?));
         }
         let (x, dyt) = (super::grad::f32_host(OP, self)?, super::grad::f32_host(OP, dy)?);
         let (x, dys) = (x.as_slice::<f32>()?, dyt.as_slice::<f32>()?);
@@ -271,7 +277,7 @@ impl Tensor {
     /// The gradient of [`softcap`](Tensor::softcap)`(cap)` with respect to its input, from its
     /// output `self = y = cap · tanh(x / cap)` and `dy`: `dy ⊙ (1 - (y / cap)²)`, in f32.
     ///
-    /// Errors: shapes differing, a cap not finite and > 0, [`Error::UnsupportedDevice`].
+    /// Errors: shapes differing, a cap not finite and > 0, operands on different devices.
     pub fn softcap_backward(&self, cap: f32, dy: &Tensor) -> Result<Tensor> {
         const OP: &str = "softcap_backward";
         if self.dims() != dy.dims() || !(cap.is_finite() && cap > 0.0) {
@@ -279,6 +285,14 @@ impl Tensor {
                 op: OP,
                 why: format!("needs one shape ({:?} vs {:?}) and a cap > 0 (got {cap})", self.dims(), dy.dims()),
             });
+        }
+        if let Storage::Cuda(y) = self.storage() {
+            self.require_float()?;
+            let d = super::grad::cuda_float(OP, self, dy)?;
+            return Ok(Tensor::from_cuda(
+                self.shape().clone(),
+                super::cuda::softcap_backward(y, d, self.numel(), cap)?,
+            ));
         }
         let (y, d) = (super::grad::f32_host(OP, self)?, super::grad::f32_host(OP, dy)?);
         let out: Vec<f32> = y

@@ -8,9 +8,13 @@
 //! numbers; the logits never move. The gradient is local too:
 //! `dL_tj = w_t · (e^{L_tj - M_t} / S_t - [j = y_t])` on the rank's own columns
 //! ([`Tensor::cross_entropy_backward`]), `w_t` the row's weight in the loss.
+//!
+//! On a GPU each piece is one kernel (`kernels/loss.cu`), one block per row reading each logit
+//! once; the statistics (`max`, `sum_exp`) are then expected on the same GPU.
 
-use super::grad::{f32_host, rows_cols};
-use crate::{Device, Error, Result, Tensor};
+use super::grad::{cuda_float, f32_host, rows_cols};
+use crate::storage::Storage;
+use crate::{Device, Error, Result, Shape, Tensor};
 
 /// Checks that there is one target per row.
 fn check_targets(op: &'static str, rows: usize, targets: &[Option<usize>], cols: usize) -> Result<()> {
@@ -26,10 +30,14 @@ fn check_targets(op: &'static str, rows: usize, targets: &[Option<usize>], cols:
 impl Tensor {
     /// The maximum of every row of `self: [.., N]`: `[rows]` f32 (`-inf` for `N = 0`).
     ///
-    /// Errors: [`Error::UnsupportedDevice`] off the host, [`Error::NotFloat`].
+    /// Errors: [`Error::NotFloat`], [`Error::RankMismatch`] for a scalar.
     pub fn row_max(&self) -> Result<Tensor> {
         const OP: &str = "row_max";
         let (rows, n) = rows_cols(OP, self)?;
+        if let Storage::Cuda(x) = self.storage() {
+            self.require_float()?;
+            return Ok(Tensor::from_cuda(Shape::new(&[rows])?, super::cuda::row_max(x, rows, n)?));
+        }
         let x = f32_host(OP, self)?;
         let x = x.as_slice::<f32>()?;
         let out: Vec<f32> =
@@ -42,11 +50,25 @@ impl Tensor {
     /// local columns and the target's logit `L_{t,y_t}` where the target is a local column
     /// (`targets[t] = Some(j)`), else 0. Summed over the ranks they give `S_t` and `L_{t,y_t}`.
     ///
-    /// Errors: `max` not `[rows]`, a target outside the columns, [`Error::UnsupportedDevice`].
+    /// Errors: `max` not `[rows]`, a target outside the columns, operands on different devices.
     pub fn cross_entropy_parts(&self, max: &Tensor, targets: &[Option<usize>]) -> Result<Tensor> {
         const OP: &str = "cross_entropy_parts";
         let (rows, n) = rows_cols(OP, self)?;
         check_targets(OP, rows, targets, n)?;
+        if let Storage::Cuda(x) = self.storage() {
+            self.require_float()?;
+            let m = cuda_float(OP, self, max)?;
+            if max.dims() != [rows] {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    lhs: self.dims().to_vec(),
+                    rhs: max.dims().to_vec(),
+                    why: "max must be [rows]",
+                });
+            }
+            let out = super::cuda::cross_entropy_parts(x, m, targets, (rows, n))?;
+            return Ok(Tensor::from_cuda(Shape::new(&[2, rows])?, out));
+        }
         let (x, m) = (f32_host(OP, self)?, f32_host(OP, max)?);
         if m.dims() != [rows] {
             return Err(Error::ShapeMismatch {
@@ -70,8 +92,8 @@ impl Tensor {
     /// `self: [rows, N]`: `w_t · (e^{L_tj - M_t} / S_t - [j = y_t])`, f32, from the global
     /// `max` and `sum_exp` (`[rows]` each); rows of weight 0 get zeros.
     ///
-    /// Errors: statistics or weights not `[rows]`, a target outside the columns,
-    /// [`Error::UnsupportedDevice`].
+    /// Errors: statistics or weights not `[rows]`, a target outside the columns, operands on
+    /// different devices.
     pub fn cross_entropy_backward(
         &self,
         max: &Tensor,
@@ -82,6 +104,18 @@ impl Tensor {
         const OP: &str = "cross_entropy_backward";
         let (rows, n) = rows_cols(OP, self)?;
         check_targets(OP, rows, targets, n)?;
+        if let Storage::Cuda(x) = self.storage() {
+            self.require_float()?;
+            let (m, s) = (cuda_float(OP, self, max)?, cuda_float(OP, self, sum_exp)?);
+            if max.dims() != [rows] || sum_exp.dims() != [rows] || weights.len() != rows {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    why: format!("statistics and weights must have {rows} entries"),
+                });
+            }
+            let out = super::cuda::cross_entropy_backward(x, (m, s), targets, weights, (rows, n))?;
+            return Ok(Tensor::from_cuda(self.shape().clone(), out));
+        }
         let (x, m, s) = (f32_host(OP, self)?, f32_host(OP, max)?, f32_host(OP, sum_exp)?);
         if m.dims() != [rows] || s.dims() != [rows] || weights.len() != rows {
             return Err(Error::InvalidArgument {

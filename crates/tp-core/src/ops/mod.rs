@@ -20,6 +20,7 @@ mod tokens;
 
 pub use attention::{AttentionSpec, KvGroups};
 pub use elementwise::Activation;
+pub use grad::{AdamwParam, AdamwStep, adamw_step};
 pub use matmul::{PackedWeight, WeightLayout};
 pub use norm::NormStyle;
 pub use paged::{PagedAttentionSpec, PagedSeq};

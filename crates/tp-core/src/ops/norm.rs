@@ -14,6 +14,7 @@
 //! with a sum of squares over `n` features): a norm over features split across ranks, whose
 //! per-row sums of squares ([`Tensor::sum_squares`]) the ranks add up first.
 
+use super::grad::cuda_float;
 use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Element, Error, Result, Tensor, with_dtype};
 
@@ -192,7 +193,8 @@ fn applied_weight(w: &[f32], style: NormStyle) -> Vec<f32> {
     }
 }
 
-/// Backward of the RMSNorm (training; host, f32 results).
+/// Backward of the RMSNorm (training; f32 results, on the host or the GPU: `kernels/grad.cu`,
+/// `dw` as a deterministic two-pass column sum).
 ///
 /// With `r = (mean(x²) + eps)^-1/2` per row, `w'` the applied weight (`w` or `1 + w`) and
 /// `g = dy ⊙ w'`:
@@ -206,13 +208,19 @@ fn applied_weight(w: &[f32], style: NormStyle) -> Vec<f32> {
 /// of the forward.
 impl Tensor {
     /// `Σ_i g_i x_i` of every row of `self = x: [.., H]`, `g = dy ⊙ w'`: `[rows]` f32 (summed in
-    /// f64). This rank's part of the sum a split norm's backward needs.
+    /// f64 on the host, f32 on a GPU). This rank's part of the sum a split norm's backward needs.
     ///
     /// Errors: shapes as [`rms_norm_with`](Tensor::rms_norm_with), `dy` not shaped as `x`,
-    /// [`Error::UnsupportedDevice`] off the host.
+    /// operands on different devices.
     pub fn rms_norm_grad_dot(&self, weight: &Tensor, dy: &Tensor, style: NormStyle) -> Result<Tensor> {
         const OP: &str = "rms_norm_grad_dot";
         let (rows, h) = norm_grad_shapes(OP, self, weight, dy)?;
+        if let Storage::Cuda(x) = self.storage() {
+            self.require_float()?;
+            let (w, g) = (cuda_float(OP, self, weight)?, cuda_float(OP, self, dy)?);
+            let out = super::cuda::rms_norm_grad_dot(x, w, g, (rows, h), style)?;
+            return Ok(Tensor::from_cuda(crate::Shape::new(&[rows])?, out));
+        }
         let (x, w, dy) = (f32_of(OP, self)?, f32_of(OP, weight)?, f32_of(OP, dy)?);
         let (x, dy) = (x.as_slice::<f32>()?, dy.as_slice::<f32>()?);
         let w = applied_weight(w.as_slice::<f32>()?, style);
@@ -242,6 +250,26 @@ impl Tensor {
     ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "rms_norm_backward";
         let (rows, h) = norm_grad_shapes(OP, self, weight, dy)?;
+        if let Storage::Cuda(x) = self.storage() {
+            self.require_float()?;
+            let (w, g) = (cuda_float(OP, self, weight)?, cuda_float(OP, self, dy)?);
+            let split = match split {
+                None => None,
+                Some((ss, n, dot)) => {
+                    if ss.dims() != [rows] || dot.dims() != [rows] || n == 0 {
+                        return Err(Error::ShapeMismatch {
+                            op: OP,
+                            lhs: self.dims().to_vec(),
+                            rhs: ss.dims().to_vec(),
+                            why: "a split norm's statistics must be [rows] over n > 0 features",
+                        });
+                    }
+                    Some((cuda_float(OP, self, ss)?, n, cuda_float(OP, self, dot)?))
+                }
+            };
+            let (dx, dw) = super::cuda::rms_norm_backward(x, w, g, (rows, h), eps as f32, style, split)?;
+            return Ok((Tensor::from_cuda(self.shape().clone(), dx), Tensor::from_cuda(crate::Shape::new(&[h])?, dw)));
+        }
         let (xt, wt, dyt) = (f32_of(OP, self)?, f32_of(OP, weight)?, f32_of(OP, dy)?);
         let (x, dy) = (xt.as_slice::<f32>()?, dyt.as_slice::<f32>()?);
         let w = applied_weight(wt.as_slice::<f32>()?, style);

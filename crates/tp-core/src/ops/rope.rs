@@ -432,7 +432,10 @@ impl Tensor {
     /// features past the embedding's `head_dim` pass through. `positions` must be those of the
     /// forward call (dynamic scaling takes its frequencies from their maximum).
     ///
-    /// Errors: as [`rope`](Tensor::rope), [`Error::UnsupportedDevice`] off the host.
+    /// On a GPU (`kernels/grad.cu`) cos and sin are the forward kernel's (the angle in f32, its
+    /// cosine and sine from double, times the scaling in f32), unrounded to the dtype.
+    ///
+    /// Errors: as [`rope`](Tensor::rope).
     pub fn rope_backward(&self, positions: &[usize], rope: &RotaryEmbedding) -> Result<Tensor> {
         const OP: &str = "rope_backward";
         let &[t, h, d] = self.dims() else {
@@ -452,6 +455,11 @@ impl Tensor {
         }
         let inv_freq = rope.inv_freq_for(positions.iter().max().map_or(0, |&p| p.saturating_add(1)));
         let half = inv_freq.len();
+        if let Storage::Cuda(dy) = self.storage() {
+            self.require_float()?;
+            let out = super::cuda::rope_backward(dy, positions, &inv_freq, rope.attention_scaling, (t, h, d))?;
+            return Ok(Tensor::from_cuda(self.shape().clone(), out));
+        }
         let dy = super::grad::f32_host(OP, self)?;
         let dy = dy.as_slice::<f32>()?;
         let mut out = dy.to_vec();

@@ -123,8 +123,11 @@ impl Tensor {
     /// `ids[i] - row_offset` receiving `dy[i]` for every id this table holds (ids elsewhere, on
     /// other ranks' rows, add nothing). Repeated ids add up.
     ///
-    /// Errors: [`Error::NotInteger`] for float ids, `dy` not `[ids.., H]`,
-    /// [`Error::UnsupportedDevice`] off the host.
+    /// On a GPU (`kernels/grad.cu`) each row is summed by one block in ascending `i`, as on the
+    /// host: the results are identical, bit for bit, and deterministic (no atomics).
+    ///
+    /// Errors: [`Error::NotInteger`] for float ids, `dy` not `[ids.., H]`, operands on
+    /// different devices.
     pub fn embedding_backward(&self, ids: &Tensor, rows: usize, row_offset: usize) -> Result<Tensor> {
         const OP: &str = "embedding_backward";
         if ids.dtype().is_float() {
@@ -138,6 +141,16 @@ impl Tensor {
                 rhs: ids.dims().to_vec(),
                 why: "needs one gradient row per id",
             });
+        }
+        if let Storage::Cuda(d) = self.storage() {
+            self.require_float()?;
+            let i = super::grad::cuda_operand(OP, self, ids)?;
+            let Ok(offset) = i64::try_from(row_offset) else {
+                // Rows past i64::MAX hold no id: the gradient is zero.
+                return Tensor::zeros(&[rows, h], DType::F32, &self.device());
+            };
+            let out = super::cuda::embedding_backward(d, i, n, (rows, h), offset)?;
+            return Ok(Tensor::from_cuda(Shape::new(&[rows, h])?, out));
         }
         let dy = super::grad::f32_host(OP, self)?;
         let dy = dy.as_slice::<f32>()?;

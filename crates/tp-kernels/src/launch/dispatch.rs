@@ -1,6 +1,6 @@
 //! Which GEMM kernel runs for a shape, dtype and device.
 
-use super::gemm_args::GemmArgs;
+use super::gemm_args::{GemmArgs, GemmTnArgs};
 use super::{ElemType, require_float};
 use crate::error::Result;
 use crate::gpu::Gpu;
@@ -65,6 +65,26 @@ impl Gpu {
             ElemType::F32 => self.gemm_simt_f32(g, true),
             ElemType::F16 | ElemType::BF16 => self.gemm_tensor_core(g),
             ElemType::I32 | ElemType::I64 => require_float("gemm_nt", g.ty),
+        }
+    }
+
+    /// `C = A B + bias` for the `[K, N]` weight layout (the data gradient `dX = dY W` of an
+    /// `[out, in]` weight): the SIMT kernel for f32, mma.sync for f16/bf16 (any `m`).
+    pub fn gemm_nn(&self, g: GemmArgs<'_>) -> Result<()> {
+        match g.ty {
+            ElemType::F32 => self.gemm_simt_f32(g, false),
+            ElemType::F16 | ElemType::BF16 => self.gemm_mma_kn(g),
+            ElemType::I32 | ElemType::I64 => require_float("gemm_nn", g.ty),
+        }
+    }
+
+    /// `C (+)= A^T B` into f32 (the weight gradient `dW = dY^T X`): the SIMT kernel for f32
+    /// operands, mma.sync for f16/bf16 ones.
+    pub fn gemm_tn(&self, g: GemmTnArgs<'_>) -> Result<()> {
+        match g.ty {
+            ElemType::F32 => self.gemm_simt_f32_tn(g),
+            ElemType::F16 | ElemType::BF16 => self.gemm_mma_tn(g),
+            ElemType::I32 | ElemType::I64 => require_float("gemm_tn", g.ty),
         }
     }
 }

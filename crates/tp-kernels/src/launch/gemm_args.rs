@@ -58,3 +58,45 @@ impl GemmArgs<'_> {
         Ok(())
     }
 }
+
+/// One weight-gradient GEMM `C (+)= A^T B` (`dW = dY^T X`): `A` is `k x m` and `B` `k x n`
+/// (row-major, element type `ty`; the `k` rows are typically tokens), `C` is `m x n` **f32** and
+/// the only buffer written: overwritten, or added to when `accumulate` (beta = 1, a gradient
+/// accumulated over micro-batches).
+#[derive(Debug)]
+pub struct GemmTnArgs<'a> {
+    /// The f32 output, `m x n`.
+    pub c: &'a mut CudaSlice<u8>,
+    /// The left operand, stored `k x m` (its transpose multiplies).
+    pub a: &'a CudaSlice<u8>,
+    /// The right operand, stored `k x n`.
+    pub b: &'a CudaSlice<u8>,
+    /// `(m, n, k)`: `C` is `m x n`, the product sums over `k`.
+    pub shape: GemmShape,
+    /// The element type of `A` and `B` (`C` is f32).
+    pub ty: ElemType,
+    /// `C += A^T B` instead of `C = A^T B`.
+    pub accumulate: bool,
+}
+
+impl GemmTnArgs<'_> {
+    /// Checks that every buffer holds what the shape needs: `A` `k*m` and `B` `k*n` elements of
+    /// `ty`, `C` `m*n` f32.
+    pub(super) fn check_buffers(&self, kernel: &'static str) -> Result<()> {
+        let GemmShape { m, n, k } = self.shape;
+        let need =
+            |rows: usize, cols: usize, elem: usize| span(kernel, rows, cols, 0).and_then(|x| span(kernel, x, elem, 0));
+        let t = self.ty.size();
+        let buffers = [
+            ("A", self.a.len(), need(k, m, t)?),
+            ("B", self.b.len(), need(k, n, t)?),
+            ("C", self.c.len(), need(m, n, 4)?),
+        ];
+        for (what, have, want) in buffers {
+            if have < want {
+                return Err(invalid(kernel, format!("{what} holds {have} bytes, needs {want}")));
+            }
+        }
+        Ok(())
+    }
+}

@@ -11,10 +11,15 @@
 //! * `sampling.rs`: penalised logits, per-row top-k candidates, per-row (max, sum of exps).
 //! * `quant.rs`: ggml block-quantized weights: dequantization into f32/bf16 and the
 //!   decode-shaped product straight from the quantized weight.
-//! * `gemm_args.rs`: [`GemmArgs`] and [`GemmShape`], what every GEMM launcher takes, and their
-//!   buffer checks; `gemm.rs`: the SIMT, mma.sync and decode-shaped GEMMs; `wgmma.rs` +
-//!   `tma.rs`: the Hopper GEMM and its TMA descriptors; `dispatch.rs`: which GEMM runs for a
-//!   shape.
+//! * `gemm_args.rs`: [`GemmArgs`] and [`GemmShape`], what every GEMM launcher takes, and
+//!   [`GemmTnArgs`] for the weight-gradient form `C (+)= A^T B`, and their buffer checks;
+//!   `gemm.rs`: the SIMT, mma.sync and decode-shaped GEMMs (`A B^T`, `A B`, `A^T B`);
+//!   `wgmma.rs` + `tma.rs`: the Hopper GEMM and its TMA descriptors; `dispatch.rs`: which GEMM
+//!   runs for a shape.
+//! * `grad.rs`: training's backward kernels (RMSNorm, RoPE, GLU, soft-capping, the embedding's
+//!   scatter-add), column sums and the transpose.
+//! * `loss.rs`: a vocab-parallel cross-entropy's row maxima, parts and gradient.
+//! * `optim.rs`: the multi-tensor AdamW step.
 
 mod copy;
 mod decoder;
@@ -22,6 +27,9 @@ mod dispatch;
 mod elementwise;
 mod gemm;
 mod gemm_args;
+mod grad;
+mod loss;
+mod optim;
 mod paged;
 mod quant;
 mod sampling;
@@ -30,7 +38,9 @@ mod wgmma;
 
 pub use decoder::AttentionShape;
 pub use dispatch::GemmKernel;
-pub use gemm_args::{GemmArgs, GemmShape};
+pub use gemm_args::{GemmArgs, GemmShape, GemmTnArgs};
+pub use grad::NormSplit;
+pub use optim::{AdamwFactors, AdamwTensor};
 pub use paged::{PagedSequence, PagedShape};
 pub use sampling::{RowPenalties, TOP_K_MAX};
 
