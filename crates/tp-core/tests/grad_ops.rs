@@ -226,3 +226,44 @@ fn backward_ops_refuse_bad_shapes_with_typed_errors() {
     let spec = AttentionSpec::causal(2, 4);
     assert!(q.attention_backward(&q, &q, &rand(&[2, 2, 3], 7), &spec).is_err());
 }
+
+#[test]
+fn large_backward_ops_split_over_threads_match_float64() {
+    // Big enough for the pool's row groups and column blocks.
+    let (rows, h) = (97, 1003);
+    let (x, w, dy) = (rand(&[rows, h], 71), rand(&[h], 72), rand(&[rows, h], 73));
+    let (dx, dw) = x.rms_norm_backward(&w, &dy, 1e-5, NormStyle::Weight, None).unwrap();
+    let (xv, wv, gv) = (v(&x), v(&w), v(&dy));
+    let (dxv, dwv) = (v(&dx), v(&dw));
+    let mut want_dw = vec![0f64; h];
+    for r in 0..rows {
+        let xr = &xv[r * h..(r + 1) * h];
+        let gr = &gv[r * h..(r + 1) * h];
+        let rstd = 1.0 / (xr.iter().map(|a| a * a).sum::<f64>() / h as f64 + 1e-5).sqrt();
+        let dot: f64 = (0..h).map(|i| gr[i] * wv[i] * xr[i]).sum();
+        for i in 0..h {
+            let want = rstd * gr[i] * wv[i] - xr[i] * rstd.powi(3) * dot / h as f64;
+            assert!((dxv[r * h + i] - want).abs() < 1e-4, "dx[{r}][{i}]");
+            want_dw[i] += gr[i] * xr[i] * rstd;
+        }
+    }
+    for i in 0..h {
+        assert!((dwv[i] - want_dw[i]).abs() < 1e-3, "dw[{i}]");
+    }
+    let sums = v(&dy.sum_rows().unwrap());
+    for c in 0..h {
+        assert!((sums[c] - (0..rows).map(|r| gv[r * h + c]).sum::<f64>()).abs() < 1e-4);
+    }
+    let max = dy.row_max().unwrap();
+    let mv = v(&max);
+    for r in 0..rows {
+        assert_eq!(mv[r], gv[r * h..(r + 1) * h].iter().cloned().fold(f64::MIN, f64::max));
+    }
+    let targets: Vec<Option<usize>> = (0..rows).map(|r| (r % 3 != 0).then_some(r * 7 % h)).collect();
+    let parts = v(&dy.cross_entropy_parts(&max, &targets).unwrap());
+    for r in 0..rows {
+        let want: f64 = gv[r * h..(r + 1) * h].iter().map(|g| (g - mv[r]).exp()).sum();
+        assert!((parts[r] - want).abs() < 1e-5 * want, "sum_exp[{r}]");
+        assert_eq!(parts[rows + r], targets[r].map_or(0.0, |j| gv[r * h + j]));
+    }
+}

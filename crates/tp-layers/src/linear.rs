@@ -85,15 +85,16 @@ impl Linear {
 /// The two are separate calls so that a tensor-parallel caller can start the all-reduce of `dx`
 /// before the weight-gradient GEMM runs, overlapping them.
 impl Linear {
-    /// `dx = dy W` in f32 (the weight widened when it is not f32).
+    /// `dx = dy W` in f32. For a 16-bit weight, `dy` is rounded to its dtype and the GEMM runs
+    /// on the 16-bit operands (as torch's bf16 autograd), its f32 sums kept.
     pub fn input_grad(&self, dy: &Tensor) -> Result<Tensor> {
-        let w = self.weight.dense()?.to_dtype(tp_core::DType::F32)?;
-        Ok(dy.to_dtype(tp_core::DType::F32)?.matmul(&w)?)
+        grad_input(self.weight.dense()?, dy)
     }
 
-    /// `dW += dy^T x` and, with a bias, `db += Σ_t dy[t]`, into the layer's fp32 gradients.
+    /// `dW += dy^T x` and, with a bias, `db += Σ_t dy[t]`, into the layer's fp32 gradients
+    /// (`dy` rounded to `x`'s dtype first when that is 16-bit, so the GEMM runs on it).
     pub fn accumulate_grads(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
-        self.grad_weight.add(&dy.t_matmul(x)?)?;
+        self.grad_weight.add(&grad_weight(x, dy)?)?;
         if self.bias.is_some() {
             self.grad_bias.add(&dy.sum_rows()?)?;
         }
@@ -122,6 +123,16 @@ impl Linear {
         }
         Ok(())
     }
+}
+
+/// `dy W` for a `[out, in]` weight `w`, in f32 (see [`Linear::input_grad`]).
+pub(crate) fn grad_input(w: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    Ok(dy.to_dtype(w.dtype())?.matmul_f32(w, tp_core::WeightLayout::Kn)?)
+}
+
+/// `dy^T x` in f32 (see [`Linear::accumulate_grads`]).
+pub(crate) fn grad_weight(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    Ok(dy.to_dtype(x.dtype())?.t_matmul(x)?)
 }
 
 /// Checks that `b` is `[out]` and, for a dense weight, of its dtype and on its device (a bias

@@ -53,7 +53,7 @@ impl ParallelLmHead {
         }
         let group = self.group().clone();
         let (start, len) = (self.shard().start(), self.shard().len());
-        let w32 = self.weights().dense()?.to_dtype(DType::F32)?;
+        let w = self.weights().dense()?.clone();
         let chunk = (CHUNK_LOGITS / vocab.max(1)).clamp(1, rows.max(1));
         let (mut loss_sum, mut count, mut dh_parts) = (0f64, 0usize, Vec::new());
         let to_group = |t: Tensor| -> Result<Tensor> { Ok(t.to_device(&group.device())?) };
@@ -81,13 +81,13 @@ impl ParallelLmHead {
             if let Some(cap) = self.softcap() {
                 dl = l32.softcap_backward(cap, &dl)?;
             }
-            let dh_partial = dl.matmul(&w32)?;
+            let dh_partial = crate::linear::grad_input(&w, &dl)?;
             let work = if group.world_size() > 1 {
                 Some(group.all_reduce_async(&to_group(dh_partial.clone())?, ReduceOp::Sum)?)
             } else {
                 None
             };
-            let grads = dl.t_matmul(&hc).map_err(LayerError::from).and_then(|g| self.grad.add(&g));
+            let grads = crate::linear::grad_weight(&hc, &dl).and_then(|g| self.grad.add(&g));
             let dh = match work {
                 Some(w) => w.wait()?.to_device(&Device::Cpu)?,
                 None => dh_partial,

@@ -198,10 +198,8 @@ impl RowParallel {
     /// `dX_r: [T, in_r]` (f32) from `dy: [T, out]`, accumulating `dA_r` and `db`; `x_local` is
     /// the forward's input block.
     pub fn backward(&mut self, x_local: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        let dy = dy.to_dtype(tp_core::DType::F32)?;
-        let w = self.weight.dense()?.to_dtype(tp_core::DType::F32)?;
-        let dx = dy.matmul(&w)?;
-        self.grad_weight.add(&dy.t_matmul(x_local)?)?;
+        let dx = crate::linear::grad_input(self.weight.dense()?, dy)?;
+        self.grad_weight.add(&crate::linear::grad_weight(x_local, dy)?)?;
         if self.bias.is_some() {
             self.grad_bias.add(&dy.sum_rows()?)?;
         }

@@ -165,24 +165,31 @@ impl Tensor {
         with_dtype!(self.dtype(), T => {
             let theirs = o.as_slice::<T>().unwrap_or_default();
             let mine = self.as_mut_slice::<T>()?;
-            for (a, b) in mine.iter_mut().zip(theirs) {
-                *a = T::from_f32(a.to_f32() + b.to_f32());
-            }
+            super::par::rows(mine, CHUNK, CHUNK, |c0, chunk| {
+                for (a, b) in chunk.iter_mut().zip(&theirs[c0 * CHUNK..]) {
+                    *a = T::from_f32(a.to_f32() + b.to_f32());
+                }
+            });
         });
         Ok(())
     }
 }
 
+/// Elements per task of the element-wise host loops.
+const CHUNK: usize = 1 << 14;
+
 fn host_glu<T: Element>(x: &[T], rows: usize, inner: usize, act: Activation) -> Result<Vec<T>> {
-    let mut out = crate::alloc::with_capacity("glu", rows * inner)?;
-    for r in 0..rows {
-        let row = &x[r * 2 * inner..(r + 1) * 2 * inner];
-        let (gate, up) = row.split_at(inner);
-        out.extend(gate.iter().zip(up).map(|(g, u)| {
-            let a = T::from_f32(act.apply(g.to_f32())); // rounded, as torch's activation output
-            T::from_f32(a.to_f32() * u.to_f32())
-        }));
-    }
+    let mut out = crate::alloc::zeroed::<T>("glu", rows * inner)?;
+    super::par::rows(&mut out, inner, 2 * inner, |r0, chunk| {
+        for (i, o) in chunk.chunks_exact_mut(inner.max(1)).enumerate() {
+            let row = &x[(r0 + i) * 2 * inner..(r0 + i + 1) * 2 * inner];
+            let (gate, up) = row.split_at(inner);
+            for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
+                let a = T::from_f32(act.apply(g.to_f32())); // rounded, as torch's activation output
+                *o = T::from_f32(a.to_f32() * u.to_f32());
+            }
+        }
+    });
     Ok(out)
 }
 
@@ -262,15 +269,18 @@ impl Tensor {
         let (x, dyt) = (super::grad::f32_host(OP, self)?, super::grad::f32_host(OP, dy)?);
         let (x, dys) = (x.as_slice::<f32>()?, dyt.as_slice::<f32>()?);
         let mut out = vec![0f32; rows * two_i];
-        for r in 0..rows {
-            let (g, u) = (&x[r * two_i..r * two_i + inner], &x[r * two_i + inner..(r + 1) * two_i]);
-            let d = &dys[r * inner..(r + 1) * inner];
-            let (dg, du) = out[r * two_i..(r + 1) * two_i].split_at_mut(inner);
-            for i in 0..inner {
-                dg[i] = d[i] * u[i] * act.derivative(g[i]);
-                du[i] = d[i] * act.apply(g[i]);
+        super::par::rows(&mut out, two_i, two_i, |r0, chunk| {
+            for (i, o) in chunk.chunks_exact_mut(two_i.max(1)).enumerate() {
+                let r = r0 + i;
+                let (g, u) = (&x[r * two_i..r * two_i + inner], &x[r * two_i + inner..(r + 1) * two_i]);
+                let d = &dys[r * inner..(r + 1) * inner];
+                let (dg, du) = o.split_at_mut(inner);
+                for i in 0..inner {
+                    dg[i] = d[i] * u[i] * act.derivative(g[i]);
+                    du[i] = d[i] * act.apply(g[i]);
+                }
             }
-        }
+        });
         Tensor::from_vec(out, self.dims(), &crate::Device::Cpu)
     }
 
@@ -295,12 +305,14 @@ impl Tensor {
             ));
         }
         let (y, d) = (super::grad::f32_host(OP, self)?, super::grad::f32_host(OP, dy)?);
-        let out: Vec<f32> = y
-            .as_slice::<f32>()?
-            .iter()
-            .zip(d.as_slice::<f32>()?)
-            .map(|(&y, &d)| d * (1.0 - (y / cap).powi(2)))
-            .collect();
+        let (y, d) = (y.as_slice::<f32>()?, d.as_slice::<f32>()?);
+        let mut out = vec![0f32; y.len()];
+        super::par::rows(&mut out, CHUNK, CHUNK, |c0, chunk| {
+            let at = c0 * CHUNK;
+            for (i, o) in chunk.iter_mut().enumerate() {
+                *o = d[at + i] * (1.0 - (y[at + i] / cap).powi(2));
+            }
+        });
         Tensor::from_vec(out, self.dims(), &crate::Device::Cpu)
     }
 }

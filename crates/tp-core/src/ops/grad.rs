@@ -16,7 +16,7 @@
 //! `[out, in]` weight read as `[K, N]`: on the GPU, the `kn` GEMMs.)
 
 use crate::storage::{CudaStorage, Storage};
-use crate::{DType, Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor, with_dtype};
 
 /// The host elements of `t` as an f32 tensor (a shared clone when already f32).
 pub(crate) fn f32_host(op: &'static str, t: &Tensor) -> Result<Tensor> {
@@ -101,10 +101,20 @@ impl Tensor {
             let bs = cuda_float(OP, self, b)?;
             return Ok(Tensor::from_cuda(crate::Shape::new(&[m, k])?, super::cuda::t_matmul(a, bs, (t, m, k))?));
         }
-        let (a, b) = (f32_host(OP, self)?, f32_host(OP, b)?);
-        let cpu = crate::Device::Cpu;
-        let at = Tensor::from_vec(transpose_f32(a.as_slice::<f32>()?, t, m), &[m, t], &cpu)?;
-        at.matmul(&b.reshape(&[t, k])?)
+        // One dtype: the host GEMM reads both as they are (bf16 pairs on AVX512-BF16 or AMX),
+        // packing `a`'s panels from its columns (no transposed copy); mixed: both widened.
+        let (a, b) =
+            if self.dtype() == b.dtype() { (self.clone(), b.clone()) } else { (f32_host(OP, self)?, f32_host(OP, b)?) };
+        let (ah, bh) = (a.cpu_storage(OP)?, b.cpu_storage(OP)?);
+        let shape = tp_cpu::GemmShape { m, n: k, k: t };
+        let mut y: Vec<f32> = crate::alloc::with_capacity(OP, m * k)?;
+        with_dtype!(a.dtype(), T => {
+            let (av, bv) = (ah.as_slice::<T>().unwrap_or_default(), bh.as_slice::<T>().unwrap_or_default());
+            tp_cpu::matmul_tn(av, bv, tp_cpu::Layout::Kn, None, shape, &mut y.spare_capacity_mut()[..m * k])?;
+        });
+        // SAFETY: `matmul_tn` succeeded, so it wrote every one of the `m * k` outputs (its contract).
+        unsafe { y.set_len(m * k) };
+        Tensor::from_vec(y, &[m, k], &crate::Device::Cpu)
     }
 
     /// `self += a^T · b` in place for an f32 `self: [M, K]` (a gradient accumulated over
@@ -147,11 +157,8 @@ impl Tensor {
             return Ok(Tensor::from_cuda(crate::Shape::new(&[n])?, super::cuda::sum_rows(x, rows, n)?));
         }
         let x = f32_host(OP, self)?;
-        let mut acc = vec![0f64; n];
-        for row in x.as_slice::<f32>()?.chunks_exact(n.max(1)) {
-            acc.iter_mut().zip(row).for_each(|(a, &v)| *a += f64::from(v));
-        }
-        Tensor::from_vec(acc.into_iter().map(|v| v as f32).collect::<Vec<f32>>(), &[n], &crate::Device::Cpu)
+        let x = x.as_slice::<f32>()?;
+        Tensor::from_vec(super::par::col_sums(rows, n, |r, c| f64::from(x[r * n + c])), &[n], &crate::Device::Cpu)
     }
 }
 

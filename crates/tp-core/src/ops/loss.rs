@@ -12,9 +12,17 @@
 //! On a GPU each piece is one kernel (`kernels/loss.cu`), one block per row reading each logit
 //! once; the statistics (`max`, `sum_exp`) are then expected on the same GPU.
 
+use super::attention::exp_neg;
 use super::grad::{cuda_float, f32_host, rows_cols};
+use super::par;
 use crate::storage::Storage;
 use crate::{Device, Error, Result, Shape, Tensor};
+
+/// `Σ_j e^{row_j - max}` (every exponent <= 0), in f32 over blocks of 64 (vectorised), the
+/// blocks added in f64.
+fn sum_exp(row: &[f32], max: f32) -> f64 {
+    row.chunks(64).map(|c| f64::from(c.iter().map(|&v| exp_neg(v - max)).sum::<f32>())).sum()
+}
 
 /// Checks that there is one target per row.
 fn check_targets(op: &'static str, rows: usize, targets: &[Option<usize>], cols: usize) -> Result<()> {
@@ -40,8 +48,12 @@ impl Tensor {
         }
         let x = f32_host(OP, self)?;
         let x = x.as_slice::<f32>()?;
-        let out: Vec<f32> =
-            (0..rows).map(|r| x[r * n..(r + 1) * n].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))).collect();
+        let mut out = vec![f32::NEG_INFINITY; rows];
+        par::rows(&mut out, 1, n, |r0, chunk| {
+            for (i, o) in chunk.iter_mut().enumerate() {
+                *o = x[(r0 + i) * n..(r0 + i + 1) * n].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            }
+        });
         Tensor::from_vec(out, &[rows], &Device::Cpu)
     }
 
@@ -79,12 +91,15 @@ impl Tensor {
             });
         }
         let (x, m) = (x.as_slice::<f32>()?, m.as_slice::<f32>()?);
-        let mut out = vec![0f32; 2 * rows];
-        for r in 0..rows {
-            let row = &x[r * n..(r + 1) * n];
-            out[r] = row.iter().map(|&v| f64::from((v - m[r]).exp())).sum::<f64>() as f32;
-            out[rows + r] = targets[r].map_or(0.0, |j| row[j]);
-        }
+        let mut pairs = vec![[0f32; 2]; rows];
+        par::rows(&mut pairs, 1, n, |r0, chunk| {
+            for (i, o) in chunk.iter_mut().enumerate() {
+                let r = r0 + i;
+                let row = &x[r * n..(r + 1) * n];
+                *o = [sum_exp(row, m[r]) as f32, targets[r].map_or(0.0, |j| row[j])];
+            }
+        });
+        let out: Vec<f32> = pairs.iter().map(|p| p[0]).chain(pairs.iter().map(|p| p[1])).collect();
         Tensor::from_vec(out, &[2, rows], &Device::Cpu)
     }
 
@@ -125,18 +140,21 @@ impl Tensor {
         }
         let (x, m, s) = (x.as_slice::<f32>()?, m.as_slice::<f32>()?, s.as_slice::<f32>()?);
         let mut out = vec![0f32; rows * n];
-        for r in 0..rows {
-            let w = weights[r];
-            if w == 0.0 {
-                continue;
+        par::rows(&mut out, n, n, |r0, chunk| {
+            for (i, dst) in chunk.chunks_exact_mut(n.max(1)).enumerate() {
+                let r = r0 + i;
+                let w = weights[r];
+                if w == 0.0 {
+                    continue;
+                }
+                let inv = w / s[r];
+                let mr = m[r];
+                dst.iter_mut().zip(&x[r * n..(r + 1) * n]).for_each(|(d, &v)| *d = exp_neg(v - mr) * inv);
+                if let Some(j) = targets[r] {
+                    dst[j] -= w;
+                }
             }
-            let inv = w / s[r];
-            let (src, dst) = (&x[r * n..(r + 1) * n], &mut out[r * n..(r + 1) * n]);
-            dst.iter_mut().zip(src).for_each(|(d, &v)| *d = (v - m[r]).exp() * inv);
-            if let Some(j) = targets[r] {
-                dst[j] -= w;
-            }
-        }
+        });
         Tensor::from_vec(out, self.dims(), &Device::Cpu)
     }
 }

@@ -56,6 +56,51 @@ impl Tensor {
         self.matmul_layout(w, WeightLayout::Nk, bias)
     }
 
+    /// `x · op(W)` ([`matmul_layout`](Self::matmul_layout) without a bias) with the result kept
+    /// in f32: 16-bit operands are multiplied as they are (exactly, accumulating in f32) and
+    /// the sums are not rounded back to their dtype. Training's data gradients `dX = dY W` of
+    /// a bf16 model take this (torch rounds them to bf16; tp keeps the f32 sums). On a GPU it
+    /// is the product in the dtype, widened.
+    pub fn matmul_f32(&self, w: &Tensor, layout: WeightLayout) -> Result<Tensor> {
+        if self.dtype() == DType::F32 || !matches!(self.storage(), Storage::Cpu(_)) {
+            return self.matmul_layout(w, layout, None)?.to_dtype(DType::F32);
+        }
+        self.require_float()?;
+        super::same_dtype_device(OP, self, w)?;
+        let (&k, lead) = self.dims().split_last().ok_or(Error::RankMismatch {
+            op: OP,
+            expected: "at least 1 (x: [.., M, K])",
+            dims: self.dims().to_vec(),
+        })?;
+        let &[w0, w1] = w.dims() else {
+            return Err(Error::RankMismatch { op: OP, expected: "2 (weight)", dims: w.dims().to_vec() });
+        };
+        let (wk, n, cpu_layout) = match layout {
+            WeightLayout::Nk => (w1, w0, tp_cpu::Layout::Nk),
+            WeightLayout::Kn => (w0, w1, tp_cpu::Layout::Kn),
+        };
+        if wk != k {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.dims().to_vec(),
+                rhs: w.dims().to_vec(),
+                why: "x's last dim (K) must equal the weight's inner dim",
+            });
+        }
+        let m = lead.iter().product::<usize>();
+        let mut dims = lead.to_vec();
+        dims.push(n);
+        let (xs, ws) = (self.cpu_storage(OP)?, w.cpu_storage(OP)?);
+        let mut y: Vec<f32> = with_capacity(OP, m * n)?;
+        with_dtype!(self.dtype(), T => {
+            let (x, wv) = (xs.as_slice::<T>().unwrap_or_default(), ws.as_slice::<T>().unwrap_or_default());
+            tp_cpu::matmul(x, wv, cpu_layout, None, tp_cpu::GemmShape { m, n, k }, &mut y.spare_capacity_mut()[..m * n])?;
+        });
+        // SAFETY: `tp_cpu::matmul` succeeded, so it wrote every one of the `m * n` outputs (its contract).
+        unsafe { y.set_len(m * n) };
+        Tensor::from_vec(y, &dims, &crate::Device::Cpu)
+    }
+
     /// The general form behind [`matmul`](Self::matmul), [`matmul_t`](Self::matmul_t) and
     /// [`linear`](Self::linear).
     pub fn matmul_layout(&self, w: &Tensor, layout: WeightLayout, bias: Option<&Tensor>) -> Result<Tensor> {

@@ -14,6 +14,7 @@ mod matmul;
 mod norm;
 mod paged;
 mod paged_cuda;
+mod par;
 mod quant;
 mod rope;
 mod tokens;

@@ -224,12 +224,15 @@ impl Tensor {
         let (x, w, dy) = (f32_of(OP, self)?, f32_of(OP, weight)?, f32_of(OP, dy)?);
         let (x, dy) = (x.as_slice::<f32>()?, dy.as_slice::<f32>()?);
         let w = applied_weight(w.as_slice::<f32>()?, style);
-        let dots: Vec<f32> = (0..rows)
-            .map(|r| {
+        let mut dots = vec![0f32; rows];
+        super::par::rows(&mut dots, 1, h, |r0, chunk| {
+            for (i, o) in chunk.iter_mut().enumerate() {
+                let r = r0 + i;
                 let (xr, gr) = (&x[r * h..(r + 1) * h], &dy[r * h..(r + 1) * h]);
-                xr.iter().zip(gr).zip(&w).map(|((&x, &g), &w)| f64::from(g * w) * f64::from(x)).sum::<f64>() as f32
-            })
-            .collect();
+                *o =
+                    xr.iter().zip(gr).zip(&w).map(|((&x, &g), &w)| f64::from(g * w) * f64::from(x)).sum::<f64>() as f32;
+            }
+        });
         Tensor::from_vec(dots, &[rows], &crate::Device::Cpu)
     }
 
@@ -289,27 +292,41 @@ impl Tensor {
             }
         };
         let eps = eps as f32;
-        let mut dx = vec![0f32; rows * h];
-        let mut dw = vec![0f64; h];
-        for r in 0..rows {
-            let (xr, dyr) = (&x[r * h..(r + 1) * h], &dy[r * h..(r + 1) * h]);
-            let (mean, n, dot) = match &split {
-                Some((ss, n, dot)) => (ss.as_slice::<f32>()?[r] / *n as f32, *n, dot.as_slice::<f32>()?[r]),
-                None => {
-                    let ms = (xr.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / h as f64) as f32;
-                    let dot = xr.iter().zip(dyr).zip(&w).map(|((&x, &g), &w)| f64::from(g * w) * f64::from(x));
-                    (ms, h, dot.sum::<f64>() as f32)
-                }
-            };
-            let rstd = 1.0 / (mean + eps).sqrt();
-            let c = rstd * rstd * rstd * dot / n as f32;
-            for i in 0..h {
-                dx[r * h + i] = rstd * dyr[i] * w[i] - xr[i] * c;
-                dw[i] += f64::from(dyr[i] * xr[i] * rstd);
+        let split = match &split {
+            Some((ss, n, dot)) => Some((ss.as_slice::<f32>()?, *n, dot.as_slice::<f32>()?)),
+            None => None,
+        };
+        // Each row's rstd and c = rstd³ · dot / n.
+        let mut stats = vec![[0f32; 2]; rows];
+        super::par::rows(&mut stats, 1, h, |r0, chunk| {
+            for (i, st) in chunk.iter_mut().enumerate() {
+                let r = r0 + i;
+                let (xr, dyr) = (&x[r * h..(r + 1) * h], &dy[r * h..(r + 1) * h]);
+                let (mean, n, dot) = match split {
+                    Some((ss, n, dot)) => (ss[r] / n as f32, n, dot[r]),
+                    None => {
+                        let ms = (xr.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / h as f64) as f32;
+                        let dot = xr.iter().zip(dyr).zip(&w).map(|((&x, &g), &w)| f64::from(g * w) * f64::from(x));
+                        (ms, h, dot.sum::<f64>() as f32)
+                    }
+                };
+                let rstd = 1.0 / (mean + eps).sqrt();
+                *st = [rstd, rstd * rstd * rstd * dot / n as f32];
             }
-        }
+        });
+        let mut dx = vec![0f32; rows * h];
+        super::par::rows(&mut dx, h, h, |r0, chunk| {
+            for (i, o) in chunk.chunks_exact_mut(h.max(1)).enumerate() {
+                let r = r0 + i;
+                let [rstd, c] = stats[r];
+                let (xr, dyr) = (&x[r * h..(r + 1) * h], &dy[r * h..(r + 1) * h]);
+                for j in 0..h {
+                    o[j] = rstd * dyr[j] * w[j] - xr[j] * c;
+                }
+            }
+        });
+        let dw = super::par::col_sums(rows, h, |r, j| f64::from(dy[r * h + j] * x[r * h + j] * stats[r][0]));
         let cpu = crate::Device::Cpu;
-        let dw: Vec<f32> = dw.into_iter().map(|v| v as f32).collect();
         Ok((Tensor::from_vec(dx, self.dims(), &cpu)?, Tensor::from_vec(dw, &[h], &cpu)?))
     }
 }

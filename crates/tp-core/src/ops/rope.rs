@@ -463,17 +463,21 @@ impl Tensor {
         let dy = super::grad::f32_host(OP, self)?;
         let dy = dy.as_slice::<f32>()?;
         let mut out = dy.to_vec();
-        for (tok, &p) in positions.iter().enumerate() {
-            let cs: Vec<(f32, f32)> = (0..half).map(|i| cos_sin(&inv_freq, rope.attention_scaling, p, i)).collect();
-            for head in 0..h {
-                let base = (tok * h + head) * d;
-                for (i, &(c, s)) in cs.iter().enumerate() {
-                    let (g1, g2) = (dy[base + i], dy[base + half + i]);
-                    out[base + i] = c * g1 + s * g2;
-                    out[base + half + i] = c * g2 - s * g1;
+        let scale = rope.attention_scaling;
+        super::par::rows(&mut out, h * d, h * d, |t0, chunk| {
+            for (i, tok_out) in chunk.chunks_exact_mut((h * d).max(1)).enumerate() {
+                let (tok, p) = (t0 + i, positions[t0 + i]);
+                let cs: Vec<(f32, f32)> = (0..half).map(|i| cos_sin(&inv_freq, scale, p, i)).collect();
+                for head in 0..h {
+                    let (base, src) = (head * d, (tok * h + head) * d);
+                    for (i, &(c, s)) in cs.iter().enumerate() {
+                        let (g1, g2) = (dy[src + i], dy[src + half + i]);
+                        tok_out[base + i] = c * g1 + s * g2;
+                        tok_out[base + half + i] = c * g2 - s * g1;
+                    }
                 }
             }
-        }
+        });
         Tensor::from_vec(out, self.dims(), &crate::Device::Cpu)
     }
 }
