@@ -68,6 +68,22 @@ impl ParallelMlp {
     /// kept as quantized blocks, in whole blocks of it (uneven where they do not divide; see
     /// [`MergedColumnParallel::load_aligned`]), so that no rank's columns of it cut a block.
     pub fn load(ld: &Loader<'_>, names: MlpNames, act: Activation) -> Result<ParallelMlp> {
+        Self::load_inner(ld, names, act)
+    }
+
+    /// [`load`](Self::load) with the activation named as a Hugging Face config names it
+    /// (`hidden_act`: `silu`, `swish`, `gelu_pytorch_tanh`); any other name is
+    /// [`LayerError::Config`].
+    pub fn load_hf(ld: &Loader<'_>, names: MlpNames, hidden_act: &str) -> Result<ParallelMlp> {
+        let act = Activation::from_hidden_act(hidden_act).ok_or_else(|| {
+            LayerError::Config(format!(
+                "hidden_act {hidden_act:?}: tp's gated MLPs take silu, swish or gelu_pytorch_tanh"
+            ))
+        })?;
+        Self::load_inner(ld, names, act)
+    }
+
+    fn load_inner(ld: &Loader<'_>, names: MlpNames, act: Activation) -> Result<ParallelMlp> {
         let down_name = format!("{}.weight", names.down);
         let granule = ld.quant_block(&down_name)?;
         let gate_up = MergedColumnParallel::load_aligned(ld, names.gate_up, granule)?;

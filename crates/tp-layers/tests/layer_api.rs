@@ -58,3 +58,12 @@ fn a_tied_head_shares_the_table_or_converts_it_when_asked() {
     assert_eq!(head.dtype(), DType::F32);
     assert_eq!(head.weight().unwrap().to_f64_vec().unwrap(), table.to_f64_vec().unwrap());
 }
+
+#[test]
+fn a_configs_hidden_act_names_the_activation() {
+    use tp_core::Activation;
+    assert_eq!(Activation::from_hidden_act("silu"), Some(Activation::Silu));
+    assert_eq!(Activation::from_hidden_act("swish"), Some(Activation::Silu));
+    assert_eq!(Activation::from_hidden_act("gelu_pytorch_tanh"), Some(Activation::GeluTanh));
+    assert_eq!(Activation::from_hidden_act("relu"), None);
+}

@@ -319,9 +319,5 @@ impl Architecture {
 
 /// The activation a config's `hidden_act` names.
 pub(crate) fn activation(name: &str) -> Option<Activation> {
-    match name {
-        "silu" | "swish" => Some(Activation::Silu),
-        "gelu_pytorch_tanh" => Some(Activation::GeluTanh),
-        _ => None,
-    }
+    Activation::from_hidden_act(name)
 }

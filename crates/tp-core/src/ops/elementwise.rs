@@ -19,6 +19,17 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// The activation a Hugging Face config names in `hidden_act` / `hidden_activation`:
+    /// `silu` (or `swish`) and `gelu_pytorch_tanh` (Gemma's); `None` for any other (tp's gated
+    /// MLPs take these two).
+    pub fn from_hidden_act(name: &str) -> Option<Activation> {
+        match name {
+            "silu" | "swish" => Some(Activation::Silu),
+            "gelu_pytorch_tanh" => Some(Activation::GeluTanh),
+            _ => None,
+        }
+    }
+
     /// The activation in f32.
     pub fn apply(self, g: f32) -> f32 {
         match self {
