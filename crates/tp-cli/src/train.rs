@@ -317,6 +317,9 @@ fn rank_main(
         tp_train::checkpoint::resume(dir, &mut model, &mut trainer).map_err(|e| e.to_string())?;
     }
     let rank = g.rank();
+    if rank == 0 {
+        log.start_now(); // elapsed_s counts training, not loading
+    }
     let mut failed = None;
     let mut on_step = |l: &StepLog| {
         if rank == 0
@@ -334,7 +337,7 @@ fn rank_main(
 struct Log {
     path: Option<PathBuf>,
     file: Mutex<Option<std::fs::File>>,
-    start: Instant,
+    start: Mutex<Instant>,
     steps: u64,
     /// Tokens run so far (this process's steps).
     seen: AtomicU64,
@@ -342,11 +345,18 @@ struct Log {
 
 impl Log {
     fn new(path: Option<PathBuf>, steps: u64) -> Log {
-        Log { path, file: Mutex::new(None), start: Instant::now(), steps, seen: AtomicU64::new(0) }
+        Log { path, file: Mutex::new(None), start: Mutex::new(Instant::now()), steps, seen: AtomicU64::new(0) }
+    }
+
+    /// Training starts now (the model is loaded).
+    fn start_now(&self) {
+        if let Ok(mut s) = self.start.lock() {
+            *s = Instant::now();
+        }
     }
 
     fn step(&self, l: &StepLog) -> Result<(), String> {
-        let elapsed = self.start.elapsed().as_secs_f64();
+        let elapsed = self.start.lock().map_err(|_| "the log's clock is poisoned".to_string())?.elapsed().as_secs_f64();
         if let Some(path) = &self.path {
             let mut file = self.file.lock().map_err(|_| "the log's lock is poisoned".to_string())?;
             if file.is_none() {
@@ -363,14 +373,17 @@ impl Log {
         let rate = seen as f64 / elapsed.max(1e-9);
         let left = self.steps.saturating_sub(l.step) as f64 * elapsed / l.step.max(1) as f64;
         eprintln!(
-            "step {}/{} | loss {:.4} | grad_norm {:.3} | lr {:.3e} | {:.0} tok/s | ETA {}",
+            "step {}/{} | loss {:.4} | grad_norm {:.3} | lr {:.3e} | {:.0} tok/s | ETA {} | fwd {:.2}s bwd {:.2}s opt {:.2}s",
             l.step,
             self.steps,
             l.loss,
             l.grad_norm,
             l.lr,
             rate,
-            clock(left)
+            clock(left),
+            l.forward_secs,
+            l.backward_secs,
+            l.optimizer_secs
         );
         Ok(())
     }

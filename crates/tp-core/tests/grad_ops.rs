@@ -267,3 +267,19 @@ fn large_backward_ops_split_over_threads_match_float64() {
         assert_eq!(parts[rows + r], targets[r].map_or(0.0, |j| gv[r * h + j]));
     }
 }
+
+#[test]
+fn cross_entropy_backward_in_place_equals_the_copy() {
+    let logits = rand(&[37, 301], 81).scale(4.0).unwrap();
+    let max = logits.row_max().unwrap();
+    let targets: Vec<Option<usize>> = (0..37).map(|r| (r % 4 != 1).then_some(r * 13 % 301)).collect();
+    let weights: Vec<f32> = (0..37).map(|r| if r % 5 == 0 { 0.0 } else { 0.1 * r as f32 }).collect();
+    let parts = logits.cross_entropy_parts(&max, &targets).unwrap();
+    let sum_exp = parts.narrow(0, 0, 1).unwrap().reshape(&[37]).unwrap();
+    let want = logits.cross_entropy_backward(&max, &sum_exp, &targets, &weights).unwrap();
+    let mut got =
+        logits.to_dtype(DType::F32).unwrap().add(&Tensor::zeros(&[37, 301], DType::F32, &CPU).unwrap()).unwrap();
+    got.cross_entropy_backward_in_place(&max, &sum_exp, &targets, &weights).unwrap();
+    assert_eq!(v(&got), v(&want));
+    assert!(got.cross_entropy_backward_in_place(&max, &sum_exp, &targets[..3], &weights).is_err());
+}

@@ -28,6 +28,9 @@ pub struct LossOutput {
     pub targets: usize,
     /// `d(Σ_t w·loss_t)/dh: [T, H]` (f32, every rank the same).
     pub dh: Tensor,
+    /// Seconds spent in the forward part (logits and the loss's reductions); the rest of the
+    /// call is the backward.
+    pub forward_secs: f64,
 }
 
 impl ParallelLmHead {
@@ -56,6 +59,7 @@ impl ParallelLmHead {
         let w = self.weights().dense()?.clone();
         let chunk = (CHUNK_LOGITS / vocab.max(1)).clamp(1, rows.max(1));
         let (mut loss_sum, mut count, mut dh_parts) = (0f64, 0usize, Vec::new());
+        let mut forward_secs = 0f64;
         let to_group = |t: Tensor| -> Result<Tensor> { Ok(t.to_device(&group.device())?) };
         for r0 in (0..rows).step_by(chunk) {
             let n = chunk.min(rows - r0);
@@ -63,8 +67,8 @@ impl ParallelLmHead {
             let tc = &targets[r0..r0 + n];
             let local_t: Vec<Option<usize>> =
                 tc.iter().map(|t| t.and_then(|y| (y >= start && y < start + len).then(|| y - start))).collect();
-            let logits = self.forward_local(&hc)?;
-            let l32 = logits.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+            let started = std::time::Instant::now();
+            let l32 = self.forward_local(&hc)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
             let max = group.all_reduce(&to_group(l32.row_max()?)?, ReduceOp::Max)?.to_device(&Device::Cpu)?;
             let parts = l32.cross_entropy_parts(&max, &local_t)?;
             let parts = group.all_reduce(&to_group(parts)?, ReduceOp::Sum)?.to_device(&Device::Cpu)?;
@@ -76,11 +80,19 @@ impl ParallelLmHead {
                     count += 1;
                 }
             }
+            forward_secs += started.elapsed().as_secs_f64();
             let weights: Vec<f32> = tc.iter().map(|t| if t.is_some() { weight } else { 0.0 }).collect();
-            let mut dl = l32.cross_entropy_backward(&max, &sum_exp, &local_t, &weights)?;
-            if let Some(cap) = self.softcap() {
-                dl = l32.softcap_backward(cap, &dl)?;
-            }
+            let dl = match self.softcap() {
+                // The capped logits are needed for the cap's backward.
+                Some(cap) => {
+                    l32.softcap_backward(cap, &l32.cross_entropy_backward(&max, &sum_exp, &local_t, &weights)?)?
+                }
+                None => {
+                    let mut l32 = l32;
+                    l32.cross_entropy_backward_in_place(&max, &sum_exp, &local_t, &weights)?;
+                    l32
+                }
+            };
             let dh_partial = crate::linear::grad_input(&w, &dl)?;
             let work = if group.world_size() > 1 {
                 Some(group.all_reduce_async(&to_group(dh_partial.clone())?, ReduceOp::Sum)?)
@@ -100,7 +112,7 @@ impl ParallelLmHead {
         } else {
             Tensor::cat(&dh_parts, 0)?
         };
-        Ok(LossOutput { loss_sum, targets: count, dh })
+        Ok(LossOutput { loss_sum, targets: count, dh, forward_secs })
     }
 
     /// Takes the accumulated `dW_r` (leaving it empty).

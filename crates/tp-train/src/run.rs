@@ -52,15 +52,9 @@ pub fn run(
         {
             dump_grads(model, path)?;
         }
+        let started = std::time::Instant::now();
         let lr = trainer.apply(model, acc.grad_norm)?;
-        let log = StepLog {
-            step,
-            loss: acc.loss_sum / acc.targets as f64,
-            grad_norm: acc.grad_norm,
-            lr,
-            tokens: acc.targets,
-            input_tokens: acc.tokens,
-        };
+        let log = StepLog::new(step, &acc, lr, started.elapsed().as_secs_f64());
         on_step(&log);
         if let (Some(dir), Some(every)) = (&opts.save, opts.save_every)
             && every > 0

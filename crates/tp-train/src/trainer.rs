@@ -59,6 +59,30 @@ pub struct StepLog {
     pub tokens: usize,
     /// All tokens of the step's rows.
     pub input_tokens: usize,
+    /// Seconds of the step's forwards, backwards, and gradient sync + norm + update.
+    pub forward_secs: f64,
+    /// See `forward_secs`.
+    pub backward_secs: f64,
+    /// See `forward_secs`.
+    pub optimizer_secs: f64,
+}
+
+impl StepLog {
+    /// The log of step `step` from its accumulated gradients, the rate it used and the
+    /// seconds its update took.
+    pub fn new(step: u64, acc: &Accumulated, lr: f64, update_secs: f64) -> StepLog {
+        StepLog {
+            step,
+            loss: acc.loss_sum / acc.targets as f64,
+            grad_norm: acc.grad_norm,
+            lr,
+            tokens: acc.targets,
+            input_tokens: acc.tokens,
+            forward_secs: acc.forward_secs,
+            backward_secs: acc.backward_secs,
+            optimizer_secs: acc.sync_secs + update_secs,
+        }
+    }
 }
 
 /// The optimizer state of one parameter on this rank.
@@ -92,6 +116,12 @@ pub struct Accumulated {
     pub tokens: usize,
     /// The global gradient norm.
     pub grad_norm: f64,
+    /// Seconds of the forwards.
+    pub forward_secs: f64,
+    /// Seconds of the backwards.
+    pub backward_secs: f64,
+    /// Seconds of the gradients' sync and norm.
+    pub sync_secs: f64,
 }
 
 impl Trainer {
@@ -144,14 +174,17 @@ impl Trainer {
         model.set_sequence_parallel(self.config.sequence_parallel);
         model.zero_grads()?;
         let scale = (1.0 / targets as f64) as f32;
-        let (mut loss_sum, mut tokens) = (0f64, 0usize);
+        let (mut loss_sum, mut tokens, mut forward_secs, mut backward_secs) = (0f64, 0usize, 0f64, 0f64);
         for micro in rows.chunks(self.config.micro_batch_size) {
             let batch: Vec<TrainRow<'_>> =
                 micro.iter().map(|e| TrainRow { input_ids: &e.input_ids, labels: &e.labels }).collect();
             let out = model.train_micro_batch(&batch, scale, self.config.recompute)?;
             loss_sum += out.loss_sum;
             tokens += out.tokens;
+            forward_secs += out.forward_secs;
+            backward_secs += out.backward_secs;
         }
+        let sync_started = std::time::Instant::now();
         let loss = loss_sum / targets as f64;
         if !loss.is_finite() {
             return Err(TrainError::NotFinite { step, what: "loss", value: loss });
@@ -172,7 +205,8 @@ impl Trainer {
         if !grad_norm.is_finite() {
             return Err(TrainError::NotFinite { step, what: "gradient norm", value: grad_norm });
         }
-        Ok(Accumulated { loss_sum, targets, tokens, grad_norm })
+        let sync_secs = sync_started.elapsed().as_secs_f64();
+        Ok(Accumulated { loss_sum, targets, tokens, grad_norm, forward_secs, backward_secs, sync_secs })
     }
 
     /// Clips the accumulated gradients by `grad_norm` (from [`accumulate`](Self::accumulate))
@@ -222,15 +256,9 @@ impl Trainer {
     /// One whole step: [`accumulate`](Self::accumulate) then [`apply`](Self::apply).
     pub fn step(&mut self, model: &mut ParallelCausalLm, rows: &[Example]) -> Result<StepLog> {
         let acc = self.accumulate(model, rows)?;
+        let started = std::time::Instant::now();
         let lr = self.apply(model, acc.grad_norm)?;
-        Ok(StepLog {
-            step: self.step,
-            loss: acc.loss_sum / acc.targets as f64,
-            grad_norm: acc.grad_norm,
-            lr,
-            tokens: acc.targets,
-            input_tokens: acc.tokens,
-        })
+        Ok(StepLog::new(self.step, &acc, lr, started.elapsed().as_secs_f64()))
     }
 }
 

@@ -158,3 +158,51 @@ impl Tensor {
         Tensor::from_vec(out, self.dims(), &Device::Cpu)
     }
 }
+
+impl Tensor {
+    /// [`cross_entropy_backward`](Tensor::cross_entropy_backward) written over the logits
+    /// themselves (host, f32 logits not shared with another tensor: no second `[rows, N]`
+    /// buffer); elsewhere the result replaces `self`.
+    ///
+    /// Errors: as `cross_entropy_backward`; on error `self` is unchanged.
+    pub fn cross_entropy_backward_in_place(
+        &mut self,
+        max: &Tensor,
+        sum_exp: &Tensor,
+        targets: &[Option<usize>],
+        weights: &[f32],
+    ) -> Result<()> {
+        const OP: &str = "cross_entropy_backward_in_place";
+        let (rows, n) = rows_cols(OP, self)?;
+        check_targets(OP, rows, targets, n)?;
+        if self.dtype() != crate::DType::F32 || !matches!(self.storage(), Storage::Cpu(_)) {
+            *self = self.cross_entropy_backward(max, sum_exp, targets, weights)?;
+            return Ok(());
+        }
+        let (m, s) = (f32_host(OP, max)?, f32_host(OP, sum_exp)?);
+        if m.dims() != [rows] || s.dims() != [rows] || weights.len() != rows {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: format!("statistics and weights must have {rows} entries"),
+            });
+        }
+        let (m, s) = (m.as_slice::<f32>()?, s.as_slice::<f32>()?);
+        let x = self.as_mut_slice::<f32>()?;
+        par::rows(x, n, n, |r0, chunk| {
+            for (i, row) in chunk.chunks_exact_mut(n.max(1)).enumerate() {
+                let r = r0 + i;
+                let w = weights[r];
+                if w == 0.0 {
+                    row.fill(0.0);
+                    continue;
+                }
+                let (inv, mr) = (w / s[r], m[r]);
+                row.iter_mut().for_each(|v| *v = exp_neg(*v - mr) * inv);
+                if let Some(j) = targets[r] {
+                    row[j] -= w;
+                }
+            }
+        });
+        Ok(())
+    }
+}

@@ -57,6 +57,10 @@ pub struct MicroBatchLoss {
     pub targets: usize,
     /// Its tokens.
     pub tokens: usize,
+    /// Seconds of the forward (embedding, blocks, final norm, logits and the loss).
+    pub forward_secs: f64,
+    /// Seconds of the backward (with `Recompute::Full`, the blocks' recomputed forwards too).
+    pub backward_secs: f64,
 }
 
 impl ParallelCausalLm {
@@ -103,6 +107,7 @@ impl ParallelCausalLm {
 
         self.sync_tied_head()?;
         let batch = SeqBatch::new(&lens, self.sequence_parallel && self.group.world_size() > 1);
+        let started = std::time::Instant::now();
         // Forward (this rank's rows of every activation outside attention and the MLP: all of
         // them, or its sequence shard).
         let mut x = self.embed.forward_train(&ids, &batch)?;
@@ -114,7 +119,11 @@ impl ParallelCausalLm {
         }
         let h = self.norm.forward(&x)?;
         // The LM head sees every token (vocab-parallel); its dh is the same on every rank.
+        let before_head = started.elapsed().as_secs_f64();
+        let head_started = std::time::Instant::now();
         let out = self.lm_head.loss_backward(&batch.gather(&h, &self.group)?, &targets, loss_scale)?;
+        let head_secs = head_started.elapsed().as_secs_f64();
+        let backward_started = std::time::Instant::now();
 
         // Backward.
         let mut dx = self.norm.backward(&x, &batch.local(&out.dh, &self.group)?)?;
@@ -131,7 +140,15 @@ impl ParallelCausalLm {
         {
             self.embed.add_grad(&g)?;
         }
-        Ok(MicroBatchLoss { loss_sum: out.loss_sum, targets: out.targets, tokens: lens.iter().sum() })
+        let forward_secs = before_head + out.forward_secs;
+        let backward_secs = head_secs - out.forward_secs + backward_started.elapsed().as_secs_f64();
+        Ok(MicroBatchLoss {
+            loss_sum: out.loss_sum,
+            targets: out.targets,
+            tokens: lens.iter().sum(),
+            forward_secs,
+            backward_secs,
+        })
     }
 
     /// Every trainable parameter of this rank, in a fixed order (the same on every rank):
