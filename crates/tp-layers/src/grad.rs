@@ -245,11 +245,26 @@ pub fn owned_sum_squares(params: &[Param<'_>]) -> Result<f64> {
             let (outer, lsize, inner) = around(dims, pl.dim);
             for o in 0..outer {
                 let s = (o * lsize + pl.local_start) * inner;
-                total += g[s..s + pl.len * inner].iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>();
+                total += sum_squares(&g[s..s + pl.len * inner]);
             }
         }
     }
     Ok(total)
+}
+
+/// `Σ v²` in f64, over two threads when long (fixed halves, so the same bits every time).
+fn sum_squares(v: &[f32]) -> f64 {
+    let serial = |v: &[f32]| v.chunks(256).map(|c| f64::from(c.iter().map(|&x| x * x).sum::<f32>())).sum::<f64>();
+    if v.len() < 1 << 18 {
+        return serial(v);
+    }
+    let (a, b) = v.split_at(v.len() / 2);
+    let (sa, sb) = std::thread::scope(|s| {
+        let h = s.spawn(|| serial(a));
+        let sb = serial(b);
+        (h.join(), sb)
+    });
+    sa.unwrap_or_else(|_| serial(a)) + sb
 }
 
 /// Which tensor of a parameter [`gather_full`] gathers.

@@ -87,6 +87,23 @@ impl AdamW {
         lr: f64,
         decay: bool,
     ) -> Result<()> {
+        self.step_clipped(param, grad, 1.0, state, t, lr, decay)
+    }
+
+    /// [`step`](Self::step) with the gradient multiplied by `clip` first, element by element
+    /// (torch's `clip_grad_norm_` coefficient; the same bits as scaling the gradient in a pass
+    /// of its own, without that pass). A `clip` of 1 leaves the gradient as it is.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_clipped(
+        &self,
+        param: &mut [f32],
+        grad: &[f32],
+        clip: f32,
+        state: &mut AdamState,
+        t: u64,
+        lr: f64,
+        decay: bool,
+    ) -> Result<()> {
         self.validate()?;
         if t == 0 {
             return Err(TrainError::InvalidArgument {
@@ -119,7 +136,7 @@ impl AdamW {
         let step_size = (lr / bc1) as f32;
         let bc2_sqrt = bc2.sqrt() as f32;
         let eps = self.eps as f32;
-        let f = Factors { w1, b2, w2, step_size, bc2_sqrt, eps };
+        let f = Factors { w1, b2, w2, step_size, bc2_sqrt, eps, clip };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(n / PARALLEL_MIN_ELEMS).max(1);
         if threads == 1 {
             update(param, grad, &mut state.m, &mut state.v, f);
@@ -154,13 +171,15 @@ struct Factors {
     step_size: f32,
     bc2_sqrt: f32,
     eps: f32,
+    clip: f32,
 }
 
 /// The element-wise update; equal lengths are checked by the caller, and the zipped iterators
 /// have no bounds checks, so the loop vectorises.
 fn update(param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], f: Factors) {
-    let Factors { w1, b2, w2, step_size, bc2_sqrt, eps } = f;
+    let Factors { w1, b2, w2, step_size, bc2_sqrt, eps, clip } = f;
     for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let g = if clip == 1.0 { g } else { g * clip };
         *m += (g - *m) * w1;
         *v = *v * b2 + w2 * g * g;
         let denom = v.sqrt() / bc2_sqrt + eps;

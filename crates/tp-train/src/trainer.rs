@@ -229,18 +229,15 @@ impl Trainer {
         }
         for (p, st) in params.iter_mut().zip(&mut self.states) {
             let Some(g) = p.grad.take() else { continue }; // torch skips parameters without a gradient
-            let mut g = g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-            if coef != 1.0 {
-                g.as_mut_slice::<f32>()?.iter_mut().for_each(|v| *v *= coef);
-            }
-            let decay = p.decays();
+            let g = g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+            let (g, decay) = (g.as_slice::<f32>()?, p.decays());
             match &mut st.master {
                 None => {
                     let value = p.value.as_mut_slice::<f32>()?;
-                    adamw.step(value, g.as_slice::<f32>()?, &mut st.adam, step, lr, decay)?;
+                    adamw.step_clipped(value, g, coef, &mut st.adam, step, lr, decay)?;
                 }
                 Some(master) => {
-                    adamw.step(master, g.as_slice::<f32>()?, &mut st.adam, step, lr, decay)?;
+                    adamw.step_clipped(master, g, coef, &mut st.adam, step, lr, decay)?;
                     let dims = p.value.dims().to_vec();
                     let updated = Tensor::from_slice(master, &dims, &Device::Cpu)?.to_dtype(p.value.dtype())?;
                     *p.value = updated.to_device(&p.value.device())?;
