@@ -316,7 +316,7 @@ fn time_tp(g: &Gemm, dtype: DType) -> Result<f64> {
 }
 
 /// Median seconds per call of `f`, over `SAMPLES` samples of at least `MIN_SAMPLE` each.
-fn median_seconds(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub fn median_seconds(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let start = Instant::now();
     f()?;

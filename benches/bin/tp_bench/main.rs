@@ -6,7 +6,9 @@
 //! it when installed. Results: a table on stdout, and `results.json` / `results.csv` in `--out`.
 //!
 //! Usage: `tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..]
-//! [--out DIR]`. Writes `results.json`, `results.csv` and `results.svg` (throughput against size,
+//! [--only gemm,model,serving,gguf,train-gemm] [--out DIR]`. `--only train-gemm` (opt-in: never
+//! part of the default run) measures the forward, dgrad and wgrad GEMMs of a training step beside
+//! torch (`train.rs`). Writes `results.json`, `results.csv` and `results.svg` (throughput against size,
 //! ours beside the reference, one panel per dtype) into DIR (default `target/bench`).
 
 mod cpu;
@@ -16,6 +18,7 @@ mod model;
 mod serving;
 mod shapes;
 mod svg;
+mod train;
 
 use anyhow::{Context, Result, bail};
 use std::fmt::Write as _;
@@ -78,19 +81,25 @@ pub struct Args {
     pub out: PathBuf,
     /// Whole-model rows (`--model tinyllama|DIR|none`; default tinyllama, none with `--quick`).
     pub model: Option<model::Which>,
-    /// Which tables run (`--only gemm|model|serving,..`; default all).
+    /// Which tables run (`--only gemm|model|serving|gguf|train-gemm,..`; default all but
+    /// train-gemm, which runs only when named).
     pub only: Vec<String>,
 }
 
 impl Args {
     /// Whether the table `name` runs.
     pub fn runs(&self, name: &str) -> bool {
-        self.only.is_empty() || self.only.iter().any(|o| o == name)
+        self.only.is_empty() || self.named(name)
+    }
+
+    /// Whether `--only` names the table `name` (the opt-in tables run only then).
+    pub fn named(&self, name: &str) -> bool {
+        self.only.iter().any(|o| o == name)
     }
 }
 
 const USAGE: &str = "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] \
-                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf] [--out DIR]";
+                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm] [--out DIR]";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -113,10 +122,11 @@ fn parse_args() -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "--model" => model = Some(it.next().context("--model needs tinyllama, a folder or none")?),
             "--only" => {
-                let list = it.next().context("--only needs gemm, model, serving or gguf (comma-separated)")?;
+                let list =
+                    it.next().context("--only needs gemm, model, serving, gguf or train-gemm (comma-separated)")?;
                 for t in list.split(',') {
-                    if !["gemm", "model", "serving", "gguf"].contains(&t) {
-                        bail!("--only takes gemm, model, serving, gguf; got {t:?}");
+                    if !["gemm", "model", "serving", "gguf", "train-gemm"].contains(&t) {
+                        bail!("--only takes gemm, model, serving, gguf, train-gemm; got {t:?}");
                     }
                     a.only.push(t.to_string());
                 }
@@ -172,6 +182,9 @@ fn run() -> Result<()> {
             cpu::run(&args)?
         }
     };
+    if args.named("train-gemm") {
+        rows.extend(train::rows(&args)?);
+    }
     if let Some(which) = &args.model {
         let device = if gpu.is_ok() { tp_core::Device::Cuda(0) } else { tp_core::Device::Cpu };
         if args.runs("model") {
