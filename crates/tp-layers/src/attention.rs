@@ -400,33 +400,8 @@ impl ParallelAttention {
 
     /// `q: [T, q_len·D]`, `k: [T, kv_len·D]` after the q/k norm, if any.
     fn qk_normed(&self, q: Tensor, k: Tensor, t: usize) -> Result<(Tensor, Tensor)> {
-        let Some(n) = &self.qk_norm else { return Ok((q, k)) };
-        let l = *self.layout();
-        let d = l.head_dim;
-        match n.span {
-            QkNormSpan::PerHead => {
-                let q = n.q.forward(&q.reshape(&[t, l.q_len, d])?)?.reshape(&[t, l.q_len * d])?;
-                let k = n.k.forward(&k.reshape(&[t, l.kv_len, d])?)?.reshape(&[t, l.kv_len * d])?;
-                Ok((q, k))
-            }
-            QkNormSpan::FullWidth => {
-                // Each token's sum of squares over the rank's q features and its owned KV
-                // heads' k features, [2, T] in f32, summed over the ranks in one all-reduce.
-                let owned = l.kv_owned();
-                let ss_q = q.sum_squares()?;
-                let ss_k = if owned.is_empty() {
-                    Tensor::zeros(&[t], DType::F32, &q.device())?
-                } else {
-                    k.narrow(1, owned.start * d, owned.len() * d)?.sum_squares()?
-                };
-                let stats = Tensor::cat(&[ss_q.reshape(&[1, t])?, ss_k.reshape(&[1, t])?], 0)?;
-                let stats = self.group().all_reduce(&stats, ReduceOp::Sum)?;
-                let (sq, sk) = (stats.narrow(0, 0, 1)?.reshape(&[t])?, stats.narrow(0, 1, 1)?.reshape(&[t])?);
-                let q = n.q.forward_with_sum_squares(&q, &sq, l.num_heads * d)?;
-                let k = n.k.forward_with_sum_squares(&k, &sk, l.num_kv_heads * d)?;
-                Ok((q, k))
-            }
-        }
+        let (q, k, _) = self.qk_normed_stats(q, k, t)?;
+        Ok((q, k))
     }
 }
 
@@ -592,10 +567,18 @@ impl ParallelAttention {
 
     /// [`qk_normed`](Self::qk_normed), also returning a full-width norm's summed statistics.
     fn qk_normed_stats(&self, q: Tensor, k: Tensor, t: usize) -> Result<NormedQk> {
-        match &self.qk_norm {
-            Some(n) if n.span == QkNormSpan::FullWidth => {
-                let l = *self.layout();
-                let d = l.head_dim;
+        let Some(n) = &self.qk_norm else { return Ok((q, k, None)) };
+        let l = *self.layout();
+        let d = l.head_dim;
+        match n.span {
+            QkNormSpan::PerHead => {
+                let q = n.q.forward(&q.reshape(&[t, l.q_len, d])?)?.reshape(&[t, l.q_len * d])?;
+                let k = n.k.forward(&k.reshape(&[t, l.kv_len, d])?)?.reshape(&[t, l.kv_len * d])?;
+                Ok((q, k, None))
+            }
+            QkNormSpan::FullWidth => {
+                // Each token's sum of squares over the rank's q features and its owned KV
+                // heads' k features, [2, T] in f32, summed over the ranks in one all-reduce.
                 let owned = l.kv_owned();
                 let ss_q = q.sum_squares()?;
                 let ss_k = if owned.is_empty() {
@@ -606,13 +589,9 @@ impl ParallelAttention {
                 let stats = Tensor::cat(&[ss_q.reshape(&[1, t])?, ss_k.reshape(&[1, t])?], 0)?;
                 let stats = self.group().all_reduce(&stats, ReduceOp::Sum)?;
                 let (sq, sk) = (stats.narrow(0, 0, 1)?.reshape(&[t])?, stats.narrow(0, 1, 1)?.reshape(&[t])?);
-                let qn = n.q.forward_with_sum_squares(&q, &sq, l.num_heads * d)?;
-                let kn = n.k.forward_with_sum_squares(&k, &sk, l.num_kv_heads * d)?;
-                Ok((qn, kn, Some((sq, sk))))
-            }
-            _ => {
-                let (qn, kn) = self.qk_normed(q, k, t)?;
-                Ok((qn, kn, None))
+                let q = n.q.forward_with_sum_squares(&q, &sq, l.num_heads * d)?;
+                let k = n.k.forward_with_sum_squares(&k, &sk, l.num_kv_heads * d)?;
+                Ok((q, k, Some((sq, sk))))
             }
         }
     }

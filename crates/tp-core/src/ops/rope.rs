@@ -362,21 +362,7 @@ impl Tensor {
     pub fn rope(&self, positions: &[usize], rope: &RotaryEmbedding) -> Result<Tensor> {
         const OP: &str = "rope";
         self.require_float()?;
-        let &[t, h, d] = self.dims() else {
-            return Err(Error::RankMismatch {
-                op: OP,
-                expected: "3 ([tokens, heads, head_dim])",
-                dims: self.dims().to_vec(),
-            });
-        };
-        if d < rope.head_dim || positions.len() != t {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                lhs: self.dims().to_vec(),
-                rhs: vec![positions.len(), h, rope.head_dim],
-                why: "needs [tokens, heads, D] with one position per token and D at least the embedding's head_dim",
-            });
-        }
+        let (t, h, d) = rope_dims(OP, self, positions, rope)?;
         // Dynamic scaling: the frequencies of this call's length (its largest position + 1).
         let inv_freq = rope.inv_freq_for(positions.iter().max().map_or(0, |&p| p.saturating_add(1)));
         let scale = rope.attention_scaling;
@@ -392,6 +378,28 @@ impl Tensor {
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
     }
+}
+
+/// `(T, H, D)` of a rotation's input `x: [T, H, D]`, checked against `positions` (one per
+/// token) and the embedding (`D >= rope.head_dim`).
+fn rope_dims(
+    op: &'static str,
+    x: &Tensor,
+    positions: &[usize],
+    rope: &RotaryEmbedding,
+) -> Result<(usize, usize, usize)> {
+    let &[t, h, d] = x.dims() else {
+        return Err(Error::RankMismatch { op, expected: "3 ([tokens, heads, head_dim])", dims: x.dims().to_vec() });
+    };
+    if d < rope.head_dim || positions.len() != t {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: x.dims().to_vec(),
+            rhs: vec![positions.len(), h, rope.head_dim],
+            why: "needs [tokens, heads, D] with one position per token and D at least the embedding's head_dim",
+        });
+    }
+    Ok((t, h, d))
 }
 
 /// The host rotation of heads of `d` features, the first `2 * inv_freq.len()` of which rotate.
@@ -438,21 +446,7 @@ impl Tensor {
     /// Errors: as [`rope`](Tensor::rope).
     pub fn rope_backward(&self, positions: &[usize], rope: &RotaryEmbedding) -> Result<Tensor> {
         const OP: &str = "rope_backward";
-        let &[t, h, d] = self.dims() else {
-            return Err(Error::RankMismatch {
-                op: OP,
-                expected: "3 ([tokens, heads, head_dim])",
-                dims: self.dims().to_vec(),
-            });
-        };
-        if d < rope.head_dim || positions.len() != t {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                lhs: self.dims().to_vec(),
-                rhs: vec![positions.len(), h, rope.head_dim],
-                why: "needs [tokens, heads, D] with one position per token and D at least the embedding's head_dim",
-            });
-        }
+        let (t, h, d) = rope_dims(OP, self, positions, rope)?;
         let inv_freq = rope.inv_freq_for(positions.iter().max().map_or(0, |&p| p.saturating_add(1)));
         let half = inv_freq.len();
         if let Storage::Cuda(dy) = self.storage() {
