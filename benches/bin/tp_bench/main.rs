@@ -6,15 +6,17 @@
 //! it when installed. Results: a table on stdout, and `results.json` / `results.csv` in `--out`.
 //!
 //! Usage: `tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..]
-//! [--only gemm,model,serving,gguf,train-gemm] [--out DIR]`. `--only train-gemm` (opt-in: never
+//! [--only gemm,model,serving,gguf,train-gemm,pipeline] [--out DIR]`. `--only train-gemm` (opt-in: never
 //! part of the default run) measures the forward, dgrad and wgrad GEMMs of a training step beside
-//! torch (`train.rs`). Writes `results.json`, `results.csv` and `results.svg` (throughput against size,
+//! torch (`train.rs`); `--only pipeline` (opt-in too) the measured bubble of each pipeline
+//! schedule beside its formula, with one step's timeline per schedule as an SVG (`pipeline.rs`). Writes `results.json`, `results.csv` and `results.svg` (throughput against size,
 //! ours beside the reference, one panel per dtype) into DIR (default `target/bench`).
 
 mod cpu;
 mod gguf;
 mod gpu;
 mod model;
+mod pipeline;
 mod serving;
 mod shapes;
 mod svg;
@@ -99,7 +101,7 @@ impl Args {
 }
 
 const USAGE: &str = "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] \
-                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm] [--out DIR]";
+                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm,pipeline] [--out DIR]";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -122,11 +124,12 @@ fn parse_args() -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "--model" => model = Some(it.next().context("--model needs tinyllama, a folder or none")?),
             "--only" => {
-                let list =
-                    it.next().context("--only needs gemm, model, serving, gguf or train-gemm (comma-separated)")?;
+                let list = it
+                    .next()
+                    .context("--only needs gemm, model, serving, gguf, train-gemm or pipeline (comma-separated)")?;
                 for t in list.split(',') {
-                    if !["gemm", "model", "serving", "gguf", "train-gemm"].contains(&t) {
-                        bail!("--only takes gemm, model, serving, gguf, train-gemm; got {t:?}");
+                    if !["gemm", "model", "serving", "gguf", "train-gemm", "pipeline"].contains(&t) {
+                        bail!("--only takes gemm, model, serving, gguf, train-gemm, pipeline; got {t:?}");
                     }
                     a.only.push(t.to_string());
                 }
@@ -184,6 +187,9 @@ fn run() -> Result<()> {
     };
     if args.named("train-gemm") {
         rows.extend(train::rows(&args)?);
+    }
+    if args.named("pipeline") {
+        rows.extend(pipeline::rows(&args)?);
     }
     if let Some(which) = &args.model {
         let device = if gpu.is_ok() { tp_core::Device::Cuda(0) } else { tp_core::Device::Cpu };

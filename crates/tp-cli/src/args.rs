@@ -186,12 +186,22 @@ pub struct ServerArgs {
 }
 
 /// Parses `tp`'s arguments; vLLM's single-dash `-tp N` / `-tp=N` is read as
-/// `--tensor-parallel-size` (clap's short flags are one letter).
+/// `--tensor-parallel-size`, `-pp` as `--pipeline-parallel-size` and `-dp` as
+/// `--data-parallel-size` (clap's short flags are one letter).
 pub fn parse_cli<I: IntoIterator<Item = std::ffi::OsString>>(args: I) -> Result<Cli, clap::Error> {
-    let args = args.into_iter().map(|a| match a.to_str() {
-        Some("-tp") => "--tensor-parallel-size".into(),
-        Some(s) if s.starts_with("-tp=") => format!("--tensor-parallel-size={}", &s[4..]).into(),
-        _ => a,
+    const SHORT: [(&str, &str); 3] =
+        [("-tp", "--tensor-parallel-size"), ("-pp", "--pipeline-parallel-size"), ("-dp", "--data-parallel-size")];
+    let args = args.into_iter().map(|a| {
+        let Some(s) = a.to_str() else { return a };
+        for (short, long) in SHORT {
+            if s == short {
+                return long.into();
+            }
+            if let Some(v) = s.strip_prefix(short).and_then(|r| r.strip_prefix('=')) {
+                return format!("{long}={v}").into();
+            }
+        }
+        a
     });
     Cli::try_parse_from(args)
 }

@@ -16,13 +16,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
-use tp_comm::DeviceGroup;
+use tp_comm::{Mesh, MeshShape};
 use tp_core::{DType, Device};
-use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute};
+use tp_models::{
+    ModelConfig, ModelOptions, ParallelCausalLm, Recompute, StagePart, parse_layer_partition, stage_parts,
+};
 use tp_train::data::{Dataset, TextTokenizer};
 use tp_train::optim::AdamW;
+use tp_train::pipeline::{ScheduleKind, TraceClock, TraceEvent};
 use tp_train::schedule::{LrSchedule, LrScheduleKind};
-use tp_train::{RunOptions, StepLog, TrainConfig, Trainer, checkpoint};
+use tp_train::{RunOptions, StepGroups, StepLog, TrainConfig, Trainer, checkpoint};
 
 /// The training dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -70,6 +73,26 @@ pub struct TrainArgs {
     /// Ranks the model is split over.
     #[arg(long = "tensor-parallel-size", alias = "tp", default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// Pipeline stages, each a tensor-parallel group (world = D x P x N ranks).
+    #[arg(long = "pipeline-parallel-size", alias = "pp", default_value_t = 1)]
+    pub pipeline_parallel_size: usize,
+    /// Data-parallel replicas of the whole pipeline; a step takes D x B x K rows.
+    #[arg(long = "data-parallel-size", alias = "dp", default_value_t = 1)]
+    pub data_parallel_size: usize,
+    /// The pipeline schedule: gpipe, 1f1b, interleaved (with --virtual-stages) or zb-h1.
+    #[arg(long, default_value = "1f1b", value_parser = parse_schedule)]
+    pub pp_schedule: ScheduleKind,
+    /// Model chunks per pipeline rank (interleaved 1F1B).
+    #[arg(long, default_value_t = 1)]
+    pub virtual_stages: usize,
+    /// Layers per pipeline stage, e.g. 10,12,10 (vLLM's VLLM_PP_LAYER_PARTITION); one count
+    /// per virtual stage with --virtual-stages.
+    #[arg(long)]
+    pub pp_layer_partition: Option<String>,
+    /// Write a Chrome trace-event JSON of every rank's forwards, backwards, waits and
+    /// optimizer steps (open it in Perfetto or chrome://tracing).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
     /// Training dtype (default: the checkpoint's, when it is f32 or bf16).
     #[arg(long, value_enum)]
     pub dtype: Option<TrainDType>,
@@ -153,10 +176,30 @@ fn bad(msg: impl Into<String>) -> CliError {
     CliError::Args(msg.into())
 }
 
+fn parse_schedule(s: &str) -> Result<ScheduleKind, String> {
+    ScheduleKind::parse(s)
+}
+
 /// Checks the flags' ranges.
 fn check(a: &TrainArgs) -> Result<(), CliError> {
     if a.tensor_parallel_size == 0 || a.micro_batch_size == 0 || a.grad_accum == 0 {
         return Err(bad("--tensor-parallel-size, --micro-batch-size and --grad-accum must be at least 1"));
+    }
+    if a.pipeline_parallel_size == 0 || a.data_parallel_size == 0 || a.virtual_stages == 0 {
+        return Err(bad("--pipeline-parallel-size, --data-parallel-size and --virtual-stages must be at least 1"));
+    }
+    if a.virtual_stages > 1 && a.pp_schedule != ScheduleKind::Interleaved1F1B {
+        return Err(bad(format!(
+            "--virtual-stages {} needs --pp-schedule interleaved (got {})",
+            a.virtual_stages,
+            a.pp_schedule.name()
+        )));
+    }
+    if a.pipeline_parallel_size > 1 && (a.save.is_some() || a.dump_grads.is_some() || a.resume.is_some()) {
+        return Err(bad(
+            "--save, --dump-grads and --resume are not supported with --pipeline-parallel-size > 1 yet (checkpoints \
+             are written from one tensor-parallel group holding the whole model)",
+        ));
     }
     if a.seq_len == Some(0) || a.steps == Some(0) || a.save_every == Some(0) {
         return Err(bad("--seq-len, --steps and --save-every must be at least 1"));
@@ -207,6 +250,11 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
     let n = a.tensor_parallel_size;
     tp_layers::QkvLayout::new(config.num_attention_heads, config.num_key_value_heads, config.head_dim, 0, n)
         .map_err(|e| bad(format!("--tensor-parallel-size {n}: {e}")))?;
+    let shape = MeshShape::new(a.data_parallel_size, a.pipeline_parallel_size, n).map_err(|e| bad(e.to_string()))?;
+    let (p, v) = (a.pipeline_parallel_size, a.virtual_stages);
+    let partition = a.pp_layer_partition.as_deref().map(parse_layer_partition).transpose().map_err(model_err)?;
+    let parts = stage_parts(config.num_hidden_layers, p * v, partition.as_deref())
+        .map_err(|e| bad(format!("--pipeline-parallel-size {p} x --virtual-stages {v}: {e}")))?;
     let dtype = match a.dtype {
         Some(TrainDType::F32) => DType::F32,
         Some(TrainDType::Bf16) => DType::BF16,
@@ -254,8 +302,13 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
         max_grad_norm: a.max_grad_norm,
         recompute,
         sequence_parallel: a.sequence_parallel,
+        pp_schedule: a.pp_schedule,
+        virtual_stages: v,
     };
     Trainer::new(config_t.clone()).map_err(train_err)?;
+    // The schedule's own checks (micro-batches against stages) before any rank starts.
+    tp_train::pipeline::Schedule::new(a.pp_schedule, p, a.grad_accum, v)
+        .map_err(|e| bad(format!("--pp-schedule {} with --grad-accum {}: {e}", a.pp_schedule.name(), a.grad_accum)))?;
     let opts = RunOptions {
         steps,
         dump_grads: a.dump_grads.clone(),
@@ -264,19 +317,23 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
         source: weights_dir.to_path_buf(),
     };
     let timeout = tp_comm::LaunchEnv::timeout_from_lookup(|k| std::env::var(k).ok()).map_err(|e| bad(e.to_string()))?;
-    let groups = DeviceGroup::local(n, timeout, |_| Device::Cpu).map_err(|e| CliError::Engine(e.to_string()))?;
+    let meshes = Mesh::local(shape, timeout, |_| Device::Cpu).map_err(|e| CliError::Engine(e.to_string()))?;
     let log = Log::new(a.log_json.clone(), steps);
+    let trace = a.trace.as_ref().map(|_| (Instant::now(), Mutex::new(Vec::new())));
     let errors: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+    let resume = resumed.is_some();
     std::thread::scope(|s| {
-        for g in groups {
-            let (data, config_t, opts, log, errors, config) =
-                (data.clone(), config_t.clone(), &opts, &log, &errors, &config);
-            let spawned = std::thread::Builder::new().name(format!("train-{}", g.rank())).spawn_scoped(s, move || {
-                let out = rank_main(&g, weights_dir, config, dtype, config_t, data, opts, resumed.is_some(), log);
+        for mesh in meshes {
+            let (data, config_t, opts, log, errors, config, parts, trace) =
+                (data.clone(), config_t.clone(), &opts, &log, &errors, &config, &parts, &trace);
+            let rank = mesh.rank();
+            let spawned = std::thread::Builder::new().name(format!("train-{rank}")).spawn_scoped(s, move || {
+                let job = RankJob { dir: weights_dir, config, dtype, parts, opts, resume, log, trace };
+                let out = job.run(&mesh, config_t, data);
                 if let Err(e) = out {
-                    g.abort("this rank failed");
+                    mesh.abort(&format!("rank {rank} (stage {}) failed", mesh.coords().pp));
                     if let Ok(mut v) = errors.lock() {
-                        v.push((g.rank(), e));
+                        v.push((rank, e));
                     }
                 }
             });
@@ -288,6 +345,12 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
             }
         }
     });
+    if let (Some(path), Some((_, events))) = (&a.trace, trace) {
+        let mut events = events.into_inner().unwrap_or_default();
+        events.sort_by(|x, y| x.start_us.total_cmp(&y.start_us));
+        std::fs::write(path, tp_train::pipeline::chrome_trace_json(&events))
+            .map_err(|e| CliError::Io(format!("--trace {}: {e}", path.display())))?;
+    }
     let mut errors = errors.into_inner().unwrap_or_default();
     errors.sort();
     // The first rank's own error, not the others' "aborted by a peer".
@@ -297,40 +360,60 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
     }
 }
 
-/// One rank: load its shards, restore the optimizer when resuming, run the loop.
-#[allow(clippy::too_many_arguments)]
-fn rank_main(
-    g: &DeviceGroup,
-    dir: &Path,
-    config: &ModelConfig,
+/// What every rank's thread shares.
+struct RankJob<'a> {
+    dir: &'a Path,
+    config: &'a ModelConfig,
     dtype: DType,
-    config_t: TrainConfig,
-    mut data: Dataset,
-    opts: &RunOptions,
+    /// Every virtual stage's part, in virtual-stage order.
+    parts: &'a [StagePart],
+    opts: &'a RunOptions,
     resume: bool,
-    log: &Log,
-) -> Result<(), String> {
-    let mut model = ParallelCausalLm::load_with_config(dir, config, g, &ModelOptions::new().with_dtype(dtype))
-        .map_err(|e| e.to_string())?;
-    let mut trainer = Trainer::new(config_t).map_err(|e| e.to_string())?;
-    if resume {
-        tp_train::checkpoint::resume(dir, &mut model, &mut trainer).map_err(|e| e.to_string())?;
-    }
-    let rank = g.rank();
-    if rank == 0 {
-        log.start_now(); // elapsed_s counts training, not loading
-    }
-    let mut failed = None;
-    let mut on_step = |l: &StepLog| {
-        if rank == 0
-            && failed.is_none()
-            && let Err(e) = log.step(l)
-        {
-            failed = Some(e);
+    log: &'a Log,
+    /// The trace's origin and every rank's events.
+    trace: &'a Option<(Instant, Mutex<Vec<TraceEvent>>)>,
+}
+
+impl RankJob<'_> {
+    /// One rank: load its chunks (virtual stages `c·P + s`), restore the optimizer when
+    /// resuming, run the loop.
+    fn run(&self, mesh: &Mesh, config_t: TrainConfig, mut data: Dataset) -> Result<(), String> {
+        let (p, s) = (mesh.shape().pp, mesh.coords().pp);
+        let opts = ModelOptions::new().with_dtype(self.dtype);
+        let mut chunks = (0..self.parts.len() / p)
+            .map(|c| ParallelCausalLm::load_part(self.dir, self.config, mesh.tp(), &opts, &self.parts[c * p + s]))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let mut trainer = Trainer::new(config_t).map_err(|e| e.to_string())?;
+        if self.resume {
+            tp_train::checkpoint::resume(self.dir, &mut chunks[0], &mut trainer).map_err(|e| e.to_string())?;
         }
-    };
-    tp_train::run(&mut model, &mut trainer, &mut data, opts, &mut on_step).map_err(|e| e.to_string())?;
-    failed.map_or(Ok(()), Err)
+        let rank = mesh.rank();
+        // Every rank has loaded before the clock starts.
+        mesh.world().barrier().map_err(|e| e.to_string())?;
+        if rank == 0 {
+            self.log.start_now(); // elapsed_s counts training, not loading
+        }
+        let clock = self.trace.as_ref().map(|(origin, _)| TraceClock { rank, origin: *origin });
+        let groups = StepGroups { pp: mesh.pp(), dp: mesh.dp(), trace: clock };
+        let mut failed = None;
+        let mut on_step = |l: &StepLog, events: &[TraceEvent]| {
+            if let Some((_, all)) = self.trace
+                && let Ok(mut all) = all.lock()
+            {
+                all.extend_from_slice(events);
+            }
+            if rank == 0
+                && failed.is_none()
+                && let Err(e) = self.log.step(l)
+            {
+                failed = Some(e);
+            }
+        };
+        tp_train::run_stages(&mut chunks, &groups, &mut trainer, &mut data, self.opts, &mut on_step)
+            .map_err(|e| e.to_string())?;
+        failed.map_or(Ok(()), Err)
+    }
 }
 
 /// Rank 0's step reports: the JSON log and the progress line.
@@ -364,6 +447,7 @@ impl Log {
             }
             let line = serde_json::json!({
                 "step": l.step, "loss": l.loss, "grad_norm": l.grad_norm, "lr": l.lr, "tokens": l.tokens, "elapsed_s": elapsed,
+                "bubble": l.bubble,
             });
             if let Some(f) = file.as_mut() {
                 writeln!(f, "{line}").and_then(|()| f.flush()).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -373,7 +457,8 @@ impl Log {
         let rate = seen as f64 / elapsed.max(1e-9);
         let left = self.steps.saturating_sub(l.step) as f64 * elapsed / l.step.max(1) as f64;
         eprintln!(
-            "step {}/{} | loss {:.4} | grad_norm {:.3} | lr {:.3e} | {:.0} tok/s | ETA {} | fwd {:.2}s bwd {:.2}s opt {:.2}s",
+            "step {}/{} | loss {:.4} | grad_norm {:.3} | lr {:.3e} | {:.0} tok/s | ETA {} | fwd {:.2}s bwd {:.2}s opt {:.2}s \
+             | bubble {:.1}%",
             l.step,
             self.steps,
             l.loss,
@@ -383,7 +468,8 @@ impl Log {
             clock(left),
             l.forward_secs,
             l.backward_secs,
-            l.optimizer_secs
+            l.optimizer_secs,
+            100.0 * l.bubble
         );
         Ok(())
     }

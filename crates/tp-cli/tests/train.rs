@@ -148,9 +148,11 @@ fn the_command_matches_torch_and_writes_a_loadable_checkpoint() {
         .expect("tp loads the checkpoint");
 }
 
+/// A log line without its measured times (elapsed seconds, the pipeline's idle fraction).
 fn fields(v: &Value) -> Value {
     let mut v = v.clone();
     v.as_object_mut().unwrap().remove("elapsed_s");
+    v.as_object_mut().unwrap().remove("bubble");
     v
 }
 
@@ -352,4 +354,91 @@ fn a_non_finite_loss_stops_at_its_step_and_leaves_the_checkpoint_alone() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("step 1") && err.contains("not finite"), "{err}");
     assert!(!save.exists(), "no checkpoint after a non-finite step");
+}
+
+#[test]
+fn pipeline_and_data_parallel_runs_log_the_single_rank_losses_and_a_trace() {
+    let case = fixture("llama");
+    let dir = scratch("pipeline");
+    let data = case.join("data.jsonl");
+    let run = |name: &str, extra: &[&str]| {
+        let log = dir.join(format!("{name}.jsonl"));
+        let mut args = vec![
+            "--data".to_string(),
+            data.display().to_string(),
+            "--steps".into(),
+            "3".into(),
+            "--micro-batch-size".into(),
+            "1".into(),
+            "--lr".into(),
+            "1e-3".into(),
+            "--seq-len".into(),
+            "16".into(),
+            "--log-json".into(),
+            log.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = tp_train(&case, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        ok(&out);
+        (log_lines(&log), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (base, _) = run("base", &["--grad-accum", "4"]);
+    let trace = dir.join("trace.json");
+    let trace_arg = trace.display().to_string();
+    for (name, extra) in [
+        ("pp2", vec!["--pipeline-parallel-size", "2", "--grad-accum", "4"]),
+        ("dp2-pp2-tp2", vec!["-dp", "2", "-pp", "2", "-tp", "2", "--grad-accum", "2", "--pp-schedule", "zb-h1"]),
+        ("gpipe", vec!["-pp", "2", "--grad-accum", "4", "--pp-schedule", "gpipe", "--trace", &trace_arg]),
+        ("partition", vec!["-pp", "2", "--grad-accum", "4", "--pp-layer-partition", "0,2"]),
+    ] {
+        let (lines, stderr) = run(name, &extra);
+        assert!(stderr.contains("bubble"), "{name}: progress line: {stderr}");
+        assert_eq!(lines.len(), base.len(), "{name}");
+        for (a, b) in lines.iter().zip(&base) {
+            assert_eq!(a["tokens"], b["tokens"], "{name}");
+            for k in ["loss", "grad_norm"] {
+                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+                assert!((x - y).abs() <= 1e-5 * y.abs(), "{name} {k}: {x} vs {y}");
+            }
+            let bubble = a["bubble"].as_f64().unwrap();
+            assert!((0.0..1.0).contains(&bubble), "{name}: bubble {bubble}");
+        }
+    }
+    // The trace: Chrome's trace-event JSON, one track per rank, forwards and backwards of every
+    // micro-batch on both stages, microseconds.
+    let t: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let complete: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    for pid in [0, 1] {
+        for name in ["forward", "backward"] {
+            let n = complete.iter().filter(|e| e["pid"] == pid && e["name"] == name).count();
+            assert_eq!(n, 3 * 4, "rank {pid}: {name} events (3 steps x 4 micro-batches)");
+        }
+    }
+    assert!(complete.iter().all(|e| e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0));
+    assert!(complete.iter().any(|e| e["name"] == "recv-wait"));
+}
+
+#[test]
+fn bad_pipeline_flags_are_refused_before_anything_runs() {
+    let case = fixture("llama");
+    let data = case.join("data.jsonl").display().to_string();
+    for (args, want) in [
+        (vec!["-pp", "3"], "more stages than the model has layers (2)"),
+        (vec!["-pp", "0"], "at least 1"),
+        (vec!["--virtual-stages", "2"], "needs --pp-schedule interleaved"),
+        (vec!["-pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--grad-accum", "2"], "layers"),
+        (vec!["-pp", "2", "--pp-schedule", "zero"], "zero"),
+        (vec!["-pp", "2", "--pp-layer-partition", "1,2"], "sums to 3"),
+        (vec!["-pp", "2", "--pp-layer-partition", "1,x"], "\"x\""),
+        (vec!["-pp", "2", "--save", "/tmp/never-written-tp"], "not supported with --pipeline-parallel-size"),
+    ] {
+        let mut all = vec!["--data", data.as_str(), "--steps", "1", "--seq-len", "16"];
+        all.extend(&args);
+        let out = tp_train(&case, &all);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+    assert!(!std::path::Path::new("/tmp/never-written-tp").exists());
 }

@@ -87,6 +87,26 @@ pub trait Communicator: Send + Sync {
         Ok(Work::done(self.all_gather(x, dim)))
     }
 
+    /// Point-to-point: posts `x` for rank `dst` of this group and returns at once; the
+    /// [`Work`] completes (with `x`) once `dst` has received it. Messages from one rank to
+    /// another are matched in order: the `k`-th send from `a` to `b` is the `k`-th receive at
+    /// `b` from `a`. A receiver that expected other dims or another dtype makes both sides'
+    /// waits return [`CommError::Mismatch`]; a peer that never receives, the group's deadline
+    /// ([`CommError::Timeout`] naming it). `dst` must be another rank of the group.
+    ///
+    /// Backends without point-to-point return an error.
+    fn send_async(&self, x: &Tensor, dst: usize) -> Result<Work> {
+        let _ = (x, dst);
+        Err(CommError::Limit { op: "send", why: "this backend has no point-to-point messages".into() })
+    }
+
+    /// Point-to-point: posts the receive of a `dims` tensor of `dtype` from rank `src`; the
+    /// [`Work`] returns it (see [`send_async`](Self::send_async) for the matching rules).
+    fn recv_async(&self, dims: &[usize], dtype: tp_core::DType, src: usize) -> Result<Work> {
+        let _ = (dims, dtype, src);
+        Err(CommError::Limit { op: "recv", why: "this backend has no point-to-point messages".into() })
+    }
+
     /// [`all_reduce`](Self::all_reduce) into `x` itself (host tensors are overwritten in place).
     fn all_reduce_into(&self, x: &mut Tensor, op: ReduceOp) -> Result<()> {
         let reduced = self.all_reduce(x, op)?;

@@ -68,7 +68,10 @@ impl DeviceGroup {
     }
 
     /// After the rendezvous: this rank's GPU, the duplicate-GPU check, and the NCCL communicator.
-    fn nccl_over(rdv: &mut crate::Rendezvous, env: &crate::LaunchEnv) -> Result<(crate::nccl::NcclComm, Device)> {
+    pub(crate) fn nccl_over(
+        rdv: &mut crate::Rendezvous,
+        env: &crate::LaunchEnv,
+    ) -> Result<(crate::nccl::NcclComm, Device)> {
         let gpu =
             tp_kernels::Gpu::get(env.local_rank).map_err(|e| CommError::Tensor { op: "from_env", source: e.into() })?;
         // The GPU's UUID: the same physical device gives the same id in every process.
@@ -254,6 +257,33 @@ impl DeviceGroup {
         self.check("all_gather_into", x)?;
         self.check("all_gather_into", out)?;
         self.comm.all_gather_into(x, dim, out)
+    }
+
+    /// Point-to-point (pipeline stages): posts `x` for rank `dst` of this group without
+    /// waiting; [`Work::wait`](crate::Work::wait) returns `x` once `dst` has received it. See
+    /// [`Communicator::send_async`] for the matching rules, shape checks and deadlines.
+    pub fn send_async(&self, x: &Tensor, dst: usize) -> Result<crate::Work> {
+        self.check("send", x)?;
+        self.comm.send_async(x, dst)
+    }
+
+    /// [`send_async`](Self::send_async), waited for.
+    pub fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
+        self.send_async(x, dst)?.wait().map(drop)
+    }
+
+    /// Point-to-point: posts the receive of a `dims` tensor of `dtype` from rank `src`;
+    /// [`Work::wait`](crate::Work::wait) returns it (possibly on the host: [`recv`](Self::recv)
+    /// moves it to this rank's device).
+    pub fn recv_async(&self, dims: &[usize], dtype: tp_core::DType, src: usize) -> Result<crate::Work> {
+        self.comm.recv_async(dims, dtype, src)
+    }
+
+    /// The next tensor from rank `src`, which must be a `dims` tensor of `dtype` (else a
+    /// [`CommError::Mismatch`] here and at the sender), on this rank's device.
+    pub fn recv(&self, dims: &[usize], dtype: tp_core::DType, src: usize) -> Result<Tensor> {
+        let t = self.recv_async(dims, dtype, src)?.wait()?;
+        self.to_local(&t)
     }
 
     /// Moves `x` to this rank's device (a cheap clone when already there).

@@ -7,7 +7,10 @@
 //!   caller's tensor.
 //! * [`LocalGroup`]: N ranks as threads of one process, host or CUDA tensors (ranks may share a
 //!   GPU). A rank that fails, panics or times out poisons the group; no wait is unbounded.
-//! * [`DeviceGroup`]: what a layer holds: a communicator and this rank's device.
+//! * [`DeviceGroup`]: what a layer holds: a communicator and this rank's device. Point-to-point
+//!   `send_async` / `recv` between pipeline stages (ordered per pair of ranks, shapes checked
+//!   on both sides, every wait with the deadline).
+//! * [`Mesh`]: a world of `dp × pp × tp` ranks (Megatron's order) and a group per axis.
 //!
 //! * [`LaunchEnv`] and [`Rendezvous`]: torchrun-style launching (`RANK`, `WORLD_SIZE`,
 //!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); rank 0 serves a small, bounded TCP store
@@ -44,6 +47,7 @@ mod env;
 mod error;
 mod group;
 mod local;
+mod mesh;
 pub mod nccl;
 mod peer_text;
 mod port;
@@ -58,6 +62,7 @@ pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv, MAX_TIMEOUT_SECS, MAX_WORLD_SIZE}
 pub use error::{CommError, Result};
 pub use group::DeviceGroup;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup};
+pub use mesh::{Axis, Coords, Mesh, MeshShape};
 pub use peer_text::{MAX_PEER_TEXT_CHARS, peer_text};
 pub use port::free_local_port;
 pub use rendezvous::Rendezvous;

@@ -19,15 +19,57 @@ use tp_comm::{DeviceGroup, ReduceOp};
 use tp_core::{DType, Device, Tensor};
 
 /// An fp32 gradient accumulator: empty until the first backward adds to it.
+///
+/// Weight gradients can be *deferred* (zero-bubble pipeline schedules split a backward into its
+/// input gradient, needed at once by the previous stage, and its weight gradient, computed
+/// later to fill the pipeline's idle time): inside [`defer_weight_grads`], the linear layers'
+/// `dW += dY^T X` and `db += Σ_t dY[t]` keep their operands here instead of computing, and
+/// [`flush_one`](Grad::flush_one) computes the oldest kept contribution. Each contribution is
+/// added on its own, in the order the backwards made them, so a deferred gradient has the same
+/// bits as an immediate one.
 #[derive(Debug, Clone, Default)]
-pub struct Grad(Option<Tensor>);
+pub struct Grad {
+    acc: Option<Tensor>,
+    deferred: std::collections::VecDeque<Deferred>,
+}
+
+/// A weight-gradient contribution kept for later.
+#[derive(Debug, Clone)]
+enum Deferred {
+    /// `dW += dY^T X`.
+    Weight { x: Tensor, dy: Tensor },
+    /// `db += Σ_t dY[t]`.
+    Bias { dy: Tensor },
+}
+
+thread_local! {
+    static DEFER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the linear layers' weight gradients deferred on this thread (see [`Grad`]):
+/// the backward inside computes input gradients only; [`Grad::flush_one`] on each parameter
+/// then adds the weight gradients, one backward's worth per call.
+pub fn defer_weight_grads<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            DEFER.with(|d| d.set(self.0));
+        }
+    }
+    let _reset = Reset(DEFER.with(|d| d.replace(true)));
+    f()
+}
+
+fn deferring() -> bool {
+    DEFER.with(|d| d.get())
+}
 
 impl Grad {
     /// Adds `g` (converted to f32) to the accumulated gradient.
     pub fn add(&mut self, g: &Tensor) -> Result<()> {
         let g = g.to_dtype(DType::F32)?;
-        match &mut self.0 {
-            None => self.0 = Some(g),
+        match &mut self.acc {
+            None => self.acc = Some(g),
             Some(acc) => {
                 if acc.dims() != g.dims() {
                     return Err(LayerError::Config(format!(
@@ -41,21 +83,53 @@ impl Grad {
         }
         Ok(())
     }
+    /// `dW += dY^T X` of a linear layer (`x: [T, in]`, `dy: [T, out]`), or kept for later
+    /// inside [`defer_weight_grads`].
+    pub(crate) fn add_weight_grad(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
+        if deferring() {
+            self.deferred.push_back(Deferred::Weight { x: x.clone(), dy: dy.clone() });
+            return Ok(());
+        }
+        self.add(&crate::linear::grad_weight(x, dy)?)
+    }
+    /// `db += Σ_t dY[t]`, or kept for later inside [`defer_weight_grads`].
+    pub(crate) fn add_bias_grad(&mut self, dy: &Tensor) -> Result<()> {
+        if deferring() {
+            self.deferred.push_back(Deferred::Bias { dy: dy.clone() });
+            return Ok(());
+        }
+        self.add(&dy.sum_rows()?)
+    }
+    /// Contributions kept by [`defer_weight_grads`] and not yet added.
+    pub fn deferred(&self) -> usize {
+        self.deferred.len()
+    }
+    /// Computes and adds the oldest deferred contribution; false when there is none.
+    pub fn flush_one(&mut self) -> Result<bool> {
+        let Some(d) = self.deferred.pop_front() else { return Ok(false) };
+        let g = match d {
+            Deferred::Weight { x, dy } => crate::linear::grad_weight(&x, &dy)?,
+            Deferred::Bias { dy } => dy.sum_rows()?,
+        };
+        self.add(&g)?;
+        Ok(true)
+    }
     /// The accumulated gradient, if any backward ran.
     pub fn get(&self) -> Option<&Tensor> {
-        self.0.as_ref()
+        self.acc.as_ref()
     }
     /// The accumulated gradient, writable (for clipping and syncing).
     pub fn get_mut(&mut self) -> Option<&mut Tensor> {
-        self.0.as_mut()
+        self.acc.as_mut()
     }
     /// Replaces the accumulated gradient.
     pub fn set(&mut self, g: Option<Tensor>) {
-        self.0 = g;
+        self.acc = g;
     }
-    /// Takes the gradient, leaving the accumulator empty.
+    /// Takes the gradient, leaving the accumulator empty (deferred contributions are dropped).
     pub fn take(&mut self) -> Option<Tensor> {
-        self.0.take()
+        self.deferred.clear();
+        self.acc.take()
     }
 }
 

@@ -94,9 +94,9 @@ impl Linear {
     /// `dW += dy^T x` and, with a bias, `db += Σ_t dy[t]`, into the layer's fp32 gradients
     /// (`dy` rounded to `x`'s dtype first when that is 16-bit, so the GEMM runs on it).
     pub fn accumulate_grads(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
-        self.grad_weight.add(&grad_weight(x, dy)?)?;
+        self.grad_weight.add_weight_grad(x, dy)?;
         if self.bias.is_some() {
-            self.grad_bias.add(&dy.sum_rows()?)?;
+            self.grad_bias.add_bias_grad(dy)?;
         }
         Ok(())
     }

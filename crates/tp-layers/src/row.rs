@@ -199,9 +199,9 @@ impl RowParallel {
     /// the forward's input block.
     pub fn backward(&mut self, x_local: &Tensor, dy: &Tensor) -> Result<Tensor> {
         let dx = crate::linear::grad_input(self.weight.dense()?, dy)?;
-        self.grad_weight.add(&crate::linear::grad_weight(x_local, dy)?)?;
+        self.grad_weight.add_weight_grad(x_local, dy)?;
         if self.bias.is_some() {
-            self.grad_bias.add(&dy.sum_rows()?)?;
+            self.grad_bias.add_bias_grad(dy)?;
         }
         Ok(dx)
     }

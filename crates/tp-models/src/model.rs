@@ -9,9 +9,11 @@
 //! the same tokens.
 
 mod batch;
+mod stage;
 mod train;
 
-pub use train::{MicroBatchLoss, Recompute, TrainRow};
+pub use stage::{StagePart, parse_layer_partition, partition_layers, stage_parts};
+pub use train::{MicroBatch, MicroBatchLoss, Recompute, StageForward, StageSaved, TrainRow};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -106,10 +108,14 @@ pub struct ParallelCausalLm {
     config: ModelConfig,
     group: DeviceGroup,
     dtype: DType,
-    embed: VocabParallelEmbedding,
+    /// Which part of the model this is (the whole model unless it is a pipeline stage).
+    part: StagePart,
+    /// The embedding (first stage).
+    embed: Option<VocabParallelEmbedding>,
+    /// Layers `part.layers`.
     layers: Vec<Box<dyn Block>>,
-    norm: RmsNorm,
-    lm_head: ParallelLmHead,
+    /// The final norm and the LM head (last stage).
+    head: Option<(RmsNorm, ParallelLmHead)>,
     caches: Vec<KvCache>,
     /// KV heads this rank holds in every layer (replicated ones included).
     kv_heads: usize,
@@ -121,9 +127,11 @@ impl std::fmt::Debug for ParallelCausalLm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "ParallelCausalLm({:?}, {} layers, {} on {:?}, at position {})",
+            "ParallelCausalLm({:?}, layers {:?}{}{}, {} on {:?}, at position {})",
             self.config.architecture,
-            self.layers.len(),
+            self.part.layers,
+            if self.part.embedding { " + embedding" } else { "" },
+            if self.part.head { " + head" } else { "" },
             self.dtype,
             self.group,
             self.position()
@@ -161,8 +169,32 @@ impl ParallelCausalLm {
         group: &DeviceGroup,
         opts: &ModelOptions,
     ) -> Result<ParallelCausalLm> {
+        Self::load_part(dir, config, group, opts, &StagePart::whole(config.num_hidden_layers))
+    }
+
+    /// Loads only `part` of the model (a pipeline stage: its layers, plus the embedding on the
+    /// first stage and the final norm and LM head on the last), for `group` (the stage's
+    /// tensor-parallel group). Every rank of `group` must load the same part. With tied
+    /// embeddings, a last stage without the embedding reads the table as its head's weight (a
+    /// copy that training keeps equal to the first stage's, see `tp-train`).
+    ///
+    /// Errors: as [`load_with_config`](Self::load_with_config); a part whose layers lie outside
+    /// the model.
+    pub fn load_part(
+        dir: impl AsRef<Path>,
+        config: &ModelConfig,
+        group: &DeviceGroup,
+        opts: &ModelOptions,
+        part: &StagePart,
+    ) -> Result<ParallelCausalLm> {
         let dir = dir.as_ref();
         let c = config;
+        if part.layers.start > part.layers.end || part.layers.end > c.num_hidden_layers {
+            return Err(ModelError::Request(format!(
+                "a stage of layers {:?} does not fit a model of {} layers",
+                part.layers, c.num_hidden_layers
+            )));
+        }
         let layout =
             QkvLayout::new(c.num_attention_heads, c.num_key_value_heads, c.head_dim, group.rank(), group.world_size())?;
         let (ckpt, quantized) = match crate::gguf::find_gguf(dir)? {
@@ -181,25 +213,37 @@ impl ParallelCausalLm {
         check_same_config(c, group)?;
         let root = Loader::new(&ckpt, group, LoadOptions::new().with_dtype(dtype).with_quantized(quantized));
         let model = root.pp("model");
-        let mut embed = VocabParallelEmbedding::load(&model.pp("embed_tokens"))?;
-        if let Some(s) = c.embedding_scale {
-            embed = embed.with_scale(s as f32);
-        }
-        let layers = (0..c.num_hidden_layers)
+        let embed = if part.embedding {
+            let mut embed = VocabParallelEmbedding::load(&model.pp("embed_tokens"))?;
+            if let Some(s) = c.embedding_scale {
+                embed = embed.with_scale(s as f32);
+            }
+            Some(embed)
+        } else {
+            None
+        };
+        let layers = part
+            .layers
+            .clone()
             .map(|i| crate::blocks::decoder_layer(&model.pp("layers").pp(i), c, i))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(&model.pp("norm"), c.rms_norm_eps, c.norm_style)?;
-        let mut lm_head = if c.tie_word_embeddings && quantized {
-            // The embedding's quantized rows, not its dequantized table: the head reads them.
-            ParallelLmHead::load(&model.pp("embed_tokens"))?
-        } else if c.tie_word_embeddings {
-            ParallelLmHead::tied(&embed)
+        let head = if part.head {
+            let norm = RmsNorm::load(&model.pp("norm"), c.rms_norm_eps, c.norm_style)?;
+            let mut lm_head = match (&embed, c.tie_word_embeddings) {
+                // The table itself (shared): training updates one tensor.
+                (Some(embed), true) if !quantized => ParallelLmHead::tied(embed),
+                // The embedding's rows read again: quantized rows the head reads as they are, or
+                // a last stage's own copy of the table.
+                (_, true) => ParallelLmHead::load(&model.pp("embed_tokens"))?,
+                (_, false) => ParallelLmHead::load(&root.pp("lm_head"))?,
+            };
+            if let Some(cap) = c.final_logit_softcapping {
+                lm_head = lm_head.with_softcap(cap as f32)?;
+            }
+            Some((norm, lm_head))
         } else {
-            ParallelLmHead::load(&root.pp("lm_head"))?
+            None
         };
-        if let Some(cap) = c.final_logit_softcapping {
-            lm_head = lm_head.with_softcap(cap as f32)?;
-        }
         let limit = opts.max_seq_len.unwrap_or(c.max_position_embeddings).min(c.max_position_embeddings);
         let caches = layers
             .iter()
@@ -209,14 +253,37 @@ impl ParallelCausalLm {
             config: c.clone(),
             group: group.clone(),
             dtype,
+            part: part.clone(),
             embed,
             layers,
-            norm,
-            lm_head,
+            head,
             caches,
             kv_heads: layout.kv_len,
             sequence_parallel: false,
         })
+    }
+
+    /// Which part of the model this rank holds ([`StagePart::whole`] unless loaded with
+    /// [`load_part`](Self::load_part)).
+    pub fn part(&self) -> &StagePart {
+        &self.part
+    }
+
+    /// The embedding, or an error naming `what` for a pipeline stage without it.
+    fn embedding(&self, what: &str) -> Result<&VocabParallelEmbedding> {
+        self.embed.as_ref().ok_or_else(|| self.missing(what, "the embedding"))
+    }
+
+    /// The final norm and the LM head, or an error naming `what` for a stage without them.
+    fn norm_and_head(&self, what: &str) -> Result<&(RmsNorm, ParallelLmHead)> {
+        self.head.as_ref().ok_or_else(|| self.missing(what, "the LM head"))
+    }
+
+    fn missing(&self, what: &str, part: &str) -> ModelError {
+        ModelError::Request(format!(
+            "{what} needs {part}, which this pipeline stage (layers {:?}) does not hold",
+            self.part.layers
+        ))
     }
 
     /// The model's configuration.
@@ -253,7 +320,9 @@ impl ParallelCausalLm {
         for layer in &mut self.layers {
             layer.pack_host()?;
         }
-        self.lm_head.pack_host()?;
+        if let Some((_, lm_head)) = &mut self.head {
+            lm_head.pack_host()?;
+        }
         Ok(())
     }
 
@@ -295,11 +364,11 @@ impl ParallelCausalLm {
         }
         self.reserve(self.position() + ids.len())?;
         let ids = Tensor::from_vec(ids.to_vec(), &[ids.len()], &Device::Cpu)?;
-        let mut x = self.embed.forward(&ids)?;
+        let mut x = self.embedding("a forward from token ids")?.forward(&ids)?;
         for (layer, cache) in self.layers.iter().zip(&mut self.caches) {
             x = layer.forward(&x, cache)?;
         }
-        Ok(self.norm.forward(&x)?)
+        Ok(self.norm_and_head("the final norm")?.0.forward(&x)?)
     }
 
     /// Starts a new sequence with `ids` and returns the logits of every position, `[T, V]` in
@@ -307,14 +376,14 @@ impl ParallelCausalLm {
     pub fn prefill(&mut self, ids: &[i64]) -> Result<Tensor> {
         self.reset();
         let h = self.hidden(ids)?;
-        Ok(self.lm_head.logits(&h)?)
+        Ok(self.norm_and_head("logits")?.1.logits(&h)?)
     }
 
     /// Appends `id` to the sequence and returns the logits of its position, `[V]`.
     pub fn decode_step(&mut self, id: i64) -> Result<Tensor> {
         let h = self.hidden(&[id])?;
         let v = self.config.vocab_size;
-        Ok(self.lm_head.logits(&h)?.reshape(&[v])?)
+        Ok(self.norm_and_head("logits")?.1.logits(&h)?.reshape(&[v])?)
     }
 
     /// Greedy generation: a new sequence with `prompt`, then up to `max_new_tokens` tokens, each
@@ -383,13 +452,13 @@ impl ParallelCausalLm {
     fn next_token(&mut self, ids: &[i64], keep: bool) -> Result<(i64, Option<Tensor>)> {
         let h = self.hidden(ids)?;
         if keep {
-            let logits = self.lm_head.logits(&h)?.to_device(&Device::Cpu)?;
+            let logits = self.norm_and_head("logits")?.1.logits(&h)?.to_device(&Device::Cpu)?;
             let last = logits.narrow(0, ids.len() - 1, 1)?;
             let id = last.argmax()?.to_i64_vec()?;
             return Ok((id.first().copied().unwrap_or(0), Some(logits)));
         }
         let last = h.narrow(0, ids.len() - 1, 1)?;
-        let id = self.lm_head.argmax(&last)?.to_i64_vec()?;
+        let id = self.norm_and_head("logits")?.1.argmax(&last)?.to_i64_vec()?;
         Ok((id.first().copied().unwrap_or(0), None))
     }
 }

@@ -10,10 +10,11 @@ mod error;
 pub mod checkpoint;
 pub mod data;
 pub mod optim;
+pub mod pipeline;
 mod run;
 pub mod schedule;
 mod trainer;
 
 pub use error::{Result, TrainError};
-pub use run::{RunOptions, run};
-pub use trainer::{Accumulated, ParamState, StepLog, TrainConfig, Trainer};
+pub use run::{RunOptions, run, run_stages};
+pub use trainer::{Accumulated, ParamState, StepGroups, StepLog, TrainConfig, Trainer};

@@ -8,7 +8,8 @@
 
 use crate::checkpoint::{self, SaveInfo};
 use crate::data::Dataset;
-use crate::trainer::{StepLog, Trainer};
+use crate::pipeline::TraceEvent;
+use crate::trainer::{StepGroups, StepLog, Trainer, single_groups};
 use crate::{Result, TrainError};
 use std::path::{Path, PathBuf};
 use tp_core::DType;
@@ -40,32 +41,67 @@ pub fn run(
     trainer: &mut Trainer,
     data: &mut Dataset,
     opts: &RunOptions,
-    on_step: &mut dyn FnMut(&StepLog),
+    on_step: &mut dyn FnMut(&StepLog, &[TraceEvent]),
 ) -> Result<()> {
-    let dtype = model.dtype();
+    let single = single_groups(model.group())?;
+    let groups = StepGroups { pp: &single, dp: &single, trace: None };
+    run_stages(std::slice::from_mut(model), &groups, trainer, data, opts, on_step)
+}
+
+/// [`run`] on a rank of a pipeline and data-parallel mesh: `chunks` are this rank's model
+/// chunks (see [`Trainer::accumulate_stages`]); each step takes the next `D × B × K` rows
+/// (`D` the data-parallel replicas), every rank reading the same rows. Checkpoints and the
+/// gradient dump need the whole model on one tensor-parallel group: with a pipeline they are
+/// refused before the first step; data-parallel replicas hold the same weights, and replica 0
+/// writes them.
+///
+/// Errors: as [`run`]; `save` or `dump_grads` with more than one pipeline stage.
+pub fn run_stages(
+    chunks: &mut [ParallelCausalLm],
+    groups: &StepGroups<'_>,
+    trainer: &mut Trainer,
+    data: &mut Dataset,
+    opts: &RunOptions,
+    on_step: &mut dyn FnMut(&StepLog, &[TraceEvent]),
+) -> Result<()> {
+    if groups.pp.world_size() > 1 && (opts.save.is_some() || opts.dump_grads.is_some()) {
+        return Err(TrainError::Model(
+            "checkpoints and gradient dumps of a pipeline-parallel run are not written yet; run without --save / \
+             --dump-grads, or with --pipeline-parallel-size 1"
+                .into(),
+        ));
+    }
+    let writer = groups.dp.rank() == 0;
+    let Some(dtype) = chunks.first().map(ParallelCausalLm::dtype) else {
+        return Err(TrainError::Model("no model chunk on this rank".into()));
+    };
     while trainer.steps_done() < opts.steps {
-        let rows = data.next_rows(trainer.rows_per_step());
-        let acc = trainer.accumulate(model, &rows)?;
+        let rows = data.next_rows(trainer.rows_per_step() * groups.dp.world_size());
+        let acc = trainer.accumulate_stages(chunks, groups, &rows)?;
         let step = trainer.steps_done() + 1;
         if step == 1
+            && writer
             && let Some(path) = &opts.dump_grads
         {
-            dump_grads(model, path)?;
+            dump_grads(&mut chunks[0], path)?;
         }
         let started = std::time::Instant::now();
-        let lr = trainer.apply(model, acc.grad_norm)?;
+        let lr = trainer.apply_stages(chunks, acc.grad_norm)?;
         let log = StepLog::new(step, &acc, lr, started.elapsed().as_secs_f64());
-        on_step(&log);
+        on_step(&log, &acc.events);
         if let (Some(dir), Some(every)) = (&opts.save, opts.save_every)
             && every > 0
             && step % every == 0
             && step < opts.steps
+            && writer
         {
-            save(model, trainer, data, opts, dtype, &dir.join(format!("step-{step}")))?;
+            save(&mut chunks[0], trainer, data, opts, dtype, &dir.join(format!("step-{step}")))?;
         }
     }
-    if let Some(dir) = &opts.save {
-        save(model, trainer, data, opts, dtype, dir)?;
+    if let Some(dir) = &opts.save
+        && writer
+    {
+        save(&mut chunks[0], trainer, data, opts, dtype, dir)?;
     }
     Ok(())
 }

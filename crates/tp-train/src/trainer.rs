@@ -18,9 +18,10 @@
 
 use crate::data::Example;
 use crate::optim::{AdamState, AdamW, clip_coefficient};
+use crate::pipeline::{ModelChunk, Schedule, ScheduleKind, StageRunner, StageStep, TraceClock, TraceEvent};
 use crate::schedule::LrSchedule;
 use crate::{Result, TrainError};
-use tp_comm::ReduceOp;
+use tp_comm::{DeviceGroup, ReduceOp};
 use tp_core::{DType, Device, Tensor};
 use tp_layers::{Param, owned_sum_squares, sync_partial_grads};
 use tp_models::{ParallelCausalLm, Recompute, TrainRow};
@@ -42,6 +43,10 @@ pub struct TrainConfig {
     pub recompute: Recompute,
     /// Sequence parallelism: norms and residuals on sequence shards.
     pub sequence_parallel: bool,
+    /// The pipeline schedule (with one stage every kind runs forward, backward, forward, ...).
+    pub pp_schedule: ScheduleKind,
+    /// Model chunks per pipeline rank (interleaved 1F1B; 1 otherwise).
+    pub virtual_stages: usize,
 }
 
 /// A finished step, as `tp train --log-json` writes it.
@@ -65,6 +70,9 @@ pub struct StepLog {
     pub backward_secs: f64,
     /// See `forward_secs`.
     pub optimizer_secs: f64,
+    /// The pipeline's measured idle fraction: `1 - busy compute / (ranks x step time)` (see
+    /// [`Accumulated::bubble`]).
+    pub bubble: f64,
 }
 
 impl StepLog {
@@ -81,6 +89,7 @@ impl StepLog {
             forward_secs: acc.forward_secs,
             backward_secs: acc.backward_secs,
             optimizer_secs: acc.sync_secs + update_secs,
+            bubble: acc.bubble,
         }
     }
 }
@@ -100,13 +109,28 @@ pub struct Trainer {
     config: TrainConfig,
     /// Steps completed.
     step: u64,
-    /// One per parameter, in [`ParallelCausalLm::params_mut`]'s order; empty before the first
-    /// update.
+    /// One per parameter, in [`ParallelCausalLm::params_mut`]'s order (chunk after chunk);
+    /// empty before the first update.
     states: Vec<ParamState>,
+    /// The last schedule built (rebuilt when the shape of a step changes).
+    pipeline: Option<Schedule>,
+}
+
+/// The groups a step runs on besides each chunk's own tensor-parallel group: the pipeline
+/// group (rank `s` = stage `s`) and the data-parallel group (replicas of the same stage and
+/// tensor-parallel rank), and where trace events go.
+#[derive(Debug, Clone, Copy)]
+pub struct StepGroups<'a> {
+    /// The pipeline group.
+    pub pp: &'a DeviceGroup,
+    /// The data-parallel group.
+    pub dp: &'a DeviceGroup,
+    /// Record the step's trace events.
+    pub trace: Option<TraceClock>,
 }
 
 /// The gradients of a step, accumulated and completed, before clipping and the update.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Accumulated {
     /// `Σ loss` over the step's target tokens.
     pub loss_sum: f64,
@@ -122,6 +146,12 @@ pub struct Accumulated {
     pub backward_secs: f64,
     /// Seconds of the gradients' sync and norm.
     pub sync_secs: f64,
+    /// The schedule's measured idle fraction over every rank: `1 - Σ busy / (ranks × T)`, with
+    /// `busy` a rank's seconds of forward and backward compute and `T` the longest rank's time
+    /// through its list of actions (the pipeline's bubble; waits for peers count as idle).
+    pub bubble: f64,
+    /// With tracing, this rank's events of the step.
+    pub events: Vec<TraceEvent>,
 }
 
 impl Trainer {
@@ -135,7 +165,14 @@ impl Trainer {
                 why: "both must be at least 1",
             });
         }
-        Ok(Trainer { config, step: 0, states: Vec::new() })
+        if config.virtual_stages == 0 {
+            return Err(TrainError::InvalidArgument {
+                name: "virtual_stages",
+                value: "0".into(),
+                why: "at least 1 model chunk per pipeline rank",
+            });
+        }
+        Ok(Trainer { config, step: 0, states: Vec::new(), pipeline: None })
     }
 
     /// The configuration.
@@ -146,7 +183,8 @@ impl Trainer {
     pub fn steps_done(&self) -> u64 {
         self.step
     }
-    /// Rows a step takes (`B × K`).
+    /// Rows a step takes on one data-parallel replica (`B × K`); a step of `D` replicas takes
+    /// `D` times as many.
     pub fn rows_per_step(&self) -> usize {
         self.config.micro_batch_size * self.config.grad_accum
     }
@@ -161,62 +199,175 @@ impl Trainer {
     }
 
     /// Step `steps_done() + 1`'s forward and backward over `rows` (its `B × K` rows, split into
-    /// micro-batches of `B` in order), then completes the gradients and takes their global
-    /// norm. The gradients stay in the model for [`apply`](Self::apply).
+    /// micro-batches of `B` in order) through the whole `model`, then completes the gradients
+    /// and takes their global norm. The gradients stay in the model for [`apply`](Self::apply).
     ///
     /// Errors: no target token in the whole step, a non-finite loss or norm, model errors.
     pub fn accumulate(&mut self, model: &mut ParallelCausalLm, rows: &[Example]) -> Result<Accumulated> {
+        let single = single_groups(model.group())?;
+        let groups = StepGroups { pp: &single, dp: &single, trace: None };
+        self.accumulate_with(std::slice::from_mut(model), &groups, rows, ScheduleKind::OneFOneB)
+    }
+
+    /// A step's forward and backward on this rank's pipeline `chunks` (chunk `c` = virtual
+    /// stage `c·p + s`, all on one tensor-parallel group), by the configured schedule, then the
+    /// gradients completed over every axis and their global norm.
+    ///
+    /// `rows` are the whole step's rows, `D × B × K` for `D` data-parallel replicas: replica
+    /// `d` trains on the `d`-th `B × K` of them. The loss is the sum over every target token of
+    /// all of them divided by their number `N`, counted here before anything runs, so neither
+    /// the split into micro-batches, nor the pipeline, nor the replicas change a step's loss or
+    /// gradients. After the schedule, in order:
+    ///
+    /// 1. tied embeddings held by two stages: the last stage's head gradient and the first
+    ///    stage's table gradient are summed, and both take the sum (so both copies update
+    ///    alike);
+    /// 2. partial gradients completed over the tensor-parallel group;
+    /// 3. every gradient summed over the data-parallel group (each replica's is already
+    ///    weighted by `1/N`);
+    /// 4. the global norm: each rank's owned elements, summed over the tensor and pipeline
+    ///    groups (the replicas hold the same gradients, counted once).
+    ///
+    /// On any error this rank aborts its groups, so every other rank stops at once with the
+    /// reason instead of waiting for its deadline.
+    ///
+    /// Errors: rows not a multiple of the replicas, no target token in the step, a non-finite
+    /// loss or norm, a schedule that does not fit, model and collective errors.
+    pub fn accumulate_stages(
+        &mut self,
+        chunks: &mut [ParallelCausalLm],
+        groups: &StepGroups<'_>,
+        rows: &[Example],
+    ) -> Result<Accumulated> {
+        self.accumulate_with(chunks, groups, rows, self.config.pp_schedule)
+    }
+
+    fn accumulate_with(
+        &mut self,
+        chunks: &mut [ParallelCausalLm],
+        groups: &StepGroups<'_>,
+        rows: &[Example],
+        kind: ScheduleKind,
+    ) -> Result<Accumulated> {
+        let out = self.accumulate_inner(chunks, groups, rows, kind);
+        if let Err(e) = &out {
+            let who = format!("pipeline stage {} (data-parallel replica {})", groups.pp.rank(), groups.dp.rank());
+            let why = format!("{who} failed: {e}");
+            for c in chunks.iter() {
+                c.group().abort(&why);
+            }
+            groups.pp.abort(&why);
+            groups.dp.abort(&why);
+        }
+        out
+    }
+
+    fn accumulate_inner(
+        &mut self,
+        chunks: &mut [ParallelCausalLm],
+        groups: &StepGroups<'_>,
+        rows: &[Example],
+        kind: ScheduleKind,
+    ) -> Result<Accumulated> {
         let step = self.step + 1;
+        let Some(tp) = chunks.first().map(|c| c.group().clone()) else {
+            return Err(TrainError::Model("no model chunk on this rank".into()));
+        };
+        let replicas = groups.dp.world_size();
+        if rows.is_empty() || rows.len() % replicas != 0 {
+            return Err(TrainError::Model(format!(
+                "a step of {} rows cannot be split over {replicas} data-parallel replicas",
+                rows.len()
+            )));
+        }
         let targets: usize = rows.iter().map(Example::targets).sum();
         if targets == 0 {
             return Err(TrainError::NoTargets { step, rows: rows.len() });
         }
-        model.set_sequence_parallel(self.config.sequence_parallel);
-        model.zero_grads()?;
-        let scale = (1.0 / targets as f64) as f32;
-        let (mut loss_sum, mut tokens, mut forward_secs, mut backward_secs) = (0f64, 0usize, 0f64, 0f64);
-        for micro in rows.chunks(self.config.micro_batch_size) {
-            let batch: Vec<TrainRow<'_>> =
-                micro.iter().map(|e| TrainRow { input_ids: &e.input_ids, labels: &e.labels }).collect();
-            let out = model.train_micro_batch(&batch, scale, self.config.recompute)?;
-            loss_sum += out.loss_sum;
-            tokens += out.tokens;
-            forward_secs += out.forward_secs;
-            backward_secs += out.backward_secs;
+        let tokens: usize = rows.iter().map(|e| e.input_ids.len()).sum();
+        let per_replica = rows.len() / replicas;
+        let mine = &rows[groups.dp.rank() * per_replica..][..per_replica];
+        for c in chunks.iter_mut() {
+            c.set_sequence_parallel(self.config.sequence_parallel);
+            c.zero_grads()?;
         }
+        let micro = mine
+            .chunks(self.config.micro_batch_size)
+            .map(|m| {
+                let batch: Vec<TrainRow<'_>> =
+                    m.iter().map(|e| TrainRow { input_ids: &e.input_ids, labels: &e.labels }).collect();
+                chunks[0].micro_batch(&batch)
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let (p, v) = (groups.pp.world_size(), chunks.len());
+        let fits =
+            |s: &Schedule| s.kind == kind && s.stages == p && s.micro_batches == micro.len() && s.virtual_stages == v;
+        if !self.pipeline.as_ref().is_some_and(fits) {
+            let s = Schedule::new(kind, p, micro.len(), v)
+                .map_err(|e| TrainError::Model(format!("pipeline schedule: {e}")))?;
+            self.pipeline = Some(s);
+        }
+        let schedule = self.pipeline.as_ref().expect("built above");
+        let scale = (1.0 / targets as f64) as f32;
+        let recompute = self.config.recompute;
+        let mut work: Vec<ModelChunk<'_>> = chunks
+            .iter_mut()
+            .map(|model| ModelChunk { model, micro_batches: &micro, loss_scale: scale, recompute })
+            .collect();
+        let ran = StageRunner { chunks: &mut work, pp: groups.pp, schedule, trace: groups.trace }.run(micro.len())?;
+        drop(work);
+
         let sync_started = std::time::Instant::now();
+        let loss_sum = step_loss_sum(ran.loss_sum, groups)?;
         let loss = loss_sum / targets as f64;
         if !loss.is_finite() {
             return Err(TrainError::NotFinite { step, what: "loss", value: loss });
         }
-        let group = model.group().clone();
-        let mut params = model.params_mut()?;
-        sync_partial_grads(&mut params, &group)?;
-        let local = owned_sum_squares(&params)?;
-        let total = if group.world_size() > 1 {
-            let t = Tensor::from_vec(vec![local as f32], &[1], &Device::Cpu)?;
-            // f32 is enough for a norm (torch reduces the per-tensor norms in the grads' dtype).
-            let t = group.all_reduce(&t.to_device(&group.device())?, ReduceOp::Sum)?;
-            t.to_f64_vec()?[0]
-        } else {
-            local
-        };
+        sync_tied_copies(chunks, groups.pp)?;
+        let mut local = 0f64;
+        for c in chunks.iter_mut() {
+            let mut params = c.params_mut()?;
+            sync_partial_grads(&mut params, &tp)?;
+            all_reduce_grads(&mut params, groups.dp)?;
+            local += owned_sum_squares(&params)?;
+        }
+        // f32 is enough for a norm (torch reduces the per-tensor norms in the grads' dtype).
+        let total = sum_over(local, &[&tp, groups.pp])?;
         let grad_norm = total.sqrt();
         if !grad_norm.is_finite() {
             return Err(TrainError::NotFinite { step, what: "gradient norm", value: grad_norm });
         }
+        let bubble = measured_bubble(&ran, &[&tp, groups.pp, groups.dp])?;
         let sync_secs = sync_started.elapsed().as_secs_f64();
-        Ok(Accumulated { loss_sum, targets, tokens, grad_norm, forward_secs, backward_secs, sync_secs })
+        Ok(Accumulated {
+            loss_sum,
+            targets,
+            tokens,
+            grad_norm,
+            forward_secs: ran.forward_secs,
+            backward_secs: ran.backward_secs,
+            sync_secs,
+            bubble,
+            events: ran.events,
+        })
     }
 
     /// Clips the accumulated gradients by `grad_norm` (from [`accumulate`](Self::accumulate))
     /// and applies AdamW at the step's rate; the step counts as done. Returns the rate.
     pub fn apply(&mut self, model: &mut ParallelCausalLm, grad_norm: f64) -> Result<f64> {
+        self.apply_stages(std::slice::from_mut(model), grad_norm)
+    }
+
+    /// [`apply`](Self::apply) to every chunk of this rank (their parameters in order).
+    pub fn apply_stages(&mut self, chunks: &mut [ParallelCausalLm], grad_norm: f64) -> Result<f64> {
         let step = self.step + 1;
         let lr = self.config.schedule.lr(step);
         let coef = clip_coefficient(grad_norm, self.config.max_grad_norm) as f32;
         let adamw = self.config.adamw;
-        let mut params = model.params_mut()?;
+        let mut params = Vec::new();
+        for c in chunks.iter_mut() {
+            params.extend(c.params_mut()?);
+        }
         if self.states.is_empty() {
             self.states = params.iter().map(|p| new_state(p)).collect::<Result<_>>()?;
         }
@@ -245,7 +396,9 @@ impl Trainer {
             }
         }
         drop(params);
-        model.sync_tied_head()?;
+        for c in chunks.iter_mut() {
+            c.sync_tied_head()?;
+        }
         self.step = step;
         Ok(lr)
     }
@@ -257,6 +410,158 @@ impl Trainer {
         let lr = self.apply(model, acc.grad_norm)?;
         Ok(StepLog::new(self.step, &acc, lr, started.elapsed().as_secs_f64()))
     }
+}
+
+/// Size-1 pipeline and data-parallel groups on `tp`'s device (a step without either).
+pub(crate) fn single_groups(tp: &DeviceGroup) -> Result<DeviceGroup> {
+    let device = tp.device();
+    let mut g = DeviceGroup::local(1, tp_comm::DEFAULT_TIMEOUT, |_| device)?;
+    Ok(g.remove(0))
+}
+
+/// The step's `Σ loss`: computed by the last pipeline stage (exact f64, broadcast as its bits),
+/// summed over the data-parallel replicas in replica order (the same bits on every rank).
+fn step_loss_sum(mine: f64, groups: &StepGroups<'_>) -> Result<f64> {
+    let bits = |x: f64| Tensor::from_vec(vec![x.to_bits() as i64], &[1], &Device::Cpu);
+    let value = |t: &Tensor| -> Result<Vec<f64>> {
+        Ok(t.to_device(&Device::Cpu)?.to_i64_vec()?.into_iter().map(|b| f64::from_bits(b as u64)).collect())
+    };
+    let mut loss = mine;
+    let pp = groups.pp;
+    if pp.world_size() > 1 {
+        let t = pp.broadcast(&bits(loss)?.to_device(&pp.device())?, pp.world_size() - 1)?;
+        loss = value(&t)?[0];
+    }
+    let dp = groups.dp;
+    if dp.world_size() > 1 {
+        let all = dp.all_gather(&bits(loss)?.to_device(&dp.device())?, 0)?;
+        loss = value(&all)?.iter().sum();
+    }
+    Ok(loss)
+}
+
+/// Tied embeddings split over two stages: the first stage's table gradient and the last
+/// stage's head gradient (its copy of the table) are summed, and both copies take the sum, so
+/// the two copies receive the same update. One exchange over the pipeline group between its
+/// first and last rank (each tensor-parallel rank its own vocabulary shard).
+fn sync_tied_copies(chunks: &mut [ParallelCausalLm], pp: &DeviceGroup) -> Result<()> {
+    const NAME: &str = "model.embed_tokens.weight";
+    let Some(first) = chunks.first() else { return Ok(()) };
+    if !first.config().tie_word_embeddings {
+        return Ok(());
+    }
+    // (chunk, is the copy) of this rank's tied tensors.
+    let mut found: Vec<(usize, bool)> = Vec::new();
+    for (i, c) in chunks.iter_mut().enumerate() {
+        let copy = c.holds_tied_copy();
+        if c.part().embedding || copy {
+            found.push((i, copy));
+        }
+    }
+    let grad_of = |c: &mut ParallelCausalLm| -> Result<Option<(Tensor, Vec<usize>)>> {
+        for p in c.params_mut()? {
+            if p.placements.first().is_some_and(|pl| pl.name == NAME) {
+                let dims = p.value.dims().to_vec();
+                let g = match p.grad.take() {
+                    Some(g) => g,
+                    None => Tensor::zeros(&dims, DType::F32, &p.value.device())?,
+                };
+                return Ok(Some((g, dims)));
+            }
+        }
+        Ok(None)
+    };
+    let set_grad = |c: &mut ParallelCausalLm, g: Tensor| -> Result<()> {
+        for p in c.params_mut()? {
+            if p.placements.first().is_some_and(|pl| pl.name == NAME) {
+                p.grad.set(Some(g));
+                return Ok(());
+            }
+        }
+        Ok(())
+    };
+    let (s, last) = (pp.rank(), pp.world_size() - 1);
+    match found.as_slice() {
+        // Both on this rank (one stage, or interleaved chunks of one rank).
+        [(e, false), (h, true)] => {
+            let (e, h) = (*e, *h);
+            let (Some((ge, _)), Some((gh, _))) = (grad_of(&mut chunks[e])?, grad_of(&mut chunks[h])?) else {
+                return Ok(());
+            };
+            let mut sum = ge;
+            sum.add_assign(&gh)?;
+            set_grad(&mut chunks[e], sum.clone())?;
+            set_grad(&mut chunks[h], sum)?;
+        }
+        [(e, false)] if s == 0 && last > 0 && !chunks[*e].part().head => {
+            let e = *e;
+            let Some((ge, dims)) = grad_of(&mut chunks[e])? else { return Ok(()) };
+            let gh = pp.recv(&dims, DType::F32, last)?;
+            let mut sum = ge.to_device(&pp.device())?;
+            sum.add_assign(&gh)?;
+            pp.send(&sum, last)?;
+            set_grad(&mut chunks[e], sum)?;
+        }
+        [(h, true)] if s == last && last > 0 => {
+            let h = *h;
+            let Some((gh, dims)) = grad_of(&mut chunks[h])? else { return Ok(()) };
+            pp.send(&gh.to_device(&pp.device())?, 0)?;
+            let sum = pp.recv(&dims, DType::F32, 0)?;
+            set_grad(&mut chunks[h], sum)?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Sums every parameter's gradient over the data-parallel group, all issued before any is
+/// waited for (a parameter without a gradient counts as zeros, so every replica makes the same
+/// calls).
+fn all_reduce_grads(params: &mut [Param<'_>], dp: &DeviceGroup) -> Result<()> {
+    if dp.world_size() == 1 {
+        return Ok(());
+    }
+    let mut works = Vec::with_capacity(params.len());
+    for p in params.iter() {
+        let g = match p.grad.get() {
+            Some(g) => g.to_device(&dp.device())?,
+            None => Tensor::zeros(p.value.dims(), DType::F32, &dp.device())?,
+        };
+        works.push(dp.all_reduce_async(&g, ReduceOp::Sum)?);
+    }
+    for (p, w) in params.iter_mut().zip(works) {
+        p.grad.set(Some(w.wait()?));
+    }
+    Ok(())
+}
+
+/// `x` summed over each group in turn.
+fn sum_over(x: f64, groups: &[&DeviceGroup]) -> Result<f64> {
+    let mut x = x;
+    for g in groups {
+        if g.world_size() > 1 {
+            let t = Tensor::from_vec(vec![x as f32], &[1], &Device::Cpu)?.to_device(&g.device())?;
+            x = g.all_reduce(&t, ReduceOp::Sum)?.to_f64_vec()?[0];
+        }
+    }
+    Ok(x)
+}
+
+/// `1 - Σ busy / (ranks × max wall)` over every rank of the groups.
+fn measured_bubble(ran: &StageStep, groups: &[&DeviceGroup]) -> Result<f64> {
+    let mut busy = ran.busy_secs();
+    let mut wall = ran.wall_secs;
+    let mut ranks = 1usize;
+    for g in groups {
+        if g.world_size() > 1 {
+            let t = Tensor::from_vec(vec![busy as f32], &[1], &Device::Cpu)?.to_device(&g.device())?;
+            busy = g.all_reduce(&t, ReduceOp::Sum)?.to_f64_vec()?[0];
+            let t = Tensor::from_vec(vec![wall as f32], &[1], &Device::Cpu)?.to_device(&g.device())?;
+            wall = g.all_reduce(&t, ReduceOp::Max)?.to_f64_vec()?[0];
+            ranks *= g.world_size();
+        }
+    }
+    Ok(if wall > 0.0 { (1.0 - busy / (ranks as f64 * wall)).clamp(0.0, 1.0) } else { 0.0 })
 }
 
 /// A fresh state for `p`: zero moments, and fp32 master weights unless it is f32 already.

@@ -14,6 +14,7 @@ use tp_layers::{Gather, gather_full};
 use tp_models::{ModelOptions, ParallelCausalLm, Recompute};
 use tp_train::data::Dataset;
 use tp_train::optim::AdamW;
+use tp_train::pipeline::ScheduleKind;
 use tp_train::schedule::{LrSchedule, LrScheduleKind};
 use tp_train::{TrainConfig, Trainer};
 
@@ -55,6 +56,8 @@ fn config(hyper: &serde_json::Value, recompute: Recompute, sequence_parallel: bo
         max_grad_norm: f("max_grad_norm"),
         recompute,
         sequence_parallel,
+        pp_schedule: ScheduleKind::OneFOneB,
+        virtual_stages: 1,
     }
 }
 

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use tp_core::{DType, Device, Element, Tensor, TensorShard};
 
 mod finish;
+mod p2p;
 use finish::Finish;
 
 /// Default deadline of every collective.
@@ -154,6 +155,8 @@ struct Shared {
     completed: AtomicU64,
     /// Whether `State::poisoned` is set, readable without the lock.
     poisoned: AtomicBool,
+    /// Point-to-point messages ([`p2p`]), apart from the collectives' exchanges.
+    mailboxes: p2p::Mailboxes,
 }
 
 impl Shared {
@@ -293,6 +296,7 @@ impl LocalGroup {
             arrived: Condvar::new(),
             completed: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
+            mailboxes: p2p::Mailboxes::default(),
         });
         Ok((0..world_size).map(|rank| LocalGroup { m: Member { rank, shared: shared.clone() } }).collect())
     }
@@ -553,6 +557,14 @@ impl Communicator for LocalGroup {
 
     fn abort(&self, reason: &str) {
         self.m.shared.poison(format!("rank {} aborted: {reason}", self.m.rank));
+    }
+
+    fn send_async(&self, x: &Tensor, dst: usize) -> Result<Work> {
+        Ok(Work::pending(Box::new(self.m.send(x, dst)?)))
+    }
+
+    fn recv_async(&self, dims: &[usize], dtype: DType, src: usize) -> Result<Work> {
+        Ok(Work::pending(Box::new(self.m.recv(dims, dtype, src)?)))
     }
 
     fn barrier(&self) -> Result<()> {

@@ -35,9 +35,9 @@ impl ParallelCausalLm {
 
     /// Which columns of the vocabulary this rank's logits hold: `(start, len)` of
     /// `config().vocab_size`.
+    /// (The whole vocabulary's `(0, 0)` on a pipeline stage without the LM head.)
     pub fn vocab_shard(&self) -> (usize, usize) {
-        let s = self.lm_head.shard();
-        (s.start(), s.len())
+        self.head.as_ref().map_or((0, 0), |(_, h)| (h.shard().start(), h.shard().len()))
     }
 
     /// Runs the flat batch `ids` (`batch.num_tokens()` ids, sequence after sequence) through the
@@ -78,15 +78,16 @@ impl ParallelCausalLm {
             )));
         }
         let ids = Tensor::from_vec(ids.to_vec(), &[t], &Device::Cpu)?;
-        let mut x = self.embed.forward(&ids)?;
+        let mut x = self.embedding("a batched forward from token ids")?.forward(&ids)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             x = layer.forward_batch(&x, batch, cache)?;
         }
+        let (norm, lm_head) = self.norm_and_head("a batched forward's logits")?;
         if rows.is_empty() {
-            return Ok(Tensor::zeros(&[0, self.lm_head.shard().len()], self.dtype, &x.device())?);
+            return Ok(Tensor::zeros(&[0, lm_head.shard().len()], self.dtype, &x.device())?);
         }
-        let h = self.norm.forward(&pick_rows(&x, rows)?)?;
-        Ok(self.lm_head.forward_local(&h)?)
+        let h = norm.forward(&pick_rows(&x, rows)?)?;
+        Ok(lm_head.forward_local(&h)?)
     }
 }
 

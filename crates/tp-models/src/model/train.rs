@@ -63,19 +63,64 @@ pub struct MicroBatchLoss {
     pub backward_secs: f64,
 }
 
+/// A micro-batch checked and laid out for the training calls: its flat token ids, each
+/// token's target, and the token layout ([`SeqBatch`]). Every stage of a pipeline builds the
+/// same one from the same rows.
+#[derive(Debug, Clone)]
+pub struct MicroBatch {
+    ids: Tensor,
+    targets: Vec<Option<usize>>,
+    batch: SeqBatch,
+}
+
+impl MicroBatch {
+    /// Tokens of the micro-batch.
+    pub fn tokens(&self) -> usize {
+        self.batch.tokens()
+    }
+    /// Tokens with a target (the loss's terms).
+    pub fn targets(&self) -> usize {
+        self.targets.iter().filter(|t| t.is_some()).count()
+    }
+    /// The token layout.
+    pub fn layout(&self) -> &SeqBatch {
+        &self.batch
+    }
+}
+
+/// What a stage's training forward returns ([`ParallelCausalLm::stage_forward`]).
+#[derive(Debug)]
+pub struct StageForward {
+    /// The hidden states for the next stage: this rank's rows (all `T`, or its sequence shard
+    /// under sequence parallelism), `[rows, H]` in the model dtype. `None` on the last stage.
+    pub output: Option<Tensor>,
+    /// `Σ loss_t` over the micro-batch's target tokens (the last stage; 0 elsewhere).
+    pub loss_sum: f64,
+    /// What [`stage_backward`](ParallelCausalLm::stage_backward) needs.
+    pub saved: StageSaved,
+    /// Seconds of the forward (embedding, blocks, final norm, logits and the loss).
+    pub forward_secs: f64,
+}
+
+/// What a stage's training forward keeps for its backward (opaque).
+#[derive(Debug)]
+pub struct StageSaved {
+    /// Each block's input and, unless recomputed, what its backward needs.
+    blocks: Vec<(Tensor, Option<BlockSaved>)>,
+    /// The last block's output (the final norm's input), on the last stage.
+    last: Option<Tensor>,
+    /// `d loss / d h` of the final norm's output (this rank's rows), on the last stage.
+    dh: Option<Tensor>,
+    /// Seconds the LM head's backward took inside the forward call.
+    head_backward_secs: f64,
+}
+
 impl ParallelCausalLm {
-    /// Training: forward and backward of the micro-batch `rows`, adding `loss_scale ·
-    /// d(Σ loss_t)` into every parameter's fp32 gradient (they accumulate over calls until
-    /// [`zero_grads`](Self::zero_grads)). Returns the summed loss of its target tokens.
+    /// Checks `rows` and lays them out as one micro-batch for [`stage_forward`](Self::stage_forward).
     ///
     /// Errors: an empty row, labels of another length, ids or labels outside the vocabulary,
-    /// a row longer than `max_position_embeddings`; layer and collective errors.
-    pub fn train_micro_batch(
-        &mut self,
-        rows: &[TrainRow<'_>],
-        loss_scale: f32,
-        recompute: Recompute,
-    ) -> Result<MicroBatchLoss> {
+    /// a row longer than `max_position_embeddings`.
+    pub fn micro_batch(&self, rows: &[TrainRow<'_>]) -> Result<MicroBatch> {
         let vocab = self.config.vocab_size;
         for (i, r) in rows.iter().enumerate() {
             let bad = |why: String| Err(ModelError::Request(format!("row {i} of the micro-batch: {why}")));
@@ -104,75 +149,197 @@ impl ParallelCausalLm {
         let ids: Vec<i64> = rows.iter().flat_map(|r| r.input_ids.iter().map(|&i| i64::from(i))).collect();
         let targets: Vec<Option<usize>> = rows.iter().flat_map(TrainRow::targets).collect();
         let ids = Tensor::from_vec(ids, &[targets.len()], &Device::Cpu)?;
-
-        self.sync_tied_head()?;
         let batch = SeqBatch::new(&lens, self.sequence_parallel && self.group.world_size() > 1);
-        let started = std::time::Instant::now();
-        // Forward (this rank's rows of every activation outside attention and the MLP: all of
-        // them, or its sequence shard).
-        let mut x = self.embed.forward_train(&ids, &batch)?;
-        let mut saved: Vec<(Tensor, Option<BlockSaved>)> = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
-            let (y, s) = layer.forward_train(&x, &batch)?;
-            let keep = if recompute == Recompute::Full { None } else { Some(s) };
-            saved.push((std::mem::replace(&mut x, y), keep));
+        Ok(MicroBatch { ids, targets, batch })
+    }
+
+    /// The shape of the hidden states that enter and leave this stage for `mb` on this rank:
+    /// `[rows, H]` (its sequence shard's rows under sequence parallelism).
+    pub fn stage_activation_dims(&self, mb: &MicroBatch) -> Result<[usize; 2]> {
+        Ok([mb.batch.shard(&self.group)?.len(), self.config.hidden_size])
+    }
+
+    /// Training forward of this stage for `mb`: from the token ids on the first stage, else
+    /// from `input` (the previous stage's [`StageForward::output`]); through this stage's
+    /// blocks; on the last stage the final norm, the LM head and the loss, whose gradient
+    /// (weighted by `loss_scale`) the LM head's backward computes at once (its weight gradient
+    /// accumulated here).
+    ///
+    /// Errors: `input` given to the first stage or missing elsewhere, or of another shape;
+    /// layer and collective errors.
+    pub fn stage_forward(
+        &mut self,
+        mb: &MicroBatch,
+        input: Option<Tensor>,
+        loss_scale: f32,
+        recompute: Recompute,
+    ) -> Result<StageForward> {
+        if self.part.head {
+            self.sync_tied_head()?;
         }
-        let h = self.norm.forward(&x)?;
+        let started = std::time::Instant::now();
+        let batch = &mb.batch;
+        let mut x = match (&self.embed, input) {
+            (Some(embed), None) => embed.forward_train(&mb.ids, batch)?,
+            (None, Some(x)) => {
+                let want = self.stage_activation_dims(mb)?;
+                if x.dims() != want {
+                    return Err(ModelError::Request(format!(
+                        "stage input of shape {:?}, expected {want:?} for this micro-batch",
+                        x.dims()
+                    )));
+                }
+                x
+            }
+            (Some(_), Some(_)) => {
+                return Err(self.stage_input_error("the first stage takes token ids, not hidden states"));
+            }
+            (None, None) => return Err(self.stage_input_error("this stage needs the previous stage's hidden states")),
+        };
+        let mut blocks: Vec<(Tensor, Option<BlockSaved>)> = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let (y, s) = layer.forward_train(&x, batch)?;
+            let keep = if recompute == Recompute::Full { None } else { Some(s) };
+            blocks.push((std::mem::replace(&mut x, y), keep));
+        }
+        let Some((norm, lm_head)) = &mut self.head else {
+            let saved = StageSaved { blocks, last: None, dh: None, head_backward_secs: 0.0 };
+            let forward_secs = started.elapsed().as_secs_f64();
+            return Ok(StageForward { output: Some(x), loss_sum: 0.0, saved, forward_secs });
+        };
+        let h = norm.forward(&x)?;
         // The LM head sees every token (vocab-parallel); its dh is the same on every rank.
         let before_head = started.elapsed().as_secs_f64();
         let head_started = std::time::Instant::now();
-        let out = self.lm_head.loss_backward(&batch.gather(&h, &self.group)?, &targets, loss_scale)?;
-        let head_secs = head_started.elapsed().as_secs_f64();
-        let backward_started = std::time::Instant::now();
+        let out = lm_head.loss_backward(&batch.gather(&h, &self.group)?, &mb.targets, loss_scale)?;
+        let head_backward_secs = head_started.elapsed().as_secs_f64() - out.forward_secs;
+        let dh = batch.local(&out.dh, &self.group)?;
+        let saved = StageSaved { blocks, last: Some(x), dh: Some(dh), head_backward_secs };
+        Ok(StageForward { output: None, loss_sum: out.loss_sum, saved, forward_secs: before_head + out.forward_secs })
+    }
 
-        // Backward.
-        let mut dx = self.norm.backward(&x, &batch.local(&out.dh, &self.group)?)?;
-        for (layer, (input, s)) in self.layers.iter_mut().zip(saved).rev() {
+    fn stage_input_error(&self, why: &str) -> ModelError {
+        ModelError::Request(format!("pipeline stage of layers {:?}: {why}", self.part.layers))
+    }
+
+    /// Training backward of this stage for `mb`, from what its [`stage_forward`](Self::stage_forward)
+    /// kept and, except on the last stage, `dy` (the next stage's input gradient, f32, this
+    /// rank's rows). Adds every parameter's gradient; with tied embeddings on one stage, the LM
+    /// head's gradient goes into the table's. Returns the input gradient for the previous stage
+    /// (`None` on the first stage) and the seconds it took.
+    ///
+    /// Errors: `dy` missing or given to the last stage; layer and collective errors.
+    pub fn stage_backward(
+        &mut self,
+        mb: &MicroBatch,
+        saved: StageSaved,
+        dy: Option<Tensor>,
+    ) -> Result<(Option<Tensor>, f64)> {
+        let started = std::time::Instant::now();
+        let batch = &mb.batch;
+        let mut dx = match (&mut self.head, saved.last, saved.dh, dy) {
+            (Some((norm, _)), Some(last), Some(dh), None) => norm.backward(&last, &dh)?,
+            (None, None, None, Some(dy)) => dy,
+            (Some(_), ..) => return Err(self.stage_input_error("the last stage's gradient comes from its loss")),
+            _ => return Err(self.stage_input_error("this stage's backward needs the next stage's gradient")),
+        };
+        for (layer, (input, s)) in self.layers.iter_mut().zip(saved.blocks).rev() {
             let s = match s {
                 Some(s) => s,
-                None => layer.forward_train(&input, &batch)?.1,
+                None => layer.forward_train(&input, batch)?.1,
             };
             dx = layer.backward(s, &dx)?;
         }
-        self.embed.backward(&ids, &dx, &batch)?;
-        if self.config.tie_word_embeddings
-            && let Some(g) = self.lm_head.take_grad()
-        {
-            self.embed.add_grad(&g)?;
+        let dx = match &mut self.embed {
+            Some(embed) => {
+                embed.backward(&mb.ids, &dx, batch)?;
+                if self.config.tie_word_embeddings
+                    && let Some((_, lm_head)) = &mut self.head
+                    && let Some(g) = lm_head.take_grad()
+                {
+                    embed.add_grad(&g)?;
+                }
+                None
+            }
+            None => Some(dx),
+        };
+        Ok((dx, saved.head_backward_secs + started.elapsed().as_secs_f64()))
+    }
+
+    /// Training: forward and backward of the micro-batch `rows` through the whole model,
+    /// adding `loss_scale · d(Σ loss_t)` into every parameter's fp32 gradient (they accumulate
+    /// over calls until [`zero_grads`](Self::zero_grads)). Returns the summed loss of its
+    /// target tokens.
+    ///
+    /// Errors: as [`micro_batch`](Self::micro_batch); a pipeline stage (use
+    /// [`stage_forward`](Self::stage_forward)); layer and collective errors.
+    pub fn train_micro_batch(
+        &mut self,
+        rows: &[TrainRow<'_>],
+        loss_scale: f32,
+        recompute: Recompute,
+    ) -> Result<MicroBatchLoss> {
+        if !self.part.is_whole(self.config.num_hidden_layers) {
+            return Err(
+                self.stage_input_error("train_micro_batch runs the whole model; drive a stage with stage_forward")
+            );
         }
-        let forward_secs = before_head + out.forward_secs;
-        let backward_secs = head_secs - out.forward_secs + backward_started.elapsed().as_secs_f64();
+        let mb = self.micro_batch(rows)?;
+        let f = self.stage_forward(&mb, None, loss_scale, recompute)?;
+        let (_, backward_secs) = self.stage_backward(&mb, f.saved, None)?;
         Ok(MicroBatchLoss {
-            loss_sum: out.loss_sum,
-            targets: out.targets,
-            tokens: lens.iter().sum(),
-            forward_secs,
+            loss_sum: f.loss_sum,
+            targets: mb.targets(),
+            tokens: mb.tokens(),
+            forward_secs: f.forward_secs,
             backward_secs,
         })
     }
 
-    /// Every trainable parameter of this rank, in a fixed order (the same on every rank):
-    /// the embedding, the blocks, the final norm, and the LM head unless tied. Named as in the
-    /// checkpoint; see [`Param`] and [`Placement`]. After updating a tied table, call
+    /// Every trainable parameter of this rank, in a fixed order (the same on every rank of a
+    /// stage): the embedding, the blocks, the final norm, and the LM head unless tied. Named as
+    /// in the checkpoint; see [`Param`] and [`Placement`]. After updating a tied table, call
     /// [`sync_tied_head`](Self::sync_tied_head) (the LM head holds its own handle to it).
+    ///
+    /// A last pipeline stage of a tied model without the embedding lists its head's copy of
+    /// the table as `model.embed_tokens.weight`, not owned (the first stage's counts; see
+    /// [`holds_tied_copy`](Self::holds_tied_copy)).
     ///
     /// Errors: quantized weights (a GGUF model loaded without a dtype cannot be trained).
     pub fn params_mut(&mut self) -> Result<Vec<Param<'_>>> {
         let names = self.config.architecture.spec().names;
         let sp = self.sequence_parallel;
+        let tied_copy = self.holds_tied_copy();
+        let first = self.part.layers.start;
         let mut out = Vec::new();
         let mut push = |p| out.push(p);
-        self.embed.params("model.embed_tokens", &mut push);
+        if let Some(embed) = &mut self.embed {
+            embed.params("model.embed_tokens", &mut push);
+        }
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            layer.params(&format!("model.layers.{i}"), &names, sp, &mut push)?;
+            layer.params(&format!("model.layers.{}", first + i), &names, sp, &mut push)?;
         }
         let h = self.config.hidden_size;
-        self.norm
-            .param(vec![Placement::replicated("model.norm.weight".into(), &[h], self.group.rank(), sp)], &mut push);
-        if !self.config.tie_word_embeddings {
-            self.lm_head.params("lm_head", &mut push)?;
+        let rank = self.group.rank();
+        if let Some((norm, lm_head)) = &mut self.head {
+            norm.param(vec![Placement::replicated("model.norm.weight".into(), &[h], rank, sp)], &mut push);
+            if tied_copy {
+                lm_head.params("model.embed_tokens", &mut |mut p: Param<'_>| {
+                    p.placements.iter_mut().for_each(|pl| pl.owned = false);
+                    push(p)
+                })?;
+            } else if !self.config.tie_word_embeddings {
+                lm_head.params("lm_head", &mut push)?;
+            }
         }
         Ok(out)
+    }
+
+    /// Whether this is a last pipeline stage of a tied model without the embedding: its LM
+    /// head holds a copy of the table, whose gradient must be summed with the first stage's
+    /// before each update (so that both copies stay equal).
+    pub fn holds_tied_copy(&self) -> bool {
+        self.config.tie_word_embeddings && self.head.is_some() && self.embed.is_none()
     }
 
     /// Sequence parallelism for the training calls that follow (norms and residuals on
@@ -182,14 +349,19 @@ impl ParallelCausalLm {
     }
 
     /// Points a tied LM head at the embedding table again (after the table was updated in
-    /// place; a no-op for an untied head).
+    /// place; a no-op for an untied head or a stage that holds only one of the two).
     pub fn sync_tied_head(&mut self) -> Result<()> {
-        if self.config.tie_word_embeddings && self.lm_head.weights().quant().is_none() {
-            let mut head = tp_layers::ParallelLmHead::tied(&self.embed);
-            if let Some(cap) = self.lm_head.softcap() {
+        if !self.config.tie_word_embeddings {
+            return Ok(());
+        }
+        if let (Some(embed), Some((_, lm_head))) = (&self.embed, &mut self.head)
+            && lm_head.weights().quant().is_none()
+        {
+            let mut head = tp_layers::ParallelLmHead::tied(embed);
+            if let Some(cap) = lm_head.softcap() {
                 head = head.with_softcap(cap)?;
             }
-            self.lm_head = head;
+            *lm_head = head;
         }
         Ok(())
     }
@@ -199,7 +371,9 @@ impl ParallelCausalLm {
         for p in self.params_mut()? {
             p.grad.take();
         }
-        self.lm_head.take_grad();
+        if let Some((_, lm_head)) = &mut self.head {
+            lm_head.take_grad();
+        }
         Ok(())
     }
 }

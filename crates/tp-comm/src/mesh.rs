@@ -1,0 +1,310 @@
+//! The device mesh: a world of `dp × pp × tp` ranks and, for every rank, one group per axis.
+//!
+//! Ranks are laid out as Megatron-LM lays them: tensor-parallel fastest, then pipeline, then
+//! data-parallel, so a tensor-parallel group is consecutive ranks (on one node, where the
+//! all-reduces of every layer go):
+//!
+//! ```text
+//! rank = (dp · pp_size + pp) · tp_size + tp
+//! ```
+//!
+//! For `dp = 2, pp = 2, tp = 2`:
+//!
+//! | rank | dp | pp | tp | tp group | pp group | dp group |
+//! |------|----|----|----|----------|----------|----------|
+//! | 0    | 0  | 0  | 0  | 0, 1     | 0, 2     | 0, 4     |
+//! | 1    | 0  | 0  | 1  | 0, 1     | 1, 3     | 1, 5     |
+//! | 2    | 0  | 1  | 0  | 2, 3     | 0, 2     | 2, 6     |
+//! | 3    | 0  | 1  | 1  | 2, 3     | 1, 3     | 3, 7     |
+//! | 4    | 1  | 0  | 0  | 4, 5     | 4, 6     | 0, 4     |
+//! | ...  |    |    |    |          |          |          |
+//!
+//! Rank `i` of a rank's pipeline group is stage `i` (likewise for the other axes).
+
+use crate::error::{CommError, Result};
+use crate::group::DeviceGroup;
+use crate::{LaunchEnv, MAX_WORLD_SIZE};
+use std::sync::Arc;
+use std::time::Duration;
+use tp_core::Device;
+
+/// An axis of the mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Axis {
+    /// Tensor parallelism (fastest).
+    Tp,
+    /// Pipeline stages.
+    Pp,
+    /// Data-parallel replicas (slowest).
+    Dp,
+}
+
+/// The sizes of the axes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MeshShape {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+    /// Tensor-parallel ranks per stage.
+    pub tp: usize,
+}
+
+/// A rank's place on each axis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Coords {
+    /// Its data-parallel replica.
+    pub dp: usize,
+    /// Its pipeline stage.
+    pub pp: usize,
+    /// Its tensor-parallel rank.
+    pub tp: usize,
+}
+
+impl MeshShape {
+    /// `dp × pp × tp` ranks.
+    ///
+    /// Errors: an axis of size 0; more than [`MAX_WORLD_SIZE`] ranks.
+    pub fn new(dp: usize, pp: usize, tp: usize) -> Result<MeshShape> {
+        const OP: &str = "MeshShape::new";
+        if dp == 0 || pp == 0 || tp == 0 {
+            return Err(CommError::Limit {
+                op: OP,
+                why: format!(
+                    "every axis needs at least 1 rank (data-parallel {dp}, pipeline {pp}, tensor-parallel {tp})"
+                ),
+            });
+        }
+        match dp.checked_mul(pp).and_then(|x| x.checked_mul(tp)) {
+            Some(w) if w <= MAX_WORLD_SIZE => Ok(MeshShape { dp, pp, tp }),
+            _ => Err(CommError::Limit {
+                op: OP,
+                why: format!("{dp} x {pp} x {tp} ranks exceed the maximum of {MAX_WORLD_SIZE}"),
+            }),
+        }
+    }
+    /// `dp · pp · tp`.
+    pub fn world_size(&self) -> usize {
+        self.dp * self.pp * self.tp
+    }
+    /// The coordinates of global `rank`.
+    pub fn coords(&self, rank: usize) -> Coords {
+        Coords { tp: rank % self.tp, pp: rank / self.tp % self.pp, dp: rank / (self.tp * self.pp) }
+    }
+    /// The global rank at `c`.
+    pub fn rank(&self, c: Coords) -> usize {
+        (c.dp * self.pp + c.pp) * self.tp + c.tp
+    }
+    /// The size of `axis`.
+    pub fn size(&self, axis: Axis) -> usize {
+        match axis {
+            Axis::Tp => self.tp,
+            Axis::Pp => self.pp,
+            Axis::Dp => self.dp,
+        }
+    }
+    /// The global ranks of `rank`'s group along `axis`, in that axis's order.
+    pub fn group_ranks(&self, rank: usize, axis: Axis) -> Vec<usize> {
+        let c = self.coords(rank);
+        (0..self.size(axis))
+            .map(|i| {
+                let mut d = c;
+                match axis {
+                    Axis::Tp => d.tp = i,
+                    Axis::Pp => d.pp = i,
+                    Axis::Dp => d.dp = i,
+                }
+                self.rank(d)
+            })
+            .collect()
+    }
+    /// Which group of `axis` global `rank` belongs to, numbered `0..world / size(axis)`.
+    fn group_index(&self, rank: usize, axis: Axis) -> usize {
+        let c = self.coords(rank);
+        match axis {
+            Axis::Tp => c.dp * self.pp + c.pp,
+            Axis::Pp => c.dp * self.tp + c.tp,
+            Axis::Dp => c.pp * self.tp + c.tp,
+        }
+    }
+}
+
+/// One rank's view of the mesh: its coordinates, and a group per axis plus the world.
+#[derive(Clone)]
+pub struct Mesh {
+    shape: MeshShape,
+    rank: usize,
+    world: DeviceGroup,
+    tp: DeviceGroup,
+    pp: DeviceGroup,
+    dp: DeviceGroup,
+    /// Keeps rank 0's rendezvous store alive for the mesh's life (from_launch_env).
+    _rendezvous: Option<Arc<std::sync::Mutex<crate::Rendezvous>>>,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Mesh(rank {} at {:?} of {:?})", self.rank, self.coords(), self.shape)
+    }
+}
+
+impl Mesh {
+    /// Every rank of the mesh as threads of this process (a [`LocalGroup`](crate::LocalGroup)
+    /// for the world and for every axis group), rank `r` computing on `device(r)`: the mesh of
+    /// every global rank, in rank order; move each into its own thread.
+    ///
+    /// Errors: as [`DeviceGroup::local`].
+    pub fn local(shape: MeshShape, timeout: Duration, device: impl Fn(usize) -> Device) -> Result<Vec<Mesh>> {
+        let n = shape.world_size();
+        let world = DeviceGroup::local(n, timeout, &device)?;
+        let mut axes: Vec<Vec<Option<DeviceGroup>>> = Vec::new();
+        for axis in [Axis::Tp, Axis::Pp, Axis::Dp] {
+            let mut mine: Vec<Option<DeviceGroup>> = vec![None; n];
+            let size = shape.size(axis);
+            for g in 0..n / size {
+                let Some(first) =
+                    (0..n).find(|&r| shape.group_index(r, axis) == g && shape.group_ranks(r, axis)[0] == r)
+                else {
+                    continue;
+                };
+                let members = shape.group_ranks(first, axis);
+                let groups = DeviceGroup::local(size, timeout, |i| device(members[i]))?;
+                for (m, grp) in members.into_iter().zip(groups) {
+                    mine[m] = Some(grp);
+                }
+            }
+            axes.push(mine);
+        }
+        let [tp, pp, dp] = <[Vec<Option<DeviceGroup>>; 3]>::try_from(axes)
+            .map_err(|_| CommError::Limit { op: "Mesh::local", why: "internal: three axes".into() })?;
+        world
+            .into_iter()
+            .zip(tp.into_iter().zip(pp.into_iter().zip(dp)))
+            .enumerate()
+            .map(|(rank, (world, (tp, (pp, dp))))| {
+                let missing =
+                    || CommError::Limit { op: "Mesh::local", why: format!("internal: rank {rank} has no group") };
+                Ok(Mesh {
+                    shape,
+                    rank,
+                    world,
+                    tp: tp.ok_or_else(missing)?,
+                    pp: pp.ok_or_else(missing)?,
+                    dp: dp.ok_or_else(missing)?,
+                    _rendezvous: None,
+                })
+            })
+            .collect()
+    }
+
+    /// Processes launched by torchrun, srun or mpirun ([`LaunchEnv`]): one rendezvous, an NCCL
+    /// communicator for the world and one per axis group (each group's first rank creates its
+    /// NCCL id, which travels through the rendezvous store), within the deadline. A failure on
+    /// one rank aborts the rendezvous, so the others do not wait for it.
+    ///
+    /// Errors: `WORLD_SIZE` other than the shape's; CUDA, NCCL and rendezvous errors.
+    pub fn from_launch_env(env: &LaunchEnv, shape: MeshShape) -> Result<Mesh> {
+        if env.world_size != shape.world_size() {
+            return Err(CommError::Env(format!(
+                "WORLD_SIZE={} but the mesh needs {} x {} x {} = {} ranks (data x pipeline x tensor parallel)",
+                env.world_size,
+                shape.dp,
+                shape.pp,
+                shape.tp,
+                shape.world_size()
+            )));
+        }
+        let mut rdv = crate::Rendezvous::join(env)?;
+        match Self::nccl_mesh(&mut rdv, env, shape) {
+            Ok((world, [tp, pp, dp])) => Ok(Mesh {
+                shape,
+                rank: env.rank,
+                world,
+                tp,
+                pp,
+                dp,
+                _rendezvous: Some(Arc::new(std::sync::Mutex::new(rdv))),
+            }),
+            Err(e) => {
+                rdv.abort(&e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// The world communicator, then one per axis: ids from each group's first rank.
+    fn nccl_mesh(
+        rdv: &mut crate::Rendezvous,
+        env: &LaunchEnv,
+        shape: MeshShape,
+    ) -> Result<(DeviceGroup, [DeviceGroup; 3])> {
+        let (world, device) = DeviceGroup::nccl_over(rdv, env)?;
+        let world = DeviceGroup::new(Arc::new(world), device);
+        let gpu = tp_kernels::Gpu::get(env.local_rank)
+            .map_err(|e| CommError::Tensor { op: "Mesh::from_launch_env", source: e.into() })?;
+        let nccl = crate::nccl::Nccl::get()?;
+        let mut out = Vec::with_capacity(3);
+        for (name, axis) in [("tp", Axis::Tp), ("pp", Axis::Pp), ("dp", Axis::Dp)] {
+            let members = shape.group_ranks(env.rank, axis);
+            let me = members.iter().position(|&r| r == env.rank).unwrap_or(0);
+            let id = if me == 0 { nccl.unique_id()?.to_vec() } else { Vec::new() };
+            let all = rdv.all_gather_bytes(&format!("mesh-{name}"), &id)?;
+            let id: [u8; 128] = all[members[0]].clone().try_into().map_err(|v: Vec<u8>| {
+                CommError::Rendezvous(format!("NCCL id of {} bytes for the {name} group, expected 128", v.len()))
+            })?;
+            let comm = crate::nccl::NcclComm::init(id, me, members.len(), gpu.clone(), env.timeout)?;
+            out.push(DeviceGroup::new(Arc::new(comm), device));
+        }
+        rdv.barrier("mesh-ready")?;
+        let [tp, pp, dp] =
+            <[DeviceGroup; 3]>::try_from(out).map_err(|_| CommError::Rendezvous("internal: three axes".into()))?;
+        Ok((world, [tp, pp, dp]))
+    }
+
+    /// The axes' sizes.
+    pub fn shape(&self) -> MeshShape {
+        self.shape
+    }
+    /// This rank's coordinates.
+    pub fn coords(&self) -> Coords {
+        self.shape.coords(self.rank)
+    }
+    /// The global rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// The group along `axis`.
+    pub fn group(&self, axis: Axis) -> &DeviceGroup {
+        match axis {
+            Axis::Tp => &self.tp,
+            Axis::Pp => &self.pp,
+            Axis::Dp => &self.dp,
+        }
+    }
+    /// The tensor-parallel group (this stage's ranks of this replica).
+    pub fn tp(&self) -> &DeviceGroup {
+        &self.tp
+    }
+    /// The pipeline group (rank `i` = stage `i`).
+    pub fn pp(&self) -> &DeviceGroup {
+        &self.pp
+    }
+    /// The data-parallel group (the same stage and tensor-parallel rank of every replica).
+    pub fn dp(&self) -> &DeviceGroup {
+        &self.dp
+    }
+    /// Every rank.
+    pub fn world(&self) -> &DeviceGroup {
+        &self.world
+    }
+    /// Where this rank computes.
+    pub fn device(&self) -> Device {
+        self.world.device()
+    }
+    /// Fails every group of this rank, so that a failure anywhere ends every rank's waits.
+    pub fn abort(&self, reason: &str) {
+        for g in [&self.world, &self.tp, &self.pp, &self.dp] {
+            g.abort(reason);
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! The pipeline executor: runs one rank's list of [`Action`]s of a [`Schedule`] on its model
+//! chunks, moving hidden states and their gradients between stages over the pipeline group.
+//!
+//! Rank `s` of the pipeline group holds chunk `c` = virtual stage `c·p + s` (one chunk unless
+//! the schedule is interleaved). Every rank of a stage's tensor-parallel group runs the same
+//! list, so their collectives line up. A forward keeps what its backward needs until the
+//! backward runs (the schedule bounds how many micro-batches are in flight); a send is posted
+//! and left to complete while the rank goes on, a receive waits (with the group's deadline).
+//! `BackwardInput` runs the backward with the linear layers' weight gradients deferred
+//! ([`tp_layers::defer_weight_grads`]) and `BackwardWeight` computes them, one micro-batch's
+//! worth, in the same order, so a zero-bubble step has the bits of a 1F1B step.
+//!
+//! A failure on any rank aborts the caller's groups (the executor returns the error; the
+//! trainer aborts the mesh), so every other rank's pending receive ends at once with the
+//! reason rather than at its deadline.
+
+use super::schedule::{Action, Schedule};
+use super::trace::TraceEvent;
+use crate::{Result, TrainError};
+use std::collections::HashMap;
+use std::time::Instant;
+use tp_comm::{DeviceGroup, Work};
+use tp_core::{DType, Tensor};
+use tp_models::{MicroBatch, ParallelCausalLm, Recompute, StageSaved};
+
+/// What one rank's run of a schedule did.
+#[derive(Debug, Clone, Default)]
+pub struct StageStep {
+    /// `Σ loss_t` of the micro-batches whose loss this rank computed (the last virtual stage;
+    /// 0 elsewhere).
+    pub loss_sum: f64,
+    /// Seconds of forwards (including the loss and the LM head's backward on the last stage).
+    pub forward_secs: f64,
+    /// Seconds of backwards (input and weight gradients).
+    pub backward_secs: f64,
+    /// Seconds spent waiting for receives and for sends to be taken.
+    pub wait_secs: f64,
+    /// Wall seconds of the whole list.
+    pub wall_secs: f64,
+    /// One event per compute action and per wait, when tracing.
+    pub events: Vec<TraceEvent>,
+}
+
+impl StageStep {
+    /// Seconds of compute (forwards and backwards).
+    pub fn busy_secs(&self) -> f64 {
+        self.forward_secs + self.backward_secs
+    }
+}
+
+/// Where this rank's trace events go: its global rank and the run's time origin.
+#[derive(Debug, Clone, Copy)]
+pub struct TraceClock {
+    /// The global rank (the trace's process id).
+    pub rank: usize,
+    /// Time zero of the trace.
+    pub origin: Instant,
+}
+
+/// What the executor needs of one model chunk: its forward, backward and deferred weight
+/// gradients for a micro-batch, and the shape of what travels. [`ModelChunk`] is the model's;
+/// a benchmark may stand in a chunk of known cost.
+pub trait StageWork {
+    /// What a forward keeps for its backward.
+    type Saved;
+    /// Forward of micro-batch `mb` from `input` (`None` on the first virtual stage): the output
+    /// for the next stage (`None` on the last) and the loss it computed (0 but on the last).
+    fn forward(&mut self, mb: usize, input: Option<Tensor>) -> Result<(Option<Tensor>, f64, Self::Saved)>;
+    /// Backward of `mb` from the next stage's gradient (`None` on the last stage), adding the
+    /// parameters' gradients (their weight part deferred when `defer_weights`); the input
+    /// gradient for the previous stage (`None` on the first).
+    fn backward(
+        &mut self,
+        mb: usize,
+        saved: Self::Saved,
+        dy: Option<Tensor>,
+        defer_weights: bool,
+    ) -> Result<Option<Tensor>>;
+    /// The oldest deferred weight gradients (one micro-batch's).
+    fn backward_weight(&mut self) -> Result<()>;
+    /// Shape and dtype of the hidden states entering this chunk for `mb` (its gradient is f32).
+    fn activation(&self, mb: usize) -> Result<(Vec<usize>, DType)>;
+}
+
+/// A model chunk driven by the executor: the model, the step's micro-batches, the loss weight.
+pub struct ModelChunk<'a> {
+    /// The chunk.
+    pub model: &'a mut ParallelCausalLm,
+    /// The step's micro-batches (the same list on every rank).
+    pub micro_batches: &'a [MicroBatch],
+    /// The weight of each token's loss in the gradients (`1/N` over the whole step).
+    pub loss_scale: f32,
+    /// What forwards keep.
+    pub recompute: Recompute,
+}
+
+impl StageWork for ModelChunk<'_> {
+    type Saved = StageSaved;
+    fn forward(&mut self, mb: usize, input: Option<Tensor>) -> Result<(Option<Tensor>, f64, StageSaved)> {
+        let f = self.model.stage_forward(&self.micro_batches[mb], input, self.loss_scale, self.recompute)?;
+        Ok((f.output, f.loss_sum, f.saved))
+    }
+    fn backward(&mut self, mb: usize, saved: StageSaved, dy: Option<Tensor>, defer: bool) -> Result<Option<Tensor>> {
+        let (model, mb) = (&mut *self.model, &self.micro_batches[mb]);
+        let (dx, _) = if defer {
+            tp_layers::defer_weight_grads(|| model.stage_backward(mb, saved, dy))?
+        } else {
+            model.stage_backward(mb, saved, dy)?
+        };
+        Ok(dx)
+    }
+    fn backward_weight(&mut self) -> Result<()> {
+        for p in self.model.params_mut()? {
+            p.grad.flush_one()?;
+        }
+        Ok(())
+    }
+    fn activation(&self, mb: usize) -> Result<(Vec<usize>, DType)> {
+        Ok((self.model.stage_activation_dims(&self.micro_batches[mb])?.to_vec(), self.model.dtype()))
+    }
+}
+
+/// One rank's part of a pipeline step.
+pub struct StageRunner<'a, W: StageWork> {
+    /// This rank's chunks, chunk `c` being virtual stage `c·p + s`.
+    pub chunks: &'a mut [W],
+    /// The pipeline group (rank `s` = stage `s`).
+    pub pp: &'a DeviceGroup,
+    /// The schedule every rank runs.
+    pub schedule: &'a Schedule,
+    /// Record trace events.
+    pub trace: Option<TraceClock>,
+}
+
+/// The key of a micro-batch on a chunk.
+type Key = (usize, usize);
+
+impl<W: StageWork> StageRunner<'_, W> {
+    /// Runs this rank's actions over the step's `micro_batches`.
+    ///
+    /// Errors: a schedule for another number of stages, micro-batches or chunks; model and
+    /// collective errors (a peer's failure arrives as the group's error).
+    pub fn run(&mut self, micro_batches: usize) -> Result<StageStep> {
+        let s = self.pp.rank();
+        let sched = self.schedule;
+        if sched.stages != self.pp.world_size()
+            || sched.micro_batches != micro_batches
+            || sched.virtual_stages != self.chunks.len()
+        {
+            return Err(TrainError::Model(format!(
+                "a schedule of {} stages x {} micro-batches x {} chunks does not fit {} pipeline ranks, {} \
+                 micro-batches and {} chunks on this rank",
+                sched.stages,
+                sched.micro_batches,
+                sched.virtual_stages,
+                self.pp.world_size(),
+                micro_batches,
+                self.chunks.len()
+            )));
+        }
+        let started = Instant::now();
+        let mut out = StageStep::default();
+        let mut inputs: HashMap<Key, Tensor> = HashMap::new();
+        let mut outputs: HashMap<Key, Tensor> = HashMap::new();
+        let mut saved: HashMap<Key, W::Saved> = HashMap::new();
+        let mut grads_in: HashMap<Key, Tensor> = HashMap::new();
+        let mut grads_out: HashMap<Key, Tensor> = HashMap::new();
+        let mut sends: Vec<(Key, Work)> = Vec::new();
+        let missing = |what: &str, (mb, chunk): Key| {
+            TrainError::Model(format!(
+                "pipeline stage {s}: {what} of micro-batch {mb}, chunk {chunk} is not there (the schedule is out of order)"
+            ))
+        };
+        for &action in sched.rank_actions(s) {
+            let t0 = Instant::now();
+            let (name, key) = match action {
+                Action::Forward { mb, chunk } => {
+                    let key = (mb, chunk);
+                    let input = inputs.remove(&key);
+                    let (output, loss_sum, kept) = self.chunks[chunk].forward(mb, input)?;
+                    out.loss_sum += loss_sum;
+                    if let Some(o) = output {
+                        outputs.insert(key, o);
+                    }
+                    saved.insert(key, kept);
+                    out.forward_secs += t0.elapsed().as_secs_f64();
+                    ("forward", Some(key))
+                }
+                Action::Backward { mb, chunk } | Action::BackwardInput { mb, chunk } => {
+                    let key = (mb, chunk);
+                    let kept = saved.remove(&key).ok_or_else(|| missing("the forward", key))?;
+                    let dy = grads_in.remove(&key);
+                    let defer = matches!(action, Action::BackwardInput { .. });
+                    if let Some(dx) = self.chunks[chunk].backward(mb, kept, dy, defer)? {
+                        grads_out.insert(key, dx);
+                    }
+                    out.backward_secs += t0.elapsed().as_secs_f64();
+                    let name = if matches!(action, Action::Backward { .. }) { "backward" } else { "backward-input" };
+                    (name, Some(key))
+                }
+                Action::BackwardWeight { mb, chunk } => {
+                    self.chunks[chunk].backward_weight()?;
+                    out.backward_secs += t0.elapsed().as_secs_f64();
+                    ("backward-weight", Some((mb, chunk)))
+                }
+                Action::SendActivation { mb, chunk, peer } => {
+                    let t = outputs.remove(&(mb, chunk)).ok_or_else(|| missing("the forward output", (mb, chunk)))?;
+                    sends.push(((mb, chunk), self.pp.send_async(&t, peer)?));
+                    continue;
+                }
+                Action::SendGrad { mb, chunk, peer } => {
+                    let t = grads_out.remove(&(mb, chunk)).ok_or_else(|| missing("the input gradient", (mb, chunk)))?;
+                    sends.push(((mb, chunk), self.pp.send_async(&t, peer)?));
+                    continue;
+                }
+                Action::RecvActivation { mb, chunk, peer } => {
+                    let (dims, dtype) = self.chunks[chunk].activation(mb)?;
+                    let t = self.pp.recv(&dims, dtype, peer)?;
+                    inputs.insert((mb, chunk), t);
+                    out.wait_secs += t0.elapsed().as_secs_f64();
+                    ("recv-wait", Some((mb, chunk)))
+                }
+                Action::RecvGrad { mb, chunk, peer } => {
+                    let (dims, _) = self.chunks[chunk].activation(mb)?;
+                    let t = self.pp.recv(&dims, DType::F32, peer)?;
+                    grads_in.insert((mb, chunk), t);
+                    out.wait_secs += t0.elapsed().as_secs_f64();
+                    ("recv-wait", Some((mb, chunk)))
+                }
+                Action::OptimizerStep => {
+                    // The sends of this step complete before the update touches any weight.
+                    let t0 = Instant::now();
+                    for (key, w) in sends.drain(..) {
+                        w.wait()?;
+                        self.record(&mut out.events, "send-wait", Some(key), t0, t0.elapsed().as_secs_f64());
+                    }
+                    out.wait_secs += t0.elapsed().as_secs_f64();
+                    continue;
+                }
+            };
+            self.record(&mut out.events, name, key, t0, t0.elapsed().as_secs_f64());
+        }
+        for (_, w) in sends {
+            w.wait()?;
+        }
+        if let Some(key) = saved.keys().next().copied() {
+            return Err(missing("the backward", key));
+        }
+        out.wall_secs = started.elapsed().as_secs_f64();
+        Ok(out)
+    }
+
+    fn record(&self, events: &mut Vec<TraceEvent>, name: &str, key: Option<Key>, start: Instant, secs: f64) {
+        let Some(clock) = self.trace else { return };
+        events.push(TraceEvent {
+            rank: clock.rank,
+            stage: self.pp.rank(),
+            name: name.to_string(),
+            mb: key.map(|k| k.0),
+            chunk: key.map(|k| k.1),
+            start_us: start.duration_since(clock.origin).as_secs_f64() * 1e6,
+            dur_us: secs * 1e6,
+        });
+    }
+}
