@@ -58,7 +58,7 @@ mod work;
 
 pub use communicator::{Communicator, ReduceOp};
 pub use deadline::{DEADLINE_SLACK, Deadline, MAX_TIMEOUT};
-pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv, MAX_TIMEOUT_SECS, MAX_WORLD_SIZE};
+pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv, Launcher, MAX_TIMEOUT_SECS, MAX_WORLD_SIZE, first_host};
 pub use error::{CommError, Result};
 pub use group::DeviceGroup;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup};
