@@ -71,6 +71,8 @@ fn generate() -> Result<String> {
         "ncclBroadcast",
         "ncclGroupStart",
         "ncclGroupEnd",
+        "ncclSend",
+        "ncclRecv",
     ];
     let mut b = bindgen::Builder::default()
         .header(header.to_string_lossy())

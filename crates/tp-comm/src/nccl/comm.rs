@@ -12,6 +12,8 @@
 //! nothing can touch an aborted one. Output buffers are allocated here at exactly the size NCCL
 //! writes, and the device buffers' stream-order guards are held until the call has enqueued.
 
+mod p2p;
+
 use super::Nccl;
 use super::state::{Handle, Pending, Shared, abort_handle, lock};
 use super::sys::{self, ncclDataType_t, ncclRedOp_t, ncclResult_t};
@@ -454,6 +456,16 @@ impl Drop for NcclComm {
 impl Communicator for NcclComm {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// `ncclSend` of a header and the payload in one group ([`p2p`]).
+    fn send_async(&self, x: &Tensor, dst: usize) -> Result<Work> {
+        self.send_enqueue(x, dst)
+    }
+
+    /// `ncclRecv` of the header, checked on the host, then of the payload ([`p2p`]).
+    fn recv_async(&self, dims: &[usize], dtype: DType, src: usize) -> Result<Work> {
+        self.recv_enqueue(dims, dtype, src)
     }
 
     fn world_size(&self) -> usize {

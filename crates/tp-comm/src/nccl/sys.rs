@@ -276,6 +276,22 @@ pub struct NcclLib {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) -> ncclResult_t::Type,
+    pub ncclSend: unsafe extern "C" fn(
+        sendbuff: *const ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t::Type,
+        peer: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t::Type,
+    pub ncclRecv: unsafe extern "C" fn(
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t::Type,
+        peer: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t::Type,
     pub ncclGroupStart: unsafe extern "C" fn() -> ncclResult_t::Type,
     pub ncclGroupEnd: unsafe extern "C" fn() -> ncclResult_t::Type,
 }
@@ -313,6 +329,8 @@ impl NcclLib {
         let ncclAllReduce = __library.get(b"ncclAllReduce\0").map(|sym| *sym)?;
         let ncclReduceScatter = __library.get(b"ncclReduceScatter\0").map(|sym| *sym)?;
         let ncclAllGather = __library.get(b"ncclAllGather\0").map(|sym| *sym)?;
+        let ncclSend = __library.get(b"ncclSend\0").map(|sym| *sym)?;
+        let ncclRecv = __library.get(b"ncclRecv\0").map(|sym| *sym)?;
         let ncclGroupStart = __library.get(b"ncclGroupStart\0").map(|sym| *sym)?;
         let ncclGroupEnd = __library.get(b"ncclGroupEnd\0").map(|sym| *sym)?;
         Ok(NcclLib {
@@ -333,6 +351,8 @@ impl NcclLib {
             ncclAllReduce,
             ncclReduceScatter,
             ncclAllGather,
+            ncclSend,
+            ncclRecv,
             ncclGroupStart,
             ncclGroupEnd,
         })
@@ -463,6 +483,28 @@ impl NcclLib {
         stream: cudaStream_t,
     ) -> ncclResult_t::Type {
         (self.ncclAllGather)(sendbuff, recvbuff, sendcount, datatype, comm, stream)
+    }
+    pub unsafe fn ncclSend(
+        &self,
+        sendbuff: *const ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t::Type,
+        peer: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t::Type {
+        (self.ncclSend)(sendbuff, count, datatype, peer, comm, stream)
+    }
+    pub unsafe fn ncclRecv(
+        &self,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t::Type,
+        peer: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t::Type {
+        (self.ncclRecv)(recvbuff, count, datatype, peer, comm, stream)
     }
     pub unsafe fn ncclGroupStart(&self) -> ncclResult_t::Type {
         (self.ncclGroupStart)()
