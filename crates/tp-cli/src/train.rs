@@ -195,12 +195,6 @@ fn check(a: &TrainArgs) -> Result<(), CliError> {
             a.pp_schedule.name()
         )));
     }
-    if a.pipeline_parallel_size > 1 && (a.save.is_some() || a.dump_grads.is_some() || a.resume.is_some()) {
-        return Err(bad(
-            "--save, --dump-grads and --resume are not supported with --pipeline-parallel-size > 1 yet (checkpoints \
-             are written from one tensor-parallel group holding the whole model)",
-        ));
-    }
     if a.seq_len == Some(0) || a.steps == Some(0) || a.save_every == Some(0) {
         return Err(bad("--seq-len, --steps and --save-every must be at least 1"));
     }
@@ -386,7 +380,7 @@ impl RankJob<'_> {
             .map_err(|e| e.to_string())?;
         let mut trainer = Trainer::new(config_t).map_err(|e| e.to_string())?;
         if self.resume {
-            tp_train::checkpoint::resume(self.dir, &mut chunks[0], &mut trainer).map_err(|e| e.to_string())?;
+            tp_train::checkpoint::resume_stages(self.dir, &mut chunks, &mut trainer).map_err(|e| e.to_string())?;
         }
         let rank = mesh.rank();
         // Every rank has loaded before the clock starts.

@@ -431,7 +431,6 @@ fn bad_pipeline_flags_are_refused_before_anything_runs() {
         (vec!["-pp", "2", "--pp-schedule", "zero"], "zero"),
         (vec!["-pp", "2", "--pp-layer-partition", "1,2"], "sums to 3"),
         (vec!["-pp", "2", "--pp-layer-partition", "1,x"], "\"x\""),
-        (vec!["-pp", "2", "--save", "/tmp/never-written-tp"], "not supported with --pipeline-parallel-size"),
     ] {
         let mut all = vec!["--data", data.as_str(), "--steps", "1", "--seq-len", "16"];
         all.extend(&args);
@@ -440,5 +439,53 @@ fn bad_pipeline_flags_are_refused_before_anything_runs() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(want), "{args:?}: {stderr}");
     }
-    assert!(!std::path::Path::new("/tmp/never-written-tp").exists());
+}
+
+#[test]
+fn pipeline_checkpoints_resume_at_any_layout_and_dump_the_same_gradients() {
+    let case = fixture("llama_tied_biases");
+    let dir = scratch("pp-ckpt");
+    let base = hyper_flags(&case.join("data.jsonl"));
+    let run = |extra: &[&str], log: &Path| {
+        let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+        let log = log.display().to_string();
+        args.extend(["--log-json", &log]);
+        args.extend(extra);
+        ok(&tp_train(&case, &args));
+    };
+    let save = dir.join("ckpt").display().to_string();
+    let grads_pp = dir.join("grads-pp.safetensors").display().to_string();
+    let grads_one = dir.join("grads-one.safetensors").display().to_string();
+    run(
+        &["-pp", "2", "-tp", "2", "--save", &save, "--save-every", "1", "--dump-grads", &grads_pp],
+        &dir.join("full.jsonl"),
+    );
+    run(&["--dump-grads", &grads_one], &dir.join("one.jsonl"));
+    // The dump holds the whole model (the tied table once) and equals the one-rank dump.
+    let (a, b) = (tensors(Path::new(&grads_pp)), tensors(Path::new(&grads_one)));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (name, w) in &b {
+        let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let e = a[name].iter().zip(w).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max);
+        assert!(e <= 2e-5 * scale + 1e-9, "{name}: {e:e} of {scale:e}");
+    }
+    // A pipeline checkpoint is one HF folder; it resumes at another layout with the same log.
+    let step1 = dir.join("ckpt/step-1").display().to_string();
+    for (name, layout) in [("pp2", vec!["-pp", "2"]), ("tp3", vec!["-tp", "3"])] {
+        let log = dir.join(format!("resumed-{name}.jsonl"));
+        let mut extra = layout.clone();
+        extra.extend(["--resume", step1.as_str()]);
+        run(&extra, &log);
+        let (full, resumed) = (log_lines(&dir.join("full.jsonl")), log_lines(&log));
+        assert_eq!(resumed.len(), 2, "{name}");
+        for (a, b) in resumed.iter().zip(&full[1..]) {
+            for k in ["loss", "grad_norm"] {
+                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+                assert!((x - y).abs() <= 1e-5 * y.abs(), "{name} {k}: {x} vs {y}");
+            }
+        }
+    }
+    let group = tp_comm::DeviceGroup::local(1, std::time::Duration::from_secs(60), |_| tp_core::Device::Cpu).unwrap();
+    tp_models::ParallelCausalLm::load(dir.join("ckpt"), &group[0], &tp_models::ModelOptions::new())
+        .expect("tp loads the pipeline's checkpoint");
 }

@@ -85,36 +85,108 @@ pub struct SaveInfo<'a> {
 
 /// Writes a checkpoint of `model` and `trainer` into `dir` (collective: every rank calls it).
 pub fn save(dir: &Path, model: &mut ParallelCausalLm, trainer: &Trainer, info: &SaveInfo<'_>) -> Result<()> {
-    let group = model.group().clone();
-    let (weights, optimizer) = gather(model, trainer, &group)?;
-    let written = if group.rank() == 0 { write(dir, &weights, &optimizer, trainer.steps_done(), info) } else { Ok(()) };
-    // Every rank learns whether rank 0's write worked.
-    let failed = f32::from(u8::from(written.is_err()));
-    let t = Tensor::from_vec(vec![failed], &[1], &Device::Cpu)?.to_device(&group.device())?;
-    let any = group.all_reduce(&t, ReduceOp::Max)?.to_f64_vec()?[0];
+    let single = crate::trainer::single_groups(model.group())?;
+    save_stages(dir, std::slice::from_mut(model), &single, trainer, info)
+}
+
+/// [`save`] of a pipeline: every rank of every stage calls it with its chunks and its pipeline
+/// group (one data-parallel replica's ranks; the replicas hold the same weights). Each stage
+/// gathers its tensors over its tensor-parallel group; the stages send theirs to stage 0, whose
+/// first tensor-parallel rank writes one checkpoint of the whole model, as [`save`] does.
+pub fn save_stages(
+    dir: &Path,
+    chunks: &mut [ParallelCausalLm],
+    pp: &DeviceGroup,
+    trainer: &Trainer,
+    info: &SaveInfo<'_>,
+) -> Result<()> {
+    let Some(tp) = chunks.first().map(|c| c.group().clone()) else {
+        return Err(err(dir, "no model chunk on this rank"));
+    };
+    let (weights, optimizer) = gather(chunks, trainer, &tp)?;
+    let (mut weights, optimizer) = (merge_stages(weights, pp, &tp)?, merge_stages(optimizer, pp, &tp)?);
+    let writer = pp.rank() == 0 && tp.rank() == 0;
+    let written = if writer {
+        for t in weights.values_mut() {
+            *t = t.to_dtype(info.dtype)?;
+        }
+        write(dir, &weights, &optimizer, trainer.steps_done(), info)
+    } else {
+        Ok(())
+    };
+    // Every rank learns whether the write worked.
+    let mut failed = f32::from(u8::from(written.is_err()));
+    for g in [pp, &tp] {
+        if g.world_size() > 1 {
+            let t = Tensor::from_vec(vec![failed], &[1], &Device::Cpu)?.to_device(&g.device())?;
+            failed = g.all_reduce(&t, ReduceOp::Max)?.to_f64_vec()?[0] as f32;
+        }
+    }
     written?;
-    if any > 0.0 {
+    if failed > 0.0 {
         return Err(err(dir, "rank 0 could not write the checkpoint"));
     }
     Ok(())
 }
 
-/// The full weights (in the training dtype) and the optimizer's full tensors.
+/// Every stage's tensors on stage 0 (the others return theirs unchanged): each stage's first
+/// tensor-parallel rank sends its names and shapes (as bytes), then its tensors, f32, to stage 0.
+pub(crate) fn merge_stages(
+    mine: BTreeMap<String, Tensor>,
+    pp: &DeviceGroup,
+    tp: &DeviceGroup,
+) -> Result<BTreeMap<String, Tensor>> {
+    if pp.world_size() == 1 || tp.rank() != 0 {
+        return Ok(mine);
+    }
+    let bytes_tensor = |b: &[u8]| Tensor::from_vec(b.iter().map(|&x| i64::from(x)).collect(), &[b.len()], &Device::Cpu);
+    if pp.rank() != 0 {
+        let index: Vec<(&String, Vec<usize>)> = mine.iter().map(|(n, t)| (n, t.dims().to_vec())).collect();
+        let text = serde_json::to_vec(&index).map_err(|e| TrainError::Model(e.to_string()))?;
+        pp.send(&Tensor::from_vec(vec![text.len() as i64], &[1], &Device::Cpu)?.to_device(&pp.device())?, 0)?;
+        pp.send(&bytes_tensor(&text)?.to_device(&pp.device())?, 0)?;
+        for t in mine.values() {
+            pp.send(&t.to_dtype(DType::F32)?.to_device(&pp.device())?, 0)?;
+        }
+        return Ok(mine);
+    }
+    let mut all = mine;
+    for s in 1..pp.world_size() {
+        let len = pp.recv(&[1], DType::I64, s)?.to_i64_vec()?[0];
+        let len = usize::try_from(len).map_err(|_| TrainError::Model(format!("stage {s} sent a bad index length")))?;
+        let text: Vec<u8> = pp.recv(&[len], DType::I64, s)?.to_i64_vec()?.into_iter().map(|b| b as u8).collect();
+        let index: Vec<(String, Vec<usize>)> =
+            serde_json::from_slice(&text).map_err(|e| TrainError::Model(format!("stage {s}'s index: {e}")))?;
+        for (name, dims) in index {
+            let t = pp.recv(&dims, DType::F32, s)?.to_device(&Device::Cpu)?;
+            all.insert(name, t);
+        }
+    }
+    Ok(all)
+}
+
+/// The full weights (f32) and the optimizer's full tensors of this rank's chunks, gathered over
+/// `group`; a last stage's copy of a tied table is left out (the first stage's is the one).
 fn gather(
-    model: &mut ParallelCausalLm,
+    chunks: &mut [ParallelCausalLm],
     trainer: &Trainer,
     group: &DeviceGroup,
 ) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, Tensor>)> {
-    let params = model.params_mut()?;
-    let values: Vec<_> =
-        params.iter().map(|p| (p.placements.as_slice(), p.value.dims(), Some(p.value.clone()))).collect();
-    let mut weights = gather_blocks(&values, group)?;
-    for t in weights.values_mut() {
-        *t = t.to_dtype(params.first().map_or(DType::F32, |p| p.value.dtype()))?;
-    }
+    let mut weights = BTreeMap::new();
     let mut optimizer = BTreeMap::new();
-    let states = trainer.states();
-    if !states.is_empty() {
+    let mut states = trainer.states();
+    for c in chunks.iter_mut() {
+        let copy = c.holds_tied_copy();
+        let params = c.params_mut()?;
+        let (mine, rest) = states.split_at(params.len().min(states.len()));
+        states = rest;
+        let keep = |name: &str| !(copy && name == "model.embed_tokens.weight");
+        let values: Vec<_> =
+            params.iter().map(|p| (p.placements.as_slice(), p.value.dims(), Some(p.value.clone()))).collect();
+        weights.extend(gather_blocks(&values, group)?.into_iter().filter(|(n, _)| keep(n)));
+        if mine.is_empty() {
+            continue;
+        }
         let local = |p: &tp_layers::Param<'_>, v: &[f32]| Tensor::from_slice(v, p.value.dims(), &Device::Cpu);
         for (kind, pick) in [
             ("exp_avg", (|s: &ParamState| Some(s.adam.m.as_slice())) as fn(&ParamState) -> Option<&[f32]>),
@@ -123,14 +195,16 @@ fn gather(
         ] {
             let items = params
                 .iter()
-                .zip(states)
+                .zip(mine)
                 .map(|(p, s)| Ok((p.placements.as_slice(), p.value.dims(), pick(s).map(|v| local(p, v)).transpose()?)))
                 .collect::<Result<Vec<_>>>()?;
             if items.iter().all(|i| i.2.is_none()) {
                 continue;
             }
             for (name, t) in gather_blocks(&items, group)? {
-                optimizer.insert(format!("{kind}/{name}"), t);
+                if keep(&name) {
+                    optimizer.insert(format!("{kind}/{name}"), t);
+                }
             }
         }
     }
@@ -269,37 +343,46 @@ pub fn read_state(ckpt: &Path) -> Result<Resumed> {
 /// Restores `trainer`'s optimizer state from `ckpt` into this rank's shards of `model` (which
 /// was loaded from `ckpt`), at any TP degree.
 pub fn resume(ckpt: &Path, model: &mut ParallelCausalLm, trainer: &mut Trainer) -> Result<Resumed> {
+    resume_stages(ckpt, std::slice::from_mut(model), trainer)
+}
+
+/// [`resume`] into this rank's pipeline chunks (loaded from `ckpt` with
+/// [`ParallelCausalLm::load_part`]), at any TP and pipeline layout: the optimizer's tensors are
+/// full and named, so each rank reads its blocks of its own parameters.
+pub fn resume_stages(ckpt: &Path, chunks: &mut [ParallelCausalLm], trainer: &mut Trainer) -> Result<Resumed> {
     let state = read_state(ckpt)?;
     let path = ckpt.join(OPTIMIZER_FILE);
     let full = if state.step == 0 { BTreeMap::new() } else { read_tensors(&path)? };
     let mut states = Vec::new();
     if state.step > 0 {
-        for p in model.params_mut()? {
-            let dims = p.value.dims().to_vec();
-            let pick = |kind: &str| -> Result<Option<Vec<f32>>> {
-                let named: BTreeMap<String, Tensor> = p
-                    .placements
-                    .iter()
-                    .filter_map(|pl| full.get(&format!("{kind}/{}", pl.name)).map(|t| (pl.name.clone(), t.clone())))
-                    .collect();
-                if named.is_empty() {
-                    return Ok(None);
-                }
-                Ok(Some(local_from_full(&p.placements, &dims, &named)?.to_vec::<f32>()?))
-            };
-            let (m, v) = (pick("exp_avg")?, pick("exp_avg_sq")?);
-            let (Some(m), Some(v)) = (m, v) else {
-                let name = p.placements.first().map_or("?", |pl| pl.name.as_str());
-                return Err(err(&path, format!("no optimizer state for {name}")));
-            };
-            let master = match p.value.dtype() {
-                DType::F32 => None,
-                _ => Some(
-                    pick("master")?
-                        .ok_or_else(|| err(&path, "a bf16 run's checkpoint needs its fp32 master weights"))?,
-                ),
-            };
-            states.push(ParamState { master, adam: crate::optim::AdamState { m, v } });
+        for c in chunks.iter_mut() {
+            for p in c.params_mut()? {
+                let dims = p.value.dims().to_vec();
+                let pick = |kind: &str| -> Result<Option<Vec<f32>>> {
+                    let named: BTreeMap<String, Tensor> = p
+                        .placements
+                        .iter()
+                        .filter_map(|pl| full.get(&format!("{kind}/{}", pl.name)).map(|t| (pl.name.clone(), t.clone())))
+                        .collect();
+                    if named.is_empty() {
+                        return Ok(None);
+                    }
+                    Ok(Some(local_from_full(&p.placements, &dims, &named)?.to_vec::<f32>()?))
+                };
+                let (m, v) = (pick("exp_avg")?, pick("exp_avg_sq")?);
+                let (Some(m), Some(v)) = (m, v) else {
+                    let name = p.placements.first().map_or("?", |pl| pl.name.as_str());
+                    return Err(err(&path, format!("no optimizer state for {name}")));
+                };
+                let master = match p.value.dtype() {
+                    DType::F32 => None,
+                    _ => Some(
+                        pick("master")?
+                            .ok_or_else(|| err(&path, "a bf16 run's checkpoint needs its fp32 master weights"))?,
+                    ),
+                };
+                states.push(ParamState { master, adam: crate::optim::AdamState { m, v } });
+            }
         }
     }
     trainer.restore(state.step, states);

@@ -51,11 +51,10 @@ pub fn run(
 /// [`run`] on a rank of a pipeline and data-parallel mesh: `chunks` are this rank's model
 /// chunks (see [`Trainer::accumulate_stages`]); each step takes the next `D × B × K` rows
 /// (`D` the data-parallel replicas), every rank reading the same rows. Checkpoints and the
-/// gradient dump need the whole model on one tensor-parallel group: with a pipeline they are
-/// refused before the first step; data-parallel replicas hold the same weights, and replica 0
-/// writes them.
+/// gradient dump hold the whole model: every stage sends its tensors to stage 0, which writes
+/// them; data-parallel replicas hold the same weights, and replica 0 writes them.
 ///
-/// Errors: as [`run`]; `save` or `dump_grads` with more than one pipeline stage.
+/// Errors: as [`run`].
 pub fn run_stages(
     chunks: &mut [ParallelCausalLm],
     groups: &StepGroups<'_>,
@@ -64,13 +63,6 @@ pub fn run_stages(
     opts: &RunOptions,
     on_step: &mut dyn FnMut(&StepLog, &[TraceEvent]),
 ) -> Result<()> {
-    if groups.pp.world_size() > 1 && (opts.save.is_some() || opts.dump_grads.is_some()) {
-        return Err(TrainError::Model(
-            "checkpoints and gradient dumps of a pipeline-parallel run are not written yet; run without --save / \
-             --dump-grads, or with --pipeline-parallel-size 1"
-                .into(),
-        ));
-    }
     let writer = groups.dp.rank() == 0;
     let Some(dtype) = chunks.first().map(ParallelCausalLm::dtype) else {
         return Err(TrainError::Model("no model chunk on this rank".into()));
@@ -83,7 +75,7 @@ pub fn run_stages(
             && writer
             && let Some(path) = &opts.dump_grads
         {
-            dump_grads(&mut chunks[0], path)?;
+            dump_grads(chunks, groups.pp, path)?;
         }
         let started = std::time::Instant::now();
         let lr = trainer.apply_stages(chunks, acc.grad_norm)?;
@@ -95,19 +87,20 @@ pub fn run_stages(
             && step < opts.steps
             && writer
         {
-            save(&mut chunks[0], trainer, data, opts, dtype, &dir.join(format!("step-{step}")))?;
+            save(chunks, groups.pp, trainer, data, opts, dtype, &dir.join(format!("step-{step}")))?;
         }
     }
     if let Some(dir) = &opts.save
         && writer
     {
-        save(&mut chunks[0], trainer, data, opts, dtype, dir)?;
+        save(chunks, groups.pp, trainer, data, opts, dtype, dir)?;
     }
     Ok(())
 }
 
 fn save(
-    model: &mut ParallelCausalLm,
+    chunks: &mut [ParallelCausalLm],
+    pp: &tp_comm::DeviceGroup,
     trainer: &Trainer,
     data: &Dataset,
     opts: &RunOptions,
@@ -115,15 +108,23 @@ fn save(
     dir: &Path,
 ) -> Result<()> {
     let info = SaveInfo { source: &opts.source, dtype, data_position: data.position() };
-    checkpoint::save(dir, model, trainer, &info)
+    checkpoint::save_stages(dir, chunks, pp, trainer, &info)
 }
 
-/// Rank 0 writes every parameter's full gradient (f32, checkpoint names) to `path`.
-fn dump_grads(model: &mut ParallelCausalLm, path: &Path) -> Result<()> {
-    let group = model.group().clone();
-    let params = model.params_mut()?;
-    let grads = gather_full(&params, Gather::Grads, &group)?;
-    if group.rank() == 0 {
+/// The first rank writes every parameter's full gradient (f32, checkpoint names; a tied table
+/// once) to `path`: each stage gathers its own over its tensor-parallel group and sends them
+/// to stage 0.
+fn dump_grads(chunks: &mut [ParallelCausalLm], pp: &tp_comm::DeviceGroup, path: &Path) -> Result<()> {
+    let Some(tp) = chunks.first().map(|c| c.group().clone()) else { return Ok(()) };
+    let mut grads = std::collections::BTreeMap::new();
+    for c in chunks.iter_mut() {
+        let copy = c.holds_tied_copy();
+        let params = c.params_mut()?;
+        let full = gather_full(&params, Gather::Grads, &tp)?;
+        grads.extend(full.into_iter().filter(|(n, _)| !(copy && n == "model.embed_tokens.weight")));
+    }
+    let grads = checkpoint::merge_stages(grads, pp, &tp)?;
+    if tp.rank() == 0 && pp.rank() == 0 {
         let named: Vec<(&str, &tp_core::Tensor)> = grads.iter().map(|(n, t)| (n.as_str(), t)).collect();
         tp_layers::save(path, &named)
             .map_err(|e| TrainError::Checkpoint { path: path.display().to_string(), why: e.to_string() })?;
