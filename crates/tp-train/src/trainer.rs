@@ -152,6 +152,9 @@ pub struct Accumulated {
     pub bubble: f64,
     /// With tracing, this rank's events of the step.
     pub events: Vec<TraceEvent>,
+    /// Parameters of this rank whose data-parallel sum was issued during the backward
+    /// (overlapping it), not after it.
+    pub overlapped_params: usize,
 }
 
 impl Trainer {
@@ -310,12 +313,10 @@ impl Trainer {
         let schedule = self.pipeline.as_ref().expect("built above");
         let scale = (1.0 / targets as f64) as f32;
         let recompute = self.config.recompute;
-        let mut work: Vec<ModelChunk<'_>> = chunks
-            .iter_mut()
-            .map(|model| ModelChunk { model, micro_batches: &micro, loss_scale: scale, recompute })
-            .collect();
+        let mut work: Vec<ModelChunk<'_>> =
+            chunks.iter_mut().map(|model| ModelChunk::new(model, &micro, scale, recompute, Some(groups.dp))).collect();
         let ran = StageRunner { chunks: &mut work, pp: groups.pp, schedule, trace: groups.trace }.run(micro.len())?;
-        drop(work);
+        let summed = work.into_iter().map(ModelChunk::finish).collect::<Result<Vec<_>>>()?;
 
         let sync_started = std::time::Instant::now();
         let loss_sum = step_loss_sum(ran.loss_sum, groups)?;
@@ -325,10 +326,10 @@ impl Trainer {
         }
         sync_tied_copies(chunks, groups.pp)?;
         let mut local = 0f64;
-        for c in chunks.iter_mut() {
+        for (c, summed) in chunks.iter_mut().zip(&summed) {
             let mut params = c.params_mut()?;
             sync_partial_grads(&mut params, &tp)?;
-            all_reduce_grads(&mut params, groups.dp)?;
+            all_reduce_grads(&mut params, groups.dp, summed)?;
             local += owned_sum_squares(&params)?;
         }
         // f32 is enough for a norm (torch reduces the per-tensor norms in the grads' dtype).
@@ -349,6 +350,7 @@ impl Trainer {
             sync_secs,
             bubble,
             events: ran.events,
+            overlapped_params: summed.iter().map(|s| s.len()).sum(),
         })
     }
 
@@ -514,13 +516,19 @@ fn sync_tied_copies(chunks: &mut [ParallelCausalLm], pp: &DeviceGroup) -> Result
     Ok(())
 }
 
-/// Sums every parameter's gradient over the data-parallel group, all issued before any is
-/// waited for (a parameter without a gradient counts as zeros, so every replica makes the same
-/// calls).
-fn all_reduce_grads(params: &mut [Param<'_>], dp: &DeviceGroup) -> Result<()> {
+/// Sums over the data-parallel group the gradients the executor did not sum already (`done`:
+/// the blocks'; here the embedding, final norm and LM head), all issued before any is waited
+/// for (a parameter without a gradient counts as zeros, so every replica makes the same calls).
+fn all_reduce_grads(
+    params: &mut [Param<'_>],
+    dp: &DeviceGroup,
+    done: &std::collections::HashSet<String>,
+) -> Result<()> {
     if dp.world_size() == 1 {
         return Ok(());
     }
+    let key = |p: &Param<'_>| p.placements.iter().map(|pl| pl.name.as_str()).collect::<Vec<_>>().join("+");
+    let mut params: Vec<&mut Param<'_>> = params.iter_mut().filter(|p| !done.contains(&key(p))).collect();
     let mut works = Vec::with_capacity(params.len());
     for p in params.iter() {
         let g = match p.grad.get() {

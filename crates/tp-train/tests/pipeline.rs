@@ -69,6 +69,8 @@ struct Run {
     weights: BTreeMap<String, Vec<f32>>,
     /// The mean measured bubble over the steps.
     bubble: f64,
+    /// Rank 0's parameters whose data-parallel sum overlapped the backward, in step 1.
+    overlapped: usize,
 }
 
 struct Setup<'a> {
@@ -109,12 +111,14 @@ impl Setup<'_> {
         let grads = Mutex::new(BTreeMap::new());
         let weights = Mutex::new(BTreeMap::new());
         let logs = Mutex::new(Vec::new());
+        let overlapped = Mutex::new(0usize);
         let per_step = 2 * self.grad_accum * dp;
         let errors: Vec<String> = std::thread::scope(|s| {
             let handles: Vec<_> = meshes
                 .into_iter()
                 .map(|mesh| {
-                    let (config, parts, grads, weights, logs) = (&config, &parts, &grads, &weights, &logs);
+                    let (config, parts, grads, weights, logs, overlapped) =
+                        (&config, &parts, &grads, &weights, &logs, &overlapped);
                     s.spawn(move || -> Result<(), String> {
                         let out = (|| -> Result<(), String> {
                             let e = |e: &dyn std::fmt::Display| e.to_string();
@@ -140,6 +144,9 @@ impl Setup<'_> {
                                     trainer.accumulate_stages(&mut chunks, &groups, step_rows).map_err(|x| e(&x))?;
                                 if step == 0 {
                                     collect(&mut chunks, Gather::Grads, writer, grads)?;
+                                    if mesh.rank() == 0 {
+                                        *overlapped.lock().unwrap() = acc.overlapped_params;
+                                    }
                                 }
                                 trainer.apply_stages(&mut chunks, acc.grad_norm).map_err(|x| e(&x))?;
                                 if mesh.rank() == 0 {
@@ -171,6 +178,7 @@ impl Setup<'_> {
             grads: grads.into_inner().unwrap(),
             weights: weights.into_inner().unwrap(),
             bubble,
+            overlapped: overlapped.into_inner().unwrap(),
         })
     }
 }
@@ -273,6 +281,16 @@ fn every_mesh_of_dp_1_2_pp_1_to_4_tp_1_to_3_matches_one_rank() {
                 for tp in [1, 2, 3] {
                     let got = setup(&dir, (dp, pp, tp), ScheduleKind::OneFOneB, 8 / dp, 2).run(&data).unwrap();
                     assert_same_run(&format!("tied {tied} dp {dp} pp {pp} tp {tp}"), &got, &base);
+                    // Rank 0's blocks (6 parameters each: fused QKV, o, fused gate/up, down, two
+                    // norms) are summed over the replicas while the backward still runs.
+                    let blocks = stage_parts(5, pp, None).unwrap()[0].layers.len();
+                    let want = if dp == 1 { 0 } else { 6 * blocks };
+                    assert_eq!(got.overlapped, want, "dp {dp} pp {pp} tp {tp}: parameters summed during the backward");
+                    if dp == 2 && tp == 2 && pp > 1 {
+                        let zb = setup(&dir, (dp, pp, tp), ScheduleKind::ZeroBubbleH1, 4, 2).run(&data).unwrap();
+                        assert_same_run(&format!("zb-h1 tied {tied} dp {dp} pp {pp}"), &zb, &base);
+                        assert_eq!(zb.overlapped, want, "zb-h1 pp {pp}: summed after the last weight gradients");
+                    }
                 }
             }
         }

@@ -235,7 +235,23 @@ impl ParallelCausalLm {
         saved: StageSaved,
         dy: Option<Tensor>,
     ) -> Result<(Option<Tensor>, f64)> {
+        self.stage_backward_with(mb, saved, dy, None)
+    }
+
+    /// [`stage_backward`](Self::stage_backward), calling `after_block` with each block's
+    /// parameters as soon as that block's backward is done (last block first): how a
+    /// data-parallel step starts summing a block's gradients while the blocks before it still
+    /// run their backward.
+    pub fn stage_backward_with(
+        &mut self,
+        mb: &MicroBatch,
+        saved: StageSaved,
+        dy: Option<Tensor>,
+        mut after_block: Option<&mut dyn FnMut(&mut [Param<'_>]) -> Result<()>>,
+    ) -> Result<(Option<Tensor>, f64)> {
         let started = std::time::Instant::now();
+        let names = self.config.architecture.spec().names;
+        let (sp, first) = (self.sequence_parallel, self.part.layers.start);
         let batch = &mb.batch;
         let mut dx = match (&mut self.head, saved.last, saved.dh, dy) {
             (Some((norm, _)), Some(last), Some(dh), None) => norm.backward(&last, &dh)?,
@@ -243,12 +259,17 @@ impl ParallelCausalLm {
             (Some(_), ..) => return Err(self.stage_input_error("the last stage's gradient comes from its loss")),
             _ => return Err(self.stage_input_error("this stage's backward needs the next stage's gradient")),
         };
-        for (layer, (input, s)) in self.layers.iter_mut().zip(saved.blocks).rev() {
+        for (i, (layer, (input, s))) in self.layers.iter_mut().zip(saved.blocks).enumerate().rev() {
             let s = match s {
                 Some(s) => s,
                 None => layer.forward_train(&input, batch)?.1,
             };
             dx = layer.backward(s, &dx)?;
+            if let Some(hook) = after_block.as_mut() {
+                let mut params = Vec::new();
+                layer.params(&format!("model.layers.{}", first + i), &names, sp, &mut |p| params.push(p))?;
+                hook(&mut params)?;
+            }
         }
         let dx = match &mut self.embed {
             Some(embed) => {

@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 use tp_comm::{DeviceGroup, Work};
 use tp_core::{DType, Tensor};
+use tp_layers::Param;
 use tp_models::{MicroBatch, ParallelCausalLm, Recompute, StageSaved};
 
 /// What one rank's run of a schedule did.
@@ -82,7 +83,11 @@ pub trait StageWork {
     fn activation(&self, mb: usize) -> Result<(Vec<usize>, DType)>;
 }
 
-/// A model chunk driven by the executor: the model, the step's micro-batches, the loss weight.
+/// A model chunk driven by the executor: the model, the step's micro-batches, the loss weight,
+/// and the data-parallel group over which its blocks' gradients are summed as soon as they are
+/// final (the last micro-batch's backward of each block, or its last weight gradient), one
+/// asynchronous all-reduce per block (a bucket of its parameters), overlapping the backward of
+/// the blocks before it.
 pub struct ModelChunk<'a> {
     /// The chunk.
     pub model: &'a mut ParallelCausalLm,
@@ -92,6 +97,87 @@ pub struct ModelChunk<'a> {
     pub loss_scale: f32,
     /// What forwards keep.
     pub recompute: Recompute,
+    /// Sum the blocks' gradients over this group as backward produces them.
+    pub dp: Option<&'a DeviceGroup>,
+    /// Backwards (or input halves) and weight halves run so far.
+    done: (usize, usize),
+    /// The all-reduces in flight.
+    buckets: Vec<Bucket>,
+}
+
+/// One block's gradients, flattened into one buffer, being summed over the data-parallel group.
+struct Bucket {
+    /// Each parameter's key and shape, in buffer order.
+    params: Vec<(String, Vec<usize>)>,
+    work: Work,
+}
+
+/// A parameter's identity across calls: its checkpoint names.
+fn param_key(p: &Param<'_>) -> String {
+    p.placements.iter().map(|pl| pl.name.as_str()).collect::<Vec<_>>().join("+")
+}
+
+/// Issues the sum over `dp` of `params`' gradients (zeros for a parameter without one) as one
+/// flat buffer.
+fn issue_bucket(params: &[Param<'_>], dp: &DeviceGroup) -> tp_models::Result<Bucket> {
+    let mut flat = Vec::with_capacity(params.len());
+    let mut keys = Vec::with_capacity(params.len());
+    for p in params {
+        let dims = p.value.dims().to_vec();
+        let g = match p.grad.get() {
+            Some(g) => g.to_device(&tp_core::Device::Cpu)?,
+            None => Tensor::zeros(&dims, DType::F32, &tp_core::Device::Cpu)?,
+        };
+        flat.push(g.reshape(&[g.numel()])?);
+        keys.push((param_key(p), dims));
+    }
+    if flat.is_empty() {
+        return Ok(Bucket {
+            params: keys,
+            work: Work::done(Ok(Tensor::zeros(&[0], DType::F32, &tp_core::Device::Cpu)?)),
+        });
+    }
+    let flat = Tensor::cat(&flat, 0)?.to_device(&dp.device())?;
+    Ok(Bucket { params: keys, work: dp.all_reduce_async(&flat, tp_comm::ReduceOp::Sum)? })
+}
+
+impl<'a> ModelChunk<'a> {
+    /// A chunk for one step.
+    pub fn new(
+        model: &'a mut ParallelCausalLm,
+        micro_batches: &'a [MicroBatch],
+        loss_scale: f32,
+        recompute: Recompute,
+        dp: Option<&'a DeviceGroup>,
+    ) -> ModelChunk<'a> {
+        let dp = dp.filter(|g| g.world_size() > 1);
+        ModelChunk { model, micro_batches, loss_scale, recompute, dp, done: (0, 0), buckets: Vec::new() }
+    }
+
+    /// Waits for the data-parallel sums issued during the step and puts them in place; returns
+    /// the keys of the parameters summed (the others, the embedding, final norm and LM head,
+    /// are the caller's to sum).
+    pub fn finish(self) -> Result<std::collections::HashSet<String>> {
+        let mut sums: HashMap<String, Tensor> = HashMap::new();
+        for b in self.buckets {
+            let flat = b.work.wait()?.to_device(&tp_core::Device::Cpu)?;
+            let mut at = 0;
+            for (key, dims) in b.params {
+                let n: usize = dims.iter().product();
+                sums.insert(key, flat.narrow(0, at, n)?.reshape(&dims)?);
+                at += n;
+            }
+        }
+        let mut done = std::collections::HashSet::new();
+        for p in self.model.params_mut()? {
+            let key = param_key(&p);
+            if let Some(g) = sums.remove(&key) {
+                p.grad.set(Some(g.to_device(&p.value.device())?));
+                done.insert(key);
+            }
+        }
+        Ok(done)
+    }
 }
 
 impl StageWork for ModelChunk<'_> {
@@ -102,8 +188,19 @@ impl StageWork for ModelChunk<'_> {
     }
     fn backward(&mut self, mb: usize, saved: StageSaved, dy: Option<Tensor>, defer: bool) -> Result<Option<Tensor>> {
         let (model, mb) = (&mut *self.model, &self.micro_batches[mb]);
+        self.done.0 += 1;
         let (dx, _) = if defer {
             tp_layers::defer_weight_grads(|| model.stage_backward(mb, saved, dy))?
+        } else if let Some(dp) = self.dp.filter(|_| self.done.0 == self.micro_batches.len()) {
+            // The last backward: each block's gradients are final once its backward is done.
+            let mut buckets = Vec::new();
+            let mut hook = |ps: &mut [Param<'_>]| -> tp_models::Result<()> {
+                buckets.push(issue_bucket(ps, dp)?);
+                Ok(())
+            };
+            let out = model.stage_backward_with(mb, saved, dy, Some(&mut hook))?;
+            self.buckets.extend(buckets);
+            out
         } else {
             model.stage_backward(mb, saved, dy)?
         };
@@ -112,6 +209,20 @@ impl StageWork for ModelChunk<'_> {
     fn backward_weight(&mut self) -> Result<()> {
         for p in self.model.params_mut()? {
             p.grad.flush_one()?;
+        }
+        self.done.1 += 1;
+        if let Some(dp) = self.dp.filter(|_| self.done.1 == self.micro_batches.len()) {
+            // The last weight gradients: every block's are final now, one bucket per block.
+            let mut params = self.model.params_mut()?;
+            params.retain(|p| p.placements.first().is_some_and(|pl| pl.name.starts_with("model.layers.")));
+            let block = |p: &Param<'_>| p.placements[0].name.split('.').nth(2).map(str::to_string);
+            let mut start = 0;
+            while start < params.len() {
+                let b = block(&params[start]);
+                let end = (start..params.len()).find(|&i| block(&params[i]) != b).unwrap_or(params.len());
+                self.buckets.push(issue_bucket(&params[start..end], dp)?);
+                start = end;
+            }
         }
         Ok(())
     }
