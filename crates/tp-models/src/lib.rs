@@ -53,8 +53,9 @@ pub use arch::Architecture;
 pub use config::{LayerType, MAX_CONFIG_BYTES, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{
-    GenerateOptions, Generation, INITIAL_CACHE_POSITIONS, MicroBatch, MicroBatchLoss, ModelOptions, ParallelCausalLm,
-    Recompute, StageForward, StagePart, StageSaved, TrainRow, parse_layer_partition, partition_layers, stage_parts,
+    BlockHook, GenerateOptions, Generation, INITIAL_CACHE_POSITIONS, MicroBatch, MicroBatchLoss, ModelOptions,
+    ParallelCausalLm, Recompute, StageForward, StagePart, StageSaved, TrainRow, parse_layer_partition,
+    partition_layers, stage_parts,
 };
 pub use rope_kinds::{RopeKindError, rope_scaling_from_kind};
 pub use tensors::expected_tensors;

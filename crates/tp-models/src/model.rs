@@ -13,7 +13,7 @@ mod stage;
 mod train;
 
 pub use stage::{StagePart, parse_layer_partition, partition_layers, stage_parts};
-pub use train::{MicroBatch, MicroBatchLoss, Recompute, StageForward, StageSaved, TrainRow};
+pub use train::{BlockHook, MicroBatch, MicroBatchLoss, Recompute, StageForward, StageSaved, TrainRow};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};

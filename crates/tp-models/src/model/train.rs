@@ -63,6 +63,10 @@ pub struct MicroBatchLoss {
     pub backward_secs: f64,
 }
 
+/// Called with a block's parameters once its backward is done
+/// ([`ParallelCausalLm::stage_backward_with`]).
+pub type BlockHook<'h> = &'h mut dyn FnMut(&mut [Param<'_>]) -> Result<()>;
+
 /// A micro-batch checked and laid out for the training calls: its flat token ids, each
 /// token's target, and the token layout ([`SeqBatch`]). Every stage of a pipeline builds the
 /// same one from the same rows.
@@ -247,7 +251,7 @@ impl ParallelCausalLm {
         mb: &MicroBatch,
         saved: StageSaved,
         dy: Option<Tensor>,
-        mut after_block: Option<&mut dyn FnMut(&mut [Param<'_>]) -> Result<()>>,
+        mut after_block: Option<BlockHook<'_>>,
     ) -> Result<(Option<Tensor>, f64)> {
         let started = std::time::Instant::now();
         let names = self.config.architecture.spec().names;
