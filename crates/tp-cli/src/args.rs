@@ -19,7 +19,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve a Hugging Face model folder over OpenAI's HTTP API.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Fine-tune a Hugging Face model folder on a JSONL file (tensor-parallel, on the host).
     Train(Box<crate::train::TrainArgs>),
 }
@@ -67,6 +67,10 @@ pub struct ServeArgs {
     /// Ranks the model is split over.
     #[arg(long = "tensor-parallel-size", alias = "tp", default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// Pipeline stages (`-pp`): the layers split over them; each stage a tensor-parallel
+    /// group (`pipeline x tensor` ranks).
+    #[arg(long = "pipeline-parallel-size", alias = "pp", default_value_t = 1)]
+    pub pipeline_parallel_size: usize,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -136,8 +140,10 @@ pub struct ServeArgs {
 pub struct EngineArgs {
     /// The model folder.
     pub model_dir: PathBuf,
-    /// Ranks.
+    /// Ranks per stage.
     pub tensor_parallel_size: usize,
+    /// Pipeline stages.
+    pub pipeline_parallel_size: usize,
     /// Dtype.
     pub dtype: DTypeArg,
     /// Device.
@@ -216,6 +222,9 @@ impl ServeArgs {
         if self.tensor_parallel_size == 0 {
             return bad("tensor-parallel-size", "must be at least 1".into());
         }
+        if self.pipeline_parallel_size == 0 {
+            return bad("pipeline-parallel-size", "must be at least 1".into());
+        }
         if self.max_num_seqs == 0 {
             return bad("max-num-seqs", "must be at least 1".into());
         }
@@ -261,6 +270,7 @@ impl ServeArgs {
         let engine = EngineArgs {
             model_dir: self.model_dir.clone(),
             tensor_parallel_size: self.tensor_parallel_size,
+            pipeline_parallel_size: self.pipeline_parallel_size,
             dtype: self.dtype,
             device: self.device,
             backend: self.backend,

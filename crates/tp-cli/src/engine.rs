@@ -25,6 +25,7 @@ pub struct StartedEngine {
 pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     let mut o = EngineOptions::new(&args.model_dir);
     o.tensor_parallel_size = args.tensor_parallel_size;
+    o.pipeline_parallel_size = args.pipeline_parallel_size;
     o.dtype = match args.dtype {
         DTypeArg::Auto => None,
         DTypeArg::F32 => Some(DType::F32),
@@ -80,8 +81,9 @@ pub fn start_engine(args: &EngineArgs) -> Result<StartedEngine, CliError> {
         BackendArg::Nccl => start_nccl_leader(args, &opts)?,
     };
     tracing::info!(
-        "engine ready: {} rank(s), {} KV-cache blocks of {} positions per rank",
-        opts.tensor_parallel_size,
+        "engine ready: {} rank(s) ({} pipeline stage(s)), {} KV-cache blocks of {} positions per rank",
+        opts.tensor_parallel_size * opts.pipeline_parallel_size,
+        opts.pipeline_parallel_size,
         engine.num_blocks,
         opts.block_size
     );

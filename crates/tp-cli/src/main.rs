@@ -27,7 +27,7 @@ fn main() -> ExitCode {
     };
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).with_ansi(false).init();
     match cli.command {
-        args::Command::Serve(a) => match serve::serve(a) {
+        args::Command::Serve(a) => match serve::serve(*a) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("tp serve: {e}");

@@ -245,3 +245,27 @@ fn the_api_key_is_required_on_v1_only() {
     assert_eq!(s.call("POST", "/v1/completions", Some(&body), &[("Authorization", "Bearer sekrit")]).0, 200);
     assert_eq!(s.call("GET", "/health", None, &[]).0, 200);
 }
+
+#[test]
+fn pipeline_stages_serve_the_same_text_as_one_rank() {
+    let body = json!({"prompt": ["hello world", "pipeline"], "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let one = Server::start(&[]);
+    let (st, want) = one.post("/v1/completions", &body);
+    assert_eq!(st, 200, "{want}");
+    drop(one);
+    let staged = Server::start(&["-pp", "3", "-tp", "2"]);
+    let (st, got) = staged.post("/v1/completions", &body);
+    assert_eq!(st, 200, "{got}");
+    for i in 0..2 {
+        assert_eq!(got["choices"][i]["text"], want["choices"][i]["text"], "choice {i}");
+    }
+    assert_eq!(got["usage"], want["usage"]);
+    // More stages than layers is refused before the server listens.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tp"))
+        .args(["serve", staged.dir.to_str().unwrap(), "--port", "0", "--pipeline-parallel-size", "4"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("more stages than the model has layers"), "{err}");
+}

@@ -54,7 +54,7 @@ pub use config::{LayerType, MAX_CONFIG_BYTES, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{
     BlockHook, GenerateOptions, Generation, INITIAL_CACHE_POSITIONS, MicroBatch, MicroBatchLoss, ModelOptions,
-    ParallelCausalLm, Recompute, StageForward, StagePart, StageSaved, TrainRow, parse_layer_partition,
+    ParallelCausalLm, Recompute, StageForward, StageOutput, StagePart, StageSaved, TrainRow, parse_layer_partition,
     partition_layers, stage_parts,
 };
 pub use rope_kinds::{RopeKindError, rope_scaling_from_kind};

@@ -12,6 +12,7 @@ mod batch;
 mod stage;
 mod train;
 
+pub use batch::StageOutput;
 pub use stage::{StagePart, parse_layer_partition, partition_layers, stage_parts};
 pub use train::{BlockHook, MicroBatch, MicroBatchLoss, Recompute, StageForward, StageSaved, TrainRow};
 

@@ -94,7 +94,7 @@ impl Leader {
             Err(e) => {
                 let why = format!("the engine failed: {e}");
                 self.stats.set_stopped(why.clone());
-                self.worker.model.group().abort(&why);
+                self.worker.abort(&why);
                 for (_, mut l) in self.live.drain() {
                     l.sink.send(Event::Failed(why.clone()));
                 }

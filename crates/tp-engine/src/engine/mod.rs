@@ -19,8 +19,9 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tp_comm::DeviceGroup;
+use tp_comm::{Mesh, MeshShape};
 use tp_core::{DType, Device, Tensor};
-use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm};
+use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, StagePart};
 
 /// Why the engine could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -62,8 +63,11 @@ pub enum DeviceKind {
 pub struct EngineOptions {
     /// The Hugging Face model folder.
     pub model_dir: PathBuf,
-    /// Ranks (`--tensor-parallel-size`).
+    /// Ranks per pipeline stage (`--tensor-parallel-size`).
     pub tensor_parallel_size: usize,
+    /// Pipeline stages (`--pipeline-parallel-size`): the layers split over them as vLLM splits
+    /// them; `pipeline × tensor` ranks in all.
+    pub pipeline_parallel_size: usize,
     /// Compute dtype (`None`: the checkpoint's).
     pub dtype: Option<DType>,
     /// Where the ranks compute.
@@ -108,6 +112,7 @@ impl EngineOptions {
         EngineOptions {
             model_dir: model_dir.into(),
             tensor_parallel_size: 1,
+            pipeline_parallel_size: 1,
             dtype: None,
             device: DeviceKind::Cpu,
             max_num_seqs: 256,
@@ -170,7 +175,7 @@ impl Engine {
 /// a KV cache that cannot hold one block per layer.
 pub fn start(opts: &EngineOptions) -> Result<Engine, EngineError> {
     let (config, max_model_len) = checked_settings(opts)?;
-    let n = opts.tensor_parallel_size;
+    let n = opts.tensor_parallel_size * opts.pipeline_parallel_size;
     let devices: Vec<Device> = match opts.device {
         DeviceKind::Cpu => vec![Device::Cpu; n],
         DeviceKind::Cuda => {
@@ -181,8 +186,42 @@ pub fn start(opts: &EngineOptions) -> Result<Engine, EngineError> {
             (0..n).map(|r| Device::Cuda(r % count)).collect()
         }
     };
+    if opts.pipeline_parallel_size > 1 {
+        let shape = MeshShape::new(1, opts.pipeline_parallel_size, opts.tensor_parallel_size)?;
+        let ranks = Mesh::local(shape, opts.timeout, |r| devices[r])?.into_iter().map(RankGroups::Mesh).collect();
+        return launch(ranks, opts, &config, max_model_len);
+    }
     let groups = DeviceGroup::local(n, opts.timeout, |r| devices[r])?;
-    launch(groups, opts, &config, max_model_len)
+    launch(groups.into_iter().map(RankGroups::Tp).collect(), opts, &config, max_model_len)
+}
+
+/// The groups of one engine rank: its tensor-parallel group alone, or its place in a pipeline.
+enum RankGroups {
+    Tp(DeviceGroup),
+    Mesh(Mesh),
+}
+
+impl RankGroups {
+    /// Every rank (step messages).
+    fn world(&self) -> &DeviceGroup {
+        match self {
+            RankGroups::Tp(g) => g,
+            RankGroups::Mesh(m) => m.world(),
+        }
+    }
+    /// The stage's tensor-parallel group (the model's).
+    fn tp(&self) -> &DeviceGroup {
+        match self {
+            RankGroups::Tp(g) => g,
+            RankGroups::Mesh(m) => m.tp(),
+        }
+    }
+    fn abort(&self, why: &str) {
+        match self {
+            RankGroups::Tp(g) => g.abort(why),
+            RankGroups::Mesh(m) => m.abort(why),
+        }
+    }
 }
 
 /// What this process does in an engine whose ranks are processes.
@@ -201,6 +240,13 @@ pub enum ProcessRank {
 ///
 /// Errors: as [`start`]; a group whose world size is not `opts.tensor_parallel_size`.
 pub fn start_process_rank(opts: &EngineOptions, group: DeviceGroup) -> Result<ProcessRank, EngineError> {
+    if opts.pipeline_parallel_size != 1 {
+        return Err(EngineError::Config(
+            "--pipeline-parallel-size runs its ranks as threads of one process; processes launched by torchrun \
+             serve without pipeline stages for now"
+                .into(),
+        ));
+    }
     if group.world_size() != opts.tensor_parallel_size {
         return Err(EngineError::Config(format!(
             "the job has {} ranks (WORLD_SIZE) but --tensor-parallel-size is {}",
@@ -210,10 +256,10 @@ pub fn start_process_rank(opts: &EngineOptions, group: DeviceGroup) -> Result<Pr
     }
     let (config, max_model_len) = checked_settings(opts)?;
     if group.rank() == 0 {
-        return launch(vec![group], opts, &config, max_model_len).map(ProcessRank::Leader);
+        return launch(vec![RankGroups::Tp(group)], opts, &config, max_model_len).map(ProcessRank::Leader);
     }
     let (ready_tx, _ready_rx) = mpsc::channel();
-    rank_main(group, opts, &config, max_model_len, Arc::new(SharedStats::default()), ready_tx)?;
+    rank_main(RankGroups::Tp(group), opts, &config, max_model_len, Arc::new(SharedStats::default()), ready_tx)?;
     Ok(ProcessRank::Follower)
 }
 
@@ -226,6 +272,13 @@ fn checked_settings(opts: &EngineOptions) -> Result<(ModelConfig, usize), Engine
             tp_comm::MAX_WORLD_SIZE
         )));
     }
+    let p = opts.pipeline_parallel_size;
+    if p == 0 || p.saturating_mul(n) > tp_comm::MAX_WORLD_SIZE {
+        return Err(EngineError::Config(format!(
+            "pipeline parallel size must be at least 1 and pipeline x tensor parallel at most {}, got {p} x {n}",
+            tp_comm::MAX_WORLD_SIZE
+        )));
+    }
     if opts.block_size == 0 || opts.block_size > 1024 {
         return Err(EngineError::Config(format!("block size must be in 1..=1024, got {}", opts.block_size)));
     }
@@ -233,6 +286,8 @@ fn checked_settings(opts: &EngineOptions) -> Result<(ModelConfig, usize), Engine
         return Err(EngineError::Config("max-num-seqs and max-num-batched-tokens must be at least 1".into()));
     }
     let config = ModelConfig::from_dir(&opts.model_dir)?;
+    tp_models::partition_layers(config.num_hidden_layers, p, None)
+        .map_err(|e| EngineError::Config(format!("--pipeline-parallel-size {p}: {e}")))?;
     let max_model_len = match opts.max_model_len {
         Some(0) => return Err(EngineError::Config("max-model-len must be at least 1".into())),
         Some(l) if l > config.max_position_embeddings => {
@@ -250,7 +305,7 @@ fn checked_settings(opts: &EngineOptions) -> Result<(ModelConfig, usize), Engine
 /// Starts a thread per group of this process (rank 0's among them) and waits until rank 0 has
 /// loaded and holds a handle.
 fn launch(
-    groups: Vec<DeviceGroup>,
+    groups: Vec<RankGroups>,
     opts: &EngineOptions,
     config: &ModelConfig,
     max_model_len: usize,
@@ -261,7 +316,7 @@ fn launch(
     for group in groups {
         let (opts, config, stats, ready_tx) = (opts.clone(), config.clone(), stats.clone(), ready_tx.clone());
         let t = std::thread::Builder::new()
-            .name(format!("tp-rank-{}", group.rank()))
+            .name(format!("tp-rank-{}", group.world().rank()))
             .spawn(move || rank_main(group, &opts, &config, max_model_len, stats, ready_tx))
             .map_err(|e| EngineError::Config(format!("cannot start a rank thread: {e}")))?;
         threads.push(t);
@@ -282,16 +337,17 @@ fn first_error(threads: Vec<JoinHandle<Result<(), EngineError>>>) -> Option<Engi
 /// One rank thread: load, size the cache (every rank agrees on the block count), then lead or
 /// follow.
 fn rank_main(
-    group: DeviceGroup,
+    groups: RankGroups,
     opts: &EngineOptions,
     config: &ModelConfig,
     max_model_len: usize,
     stats: Arc<SharedStats>,
     ready: mpsc::Sender<Result<(EngineHandle, usize), String>>,
 ) -> Result<(), EngineError> {
-    let rank = group.rank();
+    let rank = groups.world().rank();
     tp_core::cpu::set_batch_invariant(opts.batch_invariant);
-    let fail = |e: EngineError, group: &DeviceGroup| {
+    let group = &groups;
+    let fail = |e: EngineError, group: &RankGroups| {
         group.abort(&format!("rank {rank} failed to start: {e}"));
         if rank == 0 {
             let _ = ready.send(Err(e.to_string()));
@@ -302,25 +358,45 @@ fn rank_main(
     if let Some(d) = opts.dtype {
         mopts = mopts.with_dtype(d);
     }
-    let mut model = match ParallelCausalLm::load_with_config(&opts.model_dir, config, &group, &mopts) {
+    let (part, pipeline) = match &groups {
+        RankGroups::Tp(_) => (StagePart::whole(config.num_hidden_layers), None),
+        RankGroups::Mesh(m) => {
+            let parts = match tp_models::stage_parts(config.num_hidden_layers, m.shape().pp, None) {
+                Ok(p) => p,
+                Err(e) => return fail(e.into(), group),
+            };
+            let last = m.shape().rank(tp_comm::Coords { dp: 0, pp: m.shape().pp - 1, tp: 0 });
+            (parts[m.coords().pp].clone(), Some((m.pp().clone(), last)))
+        }
+    };
+    let mut model = match ParallelCausalLm::load_part(&opts.model_dir, config, groups.tp(), &mopts, &part) {
         Ok(m) => m,
-        Err(e) => return fail(e.into(), &group),
+        Err(e) => return fail(e.into(), group),
     };
     if opts.prepack_weights
         && let Err(e) = model.pack_host_weights()
     {
-        return fail(e.into(), &group);
+        return fail(e.into(), group);
     }
-    let num_blocks = match agree_on_blocks(&model, opts, max_model_len) {
+    let num_blocks = match agree_on_blocks(&model, groups.world(), opts, max_model_len) {
         Ok(b) => b,
-        Err(e) => return fail(e, &group),
+        Err(e) => return fail(e, group),
     };
     let caches = match model.new_paged_caches(num_blocks, opts.block_size).map_err(EngineError::from) {
         Ok(c) => c,
-        Err(e) => return fail(e, &group),
+        Err(e) => return fail(e, group),
     };
-    let worker =
-        RankWorker { model, caches, block_size: opts.block_size, seqs: HashMap::new(), steps: 0, fault: opts.fault };
+    let worker = RankWorker {
+        model,
+        world: groups.world().clone(),
+        pipeline,
+        busy_secs: 0.0,
+        caches,
+        block_size: opts.block_size,
+        seqs: HashMap::new(),
+        steps: 0,
+        fault: opts.fault,
+    };
     // Idle rank 0 speaks at least this often, well inside the other ranks' deadline.
     let heartbeat = (opts.timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(2));
     if rank != 0 {
@@ -337,7 +413,7 @@ fn rank_main(
     };
     let scheduler = match Scheduler::new(sched) {
         Ok(s) => s,
-        Err(e) => return fail(EngineError::Config(e), &group),
+        Err(e) => return fail(EngineError::Config(e), group),
     };
     let limits = Limits {
         max_model_len,
@@ -361,10 +437,7 @@ fn follow(mut worker: RankWorker) -> Result<(), EngineError> {
         let msg = match worker.receive() {
             Ok(m) => m,
             Err(e) => {
-                worker
-                    .model
-                    .group()
-                    .abort(&format!("rank {} cannot read rank 0's step: {e}", worker.model.group().rank()));
+                worker.abort(&format!("rank {} cannot read rank 0's step: {e}", worker.world.rank()));
                 return Err(e);
             }
         };
@@ -373,7 +446,7 @@ fn follow(mut worker: RankWorker) -> Result<(), EngineError> {
             StepKind::Idle => {}
             StepKind::Run => {
                 if let Err(e) = worker.execute(&msg) {
-                    worker.model.group().abort(&format!("rank {} failed a step: {e}", worker.model.group().rank()));
+                    worker.abort(&format!("rank {} failed a step: {e}", worker.world.rank()));
                     return Err(e);
                 }
             }
@@ -384,8 +457,12 @@ fn follow(mut worker: RankWorker) -> Result<(), EngineError> {
 /// The number of KV-cache blocks every rank allocates: the budget over the largest per-block
 /// cost of any rank (ranks holding more KV heads cost more), capped at what `max_num_seqs`
 /// sequences of `max_model_len` can use.
-fn agree_on_blocks(model: &ParallelCausalLm, opts: &EngineOptions, max_model_len: usize) -> Result<usize, EngineError> {
-    let group = model.group();
+fn agree_on_blocks(
+    model: &ParallelCausalLm,
+    group: &DeviceGroup,
+    opts: &EngineOptions,
+    max_model_len: usize,
+) -> Result<usize, EngineError> {
     let mine = model.kv_bytes_per_block(opts.block_size) as i64;
     let t = group.to_local(&Tensor::from_vec(vec![mine], &[1], &Device::Cpu)?)?;
     let per_block = group.all_gather(&t, 0)?.to_i64_vec()?.into_iter().max().unwrap_or(mine).max(1) as usize;

@@ -1,6 +1,12 @@
 //! One rank's part of the engine: its shard of the model, its paged KV caches (its KV heads of
 //! every block), and a copy of every running request's sampling state, so that every rank runs
 //! the same step and samples the same tokens.
+//!
+//! With pipeline stages (`--pipeline-parallel-size`), a rank holds its stage's blocks: the
+//! first stage embeds the step's tokens, each stage sends its hidden states to the next over
+//! the pipeline group, the last stage computes the logits and samples (vocab-parallel over its
+//! tensor-parallel group), and its first rank broadcasts the sampled tokens (with their
+//! logprobs) to every rank, so every rank keeps the same request state.
 
 use super::EngineError;
 use super::plan::{StepKind, StepMsg};
@@ -10,7 +16,7 @@ use std::collections::HashMap;
 use tp_comm::DeviceGroup;
 use tp_core::{DType, Device, Tensor};
 use tp_layers::{BatchSeq, PagedKvCache, TokenBatch};
-use tp_models::ParallelCausalLm;
+use tp_models::{ParallelCausalLm, StageOutput};
 
 /// A request's sampling state, the same on every rank.
 #[derive(Debug)]
@@ -24,6 +30,14 @@ pub(crate) struct SeqState {
 /// One rank of the engine.
 pub(crate) struct RankWorker {
     pub model: ParallelCausalLm,
+    /// Every rank of the engine (rank 0 the leader): step messages and sampled tokens travel
+    /// over it. The model's own group when there is no pipeline.
+    pub world: DeviceGroup,
+    /// The pipeline group (rank `s` = stage `s`) and the world rank of the last stage's first
+    /// rank (who shares the sampled tokens), when there are stages.
+    pub pipeline: Option<(DeviceGroup, usize)>,
+    /// Seconds this rank spent computing steps (forward and sampling), for `/metrics`.
+    pub busy_secs: f64,
     pub caches: Vec<PagedKvCache>,
     pub block_size: usize,
     pub seqs: HashMap<RequestId, SeqState>,
@@ -47,7 +61,17 @@ pub struct Fault {
 
 impl RankWorker {
     fn group(&self) -> &DeviceGroup {
-        self.model.group()
+        &self.world
+    }
+
+    /// Fails every group this rank belongs to (the world, its stage's, the pipeline), so every
+    /// rank leaves its waits at once.
+    pub(crate) fn abort(&self, why: &str) {
+        self.world.abort(why);
+        self.model.group().abort(why);
+        if let Some((pp, _)) = &self.pipeline {
+            pp.abort(why);
+        }
     }
 
     /// Rank 0: sends `msg` to every rank (header `[kind, len]`, then the payload).
@@ -121,7 +145,57 @@ impl RankWorker {
             }
         }
         let batch = TokenBatch::new(batch_seqs, self.block_size)?;
-        let logits = self.model.forward_batch(&ids, &batch, &mut self.caches, &rows)?;
+        let started = std::time::Instant::now();
+        let out = self.forward_and_sample(&ids, &batch, &rows, &sampled_ids);
+        self.busy_secs += started.elapsed().as_secs_f64();
+        let sampled = match &self.pipeline {
+            None => out?,
+            Some((_, root)) => {
+                let root = *root;
+                let mine = if self.world.rank() == root { Some(out?) } else { out.map(|_| None)? };
+                self.share_sampled(root, mine.as_deref())?
+            }
+        };
+        let mut out = Vec::with_capacity(sampled.len());
+        for (id, s) in sampled {
+            if let Some(state) = self.seqs.get_mut(&id) {
+                state.output.push(s.token);
+            }
+            out.push((id, s));
+        }
+        Ok(out)
+    }
+
+    /// This rank's stage of the step and, on the last stage, the sampling: every sampled
+    /// request's token (empty elsewhere).
+    fn forward_and_sample(
+        &mut self,
+        ids: &[i64],
+        batch: &TokenBatch,
+        rows: &[usize],
+        sampled_ids: &[RequestId],
+    ) -> Result<Vec<(RequestId, Sampled)>, EngineError> {
+        let logits = match &self.pipeline {
+            None => self.model.forward_batch(ids, batch, &mut self.caches, rows)?,
+            Some((pp, _)) => {
+                let (s, p) = (pp.rank(), pp.world_size());
+                let input = if s > 0 {
+                    Some(pp.recv(&[ids.len(), self.model.config().hidden_size], self.model.dtype(), s - 1)?)
+                } else {
+                    None
+                };
+                match self.model.forward_batch_stage(ids, input, batch, &mut self.caches, rows)? {
+                    StageOutput::Hidden(h) if s + 1 < p => {
+                        pp.send(&h, s + 1)?;
+                        return Ok(Vec::new());
+                    }
+                    StageOutput::Hidden(_) => {
+                        return Err(EngineError::Step("the last pipeline stage has no LM head".into()));
+                    }
+                    StageOutput::Logits(l) => l,
+                }
+            }
+        };
         if rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -143,12 +217,58 @@ impl RankWorker {
         let logits = if logits.dtype() == DType::F32 { logits } else { logits.to_dtype(DType::F32)? };
         let sampled = sample_sharded(&logits, start, vocab, &sample_rows, self.model.group())
             .map_err(|e| EngineError::Step(e.to_string()))?;
-        let mut out = Vec::with_capacity(sampled.len());
-        for (id, s) in sampled_ids.into_iter().zip(sampled) {
-            if let Some(state) = self.seqs.get_mut(&id) {
-                state.output.push(s.token);
+        Ok(sampled_ids.iter().copied().zip(sampled).collect())
+    }
+
+    /// The last stage's sampled tokens on every rank: world rank `root` (which passes them)
+    /// broadcasts their length, then their words (`id, token, logprobs?, logprob, n, (id,
+    /// logprob) x n` each, floats as their bits).
+    fn share_sampled(
+        &self,
+        root: usize,
+        mine: Option<&[(RequestId, Sampled)]>,
+    ) -> Result<Vec<(RequestId, Sampled)>, EngineError> {
+        let g = &self.world;
+        let mut words = Vec::new();
+        for (id, s) in mine.unwrap_or(&[]) {
+            words.extend([*id as i64, s.token]);
+            match &s.logprobs {
+                None => words.push(0),
+                Some(lp) => {
+                    words.extend([1, i64::from(lp.logprob.to_bits()), lp.top.len() as i64]);
+                    for (t, l) in &lp.top {
+                        words.extend([*t, i64::from(l.to_bits())]);
+                    }
+                }
             }
-            out.push((id, s));
+        }
+        let bcast = |w: Vec<i64>| -> Result<Vec<i64>, EngineError> {
+            let n = w.len();
+            let t = g.to_local(&Tensor::from_vec(w, &[n], &Device::Cpu)?)?;
+            Ok(g.broadcast(&t, root)?.to_i64_vec()?)
+        };
+        let len = bcast(vec![words.len() as i64])?[0];
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&n| n <= MAX_MESSAGE_WORDS)
+            .ok_or_else(|| EngineError::Protocol(format!("sampled tokens of {len} words")))?;
+        let words = if len == 0 { Vec::new() } else { bcast(if mine.is_some() { words } else { vec![0; len] })? };
+        let bad = || EngineError::Protocol("a truncated list of sampled tokens".into());
+        let mut it = words.into_iter();
+        let mut next = || it.next().ok_or_else(bad);
+        let mut out = Vec::new();
+        let f32_of = |w: i64| f32::from_bits(w as u32);
+        while let Ok(id) = next() {
+            let token = next()?;
+            let logprobs = if next()? == 0 {
+                None
+            } else {
+                let logprob = f32_of(next()?);
+                let n = usize::try_from(next()?).ok().filter(|&n| n <= len).ok_or_else(bad)?;
+                let top = (0..n).map(|_| Ok((next()?, f32_of(next()?)))).collect::<Result<Vec<_>, EngineError>>()?;
+                Some(crate::api::TokenLogprobs { logprob, top })
+            };
+            out.push((id as RequestId, Sampled { token, logprobs }));
         }
         Ok(out)
     }

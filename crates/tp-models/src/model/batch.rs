@@ -56,6 +56,28 @@ impl ParallelCausalLm {
         caches: &mut [PagedKvCache],
         rows: &[usize],
     ) -> Result<Tensor> {
+        match self.forward_batch_stage(ids, None, batch, caches, rows)? {
+            StageOutput::Logits(l) => Ok(l),
+            StageOutput::Hidden(_) => Err(self.missing("a batched forward's logits", "the LM head")),
+        }
+    }
+
+    /// [`forward_batch`](Self::forward_batch) of one pipeline stage: from the token ids on the
+    /// first stage (`input` `None`), else from the previous stage's hidden states `input`
+    /// (`[T, H]`); through this stage's blocks (their keys and values written into `caches`,
+    /// one per block of this stage); to the logits of `rows` on the last stage, else to the
+    /// hidden states for the next.
+    ///
+    /// Errors: as [`forward_batch`](Self::forward_batch); `input` given to the first stage,
+    /// missing elsewhere, or of another shape.
+    pub fn forward_batch_stage(
+        &self,
+        ids: &[i64],
+        input: Option<Tensor>,
+        batch: &TokenBatch,
+        caches: &mut [PagedKvCache],
+        rows: &[usize],
+    ) -> Result<StageOutput> {
         let t = batch.num_tokens();
         if ids.len() != t {
             return Err(ModelError::Request(format!("{} token ids given for a batch of {t} tokens", ids.len())));
@@ -77,18 +99,40 @@ impl ParallelCausalLm {
                 s.context + s.tokens
             )));
         }
-        let ids = Tensor::from_vec(ids.to_vec(), &[t], &Device::Cpu)?;
-        let mut x = self.embedding("a batched forward from token ids")?.forward(&ids)?;
+        let mut x = match (&self.embed, input) {
+            (Some(embed), None) => embed.forward(&Tensor::from_vec(ids.to_vec(), &[t], &Device::Cpu)?)?,
+            (None, Some(x)) if x.dims() == [t, self.config.hidden_size] => x,
+            (None, Some(x)) => {
+                return Err(ModelError::Request(format!(
+                    "stage input of shape {:?}, expected [{t}, {}]",
+                    x.dims(),
+                    self.config.hidden_size
+                )));
+            }
+            (Some(_), Some(_)) => {
+                return Err(ModelError::Request("the first pipeline stage takes token ids, not hidden states".into()));
+            }
+            (None, None) => return Err(self.missing("a batched forward from token ids", "the embedding")),
+        };
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             x = layer.forward_batch(&x, batch, cache)?;
         }
-        let (norm, lm_head) = self.norm_and_head("a batched forward's logits")?;
+        let Some((norm, lm_head)) = &self.head else { return Ok(StageOutput::Hidden(x)) };
         if rows.is_empty() {
-            return Ok(Tensor::zeros(&[0, lm_head.shard().len()], self.dtype, &x.device())?);
+            return Ok(StageOutput::Logits(Tensor::zeros(&[0, lm_head.shard().len()], self.dtype, &x.device())?));
         }
         let h = norm.forward(&pick_rows(&x, rows)?)?;
-        Ok(lm_head.forward_local(&h)?)
+        Ok(StageOutput::Logits(lm_head.forward_local(&h)?))
     }
+}
+
+/// What one pipeline stage's batched forward gives.
+#[derive(Debug)]
+pub enum StageOutput {
+    /// The hidden states `[T, H]` for the next stage.
+    Hidden(Tensor),
+    /// The last stage's logits, this rank's vocabulary columns.
+    Logits(Tensor),
 }
 
 /// Rows `rows` of `x: [T, H]`, in that order: runs of consecutive rows narrowed and joined (the
