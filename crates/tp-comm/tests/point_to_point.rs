@@ -171,3 +171,39 @@ fn sending_to_itself_or_past_the_group_is_refused_at_the_call() {
     assert!(matches!(g[1].recv_async(&[1], DType::F32, 1), Err(CommError::Mismatch { .. })));
     assert!(matches!(g[1].recv_async(&[1], DType::F32, 7), Err(CommError::RankOutOfRange { .. })));
 }
+
+#[test]
+fn a_dropped_receive_still_takes_its_message_so_the_sender_and_later_messages_go_on() {
+    for drop_first in [true, false] {
+        let got = on_ranks(groups(2, Duration::from_secs(10)), |g| {
+            if g.rank() == 0 {
+                // Each send waited before the next: the first completes only if its (dropped)
+                // receive still takes it.
+                for i in 0..2 {
+                    g.send(&filled(i as f64, &[2], DType::F32), 1).unwrap();
+                }
+                None
+            } else {
+                if drop_first {
+                    drop(g.recv_async(&[2], DType::F32, 0).unwrap()); // before the message arrives
+                } else {
+                    let w = g.recv_async(&[2], DType::F32, 0).unwrap();
+                    std::thread::sleep(Duration::from_millis(100)); // after it arrived
+                    drop(w);
+                }
+                Some(g.recv(&[2], DType::F32, 0).unwrap().to_f64_vec().unwrap())
+            }
+        });
+        assert_eq!(got[1].as_deref(), Some(&[100.0, 101.0][..]), "drop before arrival: {drop_first}");
+    }
+    // A dropped send is delivered all the same.
+    let got = on_ranks(groups(2, Duration::from_secs(10)), |g| {
+        if g.rank() == 0 {
+            drop(g.send_async(&filled(3.0, &[1], DType::F32), 1).unwrap());
+            None
+        } else {
+            Some(g.recv(&[1], DType::F32, 0).unwrap().to_f64_vec().unwrap()[0])
+        }
+    });
+    assert_eq!(got[1], Some(300.0));
+}

@@ -45,6 +45,20 @@ struct Boxes {
     /// Messages sent / receives posted so far per `(src, dst)`.
     sent: HashMap<(usize, usize), u64>,
     posted: HashMap<(usize, usize), u64>,
+    /// Receives dropped before their message arrived: it is taken (and discarded) on arrival,
+    /// so its sender completes, as a posted NCCL receive completes whether or not anyone waits.
+    abandoned: std::collections::HashSet<Key>,
+    /// Sends dropped before their receiver took them: no outcome is kept for them.
+    orphaned: std::collections::HashSet<Key>,
+}
+
+impl Boxes {
+    /// Records the receiver's word on message `key` for its sender (unless the send was dropped).
+    fn answer(&mut self, key: Key, why: Option<String>) {
+        if !self.orphaned.remove(&key) {
+            self.outcome.insert(key, why);
+        }
+    }
 }
 
 impl Mailboxes {
@@ -101,10 +115,15 @@ impl Member {
         let k = st.sent.entry((self.rank, dst)).or_insert(0);
         let key = (self.rank, dst, *k);
         *k += 1;
-        st.waiting.insert(key, x.clone());
+        if st.abandoned.remove(&key) {
+            st.answer(key, None); // its receive was dropped: delivered to nobody, complete
+        } else {
+            st.waiting.insert(key, x.clone());
+        }
         drop(st);
         mb.changed.notify_all();
-        Ok(SendWork { member: self.clone(), key, tensor: x, deadline: Instant::now() + self.shared.timeout })
+        let deadline = Instant::now() + self.shared.timeout;
+        Ok(SendWork { member: self.clone(), key, tensor: x, deadline, waited: false })
     }
 
     /// Posts a receive of a `dims`/`dtype` tensor from `src`.
@@ -122,6 +141,7 @@ impl Member {
             dims: dims.to_vec(),
             dtype,
             deadline: Instant::now() + self.shared.timeout,
+            waited: false,
         })
     }
 }
@@ -132,6 +152,19 @@ pub(super) struct SendWork {
     key: Key,
     tensor: Tensor,
     deadline: Instant,
+    /// Whether `wait` ran (else dropping it forgets its outcome).
+    waited: bool,
+}
+
+impl Drop for SendWork {
+    fn drop(&mut self) {
+        if !self.waited {
+            let mut st = self.member.shared.mailboxes.lock();
+            if st.outcome.remove(&self.key).is_none() {
+                st.orphaned.insert(self.key);
+            }
+        }
+    }
 }
 
 impl PendingWork for SendWork {
@@ -140,8 +173,9 @@ impl PendingWork for SendWork {
     }
 
     /// The sent tensor, once the receiver took it.
-    fn wait(self: Box<Self>) -> Result<Tensor> {
+    fn wait(mut self: Box<Self>) -> Result<Tensor> {
         const OP: &str = "send";
+        self.waited = true;
         let m = &self.member;
         let mb = &m.shared.mailboxes;
         let mut st = mb.lock();
@@ -167,13 +201,33 @@ impl PendingWork for SendWork {
     }
 }
 
-/// A receive in flight.
+/// A receive in flight. Dropped without waiting, it still takes its message (discarding it),
+/// so that the sender completes and later messages keep their order.
 pub(super) struct RecvWork {
     member: Member,
     key: Key,
     dims: Vec<usize>,
     dtype: DType,
     deadline: Instant,
+    /// Whether `wait` ran.
+    waited: bool,
+}
+
+impl Drop for RecvWork {
+    fn drop(&mut self) {
+        if self.waited {
+            return;
+        }
+        let mb = &self.member.shared.mailboxes;
+        let mut st = mb.lock();
+        if st.waiting.remove(&self.key).is_some() {
+            st.answer(self.key, None);
+            drop(st);
+            mb.changed.notify_all();
+        } else {
+            st.abandoned.insert(self.key);
+        }
+    }
 }
 
 impl PendingWork for RecvWork {
@@ -182,8 +236,9 @@ impl PendingWork for RecvWork {
     }
 
     /// The received tensor, on the host.
-    fn wait(self: Box<Self>) -> Result<Tensor> {
+    fn wait(mut self: Box<Self>) -> Result<Tensor> {
         const OP: &str = "recv";
+        self.waited = true;
         let m = &self.member;
         let mb = &m.shared.mailboxes;
         let mut st = mb.lock();
@@ -199,7 +254,7 @@ impl PendingWork for RecvWork {
                         describe(&self.dims, self.dtype)
                     )
                 });
-                st.outcome.insert(self.key, why.clone());
+                st.answer(self.key, why.clone());
                 drop(st);
                 mb.changed.notify_all();
                 return match why {
