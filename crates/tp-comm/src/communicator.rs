@@ -87,21 +87,47 @@ pub trait Communicator: Send + Sync {
         Ok(Work::done(self.all_gather(x, dim)))
     }
 
-    /// Point-to-point: posts `x` for rank `dst` of this group and returns at once; the
-    /// [`Work`] completes (with `x`) once `dst` has received it. Messages from one rank to
-    /// another are matched in order: the `k`-th send from `a` to `b` is the `k`-th receive at
-    /// `b` from `a`. A receiver that expected other dims or another dtype makes both sides'
-    /// waits return [`CommError::Mismatch`]; a peer that never receives, the group's deadline
-    /// ([`CommError::Timeout`] naming it). `dst` must be another rank of the group.
+    /// Point-to-point (`torch.distributed.isend` / `ncclSend`): posts `x` for rank `dst` of
+    /// this group and returns without waiting for it to be received; [`Work::wait`] returns `x`
+    /// itself (a clone sharing its storage) once `dst` has received it.
     ///
-    /// Backends without point-to-point return an error.
+    /// * Matching: messages from one rank to another are matched in order: the `k`-th send from
+    ///   `a` to `b` is the `k`-th receive at `b` from `a`, whatever the order of the waits.
+    ///   Point-to-point traffic does not take part in the collectives' matching: a rank may
+    ///   have sends and receives in flight across collectives.
+    /// * Shapes: a receiver that expected other dims or another dtype makes both sides' waits
+    ///   return an error naming both shapes ([`CommError::Mismatch`] on the thread backend and
+    ///   at an NCCL receiver; see below for an NCCL sender), never a hang.
+    /// * Deadlines: every wait has the group's deadline, counted from the call: a peer that
+    ///   never receives (or, for [`recv_async`](Self::recv_async), never sends) is a
+    ///   [`CommError::Timeout`] naming it on the thread backend, an aborted communicator on
+    ///   NCCL. A failed or aborted group fails pending sends and receives at once.
+    /// * Peers: `dst` must be another rank of the group: this rank is a
+    ///   [`CommError::Mismatch`], a rank past the group [`CommError::RankOutOfRange`], at the
+    ///   call.
+    ///
+    /// Backends. [`LocalGroup`](crate::LocalGroup) hands over a reference-counted clone (no
+    /// copy; a CUDA tensor stays on its GPU) and the send completes once the receive is
+    /// posted. [`NcclComm`](crate::nccl::NcclComm) sends a small header (dtype and dims) then
+    /// the payload in one NCCL group on the rank's stream; a receiver that finds the header
+    /// wrong aborts its communicator, and the sender's wait fails at the latest at its
+    /// deadline (NCCL does not tell peers about an abort). On NCCL every operation of a rank
+    /// runs in order on its one stream, so two ranks that both send to each other before
+    /// receiving may wait for each other until the deadline (NCCL needs such exchanges grouped);
+    /// order them (one side receives first). Backends without point-to-point return
+    /// [`CommError::Limit`].
     fn send_async(&self, x: &Tensor, dst: usize) -> Result<Work> {
         let _ = (x, dst);
         Err(CommError::Limit { op: "send", why: "this backend has no point-to-point messages".into() })
     }
 
-    /// Point-to-point: posts the receive of a `dims` tensor of `dtype` from rank `src`; the
-    /// [`Work`] returns it (see [`send_async`](Self::send_async) for the matching rules).
+    /// Point-to-point (`irecv` / `ncclRecv`): posts the receive of the next tensor from rank
+    /// `src`, which must be a `dims` tensor of `dtype`; [`Work::wait`] returns it (see
+    /// [`send_async`](Self::send_async) for matching, shape checks, deadlines and peers). On
+    /// the thread backend the tensor is where the sender had it;
+    /// [`DeviceGroup::recv_async`](crate::DeviceGroup::recv_async) moves it to its own device.
+    /// Dropping the work unwaited does not cancel the receive: its message is still taken.
+    /// On NCCL the call itself waits (within the deadline) for the sender's header.
     fn recv_async(&self, dims: &[usize], dtype: tp_core::DType, src: usize) -> Result<Work> {
         let _ = (dims, dtype, src);
         Err(CommError::Limit { op: "recv", why: "this backend has no point-to-point messages".into() })

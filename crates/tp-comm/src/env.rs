@@ -8,11 +8,25 @@
 //!
 //! Any of them gives the same coordinates. A set with its rank but not its size (or the
 //! reverse) is refused, naming the missing variable; two sets that disagree are refused naming
-//! both. The one exception is a torchrun inside an allocation (`srun torchrun ...`): torchrun
-//! sets `TORCHELASTIC_RUN_ID` beside its variables, and then its set describes the worker while
-//! SLURM's or MPI's describe torchrun's agent, so torchrun's is taken and the others ignored.
-//! The store's host is `MASTER_ADDR`, or under SLURM without it the first host of
-//! `SLURM_JOB_NODELIST`.
+//! both and their values (a stale `RANK` exported into every task of an `srun` is caught so).
+//!
+//! Two exceptions, where one launcher runs inside another and the outer one's variables
+//! describe something other than this process:
+//!
+//! * torchrun inside an allocation (`srun torchrun ...`, `mpirun torchrun ...`): torchrun always
+//!   sets `TORCHELASTIC_RUN_ID` beside its variables, and then its set describes the worker
+//!   while SLURM's or MPI's describe torchrun's agent; torchrun's set is taken and the others
+//!   are not read at all.
+//! * mpirun inside a SLURM allocation (`sbatch`/`salloc`, then `mpirun`): the batch step's
+//!   `SLURM_PROCID=0` and `SLURM_NTASKS` (or those of mpirun's daemons) are inherited by every
+//!   MPI process, while Open MPI's variables are set per process by the launcher that started
+//!   it; Open MPI's set is taken and SLURM's not read. (The reverse nesting does not occur:
+//!   a process started by `srun` directly has no `OMPI_COMM_WORLD_*` before `MPI_Init`.)
+//!
+//! The store's host is `MASTER_ADDR`, or, without it, when SLURM's set was taken (alone or
+//! agreeing with another), the first host of the step's node list (`SLURM_STEP_NODELIST`, else
+//! `SLURM_JOB_NODELIST`, else `SLURM_NODELIST`): task 0 of an `srun` step runs on its step's
+//! first node, which is the job's first node unless the step uses part of the allocation.
 
 use crate::deadline::MAX_TIMEOUT;
 use crate::peer_text::peer_text;
@@ -105,60 +119,80 @@ fn missing(name: &str) -> CommError {
 
 /// The first host of a SLURM hostlist (`node[01-04,07],login5` -> `node01`;
 /// `gpu-a[1-2]-b[3-4]` -> `gpu-a1-b3`): the first comma-separated entry outside brackets, each
-/// bracket replaced by the first number of its first range (zero padding kept).
+/// bracket replaced by the first number of its first range (zero padding kept). The whole list
+/// is checked, not only its first entry.
 ///
-/// Errors: an empty list, unbalanced or empty brackets, a range that is not numbers or runs
-/// backwards; each naming `SLURM_JOB_NODELIST`.
+/// Errors, each a [`CommError::Env`] naming `SLURM_JOB_NODELIST`: an empty list or an empty
+/// entry (`a,,b`), unbalanced or nested brackets, empty brackets (`node[]`), a bracket entry
+/// that is not a number or a `lo-hi` range of numbers, a range that runs backwards, a space or
+/// control character inside a host name.
 pub fn first_host(list: &str) -> Result<String> {
-    let bad = |why: &str| {
-        CommError::Env(format!("SLURM_JOB_NODELIST=\"{}\" is not a host list: {why}", peer_text(list.as_bytes())))
-    };
-    let list = list.trim();
-    let mut depth = 0usize;
-    let mut end = list.len();
-    for (i, c) in list.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => depth = depth.checked_sub(1).ok_or_else(|| bad("a ']' without its '['"))?,
-            ',' if depth == 0 => {
-                end = i;
-                break;
+    first_host_of("SLURM_JOB_NODELIST", list)
+}
+
+/// [`first_host`], its errors naming `var`.
+fn first_host_of(var: &str, list: &str) -> Result<String> {
+    let bad = |why: &str| CommError::Env(format!("{var}=\"{}\" is not a host list: {why}", peer_text(list.as_bytes())));
+    let mut rest = list.trim();
+    let mut first: Option<String> = None;
+    loop {
+        // One entry: text and bracketed ranges up to the next comma outside brackets.
+        let mut host = String::new();
+        let mut empty = true;
+        while let Some(c) = rest.chars().next() {
+            match c {
+                ',' => break,
+                '[' => {
+                    let close = rest.find(']').ok_or_else(|| bad("a '[' without its ']'"))?;
+                    let inner = &rest[1..close];
+                    if inner.contains('[') {
+                        return Err(bad("nested brackets"));
+                    }
+                    host.push_str(first_of_ranges(inner).map_err(|why| bad(&why))?);
+                    rest = &rest[close + 1..];
+                }
+                ']' => return Err(bad("a ']' without its '['")),
+                c if c.is_whitespace() || c.is_control() => {
+                    return Err(bad("a space or control character in a host name"));
+                }
+                c => {
+                    host.push(c);
+                    rest = &rest[c.len_utf8()..];
+                }
             }
-            _ => {}
+            empty = false;
+        }
+        if empty {
+            return Err(bad("no host (an empty entry)"));
+        }
+        first.get_or_insert(host);
+        match rest.strip_prefix(',') {
+            Some(r) => rest = r,
+            None => break,
         }
     }
-    let entry = &list[..end];
-    if entry.is_empty() {
-        return Err(bad("no host"));
-    }
-    let mut host = String::new();
-    let mut rest = entry;
-    while let Some(open) = rest.find('[') {
-        host.push_str(&rest[..open]);
-        let close = rest[open..].find(']').ok_or_else(|| bad("a '[' without its ']'"))? + open;
-        let inner = &rest[open + 1..close];
-        if inner.contains('[') {
-            return Err(bad("nested brackets"));
-        }
-        let first = inner.split(',').next().unwrap_or("").trim();
-        let (lo, hi) = first.split_once('-').unwrap_or((first, first));
-        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    first.ok_or_else(|| bad("no host"))
+}
+
+/// The first number of a bracket's contents `01-04,07` (as written: `01`), after checking every
+/// range in it.
+fn first_of_ranges(inner: &str) -> std::result::Result<&str, String> {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let shown = || peer_text(inner.as_bytes());
+    let mut first = None;
+    for range in inner.split(',') {
+        let (lo, hi) = range.split_once('-').unwrap_or((range, range));
         if !digits(lo) || !digits(hi) {
-            return Err(bad(&format!("[{inner}] is not a list of numbers or ranges")));
+            return Err(format!("[{}] is not a list of numbers or ranges", shown()));
         }
-        let (a, b): (u64, u64) =
-            (lo.parse().map_err(|_| bad("a number too large"))?, hi.parse().map_err(|_| bad("a number too large"))?);
+        let too_large = |_| format!("[{}] holds a number too large", shown());
+        let (a, b): (u64, u64) = (lo.parse().map_err(too_large)?, hi.parse().map_err(too_large)?);
         if b < a {
-            return Err(bad(&format!("the range {first} runs backwards")));
+            return Err(format!("the range {range} runs backwards"));
         }
-        host.push_str(lo);
-        rest = &rest[close + 1..];
+        first.get_or_insert(lo);
     }
-    if rest.contains(']') {
-        return Err(bad("a ']' without its '['"));
-    }
-    host.push_str(rest);
-    Ok(host)
+    first.ok_or_else(|| format!("[{}] is not a list of numbers or ranges", shown()))
 }
 
 impl LaunchEnv {
@@ -170,8 +204,9 @@ impl LaunchEnv {
     /// Reads the variables through `get` (for tests and for callers with their own config).
     ///
     /// One launcher's rank and world size are required (see the module docs for the three
-    /// launchers, partial and conflicting sets). The local rank defaults to the rank,
-    /// `MASTER_ADDR` to `127.0.0.1` (under SLURM: the first host of `SLURM_JOB_NODELIST`),
+    /// launchers, partial and conflicting sets, and the two nestings where one launcher's set
+    /// wins). The local rank defaults to the rank, `MASTER_ADDR` to `127.0.0.1` (under SLURM:
+    /// the first host of the step's node list, see the module docs),
     /// `MASTER_PORT` to `29500` (torchrun's defaults), `TP_TIMEOUT_SECS` to
     /// [`DEFAULT_TIMEOUT_SECS`].
     ///
@@ -186,35 +221,47 @@ impl LaunchEnv {
                 .parse()
                 .map_err(|_| CommError::Env(format!("{name}=\"{}\" is not a valid number", peer_text(v.as_bytes()))))
         }
-        let mut sets = Vec::new();
-        for launcher in [Launcher::Torchrun, Launcher::Slurm, Launcher::OpenMpi] {
-            let (_, rank_var, size_var, local_var) = launcher.vars();
+        /// One launcher's set: `None` when neither its rank nor its size is set.
+        fn read_set(get: &impl Fn(&str) -> Option<String>, launcher: Launcher) -> Result<Option<Coordinates>> {
+            let (who, rank_var, size_var, local_var) = launcher.vars();
+            let partial = |missing: &str, present: &str| {
+                CommError::Env(format!(
+                    "{missing} is not set but {present} is: {who} variables are a partial set (launch with \
+                     torchrun, srun or mpirun, or set RANK and WORLD_SIZE)"
+                ))
+            };
             let (rank, size) = match (get(rank_var), get(size_var)) {
-                (None, None) => continue,
-                (Some(_), None) => return Err(missing(size_var)),
-                (None, Some(_)) => return Err(missing(rank_var)),
+                (None, None) => return Ok(None),
+                (Some(_), None) => return Err(partial(size_var, rank_var)),
+                (None, Some(_)) => return Err(partial(rank_var, size_var)),
                 (Some(r), Some(w)) => (r, w),
             };
             let world_size: usize = parse(size_var, &size)?;
             let rank: usize = parse(rank_var, &rank)?;
             let local_rank = get(local_var).map(|v| parse::<usize>(local_var, &v)).transpose()?;
-            sets.push(Coordinates { launcher, rank, world_size, local_rank });
+            Ok(Some(Coordinates { launcher, rank, world_size, local_rank }))
         }
-        let nested_torchrun = get("TORCHELASTIC_RUN_ID").is_some();
-        let chosen = match sets.first() {
-            None => return Err(missing("RANK")),
-            Some(first) if first.launcher == Launcher::Torchrun && nested_torchrun => *first,
-            Some(first) => {
-                if let Some(other) = sets[1..].iter().find(|o| !first.agrees(o)) {
-                    return Err(CommError::Env(format!(
-                        "{} and {} disagree; launch with one launcher, or unset the other's variables",
-                        first.describe(),
-                        other.describe()
-                    )));
-                }
-                *first
+        let torchrun = read_set(&get, Launcher::Torchrun)?;
+        let sets: Vec<Coordinates> = match torchrun {
+            // torchrun nested in an allocation: the others describe its agents (module docs).
+            Some(t) if get("TORCHELASTIC_RUN_ID").is_some() => vec![t],
+            _ => {
+                let ompi = read_set(&get, Launcher::OpenMpi)?;
+                // mpirun inside a SLURM allocation: SLURM's describe the batch step (module docs).
+                let slurm = if ompi.is_some() { None } else { read_set(&get, Launcher::Slurm)? };
+                [torchrun, slurm, ompi].into_iter().flatten().collect()
             }
         };
+        let Some(&chosen) = sets.first() else {
+            return Err(missing("RANK"));
+        };
+        if let Some(other) = sets[1..].iter().find(|o| !chosen.agrees(o)) {
+            return Err(CommError::Env(format!(
+                "{} and {} disagree; launch with one launcher, or unset the other's variables",
+                chosen.describe(),
+                other.describe()
+            )));
+        }
         let (_, rank_var, size_var, _) = chosen.launcher.vars();
         let (rank, world_size) = (chosen.rank, chosen.world_size);
         if world_size == 0 {
@@ -229,10 +276,19 @@ impl LaunchEnv {
             return Err(CommError::Env(format!("{rank_var}={rank} is not below {size_var}={world_size}")));
         }
         let local_rank = chosen.local_rank.unwrap_or(rank);
-        let master_addr = match (get("MASTER_ADDR"), chosen.launcher, get("SLURM_JOB_NODELIST")) {
-            (Some(a), _, _) => a,
-            (None, Launcher::Slurm, Some(list)) => first_host(&list)?,
-            _ => "127.0.0.1".into(),
+        let node_list = || {
+            ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+                .into_iter()
+                .find_map(|var| get(var).map(|list| (var, list)))
+        };
+        // SLURM's set taken (alone, or agreeing with torchrun's exported by a wrapper script).
+        let under_srun = sets.iter().any(|s| s.launcher == Launcher::Slurm);
+        let master_addr = match get("MASTER_ADDR") {
+            Some(a) => a,
+            None => match node_list().filter(|_| under_srun) {
+                Some((var, list)) => first_host_of(var, &list)?,
+                None => "127.0.0.1".into(),
+            },
         };
         let master_addr = master_addr.trim().to_string();
         if master_addr.is_empty() {

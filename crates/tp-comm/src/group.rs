@@ -259,31 +259,42 @@ impl DeviceGroup {
         self.comm.all_gather_into(x, dim, out)
     }
 
-    /// Point-to-point (pipeline stages): posts `x` for rank `dst` of this group without
-    /// waiting; [`Work::wait`](crate::Work::wait) returns `x` once `dst` has received it. See
-    /// [`Communicator::send_async`] for the matching rules, shape checks and deadlines.
+    /// Point-to-point (pipeline stages): posts `x` (on this rank's device) for rank `dst` of
+    /// this group without waiting for it to be received. [`Work::wait`](crate::Work::wait)
+    /// returns `x` itself (a clone sharing its storage) once `dst` has received it, or the error
+    /// that ended the send: a [`CommError::Mismatch`] when `dst` expected other dims or another
+    /// dtype, [`CommError::Timeout`] naming `dst` when it did not receive within the group's
+    /// deadline, [`CommError::Poisoned`] when the group failed meanwhile. The `k`-th send from
+    /// this rank to `dst` is the `k`-th receive at `dst` from this rank. `dst` equal to this
+    /// rank is a [`CommError::Mismatch`], past the group a [`CommError::RankOutOfRange`], both
+    /// at the call. See [`Communicator::send_async`] for what each backend does.
     pub fn send_async(&self, x: &Tensor, dst: usize) -> Result<crate::Work> {
         self.check("send", x)?;
         self.comm.send_async(x, dst)
     }
 
-    /// [`send_async`](Self::send_async), waited for.
+    /// [`send_async`](Self::send_async), waited for: returns once `dst` has received `x`.
     pub fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
         self.send_async(x, dst)?.wait().map(drop)
     }
 
-    /// Point-to-point: posts the receive of a `dims` tensor of `dtype` from rank `src`;
-    /// [`Work::wait`](crate::Work::wait) returns it (possibly on the host: [`recv`](Self::recv)
-    /// moves it to this rank's device).
+    /// Point-to-point: posts the receive of the next tensor from rank `src`, which must be a
+    /// `dims` tensor of `dtype`; [`Work::wait`](crate::Work::wait) returns it on this rank's
+    /// device. A message of other dims or another dtype is a [`CommError::Mismatch`] naming
+    /// both shapes, here and at the sender; a sender that does not send within the group's
+    /// deadline, a [`CommError::Timeout`] naming `src`. Dropping the work unwaited still takes
+    /// (and discards) its message, as a posted NCCL receive does. `src` is checked as in
+    /// [`send_async`](Self::send_async).
     pub fn recv_async(&self, dims: &[usize], dtype: tp_core::DType, src: usize) -> Result<crate::Work> {
-        self.comm.recv_async(dims, dtype, src)
+        let device = self.device;
+        let work = self.comm.recv_async(dims, dtype, src)?;
+        Ok(work.map(move |t| t.to_device(&device).map_err(tensor_err("recv"))))
     }
 
-    /// The next tensor from rank `src`, which must be a `dims` tensor of `dtype` (else a
-    /// [`CommError::Mismatch`] here and at the sender), on this rank's device.
+    /// [`recv_async`](Self::recv_async), waited for: the next tensor from rank `src`, on this
+    /// rank's device.
     pub fn recv(&self, dims: &[usize], dtype: tp_core::DType, src: usize) -> Result<Tensor> {
-        let t = self.recv_async(dims, dtype, src)?.wait()?;
-        self.to_local(&t)
+        self.recv_async(dims, dtype, src)?.wait()
     }
 
     /// Moves `x` to this rank's device (a cheap clone when already there).

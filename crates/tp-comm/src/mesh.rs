@@ -118,6 +118,15 @@ impl MeshShape {
             })
             .collect()
     }
+    /// `rank`'s place along `axis`: its rank within its group of that axis.
+    fn axis_index(&self, rank: usize, axis: Axis) -> usize {
+        let c = self.coords(rank);
+        match axis {
+            Axis::Tp => c.tp,
+            Axis::Pp => c.pp,
+            Axis::Dp => c.dp,
+        }
+    }
     /// Which group of `axis` global `rank` belongs to, numbered `0..world / size(axis)`.
     fn group_index(&self, rank: usize, axis: Axis) -> usize {
         let c = self.coords(rank);
@@ -161,12 +170,8 @@ impl Mesh {
         for axis in [Axis::Tp, Axis::Pp, Axis::Dp] {
             let mut mine: Vec<Option<DeviceGroup>> = vec![None; n];
             let size = shape.size(axis);
-            for g in 0..n / size {
-                let Some(first) =
-                    (0..n).find(|&r| shape.group_index(r, axis) == g && shape.group_ranks(r, axis)[0] == r)
-                else {
-                    continue;
-                };
+            // Each group once, from its first rank.
+            for first in (0..n).filter(|&r| shape.axis_index(r, axis) == 0) {
                 let members = shape.group_ranks(first, axis);
                 let groups = DeviceGroup::local(size, timeout, |i| device(members[i]))?;
                 for (m, grp) in members.into_iter().zip(groups) {
@@ -197,16 +202,27 @@ impl Mesh {
             .collect()
     }
 
-    /// Processes launched by torchrun, srun or mpirun ([`LaunchEnv`]): one rendezvous, an NCCL
-    /// communicator for the world and one per axis group (each group's first rank creates its
-    /// NCCL id, which travels through the rendezvous store), within the deadline. A failure on
-    /// one rank aborts the rendezvous, so the others do not wait for it.
+    /// Processes launched by torchrun, srun or mpirun ([`LaunchEnv`]), one per GPU (its
+    /// `local_rank`): one rendezvous, an NCCL communicator for the world and one per axis group,
+    /// all within the deadline. Each group's first rank creates its NCCL id and publishes it
+    /// through the rendezvous store under the group's own key (one write and one read per rank
+    /// and axis, whatever the world size). An axis of size 1 gets a communicator of one rank
+    /// (its id made locally, nothing through the store); an axis spanning the whole world
+    /// shares the world's communicator. A failure on one rank aborts the rendezvous, so that
+    /// rank 0 tells the others at once and nobody waits on it (a rank other than 0 that fails
+    /// leaves the others to fail at the deadline).
     ///
-    /// Errors: `WORLD_SIZE` other than the shape's; CUDA, NCCL and rendezvous errors.
+    /// Errors: a world size other than the shape's (a [`CommError::Env`] naming the launcher's
+    /// variable); CUDA, NCCL and rendezvous errors.
     pub fn from_launch_env(env: &LaunchEnv, shape: MeshShape) -> Result<Mesh> {
         if env.world_size != shape.world_size() {
+            let size_var = match env.launcher {
+                crate::Launcher::Torchrun => "WORLD_SIZE",
+                crate::Launcher::Slurm => "SLURM_NTASKS",
+                crate::Launcher::OpenMpi => "OMPI_COMM_WORLD_SIZE",
+            };
             return Err(CommError::Env(format!(
-                "WORLD_SIZE={} but the mesh needs {} x {} x {} = {} ranks (data x pipeline x tensor parallel)",
+                "{size_var}={} but the mesh needs {} x {} x {} = {} ranks (data x pipeline x tensor parallel)",
                 env.world_size,
                 shape.dp,
                 shape.pp,
@@ -232,7 +248,8 @@ impl Mesh {
         }
     }
 
-    /// The world communicator, then one per axis: ids from each group's first rank.
+    /// The world communicator, then one per axis (tp, pp, dp, the same order on every rank, as
+    /// NCCL's blocking-until-all initialisation of each needs).
     fn nccl_mesh(
         rdv: &mut crate::Rendezvous,
         env: &LaunchEnv,
@@ -246,10 +263,20 @@ impl Mesh {
         let mut out = Vec::with_capacity(3);
         for (name, axis) in [("tp", Axis::Tp), ("pp", Axis::Pp), ("dp", Axis::Dp)] {
             let members = shape.group_ranks(env.rank, axis);
-            let me = members.iter().position(|&r| r == env.rank).unwrap_or(0);
-            let id = if me == 0 { nccl.unique_id()?.to_vec() } else { Vec::new() };
-            let all = rdv.all_gather_bytes(&format!("mesh-{name}"), &id)?;
-            let id: [u8; 128] = all[members[0]].clone().try_into().map_err(|v: Vec<u8>| {
+            if members.len() == env.world_size {
+                out.push(world.clone());
+                continue;
+            }
+            let me = shape.axis_index(env.rank, axis);
+            let id = if members.len() == 1 {
+                nccl.unique_id()?.to_vec()
+            } else {
+                let root = members[0];
+                let key = format!("mesh-{name}-{}", shape.group_index(env.rank, axis));
+                let mine = if env.rank == root { Some(nccl.unique_id()?.to_vec()) } else { None };
+                rdv.broadcast_bytes(&key, root, mine.as_deref())?
+            };
+            let id: [u8; 128] = id.try_into().map_err(|v: Vec<u8>| {
                 CommError::Rendezvous(format!("NCCL id of {} bytes for the {name} group, expected 128", v.len()))
             })?;
             let comm = crate::nccl::NcclComm::init(id, me, members.len(), gpu.clone(), env.timeout)?;

@@ -47,6 +47,15 @@ impl Work {
         Work { inner: Inner::Pending(p) }
     }
 
+    /// This work with `f` applied to its result when it is waited for (an error passes through
+    /// untouched). Dropping the returned work drops this one, unwaited.
+    pub(crate) fn map(self, f: impl FnOnce(Tensor) -> Result<Tensor> + Send + 'static) -> Work {
+        match self.inner {
+            Inner::Done(r) => Work::done(r.and_then(f)),
+            Inner::Pending(inner) => Work::pending(Box::new(Mapped { inner, f })),
+        }
+    }
+
     /// Whether [`wait`](Self::wait) would return without blocking.
     pub fn is_completed(&mut self) -> bool {
         match &mut self.inner {
@@ -62,5 +71,22 @@ impl Work {
             Inner::Done(r) => r,
             Inner::Pending(p) => p.wait(),
         }
+    }
+}
+
+/// Pending work whose result goes through `f` ([`Work::map`]).
+struct Mapped<F> {
+    inner: Box<dyn PendingWork>,
+    f: F,
+}
+
+impl<F: FnOnce(Tensor) -> Result<Tensor> + Send> PendingWork for Mapped<F> {
+    fn is_done(&mut self) -> bool {
+        self.inner.is_done()
+    }
+
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        let Mapped { inner, f } = *self;
+        f(inner.wait()?)
     }
 }

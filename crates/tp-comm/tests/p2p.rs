@@ -493,3 +493,261 @@ fn a_one_rank_group_has_no_peer() {
     assert!(gs[0].send_async(&x, 0).is_err());
     assert!(gs[0].recv_async(&[1], DType::F32, 0).is_err());
 }
+
+/// Polls `w.is_completed()` for up to `limit`; whether it became true.
+fn completes_within(w: &mut tp_comm::Work, limit: Duration) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if w.is_completed() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    w.is_completed()
+}
+
+#[test]
+fn a_send_completes_once_its_receive_is_posted_before_the_receiver_waits() {
+    let gate = std::sync::Barrier::new(2);
+    let got = on_ranks(groups(2, LONG), |g| {
+        if g.rank() == 0 {
+            let mut w = g.send_async(&message(0, 0, &[3], DType::F32), 1).unwrap();
+            // Nothing posted at rank 1 yet: the send is pending.
+            assert!(!w.is_completed());
+            gate.wait(); // rank 1 posts its receive
+            gate.wait(); // ... and has not waited for it yet
+            assert!(completes_within(&mut w, Duration::from_secs(5)), "the send never completed");
+            let sent = w.wait().unwrap();
+            gate.wait(); // now rank 1 may wait
+            assert_eq!(sent, message(0, 0, &[3], DType::F32));
+            None
+        } else {
+            gate.wait();
+            let mut r = g.recv_async(&[3], DType::F32, 0).unwrap();
+            // The message was already sent: the receive is complete as soon as it is posted.
+            assert!(r.is_completed());
+            gate.wait();
+            gate.wait();
+            Some(r.wait().unwrap())
+        }
+    });
+    assert_eq!(got[1].as_ref().unwrap(), &message(0, 0, &[3], DType::F32));
+}
+
+#[test]
+fn a_mismatch_reaches_the_sender_without_the_receiver_waiting() {
+    let gate = std::sync::Barrier::new(2);
+    let got = on_ranks(groups(2, LONG), |g| {
+        if g.rank() == 0 {
+            let w = g.send_async(&message(0, 0, &[2, 3], DType::F32), 1).unwrap();
+            let t = Instant::now();
+            let e = w.wait().unwrap_err(); // rank 1 posted its receive and is parked at the gate
+            let took = t.elapsed();
+            gate.wait();
+            (e, took)
+        } else {
+            let r = g.recv_async(&[3, 2], DType::F32, 0).unwrap();
+            gate.wait();
+            (r.wait().unwrap_err(), Duration::ZERO)
+        }
+    });
+    assert!(got[0].1 < Duration::from_secs(2), "{:?}", got[0].1);
+    for (r, (e, _)) in got.iter().enumerate() {
+        assert!(matches!(e, CommError::Mismatch { .. }), "rank {r}: {e:?}");
+        let m = e.to_string();
+        assert!(m.contains("rank 0 sent [2, 3] f32 but rank 1 expected [3, 2] f32"), "rank {r}: {m}");
+    }
+}
+
+#[test]
+fn after_a_mismatch_the_pair_goes_on_in_step() {
+    let got = on_ranks(groups(2, LONG), |g| {
+        if g.rank() == 0 {
+            assert!(matches!(g.send(&message(0, 0, &[4], DType::F32), 1), Err(CommError::Mismatch { .. })));
+            g.send(&message(0, 1, &[4], DType::F32), 1).unwrap();
+            None
+        } else {
+            assert!(matches!(g.recv(&[4], DType::I64, 0), Err(CommError::Mismatch { .. })));
+            Some(g.recv(&[4], DType::F32, 0).unwrap())
+        }
+    });
+    assert_eq!(got[1].as_ref().unwrap(), &message(0, 1, &[4], DType::F32));
+}
+
+#[test]
+fn four_pipeline_stages_pass_activations_forward_and_gradients_back_one_f_one_b() {
+    // A 1F1B-like step over 4 stages and 6 micro-batches: stage s adds s + 1 to each
+    // activation on the way forward and doubles each gradient on the way back. Neighbours
+    // have activations and gradients in flight towards each other at the same time, and every
+    // stage runs an all_reduce_async of its loss while messages travel.
+    let (stages, mbs, dims) = (4usize, 6usize, [2usize, 3]);
+    let got = on_ranks(groups(stages, LONG), |g| {
+        let s = g.rank();
+        let warmup = (stages - 1 - s).min(mbs);
+        let mut sends = Vec::new();
+        let mut outs = Vec::new();
+        let mut fwd = 0;
+        let mut bwd = 0;
+        let forward = |mb: usize, sends: &mut Vec<tp_comm::Work>, outs: &mut Vec<Tensor>| {
+            let x = if s == 0 {
+                Tensor::from_fn_f64(&dims, DType::F32, &CPU, |i| (mb * 10 + i) as f64).unwrap()
+            } else {
+                g.recv(&dims, DType::F32, s - 1).unwrap()
+            };
+            let y =
+                Tensor::from_vec(x.to_vec::<f32>().unwrap().iter().map(|v| v + (s + 1) as f32).collect(), &dims, &CPU)
+                    .unwrap();
+            if s + 1 < stages {
+                sends.push(g.send_async(&y, s + 1).unwrap());
+            } else {
+                outs.push(y);
+            }
+        };
+        let backward = |mb: usize, sends: &mut Vec<tp_comm::Work>, outs: &mut Vec<Tensor>| {
+            let dy = if s + 1 == stages { outs[mb].clone() } else { g.recv(&dims, DType::F32, s + 1).unwrap() };
+            let dx =
+                Tensor::from_vec(dy.to_vec::<f32>().unwrap().iter().map(|v| v * 2.0).collect(), &dims, &CPU).unwrap();
+            if s > 0 {
+                sends.push(g.send_async(&dx, s - 1).unwrap());
+                None
+            } else {
+                Some(dx)
+            }
+        };
+        let mut grads = Vec::new();
+        while fwd < warmup {
+            forward(fwd, &mut sends, &mut outs);
+            fwd += 1;
+        }
+        while bwd < mbs {
+            if fwd < mbs {
+                forward(fwd, &mut sends, &mut outs);
+                fwd += 1;
+            }
+            let loss =
+                g.all_reduce_async(&Tensor::from_vec(vec![bwd as f32], &[1], &CPU).unwrap(), ReduceOp::Sum).unwrap();
+            if let Some(dx) = backward(bwd, &mut sends, &mut outs) {
+                grads.push(dx);
+            }
+            assert_eq!(loss.wait().unwrap().to_vec::<f32>().unwrap(), vec![(bwd * stages) as f32]);
+            bwd += 1;
+        }
+        for w in sends {
+            w.wait().unwrap();
+        }
+        grads
+    });
+    // Forward adds 1 + 2 + 3 + 4 = 10; backward doubles at each of the 4 stages.
+    assert_eq!(got[0].len(), mbs);
+    for (mb, dx) in got[0].iter().enumerate() {
+        let want: Vec<f32> = (0..6).map(|i| ((mb * 10 + i) as f32 + 10.0) * 16.0).collect();
+        assert_eq!(dx.to_vec::<f32>().unwrap(), want, "micro-batch {mb}");
+    }
+}
+
+#[test]
+fn every_rank_sends_to_every_other_with_many_messages_in_flight() {
+    let (n, per_pair) = (6usize, 4usize);
+    let got = on_ranks(groups(n, LONG), |g| {
+        let r = g.rank();
+        let mut sends = Vec::new();
+        for k in 0..per_pair {
+            for d in (0..n).filter(|&d| d != r) {
+                let dims = [k + 1, d + 2];
+                sends.push(g.send_async(&message(r, k, &dims, DType::BF16), d).unwrap());
+            }
+        }
+        // Receives posted source by source in a rank-dependent order, some waited late.
+        let mut srcs: Vec<usize> = (0..n).filter(|&s| s != r).collect();
+        let len = srcs.len();
+        srcs.rotate_left(r % len);
+        let mut pending = Vec::new();
+        for &src in &srcs {
+            for k in 0..per_pair {
+                pending.push((src, k, g.recv_async(&[k + 1, r + 2], DType::BF16, src).unwrap()));
+            }
+        }
+        let got: Vec<(usize, usize, Tensor)> =
+            pending.into_iter().rev().map(|(src, k, w)| (src, k, w.wait().unwrap())).collect();
+        for w in sends {
+            w.wait().unwrap();
+        }
+        got
+    });
+    for (r, msgs) in got.iter().enumerate() {
+        assert_eq!(msgs.len(), (n - 1) * per_pair);
+        for (src, k, t) in msgs {
+            assert_eq!(t, &message(*src, *k, &[k + 1, r + 2], DType::BF16), "rank {r} from {src}, message {k}");
+        }
+    }
+}
+
+#[test]
+fn an_abort_wakes_waiting_sends_and_receives_on_every_rank() {
+    let started = Instant::now();
+    let got = on_ranks(groups(4, LONG), |g| match g.rank() {
+        3 => {
+            std::thread::sleep(Duration::from_millis(100));
+            g.abort("stage 3 ran out of memory");
+            None
+        }
+        r => {
+            // Rank 0 waits on a send to 1; ranks 1 and 2 wait on receives nobody sends.
+            let e = if r == 0 {
+                g.send(&message(0, 0, &[2], DType::F32), 1).unwrap_err()
+            } else {
+                g.recv(&[2], DType::F32, (r + 1) % 3).unwrap_err()
+            };
+            Some(e)
+        }
+    });
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    for (r, e) in got.iter().enumerate().take(3) {
+        let e = e.as_ref().unwrap();
+        assert!(matches!(e, CommError::Poisoned { .. }), "rank {r}: {e:?}");
+        assert!(e.to_string().contains("stage 3 ran out of memory"), "rank {r}: {e}");
+    }
+}
+
+/// A communicator with collectives only: the trait's default point-to-point.
+struct NoP2p;
+
+impl tp_comm::Communicator for NoP2p {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        2
+    }
+    fn all_gather(&self, x: &Tensor, _: usize) -> tp_comm::Result<Tensor> {
+        Ok(x.clone())
+    }
+    fn all_reduce(&self, x: &Tensor, _: ReduceOp) -> tp_comm::Result<Tensor> {
+        Ok(x.clone())
+    }
+    fn reduce_scatter(&self, x: &Tensor, _: usize, _: ReduceOp) -> tp_comm::Result<Tensor> {
+        Ok(x.clone())
+    }
+    fn broadcast(&self, x: &Tensor, _: usize) -> tp_comm::Result<Tensor> {
+        Ok(x.clone())
+    }
+    fn barrier(&self) -> tp_comm::Result<()> {
+        Ok(())
+    }
+    fn abort(&self, _: &str) {}
+}
+
+#[test]
+fn a_backend_without_point_to_point_says_so() {
+    let g = DeviceGroup::new(std::sync::Arc::new(NoP2p), CPU);
+    let x = message(0, 0, &[1], DType::F32);
+    for e in [
+        g.send_async(&x, 1).map(drop).unwrap_err(),
+        g.send(&x, 1).unwrap_err(),
+        g.recv_async(&[1], DType::F32, 1).map(drop).unwrap_err(),
+        g.recv(&[1], DType::F32, 1).map(drop).unwrap_err(),
+    ] {
+        assert!(matches!(e, CommError::Limit { .. }), "{e:?}");
+        assert!(e.to_string().contains("no point-to-point"), "{e}");
+    }
+}

@@ -22,6 +22,9 @@ use tp_train::{StepGroups, TrainConfig, Trainer};
 
 /// A 5-layer Llama (6 heads, 2 KV heads, vocabulary 97), tied or not, written once per process.
 fn model_dir(tied: bool) -> PathBuf {
+    // Tests run in parallel: one writes the folder while the others wait for it.
+    static WRITING: Mutex<()> = Mutex::new(());
+    let _guard = WRITING.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("tp-pipeline-test-{}-{}", std::process::id(), tied));
     if !dir.join("config.json").is_file() {
         SyntheticModel {

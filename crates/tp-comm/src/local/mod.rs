@@ -172,6 +172,7 @@ impl Shared {
         self.poisoned.store(true, Ordering::Release);
         drop(st);
         self.arrived.notify_all();
+        self.mailboxes.wake();
     }
 
     /// Wakes the parked ranks, if any.
@@ -372,6 +373,7 @@ impl Member {
                 sh.poisoned.store(true, Ordering::Release);
                 drop(st);
                 sh.arrived.notify_all();
+                sh.mailboxes.wake();
                 return Err(CommError::Timeout { op: op.into(), rank: self.rank, missing, waited: sh.timeout });
             }
             st.sleepers += 1;
@@ -489,6 +491,7 @@ impl Member {
                     sh.poisoned.store(true, Ordering::Release);
                     drop(st);
                     sh.arrived.notify_all();
+                    sh.mailboxes.wake();
                     return Err(CommError::Poisoned { op: op.into(), reason });
                 }
                 st.sleepers += 1;

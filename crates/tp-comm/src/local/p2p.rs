@@ -1,29 +1,40 @@
 //! Point-to-point messages between the threads of a [`LocalGroup`](super::LocalGroup):
 //! pipeline stages sending activations and gradients to their neighbours.
 //!
-//! Messages from `src` to `dst` are numbered in the order they are sent and received: the
-//! `k`-th send from `src` to `dst` matches the `k`-th receive at `dst` from `src` (NCCL's
-//! rule), whatever the order in which the pending [`Work`]s are waited for. A send deposits a
-//! reference-counted clone of a host tensor (a CUDA tensor is copied to the host) in a mailbox
-//! kept apart from the collectives' exchanges, so messages in flight never disturb them. The
-//! receiver checks the dims and dtype it expects; a mismatch is a [`CommError::Mismatch`] on
-//! both sides (the sender's wait returns it too). A send completes when its receiver has taken
-//! the message. Every wait has the group's deadline: a receive whose sender never sends, or a
-//! send nobody receives, returns [`CommError::Timeout`] naming the peer and poisons the group
-//! (so every other rank stops too); a poisoned group fails pending sends and receives within
-//! a few milliseconds.
+//! Matching: messages from `src` to `dst` are numbered in the order they are sent, receives at
+//! `dst` from `src` in the order they are posted, and the `k`-th send matches the `k`-th receive
+//! (NCCL's rule), whatever the order in which the pending [`Work`](crate::Work)s are waited for.
+//! A send and its receive are matched as soon as both are posted, by whichever call comes
+//! second: the receiver's dims and dtype are checked then, and both sides' works complete then,
+//! with the tensor or a [`CommError::Mismatch`] naming both shapes. So a send completes once its
+//! receive is posted, even before the receiver waits (as a posted NCCL receive completes on its
+//! own), and a work dropped unwaited still counts: its message is matched and discarded.
+//!
+//! Nothing is copied and sends never block: a message is a reference-counted clone of the
+//! sender's tensor (host storage is copy-on-write, device buffers are immutable, so the sender
+//! may go on writing its tensor), kept in mailboxes apart from the collectives' exchanges, so
+//! messages in flight never disturb collectives. A CUDA tensor stays on its GPU: the receiver
+//! gets it where the sender had it ([`DeviceGroup::recv`](crate::DeviceGroup::recv) moves it to
+//! its own device: nothing when the ranks share a GPU, through the host otherwise).
+//!
+//! Every wait has the group's deadline, counted from the send or receive call: a receive whose
+//! sender never sends, or a send nobody receives, returns [`CommError::Timeout`] naming the peer
+//! and poisons the group (so every other rank stops too); a poisoned group (a failed or aborted
+//! rank) wakes pending sends and receives at once and fails them with its reason.
 
 use super::Member;
-use crate::error::{CommError, Result, tensor_err};
+use crate::deadline::Deadline;
+use crate::error::{CommError, Result};
 use crate::work::PendingWork;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use tp_core::{DType, Device, Tensor};
+use tp_core::{DType, Tensor};
 
-/// How often a waiting send or receive looks at the group's poison flag.
-const POLL: Duration = Duration::from_millis(5);
+/// Longest a waiting send or receive sleeps between looks at its state (a backstop: matches
+/// and poisoning wake it at once).
+const POLL: Duration = Duration::from_millis(50);
 
 /// `(src, dst, k)`: the `k`-th message from `src` to `dst`.
 type Key = (usize, usize, u64);
@@ -37,26 +48,40 @@ pub(super) struct Mailboxes {
 
 #[derive(Default)]
 struct Boxes {
-    /// Messages sent and not yet received.
-    waiting: HashMap<Key, Tensor>,
-    /// What the receiver said of each taken message (for the sender's wait): `None` when it
-    /// matched, else why not.
+    /// Messages sent whose receive is not posted yet.
+    unmatched_sends: HashMap<Key, Tensor>,
+    /// Receives posted whose message is not sent yet: the dims and dtype they expect.
+    unmatched_recvs: HashMap<Key, (Vec<usize>, DType)>,
+    /// Matched messages for the receivers' waits: the tensor, or why it did not match.
+    delivered: HashMap<Key, std::result::Result<Tensor, String>>,
+    /// Matched messages for the senders' waits: `None` when it matched, else why not.
     outcome: HashMap<Key, Option<String>>,
+    /// Works dropped unwaited before their match: nothing is kept for them once matched.
+    dropped_sends: HashSet<Key>,
+    dropped_recvs: HashSet<Key>,
     /// Messages sent / receives posted so far per `(src, dst)`.
     sent: HashMap<(usize, usize), u64>,
     posted: HashMap<(usize, usize), u64>,
-    /// Receives dropped before their message arrived: it is taken (and discarded) on arrival,
-    /// so its sender completes, as a posted NCCL receive completes whether or not anyone waits.
-    abandoned: std::collections::HashSet<Key>,
-    /// Sends dropped before their receiver took them: no outcome is kept for them.
-    orphaned: std::collections::HashSet<Key>,
 }
 
 impl Boxes {
-    /// Records the receiver's word on message `key` for its sender (unless the send was dropped).
-    fn answer(&mut self, key: Key, why: Option<String>) {
-        if !self.orphaned.remove(&key) {
-            self.outcome.insert(key, why);
+    /// Matches message `key`, `t`, with its receive, which expects `dims` and `dtype`: the
+    /// result for each side's wait (unless that side's work was dropped).
+    fn matched(&mut self, key: Key, t: Tensor, dims: &[usize], dtype: DType) {
+        let why = (t.dims() != dims || t.dtype() != dtype).then(|| {
+            format!(
+                "rank {} sent {} but rank {} expected {}",
+                key.0,
+                describe(t.dims(), t.dtype()),
+                key.1,
+                describe(dims, dtype)
+            )
+        });
+        if !self.dropped_sends.remove(&key) {
+            self.outcome.insert(key, why.clone());
+        }
+        if !self.dropped_recvs.remove(&key) {
+            self.delivered.insert(key, why.map_or(Ok(t), Err));
         }
     }
 }
@@ -65,11 +90,26 @@ impl Mailboxes {
     fn lock(&self) -> MutexGuard<'_, Boxes> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Wakes every waiting send and receive (the group was poisoned). Taking the lock first
+    /// means a waiter that saw the group healthy under the lock is already parked, so it gets
+    /// this notification.
+    pub(super) fn wake(&self) {
+        drop(self.lock());
+        self.changed.notify_all();
+    }
 }
 
-/// The shape a receive expects.
+/// A message's shape, as errors name it.
 fn describe(dims: &[usize], dtype: DType) -> String {
     format!("{dims:?} {dtype}")
+}
+
+/// The side of a message a pending work is.
+#[derive(Clone, Copy)]
+enum Side {
+    Send,
+    Recv,
 }
 
 impl Member {
@@ -87,192 +127,169 @@ impl Member {
         Ok(())
     }
 
-    fn check_poison(&self, op: &'static str) -> Result<()> {
-        if self.shared.poisoned.load(Ordering::Acquire) {
-            let reason = self.shared.lock().poisoned.clone().unwrap_or_default();
-            return Err(CommError::Poisoned { op: op.into(), reason });
-        }
-        Ok(())
+    fn is_poisoned(&self) -> bool {
+        self.shared.poisoned.load(Ordering::Acquire)
     }
 
-    /// A timeout naming `peer`, after poisoning the group with the same reason.
-    fn p2p_timeout(&self, op: &'static str, peer: usize, what: &str) -> CommError {
-        let reason = format!("rank {} timed out after {:?} in {op} {what} rank {peer}", self.rank, self.shared.timeout);
-        self.shared.poison(reason);
-        self.shared.mailboxes.changed.notify_all();
-        CommError::Timeout { op: op.into(), rank: self.rank, missing: vec![peer], waited: self.shared.timeout }
+    /// The error of a poisoned group, with its reason.
+    fn poisoned_err(&self, op: &'static str) -> CommError {
+        let reason = self.shared.lock().poisoned.clone().unwrap_or_default();
+        CommError::Poisoned { op: op.into(), reason }
     }
 
-    /// Posts `x` to `dst`; the work completes once `dst` has received it.
-    pub(super) fn send(&self, x: &Tensor, dst: usize) -> Result<SendWork> {
+    /// Posts `x` to `dst` (a clone: nothing is copied); the work completes once `dst` has
+    /// posted the matching receive.
+    pub(super) fn send(&self, x: &Tensor, dst: usize) -> Result<P2pWork> {
         const OP: &str = "send";
         self.check_peer(OP, dst)?;
-        self.check_poison(OP)?;
-        let x =
-            if x.device() == Device::Cpu { x.clone() } else { x.to_device(&Device::Cpu).map_err(tensor_err(OP))? };
+        if self.is_poisoned() {
+            return Err(self.poisoned_err(OP));
+        }
+        let deadline = Deadline::after(self.shared.timeout).instant();
         let mb = &self.shared.mailboxes;
         let mut st = mb.lock();
         let k = st.sent.entry((self.rank, dst)).or_insert(0);
         let key = (self.rank, dst, *k);
         *k += 1;
-        if st.abandoned.remove(&key) {
-            st.answer(key, None); // its receive was dropped: delivered to nobody, complete
-        } else {
-            st.waiting.insert(key, x.clone());
+        match st.unmatched_recvs.remove(&key) {
+            Some((dims, dtype)) => {
+                st.matched(key, x.clone(), &dims, dtype);
+                drop(st);
+                mb.changed.notify_all();
+            }
+            None => {
+                st.unmatched_sends.insert(key, x.clone());
+            }
         }
-        drop(st);
-        mb.changed.notify_all();
-        let deadline = Instant::now() + self.shared.timeout;
-        Ok(SendWork { member: self.clone(), key, tensor: x, deadline, waited: false })
+        Ok(P2pWork { member: self.clone(), key, side: Side::Send, sent: Some(x.clone()), deadline, waited: false })
     }
 
     /// Posts a receive of a `dims`/`dtype` tensor from `src`.
-    pub(super) fn recv(&self, dims: &[usize], dtype: DType, src: usize) -> Result<RecvWork> {
+    pub(super) fn recv(&self, dims: &[usize], dtype: DType, src: usize) -> Result<P2pWork> {
         const OP: &str = "recv";
         self.check_peer(OP, src)?;
-        self.check_poison(OP)?;
-        let mut st = self.shared.mailboxes.lock();
+        if self.is_poisoned() {
+            return Err(self.poisoned_err(OP));
+        }
+        let deadline = Deadline::after(self.shared.timeout).instant();
+        let mb = &self.shared.mailboxes;
+        let mut st = mb.lock();
         let k = st.posted.entry((src, self.rank)).or_insert(0);
         let key = (src, self.rank, *k);
         *k += 1;
-        Ok(RecvWork {
-            member: self.clone(),
-            key,
-            dims: dims.to_vec(),
-            dtype,
-            deadline: Instant::now() + self.shared.timeout,
-            waited: false,
-        })
+        match st.unmatched_sends.remove(&key) {
+            Some(t) => {
+                st.matched(key, t, dims, dtype);
+                drop(st);
+                mb.changed.notify_all();
+            }
+            None => {
+                st.unmatched_recvs.insert(key, (dims.to_vec(), dtype));
+            }
+        }
+        Ok(P2pWork { member: self.clone(), key, side: Side::Recv, sent: None, deadline, waited: false })
     }
 }
 
-/// A send in flight.
-pub(super) struct SendWork {
+/// A send or a receive in flight.
+pub(super) struct P2pWork {
     member: Member,
     key: Key,
-    tensor: Tensor,
+    side: Side,
+    /// The sender's tensor (what a send's wait returns).
+    sent: Option<Tensor>,
     deadline: Instant,
-    /// Whether `wait` ran (else dropping it forgets its outcome).
+    /// Whether `wait` ran (else dropping it tells the mailboxes to keep nothing for it).
     waited: bool,
 }
 
-impl Drop for SendWork {
-    fn drop(&mut self) {
-        if !self.waited {
-            let mut st = self.member.shared.mailboxes.lock();
-            if st.outcome.remove(&self.key).is_none() {
-                st.orphaned.insert(self.key);
+impl P2pWork {
+    /// This side's result, if the message has been matched (taken out of the mailboxes).
+    fn take(&mut self, st: &mut Boxes) -> Option<Result<Tensor>> {
+        let mismatch = |why| CommError::Mismatch { op: "send/recv".into(), why };
+        match self.side {
+            Side::Send => {
+                let why = st.outcome.remove(&self.key)?;
+                Some(match why {
+                    None => self.sent.take().ok_or_else(|| mismatch("the send was waited for twice".into())),
+                    Some(why) => Err(mismatch(why)),
+                })
             }
+            Side::Recv => Some(st.delivered.remove(&self.key)?.map_err(mismatch)),
         }
+    }
+
+    fn has_result(&self, st: &Boxes) -> bool {
+        match self.side {
+            Side::Send => st.outcome.contains_key(&self.key),
+            Side::Recv => st.delivered.contains_key(&self.key),
+        }
+    }
+
+    /// The timeout of this work, naming its peer, after poisoning the group with the reason.
+    fn timeout(&self) -> CommError {
+        let m = &self.member;
+        let (op, peer, what) = match self.side {
+            Side::Send => ("send", self.key.1, "waiting for its message to be received by"),
+            Side::Recv => ("recv", self.key.0, "waiting for a message from"),
+        };
+        let sh = &m.shared;
+        sh.poison(format!("rank {} timed out after {:?} in {op} {what} rank {peer}", m.rank, sh.timeout));
+        CommError::Timeout { op: op.into(), rank: m.rank, missing: vec![peer], waited: sh.timeout }
     }
 }
 
-impl PendingWork for SendWork {
+impl PendingWork for P2pWork {
     fn is_done(&mut self) -> bool {
-        self.member.shared.mailboxes.lock().outcome.contains_key(&self.key)
+        let m = &self.member;
+        self.has_result(&m.shared.mailboxes.lock()) || m.is_poisoned() || Instant::now() >= self.deadline
     }
 
-    /// The sent tensor, once the receiver took it.
+    /// A send: the sender's `x`, once its receive was posted. A receive: the tensor, where the
+    /// sender had it.
     fn wait(mut self: Box<Self>) -> Result<Tensor> {
-        const OP: &str = "send";
         self.waited = true;
-        let m = &self.member;
+        let m = self.member.clone();
         let mb = &m.shared.mailboxes;
+        let op = match self.side {
+            Side::Send => "send",
+            Side::Recv => "recv",
+        };
         let mut st = mb.lock();
         loop {
-            if let Some(out) = st.outcome.remove(&self.key) {
-                return match out {
-                    None => Ok(self.tensor.clone()),
-                    Some(why) => Err(CommError::Mismatch { op: "send/recv".into(), why }),
-                };
+            if let Some(r) = self.take(&mut st) {
+                return r;
             }
-            drop(st);
-            m.check_poison(OP)?;
+            // Checked under the mailbox lock, which `Mailboxes::wake` takes after poisoning:
+            // no wake-up is lost between this check and the wait below.
+            if m.is_poisoned() {
+                drop(st);
+                return Err(m.poisoned_err(op));
+            }
             let now = Instant::now();
             if now >= self.deadline {
-                return Err(m.p2p_timeout(OP, self.key.1, "waiting for its message to be received by"));
-            }
-            st = mb.lock();
-            if st.outcome.contains_key(&self.key) {
-                continue;
+                drop(st);
+                return Err(self.timeout());
             }
             st = mb.changed.wait_timeout(st, POLL.min(self.deadline - now)).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
 }
 
-/// A receive in flight. Dropped without waiting, it still takes its message (discarding it),
-/// so that the sender completes and later messages keep their order.
-pub(super) struct RecvWork {
-    member: Member,
-    key: Key,
-    dims: Vec<usize>,
-    dtype: DType,
-    deadline: Instant,
-    /// Whether `wait` ran.
-    waited: bool,
-}
-
-impl Drop for RecvWork {
+impl Drop for P2pWork {
+    /// Unwaited work still counts: once matched, nothing is kept for it (the message of a
+    /// dropped receive is discarded; its sender completes all the same).
     fn drop(&mut self) {
         if self.waited {
             return;
         }
-        let mb = &self.member.shared.mailboxes;
-        let mut st = mb.lock();
-        if st.waiting.remove(&self.key).is_some() {
-            st.answer(self.key, None);
-            drop(st);
-            mb.changed.notify_all();
-        } else {
-            st.abandoned.insert(self.key);
-        }
-    }
-}
-
-impl PendingWork for RecvWork {
-    fn is_done(&mut self) -> bool {
-        self.member.shared.mailboxes.lock().waiting.contains_key(&self.key)
-    }
-
-    /// The received tensor, on the host.
-    fn wait(mut self: Box<Self>) -> Result<Tensor> {
-        const OP: &str = "recv";
-        self.waited = true;
-        let m = &self.member;
-        let mb = &m.shared.mailboxes;
-        let mut st = mb.lock();
-        loop {
-            if let Some(t) = st.waiting.remove(&self.key) {
-                let ok = t.dims() == self.dims.as_slice() && t.dtype() == self.dtype;
-                let why = (!ok).then(|| {
-                    format!(
-                        "rank {} sent {} but rank {} expected {}",
-                        self.key.0,
-                        describe(t.dims(), t.dtype()),
-                        self.key.1,
-                        describe(&self.dims, self.dtype)
-                    )
-                });
-                st.answer(self.key, why.clone());
-                drop(st);
-                mb.changed.notify_all();
-                return match why {
-                    None => Ok(t),
-                    Some(why) => Err(CommError::Mismatch { op: "send/recv".into(), why }),
-                };
-            }
-            drop(st);
-            m.check_poison(OP)?;
-            let now = Instant::now();
-            if now >= self.deadline {
-                return Err(m.p2p_timeout(OP, self.key.0, "waiting for a message from"));
-            }
-            st = mb.lock();
-            if st.waiting.contains_key(&self.key) {
-                continue;
-            }
-            st = mb.changed.wait_timeout(st, POLL.min(self.deadline - now)).unwrap_or_else(|e| e.into_inner()).0;
+        let mut st = self.member.shared.mailboxes.lock();
+        let (kept, dropped) = match self.side {
+            Side::Send => (st.outcome.remove(&self.key).is_some(), &mut st.dropped_sends),
+            Side::Recv => (st.delivered.remove(&self.key).is_some(), &mut st.dropped_recvs),
+        };
+        if !kept {
+            dropped.insert(self.key);
         }
     }
 }

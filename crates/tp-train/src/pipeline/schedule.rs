@@ -1,36 +1,60 @@
 //! Pipeline schedules as data: for every pipeline rank, the list of [`Action`]s it runs in one
 //! optimizer step.
 //!
-//! `p` ranks, `m` micro-batches, `v` model chunks per rank: chunk `c` on rank `s` is virtual
-//! stage `c·p + s` of `V = v·p` (Megatron-LM's interleaving; `v = 1` otherwise). Virtual stage
-//! 0 holds the embedding, stage `V - 1` the loss. A forward's output goes to the rank of the
-//! next virtual stage (`s + 1`, or rank 0's next chunk from rank `p - 1`), an input gradient to
-//! the previous one.
+//! # Virtual stages
+//!
+//! `p` ranks, `m` micro-batches, `v` model chunks per rank (`v = 1` except for the interleaved
+//! schedule). Chunk `c` on rank `s` is virtual stage `c·p + s` of `V = v·p` (Megatron-LM's
+//! interleaving: with `p = 4, v = 2`, rank 0 holds stages 0 and 4, rank 3 stages 3 and 7).
+//! Virtual stage 0 holds the embedding, stage `V - 1` the loss. The forward output of stage
+//! `k` goes to stage `k + 1`: rank `s + 1`'s same chunk, or, from rank `p - 1`, rank 0's chunk
+//! `c + 1`. Input gradients go the other way. Within a rank, `mb` and `chunk` name the work.
+//!
+//! # Actions and how they run
+//!
+//! Each rank runs its list in order. A send is posted and does not wait (it completes later);
+//! a receive waits until its message has arrived. Messages from one rank to another are matched
+//! first in, first out, as NCCL's are: the `k`-th send from `a` to `b` is the `k`-th receive at
+//! `b` from `a`, and both name the same kind (activation or gradient), micro-batch and
+//! consistent chunks (a send names the sender's chunk, a receive the receiver's). Each receive
+//! comes right before the compute that needs it, each send right after the compute that
+//! produced it. (Were a rank to need a peer's messages out of the order they are sent, the
+//! receives of the earlier ones would come first; none of these schedules does, as the tests
+//! check.) The first virtual stage's backward sends no gradient (the embedding's input gradient
+//! goes nowhere); the last virtual stage's forward computes the loss and its gradient, so its
+//! backward receives none. [`Action::OptimizerStep`] is every rank's last action, once. With
+//! `p = 1` there are no sends or receives.
 //!
 //! Each schedule is generated in two steps: one function per kind gives each rank's order of
-//! compute (forwards and backwards), then [`Schedule::new`] places the messages: a send right
-//! after the compute that produced it, and receives in the order the peer sends them (messages
-//! between two ranks are matched first in, first out, as NCCL's are), each before the first
-//! compute that needs it. Sends are posted without waiting; receives wait. Every schedule
-//! passes [`validate`](super::validate()) before it is returned.
+//! compute, then [`Schedule::new`] places the messages, and every schedule passes
+//! [`validate`](super::validate()) before it is returned.
 //!
-//! The orders, per rank `s`:
+//! # The orders, per rank `s`
 //!
-//! * **GPipe**: every forward, then every backward, in micro-batch order.
-//! * **1F1B**: `min(p - s - 1, m)` warm-up forwards, then one forward and one backward in turn,
-//!   then the remaining backwards: at most `p - s` micro-batches in flight on rank `s`.
-//! * **Interleaved 1F1B** (Megatron-LM): the `m·v` forwards ordered in groups of `p`
-//!   micro-batches per chunk (`k`-th forward: chunk `⌊k/p⌋ mod v`, micro-batch
-//!   `⌊k/(p·v)⌋·p + k mod p`; backwards the same with the chunks reversed); `2(p - s - 1) +
-//!   (v - 1)·p` warm-up forwards, then 1F1B. Needs `m` a multiple of `p` and `p >= 2`.
-//! * **ZB-H1** (Qi et al., *Zero Bubble Pipeline Parallelism*): every backward split into its
-//!   input gradient `B`, which the previous stage waits for, and its weight gradient `W`, which
-//!   nobody waits for. The order is what a greedy list scheduler does with equal costs: a rank
-//!   that is free runs a ready `B` first, else a forward if fewer than `p - s` micro-batches
-//!   are in flight (1F1B's activation memory), else its oldest pending `W`; so the `W`s fill
-//!   the cool-down's idle time, in micro-batch order.
+//! * **GPipe**: every forward, then every backward, in micro-batch order. Activations of all
+//!   `m` micro-batches are held at once.
+//! * **1F1B** (PipeDream-flush): `min(p - s - 1, m)` warm-up forwards, then one forward and one
+//!   backward in turn, then the remaining backwards: at most `p - s` micro-batches in flight
+//!   (forward done, backward not) on rank `s`.
+//! * **Interleaved 1F1B** (Megatron-LM): the `m·v` forwards in groups of `p` micro-batches per
+//!   chunk: the `k`-th forward is chunk `⌊k/p⌋ mod v` of micro-batch `⌊k/(p·v)⌋·p + k mod p`;
+//!   the `k`-th backward the same with the chunks reversed (`v - 1 - ⌊k/p⌋ mod v`). Warm-up
+//!   `min(2(p - s - 1) + (v - 1)·p, m·v)` forwards, then one forward and one backward in turn,
+//!   then the remaining backwards. Needs `m` a multiple of `p` (Megatron-LM's rule) and
+//!   `p >= 2`. Older Megatron-LM runs every forward first when `m = p`; this follows the
+//!   formula there too (current Megatron-LM's `min`), with the same bubble. With `v = 1` it is
+//!   still this formula (warm-up `2(p - s - 1)`, more memory than 1F1B for the same bubble).
+//! * **ZB-H1** (Qi et al., *Zero Bubble Pipeline Parallelism*, handcrafted schedule H1): every
+//!   backward split into its input gradient `B` ([`Action::BackwardInput`]), which the previous
+//!   stage waits for, and its weight gradient `W` ([`Action::BackwardWeight`]), which nobody
+//!   waits for. Forwards and `B`s keep 1F1B's order; the `W`s follow in micro-batch order, rank
+//!   `s` holding back `s` of them: after the `B` of micro-batch `j` comes the `W` of
+//!   micro-batch `j - s` (if `j >= s`), and the last `s` `W`s close the list, filling the
+//!   cool-down's idle time. So every rank has at most `p - s` micro-batches between `F` and
+//!   `B` (1F1B's) and at most `p` between `F` and `W` (1F1B's peak, that of rank 0), the
+//!   paper's "same number of in-flight micro-batches on every stage".
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 /// One pipeline rank's action. `mb` is the micro-batch (`0..m`), `chunk` the model chunk on
 /// this rank (`0..v`; virtual stage `chunk·p + rank`).
@@ -115,12 +139,20 @@ pub enum ScheduleError {
     /// The arguments do not make a schedule.
     #[error("{0}")]
     Arguments(String),
-    /// Rank `rank`'s action at `index` breaks the rules.
-    #[error("rank {rank}, action {index} ({action:?}): {why}")]
+    /// Rank `rank`'s action at `index` (`None` past the end of its list) breaks the rules.
+    #[error("rank {rank}, action {index}{}: {why}", describe(action))]
     Action { rank: usize, index: usize, action: Option<Action>, why: String },
-    /// The ranks wait for each other.
+    /// The ranks wait for each other: what each stuck rank waits at.
     #[error("deadlock: {0}")]
     Deadlock(String),
+}
+
+/// ` (the action)`, or ` (end of the list)`.
+fn describe(action: &Option<Action>) -> String {
+    match action {
+        Some(a) => format!(" ({a:?})"),
+        None => " (end of the list)".into(),
+    }
 }
 
 /// Every pipeline rank's actions for one step.
@@ -142,9 +174,11 @@ impl Schedule {
     /// The `kind` schedule of `stages` ranks, `micro_batches` micro-batches and `virtual_stages`
     /// chunks per rank, validated.
     ///
-    /// Errors: a zero argument; more than one chunk per rank for a kind other than
-    /// interleaved; interleaved with one rank or with micro-batches not a multiple of the ranks
-    /// (Megatron-LM's rule).
+    /// Errors ([`ScheduleError::Arguments`], naming the argument): `stages`, `micro_batches` or
+    /// `virtual_stages` zero; `virtual_stages > 1` for a kind other than interleaved;
+    /// interleaved with `stages < 2` or with `micro_batches` not a multiple of `stages`
+    /// (Megatron-LM's rule). A generated schedule that failed [`validate`](super::validate())
+    /// would be a bug here, reported as that error.
     pub fn new(
         kind: ScheduleKind,
         stages: usize,
@@ -152,29 +186,18 @@ impl Schedule {
         virtual_stages: usize,
     ) -> Result<Schedule, ScheduleError> {
         let (p, m, v) = (stages, micro_batches, virtual_stages);
-        let bad = |why: String| Err(ScheduleError::Arguments(why));
-        if p == 0 || m == 0 || v == 0 {
-            return bad(format!("stages ({p}), micro-batches ({m}) and virtual stages ({v}) must each be at least 1"));
+        check_arguments(kind, p, m, v)?;
+        if kind == ScheduleKind::Interleaved1F1B && m % p != 0 {
+            return Err(ScheduleError::Arguments(format!(
+                "the interleaved schedule needs micro_batches ({m}) to be a multiple of stages ({p}), as Megatron-LM's \
+                 does (it orders the work in groups of `stages` micro-batches)"
+            )));
         }
-        if v > 1 && kind != ScheduleKind::Interleaved1F1B {
-            return bad(format!("{v} virtual stages need the interleaved schedule, not {}", kind.name()));
-        }
-        if kind == ScheduleKind::Interleaved1F1B {
-            if p < 2 {
-                return bad("the interleaved schedule needs at least 2 pipeline stages".into());
-            }
-            if m % p != 0 {
-                return bad(format!(
-                    "the interleaved schedule needs the micro-batches ({m}) to be a multiple of the pipeline stages \
-                     ({p}), as Megatron-LM's does"
-                ));
-            }
-        }
-        let orders = match kind {
+        let orders: Vec<Vec<Action>> = match kind {
             ScheduleKind::GPipe => (0..p).map(|_| gpipe(m)).collect(),
             ScheduleKind::OneFOneB => (0..p).map(|s| one_f_one_b(p, s, m)).collect(),
             ScheduleKind::Interleaved1F1B => (0..p).map(|s| interleaved(p, s, m, v)).collect(),
-            ScheduleKind::ZeroBubbleH1 => zero_bubble_h1(p, m),
+            ScheduleKind::ZeroBubbleH1 => (0..p).map(|s| zero_bubble_h1(p, s, m)).collect(),
         };
         let actions = place_messages(p, v, &orders)?;
         let s = Schedule { kind, stages: p, micro_batches: m, virtual_stages: v, actions };
@@ -191,6 +214,23 @@ impl Schedule {
     pub fn virtual_stage(&self, rank: usize, chunk: usize) -> usize {
         chunk * self.stages + rank
     }
+}
+
+/// The rules on the arguments that any schedule of `kind` keeps (the validator's too).
+pub(crate) fn check_arguments(kind: ScheduleKind, p: usize, m: usize, v: usize) -> Result<(), ScheduleError> {
+    let bad = |why: String| Err(ScheduleError::Arguments(why));
+    for (name, value) in [("stages", p), ("micro_batches", m), ("virtual_stages", v)] {
+        if value == 0 {
+            return bad(format!("{name} must be at least 1 (got 0)"));
+        }
+    }
+    if v > 1 && kind != ScheduleKind::Interleaved1F1B {
+        return bad(format!("virtual_stages {v} needs the interleaved schedule, not {}", kind.name()));
+    }
+    if kind == ScheduleKind::Interleaved1F1B && p < 2 {
+        return bad(format!("the interleaved schedule needs at least 2 stages (got {p})"));
+    }
+    Ok(())
 }
 
 fn gpipe(m: usize) -> Vec<Action> {
@@ -224,55 +264,24 @@ fn interleaved(p: usize, s: usize, m: usize, v: usize) -> Vec<Action> {
     out
 }
 
-/// ZB-H1's orders: the greedy list schedule of unit-cost F, B and W (see the module docs).
-fn zero_bubble_h1(p: usize, m: usize) -> Vec<Vec<Action>> {
-    // Finish times of each stage's forwards and input gradients, by micro-batch.
-    let mut f_done: Vec<Vec<Option<u64>>> = vec![vec![None; m]; p];
-    let mut b_done: Vec<Vec<Option<u64>>> = vec![vec![None; m]; p];
-    let (mut clock, mut nf, mut nb, mut nw) = (vec![0u64; p], vec![0usize; p], vec![0usize; p], vec![0usize; p]);
-    let mut out: Vec<Vec<Action>> = vec![Vec::with_capacity(3 * m); p];
-    while nw.iter().sum::<usize>() < p * m {
-        // (start, priority, stage, action): the earliest startable action of any stage.
-        let mut best: Option<(u64, u8, usize, Action)> = None;
-        for s in 0..p {
-            let mut consider = |start: u64, prio: u8, a: Action| {
-                if best.is_none_or(|(t, q, r, _)| (start, prio, s) < (t, q, r)) {
-                    best = Some((start, prio, s, a));
-                }
-            };
-            if nb[s] < nf[s] {
-                let mb = nb[s];
-                let ready = if s + 1 < p { b_done[s + 1][mb] } else { f_done[s][mb] };
-                if let Some(t) = ready {
-                    consider(clock[s].max(t), 0, Action::BackwardInput { mb, chunk: 0 });
-                }
-            }
-            if nf[s] < m && nf[s] - nb[s] < p - s {
-                let mb = nf[s];
-                let ready = if s > 0 { f_done[s - 1][mb] } else { Some(0) };
-                if let Some(t) = ready {
-                    consider(clock[s].max(t), 1, Action::Forward { mb, chunk: 0 });
-                }
-            }
-            if nw[s] < nb[s] {
-                consider(clock[s], 2, Action::BackwardWeight { mb: nw[s], chunk: 0 });
-            }
-        }
-        let Some((start, _, s, a)) = best else { break };
-        clock[s] = start + 1;
+/// ZB-H1's order on rank `s`: 1F1B's forwards and input gradients, each weight gradient
+/// held back by `s` input gradients (see the module docs).
+fn zero_bubble_h1(p: usize, s: usize, m: usize) -> Vec<Action> {
+    let mut out = Vec::with_capacity(3 * m);
+    let mut nw = 0;
+    for a in one_f_one_b(p, s, m) {
         match a {
-            Action::Forward { mb, .. } => {
-                f_done[s][mb] = Some(clock[s]);
-                nf[s] += 1;
+            Action::Backward { mb, chunk } => {
+                out.push(Action::BackwardInput { mb, chunk });
+                if mb >= s {
+                    out.push(Action::BackwardWeight { mb: nw, chunk });
+                    nw += 1;
+                }
             }
-            Action::BackwardInput { mb, .. } => {
-                b_done[s][mb] = Some(clock[s]);
-                nb[s] += 1;
-            }
-            _ => nw[s] += 1,
+            other => out.push(other),
         }
-        out[s].push(a);
     }
+    out.extend((nw..m).map(|mb| Action::BackwardWeight { mb, chunk: 0 }));
     out
 }
 
@@ -375,5 +384,46 @@ fn place_messages(p: usize, v: usize, orders: &[Vec<Action>]) -> Result<Vec<Vec<
     Ok(out)
 }
 
-/// Messages still queued per channel, for the validator's deadlock report.
-pub(crate) type Channels = HashMap<(usize, usize), VecDeque<Message>>;
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_virtual_stage_mapping_is_megatrons() {
+        // p = 4, v = 2: rank s holds virtual stages s and s + 4; stage 3 (rank 3, chunk 0)
+        // feeds stage 4 (rank 0, chunk 1); stage 7 is the last.
+        let (p, v) = (4, 2);
+        assert_eq!(next_stage(p, v, 0, 0), Some((1, 0)));
+        assert_eq!(next_stage(p, v, 3, 0), Some((0, 1)));
+        assert_eq!(next_stage(p, v, 3, 1), None);
+        assert_eq!(prev_stage(p, 0, 1), Some((3, 0)));
+        assert_eq!(prev_stage(p, 0, 0), None);
+        for rank in 0..p {
+            for chunk in 0..v {
+                if let Some((r, c)) = next_stage(p, v, rank, chunk) {
+                    assert_eq!(c * p + r, chunk * p + rank + 1);
+                    assert_eq!(prev_stage(p, r, c), Some((rank, chunk)));
+                }
+            }
+        }
+        assert_eq!(next_stage(1, 1, 0, 0), None);
+        assert_eq!(prev_stage(1, 0, 0), None);
+    }
+
+    #[test]
+    fn messages_are_placed_around_their_compute() {
+        let s = Schedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
+        let (f, b) = (|mb| Action::Forward { mb, chunk: 0 }, |mb| Action::Backward { mb, chunk: 0 });
+        let send_a = |mb| Action::SendActivation { mb, chunk: 0, peer: 1 };
+        let recv_g = |mb| Action::RecvGrad { mb, chunk: 0, peer: 1 };
+        let recv_a = |mb| Action::RecvActivation { mb, chunk: 0, peer: 0 };
+        let send_g = |mb| Action::SendGrad { mb, chunk: 0, peer: 0 };
+        let opt = Action::OptimizerStep;
+        let want0 = [f(0), send_a(0), f(1), send_a(1), recv_g(0), b(0), recv_g(1), b(1), opt];
+        assert_eq!(s.rank_actions(0), want0);
+        let want1 = [recv_a(0), f(0), b(0), send_g(0), recv_a(1), f(1), b(1), send_g(1), opt];
+        assert_eq!(s.rank_actions(1), want1);
+        assert!(s.rank_actions(2).is_empty());
+        assert_eq!(s.virtual_stage(1, 0), 1);
+    }
+}

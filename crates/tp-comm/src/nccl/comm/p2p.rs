@@ -4,12 +4,23 @@
 //! by the payload, both sent in one NCCL group on the rank's stream. The receiver takes the
 //! header first and reads it on the host (a synchronisation: it waits until the sender has
 //! posted), checks it against the dims and dtype it expects, then posts the payload's receive.
-//! A mismatch aborts the communicator with a message naming both shapes, so the sender's
-//! pending work fails too (its payload send can never complete), and every later call on
-//! either side returns the error. Messages between two ranks are matched in the order they are
-//! posted, as NCCL matches them.
+//! A mismatch aborts the communicator with a message naming both shapes: the receiver's call
+//! returns a [`CommError::Mismatch`] and every later call on it the reason. The sender's
+//! payload send can then never complete, so its work fails too, but only at its deadline
+//! (through the watchdog): NCCL does not tell peers that a communicator was aborted. Messages
+//! between two ranks are matched in the order they are posted, as NCCL matches them; a lock
+//! keeps one receive's header and payload together when clones of a group receive from
+//! several threads.
 //!
-//! This path has not run on a GPU yet.
+//! Ordering hazard: every operation of a rank runs in order on its one stream, and a receive
+//! waits on the host for its header. So two ranks that each post a send to the other before
+//! their receives (a ring of `send_async` then `recv`, or 1F1B's neighbours sending an
+//! activation and a gradient to each other) can each wait for the other's stream: the sends
+//! may complete on their own while they fit in NCCL's buffers, otherwise both sides fail at
+//! the deadline. NCCL's answer is to group such a send with its receive, which the header's
+//! host check rules out; callers order them instead (one side receives first).
+//!
+//! This path has not run on a GPU yet: it compiles and is reasoned about, not tested.
 
 use super::*;
 
@@ -28,10 +39,10 @@ fn dtype_code(d: DType) -> i64 {
     }
 }
 
-fn header_of(dims: &[usize], dtype: DType) -> Result<Vec<i64>> {
+fn header_of(op: &'static str, dims: &[usize], dtype: DType) -> Result<Vec<i64>> {
     if dims.len() > MAX_DIMS {
         return Err(CommError::Limit {
-            op: "send",
+            op,
             why: format!("{} dims; point-to-point takes at most {MAX_DIMS}", dims.len()),
         });
     }
@@ -39,7 +50,7 @@ fn header_of(dims: &[usize], dtype: DType) -> Result<Vec<i64>> {
     h[0] = dtype_code(dtype);
     h[1] = dims.len() as i64;
     for (i, &d) in dims.iter().enumerate() {
-        h[2 + i] = i64::try_from(d).map_err(|_| CommError::Limit { op: "send", why: "a dim past i64".into() })?;
+        h[2 + i] = i64::try_from(d).map_err(|_| CommError::Limit { op, why: "a dim past i64".into() })?;
     }
     Ok(h)
 }
@@ -70,7 +81,7 @@ impl NcclComm {
         const OP: &str = "send";
         let peer = self.check_peer(OP, dst)?;
         let src = self.device_input(OP, x)?;
-        let header = header_of(x.dims(), x.dtype())?;
+        let header = header_of(OP, x.dims(), x.dtype())?;
         let bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
         let gpu = &self.shared.gpu;
         let head = gpu.htod(&bytes).map_err(|e| CommError::Tensor { op: OP, source: e.into() })?;
@@ -112,7 +123,14 @@ impl NcclComm {
     pub(super) fn recv_enqueue(&self, dims: &[usize], dtype: DType, src: usize) -> Result<Work> {
         const OP: &str = "recv";
         let peer = self.check_peer(OP, src)?;
-        let want = header_of(dims, dtype)?;
+        let want = header_of(OP, dims, dtype)?;
+        let bytes = dims
+            .iter()
+            .try_fold(dtype.size_in_bytes(), |a, &d| a.checked_mul(d))
+            .ok_or_else(|| CommError::Limit { op: OP, why: format!("a {dims:?} {dtype} tensor overflows usize") })?;
+        // The header's receive and the payload's are posted back to back: another thread's
+        // receive on a clone of this communicator must not come between them.
+        let _order = lock(&self.shared.recv_order);
         let mut head = self.alloc(HEADER * 8)?;
         let stream = self.shared.gpu.stream();
         let (h, h_guard) = head.device_ptr_mut(stream);
@@ -134,10 +152,12 @@ impl NcclComm {
         if got != want {
             let why = format!("rank {src} sent {} but rank {} expected {}", describe(&got), self.rank, describe(&want));
             let mut hdl = self.shared.handle();
-            return Err(self.shared.fail(&mut hdl, OP, why));
+            // Aborted with the reason (later calls return it), reported as the thread backend does.
+            let _ = self.shared.fail(&mut hdl, OP, why.clone());
+            return Err(CommError::Mismatch { op: "send/recv".into(), why });
         }
         let count: usize = dims.iter().product();
-        let mut out = self.alloc(count * dtype.size_in_bytes())?;
+        let mut out = self.alloc(bytes)?;
         if count == 0 {
             return Ok(Work::done(self.wrap(OP, out, dims, dtype)));
         }
