@@ -751,3 +751,40 @@ fn a_backend_without_point_to_point_says_so() {
         assert!(e.to_string().contains("no point-to-point"), "{e}");
     }
 }
+
+#[test]
+fn a_dropped_receive_still_takes_its_message_so_the_sender_and_later_messages_go_on() {
+    let dims = [2];
+    for drop_first in [true, false] {
+        let got = on_ranks(groups(2, Duration::from_secs(10)), |g| {
+            if g.rank() == 0 {
+                // Each send waited before the next: the first completes only if its (dropped)
+                // receive still takes it.
+                for k in 0..2 {
+                    g.send(&message(0, k, &dims, DType::F32), 1).unwrap();
+                }
+                None
+            } else {
+                if drop_first {
+                    drop(g.recv_async(&dims, DType::F32, 0).unwrap()); // before the message arrives
+                } else {
+                    let w = g.recv_async(&dims, DType::F32, 0).unwrap();
+                    std::thread::sleep(Duration::from_millis(100)); // after it arrived
+                    drop(w);
+                }
+                Some(first(&g.recv(&dims, DType::F32, 0).unwrap()))
+            }
+        });
+        assert_eq!(got[1], Some(first(&message(0, 1, &dims, DType::F32))), "drop before arrival: {drop_first}");
+    }
+    // A dropped send is delivered all the same.
+    let got = on_ranks(groups(2, Duration::from_secs(10)), |g| {
+        if g.rank() == 0 {
+            drop(g.send_async(&message(0, 3, &[1], DType::F32), 1).unwrap());
+            None
+        } else {
+            Some(first(&g.recv(&[1], DType::F32, 0).unwrap()))
+        }
+    });
+    assert_eq!(got[1], Some(first(&message(0, 3, &[1], DType::F32))));
+}

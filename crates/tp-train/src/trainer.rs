@@ -527,8 +527,8 @@ fn all_reduce_grads(
     if dp.world_size() == 1 {
         return Ok(());
     }
-    let key = |p: &Param<'_>| p.placements.iter().map(|pl| pl.name.as_str()).collect::<Vec<_>>().join("+");
-    let mut params: Vec<&mut Param<'_>> = params.iter_mut().filter(|p| !done.contains(&key(p))).collect();
+    let mut params: Vec<&mut Param<'_>> =
+        params.iter_mut().filter(|p| !done.contains(&crate::pipeline::exec::param_key(p))).collect();
     let mut works = Vec::with_capacity(params.len());
     for p in params.iter() {
         let g = match p.grad.get() {

@@ -113,7 +113,7 @@ struct Bucket {
 }
 
 /// A parameter's identity across calls: its checkpoint names.
-fn param_key(p: &Param<'_>) -> String {
+pub(crate) fn param_key(p: &Param<'_>) -> String {
     p.placements.iter().map(|pl| pl.name.as_str()).collect::<Vec<_>>().join("+")
 }
 
