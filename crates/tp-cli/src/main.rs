@@ -11,6 +11,7 @@ mod request;
 mod run;
 mod serve;
 mod server;
+mod structured;
 mod template;
 mod text;
 mod train;

@@ -1,5 +1,5 @@
-//! `GET /metrics`: the engine's figures and the server's time-to-first-token histogram in
-//! Prometheus' text format.
+//! `GET /metrics`: the engine's figures, the server's time-to-first-token histogram and the
+//! structured-output mask time per token, in Prometheus' text format.
 
 use std::fmt::Write;
 use std::sync::Mutex;
@@ -10,33 +10,76 @@ use tp_engine::api::Stats;
 const TTFT_BUCKETS: [f64; 18] =
     [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0];
 
-/// A cumulative histogram.
-#[derive(Debug, Default)]
-struct Histogram {
-    counts: [u64; TTFT_BUCKETS.len()],
+/// Upper bounds of the mask-time buckets, in seconds.
+const MASK_BUCKETS: [f64; 12] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1];
+
+/// A cumulative histogram over `N` bucket bounds.
+#[derive(Debug)]
+struct Histogram<const N: usize> {
+    bounds: [f64; N],
+    counts: [u64; N],
     count: u64,
     sum: f64,
 }
 
+impl<const N: usize> Histogram<N> {
+    fn new(bounds: [f64; N]) -> Self {
+        Histogram { bounds, counts: [0; N], count: 0, sum: 0.0 }
+    }
+
+    fn observe(&mut self, v: f64) {
+        for (c, b) in self.counts.iter_mut().zip(self.bounds) {
+            if v <= b {
+                *c += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += v;
+    }
+
+    /// Prometheus lines of the histogram `name` with labels `label`.
+    fn render(&self, out: &mut String, name: &str, help: &str, label: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (c, b) in self.counts.iter().zip(self.bounds) {
+            let _ = writeln!(out, "{name}_bucket{{{label},le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{{label},le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum{{{label}}} {}\n{name}_count{{{label}}} {}", self.sum, self.count);
+    }
+}
+
 /// The server's own metrics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
-    ttft: Mutex<Histogram>,
+    ttft: Mutex<Histogram<{ TTFT_BUCKETS.len() }>>,
+    mask: Mutex<Histogram<{ MASK_BUCKETS.len() }>>,
     success: [AtomicU64; 3],
     failed: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            ttft: Mutex::new(Histogram::new(TTFT_BUCKETS)),
+            mask: Mutex::new(Histogram::new(MASK_BUCKETS)),
+            success: Default::default(),
+            failed: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Metrics {
     /// Records one request's time to its first token.
     pub fn observe_ttft(&self, secs: f64) {
         if let Ok(mut h) = self.ttft.lock() {
-            for (c, b) in h.counts.iter_mut().zip(TTFT_BUCKETS) {
-                if secs <= b {
-                    *c += 1;
-                }
-            }
-            h.count += 1;
-            h.sum += secs;
+            h.observe(secs);
+        }
+    }
+
+    /// Records the time one structured-output mask took.
+    pub fn observe_mask(&self, secs: f64) {
+        if let Ok(mut h) = self.mask.lock() {
+            h.observe(secs);
         }
     }
 
@@ -93,15 +136,14 @@ impl Metrics {
             "# HELP tp_request_failure_total Choices the engine failed.\n# TYPE tp_request_failure_total counter\n\
              tp_request_failure_total{{{label}}} {failed}"
         );
-        let name = "tp_time_to_first_token_seconds";
-        let _ =
-            writeln!(out, "# HELP {name} Time from a request's arrival to its first token.\n# TYPE {name} histogram");
-        let h = self.ttft.lock().map(|h| (h.counts, h.count, h.sum)).unwrap_or(([0; TTFT_BUCKETS.len()], 0, 0.0));
-        for (c, b) in h.0.iter().zip(TTFT_BUCKETS) {
-            let _ = writeln!(out, "{name}_bucket{{{label},le=\"{b}\"}} {c}");
+        if let Ok(h) = self.ttft.lock() {
+            let help = "Time from a request's arrival to its first token.";
+            h.render(&mut out, "tp_time_to_first_token_seconds", help, &label);
         }
-        let _ = writeln!(out, "{name}_bucket{{{label},le=\"+Inf\"}} {}", h.1);
-        let _ = writeln!(out, "{name}_sum{{{label}}} {}\n{name}_count{{{label}}} {}", h.2, h.1);
+        if let Ok(h) = self.mask.lock() {
+            let help = "Time to compute one structured-output token mask (on rank 0, beside the forward pass).";
+            h.render(&mut out, "tp_structured_output_mask_seconds", help, &label);
+        }
         out
     }
 }
@@ -142,5 +184,10 @@ mod tests {
         assert_eq!(value(&t, "tp_time_to_first_token_seconds_count"), 4.0);
         assert!((value(&t, "tp_time_to_first_token_seconds_sum") - 100.353).abs() < 1e-9);
         assert_eq!(value(&t, "tp_request_success_total{model_name=\"a\\\"b\",finished_reason=\"length\"}"), 1.0);
+        m.observe_mask(2e-4);
+        let t = m.render(&stats, "m");
+        assert_eq!(value(&t, "tp_structured_output_mask_seconds_bucket{model_name=\"m\",le=\"0.0001\"}"), 0.0);
+        assert_eq!(value(&t, "tp_structured_output_mask_seconds_bucket{model_name=\"m\",le=\"0.00025\"}"), 1.0);
+        assert_eq!(value(&t, "tp_structured_output_mask_seconds_count"), 1.0);
     }
 }

@@ -2,6 +2,7 @@
 //! is a 400 naming the field. Unknown fields are ignored, as vLLM does.
 
 use crate::error::ApiError;
+use crate::structured::Constraint;
 use serde_json::{Map, Value};
 use tp_engine::sampling::{MAX_TOP_LOGPROBS, SamplingParams};
 
@@ -33,6 +34,8 @@ pub struct GenParams {
     pub ignore_eos: bool,
     /// Sampling (its `logprobs` is the number of top alternatives when logprobs are asked for).
     pub sampling: SamplingParams,
+    /// A structured-output constraint (`response_format`, `structured_outputs`).
+    pub constraint: Option<Constraint>,
 }
 
 /// A completions prompt.
@@ -111,6 +114,16 @@ fn common(f: &Fields<'_>, max_tokens: Option<usize>, logprobs: Option<usize>) ->
     }
     s.seed = f.int("seed")?.map(|x| x as u64);
     s.logprobs = logprobs;
+    s.min_tokens = f.count("min_tokens")?.unwrap_or(0);
+    if let Some(m) = max_tokens
+        && s.min_tokens > m
+    {
+        return Err(ApiError::invalid(
+            "min_tokens",
+            format!("`min_tokens` ({}) exceeds `max_tokens` ({m})", s.min_tokens),
+        ));
+    }
+    s.logit_bias = logit_bias(f)?;
     if let Err((param, message)) = s.validate() {
         return Err(ApiError::invalid(param, message));
     }
@@ -163,7 +176,33 @@ fn common(f: &Fields<'_>, max_tokens: Option<usize>, logprobs: Option<usize>) ->
         stop_token_ids,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         sampling: s,
+        constraint: crate::structured::parse(f.0)?,
     })
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (as strings) to biases in `[-100, 100]`,
+/// sorted by id. Ids beyond the vocabulary are refused by the engine, naming the field.
+fn logit_bias(f: &Fields<'_>) -> Result<Vec<(i64, f32)>, ApiError> {
+    let Some(v) = f.get("logit_bias") else { return Ok(Vec::new()) };
+    let o = v.as_object().ok_or_else(|| wrong("logit_bias", "an object mapping token ids to biases"))?;
+    let mut out = Vec::with_capacity(o.len());
+    for (k, b) in o {
+        let id = k
+            .trim()
+            .parse::<i64>()
+            .ok()
+            .filter(|&id| id >= 0)
+            .ok_or_else(|| ApiError::invalid("logit_bias", format!("`logit_bias` key {k:?} is not a token id")))?;
+        let bias = b.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+            ApiError::invalid("logit_bias", format!("`logit_bias` of token {id} must be a number in [-100, 100]"))
+        })?;
+        out.push((id, bias as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    if out.windows(2).any(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid("logit_bias", "`logit_bias` names a token id twice"));
+    }
+    Ok(out)
 }
 
 /// Refuses OpenAI options this server does not implement, when set to anything but their default.

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
-use tp_engine::api::{Event, EventSink, FinishReason, Request, RequestId};
+use tp_engine::api::{Event, EventSink, FinishReason, Request, RequestId, TokenConstraint};
 use tp_engine::sampling::SamplingParams;
 
 /// An engine sink feeding a tokio channel.
@@ -90,6 +90,8 @@ pub struct ChoiceSpec {
     pub stop_token_ids: Vec<i64>,
     /// Go past end-of-sequence.
     pub ignore_eos: bool,
+    /// Its structured-output constraint, if any.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 impl Choice {
@@ -109,7 +111,7 @@ impl Choice {
             stop_token_ids: spec.stop_token_ids,
             ignore_eos: spec.ignore_eos,
         };
-        let id = state.engine.submit(request, Box::new(ChannelSink(tx)))?;
+        let id = state.engine.submit_constrained(request, spec.constraint, Box::new(ChannelSink(tx)))?;
         state.track(id);
         Ok(Choice {
             index: spec.index,

@@ -94,6 +94,12 @@ impl TextModel {
         self.tokenizer.decode(&[id], false).unwrap_or_default()
     }
 
+    /// The tokenizer as its `tokenizer.json` value (for structured outputs); `Null` if it
+    /// cannot be written out.
+    pub fn tokenizer_json(&self) -> Value {
+        self.tokenizer.to_string(false).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or(Value::Null)
+    }
+
     /// The chat template, if the model has one.
     pub fn template(&self) -> Option<&ChatTemplate> {
         self.template.as_ref()

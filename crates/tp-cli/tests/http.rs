@@ -269,3 +269,48 @@ fn pipeline_stages_serve_the_same_text_as_one_rank() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("more stages than the model has layers"), "{err}");
 }
+
+#[test]
+fn logit_bias_and_min_tokens_steer_every_token() {
+    let s = Server::start(&["-tp", "2"]);
+    let ask = |extra: Value| {
+        let mut body = json!({"prompt": "ab", "max_tokens": 6, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        s.post("/v1/completions", &body)
+    };
+    // +100 on 'x' (byte 120) makes it every greedy token; -100 on it removes it.
+    let (st, v) = ask(json!({"logit_bias": {"120": 100}, "ignore_eos": true}));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(text_of(&v, 0), "xxxxxx");
+    let (_, v) =
+        ask(json!({"logit_bias": {"120": -100, "121": 100}, "ignore_eos": true, "temperature": 1.0, "seed": 4}));
+    assert_eq!(text_of(&v, 0), "yyyyyy");
+    // +100 on the end-of-sequence id ends at once; min_tokens holds it off for 3 tokens.
+    let (_, v) = ask(json!({"logit_bias": {"263": 100}}));
+    assert_eq!(
+        (v["usage"]["completion_tokens"].as_u64(), v["choices"][0]["finish_reason"].as_str()),
+        (Some(1), Some("stop"))
+    );
+    let (_, v) = ask(json!({"logit_bias": {"263": 100}, "min_tokens": 3}));
+    assert_eq!(
+        (v["usage"]["completion_tokens"].as_u64(), v["choices"][0]["finish_reason"].as_str()),
+        (Some(4), Some("stop"))
+    );
+    // Stop ids are held off too.
+    let (_, v) = ask(json!({"logit_bias": {"50": 100}, "stop_token_ids": [50], "min_tokens": 2}));
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(3), "{v}");
+    for (extra, param) in [
+        (json!({"logit_bias": {"5000": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"-1": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"3": 101}}), "logit_bias"),
+        (json!({"logit_bias": [3]}), "logit_bias"),
+        (json!({"min_tokens": 9}), "min_tokens"),
+        (json!({"min_tokens": -1}), "min_tokens"),
+    ] {
+        let (st, v) = ask(extra.clone());
+        assert_eq!((st, v["error"]["param"].as_str()), (400, Some(param)), "{extra} -> {v}");
+    }
+}

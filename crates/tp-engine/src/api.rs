@@ -106,6 +106,24 @@ impl EventSink for mpsc::Sender<Event> {
     }
 }
 
+/// A structured-output constraint on one request (a JSON schema, a regex, a grammar), driven
+/// by rank 0: before each token it writes the ids it allows, which every rank applies to its own
+/// columns of the logits (see [`SampleRow::mask`](crate::sampling::SampleRow::mask)), so
+/// sampling stays exact and vocab-parallel. The engine computes the mask while the step's
+/// forward pass runs, on a thread of its own.
+pub trait TokenConstraint: Send {
+    /// Sets the bit of every id allowed next in `mask` (id `i`: bit `i % 64` of word `i / 64`;
+    /// `mask` is all zeros on entry and covers the model's vocabulary). Ids past the tokenizer's
+    /// vocabulary must stay clear. An error fails this request only.
+    fn fill_mask(&mut self, mask: &mut [u64]) -> Result<(), String>;
+    /// Moves past the sampled `token`. An error (a token the constraint does not allow) fails
+    /// this request only.
+    fn advance(&mut self, token: i64) -> Result<(), String>;
+    /// Whether the constraint is complete and allows nothing more: the request then ends with
+    /// [`FinishReason::Stop`].
+    fn is_finished(&self) -> bool;
+}
+
 /// Why a request was not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
@@ -174,6 +192,8 @@ pub enum Command {
         request: Request,
         /// Where its events go.
         sink: Box<dyn EventSink>,
+        /// Its structured-output constraint, if any.
+        constraint: Option<Box<dyn TokenConstraint>>,
     },
     /// Abort a request (no effect if it already ended).
     Abort(RequestId),
@@ -284,6 +304,17 @@ impl EngineHandle {
     /// plus `max_tokens` beyond `max_model_len`, naming both), [`SubmitError::QueueFull`],
     /// [`SubmitError::Stopped`].
     pub fn submit(&self, request: Request, sink: Box<dyn EventSink>) -> Result<RequestId, SubmitError> {
+        self.submit_constrained(request, None, sink)
+    }
+
+    /// [`submit`](Self::submit) with a structured-output `constraint` that decides which ids
+    /// each token may be.
+    pub fn submit_constrained(
+        &self,
+        request: Request,
+        constraint: Option<Box<dyn TokenConstraint>>,
+        sink: Box<dyn EventSink>,
+    ) -> Result<RequestId, SubmitError> {
         self.check(&request)?;
         if let Some(why) = self.stats.stopped() {
             return Err(SubmitError::Stopped(why));
@@ -297,7 +328,7 @@ impl EngineHandle {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.in_channel.fetch_add(1, Ordering::Relaxed);
-        if self.tx.send(Command::Add { id, request, sink }).is_err() {
+        if self.tx.send(Command::Add { id, request, sink, constraint }).is_err() {
             self.in_channel.fetch_sub(1, Ordering::Relaxed);
             return Err(SubmitError::Stopped(self.stats.stopped().unwrap_or_else(|| "the engine thread ended".into())));
         }
@@ -334,6 +365,10 @@ impl EngineHandle {
         }
         if let Err((param, message)) = r.params.validate() {
             return invalid(param, message);
+        }
+        if let Some((id, _)) = r.params.logit_bias.iter().find(|(id, _)| usize::try_from(*id).map_or(true, |x| x >= v))
+        {
+            return invalid("logit_bias", format!("logit_bias token {id} is outside the vocabulary (0..{v})"));
         }
         let max = self.limits.max_model_len;
         if r.prompt.len() > max {

@@ -12,7 +12,7 @@ fn sample_one(l: &[f32], spec: &RowSpec) -> i64 {
 }
 
 fn spec(params: SamplingParams, seed: u64) -> RowSpec {
-    RowSpec { params, seed, step: 0, prompt: vec![], output: vec![] }
+    RowSpec { params, seed, step: 0, prompt: vec![], output: vec![], banned: vec![], mask: None }
 }
 
 /// Counts of each id over `draws` seeds.

@@ -87,7 +87,8 @@ fn collectives_per_parameter_mix() {
     let peaked: Vec<f32> = (0..vocab).map(|_| (rng.normal() * 4.0) as f32).collect();
     let cols = split(&mut rng, vocab, 4, false);
     let count = |p: SamplingParams, l: &[f32]| {
-        let spec = RowSpec { params: p, seed: 1, step: 0, prompt: vec![1, 2], output: vec![3] };
+        let spec =
+            RowSpec { params: p, seed: 1, step: 0, prompt: vec![1, 2], output: vec![3], banned: vec![], mask: None };
         let specs = vec![spec];
         let got = run_sharded(l, vocab, &specs, &cols);
         let want = full(l, vocab, &specs);
@@ -115,7 +116,15 @@ fn collectives_per_parameter_mix() {
     let one = run_sharded(
         &flat,
         vocab,
-        &[RowSpec { params: params(|p| p.top_p = 0.9), seed: 1, step: 0, prompt: vec![], output: vec![] }],
+        &[RowSpec {
+            params: params(|p| p.top_p = 0.9),
+            seed: 1,
+            step: 0,
+            prompt: vec![],
+            output: vec![],
+            banned: vec![],
+            mask: None,
+        }],
         &[(0, vocab)],
     );
     assert_eq!(one[0].as_ref().unwrap().1, 0, "world size 1 runs no collective");
@@ -125,7 +134,15 @@ fn collectives_per_parameter_mix() {
 fn bad_inputs_are_typed_errors() {
     let vocab = 10;
     let l = vec![0.0f32; 2 * vocab];
-    let spec = RowSpec { params: SamplingParams::default(), seed: 0, step: 0, prompt: vec![], output: vec![] };
+    let spec = RowSpec {
+        params: SamplingParams::default(),
+        seed: 0,
+        step: 0,
+        prompt: vec![],
+        output: vec![],
+        banned: vec![],
+        mask: None,
+    };
     let specs = vec![spec.clone(), spec.clone()];
     let rows: Vec<SampleRow<'_>> = specs.iter().map(RowSpec::row).collect();
     assert!(matches!(sample_full(&l[..15], vocab, &rows), Err(SampleError::Invalid(_))));
@@ -184,7 +201,15 @@ fn a_nucleus_past_a_truncated_list_waits_for_longer_lists() {
     // Rank 0 (ids 0..128): weight 1; rank 1 (ids 128..256): slightly less.
     let l: Vec<f32> = (0..vocab).map(|i| if i < 128 { 1.0 } else { 0.999 }).collect();
     for seed in 0..20 {
-        let specs = vec![RowSpec { params: params(|p| p.top_p = 0.4), seed, step: 0, prompt: vec![], output: vec![] }];
+        let specs = vec![RowSpec {
+            params: params(|p| p.top_p = 0.4),
+            seed,
+            step: 0,
+            prompt: vec![],
+            output: vec![],
+            banned: vec![],
+            mask: None,
+        }];
         let want = full(&l, vocab, &specs);
         assert!(want[0].token < 103, "the nucleus is ids 0..103, drew {}", want[0].token);
         for got in run_sharded(&l, vocab, &specs, &[(0, 128), (128, 128)]) {
@@ -208,7 +233,15 @@ fn ranks_given_different_rows_fail_instead_of_hanging() {
             .map(|(rank, g)| {
                 s.spawn(move || {
                     let p = if rank == 0 { SamplingParams::greedy() } else { params(|p| p.top_k = Some(5)) };
-                    let spec = RowSpec { params: p, seed: 0, step: 0, prompt: vec![], output: vec![] };
+                    let spec = RowSpec {
+                        params: p,
+                        seed: 0,
+                        step: 0,
+                        prompt: vec![],
+                        output: vec![],
+                        banned: vec![],
+                        mask: None,
+                    };
                     let t = tp_core::Tensor::from_vec(vec![0.5f32; 10], &[1, 10], &tp_core::Device::Cpu).unwrap();
                     tp_engine::sampling::sample_sharded(&t, rank * 10, vocab, &[spec.row()], &g)
                 })
@@ -219,4 +252,68 @@ fn ranks_given_different_rows_fail_instead_of_hanging() {
     for r in results {
         assert!(r.is_err(), "{r:?}");
     }
+}
+
+/// Masks, banned ids and `logit_bias` decide the token on every rank: a masked or banned id is
+/// never drawn while any allowed id has a finite biased logit, and the sharded sampler draws
+/// the full sampler's token at every world size.
+#[test]
+fn masks_banned_ids_and_biases_are_enforced_on_every_rank() {
+    let mut rng = SplitMix64::new(23);
+    let vocab = 301;
+    let mut constrained = 0;
+    for round in 0..40 {
+        let n = 8;
+        let l = logits(&mut rng, n, vocab);
+        let specs: Vec<RowSpec> = (0..n)
+            .map(|_| {
+                let mut s = row_spec(&mut rng, vocab);
+                let mut m = vec![0u64; vocab.div_ceil(64)];
+                for _ in 0..rng.int_in(1, 20) {
+                    let id = rng.int_in(0, vocab as i64 - 1) as usize;
+                    m[id / 64] |= 1 << (id % 64);
+                }
+                s.mask = Some(m);
+                s.banned = (0..rng.int_in(0, 3)).map(|_| rng.int_in(0, vocab as i64 - 1)).collect();
+                s
+            })
+            .collect();
+        let want = full(&l, vocab, &specs);
+        for (i, (spec, got)) in specs.iter().zip(&want).enumerate() {
+            let row = spec.row();
+            let ok = |id: usize| row.allows(id) && !spec.banned.contains(&(id as i64));
+            let biased = |id: usize| {
+                let b = spec.params.logit_bias.iter().find(|(x, _)| *x == id as i64).map_or(0.0, |&(_, b)| b);
+                l[i * vocab + id] + b
+            };
+            // Penalties keep a finite logit finite, so a finite allowed id exists after them too.
+            if (0..vocab).any(|id| ok(id) && biased(id).is_finite()) {
+                assert!(ok(got.token as usize), "round {round} row {i}: token {} is masked or banned", got.token);
+                constrained += 1;
+            }
+        }
+        let world = 1 + round % 8;
+        let cols = split(&mut rng, vocab, world, round % 2 == 1);
+        for got in run_sharded(&l, vocab, &specs, &cols) {
+            assert_same(&want, &got.unwrap().0, &format!("round {round}, split {cols:?}"));
+        }
+    }
+    assert!(constrained > 200, "only {constrained} rows had an allowed finite id");
+    // A bias of +100 on one id makes it the greedy choice; -100 on the argmax removes it.
+    let row = [0.5f32, 3.0, 1.0, -2.0];
+    let pick = |bias: Vec<(i64, f32)>| {
+        let spec = RowSpec {
+            params: SamplingParams { logit_bias: bias, ..SamplingParams::greedy() },
+            seed: 1,
+            step: 0,
+            prompt: vec![],
+            output: vec![],
+            banned: vec![],
+            mask: None,
+        };
+        full(&row, 4, &[spec])[0].token
+    };
+    assert_eq!(pick(vec![]), 1);
+    assert_eq!(pick(vec![(3, 100.0)]), 3);
+    assert_eq!(pick(vec![(1, -100.0)]), 2);
 }

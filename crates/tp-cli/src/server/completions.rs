@@ -7,6 +7,7 @@ use super::{AppState, usage};
 use crate::error::{ApiError, json_response};
 use crate::request::{GenParams, Prompt, parse_completion};
 use crate::run::{Choice, ChoiceSpec, Finish, TokenOut};
+use crate::structured::GrammarConstraint;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -14,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
 use std::time::Instant;
+use tp_engine::api::TokenConstraint;
 
 /// The handler.
 pub async fn handle(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -86,6 +88,12 @@ pub fn start_choices(
     arrived: Instant,
 ) -> Result<Vec<Choice>, ApiError> {
     let max_len = st.engine.limits().max_model_len;
+    // Compiled once (off the async workers: a large schema takes a while); each choice drives
+    // its own copy.
+    let matcher = match &g.constraint {
+        Some(c) => Some(tokio::task::block_in_place(|| st.grammars.compile(c))?),
+        None => None,
+    };
     let mut choices = Vec::with_capacity(prompts.len() * g.n);
     for (p, prompt) in prompts.iter().enumerate() {
         for i in 0..g.n {
@@ -99,6 +107,9 @@ pub fn start_choices(
                 stop: g.stop.clone(),
                 stop_token_ids: g.stop_token_ids.clone(),
                 ignore_eos: g.ignore_eos,
+                constraint: matcher.as_ref().map(|m| {
+                    Box::new(GrammarConstraint::new(m.deep_clone(), st.metrics.clone())) as Box<dyn TokenConstraint>
+                }),
             };
             choices.push(Choice::start(st, spec, arrived)?);
         }

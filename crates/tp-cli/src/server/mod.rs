@@ -9,6 +9,7 @@ pub mod sse;
 use crate::args::ServerArgs;
 use crate::error::{ApiError, json_response};
 use crate::metrics::Metrics;
+use crate::structured::Grammars;
 use crate::text::TextModel;
 use axum::Router;
 use axum::body::Body;
@@ -31,7 +32,9 @@ pub struct AppState {
     /// Tokenizer and chat template.
     pub text: Arc<TextModel>,
     /// The server's metrics.
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
+    /// The structured-output compiler for the model's tokenizer.
+    pub grammars: Grammars,
     /// The model's name in the API.
     pub model_name: String,
     api_key: Option<String>,
@@ -46,10 +49,13 @@ pub struct AppState {
 impl AppState {
     /// The state of a server for `args` over `engine`.
     pub fn new(engine: EngineHandle, text: TextModel, args: &ServerArgs) -> AppState {
+        let limits = engine.limits();
+        let grammars = Grammars::new(&text.tokenizer_json(), limits.vocab_size, &limits.eos_token_ids);
         AppState {
             engine,
             text: Arc::new(text),
-            metrics: Metrics::default(),
+            metrics: Arc::new(Metrics::default()),
+            grammars,
             model_name: args.served_model_name.clone(),
             api_key: args.api_key.clone(),
             max_body: args.max_request_bytes,

@@ -4,10 +4,10 @@
 
 use super::EngineError;
 use super::plan::{NewSeq, StepKind, StepMsg};
-use super::rank::RankWorker;
+use super::rank::{MaskSource, RankWorker};
 use crate::api::{
-    Command, CommandReceiver, Event, EventSink, FinishReason, Request, RequestId, SharedStats, Stats, TokenLogprobs,
-    Usage,
+    Command, CommandReceiver, Event, EventSink, FinishReason, Request, RequestId, SharedStats, Stats, TokenConstraint,
+    TokenLogprobs, Usage,
 };
 use crate::scheduler::Scheduler;
 use std::collections::HashMap;
@@ -20,6 +20,8 @@ struct Live {
     sink: Box<dyn EventSink>,
     request: Request,
     cached_prompt_tokens: usize,
+    /// Its structured-output constraint, advanced with every token it is sent.
+    constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// How rank 0 ends requests and paces itself.
@@ -138,7 +140,14 @@ impl Leader {
                 new: std::mem::take(&mut self.pending_new),
                 drop: std::mem::take(&mut self.pending_drop),
                 seqs: plan.seqs.clone(),
+                masked: Vec::new(),
             };
+            msg.masked = plan
+                .seqs
+                .iter()
+                .filter(|s| s.sample && self.live.get(&s.id).is_some_and(|l| l.constraint.is_some()))
+                .map(|s| s.id)
+                .collect();
             stalled = msg.seqs.is_empty();
             if msg.seqs.is_empty() && msg.new.is_empty() && msg.drop.is_empty() {
                 if last_sent.elapsed() < self.heartbeat {
@@ -148,7 +157,32 @@ impl Leader {
             }
             self.worker.send(&msg)?;
             last_sent = Instant::now();
-            let sampled = self.worker.execute(&msg)?;
+            let vocab = self.worker.model.config().vocab_size;
+            let mut mask_errors = Vec::new();
+            let sampled = {
+                let (worker, live) = (&mut self.worker, &mut self.live);
+                std::thread::scope(|scope| {
+                    let source = if msg.masked.is_empty() {
+                        MaskSource::Follower
+                    } else {
+                        let job = scope.spawn(|| compute_masks(live, &msg.masked, vocab));
+                        let errors = &mut mask_errors;
+                        let masked = &msg.masked;
+                        MaskSource::Leader(Box::new(move || {
+                            let (words, errs) = job.join().unwrap_or_else(|_| {
+                                let why = "the structured-output constraint panicked".to_string();
+                                (
+                                    vec![u64::MAX; masked.len() * vocab.div_ceil(64)],
+                                    masked.iter().map(|&id| (id, why.clone())).collect(),
+                                )
+                            });
+                            *errors = errs;
+                            words
+                        }))
+                    };
+                    worker.execute(&msg, source)
+                })?
+            };
             for s in &plan.seqs {
                 if s.cached_tokens > 0
                     && let Some(l) = self.live.get_mut(&s.id)
@@ -158,6 +192,9 @@ impl Leader {
             }
             let pairs: Vec<(RequestId, i64)> = sampled.iter().map(|(id, s)| (*id, s.token)).collect();
             self.scheduler.complete_step(&plan, &pairs);
+            for (id, why) in mask_errors {
+                self.fail(id, format!("structured output: {why}"));
+            }
             for (id, s) in sampled {
                 self.totals.generation_tokens += 1;
                 self.deliver(id, s.token, s.logprobs);
@@ -198,20 +235,28 @@ impl Leader {
 
     fn command(&mut self, c: Command) {
         match c {
-            Command::Add { id, request, mut sink } => {
+            Command::Add { id, request, mut sink, constraint } => {
                 if let Err(e) = self.scheduler.add(id, request.prompt.clone(), request.max_tokens) {
                     sink.send(Event::Failed(e.to_string()));
                     return;
                 }
                 let seed = request.params.seed.unwrap_or_else(|| self.seeds.next_u64());
                 self.totals.prompt_tokens += request.prompt.len() as u64;
+                let mut min_stop = Vec::new();
+                if request.params.min_tokens > 0 {
+                    min_stop.extend_from_slice(&request.stop_token_ids);
+                    if !request.ignore_eos {
+                        min_stop.extend_from_slice(&self.eos);
+                    }
+                }
                 self.pending_new.push(NewSeq {
                     id,
                     seed,
                     params: request.params.clone(),
                     prompt: request.prompt.clone(),
+                    min_stop,
                 });
-                self.live.insert(id, Live { sink, request, cached_prompt_tokens: 0 });
+                self.live.insert(id, Live { sink, request, cached_prompt_tokens: 0, constraint });
             }
             Command::Abort(id) => self.end(id, FinishReason::Abort),
         }
@@ -234,13 +279,36 @@ impl Leader {
         };
         if let Some(reason) = reason {
             self.end(id, reason);
+            return;
+        }
+        if let Some(c) = &mut l.constraint {
+            if let Err(why) = c.advance(token) {
+                self.fail(id, format!("structured output: {why}"));
+            } else if c.is_finished() {
+                self.end(id, FinishReason::Stop);
+            }
+        }
+    }
+
+    /// Fails request `id` alone (if live): frees its blocks, tells the other ranks to forget it,
+    /// sends [`Event::Failed`].
+    fn fail(&mut self, id: RequestId, why: String) {
+        if let Some(mut sink) = self.forget(id, FinishReason::Abort).map(|(l, _)| l.sink) {
+            sink.send(Event::Failed(why));
         }
     }
 
     /// Ends request `id` (if live): frees its blocks, tells the other ranks to forget it, sends
     /// its last event.
     fn end(&mut self, id: RequestId, reason: FinishReason) {
-        let Some(mut l) = self.live.remove(&id) else { return };
+        if let Some((mut l, usage)) = self.forget(id, reason) {
+            l.sink.send(Event::Finished { reason, usage });
+        }
+    }
+
+    /// Removes request `id` from the engine (as `reason` ends it): its live state and usage.
+    fn forget(&mut self, id: RequestId, reason: FinishReason) -> Option<(Live, Usage)> {
+        let l = self.live.remove(&id)?;
         if reason == FinishReason::Abort {
             self.scheduler.abort(id);
         } else {
@@ -258,7 +326,7 @@ impl Leader {
             completion_tokens,
             cached_prompt_tokens: l.cached_prompt_tokens,
         };
-        l.sink.send(Event::Finished { reason, usage });
+        Some((l, usage))
     }
 
     fn publish(&self) {
@@ -272,4 +340,26 @@ impl Leader {
         };
         self.stats.publish(s);
     }
+}
+
+/// The masks of the `masked` requests' next tokens (`ceil(vocab / 64)` words each, in order), and
+/// the requests whose constraint failed (their mask allows every id; they are failed after the
+/// step). Runs on its own thread while rank 0's forward pass runs.
+fn compute_masks(
+    live: &mut HashMap<RequestId, Live>,
+    masked: &[RequestId],
+    vocab: usize,
+) -> (Vec<u64>, Vec<(RequestId, String)>) {
+    let words = vocab.div_ceil(64);
+    let mut out = vec![0u64; masked.len() * words];
+    let mut errors = Vec::new();
+    for (k, id) in masked.iter().enumerate() {
+        let mask = &mut out[k * words..(k + 1) * words];
+        let Some(c) = live.get_mut(id).and_then(|l| l.constraint.as_mut()) else { continue };
+        if let Err(why) = c.fill_mask(mask) {
+            mask.fill(u64::MAX);
+            errors.push((*id, why));
+        }
+    }
+    (out, errors)
 }

@@ -445,7 +445,7 @@ fn follow(mut worker: RankWorker) -> Result<(), EngineError> {
             StepKind::Stop => return Ok(()),
             StepKind::Idle => {}
             StepKind::Run => {
-                if let Err(e) = worker.execute(&msg) {
+                if let Err(e) = worker.execute(&msg, rank::MaskSource::Follower) {
                     worker.abort(&format!("rank {} failed a step: {e}", worker.world.rank()));
                     return Err(e);
                 }

@@ -47,6 +47,9 @@ pub(crate) struct NewSeq {
     pub seed: u64,
     pub params: SamplingParams,
     pub prompt: Vec<i64>,
+    /// Ids the request may not draw before `params.min_tokens` tokens (its end-of-sequence and
+    /// stop ids; empty without `min_tokens`).
+    pub min_stop: Vec<i64>,
 }
 
 /// One step's message.
@@ -56,12 +59,15 @@ pub(crate) struct StepMsg {
     pub new: Vec<NewSeq>,
     pub drop: Vec<RequestId>,
     pub seqs: Vec<ScheduledSeq>,
+    /// The sampled sequences with a structured-output constraint, in `seqs` order: after the
+    /// forward pass rank 0 broadcasts one mask per entry (`ceil(vocab / 64)` words each).
+    pub masked: Vec<RequestId>,
 }
 
 impl StepMsg {
     /// A message of `kind` with nothing in it.
     pub(crate) fn empty(kind: StepKind) -> StepMsg {
-        StepMsg { kind, new: Vec::new(), drop: Vec::new(), seqs: Vec::new() }
+        StepMsg { kind, new: Vec::new(), drop: Vec::new(), seqs: Vec::new(), masked: Vec::new() }
     }
 
     /// The payload words (the kind travels in the header).
@@ -74,6 +80,8 @@ impl StepMsg {
             encode_params(&n.params, &mut w);
             w.push(n.prompt.len() as i64);
             w.extend_from_slice(&n.prompt);
+            w.push(n.min_stop.len() as i64);
+            w.extend_from_slice(&n.min_stop);
         }
         w.push(self.drop.len() as i64);
         w.extend(self.drop.iter().map(|&d| d as i64));
@@ -88,6 +96,8 @@ impl StepMsg {
             w.push(s.blocks.len() as i64);
             w.extend(s.blocks.iter().map(|&b| i64::from(b)));
         }
+        w.push(self.masked.len() as i64);
+        w.extend(self.masked.iter().map(|&d| d as i64));
         w
     }
 
@@ -101,7 +111,9 @@ impl StepMsg {
             let params = decode_params(&mut r)?;
             let n = r.count()?;
             let prompt = r.take(n)?.to_vec();
-            msg.new.push(NewSeq { id, seed, params, prompt });
+            let n = r.count()?;
+            let min_stop = r.take(n)?.to_vec();
+            msg.new.push(NewSeq { id, seed, params, prompt, min_stop });
         }
         for _ in 0..r.count()? {
             msg.drop.push(r.word()? as u64);
@@ -120,6 +132,9 @@ impl StepMsg {
                 .map(|&b| u32::try_from(b).map_err(|_| format!("block id {b} out of range")))
                 .collect::<Result<Vec<_>, _>>()?;
             msg.seqs.push(ScheduledSeq { id, tokens, context, blocks, sample, cached_tokens });
+        }
+        for _ in 0..r.count()? {
+            msg.masked.push(r.word()? as u64);
         }
         if r.at != words.len() {
             return Err(format!("{} words left over after the message", words.len() - r.at));
@@ -143,6 +158,12 @@ fn encode_params(p: &SamplingParams, w: &mut Vec<i64>) {
     w.push(p.seed.map_or(-1, |s| (s & (i64::MAX as u64)) as i64));
     w.push(p.seed.map_or(0, |s| (s >> 63) as i64));
     w.push(p.logprobs.map_or(-1, |n| n as i64));
+    w.push(p.min_tokens as i64);
+    w.push(p.logit_bias.len() as i64);
+    for &(id, bias) in &p.logit_bias {
+        w.push(id);
+        w.push(f32_word(bias));
+    }
 }
 
 fn decode_params(r: &mut Reader<'_>) -> Result<SamplingParams, String> {
@@ -157,6 +178,9 @@ fn decode_params(r: &mut Reader<'_>) -> Result<SamplingParams, String> {
     let high = r.word()?;
     let seed = (low >= 0).then_some(low as u64 | ((high as u64) << 63));
     let logprobs = r.optional()?;
+    let min_tokens = r.size()?;
+    let n = r.count()?;
+    let logit_bias = (0..n).map(|_| Ok((r.word()?, f(r)?))).collect::<Result<Vec<_>, String>>()?;
     let p = SamplingParams {
         temperature,
         top_k,
@@ -167,6 +191,8 @@ fn decode_params(r: &mut Reader<'_>) -> Result<SamplingParams, String> {
         frequency_penalty,
         seed,
         logprobs,
+        min_tokens,
+        logit_bias,
     };
     p.validate().map_err(|(_, m)| m)?;
     Ok(p)
@@ -222,11 +248,13 @@ mod tests {
             top_k: Some(5),
             seed: Some(u64::MAX - 3),
             logprobs: Some(2),
+            min_tokens: 3,
+            logit_bias: vec![(4, -1.5), (9, 100.0)],
             ..Default::default()
         };
         let msg = StepMsg {
             kind: StepKind::Run,
-            new: vec![NewSeq { id: 7, seed: u64::MAX, params, prompt: vec![1, 2, 3] }],
+            new: vec![NewSeq { id: 7, seed: u64::MAX, params, prompt: vec![1, 2, 3], min_stop: vec![2, 0] }],
             drop: vec![3, 4],
             seqs: vec![ScheduledSeq {
                 id: 7,
@@ -236,6 +264,7 @@ mod tests {
                 sample: true,
                 cached_tokens: 1,
             }],
+            masked: vec![7],
         };
         let w = msg.encode();
         assert_eq!(StepMsg::decode(StepKind::Run, &w).unwrap(), msg);

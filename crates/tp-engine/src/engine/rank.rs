@@ -25,6 +25,18 @@ pub(crate) struct SeqState {
     pub seed: u64,
     pub prompt: Vec<i64>,
     pub output: Vec<i64>,
+    /// Ids banned until `params.min_tokens` tokens are out.
+    pub min_stop: Vec<i64>,
+}
+
+/// Where a step's structured-output masks come from: rank 0 computes them (the closure runs
+/// after rank 0's forward pass, joining the thread that computed them meanwhile) and broadcasts
+/// them; the other ranks receive them.
+pub(crate) enum MaskSource<'a> {
+    /// Rank 0: the masks of `StepMsg::masked`, concatenated.
+    Leader(Box<dyn FnOnce() -> Vec<u64> + 'a>),
+    /// Any other rank.
+    Follower,
 }
 
 /// One rank of the engine.
@@ -107,13 +119,22 @@ impl RankWorker {
 
     /// Runs one step: applies the announcements, runs the batch, samples every sequence that
     /// asks for it, appends the tokens to the outputs. Every rank returns the same list.
-    pub(crate) fn execute(&mut self, msg: &StepMsg) -> Result<Vec<(RequestId, Sampled)>, EngineError> {
+    pub(crate) fn execute(
+        &mut self,
+        msg: &StepMsg,
+        masks: MaskSource<'_>,
+    ) -> Result<Vec<(RequestId, Sampled)>, EngineError> {
         for d in &msg.drop {
             self.seqs.remove(d);
         }
         for n in &msg.new {
-            let state =
-                SeqState { params: n.params.clone(), seed: n.seed, prompt: n.prompt.clone(), output: Vec::new() };
+            let state = SeqState {
+                params: n.params.clone(),
+                seed: n.seed,
+                prompt: n.prompt.clone(),
+                output: Vec::new(),
+                min_stop: n.min_stop.clone(),
+            };
             self.seqs.insert(n.id, state);
         }
         if msg.seqs.is_empty() {
@@ -146,7 +167,7 @@ impl RankWorker {
         }
         let batch = TokenBatch::new(batch_seqs, self.block_size)?;
         let started = std::time::Instant::now();
-        let out = self.forward_and_sample(&ids, &batch, &rows, &sampled_ids);
+        let out = self.forward_and_sample(&ids, &batch, &rows, &sampled_ids, msg, masks);
         self.busy_secs += started.elapsed().as_secs_f64();
         let sampled = match &self.pipeline {
             None => out?,
@@ -174,7 +195,68 @@ impl RankWorker {
         batch: &TokenBatch,
         rows: &[usize],
         sampled_ids: &[RequestId],
+        msg: &StepMsg,
+        masks: MaskSource<'_>,
     ) -> Result<Vec<(RequestId, Sampled)>, EngineError> {
+        // A rank whose forward fails leaves before the masks' broadcast; it aborts the group,
+        // which ends the others' wait at once.
+        let logits = self.forward(ids, batch, rows)?;
+        let masks = self.exchange_masks(msg, masks)?;
+        let Some(logits) = logits else { return Ok(Vec::new()) };
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (start, _) = self.model.vocab_shard();
+        let vocab = self.model.config().vocab_size;
+        let words = vocab.div_ceil(64);
+        let sample_rows: Vec<SampleRow<'_>> = sampled_ids
+            .iter()
+            .map(|id| {
+                let s = &self.seqs[id];
+                let mask = msg.masked.iter().position(|m| m == id).and_then(|k| masks.get(k * words..(k + 1) * words));
+                SampleRow {
+                    params: &s.params,
+                    seed: s.seed,
+                    step: s.output.len() as u64,
+                    prompt: &s.prompt,
+                    output: &s.output,
+                    banned: if s.output.len() < s.params.min_tokens { &s.min_stop } else { &[] },
+                    mask,
+                }
+            })
+            .collect();
+        let logits = if logits.dtype() == DType::F32 { logits } else { logits.to_dtype(DType::F32)? };
+        let sampled = sample_sharded(&logits, start, vocab, &sample_rows, self.model.group())
+            .map_err(|e| EngineError::Step(e.to_string()))?;
+        Ok(sampled_ids.iter().copied().zip(sampled).collect())
+    }
+
+    /// The step's structured-output masks on every rank (`ceil(vocab / 64)` words per entry of
+    /// `msg.masked`, concatenated): rank 0's, broadcast over the world. Nothing when no sampled
+    /// sequence is constrained.
+    fn exchange_masks(&self, msg: &StepMsg, source: MaskSource<'_>) -> Result<Vec<u64>, EngineError> {
+        if msg.masked.is_empty() {
+            return Ok(Vec::new());
+        }
+        let len = msg.masked.len() * self.model.config().vocab_size.div_ceil(64);
+        let words: Vec<i64> = match source {
+            MaskSource::Leader(compute) => {
+                let m = compute();
+                if m.len() != len {
+                    return Err(EngineError::Step(format!("{} mask words for {len}", m.len())));
+                }
+                m.into_iter().map(|w| w as i64).collect()
+            }
+            MaskSource::Follower => vec![0; len],
+        };
+        let g = &self.world;
+        let t = g.to_local(&Tensor::from_vec(words, &[len], &Device::Cpu)?)?;
+        Ok(g.broadcast(&t, 0)?.to_i64_vec()?.into_iter().map(|w| w as u64).collect())
+    }
+
+    /// This rank's stage of the step: the logits of the sampled rows on the last stage (`None`
+    /// on the others, which pass their hidden states on).
+    fn forward(&mut self, ids: &[i64], batch: &TokenBatch, rows: &[usize]) -> Result<Option<Tensor>, EngineError> {
         let logits = match &self.pipeline {
             None => self.model.forward_batch(ids, batch, &mut self.caches, rows)?,
             Some((pp, _)) => {
@@ -187,7 +269,7 @@ impl RankWorker {
                 match self.model.forward_batch_stage(ids, input, batch, &mut self.caches, rows)? {
                     StageOutput::Hidden(h) if s + 1 < p => {
                         pp.send(&h, s + 1)?;
-                        return Ok(Vec::new());
+                        return Ok(None);
                     }
                     StageOutput::Hidden(_) => {
                         return Err(EngineError::Step("the last pipeline stage has no LM head".into()));
@@ -196,28 +278,7 @@ impl RankWorker {
                 }
             }
         };
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (start, _) = self.model.vocab_shard();
-        let vocab = self.model.config().vocab_size;
-        let sample_rows: Vec<SampleRow<'_>> = sampled_ids
-            .iter()
-            .map(|id| {
-                let s = &self.seqs[id];
-                SampleRow {
-                    params: &s.params,
-                    seed: s.seed,
-                    step: s.output.len() as u64,
-                    prompt: &s.prompt,
-                    output: &s.output,
-                }
-            })
-            .collect();
-        let logits = if logits.dtype() == DType::F32 { logits } else { logits.to_dtype(DType::F32)? };
-        let sampled = sample_sharded(&logits, start, vocab, &sample_rows, self.model.group())
-            .map_err(|e| EngineError::Step(e.to_string()))?;
-        Ok(sampled_ids.iter().copied().zip(sampled).collect())
+        Ok(Some(logits))
     }
 
     /// The last stage's sampled tokens on every rank: world rank `root` (which passes them)

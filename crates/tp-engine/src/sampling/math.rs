@@ -40,11 +40,13 @@ pub(crate) fn by_raw(a: &Cand, b: &Cand) -> Ordering {
     b.raw.total_cmp(&a.raw).then(a.id.cmp(&b.id))
 }
 
-/// The penalties of one row for the ids in `range`: each id seen in the prompt or the output,
-/// with how often the output holds it.
+/// What one row does to its logits before the sampling order, for the ids in `range`: the
+/// structured-output mask and the banned ids (`-inf`), `logit_bias`, then the penalties of each
+/// id seen in the prompt or the output, with how often the output holds it.
 pub(crate) struct Penalties<'a> {
     params: &'a SamplingParams,
     seen: HashMap<usize, u32>,
+    row: SampleRow<'a>,
 }
 
 impl<'a> Penalties<'a> {
@@ -64,13 +66,32 @@ impl<'a> Penalties<'a> {
                 *seen.entry(id).or_insert(0) += 1;
             }
         }
-        Penalties { params: p, seen }
+        Penalties { params: p, seen, row: *row }
     }
 
-    /// Penalises `logits` (the columns from global id `start` on) in place and cleans every value.
+    /// Masks, biases and penalises `logits` (the columns from global id `start` on) in place and
+    /// cleans every value.
     pub(crate) fn apply(&self, logits: &mut [f32], start: usize) {
         for v in logits.iter_mut() {
             *v = clean(*v);
+        }
+        if self.row.mask.is_some() {
+            for (i, v) in logits.iter_mut().enumerate() {
+                if !self.row.allows(start + i) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let local = |id: i64| usize::try_from(id).ok().and_then(|id| id.checked_sub(start));
+        for &id in self.row.banned {
+            if let Some(v) = local(id).and_then(|i| logits.get_mut(i)) {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        for &(id, bias) in &self.params.logit_bias {
+            if let Some(v) = local(id).and_then(|i| logits.get_mut(i)) {
+                *v = clean(*v + bias);
+            }
         }
         for (&id, &count) in &self.seen {
             if let Some(v) = id.checked_sub(start).and_then(|i| logits.get_mut(i)) {

@@ -30,7 +30,7 @@ mod sharded;
 mod wire;
 
 pub use full::sample_full;
-pub use params::{MAX_TOP_LOGPROBS, SamplingParams};
+pub use params::{MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams};
 pub use sharded::{sample_sharded, sample_sharded_counted};
 
 use crate::api::TokenLogprobs;
@@ -48,6 +48,20 @@ pub struct SampleRow<'a> {
     pub prompt: &'a [i64],
     /// The ids generated so far (for all three penalties).
     pub output: &'a [i64],
+    /// Ids forbidden at this step whatever their logits (the end-of-sequence and stop ids while
+    /// fewer than `min_tokens` were generated): they become `-inf`.
+    pub banned: &'a [i64],
+    /// A structured-output mask over the whole vocabulary: id `i` is allowed where bit `i % 64`
+    /// of word `i / 64` is set; every other id (and every id past the mask) becomes `-inf`.
+    /// `None`: no constraint. Each rank reads its own columns' bits.
+    pub mask: Option<&'a [u64]>,
+}
+
+impl SampleRow<'_> {
+    /// Whether the row's mask (if any) allows global id `id`.
+    pub fn allows(&self, id: usize) -> bool {
+        self.mask.is_none_or(|m| m.get(id / 64).is_some_and(|w| w >> (id % 64) & 1 == 1))
+    }
 }
 
 /// The token chosen for one row.

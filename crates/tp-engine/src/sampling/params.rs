@@ -2,6 +2,8 @@
 
 /// Most top logprobs a request may ask for per token (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Most `logit_bias` entries a request may carry (OpenAI allows 300).
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// How a request picks each token from the logits `l` (one row, all `V` columns).
 ///
@@ -17,8 +19,12 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 /// 6. Draw from the softmax of what is left, with noise keyed by `(seed, output index, id)`, so
 ///    a seeded request draws the same tokens at any TP degree and in any batch.
 ///
-/// Logprobs are those of the model's raw logits (`log_softmax(l)` before step 1), as vLLM returns
-/// by default.
+/// Before step 1, as vLLM's logits processors do: a structured-output mask (ids it forbids
+/// become `-inf`), `min_tokens` (the end-of-sequence and stop ids are `-inf` until that many
+/// tokens were generated), then `logit_bias` added to its ids.
+///
+/// Logprobs are those of the model's raw logits (`log_softmax(l)` before any of this), as vLLM
+/// returns by default.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     /// `0` for greedy; otherwise `> 0`. Default 1.
@@ -40,6 +46,12 @@ pub struct SamplingParams {
     /// Return the chosen token's logprob and this many top alternatives (`<=`
     /// [`MAX_TOP_LOGPROBS`]); `None`: no logprobs.
     pub logprobs: Option<usize>,
+    /// Generate at least this many tokens before an end-of-sequence or stop id may be drawn.
+    /// Default 0.
+    pub min_tokens: usize,
+    /// `(id, bias)` added to those ids' logits, each bias in `[-100, 100]`, ids distinct and
+    /// ascending (OpenAI's `logit_bias`). Default empty.
+    pub logit_bias: Vec<(i64, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -54,6 +66,8 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: None,
             logprobs: None,
+            min_tokens: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -107,6 +121,23 @@ impl SamplingParams {
             && n > MAX_TOP_LOGPROBS
         {
             return Err(("logprobs", format!("at most {MAX_TOP_LOGPROBS} top logprobs, got {n}")));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err((
+                "logit_bias",
+                format!("at most {MAX_LOGIT_BIAS} logit_bias entries, got {}", self.logit_bias.len()),
+            ));
+        }
+        for (i, &(id, bias)) in self.logit_bias.iter().enumerate() {
+            if id < 0 {
+                return Err(("logit_bias", format!("logit_bias token {id} is not a token id")));
+            }
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(("logit_bias", format!("logit_bias of token {id} must be in [-100, 100], got {bias}")));
+            }
+            if i > 0 && self.logit_bias[i - 1].0 >= id {
+                return Err(("logit_bias", "logit_bias ids must be distinct and ascending".into()));
+            }
         }
         Ok(())
     }

@@ -16,11 +16,21 @@ pub struct RowSpec {
     pub step: u64,
     pub prompt: Vec<i64>,
     pub output: Vec<i64>,
+    pub banned: Vec<i64>,
+    pub mask: Option<Vec<u64>>,
 }
 
 impl RowSpec {
     pub fn row(&self) -> SampleRow<'_> {
-        SampleRow { params: &self.params, seed: self.seed, step: self.step, prompt: &self.prompt, output: &self.output }
+        SampleRow {
+            params: &self.params,
+            seed: self.seed,
+            step: self.step,
+            prompt: &self.prompt,
+            output: &self.output,
+            banned: &self.banned,
+            mask: self.mask.as_deref(),
+        }
     }
 }
 
@@ -66,6 +76,28 @@ pub fn row_spec(rng: &mut SplitMix64, vocab: usize) -> RowSpec {
     let logprobs = [None, None, Some(0), Some(3), Some(20)][pick(rng, 5)];
     let ids = |rng: &mut SplitMix64, n: usize| (0..n).map(|_| rng.int_in(0, vocab as i64 - 1)).collect::<Vec<_>>();
     let (np, no) = (pick(rng, 8), pick(rng, 8));
+    // A structured-output mask now and then: a random set (often sparse), never empty.
+    let mask = (pick(rng, 3) == 0).then(|| {
+        let density = [0.02, 0.3, 0.9][pick(rng, 3)];
+        let mut m = vec![0u64; vocab.div_ceil(64)];
+        for id in 0..vocab {
+            if rng.uniform(0.0, 1.0) < density {
+                m[id / 64] |= 1 << (id % 64);
+            }
+        }
+        let id = pick(rng, vocab);
+        m[id / 64] |= 1 << (id % 64);
+        m
+    });
+    let mut logit_bias: Vec<(i64, f32)> = if pick(rng, 3) == 0 {
+        (0..pick(rng, 6)).map(|_| (rng.int_in(0, vocab as i64 - 1), rng.uniform(-100.0, 100.0) as f32)).collect()
+    } else {
+        Vec::new()
+    };
+    logit_bias.sort_by_key(|&(id, _)| id);
+    logit_bias.dedup_by_key(|&mut (id, _)| id);
+    let nb = if pick(rng, 4) == 0 { pick(rng, 4) } else { 0 };
+    let banned = ids(rng, nb);
     RowSpec {
         params: SamplingParams {
             temperature,
@@ -77,11 +109,15 @@ pub fn row_spec(rng: &mut SplitMix64, vocab: usize) -> RowSpec {
             frequency_penalty,
             seed: None,
             logprobs,
+            min_tokens: 0,
+            logit_bias,
         },
         seed: rng.next_u64(),
         step: rng.int_in(0, 100) as u64,
         prompt: ids(rng, np),
         output: ids(rng, no),
+        banned,
+        mask,
     }
 }
 
