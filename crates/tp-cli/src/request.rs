@@ -278,11 +278,20 @@ pub fn parse_chat(body: &Value) -> Result<(GenParams, Value), ApiError> {
         None => f.count("max_tokens")?,
     };
     let params = common(&f, max_tokens, logprobs)?;
-    let list = match f.get("messages") {
+    let messages = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "`messages` is required")),
-        Some(Value::Array(a)) if !a.is_empty() => a,
-        Some(Value::Array(_)) => return Err(ApiError::invalid("messages", "`messages` is empty")),
-        Some(_) => return Err(wrong("messages", "a list of messages")),
+        Some(m) => parse_messages(m)?,
+    };
+    Ok((params, messages))
+}
+
+/// A chat's `messages` as the template takes them (`{role, content}` with content a string:
+/// lists of text parts joined by newlines).
+pub fn parse_messages(messages: &Value) -> Result<Value, ApiError> {
+    let list = match messages {
+        Value::Array(a) if !a.is_empty() => a,
+        Value::Array(_) => return Err(ApiError::invalid("messages", "`messages` is empty")),
+        _ => return Err(wrong("messages", "a list of messages")),
     };
     let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
@@ -315,7 +324,7 @@ pub fn parse_chat(body: &Value) -> Result<(GenParams, Value), ApiError> {
         }
         out.push(Value::Object(msg));
     }
-    Ok((params, Value::Array(out)))
+    Ok(Value::Array(out))
 }
 
 #[cfg(test)]

@@ -88,6 +88,18 @@ impl TextModel {
         self.tokenizer.decode(&ids, true).unwrap_or_default()
     }
 
+    /// Text of `ids` with special tokens kept (as `/detokenize` answers).
+    pub fn decode_with_specials(&self, ids: &[i64]) -> String {
+        let ids: Vec<u32> = ids.iter().filter_map(|&i| u32::try_from(i).ok()).collect();
+        self.tokenizer.decode(&ids, false).unwrap_or_default()
+    }
+
+    /// A token's entry in the vocabulary (`Ġworld`, not ` world`), as transformers'
+    /// `convert_ids_to_tokens` gives it; empty for an id the tokenizer lacks.
+    pub fn token_piece(&self, id: i64) -> String {
+        u32::try_from(id).ok().and_then(|id| self.tokenizer.id_to_token(id)).unwrap_or_default()
+    }
+
     /// One token's own text (special tokens included), for logprobs.
     pub fn token_text(&self, id: i64) -> String {
         let Ok(id) = u32::try_from(id) else { return String::new() };

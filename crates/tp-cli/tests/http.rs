@@ -314,3 +314,48 @@ fn logit_bias_and_min_tokens_steer_every_token() {
         assert_eq!((st, v["error"]["param"].as_str()), (400, Some(param)), "{extra} -> {v}");
     }
 }
+
+#[test]
+fn tokenize_and_detokenize_answer_as_vllm_does() {
+    let s = Server::start(&[]);
+    let tok: tokenizers::Tokenizer = common::tokenizer_json().to_string().parse().unwrap();
+    for text in ["hello world", "", "ünïcödé ✓ <|eot_id|>", "a\nb\tc"] {
+        let (st, v) = s.post("/tokenize", &json!({"prompt": text}));
+        assert_eq!(st, 200, "{v}");
+        let want: Vec<u32> = tok.encode(text, true).unwrap().get_ids().to_vec();
+        assert_eq!(v["tokens"], json!(want), "{text:?}");
+        assert_eq!(v["count"], want.len());
+        assert_eq!(v["max_model_len"], MAX_LEN);
+        assert_eq!(v["token_strs"], Value::Null);
+        let (_, plain) = s.post("/tokenize", &json!({"prompt": text, "add_special_tokens": false}));
+        assert_eq!(plain["tokens"], json!(tok.encode(text, false).unwrap().get_ids()));
+        let (st, d) = s.post("/detokenize", &json!({"tokens": want}));
+        assert_eq!(st, 200, "{d}");
+        assert_eq!(d["prompt"], tok.decode(&want, false).unwrap());
+    }
+    let (_, v) = s.post("/tokenize", &json!({"prompt": "hello world", "return_token_strs": true}));
+    assert_eq!(v["token_strs"], json!(["<|begin_of_text|>", "he", "ll", "o", "Ġw", "o", "r", "l", "d"]));
+    // Messages: the template's text (with the generation prompt), its special tokens as text.
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let (_, v) = s.post("/tokenize", &json!({"messages": messages}));
+    let rendered = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>\
+        <|start_header_id|>assistant<|end_header_id|>\n\n";
+    assert_eq!(v["tokens"], json!(tok.encode(rendered, false).unwrap().get_ids()));
+    let (_, no_gen) = s.post("/tokenize", &json!({"messages": messages, "add_generation_prompt": false}));
+    assert!(no_gen["count"].as_u64() < v["count"].as_u64());
+    for (path, body, param) in [
+        ("/tokenize", json!({}), "prompt"),
+        ("/tokenize", json!({"prompt": 5}), "prompt"),
+        ("/tokenize", json!({"prompt": "a", "messages": messages}), "messages"),
+        ("/tokenize", json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0]"),
+        ("/tokenize", json!({"prompt": "a", "add_special_tokens": "yes"}), "add_special_tokens"),
+        ("/detokenize", json!({"tokens": [1, 5000]}), "tokens"),
+        ("/detokenize", json!({"tokens": [-1]}), "tokens"),
+        ("/detokenize", json!({"tokens": "12"}), "tokens"),
+    ] {
+        let (st, v) = s.post(path, &body);
+        assert_eq!((st, v["error"]["param"].as_str()), (400, Some(param)), "{path} {body} -> {v}");
+    }
+    let (st, _) = s.post("/tokenize", &json!({"prompt": "a", "model": "other"}));
+    assert_eq!(st, 404);
+}

@@ -5,6 +5,7 @@
 pub mod chat;
 pub mod completions;
 pub mod sse;
+pub mod tokenize;
 
 use crate::args::ServerArgs;
 use crate::error::{ApiError, json_response};
@@ -149,6 +150,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions::handle))
         .route("/v1/chat/completions", post(chat::handle))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()).into_response() })
         .with_state(state)
 }
