@@ -133,6 +133,20 @@ pub struct ServeArgs {
     /// batched steps then repack them on every call).
     #[arg(long)]
     pub no_prepack_weights: bool,
+    /// A Jinja chat template file that replaces the model's own.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// How the model writes tool calls: hermes (also qwen), llama3_json, mistral (default: read
+    /// from the chat template).
+    #[arg(long, value_name = "NAME")]
+    pub tool_call_parser: Option<String>,
+    /// Accepted for vLLM compatibility: `tool_choice: "auto"` is on whenever a tool-call format
+    /// is known.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+    /// Move `<think>...</think>` into `reasoning_content`: qwen3 or deepseek_r1.
+    #[arg(long, value_name = "NAME")]
+    pub reasoning_parser: Option<String>,
 }
 
 /// What the engine is started with (read by `engine::start_engine` alone).
@@ -189,6 +203,12 @@ pub struct ServerArgs {
     pub max_request_bytes: usize,
     /// Grace period at shutdown.
     pub shutdown_timeout: Duration,
+    /// `--chat-template FILE`.
+    pub chat_template: Option<PathBuf>,
+    /// `--tool-call-parser`.
+    pub tool_call_parser: Option<crate::tools::ToolParser>,
+    /// `--reasoning-parser`.
+    pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
 }
 
 /// Parses `tp`'s arguments; vLLM's single-dash `-tp N` / `-tp=N` is read as
@@ -267,6 +287,20 @@ impl ServeArgs {
         if served_model_name.is_empty() {
             return bad("served-model-name", "is empty".into());
         }
+        let tool_call_parser = match &self.tool_call_parser {
+            None => None,
+            Some(n) => Some(crate::tools::ToolParser::from_name(n).ok_or_else(|| {
+                CliError::Args(format!(
+                    "--tool-call-parser: unknown parser `{n}` (expected hermes, qwen, llama3_json or mistral)"
+                ))
+            })?),
+        };
+        let reasoning_parser = match &self.reasoning_parser {
+            None => None,
+            Some(n) => Some(crate::reasoning::ReasoningParser::from_name(n).ok_or_else(|| {
+                CliError::Args(format!("--reasoning-parser: unknown parser `{n}` (expected qwen3 or deepseek_r1)"))
+            })?),
+        };
         let engine = EngineArgs {
             model_dir: self.model_dir.clone(),
             tensor_parallel_size: self.tensor_parallel_size,
@@ -293,6 +327,9 @@ impl ServeArgs {
             api_key: self.api_key,
             max_request_bytes,
             shutdown_timeout: Duration::from_secs_f64(self.shutdown_timeout),
+            chat_template: self.chat_template,
+            tool_call_parser,
+            reasoning_parser,
         };
         Ok((engine, server))
     }
@@ -440,8 +477,22 @@ mod tests {
             "7",
             "--api-key",
             "k",
+            "--chat-template",
+            "t.jinja",
+            "--tool-call-parser",
+            "llama3_json",
+            "--enable-auto-tool-choice",
+            "--reasoning-parser",
+            "qwen3",
         ])
         .unwrap();
+        assert_eq!(s.chat_template.as_deref(), Some(std::path::Path::new("t.jinja")));
+        assert_eq!(s.tool_call_parser, Some(crate::tools::ToolParser::Llama3Json));
+        assert_eq!(s.reasoning_parser, Some(crate::reasoning::ReasoningParser::Qwen3));
+        for (flag, v) in [("--tool-call-parser", "pythonic"), ("--reasoning-parser", "o1")] {
+            let e = parse(&["tp", "serve", "d", flag, v]).unwrap_err();
+            assert!(e.contains(flag), "{e}");
+        }
         assert_eq!(e.tensor_parallel_size, 2);
         assert_eq!((e.dtype, e.device, e.backend), (DTypeArg::Bf16, DeviceArg::Cuda, BackendArg::Nccl));
         assert_eq!((e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len), (4, 64, Some(100)));

@@ -7,6 +7,7 @@ mod detok;
 mod engine;
 mod error;
 mod metrics;
+mod reasoning;
 mod request;
 mod run;
 mod serve;
@@ -14,6 +15,7 @@ mod server;
 mod structured;
 mod template;
 mod text;
+mod tools;
 mod train;
 
 use std::process::ExitCode;

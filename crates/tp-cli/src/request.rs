@@ -261,7 +261,7 @@ pub fn parse_completion(body: &Value) -> Result<(GenParams, Vec<Prompt>), ApiErr
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// A `POST /v1/chat/completions` body: its parameters and its messages as the template takes
-/// them (`{role, content}` with content a string: lists of text parts joined by newlines).
+/// them (see [`parse_messages`]).
 pub fn parse_chat(body: &Value) -> Result<(GenParams, Value), ApiError> {
     let f = Fields::of(body)?;
     let want_logprobs = f.bool("logprobs")?.unwrap_or(false);
@@ -285,8 +285,10 @@ pub fn parse_chat(body: &Value) -> Result<(GenParams, Value), ApiError> {
     Ok((params, messages))
 }
 
-/// A chat's `messages` as the template takes them (`{role, content}` with content a string:
-/// lists of text parts joined by newlines).
+/// A chat's `messages` as the template takes them: `{role, content}` with content a string
+/// (lists of text parts joined by newlines), an assistant's `tool_calls` (arguments parsed into
+/// objects) and `reasoning_content`, a tool message's `tool_call_id` (which must answer an
+/// earlier call).
 pub fn parse_messages(messages: &Value) -> Result<Value, ApiError> {
     let list = match messages {
         Value::Array(a) if !a.is_empty() => a,
@@ -294,6 +296,8 @@ pub fn parse_messages(messages: &Value) -> Result<Value, ApiError> {
         _ => return Err(wrong("messages", "a list of messages")),
     };
     let mut out = Vec::with_capacity(list.len());
+    // Ids of the assistant tool calls so far: a tool message must answer one of them.
+    let mut call_ids: Vec<String> = Vec::new();
     for (i, m) in list.iter().enumerate() {
         let at = |what: &str| ApiError::invalid(format!("messages[{i}]"), format!("messages[{i}]: {what}"));
         let m = m.as_object().ok_or_else(|| at("must be an object"))?;
@@ -322,9 +326,67 @@ pub fn parse_messages(messages: &Value) -> Result<Value, ApiError> {
         if let Some(name) = m.get("name").and_then(Value::as_str) {
             msg.insert("name".into(), name.into());
         }
+        if role == "assistant" {
+            if let Some(r) = m.get("reasoning_content").and_then(Value::as_str) {
+                msg.insert("reasoning_content".into(), r.into());
+            }
+            match m.get("tool_calls") {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(calls)) => {
+                    let calls = calls
+                        .iter()
+                        .enumerate()
+                        .map(|(j, c)| template_call(c).map_err(|what| at(&format!("tool_calls[{j}]: {what}"))))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    for c in &calls {
+                        if let Some(id) = c.get("id").and_then(Value::as_str) {
+                            call_ids.push(id.to_string());
+                        }
+                    }
+                    msg.insert("tool_calls".into(), Value::Array(calls));
+                }
+                Some(_) => return Err(at("`tool_calls` must be a list")),
+            }
+        }
+        if role == "tool" {
+            let id = m
+                .get("tool_call_id")
+                .and_then(Value::as_str)
+                .ok_or_else(|| at("a tool message needs `tool_call_id`"))?;
+            if !call_ids.iter().any(|c| c == id) {
+                return Err(at(&format!("`tool_call_id` {id:?} matches no earlier assistant tool call")));
+            }
+            msg.insert("tool_call_id".into(), id.into());
+        }
         out.push(Value::Object(msg));
     }
     Ok(Value::Array(out))
+}
+
+/// An assistant's tool call as templates read it (as vLLM passes it): `{id, type, function:
+/// {name, arguments}}` with `arguments` parsed from its JSON string into an object.
+fn template_call(c: &Value) -> Result<Value, String> {
+    let id = c.get("id").and_then(Value::as_str).ok_or("`id` must be a string")?;
+    let f = c.get("function").and_then(Value::as_object).ok_or("`function` must be an object")?;
+    let name = f.get("name").and_then(Value::as_str).ok_or("`function.name` must be a string")?;
+    let arguments = match f.get("arguments") {
+        Some(Value::String(s)) => {
+            serde_json::from_str::<Value>(s).map_err(|e| format!("`function.arguments` is not JSON: {e}"))?
+        }
+        Some(o @ Value::Object(_)) => o.clone(),
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(_) => return Err("`function.arguments` must be a JSON string".into()),
+    };
+    Ok(serde_json::json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}))
+}
+
+/// `chat_template_kwargs`: extra variables for the chat template (e.g. `enable_thinking`).
+pub fn template_kwargs(body: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
+    match body.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Ok(Map::new()),
+        Some(Value::Object(o)) => Ok(o.clone()),
+        Some(_) => Err(wrong("chat_template_kwargs", "an object")),
+    }
 }
 
 #[cfg(test)]

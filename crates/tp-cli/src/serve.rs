@@ -25,7 +25,10 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
     if let Some(r) = crate::engine::nccl_follower(&engine_args) {
         return r;
     }
-    let text = TextModel::load(&args.model_dir)?;
+    let mut text = TextModel::load(&args.model_dir)?;
+    if let Some(path) = &args.chat_template {
+        text.replace_template(path)?;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("tp-http")

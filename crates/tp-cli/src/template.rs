@@ -1,8 +1,11 @@
 //! Chat templates: the model's own Jinja template, rendered as transformers'
-//! `apply_chat_template(messages, add_generation_prompt=True)` renders it (trimmed and
-//! left-stripped blocks, loop controls, `raise_exception`, `strftime_now`, `tojson`, Python's
-//! string and dict methods, `tools` and `documents` passed as none, the special tokens by name).
+//! `apply_chat_template(messages, tools=..., add_generation_prompt=True, **kwargs)` renders it
+//! (trimmed and left-stripped blocks, loop controls, `raise_exception`, `strftime_now`, `tojson`
+//! as Python's `json.dumps` writes, Python's string and dict methods, `tools` (none without
+//! them), `documents` as none, the special tokens by name, extra keyword arguments such as
+//! `enable_thinking`).
 
+use minijinja::value::Kwargs;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use std::collections::BTreeMap;
 
@@ -11,6 +14,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     /// `bos_token`, `eos_token`, `unk_token`, `pad_token` as the tokenizer config gives them.
     specials: BTreeMap<String, String>,
+    /// The template's text.
+    source: String,
 }
 
 /// The template's name inside its environment.
@@ -25,12 +30,24 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(NAME, source).map_err(|e| format!("the chat template does not compile: {e}"))?;
-        Ok(ChatTemplate { env, specials })
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(NAME, source.clone()).map_err(|e| format!("the chat template does not compile: {e}"))?;
+        Ok(ChatTemplate { env, specials, source })
+    }
+
+    /// The template's text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The special tokens it is rendered with.
+    pub fn specials(&self) -> &BTreeMap<String, String> {
+        &self.specials
     }
 
     /// Renders `messages` (a JSON list of `{role, content}` with string content) with
     /// `add_generation_prompt = true`. A template's `raise_exception` comes back as the error.
+    #[cfg(test)]
     pub fn render(&self, messages: &serde_json::Value) -> Result<String, String> {
         self.render_with(messages, true)
     }
@@ -38,17 +55,78 @@ impl ChatTemplate {
     /// Renders `messages` with `add_generation_prompt` as given (training renders whole
     /// conversations without it, and each prefix before an assistant turn with it).
     pub fn render_with(&self, messages: &serde_json::Value, add_generation_prompt: bool) -> Result<String, String> {
+        self.render_full(messages, add_generation_prompt, None, &serde_json::Map::new())
+    }
+
+    /// Renders `messages` with `tools` (the request's list as given, `None`: none) and the
+    /// request's `chat_template_kwargs` (`kwargs`, which cannot replace `messages`, `tools` or
+    /// `add_generation_prompt`).
+    pub fn render_full(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, String> {
         let tmpl = self.env.get_template(NAME).map_err(|e| e.to_string())?;
         let mut ctx: BTreeMap<String, Value> =
             self.specials.iter().map(|(k, v)| (k.clone(), Value::from(v.clone()))).collect();
+        ctx.insert("documents".into(), Value::from(()));
+        for (k, v) in kwargs {
+            ctx.insert(k.clone(), Value::from_serialize(v));
+        }
         ctx.insert("messages".into(), Value::from_serialize(messages));
         ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
-        ctx.insert("tools".into(), Value::from(()));
-        ctx.insert("documents".into(), Value::from(()));
+        ctx.insert("tools".into(), tools.map_or(Value::from(()), Value::from_serialize));
         tmpl.render(ctx).map_err(|e| match e.kind() {
             ErrorKind::InvalidOperation => e.detail().unwrap_or("the chat template refused the messages").to_string(),
             _ => format!("the chat template failed: {e}"),
         })
+    }
+}
+
+/// `x | tojson(indent=None)` as transformers defines it: Python's `json.dumps(x,
+/// ensure_ascii=False)`, items separated by `", "` and keys by `": "` (by `","` and newlines with
+/// an `indent`), keys in their given order, nothing HTML-escaped.
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let _ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(Value::from_safe_string(python_json(&json, indent)))
+}
+
+/// `json.dumps(v, ensure_ascii=False, indent=indent)` as Python writes it.
+pub fn python_json(v: &serde_json::Value, indent: Option<usize>) -> String {
+    use serde::Serialize;
+    let mut out = Vec::new();
+    let r = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            v.serialize(&mut serde_json::Serializer::with_formatter(
+                &mut out,
+                serde_json::ser::PrettyFormatter::with_indent(&pad),
+            ))
+        }
+        None => v.serialize(&mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter)),
+    };
+    debug_assert!(r.is_ok());
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// serde_json's compact output with Python's `", "` and `": "` separators.
+struct PythonFormatter;
+
+impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
     }
 }
 
@@ -219,6 +297,32 @@ mod tests {
             "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
              <|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn tojson_writes_as_python_json_dumps() {
+        let t = ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}".into(), BTreeMap::new()).unwrap();
+        let x = json!({"b": [1, 2.5, "<é>"], "a": {"q\"": null, "e": []}});
+        let got = t.render_full(&json!([]), false, None, json!({"x": x}).as_object().unwrap()).unwrap();
+        // What Python prints for json.dumps(x, ensure_ascii=False) and with indent=2.
+        assert_eq!(
+            got,
+            "{\"b\": [1, 2.5, \"<é>\"], \"a\": {\"q\\\"\": null, \"e\": []}}|{\n  \"b\": [\n    1,\n    2.5,\n    \"<é>\"\n  ],\n  \"a\": {\n    \"q\\\"\": null,\n    \"e\": []\n  }\n}"
+        );
+    }
+
+    #[test]
+    fn tools_and_kwargs_reach_the_template() {
+        let src = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ enable_thinking }}|{{ messages | length }}";
+        let t = ChatTemplate::new(src.into(), BTreeMap::new()).unwrap();
+        let tools =
+            json!([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]);
+        let kw = json!({"enable_thinking": false, "messages": "ignored"});
+        let got =
+            t.render_full(&json!([{"role": "user", "content": "x"}]), true, Some(&tools), kw.as_object().unwrap());
+        assert_eq!(got.unwrap(), "f;g;False|1");
+        let none = ChatTemplate::new("{% if tools %}T{% else %}N{% endif %}".into(), BTreeMap::new()).unwrap();
+        assert_eq!(none.render(&json!([])).unwrap(), "N");
     }
 
     #[test]

@@ -19,6 +19,8 @@ const MAX_CONFIG_BYTES: u64 = 16 << 20;
 pub struct TextModel {
     tokenizer: tokenizers::Tokenizer,
     template: Option<ChatTemplate>,
+    /// The special tokens a template is rendered with (kept for `--chat-template`).
+    specials: BTreeMap<String, String>,
 }
 
 impl TextModel {
@@ -48,11 +50,12 @@ impl TextModel {
                 template_from_config(&config).map_err(|e| CliError::Model(format!("{}: {e}", cfg_path.display())))?
             }
         };
+        let specials = special_tokens(&config);
         let template = match source {
-            Some(s) => Some(ChatTemplate::new(s, special_tokens(&config)).map_err(CliError::Model)?),
+            Some(s) => Some(ChatTemplate::new(s, specials.clone()).map_err(CliError::Model)?),
             None => None,
         };
-        Ok(TextModel { tokenizer, template })
+        Ok(TextModel { tokenizer, template, specials })
     }
 
     /// The tokenizer and chat template a GGUF file carries.
@@ -69,10 +72,10 @@ impl TextModel {
             }
         }
         let template = match model.chat_template().map_err(model_err)? {
-            Some(s) => Some(ChatTemplate::new(s, specials).map_err(CliError::Model)?),
+            Some(s) => Some(ChatTemplate::new(s, specials.clone()).map_err(CliError::Model)?),
             None => None,
         };
-        Ok(TextModel { tokenizer, template })
+        Ok(TextModel { tokenizer, template, specials })
     }
 
     /// Ids of `text`; `special` adds the tokenizer's own special tokens (BOS), as a plain
@@ -110,6 +113,19 @@ impl TextModel {
     /// cannot be written out.
     pub fn tokenizer_json(&self) -> Value {
         self.tokenizer.to_string(false).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or(Value::Null)
+    }
+
+    /// Replaces the chat template with the one in `path` (`--chat-template`), keeping the
+    /// special tokens the model's own was given.
+    pub fn replace_template(&mut self, path: &Path) -> Result<(), CliError> {
+        let source = read_text(path, MAX_CONFIG_BYTES)?
+            .ok_or_else(|| CliError::Args(format!("--chat-template: {}: no such file", path.display())))?;
+        let specials = self.template.as_ref().map(|t| t.specials().clone()).unwrap_or_else(|| self.specials.clone());
+        self.template = Some(
+            ChatTemplate::new(source, specials)
+                .map_err(|e| CliError::Args(format!("--chat-template: {}: {e}", path.display())))?,
+        );
+        Ok(())
     }
 
     /// The chat template, if the model has one.

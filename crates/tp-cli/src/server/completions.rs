@@ -5,6 +5,7 @@
 use super::sse::{self, Format};
 use super::{AppState, usage};
 use crate::error::{ApiError, json_response};
+use crate::reasoning::ReasoningParser;
 use crate::request::{GenParams, Prompt, parse_completion};
 use crate::run::{Choice, ChoiceSpec, Finish, TokenOut};
 use crate::structured::GrammarConstraint;
@@ -46,7 +47,7 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
         })
         .collect::<Result<Vec<_>, _>>()?;
     let prompt_tokens = prompts.iter().map(Vec::len).sum();
-    let choices = start_choices(&st, &g, &prompts, arrived)?;
+    let choices = start_choices(&st, &g, &prompts, arrived, None)?;
     let count = choices.len();
     let merged = sse::merge(choices);
     let id = st.response_id("cmpl");
@@ -80,18 +81,20 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
 }
 
 /// Starts `g.n` choices per prompt (choice `p * n + i`; with a seed, choice `i` uses `seed + i`).
-/// Without `max_tokens`, a choice may run to the model's length limit.
+/// Without `max_tokens`, a choice may run to the model's length limit. A constraint applies
+/// after the `reasoning` (if the chat has a reasoning format).
 pub fn start_choices(
     st: &Arc<AppState>,
     g: &GenParams,
     prompts: &[Vec<i64>],
     arrived: Instant,
+    reasoning: Option<ReasoningParser>,
 ) -> Result<Vec<Choice>, ApiError> {
     let max_len = st.engine.limits().max_model_len;
     // Compiled once (off the async workers: a large schema takes a while); each choice drives
     // its own copy.
     let matcher = match &g.constraint {
-        Some(c) => Some(tokio::task::block_in_place(|| st.grammars.compile(c))?),
+        Some(c) => Some(tokio::task::block_in_place(|| st.grammars.compile(c, reasoning))?),
         None => None,
     };
     let mut choices = Vec::with_capacity(prompts.len() * g.n);

@@ -10,8 +10,10 @@ pub mod tokenize;
 use crate::args::ServerArgs;
 use crate::error::{ApiError, json_response};
 use crate::metrics::Metrics;
+use crate::reasoning::ReasoningParser;
 use crate::structured::Grammars;
 use crate::text::TextModel;
+use crate::tools::ToolParser;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
@@ -36,6 +38,10 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// The structured-output compiler for the model's tokenizer.
     pub grammars: Grammars,
+    /// How the model writes tool calls (`--tool-call-parser`, else read from the template).
+    pub tool_parser: Option<ToolParser>,
+    /// `--reasoning-parser`.
+    pub reasoning: Option<ReasoningParser>,
     /// The model's name in the API.
     pub model_name: String,
     api_key: Option<String>,
@@ -52,11 +58,15 @@ impl AppState {
     pub fn new(engine: EngineHandle, text: TextModel, args: &ServerArgs) -> AppState {
         let limits = engine.limits();
         let grammars = Grammars::new(&text.tokenizer_json(), limits.vocab_size, &limits.eos_token_ids);
+        let tool_parser =
+            args.tool_call_parser.or_else(|| text.template().and_then(|t| ToolParser::from_template(t.source())));
         AppState {
             engine,
             text: Arc::new(text),
             metrics: Arc::new(Metrics::default()),
             grammars,
+            tool_parser,
+            reasoning: args.reasoning_parser,
             model_name: args.served_model_name.clone(),
             api_key: args.api_key.clone(),
             max_body: args.max_request_bytes,

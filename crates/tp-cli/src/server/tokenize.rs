@@ -3,7 +3,7 @@
 
 use super::AppState;
 use crate::error::{ApiError, json_response};
-use crate::request::parse_messages;
+use crate::request::{parse_messages, template_kwargs};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -15,7 +15,8 @@ use std::sync::Arc;
 const MAX_DETOKENIZE: usize = 1 << 20;
 
 /// `POST /tokenize`: `{"prompt", "add_special_tokens" (default true)}` or `{"messages",
-/// "add_generation_prompt" (default true), "add_special_tokens" (default false)}` to
+/// "tools", "chat_template_kwargs", "add_generation_prompt" (default true),
+/// "add_special_tokens" (default false)}` to
 /// `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs`, the vocabulary entries as
 /// transformers' `convert_ids_to_tokens` gives them, with `"return_token_strs": true`, else null).
 pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -37,10 +38,17 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
             }
             (None, Some(m)) => {
                 let messages = parse_messages(m)?;
+                let tools = crate::tools::parse_request(o)?;
+                let kwargs = template_kwargs(o)?;
                 let template =
                     st.text.template().ok_or_else(|| ApiError::bad_request("the model has no chat template"))?;
                 let text = template
-                    .render_with(&messages, flag("add_generation_prompt", true)?)
+                    .render_full(
+                        &messages,
+                        flag("add_generation_prompt", true)?,
+                        tools.as_ref().map(|t| &t.raw),
+                        &kwargs,
+                    )
                     .map_err(|e| ApiError::invalid("messages", e))?;
                 st.text.encode(&text, flag("add_special_tokens", false)?).map_err(ApiError::internal)?
             }

@@ -13,7 +13,8 @@ mod vocab;
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use llguidance::api::TopLevelGrammar;
+use crate::reasoning::ReasoningParser;
+use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 use std::sync::Arc;
@@ -65,17 +66,34 @@ impl Grammars {
         Grammars { factory }
     }
 
-    /// Compiles `c` into a matcher at its start. Errors are 400s naming `c.field`: a schema with
-    /// a keyword llguidance does not implement, an unsatisfiable schema, a bad regex or grammar.
-    pub fn compile(&self, c: &Constraint) -> Result<Matcher, ApiError> {
+    /// Compiles `c` into a matcher at its start; with a `reasoning` format the constraint
+    /// applies once the reasoning ends (`</think>`), the reasoning itself free. Errors are 400s
+    /// naming `c.field`: a schema with a keyword llguidance does not implement, an
+    /// unsatisfiable schema, a bad regex or grammar.
+    pub fn compile(&self, c: &Constraint, reasoning: Option<ReasoningParser>) -> Result<Matcher, ApiError> {
         let factory = self.factory.as_ref().map_err(|e| {
             ApiError::invalid(c.field, format!("structured outputs are unavailable for this model's tokenizer: {e}"))
         })?;
-        let grammar = match &c.spec {
-            Spec::Json(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
-            Spec::Regex(rx) => TopLevelGrammar::from_regex(rx),
-            Spec::Choice(list) => TopLevelGrammar::from_regex(&choice_regex(list)),
-            Spec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        let mut answer = match &c.spec {
+            Spec::Json(schema) => GrammarWithLexer::from_json_schema(schema.clone()),
+            Spec::Regex(rx) => GrammarWithLexer::from_regex(rx),
+            Spec::Choice(list) => GrammarWithLexer::from_regex(&choice_regex(list)),
+            Spec::Lark(g) => GrammarWithLexer::from_lark(g.clone()),
+        };
+        // Free text up to and including `</think>`, then the constraint.
+        let think = "think[suffix=\"</think>\"]: /(?s:.*)/";
+        let grammar = match reasoning {
+            None => TopLevelGrammar::from_grammar(answer),
+            Some(r) => {
+                answer.name = Some("answer".into());
+                let start = match r {
+                    ReasoningParser::DeepSeekR1 => format!("start: \"<think>\"? think @answer\n{think}"),
+                    ReasoningParser::Qwen3 => format!("start: \"<think>\" think @answer | @answer\n{think}"),
+                };
+                let mut main = GrammarWithLexer::from_lark(start);
+                main.name = Some("main".into());
+                TopLevelGrammar { grammars: vec![main, answer], max_tokens: None }
+            }
         };
         let compiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| factory.create_parser(grammar)))
             .map_err(|_| ApiError::invalid(c.field, format!("`{}`: the constraint could not be compiled", c.field)))?;

@@ -45,7 +45,13 @@ fn byte_chars() -> Vec<char> {
     out
 }
 
-/// A byte-level BPE tokenizer: ids 0..256 the bytes, 256..259 three merges, 259..264 Llama 3's specials.
+/// Token id of `<think>` (an added token that is not special, as in Qwen3's tokenizer).
+pub const THINK: i64 = 264;
+/// Token id of `</think>`.
+pub const THINK_END: i64 = 265;
+
+/// A byte-level BPE tokenizer: ids 0..256 the bytes, 256..259 three merges, 259..264 Llama 3's
+/// specials, 264 and 265 `<think>` and `</think>` (added, not special).
 pub fn tokenizer_json() -> Value {
     let chars = byte_chars();
     let mut vocab = serde_json::Map::new();
@@ -57,7 +63,7 @@ pub fn tokenizer_json() -> Value {
     for (i, (a, b)) in merges.iter().enumerate() {
         vocab.insert(format!("{a}{b}"), json!(256 + i));
     }
-    let added: Vec<Value> = specials
+    let mut added: Vec<Value> = specials
         .iter()
         .enumerate()
         .map(|(i, s)| {
@@ -65,6 +71,10 @@ pub fn tokenizer_json() -> Value {
             "normalized": false, "special": true})
         })
         .collect();
+    for (id, s) in [(THINK, "<think>"), (THINK_END, "</think>")] {
+        added.push(json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
+            "normalized": false, "special": false}));
+    }
     json!({
         "version": "1.0",
         "truncation": null,
@@ -87,12 +97,17 @@ pub fn tokenizer_json() -> Value {
 
 /// Writes a servable model folder (fresh each call) and returns it.
 pub fn model_dir() -> PathBuf {
+    model_dir_with_len(MAX_LEN)
+}
+
+/// [`model_dir`] with `max_position_embeddings` of `max_len`.
+pub fn model_dir_with_len(max_len: usize) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
     let dir =
         std::env::temp_dir().join(format!("tp-cli-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp folder");
-    let model = SyntheticModel { max_position_embeddings: MAX_LEN, eos_token_id: Some(EOT), ..SyntheticModel::tiny() };
+    let model = SyntheticModel { max_position_embeddings: max_len, eos_token_id: Some(EOT), ..SyntheticModel::tiny() };
     model.write(&dir).expect("synthetic checkpoint");
     std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).expect("tokenizer.json");
     let cfg =

@@ -1,0 +1,264 @@
+//! Tool calling and reasoning over HTTP on the real engine (a tiny random checkpoint): forced
+//! calls (`"required"`, a named function) parse and validate, streamed calls equal the
+//! non-streamed ones, tool round-trips reach the template, `--chat-template` and
+//! `chat_template_kwargs` work, `--reasoning-parser` splits `<think>`, and bad tool requests are
+//! 400s naming the field.
+
+mod common;
+
+use common::{Server, THINK_END, model_dir_with_len};
+use serde_json::{Value, json};
+
+/// A Qwen2.5-style template: tools in the system turn (`tojson`), `<tool_call>` blocks for an
+/// assistant's calls, `<tool_response>` for tool messages, and an `enable_thinking` switch.
+const QWEN_TOOLS: &str = r#"{%- if tools %}{{- '<|start_header_id|>system\n# Tools\n<tools>' }}{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}{{- '\n</tools><|eot_id|>' }}{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}{{- '<|start_header_id|>assistant\n' + message.content }}
+{%- for tc in message.tool_calls %}{%- set tc = tc.function %}{{- '<tool_call>\n{"name": "' + tc.name + '", "arguments": ' + (tc.arguments | tojson) + '}\n</tool_call>' }}{%- endfor %}{{- '<|eot_id|>' }}
+{%- elif message.role == 'tool' %}{{- '<|start_header_id|>user\n<tool_response>\n' + message.content + '\n</tool_response><|eot_id|>' }}
+{%- else %}{{- '<|start_header_id|>' + message.role + '\n' + message.content + '<|eot_id|>' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant\n' }}{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"#;
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {},
+            "additionalProperties": false}}}
+    ])
+}
+
+fn server_with_template(args: &[&str]) -> Server {
+    // The tools' JSON takes a few hundred byte-level tokens.
+    let dir = model_dir_with_len(2048);
+    let path = dir.join("tools.jinja");
+    std::fs::write(&path, QWEN_TOOLS).unwrap();
+    let path = path.to_string_lossy().into_owned();
+    let mut all = vec!["--chat-template", path.as_str()];
+    all.extend_from_slice(args);
+    Server::start_in(&dir, &all, &[])
+}
+
+fn valid_weather(args: &Value) -> bool {
+    let o = args.as_object().unwrap();
+    matches!(o.get("city").and_then(Value::as_str), Some("Oslo" | "Rome"))
+        && o.get("days").and_then(Value::as_i64).is_some_and(|d| (1..=7).contains(&d))
+        && o.len() == 2
+}
+
+/// The tool calls of a streamed chat, per choice: (name, concatenated arguments), and the
+/// finish reasons.
+fn streamed_calls(events: &[String], n: usize) -> (Vec<Vec<(String, String)>>, Vec<String>) {
+    let mut calls = vec![Vec::<(String, String)>::new(); n];
+    let mut reasons = vec![String::new(); n];
+    for e in events.iter().filter(|e| *e != "[DONE]") {
+        let c: Value = serde_json::from_str(e).unwrap();
+        for ch in c["choices"].as_array().unwrap() {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            for tc in ch["delta"]["tool_calls"].as_array().into_iter().flatten() {
+                let k = tc["index"].as_u64().unwrap() as usize;
+                if k == calls[i].len() {
+                    assert!(tc["id"].as_str().unwrap().starts_with("chatcmpl-tool-"), "{tc}");
+                    assert_eq!(tc["type"], "function");
+                    calls[i].push((tc["function"]["name"].as_str().unwrap().to_string(), String::new()));
+                }
+                calls[i][k].1.push_str(tc["function"]["arguments"].as_str().unwrap_or(""));
+            }
+            if let Some(r) = ch["finish_reason"].as_str() {
+                reasons[i] = r.to_string();
+            }
+        }
+    }
+    (calls, reasons)
+}
+
+fn message_calls(v: &Value, i: usize) -> Vec<(String, String)> {
+    let m = &v["choices"][i]["message"];
+    m["tool_calls"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|c| {
+                    assert_eq!(c["type"], "function");
+                    (
+                        c["function"]["name"].as_str().unwrap().to_string(),
+                        c["function"]["arguments"].as_str().unwrap().to_string(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn forced_calls_parse_validate_and_stream_alike() {
+    let s = server_with_template(&["-tp", "2"]);
+    let user = json!([{"role": "user", "content": "Weather in Oslo?"}]);
+    for choice in [json!({"type": "function", "function": {"name": "get_weather"}}), json!("required")] {
+        let body = json!({"messages": user, "tools": tools(), "tool_choice": choice, "n": 3, "seed": 11,
+            "max_tokens": 1000});
+        let (st, v) = s.post("/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        let mut whole = Vec::new();
+        let mut called = 0;
+        for i in 0..3 {
+            let c = &v["choices"][i];
+            let calls = message_calls(&v, i);
+            if c["finish_reason"] == "length" {
+                whole.push(calls);
+                continue;
+            }
+            assert_eq!(c["finish_reason"], "tool_calls", "{c}");
+            assert!(c["message"]["content"].is_null(), "{c}");
+            assert!(!calls.is_empty(), "{c}");
+            for (name, args) in &calls {
+                let args: Value = serde_json::from_str(args).unwrap_or_else(|e| panic!("{args}: {e}"));
+                match name.as_str() {
+                    "get_weather" => assert!(valid_weather(&args), "{args}"),
+                    "ping" => assert_eq!(args, json!({})),
+                    other => panic!("unknown function {other}"),
+                }
+                if choice.is_object() {
+                    assert_eq!(name, "get_weather");
+                }
+            }
+            whole.push(calls);
+            called += 1;
+        }
+        assert!(called >= 2, "{choice}: too few choices finished their calls: {v}");
+        let mut stream = body.clone();
+        stream["stream"] = json!(true);
+        let (calls, reasons) = streamed_calls(&s.post_stream("/v1/chat/completions", &stream), 3);
+        assert_eq!(calls, whole, "{choice}");
+        for (i, r) in reasons.iter().enumerate() {
+            assert_eq!(r, v["choices"][i]["finish_reason"].as_str().unwrap());
+        }
+    }
+}
+
+#[test]
+fn tool_round_trips_and_template_options_reach_the_prompt() {
+    let s = server_with_template(&[]);
+    let conversation = json!([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\",\"days\":2}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    ]);
+    let (st, t) = s.post(
+        "/tokenize",
+        &json!({"messages": conversation, "tools": tools(),
+        "chat_template_kwargs": {"enable_thinking": false}}),
+    );
+    assert_eq!(st, 200, "{t}");
+    let (_, d) = s.post("/detokenize", &json!({"tokens": t["tokens"]}));
+    let text = d["prompt"].as_str().unwrap();
+    // transformers renders the tool and the call's arguments with json.dumps.
+    assert!(
+        text.contains(r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city""#),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"days\": 2}}\n</tool_call>"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("<tool_response>\nsunny\n</tool_response>"), "{text}");
+    assert!(text.ends_with("<|start_header_id|>assistant\n<think>\n\n</think>\n\n"), "{text}");
+    // The round trip generates (tool_choice auto: the template names <tool_call>, so hermes).
+    let (st, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": conversation, "tools": tools(),
+        "max_tokens": 5, "seed": 1}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert!(["stop", "length", "tool_calls"].contains(&v["choices"][0]["finish_reason"].as_str().unwrap()));
+    for (body, param) in [
+        (json!({"messages": [{"role": "tool", "tool_call_id": "nope", "content": "x"}]}), "messages[0]"),
+        (
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "a", "type": "function",
+            "function": {"name": "f", "arguments": "{not json"}}]}]}),
+            "messages[0]",
+        ),
+        (json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), "tools"),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": tools(), "tool_choice": {"type": "function",
+            "function": {"name": "missing"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": tools(), "tool_choice": "required",
+            "response_format": {"type": "json_object"}}),
+            "tool_choice",
+        ),
+        (json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 3}), "chat_template_kwargs"),
+    ] {
+        let (st, v) = s.post("/v1/chat/completions", &body);
+        assert_eq!((st, v["error"]["param"].as_str()), (400, Some(param)), "{body} -> {v}");
+    }
+}
+
+#[test]
+fn auto_tool_choice_needs_a_known_format() {
+    // The folder's own Llama-3-style template names no tool format.
+    let s = Server::start(&[]);
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "tools": tools(), "max_tokens": 3});
+    let (st, v) = s.post("/v1/chat/completions", &body);
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("tool_choice")), "{v}");
+    // tool_choice none needs no format; --tool-call-parser names one.
+    let mut none = body.clone();
+    none["tool_choice"] = json!("none");
+    assert_eq!(s.post("/v1/chat/completions", &none).0, 200);
+    let s = Server::start(&["--tool-call-parser", "hermes"]);
+    assert_eq!(s.post("/v1/chat/completions", &body).0, 200);
+}
+
+#[test]
+fn reasoning_is_split_and_constraints_start_after_it() {
+    let s = Server::start(&["--reasoning-parser", "deepseek_r1"]);
+    // A strong bias on `</think>` ends the reasoning at once; the regex holds after it (the
+    // mask then forbids `</think>` whatever its bias).
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "seed": 2,
+        "logit_bias": {THINK_END.to_string(): 100}, "structured_outputs": {"regex": "[ab]{2,5}c"}});
+    let (st, v) = s.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert_eq!(m["reasoning_content"], "", "{v}");
+    let content = m["content"].as_str().unwrap();
+    assert!(
+        content.ends_with('c')
+            && content.len() >= 3
+            && content[..content.len() - 1].bytes().all(|b| b == b'a' || b == b'b'),
+        "{v}"
+    );
+    // A milder bias lets some reasoning through first; streamed deltas equal the whole answer.
+    let mut body = body;
+    body["logit_bias"] = json!({THINK_END.to_string(): 4});
+    body["max_tokens"] = json!(60);
+    body["n"] = json!(3);
+    let (_, v) = s.post("/v1/chat/completions", &body);
+    body["stream"] = json!(true);
+    let events = s.post_stream("/v1/chat/completions", &body);
+    let mut parts = vec![(String::new(), String::new()); 3];
+    for e in events.iter().filter(|e| *e != "[DONE]") {
+        let c: Value = serde_json::from_str(e).unwrap();
+        for ch in c["choices"].as_array().unwrap() {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            parts[i].0.push_str(ch["delta"]["reasoning_content"].as_str().unwrap_or(""));
+            parts[i].1.push_str(ch["delta"]["content"].as_str().unwrap_or(""));
+        }
+    }
+    for (i, (r, c)) in parts.iter().enumerate() {
+        let m = &v["choices"][i]["message"];
+        assert_eq!(r.as_str(), m["reasoning_content"].as_str().unwrap_or(""), "{v}");
+        assert_eq!(c.as_str(), m["content"].as_str().unwrap_or(""), "{v}");
+        assert!(!r.contains("</think>"));
+        if v["choices"][i]["finish_reason"] == "stop" {
+            assert!(c.ends_with('c'), "{v}");
+        }
+    }
+}
