@@ -36,6 +36,11 @@ pub struct GenParams {
     pub sampling: SamplingParams,
     /// A structured-output constraint (`response_format`, `structured_outputs`).
     pub constraint: Option<Constraint>,
+    /// Completions' `echo`: the prompt comes back before the answer (with its logprobs when
+    /// `logprobs` is set).
+    pub echo: bool,
+    /// vLLM's `prompt_logprobs`: the prompt tokens' logprobs with this many alternatives.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// A completions prompt.
@@ -131,9 +136,20 @@ fn common(f: &Fields<'_>, max_tokens: Option<usize>, logprobs: Option<usize>) ->
     if !(1..=MAX_N).contains(&n) {
         return Err(ApiError::invalid("n", format!("`n` must be 1 to {MAX_N}, got {n}")));
     }
-    if max_tokens == Some(0) {
-        return Err(ApiError::invalid("max_tokens", "`max_tokens` must be at least 1"));
+    let echo = f.bool("echo")?.unwrap_or(false);
+    if max_tokens == Some(0) && !echo {
+        return Err(ApiError::invalid("max_tokens", "`max_tokens` must be at least 1 (0 only with `echo`)"));
     }
+    let prompt_logprobs = f.count("prompt_logprobs")?;
+    if prompt_logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+        return Err(ApiError::invalid("prompt_logprobs", format!("`prompt_logprobs` must be 0 to {MAX_TOP_LOGPROBS}")));
+    }
+    // The engine scores the prompt for `prompt_logprobs`, and for `echo` (its logprobs come
+    // back with the answer's; a `max_tokens: 0` request is a scoring request).
+    s.prompt_logprobs = match (prompt_logprobs, echo) {
+        (p, false) => p,
+        (p, true) => Some(p.unwrap_or(0).max(logprobs.unwrap_or(0))),
+    };
     let stop = match f.get("stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -177,6 +193,8 @@ fn common(f: &Fields<'_>, max_tokens: Option<usize>, logprobs: Option<usize>) ->
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         sampling: s,
         constraint: crate::structured::parse(f.0)?,
+        echo,
+        prompt_logprobs,
     })
 }
 
@@ -221,7 +239,7 @@ fn unsupported(f: &Fields<'_>, names: &[(&str, Value)]) -> Result<(), ApiError> 
 /// ids, or a list of lists of ids).
 pub fn parse_completion(body: &Value) -> Result<(GenParams, Vec<Prompt>), ApiError> {
     let f = Fields::of(body)?;
-    unsupported(&f, &[("echo", Value::Bool(false)), ("suffix", Value::String(String::new())), ("best_of", 1.into())])?;
+    unsupported(&f, &[("suffix", Value::String(String::new())), ("best_of", 1.into())])?;
     let logprobs = f.count("logprobs")?;
     if logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
         return Err(ApiError::invalid("logprobs", format!("`logprobs` must be 0 to {MAX_TOP_LOGPROBS}")));
@@ -277,6 +295,9 @@ pub fn parse_chat(body: &Value) -> Result<(GenParams, Value), ApiError> {
         Some(m) => Some(m),
         None => f.count("max_tokens")?,
     };
+    // vLLM's chat `echo` repeats the last message, and its chat `prompt_logprobs` sit at the
+    // response's top level; tp implements neither (prompt logprobs: /v1/completions).
+    unsupported(&f, &[("echo", Value::Bool(false)), ("prompt_logprobs", Value::Null)])?;
     let params = common(&f, max_tokens, logprobs)?;
     let messages = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "`messages` is required")),
@@ -436,7 +457,8 @@ mod tests {
             ("logprobs", json!(50)),
             ("presence_penalty", json!(3)),
             ("stream", json!("yes")),
-            ("echo", json!(true)),
+            ("suffix", json!("x")),
+            ("prompt_logprobs", json!(21)),
         ] {
             let mut body = json!({"prompt": "x"});
             body[field] = v;

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
-use tp_engine::api::{Event, EventSink, FinishReason, Request, RequestId, TokenConstraint};
+use tp_engine::api::{Event, EventSink, FinishReason, PromptLogprob, Request, RequestId, TokenConstraint};
 use tp_engine::sampling::SamplingParams;
 
 /// An engine sink feeding a tokio channel.
@@ -55,6 +55,13 @@ pub enum Piece {
         tokens: Vec<TokenOut>,
         /// Set on the choice's last piece.
         finish: Option<Finish>,
+    },
+    /// The logprobs of the choice's prompt tokens (the first `None`), before its first text.
+    Prompt {
+        /// The choice's index in the response.
+        index: usize,
+        /// One per prompt token.
+        logprobs: Vec<Option<PromptLogprob>>,
     },
     /// The engine failed the request.
     Failed(String),
@@ -136,6 +143,7 @@ impl Choice {
                 return Some(Piece::Failed("the engine dropped the request".into()));
             };
             match event {
+                Event::PromptLogprobs(logprobs) => return Some(Piece::Prompt { index: self.index, logprobs }),
                 Event::Token { id, logprobs } => {
                     if let Some(t) = self.arrived.take() {
                         self.state.metrics.observe_ttft(t.elapsed().as_secs_f64());

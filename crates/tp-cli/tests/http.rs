@@ -359,3 +359,68 @@ fn tokenize_and_detokenize_answer_as_vllm_does() {
     let (st, _) = s.post("/tokenize", &json!({"prompt": "a", "model": "other"}));
     assert_eq!(st, 404);
 }
+
+#[test]
+fn echo_scores_the_prompt_as_lm_evaluation_harness_asks() {
+    let s = Server::start(&["-tp", "2"]);
+    // lm-evaluation-harness's log-likelihood request: echo, logprobs, max_tokens 0.
+    let (st, v) = s.post(
+        "/v1/completions",
+        &json!({"prompt": "hello world", "echo": true, "logprobs": 2, "max_tokens": 0, "prompt_logprobs": 2}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], "hello world");
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    let l = &c["logprobs"];
+    let tokens: Vec<&str> = l["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens, ["<|begin_of_text|>", "he", "ll", "o", " w", "o", "r", "l", "d"]);
+    let lps = l["token_logprobs"].as_array().unwrap();
+    assert!(lps[0].is_null() && l["top_logprobs"][0].is_null());
+    let offsets: Vec<u64> = l["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+    assert_eq!(offsets, [0, 17, 19, 21, 22, 24, 25, 26, 27]);
+    // The legacy logprobs and vLLM's prompt_logprobs agree; each token's logprob is at most its
+    // best alternative's, and equal to it when its rank is 1.
+    let ids = [BOS, 256, 257, 111, 258, 111, 114, 108, 100];
+    let dicts = c["prompt_logprobs"].as_array().unwrap();
+    assert!(dicts[0].is_null());
+    for p in 1..ids.len() {
+        let lp = lps[p].as_f64().unwrap();
+        assert!(lp < 0.0);
+        let own = &dicts[p][ids[p].to_string()];
+        assert_eq!(own["logprob"].as_f64(), Some(lp), "position {p}: {}", dicts[p]);
+        // Keyed by text: ids past the tokenizer's 266 all decode to "" and share one key.
+        let top = l["top_logprobs"][p].as_object().unwrap();
+        assert!((1..=2).contains(&top.len()), "{top:?}");
+        let best = top.values().map(|x| x.as_f64().unwrap()).fold(f64::NEG_INFINITY, f64::max);
+        assert!(lp <= best);
+        if own["rank"] == 1 {
+            assert_eq!(lp, best);
+        }
+    }
+    // echo with generation: the prompt, then the same text a plain request generates.
+    let body = json!({"prompt": "ab", "max_tokens": 5, "temperature": 0, "ignore_eos": true});
+    let (_, plain) = s.post("/v1/completions", &body);
+    let mut echo = body.clone();
+    echo["echo"] = json!(true);
+    let (_, e) = s.post("/v1/completions", &echo);
+    assert_eq!(text_of(&e, 0), format!("ab{}", text_of(&plain, 0)));
+    echo["stream"] = json!(true);
+    let (streamed_text, reasons) = streamed(&s.post_stream("/v1/completions", &echo));
+    assert_eq!(streamed_text, text_of(&e, 0));
+    assert_eq!(reasons, ["length"]);
+    for (body, param) in [
+        (json!({"prompt": "x", "max_tokens": 0}), "max_tokens"),
+        (json!({"prompt": "x", "prompt_logprobs": 21}), "prompt_logprobs"),
+    ] {
+        let (st, v) = s.post("/v1/completions", &body);
+        assert_eq!((st, v["error"]["param"].as_str()), (400, Some(param)), "{body} -> {v}");
+    }
+    let (st, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}],
+        "prompt_logprobs": 1}),
+    );
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("prompt_logprobs")), "{v}");
+}

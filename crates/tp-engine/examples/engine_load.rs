@@ -61,6 +61,7 @@ fn run() -> Result<(), String> {
                     first.get_or_insert(now);
                     last = last.max(now);
                 }
+                (_, Event::PromptLogprobs(_)) => {}
                 (_, Event::Finished { .. }) => break,
                 (_, Event::Failed(why)) => return Err(why),
             }

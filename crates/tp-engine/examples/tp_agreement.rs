@@ -39,6 +39,7 @@ fn tokens_at(dir: &std::path::Path, tp: usize, reqs: &[Request]) -> Result<Vec<V
         loop {
             match rx.recv().map_err(|e| e.to_string())? {
                 Event::Token { id, .. } => t.push(id),
+                Event::PromptLogprobs(_) => {}
                 Event::Finished { .. } => break,
                 Event::Failed(why) => return Err(why),
             }

@@ -20,7 +20,8 @@ pub struct Request {
     pub prompt: Vec<i64>,
     /// How tokens are picked.
     pub params: SamplingParams,
-    /// Most tokens to generate (at least 1).
+    /// Most tokens to generate: at least 1, or 0 to only score the prompt (with
+    /// `params.prompt_logprobs`).
     pub max_tokens: usize,
     /// Ids that end the request (finish reason `stop`), besides the model's end-of-sequence ids
     /// unless `ignore_eos`. The stopping id is sent as the last token.
@@ -34,6 +35,17 @@ pub struct Request {
 pub struct TokenLogprobs {
     /// `log_softmax(logits)[token]`.
     pub logprob: f32,
+    /// The `n` largest `(id, logprob)`, largest first (lower id first on ties).
+    pub top: Vec<(i64, f32)>,
+}
+
+/// A prompt token's logprob under the model's raw logits at the position before it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprob {
+    /// `log_softmax(logits)[token]`.
+    pub logprob: f32,
+    /// How many ids have a logit at least the token's (1 for the most likely).
+    pub rank: usize,
     /// The `n` largest `(id, logprob)`, largest first (lower id first on ties).
     pub top: Vec<(i64, f32)>,
 }
@@ -75,6 +87,9 @@ pub struct Usage {
 /// What the engine reports about one request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The logprobs of the prompt's tokens (the first `None`: nothing precedes it), sent once,
+    /// before the first token, when the request asked for `prompt_logprobs`.
+    PromptLogprobs(Vec<Option<PromptLogprob>>),
     /// The next generated id.
     Token {
         /// The id.
@@ -188,8 +203,8 @@ pub enum Command {
     Add {
         /// Its id.
         id: RequestId,
-        /// What to generate.
-        request: Request,
+        /// What to generate (boxed: the other commands are small).
+        request: Box<Request>,
         /// Where its events go.
         sink: Box<dyn EventSink>,
         /// Its structured-output constraint, if any.
@@ -328,7 +343,7 @@ impl EngineHandle {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.in_channel.fetch_add(1, Ordering::Relaxed);
-        if self.tx.send(Command::Add { id, request, sink, constraint }).is_err() {
+        if self.tx.send(Command::Add { id, request: Box::new(request), sink, constraint }).is_err() {
             self.in_channel.fetch_sub(1, Ordering::Relaxed);
             return Err(SubmitError::Stopped(self.stats.stopped().unwrap_or_else(|| "the engine thread ended".into())));
         }
@@ -357,8 +372,8 @@ impl EngineHandle {
         {
             return invalid("prompt", format!("prompt token {id} at position {i} is outside the vocabulary (0..{v})"));
         }
-        if r.max_tokens == 0 {
-            return invalid("max_tokens", "max_tokens must be at least 1".into());
+        if r.max_tokens == 0 && r.params.prompt_logprobs.is_none() {
+            return invalid("max_tokens", "max_tokens must be at least 1 (0 only to score the prompt)".into());
         }
         if let Some(id) = r.stop_token_ids.iter().find(|id| usize::try_from(**id).map_or(true, |x| x >= v)) {
             return invalid("stop_token_ids", format!("stop token {id} is outside the vocabulary (0..{v})"));
@@ -377,16 +392,16 @@ impl EngineHandle {
                 r.prompt.len()
             )));
         }
-        if r.prompt.len().saturating_add(r.max_tokens) > max {
+        if r.prompt.len().saturating_add(r.max_tokens.max(1)) > max {
             return Err(SubmitError::TooLong(format!(
                 "this model's maximum context length is {max} tokens, but {} prompt tokens plus max_tokens {} is {}",
                 r.prompt.len(),
                 r.max_tokens,
-                r.prompt.len().saturating_add(r.max_tokens)
+                r.prompt.len().saturating_add(r.max_tokens.max(1))
             )));
         }
         let cache = self.limits.kv_cache_positions;
-        if r.prompt.len().saturating_add(r.max_tokens) > cache {
+        if r.prompt.len().saturating_add(r.max_tokens.max(1)) > cache {
             return Err(SubmitError::TooLong(format!(
                 "{} prompt tokens plus max_tokens {} need more positions than the whole KV cache holds ({cache})",
                 r.prompt.len(),

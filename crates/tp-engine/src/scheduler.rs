@@ -116,6 +116,18 @@ impl Scheduler {
     /// `max_waiting` requests queued; [`SubmitError::Invalid`] for an empty prompt, a zero
     /// `max_tokens` or an id already queued or running.
     pub fn add(&mut self, id: RequestId, prompt: Vec<i64>, max_tokens: usize) -> Result<(), SubmitError> {
+        self.add_with(id, prompt, max_tokens, true)
+    }
+
+    /// [`add`](Self::add); `reuse_prefix: false` computes every prompt position even where the
+    /// prefix cache holds it (a request that needs the logits of its prompt).
+    pub fn add_with(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<i64>,
+        max_tokens: usize,
+        reuse_prefix: bool,
+    ) -> Result<(), SubmitError> {
         if prompt.is_empty() {
             return Err(SubmitError::Invalid { param: "prompt", message: "the prompt is empty".into() });
         }
@@ -145,7 +157,9 @@ impl Scheduler {
         if self.waiting.len() >= self.cfg.max_waiting {
             return Err(SubmitError::QueueFull(self.waiting.len()));
         }
-        self.waiting.push_back(Seq::new(id, prompt));
+        let mut seq = Seq::new(id, prompt);
+        seq.reuse_prefix = reuse_prefix;
+        self.waiting.push_back(seq);
         Ok(())
     }
 

@@ -62,6 +62,7 @@ fn collect(rx: mpsc::Receiver<Event>) -> Outcome {
                 o.usage = Some(usage);
                 return o;
             }
+            Ok(Event::PromptLogprobs(_)) => panic!("no prompt logprobs were asked for"),
             Ok(Event::Failed(why)) => {
                 o.failed = Some(why);
                 return o;
@@ -259,6 +260,7 @@ fn logprob_bits(rx: mpsc::Receiver<Event>) -> Vec<TokenBits> {
                 let lp = logprobs.expect("logprobs were asked for");
                 out.push((id, lp.logprob.to_bits(), lp.top.iter().map(|&(t, l)| (t, l.to_bits())).collect()));
             }
+            Event::PromptLogprobs(_) => panic!("no prompt logprobs were asked for"),
             Event::Finished { .. } => return out,
             Event::Failed(why) => panic!("failed: {why}"),
         }

@@ -49,6 +49,7 @@ fn run(engine: &Engine, requests: Vec<Request>) -> Vec<Outcome> {
             loop {
                 match rx.recv_timeout(Duration::from_secs(120)).expect("an event within 120 s") {
                     Event::Token { id, logprobs } => out.push((id, logprobs.map_or(0, |l| l.logprob.to_bits()))),
+                    Event::PromptLogprobs(_) => return Err("unasked prompt logprobs".into()),
                     Event::Finished { .. } => return Ok(out),
                     Event::Failed(why) => return Err(why),
                 }

@@ -90,12 +90,18 @@ fn draws_follow_the_filtered_softmax() {
     }
 }
 
-/// Independent penalties (transformers' repetition penalty, OpenAI's presence and frequency).
+/// Independent penalties (the structured-output mask and banned ids, OpenAI's logit_bias,
+/// transformers' repetition penalty, OpenAI's presence and frequency).
 fn penalised(l: &[f32], s: &RowSpec) -> Vec<f64> {
     let p = &s.params;
     l.iter()
         .enumerate()
         .map(|(id, &v)| {
+            let v = if v.is_nan() { f32::NEG_INFINITY } else { v };
+            // The mask and banned ids first, then the bias, then the penalties.
+            let allowed = s.row().allows(id) && !s.banned.contains(&(id as i64));
+            let v = if allowed { v } else { f32::NEG_INFINITY };
+            let v = v + p.logit_bias.iter().find(|b| b.0 == id as i64).map_or(0.0, |b| b.1);
             let v = if v.is_nan() { f32::NEG_INFINITY } else { v };
             let id = id as i64;
             let count = s.output.iter().filter(|&&o| o == id).count();

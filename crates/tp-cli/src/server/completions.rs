@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
 use std::time::Instant;
-use tp_engine::api::TokenConstraint;
+use tp_engine::api::{PromptLogprob, TokenConstraint};
 
 /// The handler.
 pub async fn handle(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -32,25 +32,32 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
     let body = st.read_json(&headers, body).await?;
     let (g, prompts) = parse_completion(&body)?;
     st.check_model(g.model.as_deref())?;
-    let prompts = prompts
+    // Each prompt's ids and its text (what `echo` returns: the string given, or the ids decoded).
+    let (prompts, texts): (Vec<Vec<i64>>, Vec<String>) = prompts
         .into_iter()
         .enumerate()
         .map(|(i, p)| match p {
-            Prompt::Ids(ids) => Ok(ids),
+            Prompt::Ids(ids) => {
+                let text = st.text.decode(&ids);
+                Ok((ids, text))
+            }
             Prompt::Text(t) => st.text.encode(&t, true).map_err(ApiError::internal).and_then(|ids| {
                 if ids.is_empty() {
                     Err(ApiError::invalid("prompt", format!("prompt {i} has no tokens")))
                 } else {
-                    Ok(ids)
+                    Ok((ids, t))
                 }
             }),
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .unzip();
     let prompt_tokens = prompts.iter().map(Vec::len).sum();
     let choices = start_choices(&st, &g, &prompts, arrived, None)?;
     let count = choices.len();
     let merged = sse::merge(choices);
     let id = st.response_id("cmpl");
+    let per_choice = |i: usize| i / g.n;
     let mut fmt = Completions {
         id,
         created: super::now(),
@@ -59,6 +66,11 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
         prompt_tokens,
         completion_tokens: 0,
         offsets: vec![0; count],
+        echo: g.echo,
+        logprobs: g.sampling.logprobs,
+        prompt_logprobs: g.prompt_logprobs,
+        prompts: (0..count).map(|i| (prompts[per_choice(i)].clone(), texts[per_choice(i)].clone())).collect(),
+        state: st.clone(),
     };
     if g.stream {
         return Ok(sse::stream(merged, fmt));
@@ -71,8 +83,26 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
         .map(|(i, c)| {
             let finish = c.finish.unwrap_or(Finish { reason: "abort", completion_tokens: 0 });
             completion_tokens += finish.completion_tokens;
-            let logprobs = g.sampling.logprobs.map(|_| fmt.logprobs(i, &c.tokens));
-            json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": finish.reason})
+            let lps = c.prompt_logprobs.unwrap_or_default();
+            let mut text = c.text;
+            let mut logprobs = g.sampling.logprobs.map(|_| {
+                json!({"tokens": [], "token_logprobs": [],
+                "top_logprobs": [], "text_offset": []})
+            });
+            if g.echo {
+                text = format!("{}{text}", fmt.prompts[i].1);
+                if let Some(l) = &mut logprobs {
+                    append_legacy(l, fmt.prompt_legacy(i, &lps));
+                }
+            }
+            if let Some(l) = &mut logprobs {
+                append_legacy(l, fmt.logprobs(i, &c.tokens));
+            }
+            let mut choice = json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish.reason});
+            if g.prompt_logprobs.is_some() {
+                choice["prompt_logprobs"] = fmt.prompt_dicts(i, &lps);
+            }
+            choice
         })
         .collect();
     let body = json!({"id": fmt.id, "object": "text_completion", "created": fmt.created, "model": fmt.model,
@@ -130,9 +160,83 @@ struct Completions {
     completion_tokens: usize,
     /// Characters of each choice's text so far (for `text_offset`).
     offsets: Vec<usize>,
+    echo: bool,
+    /// `logprobs` (top alternatives per token), if asked for.
+    logprobs: Option<usize>,
+    /// `prompt_logprobs`, if asked for.
+    prompt_logprobs: Option<usize>,
+    /// Each choice's prompt ids and text.
+    prompts: Vec<(Vec<i64>, String)>,
+    state: Arc<AppState>,
+}
+
+/// Appends the arrays of legacy logprobs `more` to `into`.
+fn append_legacy(into: &mut Value, more: Value) {
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(a), Some(b)) = (into[key].as_array_mut(), more[key].as_array()) {
+            a.extend(b.iter().cloned());
+        }
+    }
 }
 
 impl Completions {
+    /// Legacy logprobs of choice `index`'s prompt tokens (`null` for the first), as `echo`
+    /// returns them before the answer's.
+    fn prompt_legacy(&mut self, index: usize, lps: &[Option<PromptLogprob>]) -> Value {
+        let model = &self.state.text;
+        let ids = self.prompts.get(index).map(|p| p.0.clone()).unwrap_or_default();
+        let mut offset = self.offsets.get(index).copied().unwrap_or(0);
+        let (mut tokens, mut lp, mut top, mut offsets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (p, &id) in ids.iter().enumerate() {
+            let text = model.token_text(id);
+            offsets.push(offset);
+            offset += text.chars().count();
+            tokens.push(text);
+            match lps.get(p).and_then(Option::as_ref) {
+                Some(l) => {
+                    lp.push(json!(l.logprob));
+                    top.push(Value::Object(l.top.iter().map(|&(t, v)| (model.token_text(t), json!(v))).collect()));
+                }
+                None => {
+                    lp.push(Value::Null);
+                    top.push(Value::Null);
+                }
+            }
+        }
+        if let Some(o) = self.offsets.get_mut(index) {
+            *o = offset;
+        }
+        json!({"tokens": tokens, "token_logprobs": lp, "top_logprobs": top, "text_offset": offsets})
+    }
+
+    /// vLLM's `prompt_logprobs` of choice `index`: `null`, then per prompt token a map from ids
+    /// (the token's own and the top alternatives) to `{logprob, rank, decoded_token}`.
+    fn prompt_dicts(&self, index: usize, lps: &[Option<PromptLogprob>]) -> Value {
+        let model = &self.state.text;
+        let ids = self.prompts.get(index).map(|p| p.0.as_slice()).unwrap_or(&[]);
+        let list: Vec<Value> = ids
+            .iter()
+            .enumerate()
+            .map(|(p, &id)| match lps.get(p).and_then(Option::as_ref) {
+                None => Value::Null,
+                Some(l) => {
+                    let mut m = Map::new();
+                    m.insert(
+                        id.to_string(),
+                        json!({"logprob": l.logprob, "rank": l.rank, "decoded_token": model.token_text(id)}),
+                    );
+                    for (r, &(t, v)) in l.top.iter().enumerate() {
+                        m.entry(t.to_string()).or_insert_with(
+                            || json!({"logprob": v, "rank": r + 1, "decoded_token": model.token_text(t)}),
+                        );
+                    }
+                    Value::Object(m)
+                }
+            })
+            .collect();
+        Value::Array(list)
+    }
+
     /// Legacy logprobs of `tokens`, the next of choice `index`'s.
     fn logprobs(&mut self, index: usize, tokens: &[TokenOut]) -> Value {
         let mut offset = self.offsets.get(index).copied().unwrap_or(0);
@@ -160,6 +264,18 @@ impl Completions {
 impl Format for Completions {
     fn start(&mut self) -> Vec<Value> {
         Vec::new()
+    }
+
+    fn prompt(&mut self, index: usize, lps: Vec<Option<PromptLogprob>>) -> Vec<Value> {
+        let text =
+            if self.echo { self.prompts.get(index).map(|p| p.1.clone()).unwrap_or_default() } else { String::new() };
+        let logprobs = if self.echo && self.logprobs.is_some() { self.prompt_legacy(index, &lps) } else { Value::Null };
+        let mut choice = json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": null});
+        if self.prompt_logprobs.is_some() {
+            choice["prompt_logprobs"] = self.prompt_dicts(index, &lps);
+        }
+        vec![json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "choices": [choice]})]
     }
 
     fn piece(&mut self, index: usize, text: String, tokens: Vec<TokenOut>, finish: Option<Finish>) -> Vec<Value> {

@@ -10,11 +10,16 @@ use futures_util::StreamExt;
 use futures_util::stream::{BoxStream, SelectAll};
 use serde_json::Value;
 use std::convert::Infallible;
+use tp_engine::api::PromptLogprob;
 
 /// How an endpoint formats its events.
 pub trait Format: Send + 'static {
     /// Events sent before any piece (chat: each choice's role).
     fn start(&mut self) -> Vec<Value>;
+    /// The events of a choice's prompt logprobs (completions' `echo`; nothing by default).
+    fn prompt(&mut self, _index: usize, _logprobs: Vec<Option<PromptLogprob>>) -> Vec<Value> {
+        Vec::new()
+    }
     /// The events of one piece.
     fn piece(&mut self, index: usize, text: String, tokens: Vec<TokenOut>, finish: Option<Finish>) -> Vec<Value>;
     /// Events after the last piece (the usage chunk, when asked for).
@@ -46,6 +51,7 @@ pub fn stream(merged: Merged, mut fmt: impl Format) -> Response {
             Some(Piece::Data { index, text, tokens, finish }) => {
                 fmt.piece(index, text, tokens, finish).iter().map(event).collect()
             }
+            Some(Piece::Prompt { index, logprobs }) => fmt.prompt(index, logprobs).iter().map(event).collect(),
             Some(Piece::Failed(why)) => {
                 merged = None;
                 format!("{}data: [DONE]\n\n", event(&ApiError::internal(why).body()))
@@ -75,6 +81,8 @@ pub struct Collected {
     pub tokens: Vec<TokenOut>,
     /// How it ended.
     pub finish: Option<Finish>,
+    /// Its prompt's logprobs, when asked for.
+    pub prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
 }
 
 /// Runs every choice to its end; the first failure is a 500.
@@ -89,6 +97,10 @@ pub async fn collect(mut merged: Merged, count: usize) -> Result<Vec<Collected>,
                 if finish.is_some() {
                     c.finish = finish;
                 }
+            }
+            Piece::Prompt { index, logprobs } => {
+                let c = out.get_mut(index).ok_or_else(|| ApiError::internal("a choice index out of range"))?;
+                c.prompt_logprobs = Some(logprobs);
             }
             Piece::Failed(why) => return Err(ApiError::internal(why)),
         }

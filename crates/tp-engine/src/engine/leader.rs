@@ -6,8 +6,8 @@ use super::EngineError;
 use super::plan::{NewSeq, StepKind, StepMsg};
 use super::rank::{MaskSource, RankWorker};
 use crate::api::{
-    Command, CommandReceiver, Event, EventSink, FinishReason, Request, RequestId, SharedStats, Stats, TokenConstraint,
-    TokenLogprobs, Usage,
+    Command, CommandReceiver, Event, EventSink, FinishReason, PromptLogprob, Request, RequestId, SharedStats, Stats,
+    TokenConstraint, TokenLogprobs, Usage,
 };
 use crate::scheduler::Scheduler;
 use std::collections::HashMap;
@@ -22,6 +22,8 @@ struct Live {
     cached_prompt_tokens: usize,
     /// Its structured-output constraint, advanced with every token it is sent.
     constraint: Option<Box<dyn TokenConstraint>>,
+    /// Its prompt's logprobs as the steps score them (position 0 stays `None`), until sent.
+    prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
 }
 
 /// How rank 0 ends requests and paces itself.
@@ -190,12 +192,21 @@ impl Leader {
                     l.cached_prompt_tokens = s.cached_tokens;
                 }
             }
-            let pairs: Vec<(RequestId, i64)> = sampled.iter().map(|(id, s)| (*id, s.token)).collect();
+            let pairs: Vec<(RequestId, i64)> = sampled.sampled.iter().map(|(id, s)| (*id, s.token)).collect();
             self.scheduler.complete_step(&plan, &pairs);
+            for (id, first, lps) in sampled.scored {
+                if let Some(slots) = self.live.get_mut(&id).and_then(|l| l.prompt_logprobs.as_mut()) {
+                    for (p, lp) in (first..).zip(lps) {
+                        if let Some(slot) = slots.get_mut(p) {
+                            *slot = Some(lp);
+                        }
+                    }
+                }
+            }
             for (id, why) in mask_errors {
                 self.fail(id, format!("structured output: {why}"));
             }
-            for (id, s) in sampled {
+            for (id, s) in sampled.sampled {
                 self.totals.generation_tokens += 1;
                 self.deliver(id, s.token, s.logprobs);
             }
@@ -236,7 +247,10 @@ impl Leader {
     fn command(&mut self, c: Command) {
         match c {
             Command::Add { id, request, mut sink, constraint } => {
-                if let Err(e) = self.scheduler.add(id, request.prompt.clone(), request.max_tokens) {
+                // A prompt scored (`prompt_logprobs`) is computed whole; `max_tokens: 0` still
+                // samples once (then the request ends without sending the token).
+                let reuse = request.params.prompt_logprobs.is_none();
+                if let Err(e) = self.scheduler.add_with(id, request.prompt.clone(), request.max_tokens.max(1), reuse) {
                     sink.send(Event::Failed(e.to_string()));
                     return;
                 }
@@ -256,7 +270,9 @@ impl Leader {
                     prompt: request.prompt.clone(),
                     min_stop,
                 });
-                self.live.insert(id, Live { sink, request, cached_prompt_tokens: 0, constraint });
+                let prompt_logprobs = request.params.prompt_logprobs.map(|_| vec![None; request.prompt.len()]);
+                self.live
+                    .insert(id, Live { sink, request: *request, cached_prompt_tokens: 0, constraint, prompt_logprobs });
             }
             Command::Abort(id) => self.end(id, FinishReason::Abort),
         }
@@ -265,6 +281,18 @@ impl Leader {
     /// Sends a sampled token and ends the request if it should.
     fn deliver(&mut self, id: RequestId, token: i64, logprobs: Option<TokenLogprobs>) {
         let Some(l) = self.live.get_mut(&id) else { return };
+        // The prompt's logprobs are complete once its last chunk ran, which is the step that
+        // samples the first token.
+        if let Some(lps) = l.prompt_logprobs.take()
+            && !l.sink.send(Event::PromptLogprobs(lps))
+        {
+            self.end(id, FinishReason::Abort);
+            return;
+        }
+        if l.request.max_tokens == 0 {
+            self.end(id, FinishReason::Length);
+            return;
+        }
         let alive = l.sink.send(Event::Token { id: token, logprobs });
         let generated = self.worker.seqs.get(&id).map_or(0, |s| s.output.len());
         let r = &l.request;
@@ -314,7 +342,7 @@ impl Leader {
         } else {
             self.scheduler.finish(id);
         }
-        let completion_tokens = self.worker.seqs.get(&id).map_or(0, |s| s.output.len());
+        let completion_tokens = self.worker.seqs.get(&id).map_or(0, |s| s.output.len()).min(l.request.max_tokens);
         // A request announced but never run is dropped from the announcements instead.
         if let Some(i) = self.pending_new.iter().position(|n| n.id == id) {
             self.pending_new.remove(i);

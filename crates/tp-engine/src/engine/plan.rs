@@ -159,6 +159,7 @@ fn encode_params(p: &SamplingParams, w: &mut Vec<i64>) {
     w.push(p.seed.map_or(0, |s| (s >> 63) as i64));
     w.push(p.logprobs.map_or(-1, |n| n as i64));
     w.push(p.min_tokens as i64);
+    w.push(p.prompt_logprobs.map_or(-1, |n| n as i64));
     w.push(p.logit_bias.len() as i64);
     for &(id, bias) in &p.logit_bias {
         w.push(id);
@@ -179,6 +180,7 @@ fn decode_params(r: &mut Reader<'_>) -> Result<SamplingParams, String> {
     let seed = (low >= 0).then_some(low as u64 | ((high as u64) << 63));
     let logprobs = r.optional()?;
     let min_tokens = r.size()?;
+    let prompt_logprobs = r.optional()?;
     let n = r.count()?;
     let logit_bias = (0..n).map(|_| Ok((r.word()?, f(r)?))).collect::<Result<Vec<_>, String>>()?;
     let p = SamplingParams {
@@ -193,6 +195,7 @@ fn decode_params(r: &mut Reader<'_>) -> Result<SamplingParams, String> {
         logprobs,
         min_tokens,
         logit_bias,
+        prompt_logprobs,
     };
     p.validate().map_err(|(_, m)| m)?;
     Ok(p)
@@ -250,6 +253,7 @@ mod tests {
             logprobs: Some(2),
             min_tokens: 3,
             logit_bias: vec![(4, -1.5), (9, 100.0)],
+            prompt_logprobs: Some(4),
             ..Default::default()
         };
         let msg = StepMsg {

@@ -10,8 +10,9 @@
 
 use super::EngineError;
 use super::plan::{StepKind, StepMsg};
+use crate::api::PromptLogprob;
 use crate::api::RequestId;
-use crate::sampling::{SampleRow, Sampled, SamplingParams, sample_sharded};
+use crate::sampling::{SampleRow, Sampled, SamplingParams, sample_sharded, score_sharded};
 use std::collections::HashMap;
 use tp_comm::DeviceGroup;
 use tp_core::{DType, Device, Tensor};
@@ -119,11 +120,7 @@ impl RankWorker {
 
     /// Runs one step: applies the announcements, runs the batch, samples every sequence that
     /// asks for it, appends the tokens to the outputs. Every rank returns the same list.
-    pub(crate) fn execute(
-        &mut self,
-        msg: &StepMsg,
-        masks: MaskSource<'_>,
-    ) -> Result<Vec<(RequestId, Sampled)>, EngineError> {
+    pub(crate) fn execute(&mut self, msg: &StepMsg, masks: MaskSource<'_>) -> Result<StepResult, EngineError> {
         for d in &msg.drop {
             self.seqs.remove(d);
         }
@@ -138,7 +135,7 @@ impl RankWorker {
             self.seqs.insert(n.id, state);
         }
         if msg.seqs.is_empty() {
-            return Ok(Vec::new());
+            return Ok(StepResult::default());
         }
         self.steps += 1;
         if let Some(f) = self.fault
@@ -152,64 +149,108 @@ impl RankWorker {
         }
         let mut ids = Vec::new();
         let mut batch_seqs = Vec::with_capacity(msg.seqs.len());
-        let mut rows = Vec::new();
-        let mut sampled_ids = Vec::new();
+        let mut rows = Rows::default();
         for s in &msg.seqs {
-            if !self.seqs.contains_key(&s.id) {
+            let Some(state) = self.seqs.get(&s.id) else {
                 return Err(EngineError::Protocol(format!("step names request {} that no message announced", s.id)));
-            }
+            };
+            let base = ids.len();
             ids.extend_from_slice(&s.tokens);
             batch_seqs.push(BatchSeq { tokens: s.tokens.len(), context: s.context, blocks: s.blocks.clone() });
+            // Prompt logprobs: the row of position p scores prompt token p + 1.
+            if state.params.prompt_logprobs.is_some() {
+                let end = (s.context + s.tokens.len()).min(state.prompt.len().saturating_sub(1));
+                if end > s.context {
+                    rows.scored.push((s.id, s.context + 1, end - s.context));
+                    for p in s.context..end {
+                        rows.score_rows.push(base + p - s.context);
+                        rows.targets.push(state.prompt[p + 1]);
+                    }
+                }
+            }
             if s.sample {
-                rows.push(ids.len() - 1);
-                sampled_ids.push(s.id);
+                rows.sample_rows.push(ids.len() - 1);
+                rows.sampled_ids.push(s.id);
             }
         }
         let batch = TokenBatch::new(batch_seqs, self.block_size)?;
         let started = std::time::Instant::now();
-        let out = self.forward_and_sample(&ids, &batch, &rows, &sampled_ids, msg, masks);
+        let out = self.forward_and_sample(&ids, &batch, &rows, msg, masks);
         self.busy_secs += started.elapsed().as_secs_f64();
-        let sampled = match &self.pipeline {
+        let result = match &self.pipeline {
             None => out?,
             Some((_, root)) => {
                 let root = *root;
                 let mine = if self.world.rank() == root { Some(out?) } else { out.map(|_| None)? };
-                self.share_sampled(root, mine.as_deref())?
+                self.share_results(root, mine.as_ref())?
             }
         };
-        let mut out = Vec::with_capacity(sampled.len());
-        for (id, s) in sampled {
-            if let Some(state) = self.seqs.get_mut(&id) {
+        for (id, s) in &result.sampled {
+            if let Some(state) = self.seqs.get_mut(id) {
                 state.output.push(s.token);
             }
-            out.push((id, s));
         }
-        Ok(out)
+        Ok(result)
     }
 
-    /// This rank's stage of the step and, on the last stage, the sampling: every sampled
-    /// request's token (empty elsewhere).
+    /// This rank's stage of the step and, on the last stage, the sampling and prompt scoring
+    /// (empty elsewhere).
     fn forward_and_sample(
         &mut self,
         ids: &[i64],
         batch: &TokenBatch,
-        rows: &[usize],
-        sampled_ids: &[RequestId],
+        rows: &Rows,
         msg: &StepMsg,
         masks: MaskSource<'_>,
-    ) -> Result<Vec<(RequestId, Sampled)>, EngineError> {
+    ) -> Result<StepResult, EngineError> {
+        // The forward computes the logits of the scored rows and then the sampled ones.
+        let all_rows: Vec<usize> = rows.score_rows.iter().chain(&rows.sample_rows).copied().collect();
         // A rank whose forward fails leaves before the masks' broadcast; it aborts the group,
         // which ends the others' wait at once.
-        let logits = self.forward(ids, batch, rows)?;
+        let logits = self.forward(ids, batch, &all_rows)?;
         let masks = self.exchange_masks(msg, masks)?;
-        let Some(logits) = logits else { return Ok(Vec::new()) };
-        if rows.is_empty() {
-            return Ok(Vec::new());
+        let Some(logits) = logits else { return Ok(StepResult::default()) };
+        if all_rows.is_empty() {
+            return Ok(StepResult::default());
         }
-        let (start, _) = self.model.vocab_shard();
+        let (start, width) = self.model.vocab_shard();
         let vocab = self.model.config().vocab_size;
         let words = vocab.div_ceil(64);
-        let sample_rows: Vec<SampleRow<'_>> = sampled_ids
+        let logits = if logits.dtype() == DType::F32 { logits } else { logits.to_dtype(DType::F32)? };
+        let n_score = rows.score_rows.len();
+        let (score_cols, logits) = if n_score == 0 {
+            (Vec::new(), logits)
+        } else {
+            let host = logits.to_vec::<f32>()?;
+            let (scored, sampled) = host.split_at(n_score * width);
+            let sampled = Tensor::from_vec(sampled.to_vec(), &[rows.sample_rows.len(), width], &Device::Cpu)?;
+            (scored.to_vec(), sampled)
+        };
+        let mut result = StepResult::default();
+        if n_score > 0 {
+            let top = rows
+                .scored
+                .iter()
+                .filter_map(|(id, _, _)| self.seqs.get(id).and_then(|s| s.params.prompt_logprobs))
+                .max()
+                .unwrap_or(0);
+            let mut scored = score_sharded(&score_cols, width, start, vocab, &rows.targets, top, self.model.group())
+                .map_err(|e| EngineError::Step(e.to_string()))?
+                .into_iter();
+            for &(id, first, count) in &rows.scored {
+                let want = self.seqs.get(&id).and_then(|s| s.params.prompt_logprobs).unwrap_or(0);
+                let mut lps: Vec<PromptLogprob> = scored.by_ref().take(count).collect();
+                for lp in &mut lps {
+                    lp.top.truncate(want);
+                }
+                result.scored.push((id, first, lps));
+            }
+        }
+        if rows.sample_rows.is_empty() {
+            return Ok(result);
+        }
+        let sample_rows: Vec<SampleRow<'_>> = rows
+            .sampled_ids
             .iter()
             .map(|id| {
                 let s = &self.seqs[id];
@@ -225,10 +266,10 @@ impl RankWorker {
                 }
             })
             .collect();
-        let logits = if logits.dtype() == DType::F32 { logits } else { logits.to_dtype(DType::F32)? };
         let sampled = sample_sharded(&logits, start, vocab, &sample_rows, self.model.group())
             .map_err(|e| EngineError::Step(e.to_string()))?;
-        Ok(sampled_ids.iter().copied().zip(sampled).collect())
+        result.sampled = rows.sampled_ids.iter().copied().zip(sampled).collect();
+        Ok(result)
     }
 
     /// The step's structured-output masks on every rank (`ceil(vocab / 64)` words per entry of
@@ -281,28 +322,11 @@ impl RankWorker {
         Ok(Some(logits))
     }
 
-    /// The last stage's sampled tokens on every rank: world rank `root` (which passes them)
-    /// broadcasts their length, then their words (`id, token, logprobs?, logprob, n, (id,
-    /// logprob) x n` each, floats as their bits).
-    fn share_sampled(
-        &self,
-        root: usize,
-        mine: Option<&[(RequestId, Sampled)]>,
-    ) -> Result<Vec<(RequestId, Sampled)>, EngineError> {
+    /// The last stage's results on every rank: world rank `root` (which holds them) broadcasts
+    /// their length, then their words (see [`StepResult::encode`]).
+    fn share_results(&self, root: usize, mine: Option<&StepResult>) -> Result<StepResult, EngineError> {
         let g = &self.world;
-        let mut words = Vec::new();
-        for (id, s) in mine.unwrap_or(&[]) {
-            words.extend([*id as i64, s.token]);
-            match &s.logprobs {
-                None => words.push(0),
-                Some(lp) => {
-                    words.extend([1, i64::from(lp.logprob.to_bits()), lp.top.len() as i64]);
-                    for (t, l) in &lp.top {
-                        words.extend([*t, i64::from(l.to_bits())]);
-                    }
-                }
-            }
-        }
+        let words = mine.map(StepResult::encode).unwrap_or_default();
         let bcast = |w: Vec<i64>| -> Result<Vec<i64>, EngineError> {
             let n = w.len();
             let t = g.to_local(&Tensor::from_vec(w, &[n], &Device::Cpu)?)?;
@@ -312,28 +336,128 @@ impl RankWorker {
         let len = usize::try_from(len)
             .ok()
             .filter(|&n| n <= MAX_MESSAGE_WORDS)
-            .ok_or_else(|| EngineError::Protocol(format!("sampled tokens of {len} words")))?;
+            .ok_or_else(|| EngineError::Protocol(format!("step results of {len} words")))?;
         let words = if len == 0 { Vec::new() } else { bcast(if mine.is_some() { words } else { vec![0; len] })? };
-        let bad = || EngineError::Protocol("a truncated list of sampled tokens".into());
-        let mut it = words.into_iter();
-        let mut next = || it.next().ok_or_else(bad);
-        let mut out = Vec::new();
-        let f32_of = |w: i64| f32::from_bits(w as u32);
-        while let Ok(id) = next() {
-            let token = next()?;
-            let logprobs = if next()? == 0 {
-                None
-            } else {
-                let logprob = f32_of(next()?);
-                let n = usize::try_from(next()?).ok().filter(|&n| n <= len).ok_or_else(bad)?;
-                let top = (0..n).map(|_| Ok((next()?, f32_of(next()?)))).collect::<Result<Vec<_>, EngineError>>()?;
-                Some(crate::api::TokenLogprobs { logprob, top })
-            };
-            out.push((id as RequestId, Sampled { token, logprobs }));
+        StepResult::decode(&words).ok_or_else(|| EngineError::Protocol("truncated step results".into()))
+    }
+}
+
+/// Which rows of a step's batch get logits, and why.
+#[derive(Debug, Default)]
+struct Rows {
+    /// Rows whose next prompt token is scored, with those tokens.
+    score_rows: Vec<usize>,
+    targets: Vec<i64>,
+    /// `(request, first scored prompt position, count)`, in row order.
+    scored: Vec<(RequestId, usize, usize)>,
+    /// Rows sampled, and their requests.
+    sample_rows: Vec<usize>,
+    sampled_ids: Vec<RequestId>,
+}
+
+/// What a step produced, the same on every rank: sampled tokens, and prompt logprobs as
+/// `(request, position of the first scored prompt token, one per position from there)`.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(crate) struct StepResult {
+    pub sampled: Vec<(RequestId, Sampled)>,
+    pub scored: Vec<(RequestId, usize, Vec<PromptLogprob>)>,
+}
+
+impl StepResult {
+    /// `[n, (id, token, has_lp, [logprob, k, (id, lp) x k]) x n, m, (id, first, count, (logprob,
+    /// rank, k, (id, lp) x k) x count) x m]`, floats as their bits.
+    fn encode(&self) -> Vec<i64> {
+        let bits = |v: f32| i64::from(v.to_bits());
+        let mut w = vec![self.sampled.len() as i64];
+        for (id, s) in &self.sampled {
+            w.extend([*id as i64, s.token]);
+            match &s.logprobs {
+                None => w.push(0),
+                Some(lp) => {
+                    w.extend([1, bits(lp.logprob), lp.top.len() as i64]);
+                    w.extend(lp.top.iter().flat_map(|&(t, l)| [t, bits(l)]));
+                }
+            }
         }
-        Ok(out)
+        w.push(self.scored.len() as i64);
+        for (id, first, lps) in &self.scored {
+            w.extend([*id as i64, *first as i64, lps.len() as i64]);
+            for lp in lps {
+                w.extend([bits(lp.logprob), lp.rank as i64, lp.top.len() as i64]);
+                w.extend(lp.top.iter().flat_map(|&(t, l)| [t, bits(l)]));
+            }
+        }
+        w
+    }
+
+    /// Reads [`encode`](Self::encode)'s words back; `None` if they are cut short or malformed.
+    fn decode(words: &[i64]) -> Option<StepResult> {
+        let mut it = words.iter().copied();
+        let f = |w: i64| u32::try_from(w).ok().map(f32::from_bits);
+        // Counts of following items are bounded by the words left; positions and ranks are not.
+        let count = |w: i64| usize::try_from(w).ok().filter(|&n| n <= words.len());
+        let size = |w: i64| usize::try_from(w).ok();
+        let mut r = StepResult::default();
+        if words.is_empty() {
+            return Some(r);
+        }
+        let top = |it: &mut dyn Iterator<Item = i64>| -> Option<Vec<(i64, f32)>> {
+            let k = count(it.next()?)?;
+            (0..k).map(|_| Some((it.next()?, f(it.next()?)?))).collect()
+        };
+        for _ in 0..count(it.next()?)? {
+            let (id, token) = (it.next()? as RequestId, it.next()?);
+            let logprobs = match it.next()? {
+                0 => None,
+                _ => {
+                    let logprob = f(it.next()?)?;
+                    Some(crate::api::TokenLogprobs { logprob, top: top(&mut it)? })
+                }
+            };
+            r.sampled.push((id, Sampled { token, logprobs }));
+        }
+        for _ in 0..count(it.next()?)? {
+            let (id, first, n) = (it.next()? as RequestId, size(it.next()?)?, count(it.next()?)?);
+            let mut lps = Vec::with_capacity(n);
+            for _ in 0..n {
+                let logprob = f(it.next()?)?;
+                let rank = size(it.next()?)?;
+                lps.push(PromptLogprob { logprob, rank, top: top(&mut it)? });
+            }
+            r.scored.push((id, first, lps));
+        }
+        it.next().is_none().then_some(r)
     }
 }
 
 /// Longest step message accepted (words): far beyond any real step, short of a memory hazard.
 const MAX_MESSAGE_WORDS: usize = 1 << 26;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::TokenLogprobs;
+
+    #[test]
+    fn step_results_survive_the_wire_and_cut_ones_are_refused() {
+        let r = StepResult {
+            sampled: vec![
+                (3, Sampled { token: 7, logprobs: None }),
+                (
+                    9,
+                    Sampled {
+                        token: 1,
+                        logprobs: Some(TokenLogprobs { logprob: -0.5, top: vec![(1, -0.5), (4, -2.0)] }),
+                    },
+                ),
+            ],
+            scored: vec![(9, 1, vec![PromptLogprob { logprob: -3.25, rank: 5000, top: vec![(2, -0.1)] }])],
+        };
+        let w = r.encode();
+        assert_eq!(StepResult::decode(&w), Some(r));
+        for cut in 1..w.len() {
+            assert_eq!(StepResult::decode(&w[..cut]), None, "cut at {cut}");
+        }
+        assert_eq!(StepResult::decode(&[]), Some(StepResult::default()));
+    }
+}

@@ -26,11 +26,13 @@ mod math;
 mod merge;
 mod noise;
 mod params;
+mod score;
 mod sharded;
 mod wire;
 
 pub use full::sample_full;
 pub use params::{MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams};
+pub use score::score_sharded;
 pub use sharded::{sample_sharded, sample_sharded_counted};
 
 use crate::api::TokenLogprobs;

@@ -52,6 +52,10 @@ pub struct SamplingParams {
     /// `(id, bias)` added to those ids' logits, each bias in `[-100, 100]`, ids distinct and
     /// ascending (OpenAI's `logit_bias`). Default empty.
     pub logit_bias: Vec<(i64, f32)>,
+    /// Return the logprob of every prompt token after the first (under the model's raw logits)
+    /// with this many top alternatives (`<=` [`MAX_TOP_LOGPROBS`]); `None`: none. The prompt
+    /// is then computed whole, not taken from the prefix cache.
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -68,6 +72,7 @@ impl Default for SamplingParams {
             logprobs: None,
             min_tokens: 0,
             logit_bias: Vec::new(),
+            prompt_logprobs: None,
         }
     }
 }
@@ -121,6 +126,11 @@ impl SamplingParams {
             && n > MAX_TOP_LOGPROBS
         {
             return Err(("logprobs", format!("at most {MAX_TOP_LOGPROBS} top logprobs, got {n}")));
+        }
+        if let Some(n) = self.prompt_logprobs
+            && n > MAX_TOP_LOGPROBS
+        {
+            return Err(("prompt_logprobs", format!("at most {MAX_TOP_LOGPROBS} prompt logprobs, got {n}")));
         }
         if self.logit_bias.len() > MAX_LOGIT_BIAS {
             return Err((

@@ -22,6 +22,8 @@ pub(super) struct Seq {
     pub link: Option<ChainLink>,
     /// Positions served from the prefix cache at this admission, reported once.
     pub cached_pending: usize,
+    /// Whether admission may reuse cached prefix blocks (not when the prompt's logits are needed).
+    pub reuse_prefix: bool,
 }
 
 impl Seq {
@@ -36,6 +38,7 @@ impl Seq {
             full: 0,
             link: None,
             cached_pending: 0,
+            reuse_prefix: true,
         }
     }
 

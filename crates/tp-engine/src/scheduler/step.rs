@@ -71,7 +71,8 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         while self.running.len() < self.cfg.max_num_seqs && *budget > 0 {
             let Some(seq) = self.waiting.front() else { return };
-            let chain = self.pool.lookup(&seq.tokens, (seq.tokens.len() - 1) / bs);
+            let reusable = if seq.reuse_prefix { (seq.tokens.len() - 1) / bs } else { 0 };
+            let chain = self.pool.lookup(&seq.tokens, reusable);
             let hit = chain.len() * bs;
             let n = (seq.tokens.len() - hit).min(*budget);
             let need = (hit + n).div_ceil(bs) - chain.len();

@@ -111,6 +111,7 @@ pub fn row_spec(rng: &mut SplitMix64, vocab: usize) -> RowSpec {
             logprobs,
             min_tokens: 0,
             logit_bias,
+            prompt_logprobs: None,
         },
         seed: rng.next_u64(),
         step: rng.int_in(0, 100) as u64,
