@@ -147,6 +147,10 @@ pub struct ServeArgs {
     /// Move `<think>...</think>` into `reasoning_content`: qwen3 or deepseek_r1.
     #[arg(long, value_name = "NAME")]
     pub reasoning_parser: Option<String>,
+    /// Speculative decoding, as JSON: `{"method": "ngram", "num_speculative_tokens": K,
+    /// "prompt_lookup_max": N, "prompt_lookup_min": M}` (vLLM's).
+    #[arg(long, value_name = "JSON")]
+    pub speculative_config: Option<String>,
 }
 
 /// What the engine is started with (read by `engine::start_engine` alone).
@@ -184,6 +188,8 @@ pub struct EngineArgs {
     pub batch_invariant: bool,
     /// Pack host weights once.
     pub prepack_weights: bool,
+    /// `--speculative-config`.
+    pub speculative: Option<tp_engine::spec::NgramConfig>,
 }
 
 /// What the HTTP server is started with.
@@ -318,6 +324,12 @@ impl ServeArgs {
             max_waiting: self.max_waiting_requests,
             batch_invariant: self.batch_invariant,
             prepack_weights: !self.no_prepack_weights,
+            speculative: match &self.speculative_config {
+                None => None,
+                Some(j) => {
+                    Some(speculative_config(j).map_err(|e| CliError::Args(format!("--speculative-config: {e}")))?)
+                }
+            },
         };
         let server = ServerArgs {
             model_dir: self.model_dir,
@@ -333,6 +345,43 @@ impl ServeArgs {
         };
         Ok((engine, server))
     }
+}
+
+/// vLLM's `--speculative-config` JSON for the n-gram method: `num_speculative_tokens` is
+/// required; given one of `prompt_lookup_max` and `prompt_lookup_min`, the other takes its
+/// value, and given neither they are 5 and 1 (vLLM's defaults).
+pub fn speculative_config(json: &str) -> Result<tp_engine::spec::NgramConfig, String> {
+    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| format!("not JSON: {e}"))?;
+    let o = v.as_object().ok_or("must be a JSON object")?;
+    for k in o.keys() {
+        if !["method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"].contains(&k.as_str()) {
+            return Err(format!("unknown key `{k}` (tp implements the ngram method's keys)"));
+        }
+    }
+    match o.get("method").and_then(serde_json::Value::as_str) {
+        Some("ngram") => {}
+        Some(m) => return Err(format!("method `{m}` is not supported (tp implements \"ngram\")")),
+        None => return Err("`method` must be \"ngram\"".into()),
+    }
+    let num = |k: &str| -> Result<Option<usize>, String> {
+        match o.get(k) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(v) => {
+                v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| format!("`{k}` must be a non-negative integer"))
+            }
+        }
+    };
+    let k = num("num_speculative_tokens")?.ok_or("`num_speculative_tokens` is required")?;
+    let (max, min) = match (num("prompt_lookup_max")?, num("prompt_lookup_min")?) {
+        (Some(a), Some(b)) => (a, b),
+        (Some(a), None) => (a, a),
+        (None, Some(b)) => (b, b),
+        (None, None) => (5, 1),
+    };
+    let cfg =
+        tp_engine::spec::NgramConfig { num_speculative_tokens: k, prompt_lookup_max: max, prompt_lookup_min: min };
+    cfg.validate()?;
+    Ok(cfg)
 }
 
 /// Parses a byte count: a plain integer or one with a suffix K, M, G, T (powers of 1000) or
@@ -489,6 +538,32 @@ mod tests {
         assert_eq!(s.chat_template.as_deref(), Some(std::path::Path::new("t.jinja")));
         assert_eq!(s.tool_call_parser, Some(crate::tools::ToolParser::Llama3Json));
         assert_eq!(s.reasoning_parser, Some(crate::reasoning::ReasoningParser::Qwen3));
+        let (spec, _) = parse(&[
+            "tp",
+            "serve",
+            "d",
+            "--speculative-config",
+            r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}"#,
+        ])
+        .unwrap();
+        assert_eq!(
+            spec.speculative,
+            Some(tp_engine::spec::NgramConfig {
+                num_speculative_tokens: 3,
+                prompt_lookup_max: 4,
+                prompt_lookup_min: 2
+            })
+        );
+        for bad in [
+            r#"{"method": "eagle", "num_speculative_tokens": 3}"#,
+            r#"{"method": "ngram"}"#,
+            "[1]",
+            r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1, "prompt_lookup_min": 2}"#,
+            r#"{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}"#,
+        ] {
+            let e = parse(&["tp", "serve", "d", "--speculative-config", bad]).unwrap_err();
+            assert!(e.contains("--speculative-config"), "{bad}: {e}");
+        }
         for (flag, v) in [("--tool-call-parser", "pythonic"), ("--reasoning-parser", "o1")] {
             let e = parse(&["tp", "serve", "d", flag, v]).unwrap_err();
             assert!(e.contains(flag), "{e}");

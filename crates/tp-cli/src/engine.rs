@@ -49,6 +49,7 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     o.max_waiting = args.max_waiting;
     o.batch_invariant = args.batch_invariant;
     o.prepack_weights = args.prepack_weights;
+    o.speculative = args.speculative;
     o.timeout = tp_comm::LaunchEnv::timeout_from_lookup(|k| std::env::var(k).ok())
         .map_err(|e| CliError::Engine(e.to_string()))?;
     // For tests that need requests to stay open: a pause after each engine step.

@@ -122,6 +122,18 @@ impl Metrics {
         one("tp_prompt_tokens_total", "counter", "Prompt tokens processed.", s.prompt_tokens.to_string());
         one("tp_generation_tokens_total", "counter", "Tokens generated.", s.generation_tokens.to_string());
         one("tp_num_preemptions_total", "counter", "Sequences preempted to be recomputed.", s.preemptions.to_string());
+        one(
+            "tp_spec_decode_num_draft_tokens_total",
+            "counter",
+            "Speculative draft tokens proposed.",
+            s.spec_draft_tokens.to_string(),
+        );
+        one(
+            "tp_spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Speculative draft tokens accepted.",
+            s.spec_accepted_tokens.to_string(),
+        );
         let _ = writeln!(
             out,
             "# HELP tp_request_success_total Choices finished, by finish reason.\n# TYPE tp_request_success_total counter"

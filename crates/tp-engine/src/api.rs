@@ -179,6 +179,10 @@ pub struct Stats {
     pub generation_tokens: u64,
     /// Sequences preempted (to be recomputed), in total.
     pub preemptions: u64,
+    /// Speculative draft tokens proposed, in total.
+    pub spec_draft_tokens: u64,
+    /// Speculative draft tokens accepted (each one a token gained over plain decoding), in total.
+    pub spec_accepted_tokens: u64,
 }
 
 /// Fixed facts about the engine's model and limits, for validating requests up front.

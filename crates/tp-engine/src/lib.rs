@@ -20,6 +20,7 @@ pub mod blocks;
 mod engine;
 pub mod sampling;
 pub mod scheduler;
+pub mod spec;
 
 pub use blocks::{BlockId, BlockPool};
 pub use engine::{DeviceKind, Engine, EngineError, EngineOptions, Fault, ProcessRank, start, start_process_rank};

@@ -69,6 +69,9 @@ pub struct ScheduledSeq {
     pub sample: bool,
     /// Positions served from the prefix cache at this admission (0 after its first step).
     pub cached_tokens: usize,
+    /// Draft tokens at the end of `tokens` (speculative decoding): every position from the
+    /// last known token on is sampled, and the draft is accepted up to its first miss.
+    pub draft: usize,
 }
 
 /// Continuous batching over a block pool; see the module documentation.
@@ -197,22 +200,61 @@ impl Scheduler {
     /// set, and blocks filled by the step go to the prefix cache. Sequences aborted or finished
     /// since the plan are skipped. A sampling part without its token in `sampled` has its last
     /// token fed again next step.
+    ///
+    /// A part with a draft may have several tokens in `sampled` (in order): the accepted draft
+    /// tokens and the one after them. Only the positions of the tokens they confirm count as
+    /// computed; the rest of the draft's cache entries are overwritten later.
     pub fn complete_step(&mut self, plan: &StepPlan, sampled: &[(RequestId, i64)]) {
         for part in &plan.seqs {
             let Some(seq) = self.running.iter_mut().find(|s| s.id == part.id) else { continue };
-            if seq.computed != part.context || part.context + part.tokens.len() > seq.tokens.len() {
+            let fed = part.tokens.len() - part.draft;
+            if seq.computed != part.context || part.context + fed > seq.tokens.len() {
                 continue; // not this plan's state of the sequence
             }
-            seq.computed = part.context + part.tokens.len();
+            seq.computed = part.context + fed;
             seq.cached_pending = 0;
             if part.sample {
-                match sampled.iter().find(|(id, _)| *id == part.id) {
-                    Some(&(_, token)) => seq.tokens.push(token),
-                    None => seq.computed = seq.tokens.len() - 1,
+                let tokens: Vec<i64> =
+                    sampled.iter().filter(|(id, _)| *id == part.id).map(|&(_, t)| t).take(part.draft + 1).collect();
+                if tokens.is_empty() {
+                    seq.computed = seq.tokens.len() - 1;
+                } else {
+                    // The fed last token and the accepted draft tokens are in the cache.
+                    seq.computed += tokens.len() - 1;
+                    seq.tokens.extend(tokens);
                 }
             }
             seq.register_full_blocks(&mut self.pool);
         }
+    }
+
+    /// Appends `draft` to sequence `id`'s decode part of `plan` (speculative decoding), with the
+    /// blocks its positions need. `false` (nothing changed) if the part is not a decode or the
+    /// blocks are not free.
+    pub fn add_draft(&mut self, plan: &mut StepPlan, id: RequestId, draft: &[i64]) -> bool {
+        let bs = self.cfg.block_size;
+        let Some(part) = plan.seqs.iter_mut().find(|p| p.id == id && p.sample && p.tokens.len() == 1 && p.draft == 0)
+        else {
+            return false;
+        };
+        let Some(seq) = self.running.iter_mut().find(|s| s.id == id) else { return false };
+        let need = seq.blocks_needed(1 + draft.len(), bs);
+        if draft.is_empty() || need > self.pool.num_available() {
+            return false;
+        }
+        for _ in 0..need {
+            // Cannot fail: `need` blocks are available.
+            seq.blocks.extend(self.pool.allocate());
+        }
+        part.tokens.extend_from_slice(draft);
+        part.blocks = seq.blocks.clone();
+        part.draft = draft.len();
+        true
+    }
+
+    /// The tokens (prompt and output) of running sequence `id`.
+    pub fn tokens(&self, id: RequestId) -> Option<&[i64]> {
+        self.running.iter().find(|s| s.id == id).map(|s| s.tokens.as_slice())
     }
 
     /// Sequences holding blocks.

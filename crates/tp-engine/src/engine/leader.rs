@@ -10,6 +10,7 @@ use crate::api::{
     TokenConstraint, TokenLogprobs, Usage,
 };
 use crate::scheduler::Scheduler;
+use crate::spec::NgramConfig;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +25,8 @@ struct Live {
     constraint: Option<Box<dyn TokenConstraint>>,
     /// Its prompt's logprobs as the steps score them (position 0 stays `None`), until sent.
     prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
+    /// Tokens sent so far.
+    delivered: usize,
 }
 
 /// How rank 0 ends requests and paces itself.
@@ -38,6 +41,8 @@ pub(crate) struct LeaderRules {
     pub heartbeat: Duration,
     /// A pause after each step that ran sequences.
     pub step_delay: Duration,
+    /// N-gram speculative decoding, if on.
+    pub speculative: Option<NgramConfig>,
 }
 
 /// Rank 0's engine state.
@@ -53,6 +58,7 @@ pub(crate) struct Leader {
     /// The longest rank 0 stays silent: other ranks wait in a broadcast with a deadline.
     pub heartbeat: Duration,
     step_delay: Duration,
+    speculative: Option<NgramConfig>,
     live: HashMap<RequestId, Live>,
     pending_new: Vec<NewSeq>,
     pending_drop: Vec<RequestId>,
@@ -67,7 +73,7 @@ impl Leader {
         stats: Arc<SharedStats>,
         rules: LeaderRules,
     ) -> Leader {
-        let LeaderRules { eos, max_model_len, seed, heartbeat, step_delay } = rules;
+        let LeaderRules { eos, max_model_len, seed, heartbeat, step_delay, speculative } = rules;
         Leader {
             worker,
             scheduler,
@@ -78,6 +84,7 @@ impl Leader {
             seeds: SplitMix64::new(seed),
             heartbeat,
             step_delay,
+            speculative,
             live: HashMap::new(),
             pending_new: Vec::new(),
             pending_drop: Vec::new(),
@@ -136,7 +143,8 @@ impl Leader {
             if self.stats.stopping() && self.live.is_empty() {
                 return Ok(());
             }
-            let plan = self.scheduler.schedule();
+            let mut plan = self.scheduler.schedule();
+            let drafts = self.draft(&mut plan);
             let mut msg = StepMsg {
                 kind: StepKind::Run,
                 new: std::mem::take(&mut self.pending_new),
@@ -206,6 +214,11 @@ impl Leader {
             for (id, why) in mask_errors {
                 self.fail(id, format!("structured output: {why}"));
             }
+            for (id, n) in drafts {
+                let kept = sampled.sampled.iter().filter(|(i, _)| *i == id).count();
+                self.totals.spec_draft_tokens += n as u64;
+                self.totals.spec_accepted_tokens += kept.saturating_sub(1) as u64;
+            }
             for (id, s) in sampled.sampled {
                 self.totals.generation_tokens += 1;
                 self.deliver(id, s.token, s.logprobs);
@@ -271,8 +284,15 @@ impl Leader {
                     min_stop,
                 });
                 let prompt_logprobs = request.params.prompt_logprobs.map(|_| vec![None; request.prompt.len()]);
-                self.live
-                    .insert(id, Live { sink, request: *request, cached_prompt_tokens: 0, constraint, prompt_logprobs });
+                let live = Live {
+                    sink,
+                    request: *request,
+                    cached_prompt_tokens: 0,
+                    constraint,
+                    prompt_logprobs,
+                    delivered: 0,
+                };
+                self.live.insert(id, live);
             }
             Command::Abort(id) => self.end(id, FinishReason::Abort),
         }
@@ -294,7 +314,8 @@ impl Leader {
             return;
         }
         let alive = l.sink.send(Event::Token { id: token, logprobs });
-        let generated = self.worker.seqs.get(&id).map_or(0, |s| s.output.len());
+        l.delivered += 1;
+        let generated = l.delivered;
         let r = &l.request;
         let reason = if !alive {
             Some(FinishReason::Abort)
@@ -316,6 +337,42 @@ impl Leader {
                 self.end(id, FinishReason::Stop);
             }
         }
+    }
+
+    /// Drafts the next tokens of the plan's decodes (n-gram speculation, when on), within the
+    /// step's token budget and each request's `max_tokens` and the model's length; the drafts
+    /// made, `(request, draft length)`. Constrained requests and those scoring their prompt are
+    /// not drafted.
+    fn draft(&mut self, plan: &mut crate::scheduler::StepPlan) -> Vec<(RequestId, usize)> {
+        let Some(cfg) = self.speculative else { return Vec::new() };
+        let mut budget = self
+            .scheduler
+            .config()
+            .max_num_batched_tokens
+            .saturating_sub(plan.seqs.iter().map(|s| s.tokens.len()).sum());
+        let mut made = Vec::new();
+        let decodes: Vec<RequestId> =
+            plan.seqs.iter().filter(|s| s.sample && s.tokens.len() == 1).map(|s| s.id).collect();
+        for id in decodes {
+            let Some(l) = self.live.get(&id) else { continue };
+            if l.constraint.is_some() || l.request.params.prompt_logprobs.is_some() || budget == 0 {
+                continue;
+            }
+            let Some(tokens) = self.scheduler.tokens(id) else { continue };
+            // The step samples one token at least; the draft may add as many as fit.
+            let room = l
+                .request
+                .max_tokens
+                .saturating_sub(l.delivered + 1)
+                .min(self.max_model_len.saturating_sub(tokens.len() + 1))
+                .min(budget);
+            let draft = cfg.propose(tokens, room);
+            if !draft.is_empty() && self.scheduler.add_draft(plan, id, &draft) {
+                budget -= draft.len();
+                made.push((id, draft.len()));
+            }
+        }
+        made
     }
 
     /// Fails request `id` alone (if live): frees its blocks, tells the other ranks to forget it,
@@ -342,7 +399,7 @@ impl Leader {
         } else {
             self.scheduler.finish(id);
         }
-        let completion_tokens = self.worker.seqs.get(&id).map_or(0, |s| s.output.len()).min(l.request.max_tokens);
+        let completion_tokens = l.delivered;
         // A request announced but never run is dropped from the announcements instead.
         if let Some(i) = self.pending_new.iter().position(|n| n.id == id) {
             self.pending_new.remove(i);

@@ -103,6 +103,8 @@ pub struct EngineOptions {
     /// A pause after every step that runs sequences (zero by default): lets tests of a server
     /// hold requests open long enough to disconnect or signal mid-stream.
     pub step_delay: Duration,
+    /// N-gram speculative decoding (`--speculative-config`), off by default.
+    pub speculative: Option<crate::spec::NgramConfig>,
 }
 
 impl EngineOptions {
@@ -128,6 +130,7 @@ impl EngineOptions {
             prepack_weights: true,
             fault: None,
             step_delay: Duration::ZERO,
+            speculative: None,
         }
     }
 }
@@ -265,6 +268,9 @@ pub fn start_process_rank(opts: &EngineOptions, group: DeviceGroup) -> Result<Pr
 
 /// Checks the settings and reads the model's config: the config and the longest sequence.
 fn checked_settings(opts: &EngineOptions) -> Result<(ModelConfig, usize), EngineError> {
+    if let Some(s) = &opts.speculative {
+        s.validate().map_err(|e| EngineError::Config(format!("speculative decoding: {e}")))?;
+    }
     let n = opts.tensor_parallel_size;
     if n == 0 || n > tp_comm::MAX_WORLD_SIZE {
         return Err(EngineError::Config(format!(
@@ -424,7 +430,14 @@ fn rank_main(
     };
     let (handle, commands) = EngineHandle::channel(limits, stats.clone());
     let eos = config.eos_token_ids.clone();
-    let rules = LeaderRules { eos, max_model_len, seed: opts.seed, heartbeat, step_delay: opts.step_delay };
+    let rules = LeaderRules {
+        eos,
+        max_model_len,
+        seed: opts.seed,
+        heartbeat,
+        step_delay: opts.step_delay,
+        speculative: opts.speculative,
+    };
     let leader = Leader::new(worker, scheduler, commands, stats, rules);
     let _ = ready.send(Ok((handle, num_blocks)));
     drop(ready);

@@ -91,6 +91,7 @@ impl StepMsg {
             w.push(s.context as i64);
             w.push(i64::from(s.sample));
             w.push(s.cached_tokens as i64);
+            w.push(s.draft as i64);
             w.push(s.tokens.len() as i64);
             w.extend_from_slice(&s.tokens);
             w.push(s.blocks.len() as i64);
@@ -123,15 +124,19 @@ impl StepMsg {
             let context = r.size()?;
             let sample = r.word()? != 0;
             let cached_tokens = r.size()?;
+            let draft = r.size()?;
             let n = r.count()?;
             let tokens = r.take(n)?.to_vec();
+            if draft >= n.max(1) || (draft > 0 && !sample) {
+                return Err(format!("a draft of {draft} in a part of {n} tokens"));
+            }
             let n = r.count()?;
             let blocks = r
                 .take(n)?
                 .iter()
                 .map(|&b| u32::try_from(b).map_err(|_| format!("block id {b} out of range")))
                 .collect::<Result<Vec<_>, _>>()?;
-            msg.seqs.push(ScheduledSeq { id, tokens, context, blocks, sample, cached_tokens });
+            msg.seqs.push(ScheduledSeq { id, tokens, context, blocks, sample, cached_tokens, draft });
         }
         for _ in 0..r.count()? {
             msg.masked.push(r.word()? as u64);
@@ -267,6 +272,7 @@ mod tests {
                 blocks: vec![9, 0],
                 sample: true,
                 cached_tokens: 1,
+                draft: 1,
             }],
             masked: vec![7],
         };

@@ -169,8 +169,16 @@ impl RankWorker {
                 }
             }
             if s.sample {
-                rows.sample_rows.push(ids.len() - 1);
-                rows.sampled_ids.push(s.id);
+                // The last known token's row, then one per draft token (speculative decoding).
+                let first = ids.len() - 1 - s.draft;
+                for j in 0..=s.draft {
+                    rows.sample_rows.push(first + j);
+                    rows.sampled_ids.push(s.id);
+                    rows.draft_index.push(j);
+                }
+                if s.draft > 0 {
+                    rows.drafts.insert(s.id, s.tokens[s.tokens.len() - s.draft..].to_vec());
+                }
             }
         }
         let batch = TokenBatch::new(batch_seqs, self.block_size)?;
@@ -249,26 +257,50 @@ impl RankWorker {
         if rows.sample_rows.is_empty() {
             return Ok(result);
         }
+        // A draft row j samples as if the draft's first j tokens were already the output.
+        let outputs: Vec<Option<Vec<i64>>> = rows
+            .sampled_ids
+            .iter()
+            .zip(&rows.draft_index)
+            .map(|(id, &j)| {
+                (j > 0).then(|| {
+                    let mut o = self.seqs[id].output.clone();
+                    o.extend_from_slice(&rows.drafts[id][..j]);
+                    o
+                })
+            })
+            .collect();
         let sample_rows: Vec<SampleRow<'_>> = rows
             .sampled_ids
             .iter()
-            .map(|id| {
+            .zip(&outputs)
+            .map(|(id, extended)| {
                 let s = &self.seqs[id];
+                let output = extended.as_deref().unwrap_or(&s.output);
                 let mask = msg.masked.iter().position(|m| m == id).and_then(|k| masks.get(k * words..(k + 1) * words));
                 SampleRow {
                     params: &s.params,
                     seed: s.seed,
-                    step: s.output.len() as u64,
+                    step: output.len() as u64,
                     prompt: &s.prompt,
-                    output: &s.output,
-                    banned: if s.output.len() < s.params.min_tokens { &s.min_stop } else { &[] },
+                    output,
+                    banned: if output.len() < s.params.min_tokens { &s.min_stop } else { &[] },
                     mask,
                 }
             })
             .collect();
         let sampled = sample_sharded(&logits, start, vocab, &sample_rows, self.model.group())
             .map_err(|e| EngineError::Step(e.to_string()))?;
-        result.sampled = rows.sampled_ids.iter().copied().zip(sampled).collect();
+        // Each sequence keeps its sampled tokens up to the first that differs from its draft.
+        let mut i = 0;
+        while i < sampled.len() {
+            let id = rows.sampled_ids[i];
+            let n = rows.drafts.get(&id).map_or(0, Vec::len);
+            let tokens: Vec<i64> = sampled[i..i + n + 1].iter().map(|s| s.token).collect();
+            let keep = crate::spec::accept(rows.drafts.get(&id).map_or(&[][..], Vec::as_slice), &tokens);
+            result.sampled.extend(sampled[i..i + keep].iter().cloned().map(|s| (id, s)));
+            i += n + 1;
+        }
         Ok(result)
     }
 
@@ -350,9 +382,13 @@ struct Rows {
     targets: Vec<i64>,
     /// `(request, first scored prompt position, count)`, in row order.
     scored: Vec<(RequestId, usize, usize)>,
-    /// Rows sampled, and their requests.
+    /// Rows sampled, their requests, and each row's place in its request's draft (0: the
+    /// last known token's row).
     sample_rows: Vec<usize>,
     sampled_ids: Vec<RequestId>,
+    draft_index: Vec<usize>,
+    /// The draft tokens of the requests that have them.
+    drafts: HashMap<RequestId, Vec<i64>>,
 }
 
 /// What a step produced, the same on every rank: sampled tokens, and prompt logprobs as

@@ -110,5 +110,6 @@ fn part(seq: &super::Seq, n: usize) -> ScheduledSeq {
         blocks: seq.blocks.clone(),
         sample: end == seq.tokens.len(),
         cached_tokens: seq.cached_pending,
+        draft: 0,
     }
 }
