@@ -37,7 +37,12 @@ pub fn run(args: &[String]) -> Result<()> {
     // Python packages the tests run as references (pinned, under target/): the official
     // `openai` client for tp serve's client test; `gguf` (llama.cpp's Python package, with
     // numpy) writes the GGUF files the reader and model tests open and dequantizes their blocks.
-    let python = [ensure_pip(OPENAI, "openai", "tp serve's client test")?, ensure_pip(GGUF, "gguf", "the GGUF tests")?];
+    let python = [
+        ensure_pip(OPENAI, "openai", "tp serve's client test")?,
+        ensure_pip(GGUF, "gguf", "the GGUF tests")?,
+        ensure_pip(JSONSCHEMA, "jsonschema", "validating structured outputs")?,
+        ensure_pip(TOKENIZERS, "tokenizers", "checking /tokenize")?,
+    ];
     let (passed, failed, ok) = cargo_test(
         &cargo,
         &["test", "--workspace", "--locked", "--features", "tp-comm/nccl-tests"],
@@ -63,6 +68,12 @@ const OPENAI: &str = "openai==3.60.0";
 
 /// The `gguf` package the GGUF tests run (with its dependencies, numpy among them).
 const GGUF: &str = "gguf==0.19.0";
+
+/// The `jsonschema` package that validates structured outputs in the client test.
+const JSONSCHEMA: &str = "jsonschema==4.25.1";
+
+/// The `tokenizers` package `/tokenize` is checked against in the client test.
+const TOKENIZERS: &str = "tokenizers==0.22.1";
 
 /// The pinned package `spec` (`name==version`, importable as `module`), installed from PyPI
 /// into `target/<name>-<version>/` the first time; the folder to put on `PYTHONPATH`.

@@ -6,19 +6,8 @@
 
 mod common;
 
-use common::{Server, THINK_END, model_dir_with_len};
+use common::{Server, THINK_END, TOOLS_TEMPLATE, model_dir_with_len};
 use serde_json::{Value, json};
-
-/// A Qwen2.5-style template: tools in the system turn (`tojson`), `<tool_call>` blocks for an
-/// assistant's calls, `<tool_response>` for tool messages, and an `enable_thinking` switch.
-const QWEN_TOOLS: &str = r#"{%- if tools %}{{- '<|start_header_id|>system\n# Tools\n<tools>' }}{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}{{- '\n</tools><|eot_id|>' }}{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'assistant' %}{{- '<|start_header_id|>assistant\n' + message.content }}
-{%- for tc in message.tool_calls %}{%- set tc = tc.function %}{{- '<tool_call>\n{"name": "' + tc.name + '", "arguments": ' + (tc.arguments | tojson) + '}\n</tool_call>' }}{%- endfor %}{{- '<|eot_id|>' }}
-{%- elif message.role == 'tool' %}{{- '<|start_header_id|>user\n<tool_response>\n' + message.content + '\n</tool_response><|eot_id|>' }}
-{%- else %}{{- '<|start_header_id|>' + message.role + '\n' + message.content + '<|eot_id|>' }}{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant\n' }}{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"#;
 
 fn tools() -> Value {
     json!([
@@ -35,7 +24,7 @@ fn server_with_template(args: &[&str]) -> Server {
     // The tools' JSON takes a few hundred byte-level tokens.
     let dir = model_dir_with_len(2048);
     let path = dir.join("tools.jinja");
-    std::fs::write(&path, QWEN_TOOLS).unwrap();
+    std::fs::write(&path, TOOLS_TEMPLATE).unwrap();
     let path = path.to_string_lossy().into_owned();
     let mut all = vec!["--chat-template", path.as_str()];
     all.extend_from_slice(args);

@@ -27,6 +27,17 @@ pub const TEMPLATE: &str = "{{- bos_token }}{% for message in messages %}{% if m
     {% endif %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim \
     + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
 
+/// A Qwen2.5-style template: tools in the system turn (`tojson`), `<tool_call>` blocks for an
+/// assistant's calls, `<tool_response>` for tool messages, and an `enable_thinking` switch.
+pub const TOOLS_TEMPLATE: &str = r#"{%- if tools %}{{- '<|start_header_id|>system\n# Tools\n<tools>' }}{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}{{- '\n</tools><|eot_id|>' }}{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}{{- '<|start_header_id|>assistant\n' + message.content }}
+{%- for tc in message.tool_calls %}{%- set tc = tc.function %}{{- '<tool_call>\n{"name": "' + tc.name + '", "arguments": ' + (tc.arguments | tojson) + '}\n</tool_call>' }}{%- endfor %}{{- '<|eot_id|>' }}
+{%- elif message.role == 'tool' %}{{- '<|start_header_id|>user\n<tool_response>\n' + message.content + '\n</tool_response><|eot_id|>' }}
+{%- else %}{{- '<|start_header_id|>' + message.role + '\n' + message.content + '<|eot_id|>' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant\n' }}{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"#;
+
 /// GPT-2's byte-to-character map (bytes that are printable stay themselves).
 fn byte_chars() -> Vec<char> {
     let mut printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
