@@ -85,6 +85,9 @@ pub struct Scheduler {
     waiting: VecDeque<Seq>,
     prefix_hit_tokens: u64,
     preemptions: u64,
+    /// LongRoPE's switch length (`original_max_position_embeddings`): a sequence computed while
+    /// no longer than it is recomputed whole once it grows past it (transformers' Phi-3 rule).
+    rope_switch: Option<usize>,
 }
 
 impl Scheduler {
@@ -104,7 +107,27 @@ impl Scheduler {
             }
         }
         let pool = BlockPool::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)?;
-        Ok(Scheduler { cfg, pool, running: Vec::new(), waiting: VecDeque::new(), prefix_hit_tokens: 0, preemptions: 0 })
+        Ok(Scheduler {
+            cfg,
+            pool,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            prefix_hit_tokens: 0,
+            preemptions: 0,
+            rope_switch: None,
+        })
+    }
+
+    /// Sets LongRoPE's switch length: the rotary frequencies change once a sequence is longer
+    /// than `at` tokens, so a sequence whose cache was computed before is recomputed whole when
+    /// it first grows past it (as transformers' Phi-3 drops its cache then).
+    pub fn set_rope_switch(&mut self, at: Option<usize>) {
+        self.rope_switch = at;
+    }
+
+    /// LongRoPE's switch length, if set.
+    pub fn rope_switch(&self) -> Option<usize> {
+        self.rope_switch
     }
 
     /// Its limits.

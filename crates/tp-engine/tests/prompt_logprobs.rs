@@ -15,8 +15,9 @@ use tp_models::{ModelOptions, ParallelCausalLm};
 use tp_testing::ranks::on_ranks;
 use tp_testing::synthetic::SyntheticModel;
 
-fn model_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tp-engine-prompt-lp-{}", std::process::id()));
+/// A fresh folder per test (tests run in parallel).
+fn model_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tp-engine-prompt-lp-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     SyntheticModel::tiny().write(&dir).expect("write the synthetic model");
     dir
@@ -96,7 +97,7 @@ fn prompt(seed: u64, len: usize) -> Vec<i64> {
 
 #[test]
 fn prompt_logprobs_match_float64_at_every_layout() {
-    let dir = model_dir();
+    let dir = model_dir("prompt_logprobs_match_float64_at_every_layout");
     let prompts = [prompt(1, 37), prompt(2, 5), prompt(3, 1), prompt(1, 37)];
     let k = 3;
     let want: Vec<_> = prompts.iter().map(|p| reference(&dir, p, k)).collect();
@@ -150,7 +151,7 @@ fn prompt_logprobs_match_float64_at_every_layout() {
 
 #[test]
 fn max_tokens_zero_needs_prompt_logprobs() {
-    let dir = model_dir();
+    let dir = model_dir("max_tokens_zero_needs_prompt_logprobs");
     let engine = tp_engine::start(&EngineOptions::new(&dir)).expect("start");
     let h = engine.handle();
     let (tx, _rx) = mpsc::channel();

@@ -12,8 +12,9 @@ use tp_engine::spec::NgramConfig;
 use tp_engine::{Engine, EngineOptions};
 use tp_testing::synthetic::SyntheticModel;
 
-fn model_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tp-engine-spec-{}", std::process::id()));
+/// A fresh folder per test (tests run in parallel).
+fn model_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tp-engine-spec-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     SyntheticModel { max_position_embeddings: 256, ..SyntheticModel::tiny() }.write(&dir).expect("write");
     dir
@@ -55,7 +56,7 @@ fn stop(engine: Engine) {
 
 #[test]
 fn speculation_changes_no_token_at_any_layout() {
-    let dir = model_dir();
+    let dir = model_dir("speculation_changes_no_token_at_any_layout");
     // A prompt that repeats itself, so n-grams recur; and one that does not.
     let period: Vec<i64> = vec![5, 17, 300, 42, 9, 77, 5, 901];
     let repeating: Vec<i64> = period.iter().cycle().take(40).copied().collect();
@@ -121,7 +122,7 @@ fn speculation_changes_no_token_at_any_layout() {
 
 #[test]
 fn a_bad_configuration_is_refused() {
-    let mut o = EngineOptions::new(model_dir());
+    let mut o = EngineOptions::new(model_dir("bad-config"));
     o.speculative = Some(NgramConfig { num_speculative_tokens: 0, prompt_lookup_max: 3, prompt_lookup_min: 1 });
     let e = tp_engine::start(&o).err().expect("refused");
     assert!(e.to_string().contains("num_speculative_tokens"), "{e}");

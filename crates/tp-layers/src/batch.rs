@@ -32,6 +32,9 @@ pub struct TokenBatch {
     starts: Vec<usize>,
     positions: Vec<usize>,
     slots: Vec<usize>,
+    /// Each sequence's length for length-dependent rotary frequencies (LongRoPE, dynamic NTK):
+    /// `context + tokens` unless [`with_rope_lens`](Self::with_rope_lens) says more.
+    rope_lens: Vec<usize>,
 }
 
 impl TokenBatch {
@@ -75,7 +78,19 @@ impl TokenBatch {
             }
             starts.push(positions.len());
         }
-        Ok(TokenBatch { seqs, block_size, starts, positions, slots })
+        let rope_lens = seqs.iter().map(|s| s.context + s.tokens).collect();
+        Ok(TokenBatch { seqs, block_size, starts, positions, slots, rope_lens })
+    }
+
+    /// Sets each sequence's length for length-dependent rotary frequencies to its whole known
+    /// length (`lens[i]`, at least `context + tokens`): a prompt prefilled in chunks then turns
+    /// with the frequencies of its full length in every chunk, as transformers' one-call prefill
+    /// does. Shorter or missing entries keep `context + tokens`.
+    pub fn with_rope_lens(mut self, lens: &[usize]) -> TokenBatch {
+        for (r, &l) in self.rope_lens.iter_mut().zip(lens) {
+            *r = (*r).max(l);
+        }
+        self
     }
 
     /// The sequences, in row order.
@@ -126,18 +141,19 @@ impl TokenBatch {
 
     /// RoPE on `x: [T, H, D]`, each row at its position. Where the frequencies depend on the
     /// sequence's length (dynamic NTK scaling, LongRoPE), each sequence turns with those of its
-    /// own length, as it would alone; otherwise the whole batch in one call.
+    /// own length (see [`with_rope_lens`](Self::with_rope_lens)), as it would alone; otherwise
+    /// the whole batch in one call.
     pub(crate) fn rope(&self, x: &Tensor, rope: &RotaryEmbedding) -> Result<Tensor> {
-        let batch_len = self.positions.iter().max().map_or(0, |&p| p + 1);
+        let batch_len = self.rope_lens.iter().copied().max().unwrap_or(0);
         let shared = rope.inv_freq_for(batch_len);
-        let same = self.seqs.iter().all(|s| *rope.inv_freq_for(s.context + s.tokens) == *shared);
+        let same = self.rope_lens.iter().all(|&l| *rope.inv_freq_for(l) == *shared);
         if same {
-            return Ok(x.rope(&self.positions, rope)?);
+            return Ok(x.rope_with_len(&self.positions, rope, batch_len)?);
         }
         let parts = (0..self.seqs.len())
             .map(|i| {
                 let r = self.rows(i);
-                Ok(x.narrow(0, r.start, r.len())?.rope(&self.positions[r], rope)?)
+                Ok(x.narrow(0, r.start, r.len())?.rope_with_len(&self.positions[r], rope, self.rope_lens[i])?)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::cat(&parts, 0)?)

@@ -356,12 +356,13 @@ impl ModelConfig {
             if f.flag("use_bidirectional_attention", false)? {
                 return Err(unsupported("use_bidirectional_attention", "true", "tp's attention is causal"));
             }
-            if let Some(v) = f.get("attn_logit_softcapping") {
-                return Err(unsupported(
-                    "attn_logit_softcapping",
-                    &shown_value(v),
-                    "attention-score soft-capping is not implemented",
-                ));
+            // `attn_logit_softcapping` is read and ignored: transformers' and vLLM's Gemma 3
+            // attention do not cap the scores whatever the config says (Gemma 2's did).
+            if let Some(v) = f.get("attn_logit_softcapping")
+                && !v.is_null()
+                && !v.is_number()
+            {
+                return Err(f.bad("attn_logit_softcapping", "must be a number or null"));
             }
             attention_scale = Some(f.number("query_pre_attn_scalar", Some(256.0))?.powf(-0.5));
             // The scale is applied in f32: it must be a positive f32 too.

@@ -389,7 +389,9 @@ impl ParallelCausalLm {
 
     /// Greedy generation: a new sequence with `prompt`, then up to `max_new_tokens` tokens, each
     /// the argmax of the logits (the lowest id on ties), stopping after an end-of-sequence
-    /// token unless `opts.ignore_eos`. Every rank returns the same tokens.
+    /// token unless `opts.ignore_eos`. Every rank returns the same tokens. Under LongRoPE, the
+    /// step where the sequence first grows past `original_max_position_embeddings` recomputes
+    /// it whole with the long factors, as transformers' Phi-3 generation does.
     ///
     /// Errors: an empty prompt, `max_new_tokens == 0`, a prompt id outside the vocabulary, a
     /// prompt plus `max_new_tokens` longer than `max_position_embeddings`; layer errors.
@@ -426,12 +428,30 @@ impl ParallelCausalLm {
         let mut tokens = vec![first];
         let mut decode_rows = Vec::new();
         let start = Instant::now();
+        let switch = match &self.config.rope_scaling {
+            tp_core::RopeScaling::LongRope { original_max_position_embeddings, .. } => {
+                Some(*original_max_position_embeddings as usize)
+            }
+            _ => None,
+        };
         while tokens.len() < max_new_tokens {
             let last = tokens[tokens.len() - 1];
             if !opts.ignore_eos && self.config.eos_token_ids.contains(&last) {
                 break;
             }
-            let (next, logits) = self.next_token(&[last], opts.keep_logits)?;
+            // LongRoPE: when the sequence first grows past the original length, transformers
+            // drops the cache (computed with the short factors) and recomputes the whole
+            // sequence with the long ones; so does this.
+            let len = prompt.len() + tokens.len();
+            let (next, logits) = if switch.is_some_and(|at| len == at + 1 && prompt.len() <= at) {
+                let all: Vec<i64> = prompt.iter().chain(&tokens).copied().collect();
+                self.reset();
+                self.reserve(all.len())?;
+                let (next, logits) = self.next_token(&all, opts.keep_logits)?;
+                (next, logits.map(|l| l.narrow(0, all.len() - 1, 1)).transpose()?)
+            } else {
+                self.next_token(&[last], opts.keep_logits)?
+            };
             decode_rows.extend(logits);
             tokens.push(next);
         }

@@ -343,6 +343,13 @@ fn family_rules_of_the_transformers_config_classes() {
     ] {
         assert_eq!(parse(base(arch)).unwrap().num_key_value_heads, kv, "{arch}");
     }
+    // Gemma 3 ignores attn_logit_softcapping as transformers and vLLM do: the config is the
+    // same with it; a value that is not a number is still refused.
+    let mut capped = base("Gemma3ForCausalLM");
+    capped["attn_logit_softcapping"] = json!(50.0);
+    assert_eq!(parse(capped.clone()).unwrap(), parse(base("Gemma3ForCausalLM")).unwrap());
+    capped["attn_logit_softcapping"] = json!("high");
+    assert!(parse(capped).unwrap_err().to_string().contains("attn_logit_softcapping"));
     // Gemma 3's MLP reads hidden_activation alone: a hidden_act beside it changes nothing.
     let mut gemma = base("Gemma3ForCausalLM");
     gemma["hidden_act"] = json!("silu");

@@ -411,6 +411,8 @@ fn a_signal_during_the_logits_write_leaves_no_file_behind() {
             );
             if in_write {
                 assert_eq!(status.code(), Some(code), "signal {signal} during the write: {err}");
+                let said = if signal == libc::SIGINT { "interrupted by SIGINT" } else { "terminated by SIGTERM" };
+                assert!(err.contains(said) && err.contains("logits file"), "no word of the signal: {err}");
                 assert!(!target.exists(), "a target from an interrupted write");
                 caught = true;
                 break;

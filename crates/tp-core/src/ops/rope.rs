@@ -360,11 +360,20 @@ impl Tensor {
     /// Errors: [`Error::RankMismatch`] unless 3-D, [`Error::ShapeMismatch`] if `D` is smaller
     /// than the embedding's head size or `positions` has not `T` entries, [`Error::NotFloat`].
     pub fn rope(&self, positions: &[usize], rope: &RotaryEmbedding) -> Result<Tensor> {
+        self.rope_with_len(positions, rope, 0)
+    }
+
+    /// [`rope`](Tensor::rope) with the length-dependent frequencies (dynamic scaling, LongRoPE)
+    /// of `max(len, max(positions) + 1)` tokens: a chunk of a longer known sequence (a prompt
+    /// prefilled in chunks) turns as the whole sequence's one-call forward would.
+    ///
+    /// Errors: as [`rope`](Tensor::rope).
+    pub fn rope_with_len(&self, positions: &[usize], rope: &RotaryEmbedding, len: usize) -> Result<Tensor> {
         const OP: &str = "rope";
         self.require_float()?;
         let (t, h, d) = rope_dims(OP, self, positions, rope)?;
         // Dynamic scaling: the frequencies of this call's length (its largest position + 1).
-        let inv_freq = rope.inv_freq_for(positions.iter().max().map_or(0, |&p| p.saturating_add(1)));
+        let inv_freq = rope.inv_freq_for(positions.iter().max().map_or(0, |&p| p.saturating_add(1)).max(len));
         let scale = rope.attention_scaling;
         if let Storage::Cuda(x) = self.storage() {
             return Ok(Tensor::from_cuda(

@@ -366,6 +366,12 @@ impl Leader {
                 .saturating_sub(l.delivered + 1)
                 .min(self.max_model_len.saturating_sub(tokens.len() + 1))
                 .min(budget);
+            // A draft does not cross LongRoPE's switch (the step would turn with the long
+            // frequencies over a cache computed with the short ones).
+            let room = match self.scheduler.rope_switch() {
+                Some(at) if tokens.len() <= at => room.min(at - tokens.len()),
+                _ => room,
+            };
             let draft = cfg.propose(tokens, room);
             if !draft.is_empty() && self.scheduler.add_draft(plan, id, &draft) {
                 budget -= draft.len();

@@ -414,13 +414,16 @@ fn rank_main(
         max_model_len,
         block_size: opts.block_size,
         num_blocks,
-        enable_prefix_caching: opts.enable_prefix_caching,
+        // Under LongRoPE a block's keys depend on the length of the sequence that computed
+        // them, so cached prefixes are not shared.
+        enable_prefix_caching: opts.enable_prefix_caching && longrope_switch(config).is_none(),
         max_waiting: opts.max_waiting,
     };
-    let scheduler = match Scheduler::new(sched) {
+    let mut scheduler = match Scheduler::new(sched) {
         Ok(s) => s,
         Err(e) => return fail(EngineError::Config(e), group),
     };
+    scheduler.set_rope_switch(longrope_switch(config));
     let limits = Limits {
         max_model_len,
         vocab_size: config.vocab_size,
@@ -442,6 +445,16 @@ fn rank_main(
     let _ = ready.send(Ok((handle, num_blocks)));
     drop(ready);
     leader.run()
+}
+
+/// LongRoPE's switch length (`original_max_position_embeddings`), if the model uses it.
+fn longrope_switch(config: &ModelConfig) -> Option<usize> {
+    match &config.rope_scaling {
+        tp_core::RopeScaling::LongRope { original_max_position_embeddings, .. } => {
+            Some(*original_max_position_embeddings as usize)
+        }
+        _ => None,
+    }
 }
 
 /// Ranks other than 0: run every step rank 0 sends until it says stop.

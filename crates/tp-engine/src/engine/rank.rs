@@ -181,7 +181,10 @@ impl RankWorker {
                 }
             }
         }
-        let batch = TokenBatch::new(batch_seqs, self.block_size)?;
+        // Length-dependent rotary frequencies follow each sequence's whole known length.
+        let rope_lens: Vec<usize> =
+            msg.seqs.iter().map(|s| self.seqs.get(&s.id).map_or(0, |st| st.prompt.len() + st.output.len())).collect();
+        let batch = TokenBatch::new(batch_seqs, self.block_size)?.with_rope_lens(&rope_lens);
         let started = std::time::Instant::now();
         let out = self.forward_and_sample(&ids, &batch, &rows, msg, masks);
         self.busy_secs += started.elapsed().as_secs_f64();

@@ -24,6 +24,8 @@ pub(super) struct Seq {
     pub cached_pending: usize,
     /// Whether admission may reuse cached prefix blocks (not when the prompt's logits are needed).
     pub reuse_prefix: bool,
+    /// How many tokens the sequence knew when its cache was last computed (LongRoPE regimes).
+    pub computed_at_len: usize,
 }
 
 impl Seq {
@@ -39,6 +41,7 @@ impl Seq {
             link: None,
             cached_pending: 0,
             reuse_prefix: true,
+            computed_at_len: 0,
         }
     }
 

@@ -32,6 +32,16 @@ impl Scheduler {
     /// step), preempting the newest running sequences until its blocks fit.
     fn schedule_running(&mut self, id: RequestId, plan: &mut StepPlan, budget: &mut usize) {
         let bs = self.cfg.block_size;
+        if let (Some(at), Some(seq)) = (self.rope_switch, self.running.iter_mut().find(|s| s.id == id))
+            && seq.computed > 0
+            && seq.computed_at_len <= at
+            && seq.tokens.len() > at
+        {
+            // Its cache turned with the short frequencies: recompute it whole (its blocks stay).
+            seq.computed = 0;
+            seq.full = 0;
+            seq.link = None;
+        }
         loop {
             let Some(i) = self.running.iter().position(|s| s.id == id) else { return };
             let n = self.running[i].remaining().min(*budget);
@@ -42,6 +52,7 @@ impl Scheduler {
                     // Cannot fail: `need` blocks are available.
                     seq.blocks.extend(self.pool.allocate());
                 }
+                seq.computed_at_len = seq.tokens.len();
                 plan.seqs.push(part(seq, n));
                 *budget -= n;
                 return;
@@ -92,6 +103,7 @@ impl Scheduler {
             seq.link = chain.last().copied();
             seq.computed = hit;
             seq.cached_pending = hit;
+            seq.computed_at_len = seq.tokens.len();
             self.prefix_hit_tokens += hit.min(seq.prompt_len) as u64;
             plan.seqs.push(part(&seq, n));
             *budget -= n;

@@ -1,9 +1,10 @@
 //! Removing a half-written temporary file when SIGINT or SIGTERM ends the program.
 //!
 //! [`RemoveOnSignal::install`] stores the file's path as a C string in a static, then installs
-//! handlers for SIGINT and SIGTERM that `unlink` it and `_exit(128 + signal)` (130, 143: the
-//! status a shell reports for a death by that signal). Both calls are async-signal-safe, and the
-//! handler reads the path with one atomic load and allocates nothing. Dropping the guard puts the
+//! handlers for SIGINT and SIGTERM that `unlink` it, say so on stderr (`write(2)` of a fixed
+//! message naming the signal) and `_exit(128 + signal)` (130, 143: the status a shell reports for
+//! a death by that signal). The three calls are async-signal-safe, and the handler reads the
+//! path with one atomic load and allocates nothing. Dropping the guard puts the
 //! previous handlers back. A signal that was ignored when the guard was made stays ignored (as
 //! for a program started in the background by a non-interactive shell).
 
@@ -28,6 +29,14 @@ extern "C" fn remove_and_exit(signal: c_int) {
         // already) leaves nothing to clean up.
         unsafe { libc::unlink(path) };
     }
+    let message: &[u8] = if signal == libc::SIGINT {
+        b"generate: interrupted by SIGINT while writing the logits file; the partial file was removed\n"
+    } else {
+        b"generate: terminated by SIGTERM while writing the logits file; the partial file was removed\n"
+    };
+    // SAFETY: write is async-signal-safe; the buffer is a static byte string of that length. A
+    // failed write (stderr closed) changes nothing: the exit below follows either way.
+    unsafe { libc::write(libc::STDERR_FILENO, message.as_ptr().cast(), message.len()) };
     // SAFETY: _exit is async-signal-safe and ends the process at once, running no destructors
     // and no atexit handlers that could touch state the interrupted code holds.
     unsafe { libc::_exit(128 + signal) }

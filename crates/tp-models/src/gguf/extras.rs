@@ -6,7 +6,8 @@
 //!   layer, absent: 6), the local rope base (`rope.freq_base_swa`, absent: 10000), the attention
 //!   scale llama.cpp uses (`1/sqrt(head_dim)`; for the 62-layer 27B,
 //!   `1/sqrt(embedding_length / head_count)`) as `query_pre_attn_scalar`, and
-//!   `final_logit_softcapping`. Attention-score soft-capping is refused.
+//!   `final_logit_softcapping`. `attn_logit_softcapping` is ignored, as llama.cpp and
+//!   transformers ignore it for Gemma 3.
 //! * Phi-3: `attention.sliding_window` (0: none; llama.cpp runs Phi-3 without it, Hugging
 //!   Face's Phi-3 and tp within it), `rope.scaling.original_context_length`, and
 //!   LongRoPE from the `rope_factors_long` / `rope_factors_short` tensors, with
@@ -68,11 +69,9 @@ fn gemma3(m: &Meta<'_>, d: Dims, c: &mut Map<String, Value>) -> Result<()> {
     if let Some(cap) = m.decimal("final_logit_softcapping")?.filter(|&x| x != 0.0) {
         c.insert("final_logit_softcapping".into(), json!(cap));
     }
-    if let Some(cap) = m.f32("attn_logit_softcapping")?.filter(|&x| x != 0.0) {
-        return Err(
-            m.err("attn_logit_softcapping", format!("({cap}): attention-score soft-capping is not implemented"))
-        );
-    }
+    // `attn_logit_softcapping` is ignored, as llama.cpp's and transformers' Gemma 3 ignore it
+    // (read only to check its type).
+    let _ = m.f32("attn_logit_softcapping")?;
     Ok(())
 }
 
