@@ -10,6 +10,7 @@
 
 mod bench;
 mod bindgen;
+mod book;
 mod bundle;
 mod cuda;
 mod launch_consts;

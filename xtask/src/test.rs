@@ -1,4 +1,5 @@
-//! `cargo xtask test`: formatting, lints on every target, then the whole workspace's tests.
+//! `cargo xtask test`: formatting, lints on every target, the book and the API docs, then the
+//! whole workspace's tests.
 //! This is the test command README.md gives and `.ci/run` calls. It ends with one line
 //! `tests: N passed, N failed` summed over every test binary and doc-test run.
 
@@ -34,6 +35,8 @@ pub fn run(args: &[String]) -> Result<()> {
         &cargo,
         &["clippy", "--workspace", "--all-targets", "--features", FEATURES, "--locked", "--", "-D", "warnings"],
     )?;
+    // The book builds, and the API docs have no warning.
+    crate::book::check(&cargo)?;
     // Python packages the tests run as references (pinned, under target/): the official
     // `openai` client for tp serve's client test; `gguf` (llama.cpp's Python package, with
     // numpy) writes the GGUF files the reader and model tests open and dequantizes their blocks.

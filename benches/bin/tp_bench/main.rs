@@ -32,21 +32,26 @@ pub struct Row {
     /// What was measured (`gemm`, `copy`).
     pub kind: &'static str,
     /// Kernel or operation name.
+    /// What was measured (`gemm`, `decode`, `serving c=16`, ...).
     pub name: String,
     /// Problem shape, e.g. `4096x4096x4096` or `256 MiB`.
     pub shape: String,
+    /// The dtype, where one applies.
     pub dtype: String,
     /// Our figure and its unit (`TFLOP/s`, `GFLOP/s`, `GB/s`).
     pub ours: f64,
+    /// The unit of `ours` and `baseline`.
     pub unit: &'static str,
     /// The reference measured in the same run (`cuBLAS`, `cuMemcpyDtoD`, `numpy`), if any.
     pub baseline_name: &'static str,
+    /// The reference's figure, in `unit`.
     pub baseline: Option<f64>,
     /// Whether our output matched the reference's (None where not compared).
     pub matched: Option<bool>,
     /// Our figure as a fraction of the roofline (min of the measured compute ceiling and
     /// arithmetic intensity x the measured memory bandwidth), and which of the two binds.
     pub roofline: Option<f64>,
+    /// `compute` or `memory`: which ceiling binds.
     pub bound: Option<&'static str>,
 }
 
@@ -76,10 +81,15 @@ impl Row {
 
 /// What to run.
 pub struct Args {
+    /// `--quick`: fewer shapes and rounds.
     pub quick: bool,
+    /// `--cpu`: the host even where a GPU is found.
     pub cpu_only: bool,
+    /// `--dtype`: the dtypes of the GEMM rows.
     pub dtypes: Vec<tp_core::DType>,
+    /// `--shapes`: the GEMM problems (`all`, `squares`, `tp` or a list of `MxNxK`).
     pub shapes: Option<String>,
+    /// `--out`: where results.json, results.csv and results.svg go.
     pub out: PathBuf,
     /// Whole-model rows (`--model tinyllama|DIR|none`; default tinyllama, none with `--quick`).
     pub model: Option<model::Which>,
@@ -101,7 +111,8 @@ impl Args {
 }
 
 const USAGE: &str = "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] \
-                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm,pipeline] [--out DIR]";
+                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm,pipeline] [--out DIR]\n       \
+                     tp-bench --write-model  (writes the TinyLlama-shaped checkpoint once and prints its folder)";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -164,6 +175,11 @@ fn main() {
 }
 
 fn run() -> Result<()> {
+    // For scripts that serve the benchmark checkpoint (benches/reference/serve_features_bench.py).
+    if std::env::args().nth(1).as_deref() == Some("--write-model") {
+        println!("{}", model::dir_of(&model::Which::TinyLlama)?.display());
+        return Ok(());
+    }
     let args = parse_args()?;
     let gpu =
         if args.cpu_only { Err("--cpu given".to_string()) } else { tp_kernels::Gpu::get(0).map_err(|e| e.to_string()) };

@@ -11,7 +11,8 @@ const TTFT_BUCKETS: [f64; 18] =
     [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0];
 
 /// Upper bounds of the mask-time buckets, in seconds.
-const MASK_BUCKETS: [f64; 12] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1];
+const MASK_BUCKETS: [f64; 18] =
+    [1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5];
 
 /// A cumulative histogram over `N` bucket bounds.
 #[derive(Debug)]
@@ -199,7 +200,7 @@ mod tests {
         m.observe_mask(2e-4);
         let t = m.render(&stats, "m");
         assert_eq!(value(&t, "tp_structured_output_mask_seconds_bucket{model_name=\"m\",le=\"0.0001\"}"), 0.0);
-        assert_eq!(value(&t, "tp_structured_output_mask_seconds_bucket{model_name=\"m\",le=\"0.00025\"}"), 1.0);
+        assert_eq!(value(&t, "tp_structured_output_mask_seconds_bucket{model_name=\"m\",le=\"0.0002\"}"), 1.0);
         assert_eq!(value(&t, "tp_structured_output_mask_seconds_count"), 1.0);
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 /// blocks past its deadline: a missing or failed peer becomes one of these.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
+#[allow(missing_docs)] // variant fields: each variant's documentation and message name them
 pub enum CommError {
     /// The group was created with no ranks.
     #[error("{op}: world_size must be at least 1")]

@@ -12,6 +12,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// one of these instead.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
+#[allow(missing_docs)] // variant fields: each variant's documentation and message name them
 pub enum Error {
     /// The product of the dimensions (or its size in bytes) does not fit in memory addressing,
     /// or the tensor would exceed [`MAX_TENSOR_BYTES`](crate::MAX_TENSOR_BYTES).

@@ -11,6 +11,7 @@
 /// `what` names the field in words (`the length of the value of key "general.name"`).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
+#[allow(missing_docs)] // variant fields: each variant's documentation and message name them
 pub enum GgufError {
     /// The file could not be opened, inspected or mapped.
     #[error("{path}: cannot {action}: {source}")]

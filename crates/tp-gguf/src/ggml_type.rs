@@ -64,12 +64,19 @@ const TABLE: [Option<Entry>; 42] = [
 ];
 
 impl GgmlType {
+    /// 32-bit floats.
     pub const F32: GgmlType = GgmlType(0);
+    /// 16-bit IEEE floats.
     pub const F16: GgmlType = GgmlType(1);
+    /// Blocks of 32 4-bit values with one f16 scale.
     pub const Q4_0: GgmlType = GgmlType(2);
+    /// Blocks of 32 8-bit values with one f16 scale.
     pub const Q8_0: GgmlType = GgmlType(8);
+    /// Super-blocks of 256 4-bit values in 8 sub-blocks with 6-bit scales and minimums.
     pub const Q4_K: GgmlType = GgmlType(12);
+    /// Super-blocks of 256 6-bit values in 16 sub-blocks with 8-bit scales.
     pub const Q6_K: GgmlType = GgmlType(14);
+    /// bfloat16.
     pub const BF16: GgmlType = GgmlType(30);
 
     fn entry(self) -> Option<&'static Entry> {

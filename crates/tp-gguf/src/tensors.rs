@@ -17,11 +17,13 @@ pub(crate) const MIN_TENSOR_INFO_BYTES: usize = 8 + 4 + 4 + 8;
 /// One tensor as the file describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
+    /// The tensor's name in the file (`blk.0.attn_q.weight`).
     pub name: String,
     /// The dimensions in ggml order: `dims[0]` is the fastest-varying (the row length), so a
     /// `[rows, cols]` matrix is `[cols, rows]`. At most [`GgufFile::MAX_DIMS`], none 0; empty for a
     /// scalar (one element).
     pub dims: Vec<u64>,
+    /// How its elements are stored (a float type or a block quantization).
     pub ggml_type: GgmlType,
     /// Where the tensor's bytes start, from the start of the data section
     /// ([`GgufFile::data_offset`]); a multiple of the alignment.

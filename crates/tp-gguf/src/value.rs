@@ -5,36 +5,62 @@
 /// One metadata value.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
+    /// An unsigned 8-bit integer.
     U8(u8),
+    /// A signed 8-bit integer.
     I8(i8),
+    /// An unsigned 16-bit integer.
     U16(u16),
+    /// A signed 16-bit integer.
     I16(i16),
+    /// An unsigned 32-bit integer.
     U32(u32),
+    /// A signed 32-bit integer.
     I32(i32),
+    /// A 32-bit float.
     F32(f32),
+    /// A boolean.
     Bool(bool),
+    /// A UTF-8 string.
     String(String),
+    /// An array.
     Array(Array),
+    /// An unsigned 64-bit integer.
     U64(u64),
+    /// A signed 64-bit integer.
     I64(i64),
+    /// A 64-bit float.
     F64(f64),
 }
 
 /// An array value: its elements, all of the type the file names for them.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Array {
+    /// Unsigned 8-bit integers.
     U8(Vec<u8>),
+    /// Signed 8-bit integers.
     I8(Vec<i8>),
+    /// Unsigned 16-bit integers.
     U16(Vec<u16>),
+    /// Signed 16-bit integers.
     I16(Vec<i16>),
+    /// Unsigned 32-bit integers.
     U32(Vec<u32>),
+    /// Signed 32-bit integers.
     I32(Vec<i32>),
+    /// 32-bit floats.
     F32(Vec<f32>),
+    /// Booleans.
     Bool(Vec<bool>),
+    /// Strings.
     String(Vec<String>),
+    /// Arrays.
     Array(Vec<Array>),
+    /// Unsigned 64-bit integers.
     U64(Vec<u64>),
+    /// Signed 64-bit integers.
     I64(Vec<i64>),
+    /// 64-bit floats.
     F64(Vec<f64>),
 }
 

@@ -3,6 +3,7 @@
 /// Everything that can go wrong finding a GPU, loading kernels or launching them.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
+#[allow(missing_docs)] // variant fields: each variant's documentation and message name them
 pub enum KernelError {
     /// No CUDA driver library (libcuda) could be loaded, or it has no usable device.
     #[error("CUDA unavailable: {reason}")]

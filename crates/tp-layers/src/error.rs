@@ -5,6 +5,7 @@ use tp_core::DType;
 /// Everything building, loading or running a layer can fail with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
+#[allow(missing_docs)] // variant fields: each variant's documentation and message name them
 pub enum LayerError {
     /// A tensor operation failed (shapes, dtypes, devices).
     #[error(transparent)]

@@ -28,7 +28,10 @@ pub enum RowOrder {
     /// The same order.
     Stored,
     /// llama.cpp's rotary layout over `heads` heads (Llama's Q and K, weights and biases).
-    Rotary { heads: usize },
+    Rotary {
+        /// Heads the rows are grouped in.
+        heads: usize,
+    },
 }
 
 /// One tensor of a GGUF file under its Hugging Face name.

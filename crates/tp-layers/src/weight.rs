@@ -11,7 +11,12 @@ use tp_core::{DType, Device, PackedWeight, QuantWeight, Tensor};
 #[derive(Debug, Clone)]
 pub enum Weight {
     /// A tensor, and its host GEMM packing once [`Weight::pack_host`] ran.
-    Dense { tensor: Tensor, packed: Option<PackedWeight> },
+    Dense {
+        /// The weight, `[out, in]`.
+        tensor: Tensor,
+        /// Its host GEMM panels, once packed.
+        packed: Option<PackedWeight>,
+    },
     /// Quantized blocks (host memory).
     Quant(QuantWeight),
 }

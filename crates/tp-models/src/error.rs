@@ -3,6 +3,7 @@
 /// Everything loading or running a model can fail with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
+#[allow(missing_docs)] // variant fields: each variant's documentation and message name them
 pub enum ModelError {
     /// `config.json` (or `generation_config.json`) is missing, unreadable or not JSON.
     #[error("{path}: {why}")]

@@ -48,7 +48,10 @@ pub trait TextTokenizer {
 /// One training row: token ids and their unshifted labels, of the same length (at least 1).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Example {
+    /// The tokens fed.
     pub input_ids: Vec<u32>,
+    /// Per position the token it is scored against (transformers' unshifted labels: position
+    /// `t` predicts `labels[t + 1]`), `-100` where nothing is scored.
     pub labels: Vec<i64>,
 }
 

@@ -11,6 +11,7 @@ pub type Result<T> = std::result::Result<T, TrainError>;
 /// Everything that can go wrong in `tp-train`. No public function panics on user input.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
+#[allow(missing_docs)] // variant fields: each variant's documentation and message name them
 pub enum TrainError {
     /// The data file could not be inspected, opened or read.
     #[error("{file}: cannot {action}: {message}")]

@@ -24,8 +24,11 @@ use crate::{Result, TrainError};
 /// eps 1e-8, weight decay 0.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamW {
+    /// The first moment's decay.
     pub beta1: f64,
+    /// The second moment's decay.
     pub beta2: f64,
+    /// Added to the second moment's square root.
     pub eps: f64,
     /// Decoupled weight decay: each decayed step multiplies the weights by `1 - lr * weight_decay`.
     pub weight_decay: f64,
@@ -41,7 +44,9 @@ impl Default for AdamW {
 /// Save and restore them with the step number to resume training.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct AdamState {
+    /// The first moment.
     pub m: Vec<f32>,
+    /// The second moment.
     pub v: Vec<f32>,
 }
 

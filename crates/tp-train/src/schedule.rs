@@ -57,6 +57,7 @@ impl fmt::Display for LrScheduleKind {
 /// A learning-rate schedule: the kind, the peak rate, the warmup and the total number of steps.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LrSchedule {
+    /// Its shape after the warmup.
     pub kind: LrScheduleKind,
     /// The rate after the warmup (the peak of the linear and cosine schedules).
     pub base_lr: f64,

@@ -458,12 +458,12 @@ impl Communicator for NcclComm {
         self.rank
     }
 
-    /// `ncclSend` of a header and the payload in one group ([`p2p`]).
+    /// `ncclSend` of a header and the payload in one group (the `p2p` module).
     fn send_async(&self, x: &Tensor, dst: usize) -> Result<Work> {
         self.send_enqueue(x, dst)
     }
 
-    /// `ncclRecv` of the header, checked on the host, then of the payload ([`p2p`]).
+    /// `ncclRecv` of the header, checked on the host, then of the payload (the `p2p` module).
     fn recv_async(&self, dims: &[usize], dtype: DType, src: usize) -> Result<Work> {
         self.recv_enqueue(dims, dtype, src)
     }

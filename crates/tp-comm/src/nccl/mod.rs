@@ -10,7 +10,9 @@
 mod comm;
 mod state;
 mod watchdog;
-#[allow(clippy::all)]
+/// The NCCL C API as bindgen writes it from `nccl.h` (names, types and constants are the
+/// header's, documented there).
+#[allow(clippy::all, missing_docs)]
 #[rustfmt::skip] // generated: `cargo xtask bindgen --check` compares it byte for byte
 pub mod sys;
 

@@ -31,7 +31,7 @@ pub enum RowLayout {
     /// Q4_0 only: groups of eight rows interleaved block by block (see the module docs).
     Q4_0x8,
     /// Q4_K only: groups of eight rows interleaved super-block by super-block (see
-    /// [`interleave_k`]).
+    /// `interleave_k`).
     Q4Kx8,
 }
 

@@ -31,9 +31,13 @@ pub fn layer(x: &[f64], l: &Linear) -> Vec<f64> {
 
 /// The full (unsharded) weights of one attention block.
 pub struct AttnWeights {
+    /// The query projection.
     pub q: Linear,
+    /// The key projection.
     pub k: Linear,
+    /// The value projection.
     pub v: Linear,
+    /// The output projection.
     pub o: Linear,
 }
 
@@ -114,11 +118,17 @@ pub fn mlp_f64(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear) -> MlpRef 
 
 /// The full weights of one decoder block.
 pub struct BlockWeights {
+    /// The attention's projections.
     pub attn: AttnWeights,
+    /// The RMSNorm weight before attention.
     pub norm1: Tensor,
+    /// The RMSNorm weight before the MLP.
     pub norm2: Tensor,
+    /// The MLP's gate projection.
     pub gate: Linear,
+    /// The MLP's up projection.
     pub up: Linear,
+    /// The MLP's down projection.
     pub down: Linear,
 }
 

@@ -57,8 +57,9 @@
 use std::collections::HashMap;
 
 /// One pipeline rank's action. `mb` is the micro-batch (`0..m`), `chunk` the model chunk on
-/// this rank (`0..v`; virtual stage `chunk·p + rank`).
+/// this rank (`0..v`; virtual stage `chunk·p + rank`), `peer` the pipeline rank on the other end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(missing_docs)] // the fields are the three named above, the same in every variant
 pub enum Action {
     /// Forward of micro-batch `mb` through chunk `chunk` (on the last virtual stage, with the
     /// loss and its gradient).
@@ -135,6 +136,7 @@ impl ScheduleKind {
 
 /// Why a schedule cannot be built, or a list of actions is not a valid schedule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[allow(missing_docs)] // each variant's fields are named in its documentation and message
 pub enum ScheduleError {
     /// The arguments do not make a schedule.
     #[error("{0}")]
