@@ -5,13 +5,15 @@
 //! forward over the whole sequence so far, which is the reference here: the engine (chunked
 //! prefill, batching, TP 1-3, speculation) and `ParallelCausalLm::generate` must give it.
 
+mod engine_common;
+
+use engine_common::{run_all, stop, tokens};
 use serde_json::json;
 use std::path::PathBuf;
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tp_core::{DType, Device};
 use tp_engine::EngineOptions;
-use tp_engine::api::{Event, Request};
+use tp_engine::api::Request;
 use tp_engine::sampling::SamplingParams;
 use tp_engine::spec::NgramConfig;
 use tp_models::{Architecture, GenerateOptions, ModelOptions, ParallelCausalLm};
@@ -20,10 +22,7 @@ use tp_testing::synthetic::SyntheticModel;
 
 const ORIGINAL: usize = 8;
 
-/// A fresh folder per test (tests run in parallel).
-fn model_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tp-engine-longrope-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+fn model_dir() -> PathBuf {
     let spec = SyntheticModel {
         architecture: Architecture::Phi3,
         num_key_value_heads: 6,
@@ -34,8 +33,7 @@ fn model_dir(name: &str) -> PathBuf {
             "short_factor": [1.0, 1.5, 3.0, 4.0], "long_factor": [1.0, 4.0, 16.0, 40.0]}})),
         ..SyntheticModel::tiny()
     };
-    spec.write(&dir).expect("write");
-    dir
+    engine_common::model_dir("longrope", &spec)
 }
 
 /// Greedy tokens where each is the argmax of a fresh forward over the whole sequence so far.
@@ -59,7 +57,7 @@ fn fresh_forward_tokens(dir: &PathBuf, prompt: &[i64], n: usize) -> Vec<i64> {
 
 #[test]
 fn longrope_switches_and_recomputes_as_transformers() {
-    let dir = model_dir("longrope_switches_and_recomputes_as_transformers");
+    let dir = model_dir();
     // Short prompts cross the switch while generating; a long one is past it from the start.
     let prompts: Vec<Vec<i64>> =
         vec![vec![3, 14, 15, 92, 65], vec![1, 2, 3, 4, 5, 6, 7, 8], (0..11).map(|i| i * 7 + 1).collect()];
@@ -102,36 +100,20 @@ fn longrope_switches_and_recomputes_as_transformers() {
             o.speculative = spec;
             o.timeout = Duration::from_secs(60);
             let engine = tp_engine::start(&o).expect("start");
-            let h = engine.handle();
-            let rxs: Vec<_> = prompts
+            let requests: Vec<Request> = prompts
                 .iter()
-                .map(|p| {
-                    let (tx, rx) = mpsc::channel();
-                    let r = Request {
-                        prompt: p.clone(),
-                        params: SamplingParams::greedy(),
-                        max_tokens: n,
-                        stop_token_ids: Vec::new(),
-                        ignore_eos: true,
-                    };
-                    h.submit(r, Box::new(tx)).unwrap();
-                    rx
+                .map(|p| Request {
+                    prompt: p.clone(),
+                    params: SamplingParams::greedy(),
+                    max_tokens: n,
+                    stop_token_ids: Vec::new(),
+                    ignore_eos: true,
                 })
                 .collect();
-            for (i, rx) in rxs.into_iter().enumerate() {
-                let mut got = Vec::new();
-                loop {
-                    match rx.recv_timeout(Duration::from_secs(120)).unwrap() {
-                        Event::Token { id, .. } => got.push(id),
-                        Event::Finished { .. } => break,
-                        e => panic!("{e:?}"),
-                    }
-                }
-                assert_eq!(got, want[i], "engine tp {tp} spec {spec:?}: prompt {i}");
+            for (i, events) in run_all(&engine, &requests).iter().enumerate() {
+                assert_eq!(tokens(events), want[i], "engine tp {tp} spec {spec:?}: prompt {i}");
             }
-            h.begin_shutdown();
-            drop(h);
-            assert!(engine.join(Instant::now() + Duration::from_secs(60)).unwrap());
+            stop(engine);
         }
     }
 }

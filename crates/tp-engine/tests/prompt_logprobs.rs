@@ -4,24 +4,19 @@
 //! with the prefix cache on (a scored prompt is computed whole), and `max_tokens: 0` scoring a
 //! prompt without generating.
 
+mod engine_common;
+
+use engine_common::{model_dir, run_all, stop};
 use std::path::PathBuf;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tp_core::{DType, Device};
+use tp_engine::EngineOptions;
 use tp_engine::api::{Event, FinishReason, PromptLogprob, Request};
 use tp_engine::sampling::SamplingParams;
-use tp_engine::{Engine, EngineOptions};
 use tp_models::{ModelOptions, ParallelCausalLm};
 use tp_testing::ranks::on_ranks;
 use tp_testing::synthetic::SyntheticModel;
-
-/// A fresh folder per test (tests run in parallel).
-fn model_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tp-engine-prompt-lp-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    SyntheticModel::tiny().write(&dir).expect("write the synthetic model");
-    dir
-}
 
 /// `(logprob, rank, top k)` of each prompt token after the first, in float64 from the logits
 /// the single-sequence path gives at TP 1.
@@ -53,21 +48,15 @@ struct Out {
     completion: usize,
 }
 
-fn run(engine: &Engine, requests: Vec<Request>) -> Vec<Out> {
-    let h = engine.handle();
-    let rxs: Vec<_> = requests
+/// Each request's prompt logprobs (checked to come once, before any token), token count, finish
+/// reason and completion tokens.
+fn run(engine: &tp_engine::Engine, requests: Vec<Request>) -> Vec<Out> {
+    run_all(engine, &requests)
         .into_iter()
-        .map(|r| {
-            let (tx, rx) = mpsc::channel();
-            h.submit(r, Box::new(tx)).expect("submit");
-            rx
-        })
-        .collect();
-    rxs.into_iter()
-        .map(|rx| {
+        .map(|events| {
             let mut o = Out { prompt: None, tokens: 0, reason: FinishReason::Abort, completion: 0 };
-            loop {
-                match rx.recv_timeout(Duration::from_secs(120)).expect("an event") {
+            for e in events {
+                match e {
                     Event::PromptLogprobs(p) => {
                         assert_eq!(o.tokens, 0, "prompt logprobs come before the tokens");
                         assert!(o.prompt.replace(p).is_none(), "prompt logprobs sent twice");
@@ -76,11 +65,11 @@ fn run(engine: &Engine, requests: Vec<Request>) -> Vec<Out> {
                     Event::Finished { reason, usage } => {
                         o.reason = reason;
                         o.completion = usage.completion_tokens;
-                        return o;
                     }
-                    Event::Failed(why) => panic!("failed: {why}"),
+                    Event::Failed(_) => unreachable!("run_all panics on a failure"),
                 }
             }
+            o
         })
         .collect()
 }
@@ -97,7 +86,7 @@ fn prompt(seed: u64, len: usize) -> Vec<i64> {
 
 #[test]
 fn prompt_logprobs_match_float64_at_every_layout() {
-    let dir = model_dir("prompt_logprobs_match_float64_at_every_layout");
+    let dir = model_dir("prompt-lp-float64", &SyntheticModel::tiny());
     let prompts = [prompt(1, 37), prompt(2, 5), prompt(3, 1), prompt(1, 37)];
     let k = 3;
     let want: Vec<_> = prompts.iter().map(|p| reference(&dir, p, k)).collect();
@@ -142,16 +131,13 @@ fn prompt_logprobs_match_float64_at_every_layout() {
                 assert_eq!(o.reason, FinishReason::Length);
             }
         }
-        let h = engine.handle();
-        h.begin_shutdown();
-        drop(h);
-        assert!(engine.join(Instant::now() + Duration::from_secs(60)).expect("clean stop"));
+        stop(engine);
     }
 }
 
 #[test]
 fn max_tokens_zero_needs_prompt_logprobs() {
-    let dir = model_dir("max_tokens_zero_needs_prompt_logprobs");
+    let dir = model_dir("prompt-lp-max-tokens-0", &SyntheticModel::tiny());
     let engine = tp_engine::start(&EngineOptions::new(&dir)).expect("start");
     let h = engine.handle();
     let (tx, _rx) = mpsc::channel();

@@ -3,60 +3,42 @@
 //! under `batch_invariant` (so the verifying pass's logits are bitwise a decode's); drafts are
 //! proposed and accepted on text that repeats, and counted.
 
-use std::path::PathBuf;
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+mod engine_common;
+
+use engine_common::{model_dir, run_all, stop};
+use std::time::Duration;
 use tp_engine::api::{Event, Request};
 use tp_engine::sampling::SamplingParams;
 use tp_engine::spec::NgramConfig;
 use tp_engine::{Engine, EngineOptions};
 use tp_testing::synthetic::SyntheticModel;
 
-/// A fresh folder per test (tests run in parallel).
-fn model_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tp-engine-spec-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    SyntheticModel { max_position_embeddings: 256, ..SyntheticModel::tiny() }.write(&dir).expect("write");
-    dir
+fn spec_model(name: &str) -> std::path::PathBuf {
+    model_dir(name, &SyntheticModel { max_position_embeddings: 256, ..SyntheticModel::tiny() })
 }
 
 type Tokens = Vec<(i64, Option<u32>)>;
 
+/// Each request's tokens with their logprobs' bits.
 fn run(engine: &Engine, requests: &[Request]) -> Vec<Tokens> {
-    let h = engine.handle();
-    let rxs: Vec<_> = requests
-        .iter()
-        .map(|r| {
-            let (tx, rx) = mpsc::channel();
-            h.submit(r.clone(), Box::new(tx)).expect("submit");
-            rx
-        })
-        .collect();
-    rxs.into_iter()
-        .map(|rx| {
-            let mut out = Vec::new();
-            loop {
-                match rx.recv_timeout(Duration::from_secs(120)).expect("an event") {
-                    Event::Token { id, logprobs } => out.push((id, logprobs.map(|l| l.logprob.to_bits()))),
-                    Event::Finished { .. } => return out,
+    run_all(engine, requests)
+        .into_iter()
+        .map(|events| {
+            events
+                .into_iter()
+                .filter_map(|e| match e {
+                    Event::Token { id, logprobs } => Some((id, logprobs.map(|l| l.logprob.to_bits()))),
                     Event::PromptLogprobs(_) => panic!("unasked prompt logprobs"),
-                    Event::Failed(why) => panic!("failed: {why}"),
-                }
-            }
+                    _ => None,
+                })
+                .collect()
         })
         .collect()
 }
 
-fn stop(engine: Engine) {
-    let h = engine.handle();
-    h.begin_shutdown();
-    drop(h);
-    assert!(engine.join(Instant::now() + Duration::from_secs(60)).expect("clean stop"));
-}
-
 #[test]
 fn speculation_changes_no_token_at_any_layout() {
-    let dir = model_dir("speculation_changes_no_token_at_any_layout");
+    let dir = spec_model("spec-same-tokens");
     // A prompt that repeats itself, so n-grams recur; and one that does not.
     let period: Vec<i64> = vec![5, 17, 300, 42, 9, 77, 5, 901];
     let repeating: Vec<i64> = period.iter().cycle().take(40).copied().collect();
@@ -122,7 +104,7 @@ fn speculation_changes_no_token_at_any_layout() {
 
 #[test]
 fn a_bad_configuration_is_refused() {
-    let mut o = EngineOptions::new(model_dir("bad-config"));
+    let mut o = EngineOptions::new(spec_model("spec-bad-config"));
     o.speculative = Some(NgramConfig { num_speculative_tokens: 0, prompt_lookup_max: 3, prompt_lookup_min: 1 });
     let e = tp_engine::start(&o).err().expect("refused");
     assert!(e.to_string().contains("num_speculative_tokens"), "{e}");
