@@ -55,6 +55,20 @@ fn flavours() -> Vec<Flavour> {
             worlds: vec![1, 2, 3, 4, 5, 6, 7, 8],
         },
         Flavour {
+            // Qwen2 with use_sliding_window: a window of 4 on the layers from
+            // max_window_layers (1) on, layer 0 full, as transformers' Qwen2 builds them.
+            name: "qwen2-sliding-from-layer-1",
+            spec: SyntheticModel {
+                architecture: Architecture::Qwen2,
+                sliding_window: Some(4),
+                num_key_value_heads: 4,
+                seed: 10,
+                extra: Some(json!({"max_window_layers": 1})),
+                ..tiny.clone()
+            },
+            worlds: vec![1, 2, 3],
+        },
+        Flavour {
             name: "mistral-window",
             spec: SyntheticModel {
                 architecture: Architecture::Mistral,
