@@ -22,6 +22,16 @@ impl Decode for TextModel {
     }
 }
 
+/// A model's text with its special tokens kept (for output parsers that read them, as Mistral's
+/// `[TOOL_CALLS]`).
+pub struct WithSpecials<'a>(pub &'a TextModel);
+
+impl Decode for WithSpecials<'_> {
+    fn decode(&self, ids: &[i64]) -> String {
+        self.0.decode_with_specials(ids)
+    }
+}
+
 /// Prompt ids kept as left context for the first generated ids (vLLM's offset).
 const PROMPT_CONTEXT: usize = 5;
 

@@ -2,7 +2,7 @@
 //! ([`Piece`]) by a [`TextStream`]. Dropping a [`Choice`] before it finished (a client that went
 //! away, a stop string) aborts its engine request.
 
-use crate::detok::TextStream;
+use crate::detok::{TextStream, WithSpecials};
 use crate::error::ApiError;
 use crate::server::AppState;
 use futures_util::Stream;
@@ -75,6 +75,7 @@ pub struct Choice {
     text: TextStream,
     stop_ids: HashSet<i64>,
     logprobs: bool,
+    keep_special: bool,
     generated: usize,
     done: bool,
     state: Arc<AppState>,
@@ -99,6 +100,8 @@ pub struct ChoiceSpec {
     pub ignore_eos: bool,
     /// Its structured-output constraint, if any.
     pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// Keep special tokens in the text (an output parser reads them).
+    pub keep_special: bool,
 }
 
 impl Choice {
@@ -127,6 +130,7 @@ impl Choice {
             text,
             stop_ids,
             logprobs,
+            keep_special: spec.keep_special,
             generated: 0,
             done: false,
             state: state.clone(),
@@ -156,7 +160,13 @@ impl Choice {
                         let top = lp.top.iter().map(|&(t, l)| (model.token_text(t), l)).collect();
                         tokens.push(TokenOut { text: model.token_text(id), logprob: lp.logprob, top });
                     }
-                    let stopped = !self.stop_ids.contains(&id) && self.text.push(self.state.text.as_ref(), id);
+                    let model = self.state.text.as_ref();
+                    let stopped = !self.stop_ids.contains(&id)
+                        && if self.keep_special {
+                            self.text.push(&WithSpecials(model), id)
+                        } else {
+                            self.text.push(model, id)
+                        };
                     let text = self.text.take_ready();
                     if stopped {
                         self.state.engine.abort(self.id);
@@ -168,7 +178,12 @@ impl Choice {
                 }
                 Event::Finished { reason, usage } => {
                     self.generated = usage.completion_tokens.max(self.generated);
-                    let text = self.text.finish(self.state.text.as_ref());
+                    let model = self.state.text.as_ref();
+                    let text = if self.keep_special {
+                        self.text.finish(&WithSpecials(model))
+                    } else {
+                        self.text.finish(model)
+                    };
                     // A stop string completed by the last, forced decode ends as a stop too.
                     let reason = match reason {
                         _ if self.text.stopped() => "stop",

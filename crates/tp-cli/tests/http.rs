@@ -390,7 +390,7 @@ fn echo_scores_the_prompt_as_lm_evaluation_harness_asks() {
         assert!(lp < 0.0);
         let own = &dicts[p][ids[p].to_string()];
         assert_eq!(own["logprob"].as_f64(), Some(lp), "position {p}: {}", dicts[p]);
-        // Keyed by text: ids past the tokenizer's 266 all decode to "" and share one key.
+        // Keyed by text: ids past the tokenizer's 267 all decode to "" and share one key.
         let top = l["top_logprobs"][p].as_object().unwrap();
         assert!((1..=2).contains(&top.len()), "{top:?}");
         let best = top.values().map(|x| x.as_f64().unwrap()).fold(f64::NEG_INFINITY, f64::max);

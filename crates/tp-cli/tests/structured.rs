@@ -1,5 +1,5 @@
 //! Structured outputs over HTTP on the real engine (a tiny random checkpoint whose vocabulary of
-//! 1001 ids is larger than its tokenizer's 266, so an unmasked draw would mostly land past it):
+//! 1001 ids is larger than its tokenizer's 267, so an unmasked draw would mostly land past it):
 //! every finished answer matches its regex, choice, grammar or schema, at n > 1, streamed or
 //! not, vocab-parallel at TP 2 and 3 and with two pipeline stages equal to TP 1; bad constraints are 400s naming the field.
 
@@ -142,7 +142,7 @@ fn json_schema_answers_parse_and_validate_streamed_or_not() {
             assert!(parsed.is_object(), "{t:?}");
         }
     }
-    // Free text is unchanged by the feature: a plain greedy request still reaches ids past 265.
+    // Free text is unchanged by the feature: a plain greedy request still reaches ids past 266.
     let (_, free) = s.post(
         "/v1/completions",
         &json!({"prompt": [1, 2], "max_tokens": 8, "temperature": 0,

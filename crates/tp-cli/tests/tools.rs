@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Server, THINK_END, TOOLS_TEMPLATE, model_dir_with_len};
+use common::{Server, THINK_END, TOOL_CALLS, TOOLS_TEMPLATE, model_dir_with_len};
 use serde_json::{Value, json};
 
 fn tools() -> Value {
@@ -249,5 +249,22 @@ fn reasoning_is_split_and_constraints_start_after_it() {
         if v["choices"][i]["finish_reason"] == "stop" {
             assert!(c.ends_with('c'), "{v}");
         }
+    }
+}
+
+#[test]
+fn the_mistral_parser_reads_its_special_marker() {
+    // A bias makes the model write `[TOOL_CALLS]` (a special token) and nothing that parses
+    // after it: the answer is content, and the marker is in it only where the parser reads
+    // special tokens (Mistral's), as vLLM keeps them for that parser.
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "tools": tools(), "max_tokens": 3,
+        "temperature": 0, "logit_bias": {TOOL_CALLS.to_string(): 100}});
+    for (parser, kept) in [("mistral", true), ("hermes", false)] {
+        let s = server_with_template(&["--tool-call-parser", parser]);
+        let (st, v) = s.post("/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        let content = v["choices"][0]["message"]["content"].as_str().unwrap_or("");
+        assert_eq!(content.contains("[TOOL_CALLS]"), kept, "{parser}: {v}");
+        assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
     }
 }

@@ -140,6 +140,7 @@ pub fn start_choices(
                 stop: g.stop.clone(),
                 stop_token_ids: g.stop_token_ids.clone(),
                 ignore_eos: g.ignore_eos,
+                keep_special: g.keep_special,
                 constraint: matcher.as_ref().map(|m| {
                     Box::new(GrammarConstraint::new(m.deep_clone(), st.metrics.clone())) as Box<dyn TokenConstraint>
                 }),

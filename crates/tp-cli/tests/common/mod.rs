@@ -60,9 +60,11 @@ fn byte_chars() -> Vec<char> {
 pub const THINK: i64 = 264;
 /// Token id of `</think>`.
 pub const THINK_END: i64 = 265;
+/// Token id of `[TOOL_CALLS]`, a special token (Mistral's tool-call marker).
+pub const TOOL_CALLS: i64 = 266;
 
 /// A byte-level BPE tokenizer: ids 0..256 the bytes, 256..259 three merges, 259..264 Llama 3's
-/// specials, 264 and 265 `<think>` and `</think>` (added, not special).
+/// specials, 264 and 265 `<think>` and `</think>` (added, not special), 266 `[TOOL_CALLS]` (special).
 pub fn tokenizer_json() -> Value {
     let chars = byte_chars();
     let mut vocab = serde_json::Map::new();
@@ -86,6 +88,8 @@ pub fn tokenizer_json() -> Value {
         added.push(json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
             "normalized": false, "special": false}));
     }
+    added.push(json!({"id": TOOL_CALLS, "content": "[TOOL_CALLS]", "single_word": false, "lstrip": false,
+        "rstrip": false, "normalized": false, "special": true}));
     json!({
         "version": "1.0",
         "truncation": null,
