@@ -26,7 +26,13 @@ What it does, in order:
    (a) a prompt asking to repeat a passage, greedy (a random model does not copy: whatever
    acceptance there is comes from runs in its own output); (b) forced repetition (a logit_bias
    of +100 on one id, greedy: every draft holds, the mechanism's ceiling); (c) a prompt the
-   answer does not copy: seeded sampling at temperature 1, where drafts are rarely right. Tokens/s each, the ratio, and the drafted and accepted
+   answer does not copy: seeded sampling at temperature 1, where drafts are rarely right.
+4. Copying, on a model that copies: the same checkpoint with every attention output and MLP down
+   projection zeroed (WORK/model-bigram/: each position then sees only its own token, a bigram
+   model at the full model's cost per token). Its greedy path from a start token falls into a
+   cycle; the prompt holds the path and the cycle twice, and the answer goes on around the cycle,
+   copying the prompt (checked). Speculation beside the same server without it, one client,
+   --spec-requests requests of 128 tokens; needs torch and safetensors to write the folder. Tokens/s each, the ratio, and the drafted and accepted
    tokens from /metrics. The answers of both servers are compared (they must be equal).
 
 Printed, and written as JSON to --out (default benches/results/serve_features-<date>.json), with
@@ -112,6 +118,32 @@ def model_dir(work):
     tok.save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}, f)
+    return d
+
+
+def bigram_dir(work, base):
+    """The same checkpoint with every attention output and MLP down projection zeroed: each
+    position's residual stream is then its own token's embedding, so the model is a bigram model
+    (the next token a fixed function of the current one) at the full model's cost per token. Its
+    greedy text follows that function into a cycle, so a prompt holding the cycle is text the
+    answer copies from."""
+    d = os.path.join(work, "model-bigram")
+    if os.path.exists(os.path.join(d, "tokenizer.json")):
+        return d
+    import torch
+    from safetensors.torch import load_file, save_file
+    os.makedirs(d, exist_ok=True)
+    for f in sorted(os.listdir(base)):
+        src = os.path.join(base, f)
+        if f.endswith(".safetensors"):
+            tensors = load_file(src)
+            for k, v in tensors.items():
+                if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
+                    tensors[k] = torch.zeros_like(v)
+            save_file(tensors, os.path.join(d, f), metadata={"format": "pt"})
+        elif f.endswith(".json"):
+            with open(src) as a, open(os.path.join(d, f), "w") as b:
+                b.write(a.read())
     return d
 
 
@@ -243,6 +275,58 @@ def structured(model, args):
     return rows
 
 
+def copy_case(model, args):
+    """n-gram speculation on text the answer copies, on the bigram model: its greedy path from a
+    start token runs into a cycle; the prompt is the path and the cycle twice, and the greedy
+    answer goes on around the cycle, copying the prompt. Each side gets the same requests."""
+    s = Server(model, [], args.threads)
+    try:
+        r = s.post("/v1/completions", {"prompt": [1, 500], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                                        "return_token_ids": True})
+    finally:
+        s.stop()
+    seq = [1, 500] + r["choices"][0]["token_ids"]
+    first = {}
+    start = period = None
+    for j, t in enumerate(seq):
+        if t in first:
+            start, period = first[t], j - first[t]
+            break
+        first[t] = j
+    check(period is not None, "the bigram model's greedy path did not cycle within 400 tokens")
+    prompt = seq[: start + 2 * period]
+    out = {"cycle_length": period, "prompt_tokens": len(prompt)}
+    texts = {}
+    for side, extra in [("plain", []), ("ngram", ["--speculative-config", SPEC])]:
+        load = load_average()
+        srv = Server(model, extra, args.threads)
+        try:
+            srv.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 4})
+            before = srv.metrics()
+            t0, tokens, got = time.time(), 0, []
+            for _ in range(args.spec_requests):
+                a = srv.post("/v1/completions", {"prompt": prompt, "max_tokens": 128, "temperature": 0,
+                                                 "ignore_eos": True, "return_token_ids": True})
+                tokens += a["usage"]["completion_tokens"]
+                got.append(a["choices"][0]["token_ids"])
+            wall = time.time() - t0
+            after = srv.metrics()
+            out[side] = {"tokens_per_s": tokens / wall, "load_before": load,
+                         "drafted": counter(after, "tp_spec_decode_num_draft_tokens_total")
+                         - counter(before, "tp_spec_decode_num_draft_tokens_total"),
+                         "accepted": counter(after, "tp_spec_decode_num_accepted_tokens_total")
+                         - counter(before, "tp_spec_decode_num_accepted_tokens_total")}
+            texts[side] = got
+        finally:
+            srv.stop()
+    out["ratio"] = out["ngram"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+    out["same_answers"] = texts["plain"] == texts["ngram"]
+    # The answer copies the prompt: it goes on around the cycle.
+    cycle = prompt[start:start + period]
+    out["answer_copies_prompt"] = all(t == cycle[(len(prompt) - start + i) % period] for i, t in enumerate(texts["plain"][0]))
+    return out
+
+
 def speculation(model, args):
     passage = ("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. " * 3).strip()
     cases = {
@@ -305,7 +389,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default=os.path.join(ROOT, "target/features-bench"))
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=["structured", "speculation"], default=None)
+    p.add_argument("--only", choices=["structured", "speculation", "copy"], default=None)
     args = p.parse_args()
     for b in [TP, TP_BENCH]:
         check(os.path.exists(b), f"{b} missing: cargo build --release -p tp-cli -p tp-benches")
@@ -325,6 +409,14 @@ def main():
             print(f"ngram speculation, {case}: plain {r['plain']['tokens_per_s']:.2f} tok/s, ngram "
                   f"{r['ngram']['tokens_per_s']:.2f} tok/s ({r['ratio']:.2f}x), {r['ngram']['accepted']:.0f} of "
                   f"{r['ngram']['drafted']:.0f} drafted accepted, same answers: {r['same_answers']}")
+    if args.only in (None, "copy"):
+        bigram = bigram_dir(args.work, model)
+        r = copy_case(bigram, args)
+        result["copy"] = r
+        print(f"ngram speculation, bigram model copying its prompt (cycle of {r['cycle_length']}): plain "
+              f"{r['plain']['tokens_per_s']:.2f} tok/s, ngram {r['ngram']['tokens_per_s']:.2f} tok/s "
+              f"({r['ratio']:.2f}x), {r['ngram']['accepted']:.0f} of {r['ngram']['drafted']:.0f} drafted accepted, "
+              f"same answers: {r['same_answers']}, answer copies the prompt: {r['answer_copies_prompt']}")
     print(json.dumps(result["machine"]))
     out = args.out or os.path.join(ROOT, f"benches/results/serve_features-{result['machine']['date']}.json")
     with open(out, "w") as f:

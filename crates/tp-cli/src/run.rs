@@ -40,6 +40,8 @@ pub struct Finish {
     pub reason: &'static str,
     /// Tokens generated.
     pub completion_tokens: usize,
+    /// Their ids, in order (vLLM's `return_token_ids`).
+    pub token_ids: Vec<i64>,
 }
 
 /// A step of one choice's output.
@@ -76,6 +78,8 @@ pub struct Choice {
     stop_ids: HashSet<i64>,
     logprobs: bool,
     keep_special: bool,
+    /// The ids generated so far.
+    ids: Vec<i64>,
     generated: usize,
     done: bool,
     state: Arc<AppState>,
@@ -131,6 +135,7 @@ impl Choice {
             stop_ids,
             logprobs,
             keep_special: spec.keep_special,
+            ids: Vec::new(),
             generated: 0,
             done: false,
             state: state.clone(),
@@ -153,6 +158,7 @@ impl Choice {
                         self.state.metrics.observe_ttft(t.elapsed().as_secs_f64());
                     }
                     self.generated += 1;
+                    self.ids.push(id);
                     if self.logprobs
                         && let Some(lp) = logprobs
                     {
@@ -206,7 +212,8 @@ impl Choice {
     fn finish(&mut self, reason: &'static str, text: String, tokens: Vec<TokenOut>) -> Piece {
         self.end();
         self.state.metrics.finished(reason);
-        let finish = Some(Finish { reason, completion_tokens: self.generated });
+        let finish =
+            Some(Finish { reason, completion_tokens: self.generated, token_ids: std::mem::take(&mut self.ids) });
         Piece::Data { index: self.index, text, tokens, finish }
     }
 

@@ -424,3 +424,22 @@ fn echo_scores_the_prompt_as_lm_evaluation_harness_asks() {
     );
     assert_eq!((st, v["error"]["param"].as_str()), (400, Some("prompt_logprobs")), "{v}");
 }
+
+#[test]
+fn return_token_ids_gives_the_prompt_and_answer_ids() {
+    let s = Server::start(&[]);
+    let (st, v) = s.post(
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["prompt_token_ids"], json!([BOS, 256, 257, 111]));
+    let ids: Vec<i64> = c["token_ids"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect();
+    assert_eq!(ids.len(), 5);
+    // The ids are the text: they detokenize to it.
+    let (_, d) = s.post("/detokenize", &json!({"tokens": ids}));
+    assert_eq!(d["prompt"], c["text"]);
+    let (st, e) = s.post("/v1/completions", &json!({"prompt": "x", "stream": true, "return_token_ids": true}));
+    assert_eq!((st, e["error"]["param"].as_str()), (400, Some("return_token_ids")), "{e}");
+}

@@ -102,7 +102,7 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
         .into_iter()
         .enumerate()
         .map(|(i, c)| {
-            let finish = c.finish.unwrap_or(Finish { reason: "abort", completion_tokens: 0 });
+            let finish = c.finish.unwrap_or(Finish { reason: "abort", completion_tokens: 0, token_ids: Vec::new() });
             completion_tokens += finish.completion_tokens;
             let logprobs = g.sampling.logprobs.map(|_| logprobs(&c.tokens));
             let split = rules.finish(&c.text);

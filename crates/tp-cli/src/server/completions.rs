@@ -31,6 +31,15 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
     st.authorize(&headers)?;
     let body = st.read_json(&headers, body).await?;
     let (g, prompts) = parse_completion(&body)?;
+    // vLLM's `return_token_ids`: the prompt's and the answer's ids in each choice.
+    let return_token_ids = match body.get("return_token_ids") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::invalid("return_token_ids", "`return_token_ids` must be true or false")),
+    };
+    if return_token_ids && g.stream {
+        return Err(ApiError::invalid("return_token_ids", "`return_token_ids` is answered without `stream`"));
+    }
     st.check_model(g.model.as_deref())?;
     // Each prompt's ids and its text (what `echo` returns: the string given, or the ids decoded).
     let (prompts, texts): (Vec<Vec<i64>>, Vec<String>) = prompts
@@ -81,7 +90,7 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
         .into_iter()
         .enumerate()
         .map(|(i, c)| {
-            let finish = c.finish.unwrap_or(Finish { reason: "abort", completion_tokens: 0 });
+            let finish = c.finish.unwrap_or(Finish { reason: "abort", completion_tokens: 0, token_ids: Vec::new() });
             completion_tokens += finish.completion_tokens;
             let lps = c.prompt_logprobs.unwrap_or_default();
             let mut text = c.text;
@@ -101,6 +110,10 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
             let mut choice = json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish.reason});
             if g.prompt_logprobs.is_some() {
                 choice["prompt_logprobs"] = fmt.prompt_dicts(i, &lps);
+            }
+            if return_token_ids {
+                choice["prompt_token_ids"] = json!(fmt.prompts[i].0);
+                choice["token_ids"] = json!(finish.token_ids);
             }
             choice
         })
