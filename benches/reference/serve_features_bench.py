@@ -281,7 +281,7 @@ def copy_case(model, args):
     answer goes on around the cycle, copying the prompt. Each side gets the same requests."""
     s = Server(model, [], args.threads)
     try:
-        r = s.post("/v1/completions", {"prompt": [1, 500], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+        r = s.post("/v1/completions", {"prompt": [1, 500], "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
                                         "return_token_ids": True})
     finally:
         s.stop()
@@ -293,8 +293,9 @@ def copy_case(model, args):
             start, period = first[t], j - first[t]
             break
         first[t] = j
-    check(period is not None, "the bigram model's greedy path did not cycle within 400 tokens")
+    check(period is not None, "the bigram model's greedy path did not cycle within 1000 tokens")
     prompt = seq[: start + 2 * period]
+    check(len(prompt) + 128 <= 2048, f"a prompt of {len(prompt)} tokens leaves no room for the answer")
     out = {"cycle_length": period, "prompt_tokens": len(prompt)}
     texts = {}
     for side, extra in [("plain", []), ("ngram", ["--speculative-config", SPEC])]:
