@@ -11,15 +11,11 @@ fn sample_one(l: &[f32], spec: &RowSpec) -> i64 {
     sample_full(l, l.len(), &[spec.row()]).unwrap()[0].token
 }
 
-fn spec(params: SamplingParams, seed: u64) -> RowSpec {
-    RowSpec { params, seed, step: 0, prompt: vec![], output: vec![], banned: vec![], mask: None }
-}
-
 /// Counts of each id over `draws` seeds.
 fn histogram(l: &[f32], params: &SamplingParams, draws: u64) -> Vec<u64> {
     let mut counts = vec![0u64; l.len()];
     for seed in 0..draws {
-        counts[sample_one(l, &spec(params.clone(), seed)) as usize] += 1;
+        counts[sample_one(l, &RowSpec::new(params.clone(), seed)) as usize] += 1;
     }
     counts
 }
@@ -161,7 +157,7 @@ fn filters_are_honoured_on_random_rows() {
 fn penalties_steer_the_choice() {
     let l = [2.0f32, 1.9, -1.0, 0.5];
     let greedy = |s: &RowSpec| sample_one(&l, s);
-    let mut s = spec(SamplingParams::greedy(), 0);
+    let mut s = RowSpec::new(SamplingParams::greedy(), 0);
     assert_eq!(greedy(&s), 0);
     s.params.repetition_penalty = 1.1;
     s.prompt = vec![0];
@@ -183,7 +179,7 @@ fn seeds_reproduce_and_vary() {
     let l = logits(&mut rng, 1, 500);
     let flat: Vec<f32> = (0..500).map(|i| (i % 3) as f32 * 0.1).collect();
     let at = |seed, step, l: &[f32]| {
-        let s = RowSpec { step, ..spec(SamplingParams::default(), seed) };
+        let s = RowSpec { step, ..RowSpec::new(SamplingParams::default(), seed) };
         sample_one(l, &s)
     };
     for seed in 0..5 {
@@ -192,7 +188,7 @@ fn seeds_reproduce_and_vary() {
     let by_seed: std::collections::HashSet<i64> = (0..50).map(|seed| at(seed, 0, &flat)).collect();
     let by_step: std::collections::HashSet<i64> = (0..50).map(|step| at(9, step, &flat)).collect();
     assert!(by_seed.len() > 30 && by_step.len() > 30, "{} {}", by_seed.len(), by_step.len());
-    let same = spec(SamplingParams::default(), 4);
+    let same = RowSpec::new(SamplingParams::default(), 4);
     let rows = [same.row(), same.row()];
     let two: Vec<f32> = flat.iter().chain(&flat).copied().collect();
     let got = sample_full(&two, 500, &rows).unwrap();
@@ -202,7 +198,8 @@ fn seeds_reproduce_and_vary() {
 #[test]
 fn logprobs_are_the_raw_log_softmax() {
     let l = [1.0f32, 3.0, 3.0, -2.0, f32::NEG_INFINITY];
-    let mut s = spec(SamplingParams { logprobs: Some(3), repetition_penalty: 2.0, ..SamplingParams::greedy() }, 0);
+    let mut s =
+        RowSpec::new(SamplingParams { logprobs: Some(3), repetition_penalty: 2.0, ..SamplingParams::greedy() }, 0);
     s.prompt = vec![1];
     let got = sample_full(&l, 5, &[s.row()]).unwrap().remove(0);
     assert_eq!(got.token, 2, "id 1 penalised to 1.5");

@@ -87,8 +87,7 @@ fn collectives_per_parameter_mix() {
     let peaked: Vec<f32> = (0..vocab).map(|_| (rng.normal() * 4.0) as f32).collect();
     let cols = split(&mut rng, vocab, 4, false);
     let count = |p: SamplingParams, l: &[f32]| {
-        let spec =
-            RowSpec { params: p, seed: 1, step: 0, prompt: vec![1, 2], output: vec![3], banned: vec![], mask: None };
+        let spec = RowSpec { prompt: vec![1, 2], output: vec![3], ..RowSpec::new(p, 1) };
         let specs = vec![spec];
         let got = run_sharded(l, vocab, &specs, &cols);
         let want = full(l, vocab, &specs);
@@ -113,20 +112,7 @@ fn collectives_per_parameter_mix() {
     assert_eq!(count(params(|p| p.top_p = 0.9), &peaked), 2, "top_p, small nucleus");
     // A flat row: the nucleus holds ~90% of 4096 ids; lists of 64, 256, then all 1024 per rank.
     assert_eq!(count(params(|p| p.top_p = 0.9), &flat), 4, "top_p, flat row");
-    let one = run_sharded(
-        &flat,
-        vocab,
-        &[RowSpec {
-            params: params(|p| p.top_p = 0.9),
-            seed: 1,
-            step: 0,
-            prompt: vec![],
-            output: vec![],
-            banned: vec![],
-            mask: None,
-        }],
-        &[(0, vocab)],
-    );
+    let one = run_sharded(&flat, vocab, &[RowSpec::new(params(|p| p.top_p = 0.9), 1)], &[(0, vocab)]);
     assert_eq!(one[0].as_ref().unwrap().1, 0, "world size 1 runs no collective");
 }
 
@@ -134,15 +120,7 @@ fn collectives_per_parameter_mix() {
 fn bad_inputs_are_typed_errors() {
     let vocab = 10;
     let l = vec![0.0f32; 2 * vocab];
-    let spec = RowSpec {
-        params: SamplingParams::default(),
-        seed: 0,
-        step: 0,
-        prompt: vec![],
-        output: vec![],
-        banned: vec![],
-        mask: None,
-    };
+    let spec = RowSpec::new(SamplingParams::default(), 0);
     let specs = vec![spec.clone(), spec.clone()];
     let rows: Vec<SampleRow<'_>> = specs.iter().map(RowSpec::row).collect();
     assert!(matches!(sample_full(&l[..15], vocab, &rows), Err(SampleError::Invalid(_))));
@@ -201,15 +179,7 @@ fn a_nucleus_past_a_truncated_list_waits_for_longer_lists() {
     // Rank 0 (ids 0..128): weight 1; rank 1 (ids 128..256): slightly less.
     let l: Vec<f32> = (0..vocab).map(|i| if i < 128 { 1.0 } else { 0.999 }).collect();
     for seed in 0..20 {
-        let specs = vec![RowSpec {
-            params: params(|p| p.top_p = 0.4),
-            seed,
-            step: 0,
-            prompt: vec![],
-            output: vec![],
-            banned: vec![],
-            mask: None,
-        }];
+        let specs = vec![RowSpec::new(params(|p| p.top_p = 0.4), seed)];
         let want = full(&l, vocab, &specs);
         assert!(want[0].token < 103, "the nucleus is ids 0..103, drew {}", want[0].token);
         for got in run_sharded(&l, vocab, &specs, &[(0, 128), (128, 128)]) {
@@ -233,15 +203,7 @@ fn ranks_given_different_rows_fail_instead_of_hanging() {
             .map(|(rank, g)| {
                 s.spawn(move || {
                     let p = if rank == 0 { SamplingParams::greedy() } else { params(|p| p.top_k = Some(5)) };
-                    let spec = RowSpec {
-                        params: p,
-                        seed: 0,
-                        step: 0,
-                        prompt: vec![],
-                        output: vec![],
-                        banned: vec![],
-                        mask: None,
-                    };
+                    let spec = RowSpec::new(p, 0);
                     let t = tp_core::Tensor::from_vec(vec![0.5f32; 10], &[1, 10], &tp_core::Device::Cpu).unwrap();
                     tp_engine::sampling::sample_sharded(&t, rank * 10, vocab, &[spec.row()], &g)
                 })
@@ -302,15 +264,7 @@ fn masks_banned_ids_and_biases_are_enforced_on_every_rank() {
     // A bias of +100 on one id makes it the greedy choice; -100 on the argmax removes it.
     let row = [0.5f32, 3.0, 1.0, -2.0];
     let pick = |bias: Vec<(i64, f32)>| {
-        let spec = RowSpec {
-            params: SamplingParams { logit_bias: bias, ..SamplingParams::greedy() },
-            seed: 1,
-            step: 0,
-            prompt: vec![],
-            output: vec![],
-            banned: vec![],
-            mask: None,
-        };
+        let spec = RowSpec::new(SamplingParams { logit_bias: bias, ..SamplingParams::greedy() }, 1);
         full(&row, 4, &[spec])[0].token
     };
     assert_eq!(pick(vec![]), 1);

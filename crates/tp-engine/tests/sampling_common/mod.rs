@@ -21,6 +21,11 @@ pub struct RowSpec {
 }
 
 impl RowSpec {
+    /// A row of `params` and `seed` at step 0, with no prompt, output, banned ids or mask.
+    pub fn new(params: SamplingParams, seed: u64) -> RowSpec {
+        RowSpec { params, seed, step: 0, prompt: vec![], output: vec![], banned: vec![], mask: None }
+    }
+
     pub fn row(&self) -> SampleRow<'_> {
         SampleRow {
             params: &self.params,
