@@ -12,7 +12,7 @@ number of ids whose logprob is within 1e-4 of the token's (near ties fall either
 Default folder: target/features-bench/model (benches/reference/serve_features_bench.py builds
 it: a TinyLlama-shaped random bf16 checkpoint with a trained byte-level BPE tokenizer).
 
-Needs torch, transformers and httpx; not part of CI. Build first: cargo build --release -p tp-cli
+Needs torch, transformers and httpx (serve_features_bench.py's `Server` runs tp serve); not part of CI. Build first: cargo build --release -p tp-cli
 usage: python3 benches/reference/echo_vs_transformers.py [--model DIR] [--out FILE]
 """
 
@@ -20,26 +20,11 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
-import time
-
-import httpx
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TP = os.path.join(ROOT, "target/release/tp")
-
-
-def serve(model, tp):
-    p = subprocess.Popen([TP, "serve", model, "--port", "0", "--dtype", "f32", "-tp", str(tp)],
-                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        line = p.stderr.readline()
-        if not line:
-            raise SystemExit(f"tp serve exited: {p.wait()}")
-        if "listening on http://" in line:
-            return p, "http://" + line.split("listening on http://")[1].strip()
-    raise SystemExit("tp serve did not start")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_features_bench import Server  # noqa: E402  (its tp serve process, started and stopped)
 
 
 def main():
@@ -69,12 +54,12 @@ def main():
             want.append(rows)
     record = {"date": datetime.date.today().isoformat(), "model": args.model, "cases": []}
     for tp in (1, 2):
-        proc, base = serve(args.model, tp)
+        server = Server(args.model, ["--dtype", "f32", "-tp", str(tp)], threads=2)
         try:
             worst = 0.0
             for ids, w in zip(prompts, want):
-                r = httpx.post(base + "/v1/completions", timeout=600, json={
-                    "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0, "prompt_logprobs": 1}).json()
+                r = server.post("/v1/completions", {
+                    "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0, "prompt_logprobs": 1})
                 c = r["choices"][0]
                 got = c["logprobs"]["token_logprobs"]
                 assert got[0] is None, got[:2]
@@ -87,8 +72,7 @@ def main():
             print(f"TP {tp}: {sum(len(i) - 1 for i in prompts)} prompt logprobs, largest |tp - transformers| = {worst:.2e}")
             record["cases"].append({"tp": tp, "max_abs_diff": worst})
         finally:
-            proc.terminate()
-            proc.wait(60)
+            server.stop()
     out = args.out or os.path.join(ROOT, f"benches/results/echo_vs_transformers-{record['date']}.json")
     with open(out, "w") as f:
         json.dump(record, f, indent=1)

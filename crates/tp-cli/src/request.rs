@@ -41,9 +41,6 @@ pub struct GenParams {
     pub echo: bool,
     /// vLLM's `prompt_logprobs`: the prompt tokens' logprobs with this many alternatives.
     pub prompt_logprobs: Option<usize>,
-    /// Keep special tokens in the answer's text (set by the chat endpoint for an output parser
-    /// that reads them; never from the request).
-    pub keep_special: bool,
 }
 
 /// A completions prompt.
@@ -198,7 +195,6 @@ fn common(f: &Fields<'_>, max_tokens: Option<usize>, logprobs: Option<usize>) ->
         constraint: crate::structured::parse(f.0)?,
         echo,
         prompt_logprobs,
-        keep_special: false,
     })
 }
 

@@ -76,11 +76,9 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
             tools::choice_schema(t).ok_or_else(|| ApiError::invalid("tool_choice", "no schema for the choice"))?;
         g.constraint = Some(Constraint { spec: Spec::Json(schema), field: "tool_choice" });
     }
-    // Mistral's `[TOOL_CALLS]` is a special token: its parser reads the text with them kept.
-    g.keep_special = matches!(mode, ToolMode::Auto(crate::tools::ToolParser::Mistral));
     let rules = OutputRules { reasoning: st.reasoning, tools: mode };
     let prompt_tokens = prompt.len();
-    let choices = start_choices(&st, &g, std::slice::from_ref(&prompt), arrived, st.reasoning)?;
+    let choices = start_choices(&st, &g, std::slice::from_ref(&prompt), arrived, Some(&rules))?;
     let count = choices.len();
     let merged = sse::merge(choices);
     let fmt = Chat {

@@ -5,10 +5,10 @@
 use super::sse::{self, Format};
 use super::{AppState, usage};
 use crate::error::{ApiError, json_response};
-use crate::reasoning::ReasoningParser;
 use crate::request::{GenParams, Prompt, parse_completion};
 use crate::run::{Choice, ChoiceSpec, Finish, TokenOut};
 use crate::structured::GrammarConstraint;
+use crate::tools::stream::OutputRules;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -125,14 +125,17 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
 
 /// Starts `g.n` choices per prompt (choice `p * n + i`; with a seed, choice `i` uses `seed + i`).
 /// Without `max_tokens`, a choice may run to the model's length limit. A constraint applies
-/// after the `reasoning` (if the chat has a reasoning format).
+/// after the reasoning, and the text keeps special tokens where a chat's output `rules` say so
+/// (`None`: a completion's plain text).
 pub fn start_choices(
     st: &Arc<AppState>,
     g: &GenParams,
     prompts: &[Vec<i64>],
     arrived: Instant,
-    reasoning: Option<ReasoningParser>,
+    rules: Option<&OutputRules>,
 ) -> Result<Vec<Choice>, ApiError> {
+    let reasoning = rules.and_then(|r| r.reasoning);
+    let keep_special = rules.is_some_and(OutputRules::keeps_special);
     let max_len = st.engine.limits().max_model_len;
     // Compiled once (off the async workers: a large schema takes a while); each choice drives
     // its own copy.
@@ -153,7 +156,7 @@ pub fn start_choices(
                 stop: g.stop.clone(),
                 stop_token_ids: g.stop_token_ids.clone(),
                 ignore_eos: g.ignore_eos,
-                keep_special: g.keep_special,
+                keep_special,
                 constraint: matcher.as_ref().map(|m| {
                     Box::new(GrammarConstraint::new(m.deep_clone(), st.metrics.clone())) as Box<dyn TokenConstraint>
                 }),

@@ -8,11 +8,21 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use std::sync::Arc;
 
 /// Most ids `/detokenize` takes.
 const MAX_DETOKENIZE: usize = 1 << 20;
+
+/// The body of an authorised request: a JSON object naming the served model or none.
+async fn request_object(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Map<String, Value>, ApiError> {
+    st.authorize(headers)?;
+    let Value::Object(o) = st.read_json(headers, body).await? else {
+        return Err(ApiError::bad_request("the request body must be a JSON object"));
+    };
+    st.check_model(o.get("model").and_then(Value::as_str))?;
+    Ok(o)
+}
 
 /// `POST /tokenize`: `{"prompt", "add_special_tokens" (default true)}` or `{"messages",
 /// "tools", "chat_template_kwargs", "add_generation_prompt" (default true),
@@ -21,10 +31,7 @@ const MAX_DETOKENIZE: usize = 1 << 20;
 /// transformers' `convert_ids_to_tokens` gives them, with `"return_token_strs": true`, else null).
 pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let run = async {
-        st.authorize(&headers)?;
-        let body = st.read_json(&headers, body).await?;
-        let o = body.as_object().ok_or_else(|| ApiError::bad_request("the request body must be a JSON object"))?;
-        st.check_model(o.get("model").and_then(Value::as_str))?;
+        let o = request_object(&st, &headers, body).await?;
         let flag = |name: &str, default: bool| match o.get(name) {
             None | Some(Value::Null) => Ok(default),
             Some(Value::Bool(b)) => Ok(*b),
@@ -38,8 +45,8 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
             }
             (None, Some(m)) => {
                 let messages = parse_messages(m)?;
-                let tools = crate::tools::parse_request(o)?;
-                let kwargs = template_kwargs(o)?;
+                let tools = crate::tools::parse_request(&o)?;
+                let kwargs = template_kwargs(&o)?;
                 let template =
                     st.text.template().ok_or_else(|| ApiError::bad_request("the model has no chat template"))?;
                 let text = template
@@ -69,10 +76,7 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body:
 /// decodes them). Ids outside the vocabulary are a 400.
 pub async fn detokenize(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let run = async {
-        st.authorize(&headers)?;
-        let body = st.read_json(&headers, body).await?;
-        let o = body.as_object().ok_or_else(|| ApiError::bad_request("the request body must be a JSON object"))?;
-        st.check_model(o.get("model").and_then(Value::as_str))?;
+        let o = request_object(&st, &headers, body).await?;
         let bad = || ApiError::invalid("tokens", "`tokens` must be a list of token ids");
         let list = o.get("tokens").and_then(Value::as_array).ok_or_else(bad)?;
         if list.len() > MAX_DETOKENIZE {

@@ -65,6 +65,12 @@ pub struct Final {
 }
 
 impl OutputRules {
+    /// Whether the answer's text keeps special tokens: Mistral's `[TOOL_CALLS]` is one, and its
+    /// parser reads the text with them kept (as vLLM keeps them).
+    pub fn keeps_special(&self) -> bool {
+        matches!(self.tools, ToolMode::Auto(ToolParser::Mistral))
+    }
+
     /// Splits a whole output.
     pub fn finish(&self, text: &str) -> Final {
         let (reasoning, answer) = match self.reasoning {

@@ -145,19 +145,20 @@ impl Leader {
             }
             let mut plan = self.scheduler.schedule();
             let drafts = self.draft(&mut plan);
-            let mut msg = StepMsg {
-                kind: StepKind::Run,
-                new: std::mem::take(&mut self.pending_new),
-                drop: std::mem::take(&mut self.pending_drop),
-                seqs: plan.seqs.clone(),
-                masked: Vec::new(),
-            };
-            msg.masked = plan
+            // The sampled sequences with a constraint get a mask this step.
+            let masked = plan
                 .seqs
                 .iter()
                 .filter(|s| s.sample && self.live.get(&s.id).is_some_and(|l| l.constraint.is_some()))
                 .map(|s| s.id)
                 .collect();
+            let mut msg = StepMsg {
+                kind: StepKind::Run,
+                new: std::mem::take(&mut self.pending_new),
+                drop: std::mem::take(&mut self.pending_drop),
+                seqs: plan.seqs.clone(),
+                masked,
+            };
             stalled = msg.seqs.is_empty();
             if msg.seqs.is_empty() && msg.new.is_empty() && msg.drop.is_empty() {
                 if last_sent.elapsed() < self.heartbeat {
