@@ -268,3 +268,16 @@ fn the_mistral_parser_reads_its_special_marker() {
         assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
     }
 }
+
+#[test]
+fn a_missing_chat_template_file_stops_the_start() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tp"))
+        .arg("serve")
+        .arg(common::model_dir())
+        .args(["--port", "0", "--chat-template", "/nonexistent/template.jinja"])
+        .output()
+        .expect("run tp");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--chat-template") && err.contains("/nonexistent/template.jinja"), "{err}");
+}
