@@ -21,7 +21,7 @@ use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use tp_core::{DType, Device, Tensor};
-use tp_engine::api::{Event, EventSink, Request};
+use tp_engine::api::{Event, EventSink, Request, StepPhases};
 use tp_engine::sampling::SamplingParams;
 use tp_engine::{Engine, EngineOptions};
 
@@ -55,7 +55,20 @@ fn prompt(i: usize, len: usize, vocab: usize) -> Vec<i64> {
 
 /// Submits `prompts` at the given offsets from now and waits for all; the timings per request.
 fn run_requests(engine: &Engine, prompts: &[Vec<i64>], max_tokens: usize, offsets: &[Duration]) -> Result<Vec<Timed>> {
+    Ok(run_phased(engine, prompts, max_tokens, offsets)?.0)
+}
+
+/// [`run_requests`], and the engine's step phases from the moment every request had its first
+/// token to the end (the decode steps alone when all arrive at once).
+fn run_phased(
+    engine: &Engine,
+    prompts: &[Vec<i64>],
+    max_tokens: usize,
+    offsets: &[Duration],
+) -> Result<(Vec<Timed>, StepPhases)> {
     let h = engine.handle();
+    let mut with_first = 0;
+    let mut at_first = None;
     let (tx, rx) = mpsc::channel();
     let start = Instant::now();
     let mut timed: Vec<Timed> = Vec::new();
@@ -80,12 +93,30 @@ fn run_requests(engine: &Engine, prompts: &[Vec<i64>], max_tokens: usize, offset
                 let _ = (i, at);
                 done += 1;
             }
-            Ok((i, at, false)) => timed[i].tokens.push(at),
+            Ok((i, at, false)) => {
+                timed[i].tokens.push(at);
+                if timed[i].tokens.len() == 1 {
+                    with_first += 1;
+                    if with_first == prompts.len() {
+                        at_first = Some(h.stats().phases);
+                    }
+                }
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(e) => bail!("the engine went away: {e}"),
         }
     }
-    Ok(timed)
+    let end = h.stats().phases;
+    let start = at_first.unwrap_or(end);
+    let phases = StepPhases {
+        steps: end.steps - start.steps,
+        gemm: end.gemm - start.gemm,
+        attention: end.attention - start.attention,
+        elementwise: end.elementwise - start.elementwise,
+        sampling: end.sampling - start.sampling,
+        scheduler: end.scheduler - start.scheduler,
+    };
+    Ok((timed, phases))
 }
 
 /// `(p50, p99)` of `v`.
@@ -149,11 +180,15 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
     run_requests(&engine, &[prompt(999, 8, vocab)], 2, &[Duration::ZERO])?;
     let mut single_tps = None;
     let mut tps16 = None;
+    let mut decode_phases = None;
     for &c in levels {
         eprint!("\r  measuring serving, {c} concurrent requests...          ");
         let prompts: Vec<_> = (0..c).map(|i| prompt(i + 1000 * c, PROMPT_LEN, vocab)).collect();
-        let t = run_requests(&engine, &prompts, new_tokens, &vec![Duration::ZERO; c])?;
+        let (t, phases) = run_phased(&engine, &prompts, new_tokens, &vec![Duration::ZERO; c])?;
         let s = summarize(&t);
+        if c == 16 {
+            decode_phases = Some(phases);
+        }
         // Decode rate: sequences over their median time per output token.
         let decode = c as f64 / (s.tpot.0 / 1e3);
         let base = single_tps.map(|b| ("concurrency 1", b));
@@ -206,6 +241,18 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
                 "ms",
                 Some(("GEMMs alone", gemm_ms)),
             ));
+            if let Some(p) = decode_phases.filter(|p| p.steps > 0) {
+                let per = |secs: f64| secs / p.steps as f64 * 1e3;
+                for (name, secs) in [
+                    ("GEMM", p.gemm),
+                    ("attention", p.attention),
+                    ("element-wise", p.elementwise),
+                    ("sampling", p.sampling),
+                    ("scheduler", p.scheduler),
+                ] {
+                    rows.push(row(format!("step 16: {name}"), format!("{} steps", p.steps), per(secs), "ms", None));
+                }
+            }
         }
     }
     let h = engine.handle();
@@ -260,29 +307,36 @@ fn chunked_prefill_row(dir: &Path, vocab: usize, max_pos: usize) -> Result<Row> 
     Ok(row(format!("p99/p50 gap, {long}-token prompt"), format!("8 decodes, chunks of {CHUNK}"), p99 / p50, "x", None))
 }
 
-/// Milliseconds of one step's GEMMs alone at `m` tokens: every layer's four products and the
-/// LM head, timed bare.
+/// Milliseconds of one step's GEMMs alone at `m` tokens: every layer's four products (fused
+/// QKV, o, merged gate/up, down) on weights of their own, packed once as the engine packs
+/// them, and the LM head, run one after the other as a step runs them (so each product streams
+/// its weight from memory, as in the engine), the best of three passes.
 fn gemms_alone_ms(c: &tp_models::ModelConfig, m: usize) -> Result<f64> {
-    let mut layer = 0.0;
-    for (n, k) in crate::model::layer_products(c) {
-        layer += time_matmul(m, n, k)?;
+    let mut products = Vec::new();
+    for layer in 0..c.num_hidden_layers {
+        for (i, (n, k)) in crate::model::layer_products(c).into_iter().enumerate() {
+            products.push((m, n, k, 4 * layer as u64 + i as u64));
+        }
     }
-    Ok((layer * c.num_hidden_layers as f64 + time_matmul(m, c.vocab_size, c.hidden_size)?) * 1e3)
-}
-
-/// One bare product's best time, on a weight packed once as the engine packs its weights.
-fn time_matmul(m: usize, n: usize, k: usize) -> Result<f64> {
-    let x = Tensor::rand(&[m, k], DType::BF16, 1, &Device::Cpu)?;
-    let w = Tensor::rand(&[n, k], DType::BF16, 2, &Device::Cpu)?;
-    let packed = w.pack_weight()?;
-    std::hint::black_box(x.linear_packed(&w, &packed, None)?);
+    products.push((m, c.vocab_size, c.hidden_size, u64::MAX / 2));
+    let weights = products
+        .iter()
+        .map(|&(m, n, k, seed)| {
+            let x = Tensor::rand(&[m, k], DType::BF16, 1, &Device::Cpu)?;
+            let w = Tensor::rand(&[n, k], DType::BF16, seed + 2, &Device::Cpu)?;
+            let packed = w.pack_weight()?;
+            Ok((x, w, packed))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let start = Instant::now();
-        std::hint::black_box(x.linear_packed(&w, &packed, None)?);
+        for (x, w, packed) in &weights {
+            std::hint::black_box(x.linear_packed(w, packed, None)?);
+        }
         best = best.min(start.elapsed().as_secs_f64());
     }
-    Ok(best)
+    Ok(best * 1e3)
 }
 
 const TRANSFORMERS_BATCHED: &str = r#"

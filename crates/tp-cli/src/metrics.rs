@@ -135,6 +135,23 @@ impl Metrics {
             "Speculative draft tokens accepted.",
             s.spec_accepted_tokens.to_string(),
         );
+        one("tp_steps_total", "counter", "Engine steps run (those with sequences).", s.phases.steps.to_string());
+        let _ = writeln!(
+            out,
+            "# HELP tp_step_phase_seconds_total Seconds the steps spent, by phase (rank 0): gemm, attention \
+             (with cache writes), elementwise (the rest of the forward pass), sampling, scheduler (the \
+             leader's own work around each step).\n# TYPE tp_step_phase_seconds_total counter"
+        );
+        let p = &s.phases;
+        for (phase, secs) in [
+            ("gemm", p.gemm),
+            ("attention", p.attention),
+            ("elementwise", p.elementwise),
+            ("sampling", p.sampling),
+            ("scheduler", p.scheduler),
+        ] {
+            let _ = writeln!(out, "tp_step_phase_seconds_total{{{label},phase=\"{phase}\"}} {secs}");
+        }
         let _ = writeln!(
             out,
             "# HELP tp_request_success_total Choices finished, by finish reason.\n# TYPE tp_request_success_total counter"

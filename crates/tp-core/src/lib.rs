@@ -39,6 +39,7 @@ mod device;
 mod dtype;
 mod error;
 mod ops;
+pub mod phase;
 pub mod rng;
 mod shape;
 mod shard;

@@ -183,6 +183,29 @@ pub struct Stats {
     pub spec_draft_tokens: u64,
     /// Speculative draft tokens accepted (each one a token gained over plain decoding), in total.
     pub spec_accepted_tokens: u64,
+    /// Where the steps' time went, in total (rank 0's view).
+    pub phases: StepPhases,
+}
+
+/// Seconds the engine's steps spent in each phase, summed over the steps run so far, as rank 0
+/// sees them: its forward pass split into matrix products, attention (with the cache writes)
+/// and the element-wise rest (norms, residuals, RoPE, activations, embedding, copies); then
+/// sampling (with prompt scoring and the wait for structured-output masks); and the leader's
+/// own work around each step (scheduling, drafting, delivering tokens).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepPhases {
+    /// Steps run (those with sequences).
+    pub steps: u64,
+    /// Matrix products (dense and quantized).
+    pub gemm: f64,
+    /// Attention and the writes of keys and values into the cache.
+    pub attention: f64,
+    /// The forward pass outside products and attention.
+    pub elementwise: f64,
+    /// Sampling and prompt scoring.
+    pub sampling: f64,
+    /// The leader's scheduling and bookkeeping around each step.
+    pub scheduler: f64,
 }
 
 /// Fixed facts about the engine's model and limits, for validating requests up front.

@@ -2,7 +2,7 @@
 """Writes a Hugging Face causal-LM folder as a GGUF file, the way llama.cpp's converter lays it
 out, with the `gguf` package's writer and quantizers, for tp's tests and benchmarks.
 
-    write_gguf.py HF_DIR OUT.gguf --type Q4_0 [--ref REF_DIR] [--seed N] [--tokenizer spm|bpe]
+    write_gguf.py HF_DIR OUT.gguf --type Q4_0 [--ref REF_DIR] [--seed N] [--tokenizer spm|spm-space|bpe]
                   [--meta KEY=N] [--drop-tensor NAME] [--extra-tensor NAME]
 
 * Names and metadata follow llama.cpp's converter (`blk.N.attn_q.weight`,
@@ -180,9 +180,15 @@ def word(i):
 
 
 def synthetic_vocab(n, kind):
-    if kind == "spm":
+    if kind in ("spm", "spm-space"):
         tokens = ["<unk>", "<s>", "</s>"] + ["<0x%02X>" % b for b in range(256)]
         types = [2, 3, 3] + [6] * 256
+        if kind == "spm-space":
+            # "\u2581" as a piece of its own, as real SentencePiece vocabularies have: without
+            # it, llama.cpp merges "\u2581" + "w" by string while transformers' converted
+            # tokenizer (and tp's) falls back to its bytes, so the two count different tokens.
+            tokens.append("\u2581")
+            types.append(1)
         i = 0
         while len(tokens) < n:
             # Every (parity, i // 2) a distinct word: llama.cpp refuses a vocabulary with repeats.
@@ -346,7 +352,7 @@ def main():
     p.add_argument("--type", default="F32")
     p.add_argument("--ref")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", choices=["spm", "bpe"], default="spm")
+    p.add_argument("--tokenizer", choices=["spm", "spm-space", "bpe"], default="spm")
     # For tests of files tp refuses: a u32 `{arch}.KEY` set (or overridden), a GGUF tensor
     # left out, a 1-D F32 tensor of zeros added.
     p.add_argument("--meta", action="append", default=[], metavar="KEY=N")
@@ -373,7 +379,7 @@ def main():
     extra_tensors += [(n, np.zeros(8, dtype=np.float32)) for n in a.extra_tensor]
 
     tokens, scores, types, merges = synthetic_vocab(cfg["vocab_size"], a.tokenizer)
-    w.add_tokenizer_model("llama" if a.tokenizer == "spm" else "gpt2")
+    w.add_tokenizer_model("gpt2" if a.tokenizer == "bpe" else "llama")
     w.add_token_list(tokens)
     if scores is not None:
         w.add_token_scores(scores)

@@ -93,6 +93,10 @@ impl Tensor {
     /// and `v` differing), dtype/device mismatches, [`Error::InvalidArgument`] when `kv_len`
     /// exceeds `C` or is smaller than `T`, or the window is 0; [`Error::NotFloat`].
     pub fn attention(&self, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Tensor> {
+        crate::phase::timed(crate::phase::Phase::Attention, || self.attention_untimed(k, v, spec))
+    }
+
+    fn attention_untimed(&self, k: &Tensor, v: &Tensor, spec: &AttentionSpec) -> Result<Tensor> {
         const OP: &str = "attention";
         self.require_float()?;
         super::same_dtype_device(OP, self, k)?;

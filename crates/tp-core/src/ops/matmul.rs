@@ -243,6 +243,17 @@ fn host_matmul<T: Element>(
     layout: WeightLayout,
     packed: Option<&PackedWeight>,
 ) -> Result<Vec<T>> {
+    crate::phase::timed(crate::phase::Phase::Gemm, || host_matmul_untimed(x, w, bias, shape, layout, packed))
+}
+
+fn host_matmul_untimed<T: Element>(
+    x: &[T],
+    w: &[T],
+    bias: Option<&[T]>,
+    shape: tp_cpu::GemmShape,
+    layout: WeightLayout,
+    packed: Option<&PackedWeight>,
+) -> Result<Vec<T>> {
     let tp_cpu::GemmShape { m, n, k } = shape;
     let bias = bias.map(widen).transpose()?;
     if k == 0 {

@@ -92,14 +92,16 @@ impl Tensor {
             return super::paged_cuda::paged_attention_cuda(self, k_cache, v_cache, seqs, spec, geo);
         }
         let (qs, ks, vs) = (self.cpu_storage(OP)?, k_cache.cpu_storage(OP)?, v_cache.cpu_storage(OP)?);
-        let out = with_dtype!(qs.dtype(), E => {
-            let qe = qs.as_slice::<E>().unwrap_or_default();
-            let mut q = vec![0f32; qe.len()];
-            E::slice_to_f32(qe, &mut q);
-            let (k, v) = (ks.as_slice::<E>().unwrap_or_default(), vs.as_slice::<E>().unwrap_or_default());
-            let y = host_paged::<E>(&q, (k, v), geo, seqs, &row_seq, spec);
-            CpuStorage::from_vec(y.iter().map(|&x| E::from_f32(x)).collect::<Vec<E>>())
-        });
+        let out = crate::phase::timed(crate::phase::Phase::Attention, || -> Result<CpuStorage> {
+            Ok(with_dtype!(qs.dtype(), E => {
+                let qe = qs.as_slice::<E>().unwrap_or_default();
+                let mut q = vec![0f32; qe.len()];
+                E::slice_to_f32(qe, &mut q);
+                let (k, v) = (ks.as_slice::<E>().unwrap_or_default(), vs.as_slice::<E>().unwrap_or_default());
+                let y = host_paged::<E>(&q, (k, v), geo, seqs, &row_seq, spec);
+                CpuStorage::from_vec(y.iter().map(|&x| E::from_f32(x)).collect::<Vec<E>>())
+            }))
+        })?;
         Ok(Tensor::from_cpu(self.shape().clone(), out))
     }
 
@@ -157,14 +159,16 @@ impl Tensor {
         }
         let row = h * d;
         let from = src.cpu_storage(OP)?;
-        with_storable!(self.dtype(), E => {
-            let s = from.as_slice::<E>().unwrap_or_default();
-            let dst = self.as_mut_slice::<E>()?;
-            for (i, &slot) in slots.iter().enumerate() {
-                dst[slot * row..(slot + 1) * row].copy_from_slice(&s[i * row..(i + 1) * row]);
-            }
-        });
-        Ok(())
+        crate::phase::timed(crate::phase::Phase::Attention, || {
+            with_storable!(self.dtype(), E => {
+                let s = from.as_slice::<E>().unwrap_or_default();
+                let dst = self.as_mut_slice::<E>()?;
+                for (i, &slot) in slots.iter().enumerate() {
+                    dst[slot * row..(slot + 1) * row].copy_from_slice(&s[i * row..(i + 1) * row]);
+                }
+            });
+            Ok(())
+        })
     }
 }
 
@@ -313,27 +317,46 @@ fn paged_rows_avx2<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32
 /// The portable body; `FMA` fuses the multiply-adds and takes the AVX2 dot product. Keys are
 /// visited in position order through the sequence's block table.
 ///
+/// A KV head's keys and values over a row's key range are widened to f32 once and kept while
+/// the next rows read the same head of the same sequence over the same range: the query heads
+/// of a group (GQA) are consecutive rows of one token, so their keys and values are read and
+/// widened once for the group instead of once per query head. Every row still computes its
+/// scores, softmax and weighted sum from the same f32 values in the same order, so a row's
+/// result does not depend on which rows share its chunk.
+///
 /// # Safety
 /// With `FMA`, the CPU must have AVX2 and FMA.
 #[inline(always)]
 unsafe fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
     let Geometry { hq, hkv, d, block_size: bs, groups } = ctx.geo;
     let (k, v) = ctx.kv;
-    let (mut scores, mut kvrow, mut vrows) = (Vec::new(), vec![0f32; d], Vec::new());
+    let (mut scores, mut krows, mut vrows) = (Vec::new(), Vec::new(), Vec::new());
+    // (sequence, KV head, first key, last key) of what `krows`/`vrows` hold.
+    let mut held: Option<(usize, usize, usize, usize)> = None;
     for (r, y) in (first..).zip(out.chunks_exact_mut(d.max(1))) {
         let (tok, head) = (r / hq, r % hq);
-        let s = &ctx.seqs[ctx.row_seq[tok]];
+        let si = ctx.row_seq[tok];
+        let s = &ctx.seqs[si];
         let kvh = (head + groups.offset) / groups.size;
         let p = s.kv_len - s.q_len + (tok - s.q_start);
         let (lo, hi) = ctx.spec.key_range(p);
-        let at = |j: usize| ((s.blocks[j / bs] as usize * bs + j % bs) * hkv + kvh) * d;
+        if held != Some((si, kvh, lo, hi)) {
+            let at = |j: usize| ((s.blocks[j / bs] as usize * bs + j % bs) * hkv + kvh) * d;
+            let n = hi + 1 - lo;
+            krows.resize(n * d, 0.0);
+            vrows.resize(n * d, 0.0);
+            for ((j, kd), vd) in (lo..=hi).zip(krows.chunks_exact_mut(d)).zip(vrows.chunks_exact_mut(d)) {
+                E::slice_to_f32(&k[at(j)..at(j) + d], kd);
+                E::slice_to_f32(&v[at(j)..at(j) + d], vd);
+            }
+            held = Some((si, kvh, lo, hi));
+        }
         let qv = &ctx.q[r * d..(r + 1) * d];
         scores.clear();
         let mut max = f32::NEG_INFINITY;
-        for j in lo..=hi {
-            E::slice_to_f32(&k[at(j)..at(j) + d], &mut kvrow);
+        for kd in krows.chunks_exact(d) {
             // SAFETY: `FMA` only where the CPU has AVX2 and FMA (this function's contract).
-            let sc = unsafe { dot::<FMA>(qv, &kvrow) } * ctx.spec.scale;
+            let sc = unsafe { dot::<FMA>(qv, kd) } * ctx.spec.scale;
             max = max.max(sc);
             scores.push(sc);
         }
@@ -341,11 +364,6 @@ unsafe fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, firs
             *sc = exp_neg(*sc - max);
         }
         let sum: f32 = scores.iter().sum();
-        // The row's values in f32, key after key, then their weighted sum.
-        vrows.resize(scores.len() * d, 0.0);
-        for (j, dst) in (lo..=hi).zip(vrows.chunks_exact_mut(d)) {
-            E::slice_to_f32(&v[at(j)..at(j) + d], dst);
-        }
         weighted_rows::<FMA>(y, &scores, &vrows, d);
         let inv = 1.0 / sum;
         y.iter_mut().for_each(|a| *a *= inv);

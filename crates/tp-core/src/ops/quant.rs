@@ -188,7 +188,7 @@ impl Tensor {
         // Each part's outputs are a block of columns of `y`; one pass over all of them.
         let parts: Vec<QuantPart<'_>> =
             w.parts.iter().map(|p| QuantPart { t: p.qtype, w: &p.data[..], rows: p.rows, layout: p.layout }).collect();
-        quant_matmul_parts(&parts, w.k, xs, m, &mut y)?;
+        crate::phase::timed(crate::phase::Phase::Gemm, || quant_matmul_parts(&parts, w.k, xs, m, &mut y))?;
         if let Some(b) = bias {
             let b = b.to_dtype(DType::F32)?;
             let b = b.as_slice::<f32>()?;

@@ -143,14 +143,26 @@ fn interleave_k(src: &[u8], nb: usize, dst: &mut [u8]) {
     }
 }
 
-/// One interleaved Q4_K group back into eight ggml rows.
+/// One interleaved Q4_K group back into eight ggml rows: [`k_place`]'s runs copied whole (the
+/// two `f16` scales, three 4-byte words of packed scales, sixteen 8-byte pieces of codes per row
+/// and super-block), so the dequantizing GEMM's copy costs little beside its dequantization.
 fn deinterleave_k(src: &[u8], nb: usize, dst: &mut [u8]) {
     let row_bytes = nb * K_BLOCK;
     for s in 0..nb {
         let inp = &src[s * K_GROUP_BLOCK..(s + 1) * K_GROUP_BLOCK];
-        for r in 0..8 {
-            for (i, v) in dst[r * row_bytes + s * K_BLOCK..][..K_BLOCK].iter_mut().enumerate() {
-                *v = inp[k_place(r, i)];
+        for (l, &r) in LANES.iter().enumerate() {
+            let out = &mut dst[r * row_bytes + s * K_BLOCK..][..K_BLOCK];
+            out[0..2].copy_from_slice(&inp[2 * l..2 * l + 2]);
+            out[2..4].copy_from_slice(&inp[16 + 2 * l..16 + 2 * l + 2]);
+            for w in 0..3 {
+                let at = 32 + 4 * (8 * w + l);
+                out[4 + 4 * w..8 + 4 * w].copy_from_slice(&inp[at..at + 4]);
+            }
+            let (q, rr) = (r / 4, r % 4);
+            for piece in 0..16 {
+                // Codes `8 piece .. 8 piece + 8`: chunk `piece / 4`, piece `piece % 4` of it.
+                let at = 128 + 32 * (piece * 2 + q) + 8 * rr;
+                out[16 + 8 * piece..24 + 8 * piece].copy_from_slice(&inp[at..at + 8]);
             }
         }
     }

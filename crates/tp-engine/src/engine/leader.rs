@@ -7,7 +7,7 @@ use super::plan::{NewSeq, StepKind, StepMsg};
 use super::rank::{MaskSource, RankWorker};
 use crate::api::{
     Command, CommandReceiver, Event, EventSink, FinishReason, PromptLogprob, Request, RequestId, SharedStats, Stats,
-    TokenConstraint, TokenLogprobs, Usage,
+    StepPhases, TokenConstraint, TokenLogprobs, Usage,
 };
 use crate::scheduler::Scheduler;
 use crate::spec::NgramConfig;
@@ -143,6 +143,7 @@ impl Leader {
             if self.stats.stopping() && self.live.is_empty() {
                 return Ok(());
             }
+            let planning = Instant::now();
             let mut plan = self.scheduler.schedule();
             let drafts = self.draft(&mut plan);
             // The sampled sequences with a constraint get a mask this step.
@@ -166,6 +167,7 @@ impl Leader {
                 }
                 msg.kind = StepKind::Idle;
             }
+            let mut own = planning.elapsed();
             self.worker.send(&msg)?;
             last_sent = Instant::now();
             let vocab = self.worker.model.config().vocab_size;
@@ -194,6 +196,7 @@ impl Leader {
                     worker.execute(&msg, source)
                 })?
             };
+            let after = Instant::now();
             for s in &plan.seqs {
                 if s.cached_tokens > 0
                     && let Some(l) = self.live.get_mut(&s.id)
@@ -223,6 +226,11 @@ impl Leader {
             for (id, s) in sampled.sampled {
                 self.totals.generation_tokens += 1;
                 self.deliver(id, s.token, s.logprobs);
+            }
+            if !plan.seqs.is_empty() {
+                own += after.elapsed();
+                self.totals.phases.steps += 1;
+                self.totals.phases.scheduler += own.as_secs_f64();
             }
             self.publish();
             if !plan.seqs.is_empty() && !self.step_delay.is_zero() {
@@ -428,6 +436,11 @@ impl Leader {
             kv_cache_usage: self.scheduler.kv_cache_usage(),
             preemptions: self.scheduler.preemptions(),
             prefix_cache_hits: self.scheduler.prefix_hit_tokens(),
+            phases: StepPhases {
+                steps: self.totals.phases.steps,
+                scheduler: self.totals.phases.scheduler,
+                ..self.worker.phases
+            },
             ..self.totals
         };
         self.stats.publish(s);

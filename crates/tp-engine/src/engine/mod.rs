@@ -397,6 +397,7 @@ fn rank_main(
         world: groups.world().clone(),
         pipeline,
         busy_secs: 0.0,
+        phases: Default::default(),
         caches,
         block_size: opts.block_size,
         seqs: HashMap::new(),

@@ -51,6 +51,8 @@ pub(crate) struct RankWorker {
     pub pipeline: Option<(DeviceGroup, usize)>,
     /// Seconds this rank spent computing steps (forward and sampling), for `/metrics`.
     pub busy_secs: f64,
+    /// This rank's step time by phase (its `scheduler` and `steps` left to the leader).
+    pub phases: crate::api::StepPhases,
     pub caches: Vec<PagedKvCache>,
     pub block_size: usize,
     pub seqs: HashMap<RequestId, SeqState>,
@@ -218,7 +220,32 @@ impl RankWorker {
         let all_rows: Vec<usize> = rows.score_rows.iter().chain(&rows.sample_rows).copied().collect();
         // A rank whose forward fails leaves before the masks' broadcast; it aborts the group,
         // which ends the others' wait at once.
-        let logits = self.forward(ids, batch, &all_rows)?;
+        let _ = tp_core::phase::take();
+        let started = std::time::Instant::now();
+        let logits = self.forward(ids, batch, &all_rows);
+        let forward = started.elapsed().as_secs_f64();
+        let spent = tp_core::phase::take();
+        let (gemm, attention) = (spent.gemm.as_secs_f64(), spent.attention.as_secs_f64());
+        self.phases.gemm += gemm;
+        self.phases.attention += attention;
+        self.phases.elementwise += (forward - gemm - attention).max(0.0);
+        let logits = logits?;
+        let started = std::time::Instant::now();
+        let out = self.sample(&all_rows, logits, rows, msg, masks);
+        self.phases.sampling += started.elapsed().as_secs_f64();
+        out
+    }
+
+    /// The sampling and prompt scoring of a step from this rank's `logits` of `all_rows` (none
+    /// off the last stage).
+    fn sample(
+        &mut self,
+        all_rows: &[usize],
+        logits: Option<Tensor>,
+        rows: &Rows,
+        msg: &StepMsg,
+        masks: MaskSource<'_>,
+    ) -> Result<StepResult, EngineError> {
         let masks = self.exchange_masks(msg, masks)?;
         let Some(logits) = logits else { return Ok(StepResult::default()) };
         if all_rows.is_empty() {
