@@ -62,6 +62,13 @@ fn models_health_and_metrics() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(s.metric("tp_time_to_first_token_seconds_count"), before + 1.0);
     assert!(s.wait_metric("tp_generation_tokens_total", |v| v >= 3.0));
+    // The step phases: at least the three steps of that answer, each with products and
+    // attention; the phases of a step add up to no more than the time it took to answer.
+    assert!(s.wait_metric("tp_steps_total", |v| v >= 3.0));
+    let phase = |p: &str| s.metric(&format!("tp_step_phase_seconds_total{{model_name=\"tiny\",phase=\"{p}\"}}"));
+    let phases: Vec<f64> = ["gemm", "attention", "elementwise", "sampling", "scheduler"].map(phase).to_vec();
+    assert!(phases[0] > 0.0 && phases[1] > 0.0, "{phases:?}");
+    assert!(phases.iter().all(|&v| v >= 0.0) && phases.iter().sum::<f64>() < 60.0, "{phases:?}");
     let (st, body) = s.call("GET", "/nowhere", None, &[]);
     assert_eq!(st, 404, "{body}");
 }
