@@ -141,6 +141,10 @@ impl Tensor {
     /// Errors: a CUDA tensor, an integer dtype, a last dim other than `width`, a bias of another
     /// length.
     pub fn linear_quant(&self, w: &QuantWeight, bias: Option<&Tensor>) -> Result<Tensor> {
+        crate::phase::timed(crate::phase::Phase::Gemm, || self.linear_quant_untimed(w, bias))
+    }
+
+    fn linear_quant_untimed(&self, w: &QuantWeight, bias: Option<&Tensor>) -> Result<Tensor> {
         self.require_float()?;
         if self.device() != Device::Cpu {
             return Err(Error::UnsupportedDevice { op: OP, device: self.device() });
@@ -188,7 +192,7 @@ impl Tensor {
         // Each part's outputs are a block of columns of `y`; one pass over all of them.
         let parts: Vec<QuantPart<'_>> =
             w.parts.iter().map(|p| QuantPart { t: p.qtype, w: &p.data[..], rows: p.rows, layout: p.layout }).collect();
-        crate::phase::timed(crate::phase::Phase::Gemm, || quant_matmul_parts(&parts, w.k, xs, m, &mut y))?;
+        quant_matmul_parts(&parts, w.k, xs, m, &mut y)?;
         if let Some(b) = bias {
             let b = b.to_dtype(DType::F32)?;
             let b = b.as_slice::<f32>()?;
