@@ -428,7 +428,6 @@ unsafe fn attend_rows_body<const FMA: bool>(
 /// Below `-87` (where `e^x < 2^-125`) the result is `e^-87`, which weighs nothing beside the
 /// maximum's 1.
 #[inline(always)]
-#[inline(always)]
 pub(super) fn exp_neg(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;

@@ -163,25 +163,38 @@ fn host_rms_norm<T: Element>(
     style: NormStyle,
     means: Option<&[f32]>,
 ) -> Result<Vec<T>> {
-    let mut out = crate::alloc::with_capacity("rms_norm", x.len())?;
+    const BLOCK: usize = 256;
+    let mut out = crate::alloc::zeroed::<T>("rms_norm", x.len())?;
     let w: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-    for (r, row) in x.chunks_exact(h.max(1)).enumerate() {
-        let mean = match means {
-            Some(m) => m[r],
-            None => (row.iter().map(|v| f64::from(v.to_f32()).powi(2)).sum::<f64>() / h as f64) as f32,
-        };
-        let rstd = 1.0 / (mean + eps).sqrt();
-        match style {
-            NormStyle::Weight => out.extend(row.iter().zip(&w).map(|(v, w)| {
-                let normed = T::from_f32(v.to_f32() * rstd); // rounding point 1: to the input dtype
-                T::from_f32(w * normed.to_f32()) // rounding point 2: the weight product
-            })),
-            NormStyle::OnePlusWeight => {
-                out.extend(row.iter().zip(&w).map(|(v, w)| T::from_f32(v.to_f32() * rstd * (1.0 + w))))
+    // Rows are independent: spread over the pool, each row computed as on one thread.
+    super::par::rows(&mut out, h.max(1), 2 * h, |r0, chunk| {
+        let (mut v, mut t) = ([0f32; BLOCK], [T::from_f32(0.0); BLOCK]);
+        for (i, o) in chunk.chunks_exact_mut(h.max(1)).enumerate() {
+            let r = r0 + i;
+            let row = &x[r * h..(r + 1) * h];
+            let mean = match means {
+                Some(m) => m[r],
+                None => (row.iter().map(|v| f64::from(v.to_f32()).powi(2)).sum::<f64>() / h as f64) as f32,
+            };
+            let rstd = 1.0 / (mean + eps).sqrt();
+            // The same roundings element by element, in f32 blocks widened and narrowed whole.
+            for ((o, row), w) in o.chunks_mut(BLOCK).zip(row.chunks(BLOCK)).zip(w.chunks(BLOCK)) {
+                let (v, t) = (&mut v[..o.len()], &mut t[..o.len()]);
+                T::slice_to_f32(row, v);
+                match style {
+                    NormStyle::Weight => {
+                        v.iter_mut().for_each(|v| *v *= rstd);
+                        T::slice_from_f32(v, t); // rounding point 1: to the input dtype
+                        T::slice_to_f32(t, v);
+                        v.iter_mut().zip(w).for_each(|(v, w)| *v *= w); // rounding point 2: below
+                    }
+                    NormStyle::OnePlusWeight => v.iter_mut().zip(w).for_each(|(v, w)| *v = *v * rstd * (1.0 + w)),
+                    NormStyle::WeightF32 => v.iter_mut().zip(w).for_each(|(v, w)| *v = w * (*v * rstd)),
+                }
+                T::slice_from_f32(v, o);
             }
-            NormStyle::WeightF32 => out.extend(row.iter().zip(&w).map(|(v, w)| T::from_f32(w * (v.to_f32() * rstd)))),
         }
-    }
+    });
     Ok(out)
 }
 

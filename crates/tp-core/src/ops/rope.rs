@@ -421,24 +421,80 @@ fn host_rope<T: Element>(
 ) -> Vec<T> {
     let half = inv_freq.len();
     let mut out = x.to_vec();
-    let r = |v: f32| T::from_f32(v).to_f32(); // one rounding to the dtype
+    // Each product rounded to the dtype once, as torch's `x * cos + rotate_half(x) * sin`:
+    // `r(x1 c) + r(-x2 s)` and `r(x2 c) + r(x1 s)`, a head's halves widened and narrowed whole.
+    let zero = T::from_f32(0.0);
+    let (mut c, mut s, mut x1, mut x2, mut a, mut b) =
+        (vec![0f32; half], vec![0f32; half], vec![0f32; half], vec![0f32; half], vec![0f32; half], vec![0f32; half]);
+    let mut t = vec![zero; half];
+    let round = |v: &mut [f32], t: &mut [T]| {
+        T::slice_from_f32(v, t);
+        T::slice_to_f32(t, v);
+    };
     for (tok, &p) in positions.iter().enumerate() {
-        let cs: Vec<(f32, f32)> = (0..half)
-            .map(|i| {
-                let (c, s) = cos_sin(inv_freq, scale, p, i);
-                (r(c), r(s))
-            })
-            .collect();
+        cos_sin_cached(inv_freq, scale, p, &mut c, &mut s);
+        round(&mut c, &mut t);
+        round(&mut s, &mut t);
         for head in 0..heads {
             let base = (tok * heads + head) * d;
-            for (i, &(c, s)) in cs.iter().enumerate() {
-                let (x1, x2) = (x[base + i].to_f32(), x[base + half + i].to_f32());
-                out[base + i] = T::from_f32(r(x1 * c) + r(-x2 * s));
-                out[base + half + i] = T::from_f32(r(x2 * c) + r(x1 * s));
-            }
+            T::slice_to_f32(&x[base..base + half], &mut x1);
+            T::slice_to_f32(&x[base + half..base + 2 * half], &mut x2);
+            a.iter_mut().zip(&x1).zip(&c).for_each(|((a, x1), c)| *a = x1 * c);
+            b.iter_mut().zip(&x2).zip(&s).for_each(|((b, x2), s)| *b = -x2 * s);
+            round(&mut a, &mut t);
+            round(&mut b, &mut t);
+            a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+            T::slice_from_f32(&a, &mut out[base..base + half]);
+            a.iter_mut().zip(&x2).zip(&c).for_each(|((a, x2), c)| *a = x2 * c);
+            b.iter_mut().zip(&x1).zip(&s).for_each(|((b, x1), s)| *b = x1 * s);
+            round(&mut a, &mut t);
+            round(&mut b, &mut t);
+            a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+            T::slice_from_f32(&a, &mut out[base + half..base + 2 * half]);
         }
     }
     out
+}
+
+/// `cos_sin(inv_freq, scale, p, i)` for every `i` into `c` and `s`, remembered per thread for
+/// the last few frequency sets (every layer of a step turns the same positions with the same
+/// frequencies; Gemma 3 alternates two sets), so each layer after the first reads them.
+fn cos_sin_cached(inv_freq: &[f32], scale: f32, p: usize, c: &mut [f32], s: &mut [f32]) {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    /// Frequency sets remembered, and positions per set.
+    const SETS: usize = 4;
+    const POSITIONS: usize = 1 << 16;
+    type Set = (Vec<u32>, u32, HashMap<usize, Box<[(f32, f32)]>>);
+    thread_local! {
+        static CACHE: RefCell<Vec<Set>> = const { RefCell::new(Vec::new()) };
+    }
+    CACHE.with(|cache| {
+        let mut cache = cache.borrow_mut();
+        let bits = scale.to_bits();
+        let same = |e: &Set| {
+            e.1 == bits && e.0.len() == inv_freq.len() && e.0.iter().zip(inv_freq).all(|(a, b)| *a == b.to_bits())
+        };
+        let i = match cache.iter().position(same) {
+            Some(i) => i,
+            None => {
+                if cache.len() == SETS {
+                    cache.remove(0);
+                }
+                cache.push((inv_freq.iter().map(|f| f.to_bits()).collect(), bits, HashMap::new()));
+                cache.len() - 1
+            }
+        };
+        let map = &mut cache[i].2;
+        if map.len() >= POSITIONS && !map.contains_key(&p) {
+            map.clear();
+        }
+        let row = map.entry(p).or_insert_with(|| (0..inv_freq.len()).map(|i| cos_sin(inv_freq, scale, p, i)).collect());
+        for ((c, s), &(cv, sv)) in c.iter_mut().zip(s.iter_mut()).zip(row.iter()) {
+            *c = cv;
+            *s = sv;
+        }
+    });
 }
 
 impl Tensor {
