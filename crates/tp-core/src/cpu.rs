@@ -6,7 +6,8 @@
 //!   caps it; [`with_kernel`] overrides it for one call, for tests and benchmarks).
 //! * [`num_threads`]: the threads of the persistent pool every host kernel runs on.
 //! * [`set_batch_invariant`]: this thread's products give each row the same bits whatever the
-//!   number of rows (the packed GEMM only).
+//!   number of rows (the packed GEMM only), and paged attention computes prefill rows one by one
+//!   as decode rows (not through score tiles).
 
 pub use tp_cpu::{CpuKernel, batch_invariant, num_threads, set_batch_invariant};
 

@@ -41,6 +41,31 @@ fn paged_attention_respects_windows_and_groups_starting_mid_group() {
     }
 }
 
+/// Prefill chunks of 8 rows or more (from scratch and after a context) go through the score
+/// tiles of the single-sequence op, beside decode rows: the same float64 reference, with
+/// windows, grouped heads starting mid-group and every float dtype; and with products made
+/// batch-invariant (every row on the per-row path) too.
+#[test]
+fn prefill_chunks_through_score_tiles_match_f64() {
+    let seqs = vec![(0, 12), (5, 9), (30, 8), (3, 1), (17, 1)];
+    for bs in [1, 3, 16] {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let c = PagedCase { seqs: seqs.clone(), ..case(bs, (6, 2, 16), dtype, 40 + bs as u64) };
+            check_paged_attention(CPU, &c);
+            check_batch_invariance(CPU, &c);
+        }
+        for w in [1, 4, 17] {
+            let c = PagedCase { seqs: seqs.clone(), window: Some(w), ..case(bs, (4, 2, 8), DType::F32, w as u64) };
+            check_paged_attention(CPU, &c);
+        }
+        let groups = Some(KvGroups { size: 4, offset: 2 });
+        check_paged_attention(CPU, &PagedCase { seqs: seqs.clone(), groups, ..case(bs, (3, 2, 8), DType::BF16, 95) });
+    }
+    tp_core::cpu::set_batch_invariant(true);
+    check_paged_attention(CPU, &PagedCase { seqs, ..case(3, (6, 2, 16), DType::F32, 77) });
+    tp_core::cpu::set_batch_invariant(false);
+}
+
 #[test]
 fn a_rows_result_does_not_depend_on_the_rest_of_the_batch() {
     for bs in [1, 3, 16] {

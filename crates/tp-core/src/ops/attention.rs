@@ -81,7 +81,7 @@ pub(super) fn row_groups(work: usize) -> usize {
     if work < PARALLEL_MIN_WORK { 1 } else { 4 * crate::cpu::num_threads() }
 }
 /// Queries from which attention runs as GEMMs (prefill); fewer (decode) take the row loop.
-const GEMM_MIN_TOKENS: usize = 8;
+pub(super) const GEMM_MIN_TOKENS: usize = 8;
 /// Score elements one GEMM tile may hold (16 MiB of f32): long prefills go tile by tile.
 const SCORE_TILE: usize = 1 << 22;
 
@@ -172,7 +172,7 @@ fn widen<T: Element>(s: &[T]) -> std::borrow::Cow<'_, [f32]> {
 /// host GEMM, threaded), masked and soft-maxed row by row, and `O_g = P V_g`. Tokens go in
 /// tiles so that a tile's scores stay within `SCORE_TILE`, each against only the keys its last
 /// token can see. Same f32 math as the row loop, but at GEMM speed.
-fn gemm_attention(
+pub(super) fn gemm_attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],

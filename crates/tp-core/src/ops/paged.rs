@@ -17,7 +17,7 @@
 //! are split over threads, never the work of one row. A row's result therefore depends only on
 //! its query and its sequence's keys, bitwise, whatever else is in the batch.
 
-use super::attention::{exp_neg, row_groups};
+use super::attention::{GEMM_MIN_TOKENS, exp_neg, gemm_attention, row_groups};
 use super::dot_f32::{dot, weighted_rows};
 use crate::storage::{CpuStorage, Storage};
 use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
@@ -98,7 +98,16 @@ impl Tensor {
                 let mut q = vec![0f32; qe.len()];
                 E::slice_to_f32(qe, &mut q);
                 let (k, v) = (ks.as_slice::<E>().unwrap_or_default(), vs.as_slice::<E>().unwrap_or_default());
-                let y = host_paged::<E>(&q, (k, v), geo, seqs, &row_seq, spec);
+                // Prefill chunks (GEMM_MIN_TOKENS rows or more) go through the score tiles of
+                // the single-sequence op, unless results must not depend on the batch.
+                let tiled: Vec<bool> =
+                    seqs.iter().map(|s| s.q_len >= GEMM_MIN_TOKENS && !tp_cpu::batch_invariant()).collect();
+                let mut y = host_paged::<E>(&q, (k, v), geo, seqs, &row_seq, spec, &tiled);
+                for (s, _) in seqs.iter().zip(&tiled).filter(|(_, t)| **t) {
+                    let rows = s.q_start * geo.hq * geo.d..(s.q_start + s.q_len) * geo.hq * geo.d;
+                    let ys = tiled_seq::<E>(&q[rows.clone()], (k, v), geo, s, spec)?;
+                    y[rows].copy_from_slice(&ys);
+                }
                 CpuStorage::from_vec(y.iter().map(|&x| E::from_f32(x)).collect::<Vec<E>>())
             }))
         })?;
@@ -250,6 +259,7 @@ fn check_paged(
 
 /// The f32 attention of every (row, head) on the host, rows spread over tp-cpu's pool when the
 /// work pays.
+#[allow(clippy::too_many_arguments)]
 fn host_paged<E: Element>(
     q: &[f32],
     kv: (&[E], &[E]),
@@ -257,12 +267,13 @@ fn host_paged<E: Element>(
     seqs: &[PagedSeq<'_>],
     row_seq: &[usize],
     spec: &PagedAttentionSpec,
+    skip: &[bool],
 ) -> Vec<f32> {
     let rows = row_seq.len() * geo.hq;
     let mut out = vec![0f32; rows * geo.d];
-    let longest = seqs.iter().map(|s| s.kv_len).max().unwrap_or(0);
+    let longest = seqs.iter().zip(skip).filter(|(_, s)| !**s).map(|(s, _)| s.kv_len).max().unwrap_or(0);
     let work = rows.saturating_mul(longest).saturating_mul(geo.d);
-    let ctx = RowCtx { q, kv, geo, seqs, row_seq, spec: spec.as_spec() };
+    let ctx = RowCtx { q, kv, geo, seqs, row_seq, spec: spec.as_spec(), skip };
     if geo.d == 0 {
         return out;
     }
@@ -278,6 +289,31 @@ struct RowCtx<'a, E> {
     seqs: &'a [PagedSeq<'a>],
     row_seq: &'a [usize],
     spec: AttentionSpec,
+    /// Per sequence: its rows are computed elsewhere (left zero here).
+    skip: &'a [bool],
+}
+
+/// Attention of one sequence's `q_len` rows `q: [q_len, Hq, D]` (f32) over its blocks through
+/// the single-sequence op's score tiles ([`gemm_attention`]: products of a tile of queries with
+/// all its keys, softmax, products with the values; scores never held beyond a tile), the
+/// sequence's keys and values gathered in position order and widened to f32 first.
+fn tiled_seq<E: Element>(
+    q: &[f32],
+    (k, v): (&[E], &[E]),
+    geo: Geometry,
+    s: &PagedSeq<'_>,
+    spec: &PagedAttentionSpec,
+) -> Result<Vec<f32>> {
+    let Geometry { hq, hkv, d, block_size: bs, groups } = geo;
+    let row = hkv * d;
+    let (mut kf, mut vf) = (vec![0f32; s.kv_len * row], vec![0f32; s.kv_len * row]);
+    for (j, (kd, vd)) in kf.chunks_exact_mut(row).zip(vf.chunks_exact_mut(row)).enumerate() {
+        let slot = s.blocks[j / bs] as usize * bs + j % bs;
+        E::slice_to_f32(&k[slot * row..(slot + 1) * row], kd);
+        E::slice_to_f32(&v[slot * row..(slot + 1) * row], vd);
+    }
+    let one = AttentionSpec { kv_len: s.kv_len, ..spec.as_spec() };
+    gemm_attention(q, &kf, &vf, (s.q_len, hq, hkv, d), &one, groups)
 }
 
 /// Output rows `first..first + out.len() / D` (row `r` is token `r / Hq`, head `r % Hq`), with
@@ -336,6 +372,9 @@ unsafe fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, firs
     for (r, y) in (first..).zip(out.chunks_exact_mut(d.max(1))) {
         let (tok, head) = (r / hq, r % hq);
         let si = ctx.row_seq[tok];
+        if ctx.skip[si] {
+            continue;
+        }
         let s = &ctx.seqs[si];
         let kvh = (head + groups.offset) / groups.size;
         let p = s.kv_len - s.q_len + (tok - s.q_start);
