@@ -41,20 +41,21 @@ fn paged_attention_respects_windows_and_groups_starting_mid_group() {
     }
 }
 
-/// Prefill chunks of 8 rows or more (from scratch and after a context) go through the score
-/// tiles of the single-sequence op, beside decode rows: the same float64 reference, with
-/// windows, grouped heads starting mid-group and every float dtype; and with products made
-/// batch-invariant (every row on the per-row path) too.
+/// Long prefill chunks (from scratch and after a context: 260 x 260 and 230 x 350 scores, past
+/// the tiles' threshold) go through the score tiles of the single-sequence op, beside a short
+/// chunk and decode rows that stay per row: the same float64 reference, with windows, grouped
+/// heads starting mid-group and every float dtype; and with products made batch-invariant
+/// (every row on the per-row path) too.
 #[test]
 fn prefill_chunks_through_score_tiles_match_f64() {
-    let seqs = vec![(0, 12), (5, 9), (30, 8), (3, 1), (17, 1)];
+    let seqs = vec![(0, 260), (120, 230), (5, 9), (3, 1), (17, 1)];
     for bs in [1, 3, 16] {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
-            let c = PagedCase { seqs: seqs.clone(), ..case(bs, (6, 2, 16), dtype, 40 + bs as u64) };
+            let c = PagedCase { seqs: seqs.clone(), ..case(bs, (4, 2, 8), dtype, 40 + bs as u64) };
             check_paged_attention(CPU, &c);
             check_batch_invariance(CPU, &c);
         }
-        for w in [1, 4, 17] {
+        for w in [1, 17, 300] {
             let c = PagedCase { seqs: seqs.clone(), window: Some(w), ..case(bs, (4, 2, 8), DType::F32, w as u64) };
             check_paged_attention(CPU, &c);
         }
@@ -62,7 +63,7 @@ fn prefill_chunks_through_score_tiles_match_f64() {
         check_paged_attention(CPU, &PagedCase { seqs: seqs.clone(), groups, ..case(bs, (3, 2, 8), DType::BF16, 95) });
     }
     tp_core::cpu::set_batch_invariant(true);
-    check_paged_attention(CPU, &PagedCase { seqs, ..case(3, (6, 2, 16), DType::F32, 77) });
+    check_paged_attention(CPU, &PagedCase { seqs, ..case(3, (4, 2, 8), DType::F32, 77) });
     tp_core::cpu::set_batch_invariant(false);
 }
 
