@@ -38,7 +38,9 @@ out, with the `gguf` package's writer and quantizers, for tp's tests and benchma
   `--extra-tensor` adds a 1-D F32 tensor of zeros: files tp must refuse, for its tests.
 * The tokenizer (`tokenizer.ggml.*`) is a synthetic one of the config's vocabulary size:
   SentencePiece-style (`llama`: `<unk>`, `<s>`, `</s>`, the 256 byte tokens, pieces with
-  scores) or byte-level BPE (`gpt2`: tokens and merges).
+  scores) or byte-level BPE (`gpt2`: tokens and merges). `spm-space` adds "\u2581" as a piece
+  of its own, as real SentencePiece vocabularies have, so that llama.cpp, transformers and tp
+  split a text into the same tokens (for serving comparisons).
 """
 
 import argparse
