@@ -259,13 +259,7 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
             ));
             if let Some(p) = decode_phases.filter(|p| p.steps > 0) {
                 let per = |secs: f64| secs / p.steps as f64 * 1e3;
-                for (name, secs) in [
-                    ("GEMM", p.gemm),
-                    ("attention", p.attention),
-                    ("element-wise", p.elementwise),
-                    ("sampling", p.sampling),
-                    ("scheduler", p.scheduler),
-                ] {
+                for (name, secs) in p.named() {
                     rows.push(row(format!("step 16: {name}"), format!("{} steps", p.steps), per(secs), "ms", None));
                 }
             }

@@ -142,14 +142,7 @@ impl Metrics {
              (with cache writes), elementwise (the rest of the forward pass), sampling, scheduler (the \
              leader's own work around each step).\n# TYPE tp_step_phase_seconds_total counter"
         );
-        let p = &s.phases;
-        for (phase, secs) in [
-            ("gemm", p.gemm),
-            ("attention", p.attention),
-            ("elementwise", p.elementwise),
-            ("sampling", p.sampling),
-            ("scheduler", p.scheduler),
-        ] {
+        for (phase, secs) in s.phases.named() {
             let _ = writeln!(out, "tp_step_phase_seconds_total{{{label},phase=\"{phase}\"}} {secs}");
         }
         let _ = writeln!(

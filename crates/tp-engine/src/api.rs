@@ -208,6 +208,20 @@ pub struct StepPhases {
     pub scheduler: f64,
 }
 
+impl StepPhases {
+    /// The phases' seconds by name (`gemm`, `attention`, `elementwise`, `sampling`,
+    /// `scheduler`), in that order: the labels `/metrics` uses.
+    pub fn named(&self) -> [(&'static str, f64); 5] {
+        [
+            ("gemm", self.gemm),
+            ("attention", self.attention),
+            ("elementwise", self.elementwise),
+            ("sampling", self.sampling),
+            ("scheduler", self.scheduler),
+        ]
+    }
+}
+
 /// Fixed facts about the engine's model and limits, for validating requests up front.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {

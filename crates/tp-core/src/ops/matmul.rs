@@ -209,7 +209,9 @@ impl Tensor {
             let b = b_s.map(|b| b.as_slice::<T>().unwrap_or_default());
             let x = x_s.as_slice::<T>().unwrap_or_default();
             let w = w_s.as_slice::<T>().unwrap_or_default();
-            CpuStorage::from_vec(host_matmul::<T>(x, w, b, tp_cpu::GemmShape { m, n, k }, layout, packed)?)
+            let shape = tp_cpu::GemmShape { m, n, k };
+            let y = crate::phase::timed(crate::phase::Phase::Gemm, || host_matmul::<T>(x, w, b, shape, layout, packed));
+            CpuStorage::from_vec(y?)
         });
         Ok(Tensor::from_cpu(out_shape, out))
     }
@@ -236,17 +238,6 @@ fn widen<T: Element>(s: &[T]) -> Result<Cow<'_, [f32]>> {
 /// the packed GEMM, on the kernel family [`CpuKernel::current`](crate::cpu::CpuKernel::current)
 /// picks for the dtype), rounded once to `T`.
 fn host_matmul<T: Element>(
-    x: &[T],
-    w: &[T],
-    bias: Option<&[T]>,
-    shape: tp_cpu::GemmShape,
-    layout: WeightLayout,
-    packed: Option<&PackedWeight>,
-) -> Result<Vec<T>> {
-    crate::phase::timed(crate::phase::Phase::Gemm, || host_matmul_untimed(x, w, bias, shape, layout, packed))
-}
-
-fn host_matmul_untimed<T: Element>(
     x: &[T],
     w: &[T],
     bias: Option<&[T]>,

@@ -107,13 +107,10 @@ impl Tensor {
                 // Long prefill chunks go through the score tiles of the single-sequence op,
                 // unless results must not depend on the batch; short ones stay per row, where
                 // the pool splits the whole batch's rows.
+                let invariant = tp_cpu::batch_invariant();
                 let tiled: Vec<bool> = seqs
                     .iter()
-                    .map(|s| {
-                        s.q_len >= GEMM_MIN_TOKENS
-                            && s.q_len * s.kv_len >= TILED_MIN_SCORES
-                            && !tp_cpu::batch_invariant()
-                    })
+                    .map(|s| !invariant && s.q_len >= GEMM_MIN_TOKENS && s.q_len * s.kv_len >= TILED_MIN_SCORES)
                     .collect();
                 let mut y = host_paged::<E>(&q, (k, v), geo, seqs, &row_seq, spec, &tiled);
                 for (s, _) in seqs.iter().zip(&tiled).filter(|(_, t)| **t) {

@@ -149,8 +149,9 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
     let kernel = CpuKernel::current();
     let isa = kernel.int8_isa();
     let gemm = |p: &QuantPart<'_>| m >= gemm_min_m(p, isa) || batch_invariant();
-    if parts.len() > 1 && parts.iter().any(gemm) && !parts.iter().all(gemm) {
-        // Parts that take different paths: each on its own, its columns copied into place.
+    if parts.len() > 1 && parts.iter().any(gemm) {
+        // Compute-bound parts (and any beside them): each part's product on its own path, its
+        // columns copied into place.
         let mut col = 0;
         for p in parts {
             let mut part = vec![0f32; m * p.rows];
@@ -162,21 +163,10 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
         }
         return Ok(());
     }
-    if parts.iter().all(gemm) {
-        if let [p] = parts {
-            prefill::gemm_tiles(kernel, (p.t, p.layout), p.w, p.rows, k, x, m, y);
-            return Ok(());
-        }
-        // Compute-bound: one GEMM per part, its columns copied into place.
-        let mut col = 0;
-        for p in parts {
-            let mut part = vec![0f32; m * p.rows];
-            prefill::gemm_tiles(kernel, (p.t, p.layout), p.w, p.rows, k, x, m, &mut part);
-            for (dst, src) in y.chunks_exact_mut(n).zip(part.chunks_exact(p.rows.max(1))) {
-                dst[col..col + p.rows].copy_from_slice(src);
-            }
-            col += p.rows;
-        }
+    if let [p] = parts
+        && gemm(p)
+    {
+        prefill::gemm_tiles(kernel, (p.t, p.layout), p.w, p.rows, k, x, m, y);
         return Ok(());
     }
     // `x` quantized once per block size that a quantized part needs.
