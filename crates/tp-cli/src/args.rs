@@ -40,6 +40,30 @@ pub enum DTypeArg {
     Bf16,
 }
 
+/// How the KV cache stores keys and values (`--kv-cache-dtype`, vLLM's flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtypeArg {
+    /// The model's dtype.
+    Auto,
+    /// FP8 E4M3, one byte per element, saturating at +-448 (vLLM's `fp8` with scales of 1.0).
+    #[value(alias = "fp8_e4m3")]
+    Fp8,
+    /// llama.cpp's Q8_0 blocks: 32 signed bytes and an f16 scale per 32 elements.
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+impl KvCacheDtypeArg {
+    /// The 8-bit format, or `None` for the model's dtype.
+    pub fn quant(self) -> Option<tp_core::KvQuant> {
+        match self {
+            KvCacheDtypeArg::Auto => None,
+            KvCacheDtypeArg::Fp8 => Some(tp_core::KvQuant::Fp8E4M3),
+            KvCacheDtypeArg::Q8_0 => Some(tp_core::KvQuant::Q8_0),
+        }
+    }
+}
+
 /// Where the ranks run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DeviceArg {
@@ -101,6 +125,10 @@ pub struct ServeArgs {
     /// KV-cache budget per rank, in bytes (suffixes K, M, G, KiB, MiB, GiB allowed).
     #[arg(long, value_parser = parse_bytes)]
     pub kv_cache_memory: Option<u64>,
+    /// How the KV cache stores keys and values: the model's dtype, or 8 bits on the host (as
+    /// many more positions in the same --kv-cache-memory).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtypeArg,
     /// Turn prefix caching on (the default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
     pub enable_prefix_caching: bool,
@@ -178,6 +206,8 @@ pub struct EngineArgs {
     pub block_size: usize,
     /// KV-cache bytes per rank (`None`: the engine's default).
     pub kv_cache_memory: Option<u64>,
+    /// KV-cache storage.
+    pub kv_cache_dtype: KvCacheDtypeArg,
     /// Prefix caching on.
     pub enable_prefix_caching: bool,
     /// Engine seed.
@@ -319,6 +349,7 @@ impl ServeArgs {
             max_model_len: self.max_model_len,
             block_size: self.block_size,
             kv_cache_memory: self.kv_cache_memory,
+            kv_cache_dtype: self.kv_cache_dtype,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             seed: self.seed,
             max_waiting: self.max_waiting_requests,

@@ -44,6 +44,7 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
         o.kv_cache_memory =
             usize::try_from(b).map_err(|_| CliError::Engine(format!("--kv-cache-memory {b} is too large")))?;
     }
+    o.kv_cache_dtype = args.kv_cache_dtype.quant();
     o.enable_prefix_caching = args.enable_prefix_caching;
     o.seed = args.seed;
     o.max_waiting = args.max_waiting;
@@ -82,11 +83,15 @@ pub fn start_engine(args: &EngineArgs) -> Result<StartedEngine, CliError> {
         BackendArg::Nccl => start_nccl_leader(args, &opts)?,
     };
     tracing::info!(
-        "engine ready: {} rank(s) ({} pipeline stage(s)), {} KV-cache blocks of {} positions per rank",
+        "engine ready: {} rank(s) ({} pipeline stage(s)), {} KV-cache blocks of {} positions per rank ({})",
         opts.tensor_parallel_size * opts.pipeline_parallel_size,
         opts.pipeline_parallel_size,
         engine.num_blocks,
-        opts.block_size
+        opts.block_size,
+        opts.kv_cache_dtype.map_or("keys and values in the model dtype", |q| match q {
+            tp_core::KvQuant::Fp8E4M3 => "keys and values in fp8 e4m3",
+            tp_core::KvQuant::Q8_0 => "keys and values in q8_0 blocks",
+        })
     );
     let handle = engine.handle();
     let join: Join = Box::new(move |deadline| {

@@ -277,6 +277,38 @@ fn pipeline_stages_serve_the_same_text_as_one_rank() {
     assert!(err.contains("more stages than the model has layers"), "{err}");
 }
 
+/// `--kv-cache-dtype fp8` (and `q8_0`) holds 4x the positions of the f32 model's own cache in
+/// the same `--kv-cache-memory` and serves; a format the model's heads cannot take, or one tp
+/// does not know, stops the start with the reason.
+#[test]
+fn an_8_bit_kv_cache_holds_4x_the_positions_and_serves() {
+    let blocks = |s: &Server| -> usize {
+        let line = s.startup.iter().find(|l| l.contains("KV-cache blocks")).expect("the engine's startup line");
+        let n = line.split(" KV-cache blocks").next().and_then(|h| h.rsplit(' ').next());
+        n.and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no block count in {line}"))
+    };
+    let body = json!({"prompt": "hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let dir = common::model_dir();
+    // A whole number of blocks either way: 2 x 12 heads x 4 x 3 layers x 16 positions x 4 bytes
+    // = 18 KiB per f32 block at TP 1, 9 KiB at TP 2.
+    let budget = ["--kv-cache-memory", "36KiB", "--max-num-seqs", "64", "-tp", "2"];
+    // (The folder goes with the last server, dropped at the end.)
+    let fp8 = Server::start_in(&dir, &[&budget[..], &["--kv-cache-dtype", "fp8"]].concat(), &[]);
+    let (st, v) = fp8.post("/v1/completions", &body);
+    assert_eq!((st, v["usage"]["completion_tokens"].as_u64()), (200, Some(8)), "{v}");
+    let plain = Server::start_in(&dir, &budget, &[]);
+    assert_eq!(blocks(&fp8), 4 * blocks(&plain), "{:?} {:?}", fp8.startup, plain.startup);
+    for (value, why) in [("q8_0", "multiple of 32"), ("int4", "invalid value 'int4'")] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tp"))
+            .args(["serve", dir.to_str().unwrap(), "--port", "0", "--kv-cache-dtype", value])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(why), "{value}: {err}");
+    }
+    drop(fp8);
+}
+
 #[test]
 fn logit_bias_and_min_tokens_steer_every_token() {
     let s = Server::start(&["-tp", "2"]);

@@ -50,8 +50,8 @@ pub use device::Device;
 pub use dtype::{DType, Element, IntElement, Storable, bf16, f16};
 pub use error::{Error, Result};
 pub use ops::{
-    Activation, AdamwParam, AdamwStep, AttentionSpec, KvGroups, NormStyle, PackedWeight, PagedAttentionSpec, PagedSeq,
-    QuantWeight, RopeScaling, RotaryEmbedding, WeightLayout, adamw_step,
+    Activation, AdamwParam, AdamwStep, AttentionSpec, KvBuffer, KvGroups, KvQuant, NormStyle, PackedWeight,
+    PagedAttentionSpec, PagedSeq, QuantKvBuffer, QuantWeight, RopeScaling, RotaryEmbedding, WeightLayout, adamw_step,
 };
 pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;

@@ -40,7 +40,7 @@ use crate::qkv::{AttentionHeads, QkvLayout, QkvParallel};
 use crate::row::RowParallel;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tp_comm::{DeviceGroup, ReduceOp};
-use tp_core::{AttentionSpec, DType, Device, NormStyle, PagedAttentionSpec, RotaryEmbedding, Tensor};
+use tp_core::{AttentionSpec, DType, Device, KvQuant, NormStyle, PagedAttentionSpec, RotaryEmbedding, Tensor};
 
 /// Over which features a q/k norm normalises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -339,10 +339,20 @@ impl ParallelAttention {
     }
 
     /// An empty paged cache for this layer on this rank: `num_blocks` blocks of `block_size`
-    /// positions of its KV heads, bound to the layer.
-    pub fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
+    /// positions of its KV heads, in the layer's dtype or (`quant`) in 8 bits on the host,
+    /// bound to the layer.
+    pub fn new_paged_cache(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        quant: Option<KvQuant>,
+    ) -> Result<PagedKvCache> {
         let l = self.layout();
-        let mut cache = PagedKvCache::new(num_blocks, block_size, l.kv_len, l.head_dim, self.dtype(), &self.device())?;
+        let (kv, d, dtype, device) = (l.kv_len, l.head_dim, self.dtype(), self.device());
+        let mut cache = match quant {
+            None => PagedKvCache::new(num_blocks, block_size, kv, d, dtype, &device)?,
+            Some(q) => PagedKvCache::new_quantized(num_blocks, block_size, kv, d, q, dtype, &device)?,
+        };
         cache.bind(self.id, (l.kv_len, l.head_dim), self.dtype(), self.device())?;
         Ok(cache)
     }
@@ -394,7 +404,7 @@ impl ParallelAttention {
             kv_groups: Some(l.kv_groups()),
         };
         let (kc, vc) = cache.buffers();
-        let o = q.paged_attention(kc, vc, &batch.paged_seqs(), &spec)?.reshape(&[t, l.q_len * l.head_dim])?;
+        let o = q.paged_attention_kv(kc, vc, &batch.paged_seqs(), &spec)?.reshape(&[t, l.q_len * l.head_dim])?;
         self.o_proj.forward(&o)
     }
 

@@ -22,7 +22,7 @@ use crate::loader::Loader;
 use crate::mlp::{MlpNames, ParallelMlp};
 use crate::norm::RmsNorm;
 use crate::paged_cache::PagedKvCache;
-use tp_core::{Activation, NormStyle, Tensor};
+use tp_core::{Activation, KvQuant, NormStyle, Tensor};
 
 /// A block of a model: a forward over the hidden states of the next tokens of a sequence, with
 /// that sequence's cache. Implemented by [`DecoderLayer`]; a model is a list of blocks.
@@ -38,8 +38,8 @@ pub trait Block: std::fmt::Debug + Send + Sync {
     /// (every rank the same), their keys and values written into the paged `cache`.
     fn forward_batch(&self, x: &Tensor, batch: &TokenBatch, cache: &mut PagedKvCache) -> Result<Tensor>;
     /// An empty paged cache for this block on this rank: `num_blocks` blocks of `block_size`
-    /// positions.
-    fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache>;
+    /// positions, in the block's dtype or (`quant`) in 8 bits on the host.
+    fn new_paged_cache(&self, num_blocks: usize, block_size: usize, quant: Option<KvQuant>) -> Result<PagedKvCache>;
 
     /// Training: the forward of `batch`'s whole sequences (packed one after the other, each
     /// from position 0) from this rank's rows `x` of them (all, or its sequence shard),
@@ -225,8 +225,8 @@ impl Block for DecoderLayer {
         self.run(x, |a| self.self_attn.forward_batch(a, batch, cache))
     }
 
-    fn new_paged_cache(&self, num_blocks: usize, block_size: usize) -> Result<PagedKvCache> {
-        self.self_attn.new_paged_cache(num_blocks, block_size)
+    fn new_paged_cache(&self, num_blocks: usize, block_size: usize, quant: Option<KvQuant>) -> Result<PagedKvCache> {
+        self.self_attn.new_paged_cache(num_blocks, block_size, quant)
     }
 
     /// Two all-reduces (three with a full-width q/k norm), as the forward.

@@ -49,3 +49,26 @@ fn bad_batches_and_caches_are_typed_errors() {
         (3, 4, (2, 8), 2 * 4 * 2 * 8 * 2)
     );
 }
+
+#[test]
+fn eight_bit_caches_cost_a_byte_per_element_and_refuse_what_they_cannot_hold() {
+    use tp_core::KvQuant;
+    let fp8 = PagedKvCache::new_quantized(3, 4, 2, 64, KvQuant::Fp8E4M3, DType::BF16, &Device::Cpu).unwrap();
+    let bf16 = PagedKvCache::new(3, 4, 2, 64, DType::BF16, &Device::Cpu).unwrap();
+    assert_eq!(fp8.bytes_per_block() * 2, bf16.bytes_per_block());
+    assert_eq!((fp8.quant(), fp8.dtype(), bf16.quant()), (Some(KvQuant::Fp8E4M3), DType::BF16, None));
+    // Q8_0: 34 bytes per 32 elements.
+    let q8 = PagedKvCache::new_quantized(3, 4, 2, 64, KvQuant::Q8_0, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(q8.bytes_per_block(), 2 * 4 * 2 * (64 / 32 * 34));
+    assert_eq!(PagedKvCache::block_bytes(4, 2, 64, DType::F32, Some(KvQuant::Q8_0)), Some(q8.bytes_per_block()));
+    assert_eq!(PagedKvCache::block_bytes(4, 2, 48, DType::F32, Some(KvQuant::Q8_0)), None);
+    let config = |r: tp_layers::Result<PagedKvCache>, what: &str| match r {
+        Err(LayerError::Config(why)) => assert!(why.contains(what), "{why}"),
+        other => panic!("expected a Config error naming {what:?}, got {other:?}"),
+    };
+    config(PagedKvCache::new_quantized(3, 4, 2, 48, KvQuant::Q8_0, DType::F32, &Device::Cpu), "multiple of 32");
+    config(PagedKvCache::new_quantized(0, 4, 2, 64, KvQuant::Fp8E4M3, DType::F32, &Device::Cpu), "0 x 4 x 2 x 64");
+    config(PagedKvCache::new_quantized(3, 4, 2, 64, KvQuant::Fp8E4M3, DType::F32, &Device::Cuda(0)), "host memory");
+    let huge = PagedKvCache::new_quantized(1 << 40, 1 << 20, 8, 128, KvQuant::Fp8E4M3, DType::F32, &Device::Cpu);
+    assert!(matches!(huge, Err(LayerError::CacheAlloc { .. })), "{huge:?}");
+}

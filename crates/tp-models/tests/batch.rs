@@ -7,6 +7,7 @@
 mod common;
 use common::*;
 use serde_json::json;
+use tp_core::KvQuant;
 use tp_core::rng::SplitMix64;
 use tp_models::{Architecture, ModelOptions, ParallelCausalLm};
 use tp_testing::synthetic::SyntheticModel;
@@ -133,8 +134,20 @@ type Row = (usize, usize, Vec<f64>);
 /// of `block_size` taken from a shuffled pool; asks for every row's logits on even steps and
 /// only each sequence's last row on odd ones.
 fn batched(lm: &ParallelCausalLm, plans: &[Plan], seqs: &[Vec<i64>], only: &[usize], block_size: usize) -> Vec<Row> {
+    batched_in(lm, plans, seqs, only, block_size, None)
+}
+
+/// [`batched`] with the keys and values cached in the model dtype or (`quant`) in 8 bits.
+fn batched_in(
+    lm: &ParallelCausalLm,
+    plans: &[Plan],
+    seqs: &[Vec<i64>],
+    only: &[usize],
+    block_size: usize,
+    quant: Option<KvQuant>,
+) -> Vec<Row> {
     let num_blocks = 40;
-    let mut caches = lm.new_paged_caches(num_blocks, block_size).unwrap();
+    let mut caches = lm.new_paged_caches(num_blocks, block_size, quant).unwrap();
     let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
     let mut rng = SplitMix64::new(block_size as u64);
     for i in (1..pool.len()).rev() {
@@ -265,7 +278,7 @@ fn bad_batched_calls_are_typed_errors_naming_the_problem() {
     spec.write(&dir).unwrap();
     on_ranks(2, CPU, |g| {
         let lm = ParallelCausalLm::load(&dir, &g, &ModelOptions::new()).unwrap();
-        let mut caches = lm.new_paged_caches(8, 4).unwrap();
+        let mut caches = lm.new_paged_caches(8, 4, None).unwrap();
         let seq = |tokens, context, blocks: &[u32]| tp_layers::BatchSeq { tokens, context, blocks: blocks.to_vec() };
         let batch = tp_layers::TokenBatch::new(vec![seq(3, 0, &[5])], 4).unwrap();
         let msg = |r: tp_models::Result<tp_core::Tensor>| r.unwrap_err().to_string();
@@ -293,8 +306,54 @@ fn bad_batched_calls_are_typed_errors_naming_the_problem() {
         caches.swap(0, 1);
         let none = lm.forward_batch(&[1, 2, 3], &batch, &mut caches, &[]).unwrap();
         assert_eq!(none.dims(), &[0, lm.vocab_shard().1]);
-        assert!(lm.new_paged_caches(0, 4).is_err());
+        assert!(lm.new_paged_caches(0, 4, None).is_err());
         let per_block = 2 * 12 * 4 * 4 * 3 * 16 / 2; // 12 heads of 4 over 2 ranks, f32, 3 layers
-        assert_eq!(lm.kv_bytes_per_block(16), per_block);
+        assert_eq!(lm.kv_bytes_per_block(16, None).unwrap(), per_block);
+        assert_eq!(lm.kv_bytes_per_block(16, Some(KvQuant::Fp8E4M3)).unwrap(), per_block / 4);
+        let e = lm.kv_bytes_per_block(16, Some(KvQuant::Q8_0)).unwrap_err().to_string();
+        assert!(e.contains("head_dim") && e.contains("multiple of 32"), "{e}");
+        assert!(lm.new_paged_caches(8, 4, Some(KvQuant::Q8_0)).is_err());
     });
+}
+
+/// Keys and values cached in 8 bits (FP8 E4M3, Q8_0) at TP 1 and 2 (uneven KV heads): every
+/// row's logits stay near those over the model-dtype cache, as far as the format's step allows.
+#[test]
+fn eight_bit_kv_caches_keep_the_logits_near_the_dense_caches() {
+    let seqs = sequences(&PLANS);
+    let all: Vec<usize> = (0..PLANS.len()).collect();
+    let spec = SyntheticModel {
+        num_attention_heads: 6,
+        num_key_value_heads: 3,
+        head_dim: Some(32),
+        seed: 12,
+        ..SyntheticModel::tiny()
+    };
+    let dir = tmpdir("batch-kv8");
+    spec.write(&dir).unwrap();
+    for world in [1, 2] {
+        let per_rank = on_ranks(world, CPU, |g| {
+            let lm = ParallelCausalLm::load(&dir, &g, &ModelOptions::new()).unwrap();
+            let run = |q| batched_in(&lm, &PLANS, &seqs, &all, 5, q);
+            (run(None), run(Some(KvQuant::Fp8E4M3)), run(Some(KvQuant::Q8_0)))
+        });
+        for (rank, (dense, fp8, q8)) in per_rank.iter().enumerate() {
+            let scale = dense.iter().flat_map(|r| r.2.iter()).fold(0f64, |m, v| m.max(v.abs()));
+            for (name, got, tol) in [("fp8", fp8, 0.06), ("q8_0", q8, 0.015)] {
+                assert_eq!(got.len(), dense.len());
+                let worst = got
+                    .iter()
+                    .zip(dense)
+                    .flat_map(|(a, b)| {
+                        assert_eq!((a.0, a.1), (b.0, b.1));
+                        a.2.iter().zip(&b.2).map(|(x, y)| (x - y).abs())
+                    })
+                    .fold(0f64, f64::max);
+                assert!(
+                    worst > 0.0 && worst <= tol * scale,
+                    "{name} TP {world} rank {rank}: logits off by {worst} (largest {scale})"
+                );
+            }
+        }
+    }
 }

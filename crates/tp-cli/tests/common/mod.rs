@@ -138,6 +138,8 @@ pub struct Server {
     pub dir: PathBuf,
     /// stderr lines after the listening line.
     pub log: mpsc::Receiver<String>,
+    /// stderr lines before it (the engine's startup report).
+    pub startup: Vec<String>,
 }
 
 impl Server {
@@ -152,7 +154,7 @@ impl Server {
         let stderr = child.stderr.take();
         let (tx, log) = mpsc::channel();
         // Dropping the server kills and reaps the child, whatever happens below.
-        let mut server = Server { child, addr: String::new(), dir: dir.to_path_buf(), log };
+        let mut server = Server { child, addr: String::new(), dir: dir.to_path_buf(), log, startup: Vec::new() };
         std::thread::spawn(move || {
             for line in BufReader::new(stderr.expect("stderr")).lines().map_while(Result::ok) {
                 eprintln!("[tp] {line}");
@@ -170,6 +172,7 @@ impl Server {
                         server.addr = a.trim().to_string();
                         return server;
                     }
+                    server.startup.push(line);
                 }
                 Err(e) => panic!("tp serve did not start listening within 60 s ({e})"),
             }

@@ -19,6 +19,7 @@
 
 use super::attention::{GEMM_MIN_TOKENS, exp_neg, gemm_attention, row_groups};
 use super::dot_f32::{dot, weighted_rows};
+use super::kv_quant::{KvQuant, QuantKvBuffer};
 use crate::storage::{CpuStorage, Storage};
 use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
 
@@ -92,32 +93,48 @@ impl Tensor {
         seqs: &[PagedSeq<'_>],
         spec: &PagedAttentionSpec,
     ) -> Result<Tensor> {
+        self.paged_attention_kv(KvBuffer::Dense(k_cache), KvBuffer::Dense(v_cache), seqs, spec)
+    }
+
+    /// [`paged_attention`](Self::paged_attention) over caches stored either dense or in 8 bits
+    /// ([`QuantKvBuffer`]: keys and values widened to f32 as they are read, each row exactly
+    /// as [`QuantKvBuffer::to_f32_tensor`] decodes it). The output is in the dtype of `self`.
+    ///
+    /// Errors: those of [`paged_attention`](Self::paged_attention); [`Error::InvalidArgument`]
+    /// when the key cache is stored one way and the value cache another;
+    /// [`Error::UnsupportedDevice`] for 8-bit caches with queries off the host.
+    pub fn paged_attention_kv(
+        &self,
+        k_cache: KvBuffer<'_>,
+        v_cache: KvBuffer<'_>,
+        seqs: &[PagedSeq<'_>],
+        spec: &PagedAttentionSpec,
+    ) -> Result<Tensor> {
         const OP: &str = "paged_attention";
         let (geo, row_seq) = check_paged(self, k_cache, v_cache, seqs, spec)?;
-        if matches!(self.storage(), Storage::Cuda(_)) {
-            return super::paged_cuda::paged_attention_cuda(self, k_cache, v_cache, seqs, spec, geo);
+        if let (KvBuffer::Dense(k), KvBuffer::Dense(v)) = (k_cache, v_cache)
+            && matches!(self.storage(), Storage::Cuda(_))
+        {
+            return super::paged_cuda::paged_attention_cuda(self, k, v, seqs, spec, geo);
         }
-        let (qs, ks, vs) = (self.cpu_storage(OP)?, k_cache.cpu_storage(OP)?, v_cache.cpu_storage(OP)?);
+        let qs = self.cpu_storage(OP)?;
         let out = crate::phase::timed(crate::phase::Phase::Attention, || -> Result<CpuStorage> {
             Ok(with_dtype!(qs.dtype(), E => {
                 let qe = qs.as_slice::<E>().unwrap_or_default();
                 let mut q = vec![0f32; qe.len()];
                 E::slice_to_f32(qe, &mut q);
-                let (k, v) = (ks.as_slice::<E>().unwrap_or_default(), vs.as_slice::<E>().unwrap_or_default());
-                // Long prefill chunks go through the score tiles of the single-sequence op,
-                // unless results must not depend on the batch; short ones stay per row, where
-                // the pool splits the whole batch's rows.
-                let invariant = tp_cpu::batch_invariant();
-                let tiled: Vec<bool> = seqs
-                    .iter()
-                    .map(|s| !invariant && s.q_len >= GEMM_MIN_TOKENS && s.q_len * s.kv_len >= TILED_MIN_SCORES)
-                    .collect();
-                let mut y = host_paged::<E>(&q, (k, v), geo, seqs, &row_seq, spec, &tiled);
-                for (s, _) in seqs.iter().zip(&tiled).filter(|(_, t)| **t) {
-                    let rows = s.q_start * geo.hq * geo.d..(s.q_start + s.q_len) * geo.hq * geo.d;
-                    let ys = tiled_seq::<E>(&q[rows.clone()], (k, v), geo, s, spec)?;
-                    y[rows].copy_from_slice(&ys);
-                }
+                let y = match (k_cache, v_cache) {
+                    (KvBuffer::Dense(k), KvBuffer::Dense(v)) => {
+                        let (k, v) = (k.cpu_storage(OP)?, v.cpu_storage(OP)?);
+                        let (k, v) = (k.as_slice::<E>().unwrap_or_default(), v.as_slice::<E>().unwrap_or_default());
+                        host_attention(&q, &DenseRows { k, v, hkv: geo.hkv, d: geo.d }, geo, seqs, &row_seq, spec)?
+                    }
+                    (KvBuffer::Quant(k), KvBuffer::Quant(v)) => {
+                        let rows = QuantRows { k: k.bytes(), v: v.bytes(), quant: k.quant(), hkv: geo.hkv, row_bytes: k.row_bytes() };
+                        host_attention(&q, &rows, geo, seqs, &row_seq, spec)?
+                    }
+                    _ => unreachable!("check_paged refuses caches stored two ways"),
+                };
                 CpuStorage::from_vec(y.iter().map(|&x| E::from_f32(x)).collect::<Vec<E>>())
             }))
         })?;
@@ -140,39 +157,7 @@ impl Tensor {
                 dims: self.dims().to_vec(),
             });
         };
-        let &[t, hs, ds] = src.dims() else {
-            return Err(Error::RankMismatch {
-                op: OP,
-                expected: "3 ([tokens, heads, head_dim]) for the source",
-                dims: src.dims().to_vec(),
-            });
-        };
-        if (hs, ds) != (h, d) {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                lhs: self.dims().to_vec(),
-                rhs: src.dims().to_vec(),
-                why: "the source rows must have the cache's heads and head_dim",
-            });
-        }
-        if slots.len() != t {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                why: format!("{} slots given for {t} source rows", slots.len()),
-            });
-        }
-        let total = nb * bs; // the cache's shape was checked when it was made
-        if let Some((i, &s)) = slots.iter().enumerate().find(|(_, s)| **s >= total) {
-            return Err(Error::InvalidArgument {
-                op: OP,
-                why: format!("slot {s} of row {i} is past the cache's {total} slots ({nb} blocks of {bs})"),
-            });
-        }
-        let mut sorted = slots.to_vec();
-        sorted.sort_unstable();
-        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(Error::InvalidArgument { op: OP, why: format!("slot {} is written by two rows", w[0]) });
-        }
+        check_slots(OP, &[nb, bs, h, d], src.dims(), slots)?;
         if matches!(self.storage(), Storage::Cuda(_)) {
             return super::paged_cuda::write_slots_cuda(self, src, slots, [nb, bs, h, d]);
         }
@@ -191,35 +176,99 @@ impl Tensor {
     }
 }
 
+/// Checks a slot write of `src_dims` (`[T, heads, head_dim]`) into a cache of `cache`
+/// (`[num_blocks, block_size, heads, head_dim]`): the source's heads and head size, one slot
+/// per row, every slot inside the cache and none named twice.
+pub(super) fn check_slots(op: &'static str, cache: &[usize; 4], src_dims: &[usize], slots: &[usize]) -> Result<()> {
+    let [nb, bs, h, d] = *cache;
+    let &[t, hs, ds] = src_dims else {
+        return Err(Error::RankMismatch {
+            op,
+            expected: "3 ([tokens, heads, head_dim]) for the source",
+            dims: src_dims.to_vec(),
+        });
+    };
+    if (hs, ds) != (h, d) {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: cache.to_vec(),
+            rhs: src_dims.to_vec(),
+            why: "the source rows must have the cache's heads and head_dim",
+        });
+    }
+    if slots.len() != t {
+        return Err(Error::InvalidArgument { op, why: format!("{} slots given for {t} source rows", slots.len()) });
+    }
+    let total = nb * bs; // the cache's shape was checked when it was made
+    if let Some((i, &s)) = slots.iter().enumerate().find(|(_, s)| **s >= total) {
+        return Err(Error::InvalidArgument {
+            op,
+            why: format!("slot {s} of row {i} is past the cache's {total} slots ({nb} blocks of {bs})"),
+        });
+    }
+    let mut sorted = slots.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::InvalidArgument { op, why: format!("slot {} is written by two rows", w[0]) });
+    }
+    Ok(())
+}
+
 /// Checks every argument of [`Tensor::paged_attention`]; returns the sizes and, per row of `q`,
 /// the index of the sequence it belongs to.
 fn check_paged(
     q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    k: KvBuffer<'_>,
+    v: KvBuffer<'_>,
     seqs: &[PagedSeq<'_>],
     spec: &PagedAttentionSpec,
 ) -> Result<(Geometry, Vec<usize>)> {
     const OP: &str = "paged_attention";
     q.require_float()?;
-    super::same_dtype_device(OP, q, k)?;
-    super::same_dtype_device(OP, q, v)?;
+    let (kdims, vdims) = match (k, v) {
+        (KvBuffer::Dense(k), KvBuffer::Dense(v)) => {
+            super::same_dtype_device(OP, q, k)?;
+            super::same_dtype_device(OP, q, v)?;
+            (k.dims().to_vec(), v.dims().to_vec())
+        }
+        (KvBuffer::Quant(k), KvBuffer::Quant(v)) => {
+            if q.device() != crate::Device::Cpu {
+                return Err(Error::UnsupportedDevice {
+                    op: "paged_attention over an 8-bit KV cache",
+                    device: q.device(),
+                });
+            }
+            if k.quant() != v.quant() {
+                return Err(Error::InvalidArgument {
+                    op: OP,
+                    why: format!("the key cache is stored as {} and the value cache as {}", k.quant(), v.quant()),
+                });
+            }
+            (k.dims().to_vec(), v.dims().to_vec())
+        }
+        _ => {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: "the key and value caches must be stored alike (both dense or both 8-bit)".into(),
+            });
+        }
+    };
     let &[t, hq, d] = q.dims() else {
         return Err(Error::RankMismatch { op: OP, expected: "3 ([tokens, heads, head_dim])", dims: q.dims().to_vec() });
     };
-    let &[num_blocks, block_size, hkv, dk] = k.dims() else {
+    let &[num_blocks, block_size, hkv, dk] = kdims.as_slice() else {
         return Err(Error::RankMismatch {
             op: OP,
             expected: "4 ([num_blocks, block_size, kv_heads, head_dim]) for the caches",
-            dims: k.dims().to_vec(),
+            dims: kdims,
         });
     };
-    let mismatch = |why| Error::ShapeMismatch { op: OP, lhs: q.dims().to_vec(), rhs: k.dims().to_vec(), why };
-    if k.dims() != v.dims() {
+    let mismatch = |why| Error::ShapeMismatch { op: OP, lhs: q.dims().to_vec(), rhs: kdims.clone(), why };
+    if kdims != vdims {
         return Err(Error::ShapeMismatch {
             op: OP,
-            lhs: k.dims().to_vec(),
-            rhs: v.dims().to_vec(),
+            lhs: kdims.clone(),
+            rhs: vdims,
             why: "the key and value caches must have one shape",
         });
     }
@@ -267,12 +316,88 @@ fn check_paged(
     Ok((Geometry { hq, hkv, d, block_size, groups }, row_seq))
 }
 
+/// A paged cache as [`Tensor::paged_attention_kv`] reads it: a dense tensor (the queries'
+/// dtype, on their device) or an 8-bit buffer on the host.
+#[derive(Debug, Clone, Copy)]
+pub enum KvBuffer<'a> {
+    /// `[num_blocks, block_size, Hkv, D]` in the queries' dtype.
+    Dense(&'a Tensor),
+    /// The same dims in 8 bits.
+    Quant(&'a QuantKvBuffer),
+}
+
+/// Where the host attention reads keys and values: one (slot, KV head) row of each, widened
+/// to f32.
+trait KvRows: Sync {
+    /// The keys of `slot`'s KV head `head` into `k`, its values into `v` (`D` each).
+    fn widen(&self, slot: usize, head: usize, k: &mut [f32], v: &mut [f32]);
+}
+
+/// A dense cache's elements.
+struct DenseRows<'a, E> {
+    k: &'a [E],
+    v: &'a [E],
+    hkv: usize,
+    d: usize,
+}
+
+impl<E: Element> KvRows for DenseRows<'_, E> {
+    #[inline]
+    fn widen(&self, slot: usize, head: usize, k: &mut [f32], v: &mut [f32]) {
+        let at = (slot * self.hkv + head) * self.d;
+        E::slice_to_f32(&self.k[at..at + self.d], k);
+        E::slice_to_f32(&self.v[at..at + self.d], v);
+    }
+}
+
+/// An 8-bit cache's rows.
+struct QuantRows<'a> {
+    k: &'a [u8],
+    v: &'a [u8],
+    quant: KvQuant,
+    hkv: usize,
+    row_bytes: usize,
+}
+
+impl KvRows for QuantRows<'_> {
+    #[inline]
+    fn widen(&self, slot: usize, head: usize, k: &mut [f32], v: &mut [f32]) {
+        let at = (slot * self.hkv + head) * self.row_bytes;
+        self.quant.decode(&self.k[at..at + self.row_bytes], k);
+        self.quant.decode(&self.v[at..at + self.row_bytes], v);
+    }
+}
+
+/// The f32 attention of every row of the batch on the host: long prefill chunks through the
+/// score tiles of the single-sequence op, unless results must not depend on the batch; the
+/// rest per row, where the pool splits the whole batch's rows.
+fn host_attention<S: KvRows>(
+    q: &[f32],
+    kv: &S,
+    geo: Geometry,
+    seqs: &[PagedSeq<'_>],
+    row_seq: &[usize],
+    spec: &PagedAttentionSpec,
+) -> Result<Vec<f32>> {
+    let invariant = tp_cpu::batch_invariant();
+    let tiled: Vec<bool> = seqs
+        .iter()
+        .map(|s| !invariant && s.q_len >= GEMM_MIN_TOKENS && s.q_len * s.kv_len >= TILED_MIN_SCORES)
+        .collect();
+    let mut y = host_paged(q, kv, geo, seqs, row_seq, spec, &tiled);
+    for (s, _) in seqs.iter().zip(&tiled).filter(|(_, t)| **t) {
+        let rows = s.q_start * geo.hq * geo.d..(s.q_start + s.q_len) * geo.hq * geo.d;
+        let ys = tiled_seq(&q[rows.clone()], kv, geo, s, spec)?;
+        y[rows].copy_from_slice(&ys);
+    }
+    Ok(y)
+}
+
 /// The f32 attention of every (row, head) on the host, rows spread over tp-cpu's pool when the
 /// work pays.
-#[allow(clippy::too_many_arguments)]
-fn host_paged<E: Element>(
+fn host_paged<S: KvRows>(
     q: &[f32],
-    kv: (&[E], &[E]),
+    kv: &S,
     geo: Geometry,
     seqs: &[PagedSeq<'_>],
     row_seq: &[usize],
@@ -292,9 +417,9 @@ fn host_paged<E: Element>(
 }
 
 /// What every row of one call reads.
-struct RowCtx<'a, E> {
+struct RowCtx<'a, S> {
     q: &'a [f32],
-    kv: (&'a [E], &'a [E]),
+    kv: &'a S,
     geo: Geometry,
     seqs: &'a [PagedSeq<'a>],
     row_seq: &'a [usize],
@@ -307,9 +432,9 @@ struct RowCtx<'a, E> {
 /// the single-sequence op's score tiles ([`gemm_attention`]: products of a tile of queries with
 /// all its keys, softmax, products with the values; scores never held beyond a tile), the
 /// sequence's keys and values gathered in position order and widened to f32 first.
-fn tiled_seq<E: Element>(
+fn tiled_seq<S: KvRows>(
     q: &[f32],
-    (k, v): (&[E], &[E]),
+    kv: &S,
     geo: Geometry,
     s: &PagedSeq<'_>,
     spec: &PagedAttentionSpec,
@@ -319,8 +444,9 @@ fn tiled_seq<E: Element>(
     let (mut kf, mut vf) = (vec![0f32; s.kv_len * row], vec![0f32; s.kv_len * row]);
     for (j, (kd, vd)) in kf.chunks_exact_mut(row).zip(vf.chunks_exact_mut(row)).enumerate() {
         let slot = s.blocks[j / bs] as usize * bs + j % bs;
-        E::slice_to_f32(&k[slot * row..(slot + 1) * row], kd);
-        E::slice_to_f32(&v[slot * row..(slot + 1) * row], vd);
+        for (h, (kh, vh)) in kd.chunks_exact_mut(d).zip(vd.chunks_exact_mut(d)).enumerate() {
+            kv.widen(slot, h, kh, vh);
+        }
     }
     let one = AttentionSpec { kv_len: s.kv_len, ..spec.as_spec() };
     gemm_attention(q, &kf, &vf, (s.q_len, hq, hkv, d), &one, groups)
@@ -329,7 +455,7 @@ fn tiled_seq<E: Element>(
 /// Output rows `first..first + out.len() / D` (row `r` is token `r / Hq`, head `r % Hq`), with
 /// the loops compiled for the best vector unit the CPU has, picked at run time (one choice per
 /// machine, so every row of every call takes the same path).
-fn paged_rows<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
+fn paged_rows<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
@@ -343,21 +469,21 @@ fn paged_rows<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
         }
     }
     // SAFETY: without FMA the body uses no instruction the CPU may lack.
-    unsafe { paged_rows_body::<E, false>(ctx, first, out) }
+    unsafe { paged_rows_body::<S, false>(ctx, first, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn paged_rows_avx512<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
+fn paged_rows_avx512<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
     // SAFETY: this function's `#[target_feature]` holds AVX2 and FMA, which its caller checked.
-    unsafe { paged_rows_body::<E, true>(ctx, first, out) }
+    unsafe { paged_rows_body::<S, true>(ctx, first, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn paged_rows_avx2<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
+fn paged_rows_avx2<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
     // SAFETY: as in `paged_rows_avx512`.
-    unsafe { paged_rows_body::<E, true>(ctx, first, out) }
+    unsafe { paged_rows_body::<S, true>(ctx, first, out) }
 }
 
 /// The portable body; `FMA` fuses the multiply-adds and takes the AVX2 dot product. Keys are
@@ -373,9 +499,8 @@ fn paged_rows_avx2<E: Element>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32
 /// # Safety
 /// With `FMA`, the CPU must have AVX2 and FMA.
 #[inline(always)]
-unsafe fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, first: usize, out: &mut [f32]) {
-    let Geometry { hq, hkv, d, block_size: bs, groups } = ctx.geo;
-    let (k, v) = ctx.kv;
+unsafe fn paged_rows_body<S: KvRows, const FMA: bool>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
+    let Geometry { hq, d, block_size: bs, groups, .. } = ctx.geo;
     let (mut scores, mut krows, mut vrows) = (Vec::new(), Vec::new(), Vec::new());
     // (sequence, KV head, first key, last key) of what `krows`/`vrows` hold.
     let mut held: Option<(usize, usize, usize, usize)> = None;
@@ -390,13 +515,11 @@ unsafe fn paged_rows_body<E: Element, const FMA: bool>(ctx: &RowCtx<'_, E>, firs
         let p = s.kv_len - s.q_len + (tok - s.q_start);
         let (lo, hi) = ctx.spec.key_range(p);
         if held != Some((si, kvh, lo, hi)) {
-            let at = |j: usize| ((s.blocks[j / bs] as usize * bs + j % bs) * hkv + kvh) * d;
             let n = hi + 1 - lo;
             krows.resize(n * d, 0.0);
             vrows.resize(n * d, 0.0);
             for ((j, kd), vd) in (lo..=hi).zip(krows.chunks_exact_mut(d)).zip(vrows.chunks_exact_mut(d)) {
-                E::slice_to_f32(&k[at(j)..at(j) + d], kd);
-                E::slice_to_f32(&v[at(j)..at(j) + d], vd);
+                ctx.kv.widen(s.blocks[j / bs] as usize * bs + j % bs, kvh, kd, vd);
             }
             held = Some((si, kvh, lo, hi));
         }

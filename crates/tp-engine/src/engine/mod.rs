@@ -82,6 +82,10 @@ pub struct EngineOptions {
     pub block_size: usize,
     /// KV-cache bytes per rank (`--kv-cache-memory`).
     pub kv_cache_memory: usize,
+    /// Keys and values in 8 bits on the host (`--kv-cache-dtype fp8 | q8_0`), or (`None`) in
+    /// the model dtype: an 8-bit cache holds 2x the positions of a 16-bit one in the same
+    /// `kv_cache_memory` (4x of an f32 one).
+    pub kv_cache_dtype: Option<tp_core::KvQuant>,
     /// Share full blocks between requests with the same prefix.
     pub enable_prefix_caching: bool,
     /// Seed of the seeds drawn for requests without one.
@@ -122,6 +126,7 @@ impl EngineOptions {
             max_model_len: None,
             block_size: 16,
             kv_cache_memory: 4 << 30,
+            kv_cache_dtype: None,
             enable_prefix_caching: true,
             seed: 0,
             timeout: Duration::from_secs(tp_comm::DEFAULT_TIMEOUT_SECS),
@@ -388,10 +393,11 @@ fn rank_main(
         Ok(b) => b,
         Err(e) => return fail(e, group),
     };
-    let caches = match model.new_paged_caches(num_blocks, opts.block_size).map_err(EngineError::from) {
-        Ok(c) => c,
-        Err(e) => return fail(e, group),
-    };
+    let caches =
+        match model.new_paged_caches(num_blocks, opts.block_size, opts.kv_cache_dtype).map_err(EngineError::from) {
+            Ok(c) => c,
+            Err(e) => return fail(e, group),
+        };
     let worker = RankWorker {
         model,
         world: groups.world().clone(),
@@ -490,7 +496,7 @@ fn agree_on_blocks(
     opts: &EngineOptions,
     max_model_len: usize,
 ) -> Result<usize, EngineError> {
-    let mine = model.kv_bytes_per_block(opts.block_size) as i64;
+    let mine = model.kv_bytes_per_block(opts.block_size, opts.kv_cache_dtype)? as i64;
     let t = group.to_local(&Tensor::from_vec(vec![mine], &[1], &Device::Cpu)?)?;
     let per_block = group.all_gather(&t, 0)?.to_i64_vec()?.into_iter().max().unwrap_or(mine).max(1) as usize;
     let fit = opts.kv_cache_memory / per_block;

@@ -14,23 +14,39 @@
 
 use super::ParallelCausalLm;
 use crate::error::{ModelError, Result};
-use tp_core::{Device, Tensor};
+use tp_core::{Device, KvQuant, Tensor};
 use tp_layers::{PagedKvCache, TokenBatch};
 
 impl ParallelCausalLm {
     /// Bytes one block of `block_size` positions costs on this rank, keys and values of every
-    /// layer.
-    pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
-        let per_position = 2 * self.kv_heads * self.config.head_dim * self.dtype.size_in_bytes();
-        per_position.saturating_mul(self.layers.len()).saturating_mul(block_size)
+    /// layer, stored in the model dtype or (`quant`) in 8 bits.
+    ///
+    /// Errors: a `head_dim` that `quant` cannot hold (`q8_0`: not a multiple of 32).
+    pub fn kv_bytes_per_block(&self, block_size: usize, quant: Option<KvQuant>) -> Result<usize> {
+        let d = self.config.head_dim;
+        let per_layer =
+            PagedKvCache::block_bytes(block_size, self.kv_heads, d, self.dtype, quant).ok_or_else(|| {
+                ModelError::Unsupported {
+                    field: "head_dim".into(),
+                    value: d.to_string(),
+                    why: format!("a {} KV cache needs head_dim a multiple of 32", quant.map_or("dense", KvQuant::name)),
+                }
+            })?;
+        Ok(per_layer.saturating_mul(self.layers.len()))
     }
 
     /// One paged cache per layer, `num_blocks` blocks of `block_size` positions each, on this
-    /// rank's device.
+    /// rank's device in the model dtype, or (`quant`) in 8 bits on the host.
     ///
-    /// Errors: a zero size, or memory that cannot be had (said in bytes).
-    pub fn new_paged_caches(&self, num_blocks: usize, block_size: usize) -> Result<Vec<PagedKvCache>> {
-        self.layers.iter().map(|l| Ok(l.new_paged_cache(num_blocks, block_size)?)).collect()
+    /// Errors: a zero size, a `head_dim` that `quant` cannot hold, an 8-bit cache asked of a
+    /// GPU model, or memory that cannot be had (said in bytes).
+    pub fn new_paged_caches(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        quant: Option<KvQuant>,
+    ) -> Result<Vec<PagedKvCache>> {
+        self.layers.iter().map(|l| Ok(l.new_paged_cache(num_blocks, block_size, quant)?)).collect()
     }
 
     /// Which columns of the vocabulary this rank's logits hold: `(start, len)` of
