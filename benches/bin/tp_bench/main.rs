@@ -6,15 +6,18 @@
 //! it when installed. Results: a table on stdout, and `results.json` / `results.csv` in `--out`.
 //!
 //! Usage: `tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..]
-//! [--only gemm,model,serving,gguf,train-gemm,pipeline] [--out DIR]`. `--only train-gemm` (opt-in: never
-//! part of the default run) measures the forward, dgrad and wgrad GEMMs of a training step beside
-//! torch (`train.rs`); `--only pipeline` (opt-in too) the measured bubble of each pipeline
-//! schedule beside its formula, with one step's timeline per schedule as an SVG (`pipeline.rs`). Writes `results.json`, `results.csv` and `results.svg` (throughput against size,
+//! [--only gemm,model,serving,gguf,train-gemm,pipeline,kv-cache] [--out DIR]`. `--only train-gemm` (opt-in:
+//! never part of the default run) measures the forward, dgrad and wgrad GEMMs of a training step
+//! beside torch (`train.rs`); `--only pipeline` (opt-in too) the measured bubble of each pipeline
+//! schedule beside its formula, with one step's timeline per schedule as an SVG (`pipeline.rs`);
+//! `--only kv-cache` (opt-in) the 8-bit KV caches' memory, speed and logits beside the model
+//! dtype's (`kv_cache.rs`; `--model FILE.gguf` runs a GGUF file in f32). Writes `results.json`, `results.csv` and `results.svg` (throughput against size,
 //! ours beside the reference, one panel per dtype) into DIR (default `target/bench`).
 
 mod cpu;
 mod gguf;
 mod gpu;
+mod kv_cache;
 mod model;
 mod pipeline;
 mod serving;
@@ -25,6 +28,7 @@ mod train;
 use anyhow::{Context, Result, bail};
 use std::fmt::Write as _;
 use std::path::PathBuf;
+use tp_core::DType;
 
 /// One measured row.
 #[derive(Debug, Clone)]
@@ -111,7 +115,7 @@ impl Args {
 }
 
 const USAGE: &str = "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] \
-                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm,pipeline] [--out DIR]\n       \
+                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm,pipeline,kv-cache] [--out DIR]\n       \
                      tp-bench --write-model  (writes the TinyLlama-shaped checkpoint once and prints its folder)";
 
 fn parse_args() -> Result<Args> {
@@ -135,12 +139,12 @@ fn parse_args() -> Result<Args> {
             "--out" => a.out = it.next().context("--out needs a directory")?.into(),
             "--model" => model = Some(it.next().context("--model needs tinyllama, a folder or none")?),
             "--only" => {
-                let list = it
-                    .next()
-                    .context("--only needs gemm, model, serving, gguf, train-gemm or pipeline (comma-separated)")?;
+                let list = it.next().context(
+                    "--only needs gemm, model, serving, gguf, train-gemm, pipeline or kv-cache (comma-separated)",
+                )?;
                 for t in list.split(',') {
-                    if !["gemm", "model", "serving", "gguf", "train-gemm", "pipeline"].contains(&t) {
-                        bail!("--only takes gemm, model, serving, gguf, train-gemm, pipeline; got {t:?}");
+                    if !["gemm", "model", "serving", "gguf", "train-gemm", "pipeline", "kv-cache"].contains(&t) {
+                        bail!("--only takes gemm, model, serving, gguf, train-gemm, pipeline, kv-cache; got {t:?}");
                     }
                     a.only.push(t.to_string());
                 }
@@ -214,6 +218,11 @@ fn run() -> Result<()> {
         }
         if device == tp_core::Device::Cpu && args.runs("serving") {
             rows.extend(serving::rows(&args, &model::dir_of(which)?)?);
+        }
+        if device == tp_core::Device::Cpu && args.named("kv-cache") {
+            let dir = model::dir_of(which)?;
+            let gguf = dir.extension().is_some_and(|e| e == "gguf");
+            rows.extend(kv_cache::rows(&args, &dir, if gguf { DType::F32 } else { DType::BF16 })?);
         }
         if device == tp_core::Device::Cpu && args.runs("gguf") && matches!(which, model::Which::TinyLlama) {
             rows.extend(gguf::rows(&args, &model::dir_of(which)?)?);

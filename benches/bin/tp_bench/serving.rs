@@ -29,12 +29,12 @@ use tp_engine::api::{Event, EventSink, Request, StepPhases};
 use tp_engine::sampling::SamplingParams;
 use tp_engine::{Engine, EngineOptions};
 
-const PROMPT_LEN: usize = 64;
+pub(crate) const PROMPT_LEN: usize = 64;
 /// Tokens per step while the long prompt is admitted.
 const CHUNK: usize = 32;
 
 /// Token arrival times of one request.
-struct Timed {
+pub(crate) struct Timed {
     submitted: Instant,
     tokens: Vec<Instant>,
 }
@@ -53,7 +53,7 @@ impl EventSink for Stamp {
     }
 }
 
-fn prompt(i: usize, len: usize, vocab: usize) -> Vec<i64> {
+pub(crate) fn prompt(i: usize, len: usize, vocab: usize) -> Vec<i64> {
     (0..len).map(|j| ((i * 7_919 + j * 104_729 + 13) % vocab) as i64).collect()
 }
 
@@ -64,7 +64,7 @@ fn run_requests(engine: &Engine, prompts: &[Vec<i64>], max_tokens: usize, offset
 
 /// [`run_requests`], and the engine's step phases from the moment every request had its first
 /// token to the end (the decode steps alone when all arrive at once).
-fn run_phased(
+pub(crate) fn run_phased(
     engine: &Engine,
     prompts: &[Vec<i64>],
     max_tokens: usize,
@@ -134,16 +134,16 @@ fn pcts(mut v: Vec<f64>) -> (f64, f64) {
 }
 
 /// Output tokens/s, TTFT (p50, p99) and TPOT (p50, p99) in milliseconds.
-struct Summary {
+pub(crate) struct Summary {
     tps: f64,
     /// Tokens/s from the moment every request had its first token to the last token: the
     /// decode rate with the whole batch running, no prefill in between.
-    steady: f64,
+    pub(crate) steady: f64,
     ttft: (f64, f64),
     tpot: (f64, f64),
 }
 
-fn summarize(t: &[Timed]) -> Summary {
+pub(crate) fn summarize(t: &[Timed]) -> Summary {
     let first = t.iter().map(|r| r.submitted).min().unwrap_or_else(Instant::now);
     let last = t.iter().filter_map(|r| r.tokens.last().copied()).max().unwrap_or(first);
     let n: usize = t.iter().map(|r| r.tokens.len()).sum();

@@ -342,7 +342,7 @@ struct DenseRows<'a, E> {
 }
 
 impl<E: Element> KvRows for DenseRows<'_, E> {
-    #[inline]
+    #[inline(always)]
     fn widen(&self, slot: usize, head: usize, k: &mut [f32], v: &mut [f32]) {
         let at = (slot * self.hkv + head) * self.d;
         E::slice_to_f32(&self.k[at..at + self.d], k);
@@ -360,7 +360,7 @@ struct QuantRows<'a> {
 }
 
 impl KvRows for QuantRows<'_> {
-    #[inline]
+    #[inline(always)]
     fn widen(&self, slot: usize, head: usize, k: &mut [f32], v: &mut [f32]) {
         let at = (slot * self.hkv + head) * self.row_bytes;
         self.quant.decode(&self.k[at..at + self.row_bytes], k);
