@@ -73,9 +73,11 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
 }
 
 /// Loads the model and starts the engine with `args`: ranks as threads (`--backend local`), or
-/// this process as rank 0 of one process per GPU (`--backend nccl`; see [`nccl_follower`]).
-pub fn start_engine(args: &EngineArgs) -> Result<StartedEngine, CliError> {
-    let opts = engine_options(args)?;
+/// this process as rank 0 of one process per GPU (`--backend nccl`; see [`nccl_follower`]). `source`:
+/// the model already opened (its GGUF file is then not opened again); `None` opens `args.model_dir`.
+pub fn start_engine(args: &EngineArgs, source: Option<tp_models::ModelSource>) -> Result<StartedEngine, CliError> {
+    let mut opts = engine_options(args)?;
+    opts.source = source;
     let (engine, children) = match args.backend {
         BackendArg::Local => {
             (tp_engine::start(&opts).map_err(|e| CliError::Engine(e.to_string()))?, Children(Vec::new()))

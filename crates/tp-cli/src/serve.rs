@@ -25,7 +25,9 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
     if let Some(r) = crate::engine::nccl_follower(&engine_args) {
         return r;
     }
-    let mut text = TextModel::load(&args.model_dir)?;
+    // The model's files opened once: the tokenizer, the template and every rank read them.
+    let source = tp_models::ModelSource::open(&args.model_dir).map_err(|e| CliError::Model(e.to_string()))?;
+    let mut text = TextModel::from_source(&source)?;
     if let Some(path) = &args.chat_template {
         text.replace_template(path)?;
     }
@@ -38,7 +40,7 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
         .block_on(tokio::net::TcpListener::bind((args.host.as_str(), args.port)))
         .map_err(|e| CliError::Io(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
     let addr = listener.local_addr().map_err(|e| CliError::Io(e.to_string()))?;
-    let started = start_engine(&engine_args)?;
+    let started = start_engine(&engine_args, Some(source))?;
     let handle = started.handle.clone();
     let state = Arc::new(AppState::new(started.handle, text, &args));
     tracing::info!("serving {} on http://{addr}", args.served_model_name);

@@ -26,13 +26,20 @@ pub struct TextModel {
 impl TextModel {
     /// Reads `dir/tokenizer.json`, and the chat template if the folder has one.
     pub fn load(dir: &Path) -> Result<TextModel, CliError> {
-        let gguf = tp_models::gguf::find_gguf(dir).map_err(|e| CliError::Model(e.to_string()))?;
-        if let Some(path) = gguf {
-            let beside = path.parent().map(|p| p.join("tokenizer.json"));
+        let source = tp_models::ModelSource::open(dir).map_err(|e| CliError::Model(e.to_string()))?;
+        Self::from_source(&source)
+    }
+
+    /// The text side of a model already opened: a GGUF file's own tokenizer and template (read
+    /// from the open file), unless a `tokenizer.json` lies beside it; else the folder's files.
+    pub fn from_source(source: &tp_models::ModelSource) -> Result<TextModel, CliError> {
+        if let Some(model) = source.gguf() {
+            let beside = model.path.parent().map(|p| p.join("tokenizer.json"));
             if !beside.as_ref().is_some_and(|t| t.exists()) {
-                return Self::from_gguf(&path);
+                return Self::from_gguf(model);
             }
         }
+        let dir = source.path();
         let dir = if dir.is_dir() { dir } else { dir.parent().unwrap_or(Path::new(".")) };
         let tok_text = read_text(&dir.join("tokenizer.json"), MAX_TOKENIZER_BYTES)?
             .ok_or_else(|| CliError::Model(format!("{}: no tokenizer.json in the model folder", dir.display())))?;
@@ -59,9 +66,8 @@ impl TextModel {
     }
 
     /// The tokenizer and chat template a GGUF file carries.
-    fn from_gguf(path: &Path) -> Result<TextModel, CliError> {
+    fn from_gguf(model: &tp_models::gguf::GgufModel) -> Result<TextModel, CliError> {
         let model_err = |e: tp_models::ModelError| CliError::Model(e.to_string());
-        let model = tp_models::gguf::GgufModel::open(path).map_err(model_err)?;
         let tokenizer = model.tokenizer().map_err(model_err)?;
         let mut specials = BTreeMap::new();
         for (name, key) in

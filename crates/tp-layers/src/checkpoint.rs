@@ -244,9 +244,13 @@ impl Checkpoint {
 
     /// The tensors of GGUF file `file` (opened from `path`) that `tensors` maps to Hugging Face
     /// names: each must exist in the file, with one or two dims, of a type tp runs.
-    pub fn from_gguf(file: tp_gguf::GgufFile, path: &Path, tensors: Vec<GgufTensor>) -> Result<Checkpoint> {
+    pub fn from_gguf(
+        file: impl Into<std::sync::Arc<tp_gguf::GgufFile>>,
+        path: &Path,
+        tensors: Vec<GgufTensor>,
+    ) -> Result<Checkpoint> {
         let origin = path_text(path);
-        let gguf = GgufTensors::new(file, origin.clone(), tensors)?;
+        let gguf = GgufTensors::new(file.into(), origin.clone(), tensors)?;
         Ok(Checkpoint { origin, files: Vec::new(), entries: HashMap::new(), gguf: Some(gguf) })
     }
 

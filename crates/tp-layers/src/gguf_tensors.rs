@@ -62,7 +62,8 @@ struct Entry {
 
 /// A GGUF file and its tensors under Hugging Face names.
 pub(crate) struct GgufTensors {
-    file: GgufFile,
+    /// The open file, shared with whoever else reads it (the config, the other ranks).
+    file: std::sync::Arc<GgufFile>,
     origin: String,
     entries: HashMap<String, Entry>,
 }
@@ -71,7 +72,7 @@ impl GgufTensors {
     /// Maps `tensors` onto `file` (`origin` names it in errors). Each must exist, be of a type tp
     /// runs (others are refused by name), have one or two dims, and, for [`RowOrder::Rotary`],
     /// rows that split into heads of an even size.
-    pub(crate) fn new(file: GgufFile, origin: String, tensors: Vec<GgufTensor>) -> Result<GgufTensors> {
+    pub(crate) fn new(file: std::sync::Arc<GgufFile>, origin: String, tensors: Vec<GgufTensor>) -> Result<GgufTensors> {
         let fail = |why: String| LayerError::Checkpoint { path: origin.clone(), why };
         let index: HashMap<&str, usize> =
             file.tensors().iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();

@@ -250,10 +250,11 @@ impl ModelConfig {
     /// `dir` may instead be a GGUF file, or a folder holding one and no `config.json`: the
     /// config then comes from the file's metadata ([`crate::gguf`]).
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<ModelConfig> {
-        let dir = dir.as_ref();
-        if let Some(path) = crate::gguf::find_gguf(dir)? {
-            return Ok(crate::gguf::GgufModel::open(&path)?.config);
-        }
+        crate::ModelSource::open(dir)?.config()
+    }
+
+    /// [`from_dir`](Self::from_dir) of a Hugging Face folder.
+    pub(crate) fn from_folder(dir: &Path) -> Result<ModelConfig> {
         let mut config = Self::from_json(&read_json(&dir.join("config.json"))?)?;
         let gen_path = dir.join("generation_config.json");
         if std::fs::symlink_metadata(&gen_path).is_ok() {

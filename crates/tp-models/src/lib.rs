@@ -47,6 +47,7 @@ pub mod gguf_tokenizer;
 mod model;
 mod rope_config;
 mod rope_kinds;
+mod source;
 mod tensors;
 
 pub use arch::Architecture;
@@ -58,6 +59,7 @@ pub use model::{
     partition_layers, stage_parts,
 };
 pub use rope_kinds::{RopeKindError, rope_scaling_from_kind};
+pub use source::ModelSource;
 pub use tensors::expected_tensors;
 pub use tp_comm;
 pub use tp_core;

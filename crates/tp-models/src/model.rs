@@ -18,6 +18,7 @@ pub use train::{BlockHook, MicroBatch, MicroBatchLoss, Recompute, StageForward, 
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::source::ModelSource;
 use crate::tensors::check_tensors;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -151,8 +152,9 @@ impl ParallelCausalLm {
     /// weights stay quantized blocks (computing in f32); with one, every tensor is dequantized
     /// to it while loading.
     pub fn load(dir: impl AsRef<Path>, group: &DeviceGroup, opts: &ModelOptions) -> Result<ParallelCausalLm> {
-        let config = ModelConfig::from_dir(dir.as_ref())?;
-        Self::load_with_config(dir, &config, group, opts)
+        let source = ModelSource::open(dir)?;
+        let config = source.config()?;
+        Self::load_part_from(&source, &config, group, opts, &StagePart::whole(config.num_hidden_layers))
     }
 
     /// Loads the model's tensors from `dir` as `config` describes them, for `group`.
@@ -188,7 +190,21 @@ impl ParallelCausalLm {
         opts: &ModelOptions,
         part: &StagePart,
     ) -> Result<ParallelCausalLm> {
-        let dir = dir.as_ref();
+        Self::load_part_from(&ModelSource::open(dir)?, config, group, opts, part)
+    }
+
+    /// [`load_part`](Self::load_part) from a model already opened: a GGUF file's one mapping
+    /// and parsed header are shared, not opened again (every rank of a process can load from
+    /// clones of one [`ModelSource`]).
+    ///
+    /// Errors: as [`load_part`](Self::load_part).
+    pub fn load_part_from(
+        source: &ModelSource,
+        config: &ModelConfig,
+        group: &DeviceGroup,
+        opts: &ModelOptions,
+        part: &StagePart,
+    ) -> Result<ParallelCausalLm> {
         let c = config;
         if part.layers.start > part.layers.end || part.layers.end > c.num_hidden_layers {
             return Err(ModelError::Request(format!(
@@ -198,13 +214,12 @@ impl ParallelCausalLm {
         }
         let layout =
             QkvLayout::new(c.num_attention_heads, c.num_key_value_heads, c.head_dim, group.rank(), group.world_size())?;
-        let (ckpt, quantized) = match crate::gguf::find_gguf(dir)? {
-            Some(path) => {
-                let m = crate::gguf::GgufModel::open(&path)?;
+        let (ckpt, quantized) = match source {
+            ModelSource::Gguf(m) => {
                 let tensors = crate::gguf::tensor_map(c, &m.arch);
-                (Checkpoint::from_gguf(m.file, &path, tensors)?, opts.dtype.is_none())
+                (Checkpoint::from_gguf(m.file.clone(), &m.path, tensors)?, opts.dtype.is_none())
             }
-            None => (Checkpoint::open(dir)?, false),
+            ModelSource::Folder(dir) => (Checkpoint::open(dir)?, false),
         };
         check_tensors(&ckpt, c)?;
         let dtype = match opts.dtype {

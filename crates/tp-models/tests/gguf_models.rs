@@ -252,3 +252,24 @@ fn files_tp_cannot_read_are_refused_naming_why() {
         eprintln!("{name}: {err}");
     }
 }
+
+/// A GGUF model opened once (`ModelSource`) loads on every rank from that one open file: the
+/// file can be gone from the disk by then, and the ranks still load, with the logits of a model
+/// loaded from the path, and the config the file gave.
+#[test]
+fn every_rank_loads_from_the_file_opened_once() {
+    let (gguf, _) = write("opened-once", &spec(Architecture::Llama, false, 31), "Q8_0");
+    let want = prefill(&gguf, 2, ModelOptions::new());
+    let source = tp_models::ModelSource::open(&gguf).unwrap();
+    assert_eq!(source.config().unwrap(), tp_models::ModelConfig::from_dir(&gguf).unwrap());
+    assert_eq!(source.path(), gguf.as_path());
+    std::fs::remove_file(&gguf).unwrap();
+    assert!(tp_models::ModelSource::open(&gguf).is_err(), "the path is gone");
+    let config = source.config().unwrap();
+    let got = on_ranks(2, CPU, |g| {
+        let whole = tp_models::StagePart::whole(config.num_hidden_layers);
+        let mut lm = ParallelCausalLm::load_part_from(&source, &config, &g, &ModelOptions::new(), &whole).unwrap();
+        f64s(&lm.prefill(&PROMPT).unwrap())
+    });
+    assert_eq!(got, want);
+}

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tp_comm::DeviceGroup;
 use tp_comm::{Mesh, MeshShape};
 use tp_core::{DType, Device, Tensor};
-use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, StagePart};
+use tp_models::{ModelConfig, ModelOptions, ModelSource, ParallelCausalLm, StagePart};
 
 /// Why the engine could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +63,9 @@ pub enum DeviceKind {
 pub struct EngineOptions {
     /// The Hugging Face model folder.
     pub model_dir: PathBuf,
+    /// The model already opened from `model_dir` (a GGUF file's mapping and parsed header,
+    /// shared by every rank of this process); `None`: the engine opens it once at start.
+    pub source: Option<ModelSource>,
     /// Ranks per pipeline stage (`--tensor-parallel-size`).
     pub tensor_parallel_size: usize,
     /// Pipeline stages (`--pipeline-parallel-size`): the layers split over them as vLLM splits
@@ -117,6 +120,7 @@ impl EngineOptions {
     pub fn new(model_dir: impl Into<PathBuf>) -> EngineOptions {
         EngineOptions {
             model_dir: model_dir.into(),
+            source: None,
             tensor_parallel_size: 1,
             pipeline_parallel_size: 1,
             dtype: None,
@@ -182,7 +186,7 @@ impl Engine {
 /// Errors: settings out of range, the model's (config, tensors, heads that cannot be split),
 /// a KV cache that cannot hold one block per layer.
 pub fn start(opts: &EngineOptions) -> Result<Engine, EngineError> {
-    let (config, max_model_len) = checked_settings(opts)?;
+    let settings = checked_settings(opts)?;
     let n = opts.tensor_parallel_size * opts.pipeline_parallel_size;
     let devices: Vec<Device> = match opts.device {
         DeviceKind::Cpu => vec![Device::Cpu; n],
@@ -197,10 +201,10 @@ pub fn start(opts: &EngineOptions) -> Result<Engine, EngineError> {
     if opts.pipeline_parallel_size > 1 {
         let shape = MeshShape::new(1, opts.pipeline_parallel_size, opts.tensor_parallel_size)?;
         let ranks = Mesh::local(shape, opts.timeout, |r| devices[r])?.into_iter().map(RankGroups::Mesh).collect();
-        return launch(ranks, opts, &config, max_model_len);
+        return launch(ranks, opts, &settings);
     }
     let groups = DeviceGroup::local(n, opts.timeout, |r| devices[r])?;
-    launch(groups.into_iter().map(RankGroups::Tp).collect(), opts, &config, max_model_len)
+    launch(groups.into_iter().map(RankGroups::Tp).collect(), opts, &settings)
 }
 
 /// The groups of one engine rank: its tensor-parallel group alone, or its place in a pipeline.
@@ -262,17 +266,17 @@ pub fn start_process_rank(opts: &EngineOptions, group: DeviceGroup) -> Result<Pr
             opts.tensor_parallel_size
         )));
     }
-    let (config, max_model_len) = checked_settings(opts)?;
+    let settings = checked_settings(opts)?;
     if group.rank() == 0 {
-        return launch(vec![RankGroups::Tp(group)], opts, &config, max_model_len).map(ProcessRank::Leader);
+        return launch(vec![RankGroups::Tp(group)], opts, &settings).map(ProcessRank::Leader);
     }
     let (ready_tx, _ready_rx) = mpsc::channel();
-    rank_main(RankGroups::Tp(group), opts, &config, max_model_len, Arc::new(SharedStats::default()), ready_tx)?;
+    rank_main(RankGroups::Tp(group), opts, &settings, Arc::new(SharedStats::default()), ready_tx)?;
     Ok(ProcessRank::Follower)
 }
 
-/// Checks the settings and reads the model's config: the config and the longest sequence.
-fn checked_settings(opts: &EngineOptions) -> Result<(ModelConfig, usize), EngineError> {
+/// Checks the settings and opens the model (once): its source, config and the longest sequence.
+fn checked_settings(opts: &EngineOptions) -> Result<Settings, EngineError> {
     if let Some(s) = &opts.speculative {
         s.validate().map_err(|e| EngineError::Config(format!("speculative decoding: {e}")))?;
     }
@@ -296,7 +300,11 @@ fn checked_settings(opts: &EngineOptions) -> Result<(ModelConfig, usize), Engine
     if opts.max_num_seqs == 0 || opts.max_num_batched_tokens == 0 {
         return Err(EngineError::Config("max-num-seqs and max-num-batched-tokens must be at least 1".into()));
     }
-    let config = ModelConfig::from_dir(&opts.model_dir)?;
+    let source = match &opts.source {
+        Some(s) => s.clone(),
+        None => ModelSource::open(&opts.model_dir)?,
+    };
+    let config = source.config()?;
     tp_models::partition_layers(config.num_hidden_layers, p, None)
         .map_err(|e| EngineError::Config(format!("--pipeline-parallel-size {p}: {e}")))?;
     let max_model_len = match opts.max_model_len {
@@ -310,25 +318,28 @@ fn checked_settings(opts: &EngineOptions) -> Result<(ModelConfig, usize), Engine
         Some(l) => l,
         None => config.max_position_embeddings,
     };
-    Ok((config, max_model_len))
+    Ok(Settings { source, config, max_model_len })
+}
+
+/// What [`checked_settings`] found: the opened model, its config, the longest sequence.
+#[derive(Clone)]
+struct Settings {
+    source: ModelSource,
+    config: ModelConfig,
+    max_model_len: usize,
 }
 
 /// Starts a thread per group of this process (rank 0's among them) and waits until rank 0 has
 /// loaded and holds a handle.
-fn launch(
-    groups: Vec<RankGroups>,
-    opts: &EngineOptions,
-    config: &ModelConfig,
-    max_model_len: usize,
-) -> Result<Engine, EngineError> {
+fn launch(groups: Vec<RankGroups>, opts: &EngineOptions, settings: &Settings) -> Result<Engine, EngineError> {
     let stats = Arc::new(SharedStats::default());
     let (ready_tx, ready_rx) = mpsc::channel::<Result<(EngineHandle, usize), String>>();
     let mut threads = Vec::with_capacity(groups.len());
     for group in groups {
-        let (opts, config, stats, ready_tx) = (opts.clone(), config.clone(), stats.clone(), ready_tx.clone());
+        let (opts, settings, stats, ready_tx) = (opts.clone(), settings.clone(), stats.clone(), ready_tx.clone());
         let t = std::thread::Builder::new()
             .name(format!("tp-rank-{}", group.world().rank()))
-            .spawn(move || rank_main(group, &opts, &config, max_model_len, stats, ready_tx))
+            .spawn(move || rank_main(group, &opts, &settings, stats, ready_tx))
             .map_err(|e| EngineError::Config(format!("cannot start a rank thread: {e}")))?;
         threads.push(t);
     }
@@ -350,12 +361,12 @@ fn first_error(threads: Vec<JoinHandle<Result<(), EngineError>>>) -> Option<Engi
 fn rank_main(
     groups: RankGroups,
     opts: &EngineOptions,
-    config: &ModelConfig,
-    max_model_len: usize,
+    settings: &Settings,
     stats: Arc<SharedStats>,
     ready: mpsc::Sender<Result<(EngineHandle, usize), String>>,
 ) -> Result<(), EngineError> {
     let rank = groups.world().rank();
+    let (config, max_model_len) = (&settings.config, settings.max_model_len);
     tp_core::cpu::set_batch_invariant(opts.batch_invariant);
     let group = &groups;
     let fail = |e: EngineError, group: &RankGroups| {
@@ -380,7 +391,7 @@ fn rank_main(
             (parts[m.coords().pp].clone(), Some((m.pp().clone(), last)))
         }
     };
-    let mut model = match ParallelCausalLm::load_part(&opts.model_dir, config, groups.tp(), &mopts, &part) {
+    let mut model = match ParallelCausalLm::load_part_from(&settings.source, config, groups.tp(), &mopts, &part) {
         Ok(m) => m,
         Err(e) => return fail(e.into(), group),
     };

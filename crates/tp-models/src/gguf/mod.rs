@@ -20,6 +20,7 @@ mod names;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use tp_gguf::GgufFile;
 use tp_layers::GgufTensor;
 use tp_layers::tp_core::DType;
@@ -64,8 +65,8 @@ fn meta_err(path: &Path, key: &str, why: impl std::fmt::Display) -> ModelError {
 pub struct GgufModel {
     /// Where the file is.
     pub path: PathBuf,
-    /// The open file.
-    pub file: GgufFile,
+    /// The open file (shared with the checkpoints that read its tensors).
+    pub file: Arc<GgufFile>,
     /// `general.architecture`.
     pub arch: String,
     /// The config its metadata implies.
@@ -89,7 +90,7 @@ impl GgufModel {
         let (spec, map) = config::config_json(&Meta { file: &file, path, arch: &arch })?;
         let config = ModelConfig::from_json(&map)?;
         names::check_all_mapped(&file, path, spec, &tensor_map(&config, &arch))?;
-        Ok(GgufModel { path: path.to_path_buf(), file, arch, config })
+        Ok(GgufModel { path: path.to_path_buf(), file: Arc::new(file), arch, config })
     }
 
     /// Every tensor of the model under its Hugging Face name, mapped to the GGUF tensor that
