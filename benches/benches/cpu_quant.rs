@@ -7,7 +7,7 @@
 //! streaming rate, to set beside a plain read of memory (about 35 GB/s on 2 threads on the CI
 //! machine kind) and llama.cpp's whole-model decode (`cargo xtask bench --only gguf`). Q4_0 and
 //! Q4_K run in both row layouts: ggml's, and the eight-row interleaving tp loads GGUF files into
-//! (`RowLayout::Q4_0x8`, `RowLayout::Q4Kx8`).
+//! (`RowLayout::Q4_0x8`, `RowLayout::Q4Kx8`, `RowLayout::Q6Kx8`).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use std::hint::black_box;
@@ -36,6 +36,7 @@ fn quant(c: &mut Criterion) {
         (QuantType::Q4K, RowLayout::Ggml),
         (QuantType::Q4K, RowLayout::Q4Kx8),
         (QuantType::Q6K, RowLayout::Ggml),
+        (QuantType::Q6K, RowLayout::Q6Kx8),
     ];
     for (t, layout) in cases {
         let row_bytes = t.row_bytes(k).expect("whole blocks");

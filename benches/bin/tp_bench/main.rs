@@ -217,7 +217,12 @@ fn run() -> Result<()> {
             rows.extend(model::rows(&args, which, device)?);
         }
         if device == tp_core::Device::Cpu && args.runs("serving") {
-            rows.extend(serving::rows(&args, &model::dir_of(which)?)?);
+            let dir = model::dir_of(which)?;
+            if dir.extension().is_some_and(|e| e == "gguf") {
+                rows.extend(serving::gguf_rows(&args, &dir)?);
+            } else {
+                rows.extend(serving::rows(&args, &dir)?);
+            }
         }
         if device == tp_core::Device::Cpu && args.named("kv-cache") {
             let dir = model::dir_of(which)?;

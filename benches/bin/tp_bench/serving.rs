@@ -17,6 +17,12 @@
 //!   `CHUNK` tokens: the decodes' p99 gap between tokens over their median.
 //! * transformers' batched `generate` (batch 16, the same prompts and lengths, greedy, same
 //!   threads) beside the concurrency-16 row, when python3 has torch and transformers.
+//!
+//! With `--model FILE.gguf`, [`gguf_rows`] serves the file on its quantized blocks with the load
+//! generator's workload (128-token prompts, 64-token answers, concurrency 1, 4, 16 and 64, all
+//! at once): output tokens/s, TTFT p50 and the time per output token p50 (guidellm's ITL), and
+//! the 16-request run's step phases; `benches/reference/load_vs_llama_server.py` puts the same
+//! workload through guidellm against `tp serve` and `llama-server`.
 
 use crate::{Args, Row};
 use anyhow::{Context, Result, bail};
@@ -288,6 +294,47 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
             Err(e) => println!("transformers batched baseline skipped: {e}"),
         }
     }
+    Ok(rows)
+}
+
+/// The serving rows of a GGUF file on its quantized blocks, with the load generator's workload.
+pub fn gguf_rows(args: &Args, file: &Path) -> Result<Vec<Row>> {
+    const PROMPT: usize = 128;
+    const ANSWER: usize = 64;
+    let vocab = tp_models::ModelConfig::from_dir(file)?.vocab_size;
+    let levels: &[usize] = if args.quick { &[1, 4] } else { &[1, 4, 16, 64] };
+    let engine = tp_engine::start(&EngineOptions::new(file)).context("starting the engine")?;
+    run_requests(&engine, &[prompt(999, 8, vocab)], 2, &[Duration::ZERO])?; // warm-up
+    let mut rows = Vec::new();
+    let mut one = None;
+    for &c in levels {
+        eprint!("\r  measuring GGUF serving, {c} concurrent requests...          ");
+        let prompts: Vec<_> = (0..c).map(|i| prompt(i + 3000 * c, PROMPT, vocab)).collect();
+        let (t, phases) = run_phased(&engine, &prompts, ANSWER, &vec![Duration::ZERO; c])?;
+        let s = summarize(&t);
+        let shape = format!("{c}x({PROMPT}+{ANSWER})");
+        let mut gguf_row = |name: String, ours, unit, base| {
+            let mut r = row(name, shape.clone(), ours, unit, base);
+            r.dtype = "gguf".into();
+            rows.push(r);
+        };
+        gguf_row(format!("gguf output, {c} conc."), s.tps, "tokens/s", one.map(|b| ("concurrency 1", b)));
+        gguf_row(format!("gguf TTFT p50, {c} conc."), s.ttft.0, "ms", None);
+        gguf_row(format!("gguf ITL p50, {c} conc."), s.tpot.0, "ms", None);
+        if c == 1 {
+            one = Some(s.tps);
+        }
+        if c == 16 && phases.steps > 0 {
+            let per = |secs: f64| secs / phases.steps as f64 * 1e3;
+            for (name, secs) in phases.named() {
+                gguf_row(format!("gguf step 16: {name}"), per(secs), "ms", None);
+            }
+        }
+    }
+    let h = engine.handle();
+    h.begin_shutdown();
+    drop(h);
+    let _ = engine.join(Instant::now() + Duration::from_secs(60));
     Ok(rows)
 }
 

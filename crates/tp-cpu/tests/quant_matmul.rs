@@ -319,7 +319,7 @@ fn stacked_parts_are_the_per_part_products_side_by_side() {
     assert!(y.iter().all(|&v| v == 7.0), "an error wrote to y");
 }
 
-/// Q4_0 and Q4_K rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`: what
+/// Q4_0, Q4_K and Q6_K rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`, `Q6Kx8`: what
 /// `RowLayout::preferred` gives them) stay within the documented bound on every kernel and both
 /// paths, at row counts off the group of eight and task sizes, with 1 to 47 activation rows and
 /// 48: the same checks as for ggml's layout (the integer sums are the same; only the order of
@@ -328,7 +328,8 @@ fn stacked_parts_are_the_per_part_products_side_by_side() {
 fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
     assert_eq!(RowLayout::preferred(QuantType::Q4_0), RowLayout::Q4_0x8);
     assert_eq!(RowLayout::preferred(QuantType::Q4K), RowLayout::Q4Kx8);
-    assert_eq!(RowLayout::preferred(QuantType::Q6K), RowLayout::Ggml);
+    assert_eq!(RowLayout::preferred(QuantType::Q6K), RowLayout::Q6Kx8);
+    assert_eq!(RowLayout::preferred(QuantType::Q8_0), RowLayout::Ggml);
     let mut rng = Rng(31);
     // The last case's rows are long enough that the GEMM path's tiles (224 rows there) end
     // inside the weight: the second tile starts on a group and ends in the ggml-layout rows.
@@ -346,11 +347,12 @@ fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
         (40, 95, 1),
         (40, 96, 1),
     ];
-    for t in [QuantType::Q4_0, QuantType::Q4K] {
+    for t in [QuantType::Q4_0, QuantType::Q4K, QuantType::Q6K] {
         let layout = RowLayout::preferred(t);
         for (rows, m, scale_k) in cases {
-            // An odd number of blocks: 37 of Q4_0, 5 super-blocks of Q4_K (times 8 in the last case).
-            let k = scale_k * if t == QuantType::Q4K { 5 * 256 } else { 37 * 32 } + if scale_k > 1 { 256 } else { 0 };
+            // An odd number of blocks: 37 of Q4_0, 5 super-blocks of Q4_K / Q6_K (times 8 in the
+            // last case).
+            let k = scale_k * if t != QuantType::Q4_0 { 5 * 256 } else { 37 * 32 } + if scale_k > 1 { 256 } else { 0 };
             let row_bytes = t.row_bytes(k).unwrap();
             let w = weight(t, rows, k, &mut rng);
             let mut x8 = w.clone();

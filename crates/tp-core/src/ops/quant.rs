@@ -31,7 +31,7 @@ struct Part {
     /// decode streams them every token), in `layout`.
     data: Arc<WeightBuf>,
     /// How the rows are stored: the layout the host decode kernels read fastest
-    /// ([`RowLayout::preferred`]: Q4_0 and Q4_K rows eight at a time; ggml's for the others).
+    /// ([`RowLayout::preferred`]: Q4_0, Q4_K and Q6_K rows eight at a time; ggml's for the others).
     layout: RowLayout,
 }
 

@@ -50,6 +50,7 @@ macro_rules! isa_entry {
             use super::super::dot_legacy::{self as lg, Legacy};
             use super::super::dot_q4kx8 as q4k;
             use super::super::dot_q4x8 as q4;
+            use super::super::dot_q6kx8 as q6k;
             use super::super::interleave::RowLayout;
             use super::super::types::QuantType;
 
@@ -83,7 +84,7 @@ macro_rules! isa_entry {
                 row_loop!(legacy_m, L, w, row_bytes, xs, out)
             }
 
-            /// Rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`): whole groups
+            /// Rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`, `Q6Kx8`): whole groups
             /// through `G`'s kernel (1, 2 or 4 activation rows at a time); the rows past the last
             /// group (ggml's layout) go to `tail`.
             ///
@@ -183,6 +184,7 @@ macro_rules! isa_entry {
                             grouped::<q4::Q40x8>(w, row_bytes, xs, out, legacy::<lg::Q40>)
                         }
                         QuantType::Q4K if interleaved => grouped::<q4k::Q4Kx8>(w, row_bytes, xs, out, kquant::<kq::Q4>),
+                        QuantType::Q6K if interleaved => grouped::<q6k::Q6Kx8>(w, row_bytes, xs, out, kquant::<kq::Q6>),
                         QuantType::Q4_0 => legacy::<lg::Q40>(w, row_bytes, xs, out),
                         QuantType::Q4_1 => legacy::<lg::Q41>(w, row_bytes, xs, out),
                         QuantType::Q5_0 => legacy::<lg::Q50>(w, row_bytes, xs, out),

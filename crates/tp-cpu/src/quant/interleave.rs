@@ -16,6 +16,12 @@
 //! `d`, `dmin` and packed scales side by side, so that the kernel (`dot_q4kx8`) unpacks the
 //! scales of eight rows at once, and their codes in the same 8-byte pieces as Q4_0x8.
 //!
+//! [`RowLayout::Q6Kx8`] does the same for Q6_K super-blocks (see [`k6_place`]): the eight rows'
+//! `d` side by side, their 16 scales in pairs of groups (so that one sign extension gives the
+//! eight rows' scale pairs for a multiply-add with the activation's sums), and their low and high
+//! code bytes in 8-byte runs of four rows, as ggml stores them within a row, so that the kernel
+//! (`dot_q6kx8`) unpacks four rows' codes with ggml's own bit operations.
+//!
 //! Rows past the last whole group (`rows % 8` of them) keep ggml's layout, after the groups.
 //! Everything but the host decode kernels reads ggml's layout: [`to_ggml`] puts rows back.
 
@@ -33,6 +39,8 @@ pub enum RowLayout {
     /// Q4_K only: groups of eight rows interleaved super-block by super-block (see
     /// `interleave_k`).
     Q4Kx8,
+    /// Q6_K only: groups of eight rows interleaved super-block by super-block (see `k6_place`).
+    Q6Kx8,
 }
 
 impl RowLayout {
@@ -41,13 +49,19 @@ impl RowLayout {
         match t {
             QuantType::Q4_0 => RowLayout::Q4_0x8,
             QuantType::Q4K => RowLayout::Q4Kx8,
+            QuantType::Q6K => RowLayout::Q6Kx8,
             _ => RowLayout::Ggml,
         }
     }
 
     /// Whether rows of `t` in this layout differ from ggml's.
     pub(crate) fn applies(self, t: QuantType) -> bool {
-        (self == RowLayout::Q4_0x8 && t == QuantType::Q4_0) || (self == RowLayout::Q4Kx8 && t == QuantType::Q4K)
+        matches!(
+            (self, t),
+            (RowLayout::Q4_0x8, QuantType::Q4_0)
+                | (RowLayout::Q4Kx8, QuantType::Q4K)
+                | (RowLayout::Q6Kx8, QuantType::Q6K)
+        )
     }
 }
 
@@ -168,6 +182,73 @@ fn deinterleave_k(src: &[u8], nb: usize, dst: &mut [u8]) {
     }
 }
 
+/// Bytes of a Q6_K super-block (128 bytes of low code nibbles, 64 of high code bits, 16 signed
+/// scales, `d`), and of an interleaved super-block of eight rows.
+const K6_BLOCK: usize = 210;
+const K6_GROUP_BLOCK: usize = 8 * K6_BLOCK;
+/// Where an interleaved Q6_K super-block's scales, low nibbles and high bits start.
+pub(crate) const K6_SCALES: usize = 16;
+pub(crate) const K6_QL: usize = 144;
+pub(crate) const K6_QH: usize = 1168;
+
+/// Where byte `i` of a Q6_K super-block goes in an interleaved super-block of eight rows
+/// (`RowLayout::Q6Kx8`), for row `r` whose lane is `l` (`LANES[l] == r`):
+///
+/// * `d` (bytes `208..210`) at `2 l` (bytes `0..16`);
+/// * scale `g = 2 t + j` (byte `192 + g`) at `16 + 16 t + 2 l + j` (bytes `16..144`): for each
+///   pair of groups, the eight rows' two scales side by side in lane order;
+/// * low-nibble byte `8 R + b` (`R < 16`) at `144 + 32 (2 R + q) + 8 rr + b`, high-bit byte
+///   `128 + 8 R + b` (`R < 8`) at `1168 + 32 (2 R + q) + 8 rr + b`, for row `4 q + rr`: each
+///   8-byte run of ggml's bytes with the same run of the three other rows of its half.
+fn k6_place(r: usize, i: usize) -> usize {
+    let l = LANES.iter().position(|&x| x == r).unwrap_or(0);
+    let (q, rr) = (r / 4, r % 4);
+    match i {
+        0..128 => K6_QL + 32 * (2 * (i / 8) + q) + 8 * rr + i % 8,
+        128..192 => K6_QH + 32 * (2 * ((i - 128) / 8) + q) + 8 * rr + i % 8,
+        192..208 => {
+            let g = i - 192;
+            K6_SCALES + 16 * (g / 2) + 2 * l + g % 2
+        }
+        _ => 2 * l + (i - 208),
+    }
+}
+
+/// One Q6_K group: eight ggml rows of `nb` super-blocks into `dst` interleaved ([`k6_place`]).
+fn interleave_k6(src: &[u8], nb: usize, dst: &mut [u8]) {
+    let row_bytes = nb * K6_BLOCK;
+    for s in 0..nb {
+        let out = &mut dst[s * K6_GROUP_BLOCK..(s + 1) * K6_GROUP_BLOCK];
+        for r in 0..8 {
+            for (i, &v) in src[r * row_bytes + s * K6_BLOCK..][..K6_BLOCK].iter().enumerate() {
+                out[k6_place(r, i)] = v;
+            }
+        }
+    }
+}
+
+/// One interleaved Q6_K group back into eight ggml rows: [`k6_place`]'s 8-byte runs of codes
+/// copied whole, the scales and `d` byte by byte.
+fn deinterleave_k6(src: &[u8], nb: usize, dst: &mut [u8]) {
+    let row_bytes = nb * K6_BLOCK;
+    for s in 0..nb {
+        let inp = &src[s * K6_GROUP_BLOCK..(s + 1) * K6_GROUP_BLOCK];
+        for (l, &r) in LANES.iter().enumerate() {
+            let out = &mut dst[r * row_bytes + s * K6_BLOCK..][..K6_BLOCK];
+            let (q, rr) = (r / 4, r % 4);
+            for run in 0..24 {
+                // Runs 0..16 are the low nibbles, 16..24 the high bits (ggml bytes 8 run ..).
+                let at = if run < 16 { K6_QL + 32 * (2 * run + q) } else { K6_QH + 32 * (2 * (run - 16) + q) };
+                out[8 * run..8 * run + 8].copy_from_slice(&inp[at + 8 * rr..at + 8 * rr + 8]);
+            }
+            for g in 0..16 {
+                out[192 + g] = inp[K6_SCALES + 16 * (g / 2) + 2 * l + g % 2];
+            }
+            out[208..210].copy_from_slice(&inp[2 * l..2 * l + 2]);
+        }
+    }
+}
+
 /// Whole rows of `t` (`row_bytes` each, whole blocks; the first row a multiple of 8 from the
 /// weight's first) from ggml's layout into `layout`, in place. Nothing changes where the layout
 /// does not apply to `t`.
@@ -191,6 +272,7 @@ pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: us
     for group in data.chunks_exact_mut(8 * row_bytes) {
         match layout {
             RowLayout::Q4Kx8 => interleave_k(group, row_bytes / K_BLOCK, &mut tmp),
+            RowLayout::Q6Kx8 => interleave_k6(group, row_bytes / K6_BLOCK, &mut tmp),
             _ => interleave(group, row_bytes / BLOCK, &mut tmp),
         }
         group.copy_from_slice(&tmp);
@@ -235,6 +317,7 @@ pub(crate) fn to_ggml(t: QuantType, layout: RowLayout, src: &[u8], row_bytes: us
     for (s, d) in src[..whole].chunks_exact(8 * row_bytes).zip(dst[..whole].chunks_exact_mut(8 * row_bytes)) {
         match layout {
             RowLayout::Q4Kx8 => deinterleave_k(s, row_bytes / K_BLOCK, d),
+            RowLayout::Q6Kx8 => deinterleave_k6(s, row_bytes / K6_BLOCK, d),
             _ => deinterleave(s, row_bytes / BLOCK, d),
         }
     }
@@ -280,6 +363,26 @@ mod tests {
         for r in 0..8 {
             for i in 0..K_BLOCK {
                 assert!(!std::mem::replace(&mut seen[k_place(r, i)], true), "k_place({r}, {i}) reused");
+            }
+        }
+        // Q6_K: there and back, a code run where k6_place says, every byte placed once.
+        let t6 = QuantType::Q6K;
+        let row6 = 2 * K6_BLOCK;
+        let g6: Vec<u8> = (0..13 * row6).map(|i| (i * 59 % 239) as u8).collect();
+        let mut x6 = g6.clone();
+        to_layout(t6, RowLayout::Q6Kx8, &mut x6, row6).unwrap();
+        assert_ne!(x6, g6);
+        // Row 6 (lane 6), super-block 1: high-bit byte 128 + 8 * 5 + 3 (run 5), and scale 9.
+        let want = g6[6 * row6 + K6_BLOCK + 128 + 43];
+        assert_eq!(x6[K6_GROUP_BLOCK + K6_QH + 32 * (2 * 5 + 1) + 8 * 2 + 3], want);
+        assert_eq!(x6[K6_GROUP_BLOCK + K6_SCALES + 16 * 4 + 2 * 6 + 1], g6[6 * row6 + K6_BLOCK + 192 + 9]);
+        let mut b6 = vec![0u8; g6.len()];
+        to_ggml(t6, RowLayout::Q6Kx8, &x6, row6, &mut b6);
+        assert_eq!(b6, g6);
+        let mut seen = vec![false; K6_GROUP_BLOCK];
+        for r in 0..8 {
+            for i in 0..K6_BLOCK {
+                assert!(!std::mem::replace(&mut seen[k6_place(r, i)], true), "k6_place({r}, {i}) reused");
             }
         }
         // Other types are left alone.

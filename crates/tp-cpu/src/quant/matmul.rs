@@ -26,7 +26,7 @@ use std::cell::RefCell;
 /// at 32 rows the integer path takes 0.65-0.9 of the GEMM path's time, at 64 they are within 10%
 /// either way, at 128 the GEMM takes 0.75-0.9, at 256 0.5-0.8).
 const GEMM_MIN_M: usize = 48;
-/// The same for a part stored in an interleaved layout (`RowLayout::Q4_0x8`, `Q4Kx8`) on the x86
+/// The same for a part stored in an interleaved layout (`RowLayout::Q4_0x8`, `Q4Kx8`, `Q6Kx8`) on the x86
 /// integer kernels, which read eight rows at once and prefetch the next eight: measured on Zen 4
 /// (two threads, `[5632, 2048]` Q4_K), the integer path takes 2.8 ms at 48 rows against the
 /// GEMM path's 3.7, 3.8 at 64 against 4.3, and they meet near 96.
@@ -86,7 +86,7 @@ pub fn quant_matmul(t: QuantType, w: &[u8], rows: usize, k: usize, x: &[f32], m:
 }
 
 /// One block of weight rows of a [`quant_matmul_parts`] product: `rows` rows of type `t` in `w`,
-/// stored in `layout` ([`RowLayout`]: ggml's, or the eight-row interleaving of Q4_0 and Q4_K,
+/// stored in `layout` ([`RowLayout`]: ggml's, or the eight-row interleaving of Q4_0, Q4_K and Q6_K,
 /// which the host decode kernels read fastest; every path accepts either).
 #[derive(Debug, Clone, Copy)]
 pub struct QuantPart<'a> {

@@ -7,9 +7,9 @@
 //! (scalar integer dots), `simd` (the x86 dot-product instructions and helpers), `dot_legacy` and
 //! `dot_kquant` (the x86 kernels of the 32- and 256-element formats), `dot_x86` (their
 //! `#[target_feature]` entry points, AVX2 and AVX512-VNNI), `matmul` ([`quant_matmul`]: checks,
-//! the decode paths, the split over the pool), `prefill` (its GEMM path), `interleave` (Q4_0
-//! and Q4_K rows eight at a time, [`RowLayout`]) and `dot_q4x8`, `dot_q4kx8` (their decode
-//! kernels).
+//! the decode paths, the split over the pool), `prefill` (its GEMM path), `interleave` (Q4_0,
+//! Q4_K and Q6_K rows eight at a time, [`RowLayout`]) and `dot_q4x8`, `dot_q4kx8`, `dot_q6kx8`
+//! (their decode kernels).
 
 mod act;
 mod blocks;
@@ -28,6 +28,8 @@ mod dot_legacy;
 mod dot_q4kx8;
 #[cfg(target_arch = "x86_64")]
 mod dot_q4x8;
+#[cfg(target_arch = "x86_64")]
+mod dot_q6kx8;
 #[cfg(target_arch = "x86_64")]
 mod dot_x86;
 #[cfg(target_arch = "x86_64")]
