@@ -25,6 +25,12 @@ use std::arch::x86_64::*;
 /// Bytes of one interleaved super-block of eight rows.
 const GROUP_BLOCK: usize = 8 * 144;
 
+/// Interleaved super-blocks ahead to prefetch, a line at a time as each super-block starts
+/// (into L2). Measured on Zen 4 (two threads, `[5632, 2048]` streamed from memory): one
+/// activation row 0.32 -> 0.19-0.22 ms, against asking for the whole next group at once as
+/// each group starts; 16 rows 1.26 -> 1.03 ms. (Q4_0 and Q6_K gain alike, see their kernels.)
+const PREFETCH: usize = 8;
+
 /// Q4_K in `RowLayout::Q4Kx8`.
 pub(crate) struct Q4Kx8;
 
@@ -41,6 +47,12 @@ impl Group for Q4Kx8 {
             let nibble = _mm256_set1_epi8(0x0F);
             for s in 0..nb {
                 let blk = g.add(s * GROUP_BLOCK);
+                // The super-block `PREFETCH` ahead, a line at a time (past the group's end it is
+                // the next group's, which follows; a prefetch never faults).
+                let ahead = blk.wrapping_add(PREFETCH * GROUP_BLOCK);
+                for l in (0..GROUP_BLOCK).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l).cast());
+                }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
                 let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16).cast()));
                 let (sc, mn) = scales_mins(blk.add(32));

@@ -35,6 +35,12 @@ pub(crate) trait Group {
     unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M];
 }
 
+/// Interleaved blocks ahead to prefetch (about 9 KiB, as the K-quant kernels), a line at a time
+/// as each block starts (into L2). Measured on Zen 4 (two threads, `[5632, 2048]` streamed from
+/// memory): one activation row 0.33 -> 0.16 ms against asking for the whole next group at once
+/// as each group starts, 4 rows 0.47 -> 0.33, 16 rows 1.07 -> 0.93.
+const PREFETCH: usize = 64;
+
 /// Q4_0 in `RowLayout::Q4_0x8`.
 pub(crate) struct Q40x8;
 
@@ -68,6 +74,12 @@ impl Group for Q40x8 {
             let nibble = _mm256_set1_epi8(0x0F);
             for b in 0..nb {
                 let blk = g.add(b * GROUP_BLOCK);
+                // The block `PREFETCH` ahead (past the group's end it is the next group's, which
+                // follows; a prefetch never faults).
+                let ahead = blk.wrapping_add(PREFETCH * GROUP_BLOCK);
+                for l in (0..GROUP_BLOCK).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l).cast());
+                }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
                 let mut lo = [_mm256_setzero_si256(); 4];
                 let mut hi = [_mm256_setzero_si256(); 4];

@@ -28,6 +28,12 @@ use std::arch::x86_64::*;
 /// Bytes of one interleaved super-block of eight rows.
 const GROUP_BLOCK: usize = 8 * 210;
 
+/// Interleaved super-blocks ahead to prefetch, a line at a time as each super-block starts
+/// (into L2; measured on Zen 4, two threads, `[5632, 2048]` from memory: with it one activation
+/// row takes about as long as ggml's layout on the one-row kernel, 0.32-0.39 ms, and without it
+/// or with the whole next group asked for at once, 0.44-0.6).
+const PREFETCH: usize = 8;
+
 /// Q6_K in `RowLayout::Q6Kx8`.
 pub(crate) struct Q6Kx8;
 
@@ -45,6 +51,12 @@ impl Group for Q6Kx8 {
             let mut acc = [_mm256_setzero_ps(); M];
             for s in 0..nb {
                 let blk = g.add(s * GROUP_BLOCK);
+                // The super-block `PREFETCH` ahead, a line at a time (past the group's end it is
+                // the next group's, which follows; a prefetch never faults).
+                let ahead = blk.wrapping_add(PREFETCH * GROUP_BLOCK);
+                for l in (0..GROUP_BLOCK).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l).cast());
+                }
                 // Integer sums of rows 0-3 and 4-7, two lanes per row.
                 let mut int = [[_mm256_setzero_si256(); 2]; M];
                 for n in 0..2 {

@@ -101,22 +101,8 @@ macro_rules! isa_entry {
                 let m = xs.len();
                 let nb = row_bytes / G::BLOCK_BYTES;
                 let whole = w.len() / (8 * row_bytes) * 8 * row_bytes;
-                for (gi, (g, out)) in
-                    w[..whole].chunks_exact(8 * row_bytes).zip(out.chunks_exact_mut(8 * m)).enumerate()
-                {
+                for (g, out) in w[..whole].chunks_exact(8 * row_bytes).zip(out.chunks_exact_mut(8 * m)) {
                     let p = g.as_ptr();
-                    {
-                        // Ask for the next group while this one is computed, so that its first
-                        // pass does not wait on memory.
-                        if let Some(next) = w[..whole].get((gi + 1) * 8 * row_bytes..(gi + 2) * 8 * row_bytes) {
-                            for line in next.chunks(64) {
-                                // A hint that never faults (safe under this function's features).
-                                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                                    line.as_ptr().cast(),
-                                );
-                            }
-                        }
-                    }
                     let mut i = 0;
                     while i < m {
                         let take = match m - i {
