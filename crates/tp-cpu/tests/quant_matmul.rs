@@ -319,11 +319,12 @@ fn stacked_parts_are_the_per_part_products_side_by_side() {
     assert!(y.iter().all(|&v| v == 7.0), "an error wrote to y");
 }
 
-/// Q4_0, Q4_K and Q6_K rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`, `Q6Kx8`: what
-/// `RowLayout::preferred` gives them) stay within the documented bound on every kernel and both
-/// paths, at row counts off the group of eight and task sizes, with 1 to 47 activation rows and
-/// 48: the same checks as for ggml's layout (the integer sums are the same; only the order of
-/// the f32 additions differs).
+/// Q4_0, Q4_K and Q6_K rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`, `Q6Kx8`:
+/// what `RowLayout::preferred` gives them) stay within the documented bound on every kernel and
+/// both paths, at row counts off the group of eight and task sizes, with 1 to 600 activation
+/// rows (past 95 the integer path runs in passes, past 511 Q6_K takes the GEMM path on
+/// AVX512-VNNI): the same checks as for ggml's layout (the integer sums are the same; only the
+/// order of the f32 additions differs).
 #[test]
 fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
     assert_eq!(RowLayout::preferred(QuantType::Q4_0), RowLayout::Q4_0x8);
@@ -346,6 +347,8 @@ fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
         (70, 64, 1),
         (40, 95, 1),
         (40, 96, 1),
+        (70, 130, 1),
+        (24, 600, 1),
     ];
     for t in [QuantType::Q4_0, QuantType::Q4K, QuantType::Q6K] {
         let layout = RowLayout::preferred(t);
@@ -365,9 +368,7 @@ fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
                 let mut y = vec![f32::NAN; m * rows];
                 with_kernel(kernel, || quant_matmul_parts(&part, k, &x, m, &mut y)).unwrap().unwrap();
                 let ggml = run(kernel, t, &w, rows, k, &x, m);
-                // The x86 integer kernels keep interleaved rows up to 95 activation rows (ggml's
-                // layout, and the portable kernels, up to 47); past that the GEMM path runs.
-                let int_path = m < if cfg!(target_arch = "x86_64") && kernel != CpuKernel::Portable { 96 } else { 48 };
+                let int_path = m < interleaved_gemm_min_m(kernel, t);
                 for o in 0..m * rows {
                     let case = format!("{t} {kernel} rows {rows} m {m} k {k} output {o}");
                     let got = f64::from(y[o]);
@@ -387,6 +388,28 @@ fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
                 }
             }
         }
+    }
+}
+
+/// Activation rows from which interleaved rows of `t` take the GEMM path on `kernel` (below,
+/// the integer kernels, in passes of at most 92 rows): 512 for Q6_K and 1024 for the others on
+/// AVX512-VNNI, 96 on AVX2, 48 on the portable kernels (ggml's layout everywhere: 48).
+fn interleaved_gemm_min_m(kernel: CpuKernel, t: QuantType) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let vnni = std::arch::is_x86_feature_detected!("avx512vnni");
+        match kernel {
+            CpuKernel::Portable => 48,
+            CpuKernel::Avx2 => 96,
+            _ if !vnni => 96,
+            _ if t == QuantType::Q6K => 512,
+            _ => 1024,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (kernel, t);
+        48
     }
 }
 

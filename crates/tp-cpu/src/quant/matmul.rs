@@ -1,9 +1,11 @@
 //! [`quant_matmul`]: `y = x W^T` with a quantized weight, on three paths:
 //!
-//! * few rows of `x` (decode and batched decode, `m < GEMM_MIN_M`, or `INTERLEAVED_GEMM_MIN_M`
-//!   for rows in an interleaved layout on the x86 kernels), quantized weight types: `x` quantized once per
-//!   call (`act`), then each weight row streamed once and dotted in integers with all `m` rows
-//!   (`dot_x86` / `dot_portable`), weight rows split over the pool's threads;
+//! * few rows of `x` (decode and batched decode, `m < GEMM_MIN_M`; for rows in an interleaved
+//!   layout on the x86 kernels up to `INTERLEAVED_GEMM_MIN_M` on AVX2 and 512 (Q6_K) or 1024
+//!   rows on AVX512-VNNI, prefill chunks included), quantized weight types: `x` quantized once
+//!   per call (`act`), then each weight row streamed once per pass of at most 92 rows and dotted
+//!   in integers with them (`dot_x86` / `dot_portable`), weight rows split over the pool's
+//!   threads;
 //! * few rows, `F32` / `F16` / `BF16` weights: each weight row widened to `f32` in a buffer and
 //!   dotted with the `f32` rows of `x`;
 //! * many rows (prefill), or a batch-invariant thread ([`crate::set_batch_invariant`]): tiles of
@@ -26,18 +28,37 @@ use std::cell::RefCell;
 /// at 32 rows the integer path takes 0.65-0.9 of the GEMM path's time, at 64 they are within 10%
 /// either way, at 128 the GEMM takes 0.75-0.9, at 256 0.5-0.8).
 const GEMM_MIN_M: usize = 48;
-/// The same for a part stored in an interleaved layout (`RowLayout::Q4_0x8`, `Q4Kx8`, `Q6Kx8`) on the x86
-/// integer kernels, which read eight rows at once and prefetch the next eight: measured on Zen 4
-/// (two threads, `[5632, 2048]` Q4_K), the integer path takes 2.8 ms at 48 rows against the
-/// GEMM path's 3.7, 3.8 at 64 against 4.3, and they meet near 96.
+/// The same for a part stored in an interleaved layout (`RowLayout::Q4_0x8`, `Q4Kx8`, `Q6Kx8`)
+/// on the AVX2 integer kernels, which read eight rows at once: measured on Zen 4 (two threads,
+/// `[5632, 2048]` Q4_K), the integer path took 2.8 ms at 48 rows against the GEMM path's 3.7,
+/// 3.8 at 64 against 4.3, and they met near 96.
 const INTERLEAVED_GEMM_MIN_M: usize = 96;
-/// The most rows of `x` the streaming (integer) path takes.
-const STREAM_MAX_M: usize = INTERLEAVED_GEMM_MIN_M;
+/// The same on the AVX512-VNNI kernels (one `vpdpbusd` per 32 products, each block prefetched
+/// ahead), Q4_0 and Q4_K. Measured on Zen 4 (two threads, `[5632, 2048]`, the integer path in
+/// passes of [`STREAM_CHUNK_M`] rows against dequantized tiles on the bf16 GEMM): Q4_K 186
+/// against 85 GMAC/s at 128 rows, 189 against 122 at 256, 183 against 134 at 512, about 178 on
+/// both from 1024; Q4_0 195-204 against the same GEMM.
+const VNNI_INTERLEAVED_GEMM_MIN_M: usize = 1024;
+/// The same for Q6_K (`Q6Kx8`), whose codes take more unpacking: 147 against 80 GMAC/s at 128
+/// rows, 143 against 115 at 256, 139 against 138 at 512, and the GEMM's 177 from 1024.
+const VNNI_Q6K_GEMM_MIN_M: usize = 512;
+/// The most rows of `x` one pass of the streaming (integer) path takes (bounds its per-task
+/// buffer).
+const STREAM_MAX_M: usize = 96;
+/// Rows of `x` per pass when more take the streaming path (a multiple of 4, the kernels'
+/// widest step): each pass streams the weight once more, which costs little beside its
+/// products at these row counts.
+const STREAM_CHUNK_M: usize = 92;
 
 /// Rows of `x` from which part `p` takes the GEMM path on `isa`.
 fn gemm_min_m(p: &QuantPart<'_>, isa: Int8Isa) -> usize {
-    let x86 = matches!(isa, Int8Isa::Avx512Vnni | Int8Isa::Avx2);
-    if x86 && p.layout.applies(p.t) { INTERLEAVED_GEMM_MIN_M } else { GEMM_MIN_M }
+    match isa {
+        _ if !p.layout.applies(p.t) => GEMM_MIN_M,
+        Int8Isa::Avx512Vnni if p.t == QuantType::Q6K => VNNI_Q6K_GEMM_MIN_M,
+        Int8Isa::Avx512Vnni => VNNI_INTERLEAVED_GEMM_MIN_M,
+        Int8Isa::Avx2 => INTERLEAVED_GEMM_MIN_M,
+        _ => GEMM_MIN_M,
+    }
 }
 /// Weight bytes per task of the streaming paths (with at most `MAX_TASK_ROWS` rows: 64 rows of
 /// the usual widths, llama.cpp's chunk; measured faster than 48 KiB tasks streaming from memory).
@@ -50,8 +71,9 @@ const PARALLEL_MIN_BYTES: usize = 64 << 10;
 /// `y` is `[m, rows]` `f32` row-major (every element written). Rows are split over tp-cpu's
 /// thread pool.
 ///
-/// For quantized `t` and `m < 48` (decode, small batches; `m < 96` for rows in an interleaved
-/// layout on the x86 integer kernels), each block of `x` is quantized once to
+/// For quantized `t` and `m < 48` (decode, small batches; for rows in an interleaved layout on
+/// the x86 integer kernels `m < 96` on AVX2, `m < 512` (Q6_K) or `m < 1024` on AVX512-VNNI,
+/// in passes of at most 92 rows), each block of `x` is quantized once to
 /// 8 bits (Q8_0 blocks of 32 for the legacy types, Q8_K blocks of 256 for the K-quants; `f32`
 /// scales `d = amax / 127`, codes rounded to nearest), the dot products run on integers
 /// (AVX512-VNNI, AVX2 or portable, as the calling thread's [`CpuKernel`] allows) with `f32`
@@ -167,6 +189,13 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
         && gemm(p)
     {
         prefill::gemm_tiles(kernel, (p.t, p.layout), p.w, p.rows, k, x, m, y);
+        return Ok(());
+    }
+    if m >= STREAM_MAX_M {
+        // Every part streams, in passes of at most STREAM_CHUNK_M rows of x (and of y).
+        for (xc, yc) in x.chunks(STREAM_CHUNK_M * k).zip(y.chunks_mut(STREAM_CHUNK_M * n)) {
+            quant_matmul_parts(parts, k, xc, xc.len() / k, yc)?;
+        }
         return Ok(());
     }
     // `x` quantized once per block size that a quantized part needs.
