@@ -13,11 +13,11 @@
 //!   and the largest logit difference over the largest logit (llama.cpp measures its cache
 //!   types the same way, by KL against the unquantized run).
 
-use crate::serving::{PROMPT_LEN, prompt, run_phased, summarize};
+use crate::serving::{PROMPT_LEN, prompt, run_phased, stop, summarize};
 use crate::{Args, Row};
 use anyhow::{Context, Result};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tp_comm::DeviceGroup;
 use tp_core::{DType, Device, KvQuant};
 use tp_engine::EngineOptions;
@@ -45,10 +45,7 @@ pub fn rows(args: &Args, dir: &Path, dtype: DType) -> Result<Vec<Row>> {
         run_phased(&engine, &[prompt(999, 8, vocab)], 2, &[Duration::ZERO])?; // warm-up
         let prompts: Vec<_> = (0..16).map(|i| prompt(i + 5000, PROMPT_LEN, vocab)).collect();
         let (t, phases) = run_phased(&engine, &prompts, new_tokens, &[Duration::ZERO; 16])?;
-        let h = engine.handle();
-        h.begin_shutdown();
-        drop(h);
-        let _ = engine.join(Instant::now() + Duration::from_secs(60));
+        stop(engine);
         let steady = summarize(&t).steady;
         let attn = phases.attention / phases.steps.max(1) as f64 * 1e3;
         let base = |b: Option<f64>| if q.is_some() { b.map(|b| (dense_label(dtype), b)) } else { None };
@@ -136,18 +133,7 @@ fn compare(a: &[f64], b: &[f64], vocab: usize) -> (f64, f64, f64) {
     (kl / rows.max(1) as f64, agree as f64 / rows.max(1) as f64, worst / scale)
 }
 
+/// A row of this table (the serving table's, in its own kind).
 fn row(name: String, shape: String, ours: f64, unit: &'static str, base: Option<(&'static str, f64)>) -> Row {
-    Row {
-        kind: "kv-cache",
-        name,
-        shape,
-        dtype: "host".into(),
-        ours,
-        unit,
-        baseline_name: base.map_or("-", |b| b.0),
-        baseline: base.map(|b| b.1),
-        matched: None,
-        roofline: None,
-        bound: None,
-    }
+    Row { kind: "kv-cache", dtype: "host".into(), ..crate::serving::row(name, shape, ours, unit, base) }
 }

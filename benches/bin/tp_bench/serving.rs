@@ -63,6 +63,14 @@ pub(crate) fn prompt(i: usize, len: usize, vocab: usize) -> Vec<i64> {
     (0..len).map(|j| ((i * 7_919 + j * 104_729 + 13) % vocab) as i64).collect()
 }
 
+/// Shuts the engine down and waits (a minute at most) for its ranks.
+pub(crate) fn stop(engine: Engine) {
+    let h = engine.handle();
+    h.begin_shutdown();
+    drop(h);
+    let _ = engine.join(Instant::now() + Duration::from_secs(60));
+}
+
 /// Submits `prompts` at the given offsets from now and waits for all; the timings per request.
 fn run_requests(engine: &Engine, prompts: &[Vec<i64>], max_tokens: usize, offsets: &[Duration]) -> Result<Vec<Timed>> {
     Ok(run_phased(engine, prompts, max_tokens, offsets)?.0)
@@ -165,7 +173,13 @@ pub(crate) fn summarize(t: &[Timed]) -> Summary {
     Summary { tps: n as f64 / (last - first).as_secs_f64().max(1e-9), steady, ttft: pcts(ttft), tpot: pcts(tpot) }
 }
 
-fn row(name: String, shape: String, ours: f64, unit: &'static str, base: Option<(&'static str, f64)>) -> Row {
+pub(crate) fn row(
+    name: String,
+    shape: String,
+    ours: f64,
+    unit: &'static str,
+    base: Option<(&'static str, f64)>,
+) -> Row {
     Row {
         kind: "serve",
         name,
@@ -271,10 +285,7 @@ pub fn rows(args: &Args, dir: &Path) -> Result<Vec<Row>> {
             }
         }
     }
-    let h = engine.handle();
-    h.begin_shutdown();
-    drop(h);
-    let _ = engine.join(Instant::now() + Duration::from_secs(60));
+    stop(engine);
     if !args.quick {
         eprint!("\r  measuring serving, chunked prefill beside 8 decodes...          ");
         rows.push(chunked_prefill_row(dir, vocab, config.max_position_embeddings)?);
@@ -331,10 +342,7 @@ pub fn gguf_rows(args: &Args, file: &Path) -> Result<Vec<Row>> {
             }
         }
     }
-    let h = engine.handle();
-    h.begin_shutdown();
-    drop(h);
-    let _ = engine.join(Instant::now() + Duration::from_secs(60));
+    stop(engine);
     Ok(rows)
 }
 
@@ -357,10 +365,7 @@ fn chunked_prefill_row(dir: &Path, vocab: usize, max_pos: usize) -> Result<Row> 
         .flat_map(|r| r.tokens.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect::<Vec<_>>())
         .collect();
     let (p50, p99) = pcts(gaps);
-    let h = engine.handle();
-    h.begin_shutdown();
-    drop(h);
-    let _ = engine.join(Instant::now() + Duration::from_secs(60));
+    stop(engine);
     Ok(row(format!("p99/p50 gap, {long}-token prompt"), format!("8 decodes, chunks of {CHUNK}"), p99 / p50, "x", None))
 }
 
