@@ -76,8 +76,10 @@ fn run_requests(engine: &Engine, prompts: &[Vec<i64>], max_tokens: usize, offset
     Ok(run_phased(engine, prompts, max_tokens, offsets)?.0)
 }
 
-/// [`run_requests`], and the engine's step phases from the moment every request had its first
-/// token to the end (the decode steps alone when all arrive at once).
+/// [`run_requests`], and the engine's step phases from the moment every request had its second
+/// token to the end (the decode steps alone when all arrive at once: the statistics of the step
+/// that gave a token may be recorded after its token arrives, so the first token's moment could
+/// still count the prefill step).
 pub(crate) fn run_phased(
     engine: &Engine,
     prompts: &[Vec<i64>],
@@ -85,8 +87,8 @@ pub(crate) fn run_phased(
     offsets: &[Duration],
 ) -> Result<(Vec<Timed>, StepPhases)> {
     let h = engine.handle();
-    let mut with_first = 0;
-    let mut at_first = None;
+    let mut with_second = 0;
+    let mut at_second = None;
     let (tx, rx) = mpsc::channel();
     let start = Instant::now();
     let mut timed: Vec<Timed> = Vec::new();
@@ -113,10 +115,10 @@ pub(crate) fn run_phased(
             }
             Ok((i, at, false)) => {
                 timed[i].tokens.push(at);
-                if timed[i].tokens.len() == 1 {
-                    with_first += 1;
-                    if with_first == prompts.len() {
-                        at_first = Some(h.stats().phases);
+                if timed[i].tokens.len() == 2 {
+                    with_second += 1;
+                    if with_second == prompts.len() {
+                        at_second = Some(h.stats().phases);
                     }
                 }
             }
@@ -125,7 +127,7 @@ pub(crate) fn run_phased(
         }
     }
     let end = h.stats().phases;
-    let start = at_first.unwrap_or(end);
+    let start = at_second.unwrap_or(end);
     let phases = StepPhases {
         steps: end.steps - start.steps,
         gemm: end.gemm - start.gemm,
