@@ -316,3 +316,24 @@ fn batch_invariant_logits_are_bitwise_the_same_alone_and_beside_63_others() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// An 8-bit KV cache runs requests on the host (at TP 2, every rank's cache 8-bit) and is
+/// refused up front for a GPU engine, naming the flag.
+#[test]
+fn an_8_bit_kv_cache_serves_on_the_host_and_is_refused_for_a_gpu() {
+    let spec =
+        SyntheticModel { head_dim: Some(32), num_attention_heads: 4, num_key_value_heads: 2, ..SyntheticModel::tiny() };
+    let dir = model_dir("kv8", &spec);
+    for quant in [tp_core::KvQuant::Fp8E4M3, tp_core::KvQuant::Q8_0] {
+        let mut opts = options(&dir, 2);
+        opts.kv_cache_dtype = Some(quant);
+        let engine = tp_engine::start(&opts).expect("start");
+        let got = run_all(&engine, vec![request(prompt(5, 9, 1001), 4, SamplingParams::greedy())]).remove(0);
+        assert_eq!(got.tokens.len(), 4, "{quant}");
+        stop(engine);
+        opts.device = tp_engine::DeviceKind::Cuda;
+        let err = tp_engine::start(&opts).err().expect("a GPU engine with an 8-bit cache").to_string();
+        assert!(err.contains("--kv-cache-dtype") && err.contains("host memory"), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

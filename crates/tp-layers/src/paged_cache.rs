@@ -3,8 +3,9 @@
 //!
 //! Keys and values are `[num_blocks, block_size, kv_heads_r, head_dim]` each, in the layer's
 //! dtype on its device, or in 8 bits on the host ([`KvQuant`]: FP8 E4M3 or llama.cpp's Q8_0,
-//! quantized as they are written and widened as attention reads them), allocated once. Which blocks hold which sequence's positions is the
-//! caller's business (a block table per sequence, [`TokenBatch`](crate::TokenBatch)); a step
+//! quantized as they are written and widened as attention reads them), allocated once. Which
+//! blocks hold which sequence's positions is the caller's business (a block table per sequence,
+//! [`TokenBatch`](crate::TokenBatch)); a step
 //! writes its tokens' keys and values at their slots and attends through the tables. Like
 //! [`KvCache`](crate::KvCache), the cache is bound to the layer that first uses it, so it
 //! cannot silently serve another one.

@@ -11,6 +11,9 @@
 //! sliding window `W`, only `j > p - W`), with the grouped-query head mapping of
 //! [`KvGroups`](crate::KvGroups), exactly as [`Tensor::attention`] does for one sequence.
 //!
+//! The caches are tensors in the queries' dtype, or 8-bit buffers on the host
+//! ([`QuantKvBuffer`], `ops/kv_quant.rs`) whose rows are widened to f32 as they are read.
+//!
 //! On CUDA the kernels of `kernels/paged_attention.cu` run (`ops/paged_cuda.rs`); on the host every (row, head) is computed by one sequential algorithm (the keys in position
 //! order: scores in f32, their maximum, `exp`, their sum, the weighted sum of the values, one
 //! division, one rounding to the dtype), the same as [`Tensor::attention`]'s decode loop; rows
@@ -133,7 +136,8 @@ impl Tensor {
                         let rows = QuantRows { k: k.bytes(), v: v.bytes(), quant: k.quant(), hkv: geo.hkv, row_bytes: k.row_bytes() };
                         host_attention(&q, &rows, geo, seqs, &row_seq, spec)?
                     }
-                    _ => unreachable!("check_paged refuses caches stored two ways"),
+                    // (check_paged refuses caches stored two ways.)
+                    _ => return Err(Error::InvalidArgument { op: OP, why: "caches stored two ways".into() }),
                 };
                 CpuStorage::from_vec(y.iter().map(|&x| E::from_f32(x)).collect::<Vec<E>>())
             }))

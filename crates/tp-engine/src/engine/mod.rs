@@ -300,6 +300,11 @@ fn checked_settings(opts: &EngineOptions) -> Result<Settings, EngineError> {
     if opts.max_num_seqs == 0 || opts.max_num_batched_tokens == 0 {
         return Err(EngineError::Config("max-num-seqs and max-num-batched-tokens must be at least 1".into()));
     }
+    if let (Some(q), DeviceKind::Cuda) = (opts.kv_cache_dtype, opts.device) {
+        return Err(EngineError::Config(format!(
+            "--kv-cache-dtype {q}: 8-bit KV caches live in host memory; use --device cpu, or --kv-cache-dtype auto on a GPU"
+        )));
+    }
     let source = match &opts.source {
         Some(s) => s.clone(),
         None => ModelSource::open(&opts.model_dir)?,
