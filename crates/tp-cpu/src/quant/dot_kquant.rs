@@ -303,21 +303,11 @@ impl KQuant for Q6 {
         // SAFETY: as for Q2.
         unsafe {
             let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(Q6K_SCALES).cast()));
-            let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
             let mut acc = Acc::<M>::new();
             for j in 0..2 {
                 let sc = half_scales(sc16, j);
                 let (l0, l1) = (load(p.add(64 * j)), load(p.add(64 * j + 32)));
-                let h = load(p.add(Q6K_QH + 32 * j));
-                let u = [
-                    _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16::<4>(h), top2)),
-                    _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16::<2>(h), top2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l0), low4), _mm256_and_si256(h, top2)),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(l1), low4),
-                        _mm256_and_si256(_mm256_srli_epi16::<2>(h), top2),
-                    ),
-                ];
+                let u = q6_codes(l0, l1, load(p.add(Q6K_QH + 32 * j)));
                 for (s, &u) in u.iter().enumerate() {
                     let scale = _mm256_shuffle_epi8(sc, word_pick(2 * s, 2 * s + 1));
                     for (i, xq) in xq.iter().enumerate() {
@@ -333,6 +323,32 @@ impl KQuant for Q6 {
             });
             Sums { int, min: [_mm256_setzero_si256(); M], d: f16_at(p.add(Q6K_D)), dmin: 0.0 }
         }
+    }
+}
+
+/// ggml's 6-bit Q6_K codes `u` (`0..64`) of 32 bytes' worth of elements from two registers of
+/// low-nibble bytes `a`, `b` and one of high-bit bytes `h` (ggml's `ql` and `qh` runs):
+/// `[a low | h bits 0-1, b low | h bits 2-3, a high | h bits 4-5, b high | h bits 6-7]`, each
+/// high pair placed at bits 4-5. Within one row (`dot_kquant`) these are the elements `l`,
+/// `l + 32`, `l + 64`, `l + 96` of a half super-block; in `RowLayout::Q6Kx8` (`dot_q6kx8`)
+/// four rows' pieces `P`, `P + 4`, `P + 8`, `P + 12`.
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+pub(crate) unsafe fn q6_codes(a: __m256i, b: __m256i, h: __m256i) -> [__m256i; 4] {
+    // SAFETY: as stated.
+    unsafe {
+        let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+        [
+            _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16::<4>(h), top2)),
+            _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_slli_epi16::<2>(h), top2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(a), low4), _mm256_and_si256(h, top2)),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(b), low4),
+                _mm256_and_si256(_mm256_srli_epi16::<2>(h), top2),
+            ),
+        ]
     }
 }
 

@@ -20,6 +20,7 @@
 //! bound holds unchanged.
 
 use super::act::XRow;
+use super::dot_kquant::q6_codes;
 use super::dot_q4x8::{Group, by_row};
 use super::interleave::{K6_QH, K6_QL, K6_SCALES};
 use super::simd::Dot;
@@ -69,7 +70,7 @@ impl Group for Q6Kx8 {
                                 let a = _mm256_loadu_si256(blk.add(K6_QL + 32 * (2 * (8 * n + k) + q)).cast());
                                 let b = _mm256_loadu_si256(blk.add(K6_QL + 32 * (2 * (8 * n + 4 + k) + q)).cast());
                                 let h = _mm256_loadu_si256(blk.add(K6_QH + 32 * (2 * (4 * n + k) + q)).cast());
-                                *u = codes(a, b, h);
+                                *u = q6_codes(a, b, h);
                             }
                             for j in 0..4 {
                                 // Group 8n + 2j + kk: pieces 16n + 4j + 2kk and the next.
@@ -104,29 +105,6 @@ impl Group for Q6Kx8 {
             }
             std::array::from_fn(|i| by_row(acc[i]))
         }
-    }
-}
-
-/// ggml's 6-bit codes of four pieces of four rows from the runs of their low nibbles `a`
-/// (pieces `P`, `P + 8`), `b` (`P + 4`, `P + 12`) and high bits `h` (bits `0-1`, `2-3`, `4-5`,
-/// `6-7`: pieces `P`, `P + 4`, `P + 8`, `P + 12`): `[u(P), u(P + 4), u(P + 8), u(P + 12)]`.
-///
-/// # Safety
-/// AVX2.
-#[inline(always)]
-unsafe fn codes(a: __m256i, b: __m256i, h: __m256i) -> [__m256i; 4] {
-    // SAFETY: as stated.
-    unsafe {
-        let (low4, top2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
-        [
-            _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16::<4>(h), top2)),
-            _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_slli_epi16::<2>(h), top2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(a), low4), _mm256_and_si256(h, top2)),
-            _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16::<4>(b), low4),
-                _mm256_and_si256(_mm256_srli_epi16::<2>(h), top2),
-            ),
-        ]
     }
 }
 

@@ -36,8 +36,7 @@ pub enum RowLayout {
     Ggml,
     /// Q4_0 only: groups of eight rows interleaved block by block (see the module docs).
     Q4_0x8,
-    /// Q4_K only: groups of eight rows interleaved super-block by super-block (see
-    /// `interleave_k`).
+    /// Q4_K only: groups of eight rows interleaved super-block by super-block (see `k_place`).
     Q4Kx8,
     /// Q6_K only: groups of eight rows interleaved super-block by super-block (see `k6_place`).
     Q6Kx8,
@@ -144,14 +143,16 @@ fn k_place(r: usize, i: usize) -> usize {
     }
 }
 
-/// One Q4_K group: eight ggml rows of `nb` super-blocks into `dst` interleaved ([`k_place`]).
-fn interleave_k(src: &[u8], nb: usize, dst: &mut [u8]) {
-    let row_bytes = nb * K_BLOCK;
+/// One group of a super-block type of `block` bytes: eight ggml rows of `nb` super-blocks into
+/// `dst` interleaved, byte `i` of row `r`'s super-block `s` at `place(r, i)` within the group's
+/// super-block `s` (`8 block` bytes). For Q4_K ([`k_place`]) and Q6_K ([`k6_place`]).
+fn interleave_blocks(src: &[u8], nb: usize, block: usize, place: fn(usize, usize) -> usize, dst: &mut [u8]) {
+    let row_bytes = nb * block;
     for s in 0..nb {
-        let out = &mut dst[s * K_GROUP_BLOCK..(s + 1) * K_GROUP_BLOCK];
+        let out = &mut dst[s * 8 * block..(s + 1) * 8 * block];
         for r in 0..8 {
-            for (i, &v) in src[r * row_bytes + s * K_BLOCK..][..K_BLOCK].iter().enumerate() {
-                out[k_place(r, i)] = v;
+            for (i, &v) in src[r * row_bytes + s * block..][..block].iter().enumerate() {
+                out[place(r, i)] = v;
             }
         }
     }
@@ -214,19 +215,6 @@ fn k6_place(r: usize, i: usize) -> usize {
     }
 }
 
-/// One Q6_K group: eight ggml rows of `nb` super-blocks into `dst` interleaved ([`k6_place`]).
-fn interleave_k6(src: &[u8], nb: usize, dst: &mut [u8]) {
-    let row_bytes = nb * K6_BLOCK;
-    for s in 0..nb {
-        let out = &mut dst[s * K6_GROUP_BLOCK..(s + 1) * K6_GROUP_BLOCK];
-        for r in 0..8 {
-            for (i, &v) in src[r * row_bytes + s * K6_BLOCK..][..K6_BLOCK].iter().enumerate() {
-                out[k6_place(r, i)] = v;
-            }
-        }
-    }
-}
-
 /// One interleaved Q6_K group back into eight ggml rows: [`k6_place`]'s 8-byte runs of codes
 /// copied whole, the scales and `d` byte by byte.
 fn deinterleave_k6(src: &[u8], nb: usize, dst: &mut [u8]) {
@@ -271,8 +259,8 @@ pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: us
     let mut tmp = vec![0u8; 8 * row_bytes];
     for group in data.chunks_exact_mut(8 * row_bytes) {
         match layout {
-            RowLayout::Q4Kx8 => interleave_k(group, row_bytes / K_BLOCK, &mut tmp),
-            RowLayout::Q6Kx8 => interleave_k6(group, row_bytes / K6_BLOCK, &mut tmp),
+            RowLayout::Q4Kx8 => interleave_blocks(group, row_bytes / K_BLOCK, K_BLOCK, k_place, &mut tmp),
+            RowLayout::Q6Kx8 => interleave_blocks(group, row_bytes / K6_BLOCK, K6_BLOCK, k6_place, &mut tmp),
             _ => interleave(group, row_bytes / BLOCK, &mut tmp),
         }
         group.copy_from_slice(&tmp);
