@@ -374,7 +374,8 @@ impl KvRows for QuantRows<'_> {
 
 /// The f32 attention of every row of the batch on the host: long prefill chunks through the
 /// score tiles of the single-sequence op, unless results must not depend on the batch; the
-/// rest per row, where the pool splits the whole batch's rows.
+/// rest per (row, head), rows spread over tp-cpu's pool when the work pays (the pool splits the
+/// whole batch's rows).
 fn host_attention<S: KvRows>(
     q: &[f32],
     kv: &S,
@@ -388,36 +389,21 @@ fn host_attention<S: KvRows>(
         .iter()
         .map(|s| !invariant && s.q_len >= GEMM_MIN_TOKENS && s.q_len * s.kv_len >= TILED_MIN_SCORES)
         .collect();
-    let mut y = host_paged(q, kv, geo, seqs, row_seq, spec, &tiled);
+    let rows = row_seq.len() * geo.hq;
+    let mut y = vec![0f32; rows * geo.d];
+    if geo.d == 0 {
+        return Ok(y);
+    }
+    let longest = seqs.iter().zip(&tiled).filter(|(_, t)| !**t).map(|(s, _)| s.kv_len).max().unwrap_or(0);
+    let work = rows.saturating_mul(longest).saturating_mul(geo.d);
+    let ctx = RowCtx { q, kv, geo, seqs, row_seq, spec: spec.as_spec(), skip: &tiled };
+    tp_cpu::par_row_groups(&mut y, geo.d, row_groups(work), |first, chunk| paged_rows(&ctx, first, chunk));
     for (s, _) in seqs.iter().zip(&tiled).filter(|(_, t)| **t) {
         let rows = s.q_start * geo.hq * geo.d..(s.q_start + s.q_len) * geo.hq * geo.d;
         let ys = tiled_seq(&q[rows.clone()], kv, geo, s, spec)?;
         y[rows].copy_from_slice(&ys);
     }
     Ok(y)
-}
-
-/// The f32 attention of every (row, head) on the host, rows spread over tp-cpu's pool when the
-/// work pays.
-fn host_paged<S: KvRows>(
-    q: &[f32],
-    kv: &S,
-    geo: Geometry,
-    seqs: &[PagedSeq<'_>],
-    row_seq: &[usize],
-    spec: &PagedAttentionSpec,
-    skip: &[bool],
-) -> Vec<f32> {
-    let rows = row_seq.len() * geo.hq;
-    let mut out = vec![0f32; rows * geo.d];
-    let longest = seqs.iter().zip(skip).filter(|(_, s)| !**s).map(|(s, _)| s.kv_len).max().unwrap_or(0);
-    let work = rows.saturating_mul(longest).saturating_mul(geo.d);
-    let ctx = RowCtx { q, kv, geo, seqs, row_seq, spec: spec.as_spec(), skip };
-    if geo.d == 0 {
-        return out;
-    }
-    tp_cpu::par_row_groups(&mut out, geo.d, row_groups(work), |first, chunk| paged_rows(&ctx, first, chunk));
-    out
 }
 
 /// What every row of one call reads.
