@@ -84,8 +84,10 @@ impl QuantX {
     }
 }
 
-/// Quantizes one block: writes `q` and returns its scale `d` (see the module docs).
-fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+/// Quantizes one block: writes `q` and returns its scale `d` (see the module docs). Inlined, so
+/// that vectorised callers vectorise it too (the same operations, so the same results).
+#[inline(always)]
+pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     // Lane-wise (8 lanes, so it vectorises): the largest magnitude, and `Σ v * 0`, which is NaN
     // exactly when some `v` is a NaN or an infinity.
     let (mut max, mut probe) = ([0f32; 8], [0f32; 8]);

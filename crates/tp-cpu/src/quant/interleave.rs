@@ -96,18 +96,38 @@ fn deinterleave(src: &[u8], nb: usize, dst: &mut [u8]) {
     let row_bytes = nb * BLOCK;
     for b in 0..nb {
         let inp = &src[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-        for (l, &r) in LANES.iter().enumerate() {
-            dst[r * row_bytes + b * BLOCK..][..2].copy_from_slice(&inp[2 * l..2 * l + 2]);
+        for r in 0..8 {
+            block_q4_0(inp, r, &mut dst[r * row_bytes + b * BLOCK..][..BLOCK]);
         }
-        for h in 0..2 {
-            for q in 0..2 {
-                for rr in 0..4 {
-                    let at = 16 + 32 * (2 * h + q) + 8 * rr;
-                    let r = 4 * q + rr;
-                    dst[r * row_bytes + b * BLOCK + 2 + 8 * h..][..8].copy_from_slice(&inp[at..at + 8]);
-                }
-            }
-        }
+    }
+}
+
+/// Row `r`'s ggml block out of one interleaved Q4_0 block of eight rows (`inp`, 144 bytes) into
+/// `out` (18 bytes).
+#[inline(always)]
+fn block_q4_0(inp: &[u8], r: usize, out: &mut [u8]) {
+    let l = LANE_OF[r];
+    out[..2].copy_from_slice(&inp[2 * l..2 * l + 2]);
+    let (q, rr) = (r / 4, r % 4);
+    for h in 0..2 {
+        let at = 16 + 32 * (2 * h + q) + 8 * rr;
+        out[2 + 8 * h..10 + 8 * h].copy_from_slice(&inp[at..at + 8]);
+    }
+}
+
+/// The lane of row `r` in an interleaved block (the inverse of [`LANES`]).
+const LANE_OF: [usize; 8] = [0, 1, 4, 5, 2, 3, 6, 7];
+
+/// The ggml bytes of row `r` (`< 8`) of one interleaved (super-)block of eight rows `inp`
+/// (`8 t.block_bytes()` bytes of a group stored in `layout`, which must apply to `t`) into `out`
+/// (`t.block_bytes()` bytes).
+#[inline(always)]
+pub(crate) fn ggml_block(layout: RowLayout, inp: &[u8], r: usize, out: &mut [u8]) {
+    match layout {
+        RowLayout::Q4Kx8 => block_q4k(inp, r, out),
+        RowLayout::Q6Kx8 => block_q6k(inp, r, out),
+        RowLayout::Q4_0x8 => block_q4_0(inp, r, out),
+        RowLayout::Ggml => unreachable!("ggml_block: ggml's layout is not interleaved"),
     }
 }
 
@@ -158,28 +178,34 @@ fn interleave_blocks(src: &[u8], nb: usize, block: usize, place: fn(usize, usize
     }
 }
 
-/// One interleaved Q4_K group back into eight ggml rows: [`k_place`]'s runs copied whole (the
-/// two `f16` scales, three 4-byte words of packed scales, sixteen 8-byte pieces of codes per row
-/// and super-block), so the dequantizing GEMM's copy costs little beside its dequantization.
+/// One interleaved Q4_K group back into eight ggml rows, super-block by super-block.
 fn deinterleave_k(src: &[u8], nb: usize, dst: &mut [u8]) {
     let row_bytes = nb * K_BLOCK;
     for s in 0..nb {
         let inp = &src[s * K_GROUP_BLOCK..(s + 1) * K_GROUP_BLOCK];
-        for (l, &r) in LANES.iter().enumerate() {
-            let out = &mut dst[r * row_bytes + s * K_BLOCK..][..K_BLOCK];
-            out[0..2].copy_from_slice(&inp[2 * l..2 * l + 2]);
-            out[2..4].copy_from_slice(&inp[16 + 2 * l..16 + 2 * l + 2]);
-            for w in 0..3 {
-                let at = 32 + 4 * (8 * w + l);
-                out[4 + 4 * w..8 + 4 * w].copy_from_slice(&inp[at..at + 4]);
-            }
-            let (q, rr) = (r / 4, r % 4);
-            for piece in 0..16 {
-                // Codes `8 piece .. 8 piece + 8`: chunk `piece / 4`, piece `piece % 4` of it.
-                let at = 128 + 32 * (piece * 2 + q) + 8 * rr;
-                out[16 + 8 * piece..24 + 8 * piece].copy_from_slice(&inp[at..at + 8]);
-            }
+        for r in 0..8 {
+            block_q4k(inp, r, &mut dst[r * row_bytes + s * K_BLOCK..][..K_BLOCK]);
         }
+    }
+}
+
+/// Row `r`'s ggml super-block out of one interleaved Q4_K super-block of eight rows (`inp`):
+/// [`k_place`]'s runs copied whole (the two `f16` scales, three 4-byte words of packed scales,
+/// sixteen 8-byte pieces of codes), so that readers of ggml's layout pay little for the copy.
+#[inline(always)]
+fn block_q4k(inp: &[u8], r: usize, out: &mut [u8]) {
+    let l = LANE_OF[r];
+    out[0..2].copy_from_slice(&inp[2 * l..2 * l + 2]);
+    out[2..4].copy_from_slice(&inp[16 + 2 * l..16 + 2 * l + 2]);
+    for w in 0..3 {
+        let at = 32 + 4 * (8 * w + l);
+        out[4 + 4 * w..8 + 4 * w].copy_from_slice(&inp[at..at + 4]);
+    }
+    let (q, rr) = (r / 4, r % 4);
+    for piece in 0..16 {
+        // Codes `8 piece .. 8 piece + 8`: chunk `piece / 4`, piece `piece % 4` of it.
+        let at = 128 + 32 * (piece * 2 + q) + 8 * rr;
+        out[16 + 8 * piece..24 + 8 * piece].copy_from_slice(&inp[at..at + 8]);
     }
 }
 
@@ -215,26 +241,32 @@ fn k6_place(r: usize, i: usize) -> usize {
     }
 }
 
-/// One interleaved Q6_K group back into eight ggml rows: [`k6_place`]'s 8-byte runs of codes
-/// copied whole, the scales and `d` byte by byte.
+/// One interleaved Q6_K group back into eight ggml rows, super-block by super-block.
 fn deinterleave_k6(src: &[u8], nb: usize, dst: &mut [u8]) {
     let row_bytes = nb * K6_BLOCK;
     for s in 0..nb {
         let inp = &src[s * K6_GROUP_BLOCK..(s + 1) * K6_GROUP_BLOCK];
-        for (l, &r) in LANES.iter().enumerate() {
-            let out = &mut dst[r * row_bytes + s * K6_BLOCK..][..K6_BLOCK];
-            let (q, rr) = (r / 4, r % 4);
-            for run in 0..24 {
-                // Runs 0..16 are the low nibbles, 16..24 the high bits (ggml bytes 8 run ..).
-                let at = if run < 16 { K6_QL + 32 * (2 * run + q) } else { K6_QH + 32 * (2 * (run - 16) + q) };
-                out[8 * run..8 * run + 8].copy_from_slice(&inp[at + 8 * rr..at + 8 * rr + 8]);
-            }
-            for g in 0..16 {
-                out[192 + g] = inp[K6_SCALES + 16 * (g / 2) + 2 * l + g % 2];
-            }
-            out[208..210].copy_from_slice(&inp[2 * l..2 * l + 2]);
+        for r in 0..8 {
+            block_q6k(inp, r, &mut dst[r * row_bytes + s * K6_BLOCK..][..K6_BLOCK]);
         }
     }
+}
+
+/// Row `r`'s ggml super-block out of one interleaved Q6_K super-block of eight rows (`inp`):
+/// [`k6_place`]'s 8-byte runs of codes copied whole, the scales and `d` byte by byte.
+#[inline(always)]
+fn block_q6k(inp: &[u8], r: usize, out: &mut [u8]) {
+    let l = LANE_OF[r];
+    let (q, rr) = (r / 4, r % 4);
+    for run in 0..24 {
+        // Runs 0..16 are the low nibbles, 16..24 the high bits (ggml bytes 8 run ..).
+        let at = if run < 16 { K6_QL + 32 * (2 * run + q) } else { K6_QH + 32 * (2 * (run - 16) + q) };
+        out[8 * run..8 * run + 8].copy_from_slice(&inp[at + 8 * rr..at + 8 * rr + 8]);
+    }
+    for g in 0..16 {
+        out[192 + g] = inp[K6_SCALES + 16 * (g / 2) + 2 * l + g % 2];
+    }
+    out[208..210].copy_from_slice(&inp[2 * l..2 * l + 2]);
 }
 
 /// Whole rows of `t` (`row_bytes` each, whole blocks; the first row a multiple of 8 from the
@@ -372,6 +404,9 @@ mod tests {
             for i in 0..K6_BLOCK {
                 assert!(!std::mem::replace(&mut seen[k6_place(r, i)], true), "k6_place({r}, {i}) reused");
             }
+        }
+        for r in 0..8 {
+            assert_eq!(LANES[LANE_OF[r]], r);
         }
         // Other types are left alone.
         let q8_row = 2 * 34;

@@ -1,15 +1,18 @@
-//! [`quant_matmul`]: `y = x W^T` with a quantized weight, on three paths:
+//! [`quant_matmul`]: `y = x W^T` with a quantized weight, on four paths:
 //!
 //! * few rows of `x` (decode and batched decode, `m < GEMM_MIN_M`; for rows in an interleaved
-//!   layout on the x86 kernels up to `INTERLEAVED_GEMM_MIN_M` on AVX2 and 512 (Q6_K) or 1024
-//!   rows on AVX512-VNNI, prefill chunks included), quantized weight types: `x` quantized once
+//!   layout on AVX2 up to `INTERLEAVED_GEMM_MIN_M`), quantized weight types: `x` quantized once
 //!   per call (`act`), then each weight row streamed once per pass of at most 92 rows and dotted
 //!   in integers with them (`dot_x86` / `dot_portable`), weight rows split over the pool's
 //!   threads;
+//! * on AVX512-VNNI, Q4_0, Q4_K and Q6_K weights from 192, 48 and 32 rows of `x` (prefill): the
+//!   integer GEMM (`igemm`), the same integers and roundings as the decode kernels of the
+//!   interleaved layouts, each weight row unpacked once per call;
 //! * few rows, `F32` / `F16` / `BF16` weights: each weight row widened to `f32` in a buffer and
 //!   dotted with the `f32` rows of `x`;
-//! * many rows (prefill), or a batch-invariant thread ([`crate::set_batch_invariant`]): tiles of
-//!   weight rows dequantized for the packed GEMM (`prefill`).
+//! * many rows (prefill) of the other types, or a batch-invariant thread
+//!   ([`crate::set_batch_invariant`]): tiles of weight rows dequantized for the packed GEMM
+//!   (`prefill`).
 
 use super::act::{QuantX, XRow};
 use super::dequant::dequantize_unchecked;
@@ -33,15 +36,16 @@ const GEMM_MIN_M: usize = 48;
 /// `[5632, 2048]` Q4_K), the integer path took 2.8 ms at 48 rows against the GEMM path's 3.7,
 /// 3.8 at 64 against 4.3, and they met near 96.
 const INTERLEAVED_GEMM_MIN_M: usize = 96;
-/// The same on the AVX512-VNNI kernels (one `vpdpbusd` per 32 products, each block prefetched
-/// ahead), Q4_0 and Q4_K. Measured on Zen 4 (two threads, `[5632, 2048]`, the integer path in
-/// passes of [`STREAM_CHUNK_M`] rows against dequantized tiles on the bf16 GEMM): Q4_K 186
-/// against 85 GMAC/s at 128 rows, 189 against 122 at 256, 183 against 134 at 512, about 178 on
-/// both from 1024; Q4_0 195-204 against the same GEMM.
-const VNNI_INTERLEAVED_GEMM_MIN_M: usize = 1024;
-/// The same for Q6_K (`Q6Kx8`), whose codes take more unpacking: 147 against 80 GMAC/s at 128
-/// rows, 143 against 115 at 256, 139 against 138 at 512, and the GEMM's 177 from 1024.
-const VNNI_Q6K_GEMM_MIN_M: usize = 512;
+/// Rows of `x` from which Q4_K, Q6_K and Q4_0 weights (any layout) take the integer GEMM
+/// (`igemm`) on AVX512-VNNI. Measured on Zen 4 (two threads, `[5632, 2048]` in the interleaved
+/// layouts, against the decode kernels in passes of [`STREAM_CHUNK_M`] rows): Q4_K 2.21 against
+/// 2.26 ms at 40 rows, 2.68 against 2.33 at 48, 7.3 against 5.3 at 128; Q6_K 2.38 against 1.93
+/// at 32; Q4_0 6.6 against 7.1 at 128, 14.1 against 12.2 at 256 (its blocks of 32 cost the
+/// GEMM a conversion and two multiply-adds per 32 products). From 2048 rows the GEMM runs at
+/// 1.5x (Q4_K), 2.2x (Q6_K) and 1.4x (Q4_0) the decode kernels, 2x the dequantizing `bf16` GEMM.
+const IGEMM_MIN_M_Q4K: usize = 48;
+const IGEMM_MIN_M_Q6K: usize = 32;
+const IGEMM_MIN_M_Q4_0: usize = 192;
 /// The most rows of `x` one pass of the streaming (integer) path takes (bounds its per-task
 /// buffer).
 const STREAM_MAX_M: usize = 96;
@@ -50,13 +54,15 @@ const STREAM_MAX_M: usize = 96;
 /// products at these row counts.
 const STREAM_CHUNK_M: usize = 92;
 
-/// Rows of `x` from which part `p` takes the GEMM path on `isa`.
+/// Rows of `x` from which part `p` takes the GEMM path on `isa` (on AVX512-VNNI, for the types
+/// `igemm` takes, the integer GEMM).
 fn gemm_min_m(p: &QuantPart<'_>, isa: Int8Isa) -> usize {
-    match isa {
+    match (isa, p.t) {
+        (Int8Isa::Avx512Vnni, QuantType::Q4K) => IGEMM_MIN_M_Q4K,
+        (Int8Isa::Avx512Vnni, QuantType::Q6K) => IGEMM_MIN_M_Q6K,
+        (Int8Isa::Avx512Vnni, QuantType::Q4_0) => IGEMM_MIN_M_Q4_0,
         _ if !p.layout.applies(p.t) => GEMM_MIN_M,
-        Int8Isa::Avx512Vnni if p.t == QuantType::Q6K => VNNI_Q6K_GEMM_MIN_M,
-        Int8Isa::Avx512Vnni => VNNI_INTERLEAVED_GEMM_MIN_M,
-        Int8Isa::Avx2 => INTERLEAVED_GEMM_MIN_M,
+        (Int8Isa::Avx2, _) => INTERLEAVED_GEMM_MIN_M,
         _ => GEMM_MIN_M,
     }
 }
@@ -72,15 +78,17 @@ const PARALLEL_MIN_BYTES: usize = 64 << 10;
 /// thread pool.
 ///
 /// For quantized `t` and `m < 48` (decode, small batches; for rows in an interleaved layout on
-/// the x86 integer kernels `m < 96` on AVX2, `m < 512` (Q6_K) or `m < 1024` on AVX512-VNNI,
-/// in passes of at most 92 rows), each block of `x` is quantized once to
-/// 8 bits (Q8_0 blocks of 32 for the legacy types, Q8_K blocks of 256 for the K-quants; `f32`
-/// scales `d = amax / 127`, codes rounded to nearest), the dot products run on integers
-/// (AVX512-VNNI, AVX2 or portable, as the calling thread's [`CpuKernel`] allows) with `f32`
-/// accumulation, and each weight row is streamed once for all `m` rows of `x`. `F32` / `F16` /
-/// `BF16` weights take `x` as `f32` there. For more rows (prefill), or on a batch-invariant
-/// thread ([`crate::set_batch_invariant`]), tiles of `W` are dequantized and multiplied by `x`
-/// with the packed GEMM: quantized and `BF16` weights as `bf16` with `x` rounded to `bf16`
+/// the AVX2 integer kernels `m < 96`, in passes of at most 92 rows), each block of `x` is
+/// quantized once to 8 bits (Q8_0 blocks of 32 for the legacy types, Q8_K blocks of 256 for the
+/// K-quants; `f32` scales `d = amax / 127`, codes rounded to nearest), the dot products run on
+/// integers (AVX512-VNNI, AVX2 or portable, as the calling thread's [`CpuKernel`] allows) with
+/// `f32` accumulation, and each weight row is streamed once for all `m` rows of `x`. On
+/// AVX512-VNNI, Q4_0, Q4_K and Q6_K weights stay on integers at every `m` (from 192, 48 and 32
+/// rows in the integer GEMM, whose outputs are bitwise those of the decode kernels of the
+/// interleaved layouts). `F32` / `F16` / `BF16` weights take `x` as `f32` there. For more rows
+/// (prefill) of the other types, or on a batch-invariant thread
+/// ([`crate::set_batch_invariant`]), tiles of `W` are dequantized and multiplied by `x` with the
+/// packed GEMM: quantized and `BF16` weights as `bf16` with `x` rounded to `bf16`
 /// (the `bf16` micro-kernels; denormal `bf16` values may be flushed to zero there), `F32` and
 /// `F16` weights as `f32` with the `f32` `x`.
 ///
@@ -188,6 +196,14 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
     if let [p] = parts
         && gemm(p)
     {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Int8Isa::Avx512Vnni && super::igemm::takes(p.t) && !batch_invariant() {
+            // SAFETY: `int8_isa` returns `Avx512Vnni` only where the CPU has AVX-512 F, BW, VL
+            // and VNNI (and AVX2 and FMA, which AVX-512 detection requires); the shapes were
+            // checked above.
+            unsafe { super::igemm::igemm(p.t, p.layout, p.w, p.rows, k, x, m, y) };
+            return Ok(());
+        }
         prefill::gemm_tiles(kernel, (p.t, p.layout), p.w, p.rows, k, x, m, y);
         return Ok(());
     }
