@@ -277,36 +277,44 @@ fn batch_invariant_products_give_each_row_the_same_bits() {
 }
 
 /// Parts of mixed types stacked along the rows (as a Q4_K_M file's fused q/k/v or gate/up) give
-/// bit for bit the per-part products side by side, on every kernel and on both paths; a bad part
-/// is a typed error that writes nothing.
+/// bit for bit the per-part products side by side, on every kernel and on every path (among
+/// them, with only Q4_0 / Q4_K / Q6_K parts, the integer GEMM's one job over all parts on
+/// AVX512-VNNI); a bad part is a typed error that writes nothing.
 #[test]
 fn stacked_parts_are_the_per_part_products_side_by_side() {
     let mut rng = Rng(23);
     let k = 512;
-    let spec =
+    let mixed =
         [(QuantType::Q4K, 70), (QuantType::Q6K, 33), (QuantType::Q8_0, 40), (QuantType::F16, 9), (QuantType::Q4_0, 1)];
-    let ws: Vec<Vec<u8>> = spec.iter().map(|&(t, rows)| weight(t, rows, k, &mut rng)).collect();
-    let parts: Vec<QuantPart<'_>> =
-        spec.iter().zip(&ws).map(|(&(t, rows), w)| QuantPart { t, w, rows, layout: RowLayout::Ggml }).collect();
-    let n: usize = spec.iter().map(|s| s.1).sum();
-    for m in [1, 5, 47, 48] {
-        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
-        for kernel in CpuKernel::available() {
-            let mut y = vec![f32::NAN; m * n];
-            with_kernel(kernel, || quant_matmul_parts(&parts, k, &x, m, &mut y)).unwrap().unwrap();
-            let mut col = 0;
-            for (&(t, rows), w) in spec.iter().zip(&ws) {
-                let alone = run(kernel, t, w, rows, k, &x, m);
-                for i in 0..m {
-                    for j in 0..rows {
-                        let (a, b) = (y[i * n + col + j], alone[i * rows + j]);
-                        assert_eq!(a.to_bits(), b.to_bits(), "{kernel} m {m} {t} row {i} col {j}: {a} vs {b}");
+    let integer = [(QuantType::Q4K, 70), (QuantType::Q6K, 33), (QuantType::Q4_0, 41)];
+    for (spec, ms) in [(&mixed[..], &[1, 5, 47, 48][..]), (&integer[..], &[3, 64, 200][..])] {
+        let ws: Vec<Vec<u8>> = spec.iter().map(|&(t, rows)| weight(t, rows, k, &mut rng)).collect();
+        let parts: Vec<QuantPart<'_>> =
+            spec.iter().zip(&ws).map(|(&(t, rows), w)| QuantPart { t, w, rows, layout: RowLayout::Ggml }).collect();
+        let n: usize = spec.iter().map(|s| s.1).sum();
+        for &m in ms {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+            for kernel in CpuKernel::available() {
+                let mut y = vec![f32::NAN; m * n];
+                with_kernel(kernel, || quant_matmul_parts(&parts, k, &x, m, &mut y)).unwrap().unwrap();
+                let mut col = 0;
+                for (&(t, rows), w) in spec.iter().zip(&ws) {
+                    let alone = run(kernel, t, w, rows, k, &x, m);
+                    for i in 0..m {
+                        for j in 0..rows {
+                            let (a, b) = (y[i * n + col + j], alone[i * rows + j]);
+                            assert_eq!(a.to_bits(), b.to_bits(), "{kernel} m {m} {t} row {i} col {j}: {a} vs {b}");
+                        }
                     }
+                    col += rows;
                 }
-                col += rows;
             }
         }
     }
+    let ws: Vec<Vec<u8>> = mixed.iter().map(|&(t, rows)| weight(t, rows, k, &mut rng)).collect();
+    let parts: Vec<QuantPart<'_>> =
+        mixed.iter().zip(&ws).map(|(&(t, rows), w)| QuantPart { t, w, rows, layout: RowLayout::Ggml }).collect();
+    let n: usize = mixed.iter().map(|s| s.1).sum();
     let x = vec![0.5f32; k];
     let mut y = vec![7f32; n];
     let mut bad = parts.clone();

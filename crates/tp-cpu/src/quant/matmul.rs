@@ -179,6 +179,14 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
     let kernel = CpuKernel::current();
     let isa = kernel.int8_isa();
     let gemm = |p: &QuantPart<'_>| m >= gemm_min_m(p, isa) || batch_invariant();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Int8Isa::Avx512Vnni && !batch_invariant() && parts.iter().all(|p| super::igemm::takes(p.t) && gemm(p)) {
+        // SAFETY: `int8_isa` returns `Avx512Vnni` only where the CPU has AVX-512 F, BW, VL and
+        // VNNI (and AVX2 and FMA, which AVX-512 detection requires); the shapes were checked
+        // above, `k` and `m` are positive.
+        unsafe { super::igemm::igemm(parts, k, x, m, y) };
+        return Ok(());
+    }
     if parts.len() > 1 && parts.iter().any(gemm) {
         // Compute-bound parts (and any beside them): each part's product on its own path, its
         // columns copied into place.
@@ -196,14 +204,6 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
     if let [p] = parts
         && gemm(p)
     {
-        #[cfg(target_arch = "x86_64")]
-        if isa == Int8Isa::Avx512Vnni && super::igemm::takes(p.t) && !batch_invariant() {
-            // SAFETY: `int8_isa` returns `Avx512Vnni` only where the CPU has AVX-512 F, BW, VL
-            // and VNNI (and AVX2 and FMA, which AVX-512 detection requires); the shapes were
-            // checked above.
-            unsafe { super::igemm::igemm(p.t, p.layout, p.w, p.rows, k, x, m, y) };
-            return Ok(());
-        }
         prefill::gemm_tiles(kernel, (p.t, p.layout), p.w, p.rows, k, x, m, y);
         return Ok(());
     }

@@ -3,9 +3,10 @@
 //! (`dot_q4x8`, `dot_q4kx8`, `dot_q6kx8`) stream the weight once per few activation rows and
 //! unpack its codes each time.
 //!
-//! `x` is quantized once per call, exactly as the decode kernels quantize it (`xtiles`: blocks
-//! of 32 or 256, `f32` scales, codes rounded to nearest), into tiles of 16 rows. The weight is
-//! cut into chunks of [`CHUNK_ROWS`] rows, one pool task each: the task unpacks its rows once
+//! `x` is quantized once per call (per block size the weight's parts need), exactly as the
+//! decode kernels quantize it (`xtiles`: blocks of 32 or 256, `f32` scales, codes rounded to
+//! nearest), into tiles of 16 rows. The weight (all its parts, for a fused projection) is cut
+//! into chunks of [`CHUNK_ROWS`] rows, one pool task each, all in one job: the task unpacks its rows once
 //! into panels of 4 (`panel`: 8-bit codes in element order, integer group scales, `f32`
 //! scales), then runs the micro-kernel (`kernel`) over every three activation tiles (48 rows of `x`) and every
 //! panel. The micro-kernel computes, for activation row `i` and weight row `r`, per block `b`:
@@ -22,6 +23,7 @@ mod panel;
 mod xtiles;
 
 use super::interleave::RowLayout;
+use super::matmul::QuantPart;
 use super::types::QuantType;
 use crate::pool;
 use panel::{Kind, Q4K, Q6K, Q40};
@@ -38,32 +40,60 @@ pub(crate) fn takes(t: QuantType) -> bool {
     matches!(t, QuantType::Q4_0 | QuantType::Q4K | QuantType::Q6K)
 }
 
-/// `y = x W^T` for `rows` weight rows of `k` elements of `t` ([`takes`]) stored in `layout`,
-/// `x` `[m, k]`, `y` `[m, rows]` (every element written); `k` a positive multiple of `t`'s
-/// block, `w.len() == rows * t.row_bytes(k)`.
+/// `y = x W^T` for a weight made of `parts` stacked along the rows (each of a type [`takes`]
+/// takes, `rows` rows of `k` elements stored in its `layout`: a fused q/k/v or gate/up projection
+/// of a Q4_K_M file, or one weight), `x` `[m, k]`, `y` `[m, Σ rows]` (every element written; part
+/// `p`'s outputs in the columns after those of the parts before it). `x` is quantized once per
+/// block size the parts need, and every part's chunks of rows go to the pool as one job.
+/// `k` is a positive multiple of every part's block, each `w.len() == rows * t.row_bytes(k)`,
+/// `m > 0`.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2 and FMA.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn igemm(
-    t: QuantType,
-    layout: RowLayout,
-    w: &[u8],
-    rows: usize,
-    k: usize,
-    x: &[f32],
-    m: usize,
-    y: &mut [f32],
-) {
-    // SAFETY: forwarded.
+pub(crate) unsafe fn igemm(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize, y: &mut [f32]) {
+    let n: usize = parts.iter().map(|p| p.rows).sum();
+    assert!(y.len() == m * n && x.len() == m * k && parts.iter().all(|p| takes(p.t)), "igemm: operands");
+    // (part, its first column in `y`, first row, end row) of every task.
+    let mut tasks = Vec::new();
+    let mut col = 0;
+    for (i, p) in parts.iter().enumerate() {
+        tasks.extend((0..p.rows).step_by(CHUNK_ROWS).map(|r0| (i, col, r0, (r0 + CHUNK_ROWS).min(p.rows))));
+        col += p.rows;
+    }
+    let mut x256 = X256.with(|b| std::mem::replace(&mut *b.borrow_mut(), XTiles::empty()));
+    let mut x32 = X32.with(|b| std::mem::replace(&mut *b.borrow_mut(), XTiles::empty()));
+    let has = |t: QuantType| parts.iter().any(|p| p.t == t);
+    // SAFETY: the CPU is the caller's.
     unsafe {
-        match t {
-            QuantType::Q4_0 => run::<Q40>(layout, w, rows, k, x, m, y),
-            QuantType::Q4K => run::<Q4K>(layout, w, rows, k, x, m, y),
-            QuantType::Q6K => run::<Q6K>(layout, w, rows, k, x, m, y),
-            _ => unreachable!("igemm: {t} is not taken"),
+        if has(QuantType::Q4K) || has(QuantType::Q6K) {
+            // Q6_K needs no pairs; Q4_K's are a superset.
+            x256.fill(x, m, k, 256, if has(QuantType::Q4K) { Q4K::EXTRA } else { Q6K::EXTRA });
+        }
+        if has(QuantType::Q4_0) {
+            x32.fill(x, m, k, 32, Q40::EXTRA);
         }
     }
+    let out = Out(y.as_mut_ptr());
+    let task = |i: usize| {
+        let (p, col, r0, r1) = tasks[i];
+        let part = &parts[p];
+        let row_bytes = part.w.len() / part.rows;
+        let w = &part.w[r0 * row_bytes..r1 * row_bytes];
+        let at = (m, n, col + r0);
+        // SAFETY: `y` is `[m, n]`, and this task alone writes its columns `col + r0 .. col +
+        // r1`; the tiles were filled for the part's block size; the CPU is the caller's.
+        unsafe {
+            match part.t {
+                QuantType::Q4_0 => chunk::<Q40>(&x32, w, part.layout, r1 - r0, row_bytes, out.get(), at),
+                QuantType::Q4K => chunk::<Q4K>(&x256, w, part.layout, r1 - r0, row_bytes, out.get(), at),
+                QuantType::Q6K => chunk::<Q6K>(&x256, w, part.layout, r1 - r0, row_bytes, out.get(), at),
+                t => unreachable!("igemm: {t} is not taken"),
+            }
+        }
+    };
+    pool::run(tasks.len(), &task);
+    X256.with(|b| *b.borrow_mut() = x256);
+    X32.with(|b| *b.borrow_mut() = x32);
 }
 
 /// `y` as a raw pointer for the tasks, which write disjoint columns of it.
@@ -83,32 +113,35 @@ impl Out {
 thread_local! {
     /// A task's unpacked panels, kept between calls.
     static PANELS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-    /// The quantized activation tiles of the calling thread, kept between calls.
-    static XT: RefCell<XTiles> = const { RefCell::new(XTiles::empty()) };
+    /// The calling thread's quantized activation tiles (blocks of 256 and of 32), kept between
+    /// calls.
+    static X256: RefCell<XTiles> = const { RefCell::new(XTiles::empty()) };
+    static X32: RefCell<XTiles> = const { RefCell::new(XTiles::empty()) };
 }
 
-/// [`igemm`] for one type.
+/// One task: `rows` (at most [`CHUNK_ROWS`]) weight rows `w` of `K` (`row_bytes` each, stored in
+/// `layout`, starting on a group of eight) unpacked into panels and multiplied by every tile of
+/// `xt`, into columns `col .. col + rows` of `y` (`[m, n]`).
 ///
 /// # Safety
-/// As [`igemm`].
-unsafe fn run<K: Kind>(layout: RowLayout, w: &[u8], rows: usize, k: usize, x: &[f32], m: usize, y: &mut [f32]) {
-    let row_bytes = w.len() / rows;
-    let nb = k / K::BLOCK;
-    let mut xt = XT.with(|b| std::mem::replace(&mut *b.borrow_mut(), XTiles::empty()));
-    // SAFETY: the CPU is the caller's.
-    unsafe { xt.fill(x, m, k, K::BLOCK, K::EXTRA) };
-    let out = Out(y.as_mut_ptr());
-    let task = |c: usize| {
-        let (r0, r1) = (c * CHUNK_ROWS, ((c + 1) * CHUNK_ROWS).min(rows));
-        PANELS.with(|p| {
-            let mut p = p.borrow_mut();
-            // SAFETY: the CPU is the caller's.
-            unsafe { panel::build::<K>(&w[r0 * row_bytes..r1 * row_bytes], layout, r1 - r0, row_bytes, nb, &mut p) };
-            // SAFETY: `p` holds the panels of rows `r0..r1` (`nb` blocks each, as `xt`); `y` is
-            // `[m, rows]` and this task alone writes columns `r0..r1`; the CPU is the caller's.
-            unsafe { kernel::panels::<K>(&xt, p.as_ptr(), r1 - r0, out.get(), (m, rows, r0)) };
-        })
-    };
-    pool::run(rows.div_ceil(CHUNK_ROWS), &task);
-    XT.with(|b| *b.borrow_mut() = xt);
+/// `y` valid for `m · n` writes, those columns this call's alone, `col + rows <= n`; `xt` filled
+/// for `K`'s block size with the rows of `x`; the CPU must have AVX-512 F, BW, VL and VNNI, AVX2
+/// and FMA.
+unsafe fn chunk<K: Kind>(
+    xt: &XTiles,
+    w: &[u8],
+    layout: RowLayout,
+    rows: usize,
+    row_bytes: usize,
+    y: *mut f32,
+    at: (usize, usize, usize),
+) {
+    PANELS.with(|p| {
+        let mut p = p.borrow_mut();
+        // SAFETY: the CPU is the caller's.
+        unsafe { panel::build::<K>(w, layout, rows, row_bytes, xt.nb, &mut p) };
+        // SAFETY: `p` holds the panels of the `rows` rows (`xt.nb` blocks each); the rest is the
+        // caller's.
+        unsafe { kernel::panels::<K>(xt, p.as_ptr(), rows, y, at) };
+    })
 }
