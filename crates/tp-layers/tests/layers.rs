@@ -186,6 +186,37 @@ fn parallel_mlp_matches_the_unsharded_block_at_every_world_size() {
     }
 }
 
+/// Many rows in passes (`forward_in_passes`, as the host forward takes a prefill step) give, at
+/// every world size, the rows the one-pass forward gives, within the f32 GEMMs' accumulation
+/// order (each pass is its own product), and every rank the same; passes of 16 rows and a short
+/// last one, an odd row count, the bias once.
+#[test]
+fn the_mlp_in_passes_matches_one_pass() {
+    let (hidden, inter, tokens) = (24, 43, 53);
+    for bias in [false, true] {
+        let gate = linear(inter, hidden, bias, DType::F32, 30);
+        let up = linear(inter, hidden, bias, DType::F32, 32);
+        let down = linear(hidden, inter, bias, DType::F32, 34);
+        let x = Tensor::rand(&[tokens, hidden], DType::F32, 36, &CPU).unwrap();
+        let r = mlp_f64(&x, &gate, &up, &down);
+        for world in 1..=4 {
+            let got = on_ranks(world, CPU, |g| {
+                let mlp = ParallelMlp::from_full(&gate, &up, &down, Activation::Silu, &g).unwrap();
+                // 16 rows of [G_r | U_r] per pass at most: 4 passes.
+                let pass = 16 * 2 * mlp.down().shard().len() * 4;
+                (mlp.forward_in_passes(&x, usize::MAX).unwrap(), mlp.forward_in_passes(&x, pass).unwrap())
+            });
+            for (one, passes) in &got {
+                assert_eq!(passes.dims(), one.dims());
+                assert_close(&format!("bias {bias} world {world}"), &f64s(passes), &f64s(one), |i| {
+                    2f64.powi(-20) * r.scale[i]
+                });
+            }
+            assert!(got.iter().all(|(_, y)| y == &got[0].1), "ranks disagree");
+        }
+    }
+}
+
 #[test]
 fn bad_layer_arguments_are_typed_errors() {
     let l = linear(OUT, IN, true, DType::F32, 1);
