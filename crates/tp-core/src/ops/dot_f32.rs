@@ -75,6 +75,83 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// [`dot`] of `a` with each of `b[0..8]`, bit for bit, the eight computed together: each key's
+/// sixteen partial sums as in [`dot`], then the same pairwise additions for all eight at once
+/// (lane halves across pairs of keys, then pairs and neighbours within 128-bit lanes), so that
+/// one shuffle does the work of eight horizontal sums' steps.
+///
+/// # Safety
+/// With `FMA`, the CPU must have AVX2 and FMA. Every `b[i]` at least as long as `a`.
+#[inline(always)]
+pub(super) unsafe fn dots8<const FMA: bool>(a: &[f32], b: [&[f32]; 8]) -> [f32; 8] {
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        // SAFETY: the caller guarantees AVX2 and FMA.
+        return unsafe { dots8_avx2(a, b) };
+    }
+    // SAFETY: without `FMA` `dot` needs nothing.
+    b.map(|b| unsafe { dot::<FMA>(a, b) })
+}
+
+/// [`dots8`] on AVX2 registers.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; every `b[i]` at least as long as `a`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dots8_avx2(a: &[f32], b: [&[f32]; 8]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let n = a.len();
+    let main = n / 16 * 16;
+    for bk in &b {
+        assert!(bk.len() >= n, "dots8: short row");
+    }
+    // SAFETY: every load reads 8 floats at `i` or `i + 8` with `i + 16 <= main <= n`, inside `a`
+    // and every `b[k]`; the instructions are the caller's guarantee. (Plain loops, not closures:
+    // a closure would not inherit the caller's target features.)
+    unsafe {
+        let pa = a.as_ptr();
+        // Per key, lanes 0-7 plus lanes 8-15 (`s8` of `dot_avx2`).
+        let mut s8 = [_mm256_setzero_ps(); 8];
+        for k in 0..8 {
+            let pb = b[k].as_ptr();
+            let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut i = 0;
+            while i < main {
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), hi);
+                i += 16;
+            }
+            s8[k] = _mm256_add_ps(lo, hi);
+        }
+        // l + (l + 4): keys 2p and 2p + 1 in the low and high halves.
+        let mut s4 = [_mm256_setzero_ps(); 4];
+        for p in 0..4 {
+            let (x, y) = (s8[2 * p], s8[2 * p + 1]);
+            s4[p] = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(x, y), _mm256_permute2f128_ps::<0x31>(x, y));
+        }
+        // l + (l + 2): [k0 k0 k2 k2 | k1 k1 k3 k3] and [k4 k4 k6 k6 | k5 k5 k7 k7].
+        let mut s2 = [_mm256_setzero_ps(); 2];
+        for h in 0..2 {
+            let (x, y) = (s4[2 * h], s4[2 * h + 1]);
+            s2[h] = _mm256_add_ps(_mm256_shuffle_ps::<0b0100_0100>(x, y), _mm256_shuffle_ps::<0b1110_1110>(x, y));
+        }
+        // 0 + 1: [k0 k2 k4 k6 | k1 k3 k5 k7].
+        let s1 = _mm256_add_ps(
+            _mm256_shuffle_ps::<0b1000_1000>(s2[0], s2[1]),
+            _mm256_shuffle_ps::<0b1101_1101>(s2[0], s2[1]),
+        );
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), s1);
+        let mut out = [0f32; 8];
+        for (k, o) in out.iter_mut().enumerate() {
+            let tail: f32 = a[main..n].iter().zip(&b[k][main..n]).map(|(x, y)| x * y).sum();
+            *o = lanes[[0, 4, 1, 5, 2, 6, 3, 7][k]] + tail;
+        }
+        out
+    }
+}
+
 /// `y[c] = Σ_j w[j] v[j · stride + c]` for every column `c < y.len()`, each sum in `j` order
 /// from zero (fused multiply-adds with `FMA`): attention's weighted sum of value rows. The
 /// columns go 64 at a time, their sums held in registers across all the rows, rather than `y`
@@ -156,6 +233,16 @@ mod tests {
                 let exact: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
                 let scale: f64 = a.iter().zip(&b).map(|(x, y)| f64::from((x * y).abs())).sum();
                 assert!((f64::from(got) - exact).abs() <= 1e-6 * scale.max(1.0), "n {n}");
+                // Eight keys at once: each the same bits as alone (keys of different lengths'
+                // worth of data; only the first n elements count).
+                let keys: Vec<Vec<f32>> = (0..8).map(|k| (0..n + k).map(|_| next() * 3.0).collect()).collect();
+                let refs: [&[f32]; 8] = std::array::from_fn(|k| &keys[k][..]);
+                // SAFETY: AVX2 and FMA checked above.
+                let eight = unsafe { dots8::<true>(&a, refs) };
+                for (k, got) in eight.iter().enumerate() {
+                    let want = dot_portable::<true>(&a, &keys[k][..n]);
+                    assert_eq!(got.to_bits(), want.to_bits(), "n {n} key {k}: {got} vs {want}");
+                }
             }
         }
     }
