@@ -36,6 +36,7 @@ pub(crate) struct Q4Kx8;
 
 impl Group for Q4Kx8 {
     const BLOCK_BYTES: usize = 144;
+    const WIDEST: usize = 8;
 
     #[inline(always)]
     unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {

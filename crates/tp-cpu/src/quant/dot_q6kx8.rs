@@ -40,6 +40,7 @@ pub(crate) struct Q6Kx8;
 
 impl Group for Q6Kx8 {
     const BLOCK_BYTES: usize = 210;
+    const WIDEST: usize = 4;
 
     // `q` and `j` also place the loads and the activation bytes, not only index.
     #[allow(clippy::needless_range_loop)]

@@ -1,7 +1,7 @@
 //! The `#[target_feature]` entry points of the x86 integer dot products: one per instruction set
 //! ([`avx2`], [`vnni`]), each compiling every type's kernel (`dot_legacy`, `dot_kquant`) for
-//! 1, 2 and 4 activation rows at a time, inside a loop over a task's weight rows (so a row costs
-//! no call, dispatch or check of its own).
+//! 1, 2 and 4 activation rows at a time (the interleaved layouts' kernels up to 8), inside a
+//! loop over a task's weight rows (so a row costs no call, dispatch or check of its own).
 
 use super::act::XRow;
 use super::types::QuantType;
@@ -85,8 +85,8 @@ macro_rules! isa_entry {
             }
 
             /// Rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`, `Q6Kx8`): whole groups
-            /// through `G`'s kernel (1, 2 or 4 activation rows at a time); the rows past the last
-            /// group (ggml's layout) go to `tail`.
+            /// through `G`'s kernel (1, 2, 4, 6 or 8 activation rows at a time, at most
+            /// `G::WIDEST`); the rows past the last group (ggml's layout) go to `tail`.
             ///
             /// # Safety
             /// As [`legacy`]; `tail` must be the one-row kernel of the same type.
@@ -105,25 +105,49 @@ macro_rules! isa_entry {
                     let p = g.as_ptr();
                     let mut i = 0;
                     while i < m {
-                        let take = match m - i {
+                        let take = match (m - i).min(G::WIDEST) {
                             1 => 1,
                             2 | 3 => 2,
-                            _ => 4,
+                            4 | 5 => 4,
+                            6 | 7 => 6,
+                            _ => 8,
                         };
                         // SAFETY: `check` verified the operands (a group is 8 whole rows of
                         // `nb` blocks; every activation row as long, with its scales and
                         // sums); the caller guarantees the CPU.
-                        let sums: [[f32; 8]; 4] = unsafe {
+                        let sums: [[f32; 8]; 8] = unsafe {
+                            let z = [0.0; 8];
                             match take {
                                 1 => {
                                     let r = G::group::<$dot, 1>(p, nb, &[xs[i]]);
-                                    [r[0], [0.0; 8], [0.0; 8], [0.0; 8]]
+                                    [r[0], z, z, z, z, z, z, z]
                                 }
                                 2 => {
                                     let r = G::group::<$dot, 2>(p, nb, &[xs[i], xs[i + 1]]);
-                                    [r[0], r[1], [0.0; 8], [0.0; 8]]
+                                    [r[0], r[1], z, z, z, z, z, z]
                                 }
-                                _ => G::group::<$dot, 4>(p, nb, &[xs[i], xs[i + 1], xs[i + 2], xs[i + 3]]),
+                                4 => {
+                                    let r = G::group::<$dot, 4>(p, nb, &[xs[i], xs[i + 1], xs[i + 2], xs[i + 3]]);
+                                    [r[0], r[1], r[2], r[3], z, z, z, z]
+                                }
+                                6 => {
+                                    let x6 = [xs[i], xs[i + 1], xs[i + 2], xs[i + 3], xs[i + 4], xs[i + 5]];
+                                    let r = G::group::<$dot, 6>(p, nb, &x6);
+                                    [r[0], r[1], r[2], r[3], r[4], r[5], z, z]
+                                }
+                                _ => {
+                                    let x8: [XRow<'_>; 8] = [
+                                        xs[i],
+                                        xs[i + 1],
+                                        xs[i + 2],
+                                        xs[i + 3],
+                                        xs[i + 4],
+                                        xs[i + 5],
+                                        xs[i + 6],
+                                        xs[i + 7],
+                                    ];
+                                    G::group::<$dot, 8>(p, nb, &x8)
+                                }
                             }
                         };
                         for (j, row_sums) in sums.iter().enumerate().take(take) {
