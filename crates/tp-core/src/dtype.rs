@@ -158,6 +158,10 @@ pub trait Element: Storable + tp_cpu::Float {
     }
     /// Narrow a whole `f32` slice, round to nearest even.
     fn slice_from_f32(src: &[f32], dst: &mut [Self]);
+    /// The slice itself where the type is `f32` (no copy), else `None`.
+    fn as_f32(_s: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Storable for f32 {
@@ -176,6 +180,9 @@ impl Element for f32 {
     }
     fn slice_from_f32(src: &[f32], dst: &mut [Self]) {
         dst.copy_from_slice(src);
+    }
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
     }
 }
 

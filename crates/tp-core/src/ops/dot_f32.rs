@@ -184,6 +184,33 @@ pub(super) fn weighted_rows<const FMA: bool>(y: &mut [f32], w: &[f32], v: &[f32]
     }
 }
 
+/// [`weighted_rows`] over rows held apart (`v[j]` the row of weight `w[j]`, each at least
+/// `y.len()` long): the same sums, in the same order, bit for bit.
+#[inline(always)]
+pub(super) fn weighted_refs<const FMA: bool>(y: &mut [f32], w: &[f32], v: &[&[f32]]) {
+    const C: usize = 64;
+    let d = y.len();
+    for c0 in (0..d).step_by(C) {
+        let cw = C.min(d - c0);
+        let mut acc = [0f32; C];
+        if cw == C {
+            for (&wj, vj) in w.iter().zip(v) {
+                let vj: &[f32; C] = vj[c0..][..C].try_into().expect("64 values");
+                for l in 0..C {
+                    acc[l] = if FMA { wj.mul_add(vj[l], acc[l]) } else { acc[l] + wj * vj[l] };
+                }
+            }
+        } else {
+            for (&wj, vj) in w.iter().zip(v) {
+                for (a, &b) in acc[..cw].iter_mut().zip(&vj[c0..c0 + cw]) {
+                    *a = if FMA { wj.mul_add(b, *a) } else { *a + wj * b };
+                }
+            }
+        }
+        y[c0..c0 + cw].copy_from_slice(&acc[..cw]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,6 +236,11 @@ mod tests {
             let mut got = vec![f32::NAN; d];
             weighted_rows::<true>(&mut got, &w, &v, stride);
             assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "d {d} stride {stride}");
+            // The same rows held apart.
+            let rows: Vec<&[f32]> = (0..n).map(|j| &v[j * stride..j * stride + d]).collect();
+            let mut apart = vec![f32::NAN; d];
+            weighted_refs::<true>(&mut apart, &w, &rows);
+            assert!(apart.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "apart: d {d} stride {stride}");
         }
     }
 

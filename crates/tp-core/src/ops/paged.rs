@@ -21,7 +21,7 @@
 //! its query and its sequence's keys, bitwise, whatever else is in the batch.
 
 use super::attention::{GEMM_MIN_TOKENS, exp_neg, gemm_attention, row_groups};
-use super::dot_f32::{dot, dots8, weighted_rows};
+use super::dot_f32::{dot, dots8, weighted_refs, weighted_rows};
 use super::kv_quant::{KvQuant, QuantKvBuffer};
 use crate::storage::{CpuStorage, Storage};
 use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
@@ -335,6 +335,10 @@ pub enum KvBuffer<'a> {
 trait KvRows: Sync {
     /// The keys of `slot`'s KV head `head` into `k`, its values into `v` (`D` each).
     fn widen(&self, slot: usize, head: usize, k: &mut [f32], v: &mut [f32]);
+    /// The same rows in place, where the cache holds them as f32 already.
+    fn direct(&self, _slot: usize, _head: usize) -> Option<(&[f32], &[f32])> {
+        None
+    }
 }
 
 /// A dense cache's elements.
@@ -351,6 +355,12 @@ impl<E: Element> KvRows for DenseRows<'_, E> {
         let at = (slot * self.hkv + head) * self.d;
         E::slice_to_f32(&self.k[at..at + self.d], k);
         E::slice_to_f32(&self.v[at..at + self.d], v);
+    }
+
+    #[inline(always)]
+    fn direct(&self, slot: usize, head: usize) -> Option<(&[f32], &[f32])> {
+        let at = (slot * self.hkv + head) * self.d;
+        Some((E::as_f32(&self.k[at..at + self.d])?, E::as_f32(&self.v[at..at + self.d])?))
     }
 }
 
@@ -492,6 +502,8 @@ fn paged_rows_avx2<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]
 unsafe fn paged_rows_body<S: KvRows, const FMA: bool>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
     let Geometry { hq, d, block_size: bs, groups, .. } = ctx.geo;
     let (mut scores, mut krows, mut vrows) = (Vec::new(), Vec::new(), Vec::new());
+    // The rows of an f32 cache, read in place instead of copied into `krows` / `vrows`.
+    let (mut kref, mut vref): (Vec<&[f32]>, Vec<&[f32]>) = (Vec::new(), Vec::new());
     // (sequence, KV head, first key, last key) of what `krows`/`vrows` hold.
     let mut held: Option<(usize, usize, usize, usize)> = None;
     for (r, y) in (first..).zip(out.chunks_exact_mut(d.max(1))) {
@@ -506,22 +518,36 @@ unsafe fn paged_rows_body<S: KvRows, const FMA: bool>(ctx: &RowCtx<'_, S>, first
         let (lo, hi) = ctx.spec.key_range(p);
         if held != Some((si, kvh, lo, hi)) {
             let n = hi + 1 - lo;
-            krows.resize(n * d, 0.0);
-            vrows.resize(n * d, 0.0);
-            for ((j, kd), vd) in (lo..=hi).zip(krows.chunks_exact_mut(d)).zip(vrows.chunks_exact_mut(d)) {
-                ctx.kv.widen(s.blocks[j / bs] as usize * bs + j % bs, kvh, kd, vd);
+            let slot = |j: usize| s.blocks[j / bs] as usize * bs + j % bs;
+            kref.clear();
+            vref.clear();
+            if ctx.kv.direct(slot(lo), kvh).is_some() {
+                // f32 rows are read where they are.
+                for j in lo..=hi {
+                    let (kd, vd) = ctx.kv.direct(slot(j), kvh).expect("an f32 cache");
+                    kref.push(kd);
+                    vref.push(vd);
+                }
+            } else {
+                krows.resize(n * d, 0.0);
+                vrows.resize(n * d, 0.0);
+                for ((j, kd), vd) in (lo..=hi).zip(krows.chunks_exact_mut(d)).zip(vrows.chunks_exact_mut(d)) {
+                    ctx.kv.widen(slot(j), kvh, kd, vd);
+                }
             }
             held = Some((si, kvh, lo, hi));
         }
+        let direct = !kref.is_empty();
+        let key = |j: usize| if direct { kref[j] } else { &krows[j * d..(j + 1) * d] };
         let qv = &ctx.q[r * d..(r + 1) * d];
-        let n = krows.len() / d.max(1);
+        let n = if direct { kref.len() } else { krows.len() / d.max(1) };
         scores.clear();
         scores.resize(n, 0.0);
         // Eight keys at a time (the same bits as one at a time), then the rest.
         let whole = n / 8 * 8;
         for (j0, out) in (0..whole).step_by(8).zip(scores.chunks_exact_mut(8)) {
-            let at = |i: usize| &krows[(j0 + i) * d..(j0 + i + 1) * d];
-            let keys = [at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)];
+            let keys =
+                [key(j0), key(j0 + 1), key(j0 + 2), key(j0 + 3), key(j0 + 4), key(j0 + 5), key(j0 + 6), key(j0 + 7)];
             // SAFETY: `FMA` only where the CPU has AVX2 and FMA (this function's contract);
             // every key row holds `d` values.
             let dots = unsafe { dots8::<FMA>(qv, keys) };
@@ -529,16 +555,20 @@ unsafe fn paged_rows_body<S: KvRows, const FMA: bool>(ctx: &RowCtx<'_, S>, first
                 *o = v * ctx.spec.scale;
             }
         }
-        for (o, kd) in scores[whole..].iter_mut().zip(krows[whole * d..].chunks_exact(d.max(1))) {
+        for (j, o) in scores.iter_mut().enumerate().skip(whole) {
             // SAFETY: as above.
-            *o = unsafe { dot::<FMA>(qv, kd) } * ctx.spec.scale;
+            *o = unsafe { dot::<FMA>(qv, key(j)) } * ctx.spec.scale;
         }
         let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         for sc in &mut scores {
             *sc = exp_neg(*sc - max);
         }
         let sum: f32 = scores.iter().sum();
-        weighted_rows::<FMA>(y, &scores, &vrows, d);
+        if direct {
+            weighted_refs::<FMA>(y, &scores, &vref);
+        } else {
+            weighted_rows::<FMA>(y, &scores, &vrows, d);
+        }
         let inv = 1.0 / sum;
         y.iter_mut().for_each(|a| *a *= inv);
     }
