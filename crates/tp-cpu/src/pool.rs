@@ -80,7 +80,7 @@ where
         return;
     }
     let per = rows.div_ceil(groups);
-    let base = Shared(data.as_mut_ptr());
+    let base = TaskPtr(data.as_mut_ptr());
     let len = data.len();
     run(rows.div_ceil(per), &|g| {
         let base = &base;
@@ -93,10 +93,20 @@ where
     });
 }
 
-/// A pointer shared with the pool's tasks, which use disjoint parts of what it points to.
-struct Shared<E>(*mut E);
-// SAFETY: used only inside `run`, which returns after every task; tasks touch disjoint ranges.
-unsafe impl<E: Send> Sync for Shared<E> {}
+/// A pointer shared with the pool's tasks, which use disjoint parts of what it points to (an
+/// output the tasks write in parts, a buffer each fills its own part of).
+#[derive(Clone, Copy)]
+pub(crate) struct TaskPtr<E>(pub(crate) *mut E);
+// SAFETY: used only inside `run` (or inline, on the calling thread), which returns after every
+// task while the buffer it points into is borrowed; each task touches its own disjoint range.
+unsafe impl<E: Send> Sync for TaskPtr<E> {}
+
+impl<E> TaskPtr<E> {
+    /// The pointer (a method, so closures capture the whole `TaskPtr`, not its raw field).
+    pub(crate) fn get(self) -> *mut E {
+        self.0
+    }
+}
 
 /// One call's tasks.
 struct Job<'a> {

@@ -22,7 +22,7 @@ use tp_core::{Activation, Device, Tensor};
 /// passes' buffers come back from the heap step after step instead of being mapped and
 /// page-faulted in anew (measured on Zen 4, TinyLlama shape, Q4_K_M, a 2048-token prefill step:
 /// page faults took about 10% of it with one pass).
-pub const HOST_PASS_BYTES: usize = 24 << 20;
+const HOST_PASS_BYTES: usize = 24 << 20;
 
 /// The checkpoint names of an MLP's projections, relative to its prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,8 +120,8 @@ impl ParallelMlp {
 
     /// `down(act(gate(x)) * up(x))`, with one all-reduce. `x: [.., H]` is the full input on
     /// every rank; every rank returns the full output. On the host, many rows (a prefill step)
-    /// go through it in passes ([`forward_in_passes`](Self::forward_in_passes) with
-    /// [`HOST_PASS_BYTES`]).
+    /// go through it in passes of at most 24 MiB of `[G_r | U_r]`
+    /// ([`forward_in_passes`](Self::forward_in_passes)).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if x.device() == Device::Cpu {
             self.forward_in_passes(x, HOST_PASS_BYTES)

@@ -59,15 +59,7 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: every load reads 8 floats at `i` or `i + 8` with `i + 16 <= main <= n`, inside
     // both slices; the instructions are the caller's guarantee.
     unsafe {
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut i = 0;
-        while i < main {
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), lo);
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), hi);
-            i += 16;
-        }
-        let s8 = _mm256_add_ps(lo, hi); // l + (l + 8)
+        let s8 = lanes8(a.as_ptr(), b.as_ptr(), main); // l + (l + 8)
         let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8)); // l + (l + 4)
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4)); // l + (l + 2)
         let s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2)); // 0 + 1
@@ -93,6 +85,29 @@ pub(super) unsafe fn dots8<const FMA: bool>(a: &[f32], b: [&[f32]; 8]) -> [f32; 
     b.map(|b| unsafe { dot::<FMA>(a, b) })
 }
 
+/// The sixteen partial sums of `Σ a_i b_i` over `i < main` (a multiple of 16; lane `l` takes
+/// `i ≡ l mod 16`, fused multiply-adds in order), lanes `l` and `l + 8` added: the first step of
+/// [`dot`]'s pairwise sum.
+///
+/// # Safety
+/// `pa` and `pb` readable for `main` floats; the CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn lanes8(pa: *const f32, pb: *const f32, main: usize) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: as stated; every load reads 8 floats at `i` or `i + 8` with `i + 16 <= main`.
+    unsafe {
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i < main {
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), hi);
+            i += 16;
+        }
+        _mm256_add_ps(lo, hi)
+    }
+}
+
 /// [`dots8`] on AVX2 registers.
 ///
 /// # Safety
@@ -114,15 +129,7 @@ unsafe fn dots8_avx2(a: &[f32], b: [&[f32]; 8]) -> [f32; 8] {
         // Per key, lanes 0-7 plus lanes 8-15 (`s8` of `dot_avx2`).
         let mut s8 = [_mm256_setzero_ps(); 8];
         for k in 0..8 {
-            let pb = b[k].as_ptr();
-            let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut i = 0;
-            while i < main {
-                lo = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), lo);
-                hi = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), hi);
-                i += 16;
-            }
-            s8[k] = _mm256_add_ps(lo, hi);
+            s8[k] = lanes8(pa, b[k].as_ptr(), main);
         }
         // l + (l + 4): keys 2p and 2p + 1 in the low and high halves.
         let mut s4 = [_mm256_setzero_ps(); 4];

@@ -23,7 +23,7 @@ use super::types::QuantType;
 use crate::dispatch::{CpuKernel, Int8Isa, Isa};
 use crate::error::{Error, Result};
 use crate::matmul::batch_invariant;
-use crate::pool;
+use crate::pool::{self, TaskPtr};
 use std::cell::RefCell;
 
 /// Rows of `x` from which the dequantize-and-GEMM path runs: below it the integer kernels are
@@ -277,20 +277,6 @@ fn rows_dots(
     }
 }
 
-/// `y` as a raw pointer for the tasks, which write disjoint columns of it.
-#[derive(Clone, Copy)]
-struct Out(*mut f32);
-// SAFETY: used only inside `pool::run` (or inline), which returns after every task, while the
-// `&mut [f32]` it came from is borrowed; each task writes its own columns.
-unsafe impl Sync for Out {}
-
-impl Out {
-    /// The pointer (a method, so closures capture the whole `Out`).
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// Weight rows per task of the streaming paths, at most.
 const MAX_TASK_ROWS: usize = 64;
 
@@ -319,7 +305,7 @@ fn stream(parts: &[Shape], n: usize, y: &mut [f32], dots: &PartDots<'_>) {
         col += s.rows;
         bytes = bytes.saturating_add(s.rows * s.row_bytes);
     }
-    let out = Out(y.as_mut_ptr());
+    let out = TaskPtr(y.as_mut_ptr());
     let task = |i: usize| {
         let (p, col, j0, nr) = tasks[i];
         let mut vals = [0f32; MAX_TASK_ROWS * STREAM_MAX_M];

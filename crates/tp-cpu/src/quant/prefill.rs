@@ -12,7 +12,7 @@ use super::types::QuantType;
 use crate::dispatch::CpuKernel;
 use crate::element::Float;
 use crate::gemm::{self, BSource, Micro};
-use crate::pool;
+use crate::pool::{self, TaskPtr};
 use crate::shape::Layout;
 use half::bf16;
 use std::cell::RefCell;
@@ -58,20 +58,6 @@ pub(crate) fn gemm_tiles(
     }
 }
 
-/// A pointer to a tile (or `y`) shared with the pool's tasks, which write disjoint parts.
-#[derive(Clone, Copy)]
-struct Shared<T>(*mut T);
-// SAFETY: used only inside `pool::run`, which returns after every task, while the buffer it
-// points into is borrowed; each task writes its own rows.
-unsafe impl<T> Sync for Shared<T> {}
-
-impl<T> Shared<T> {
-    /// The pointer (a method, so closures capture the whole `Shared`).
-    fn get(self) -> *mut T {
-        self.0
-    }
-}
-
 /// Fills a tile of `T` with whole blocks of a type, on a kernel family.
 type Dequant<T> = dyn Fn(CpuKernel, QuantType, &[u8], &mut [T]) + Sync;
 
@@ -103,7 +89,7 @@ fn tiles<T: Float>(
         let n = tile_rows.min(rows - j0);
         let tile = &mut bytemuck::cast_slice_mut::<u32, T>(&mut buf)[..n * k];
         let src = &w[j0 * row_bytes..(j0 + n) * row_bytes];
-        let dst = Shared(tile.as_mut_ptr());
+        let dst = TaskPtr(tile.as_mut_ptr());
         pool::run(n.div_ceil(ROWS_PER_TASK), &|g| {
             let (r0, r1) = (g * ROWS_PER_TASK, ((g + 1) * ROWS_PER_TASK).min(n));
             // SAFETY: task `g` owns rows `r0..r1` of the tile (disjoint from the others'), inside

@@ -25,7 +25,7 @@ mod xtiles;
 use super::interleave::RowLayout;
 use super::matmul::QuantPart;
 use super::types::QuantType;
-use crate::pool;
+use crate::pool::{self, TaskPtr};
 use panel::{Kind, Q4K, Q6K, Q40};
 use std::cell::RefCell;
 use xtiles::XTiles;
@@ -73,7 +73,7 @@ pub(crate) unsafe fn igemm(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usiz
             x32.fill(x, m, k, 32, Q40::EXTRA);
         }
     }
-    let out = Out(y.as_mut_ptr());
+    let out = TaskPtr(y.as_mut_ptr());
     let task = |i: usize| {
         let (p, col, r0, r1) = tasks[i];
         let part = &parts[p];
@@ -94,20 +94,6 @@ pub(crate) unsafe fn igemm(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usiz
     pool::run(tasks.len(), &task);
     X256.with(|b| *b.borrow_mut() = x256);
     X32.with(|b| *b.borrow_mut() = x32);
-}
-
-/// `y` as a raw pointer for the tasks, which write disjoint columns of it.
-#[derive(Clone, Copy)]
-struct Out(*mut f32);
-// SAFETY: used only inside `pool::run`, which returns after every task, while the `&mut [f32]`
-// it came from is borrowed; each task writes its own columns.
-unsafe impl Sync for Out {}
-
-impl Out {
-    /// The pointer (a method, so closures capture the whole `Out`).
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 thread_local! {

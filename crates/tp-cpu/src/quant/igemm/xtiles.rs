@@ -15,7 +15,7 @@
 //!   holds the sums of the codes over the 32-element groups `2p` and `2p + 1` as two `i16`
 //!   (low half `2p`; each at most `32 · 127` in magnitude), for a `vpdpwssd` with two rows' mins.
 
-use crate::pool;
+use crate::pool::{self, TaskPtr};
 use crate::quant::act::quantize_block;
 
 /// Rows per tile (the `i32` lanes of a 512-bit register).
@@ -45,20 +45,6 @@ pub(crate) enum Extra {
     Pairs,
 }
 
-/// A raw pointer shared with the pool's tasks, which write disjoint tiles.
-#[derive(Clone, Copy)]
-struct Shared<T>(*mut T);
-// SAFETY: used only inside `pool::run`, which returns after every task while the buffers are
-// borrowed; each task writes its own tile's parts.
-unsafe impl<T> Sync for Shared<T> {}
-
-impl<T> Shared<T> {
-    /// The pointer (a method, so closures capture the whole `Shared`).
-    fn get(self) -> *mut T {
-        self.0
-    }
-}
-
 impl XTiles {
     /// No rows.
     pub(crate) const fn empty() -> XTiles {
@@ -84,10 +70,10 @@ impl XTiles {
         self.sx.resize(if extra == Extra::Sx { tiles * nb * LANES } else { 0 }, 0.0);
         self.pairs.resize(if extra == Extra::Pairs { tiles * nb * 4 * LANES } else { 0 }, 0);
         let (codes, d, sx, pairs) = (
-            Shared(self.codes.as_mut_ptr()),
-            Shared(self.d.as_mut_ptr()),
-            Shared(self.sx.as_mut_ptr()),
-            Shared(self.pairs.as_mut_ptr()),
+            TaskPtr(self.codes.as_mut_ptr()),
+            TaskPtr(self.d.as_mut_ptr()),
+            TaskPtr(self.sx.as_mut_ptr()),
+            TaskPtr(self.pairs.as_mut_ptr()),
         );
         let tile = |g: usize| {
             // SAFETY: tile `g` owns these ranges of the four buffers (each sized for `tiles`
