@@ -440,7 +440,7 @@ fn vnni(kernel: CpuKernel) -> bool {
 fn igemm_min_m(t: QuantType) -> Option<usize> {
     match t {
         QuantType::Q4_0 => Some(256),
-        QuantType::Q4K => Some(48),
+        QuantType::Q4K => Some(32),
         QuantType::Q6K => Some(32),
         _ => None,
     }

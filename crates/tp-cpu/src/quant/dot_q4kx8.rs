@@ -111,7 +111,7 @@ impl Group for Q4Kx8 {
 /// # Safety
 /// `p..p + 96` readable; AVX2.
 #[inline(always)]
-unsafe fn scales_mins(p: *const u8) -> ([__m256i; 8], [__m256i; 8]) {
+pub(crate) unsafe fn scales_mins(p: *const u8) -> ([__m256i; 8], [__m256i; 8]) {
     // SAFETY: as stated.
     unsafe {
         let (b0, b1, b2) =

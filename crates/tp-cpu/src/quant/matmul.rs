@@ -5,9 +5,9 @@
 //!   per call (`act`), then each weight row streamed once per pass of at most 92 rows and dotted
 //!   in integers with them (`dot_x86` / `dot_portable`), weight rows split over the pool's
 //!   threads;
-//! * on AVX512-VNNI, Q4_0, Q4_K and Q6_K weights from 256, 48 and 32 rows of `x` (prefill): the
-//!   integer GEMM (`igemm`), the same integers and roundings as the decode kernels of the
-//!   interleaved layouts, each weight row unpacked once per call;
+//! * on AVX512-VNNI, Q4_0, Q4_K and Q6_K weights from 256, 32 and 32 rows of `x` (prefill and
+//!   batched decode): the integer GEMM (`igemm`), the same integers and roundings as the decode
+//!   kernels of the interleaved layouts, each weight row unpacked once per call;
 //! * few rows, `F32` / `F16` / `BF16` weights: each weight row widened to `f32` in a buffer and
 //!   dotted with the `f32` rows of `x`;
 //! * many rows (prefill) of the other types, or a batch-invariant thread
@@ -38,13 +38,15 @@ const GEMM_MIN_M: usize = 48;
 const INTERLEAVED_GEMM_MIN_M: usize = 96;
 /// Rows of `x` from which Q4_K, Q6_K and Q4_0 weights (any layout) take the integer GEMM
 /// (`igemm`) on AVX512-VNNI. Measured on Zen 4 (two threads, `[5632, 2048]` in the interleaved
-/// layouts, against the decode kernels in passes of [`STREAM_CHUNK_M`] rows): Q4_K 2.17 against
-/// 2.21 ms at 40 rows, 2.59 against 2.22 at 48, 7.3 against 5.3 at 128; Q6_K 2.38 against 1.93
-/// at 32; Q4_0 10.0 against 10.8 at 192, 13.1 against 11.9 at 256 (its blocks of 32 cost the
-/// GEMM a conversion and two multiply-adds per 32 products, and its decode kernel takes eight
-/// rows at a time). From 2048 rows the GEMM runs at 1.5x (Q4_K), 2.2x (Q6_K) and 1.4x (Q4_0)
-/// the decode kernels, 2x the dequantizing `bf16` GEMM.
-const IGEMM_MIN_M_Q4K: usize = 48;
+/// layouts, eight copies read in turn from memory, against the decode kernels in passes of
+/// [`STREAM_CHUNK_M`] rows): Q4_K 1.07 against 0.99 ms at 16 rows, 1.62 against 1.42 at 24
+/// (two tiles of 16 either way), 1.62 against 1.97 at 32, 2.20 against 2.70 at 48; Q6_K 2.10
+/// against 2.01 at 24, 2.04 against 2.59 at 32; Q4_0 (unpacked row by row) 10.0 against 10.8
+/// at 192, 13.1 against 11.9 at 256 (its blocks of 32 cost the GEMM a conversion and two
+/// multiply-adds per 32 products, and its decode kernel takes eight rows at a time). From 2048
+/// rows the GEMM runs at 1.5x (Q4_K), 2.2x (Q6_K) and 1.4x (Q4_0) the decode kernels, 2x the
+/// dequantizing `bf16` GEMM.
+const IGEMM_MIN_M_Q4K: usize = 32;
 const IGEMM_MIN_M_Q6K: usize = 32;
 const IGEMM_MIN_M_Q4_0: usize = 256;
 /// The most rows of `x` one pass of the streaming (integer) path takes (bounds its per-task
@@ -84,7 +86,7 @@ const PARALLEL_MIN_BYTES: usize = 64 << 10;
 /// K-quants; `f32` scales `d = amax / 127`, codes rounded to nearest), the dot products run on
 /// integers (AVX512-VNNI, AVX2 or portable, as the calling thread's [`CpuKernel`] allows) with
 /// `f32` accumulation, and each weight row is streamed once for all `m` rows of `x`. On
-/// AVX512-VNNI, Q4_0, Q4_K and Q6_K weights stay on integers at every `m` (from 256, 48 and 32
+/// AVX512-VNNI, Q4_0, Q4_K and Q6_K weights stay on integers at every `m` (from 256, 32 and 32
 /// rows in the integer GEMM, whose outputs are bitwise those of the decode kernels of the
 /// interleaved layouts). `F32` / `F16` / `BF16` weights take `x` as `f32` there. For more rows
 /// (prefill) of the other types, or on a batch-invariant thread

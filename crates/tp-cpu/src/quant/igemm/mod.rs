@@ -1,15 +1,17 @@
 //! The integer GEMM of `quant_matmul` on AVX512-VNNI, for Q4_0, Q4_K and Q6_K weights in any
-//! [`RowLayout`]: prefill-sized products on 8-bit integers, where the decode kernels
-//! (`dot_q4x8`, `dot_q4kx8`, `dot_q6kx8`) stream the weight once per few activation rows and
-//! unpack its codes each time.
+//! [`RowLayout`]: products of 32 or more activation rows (prefill, batched decode) on 8-bit
+//! integers, where the decode kernels (`dot_q4x8`, `dot_q4kx8`, `dot_q6kx8`) stream the weight
+//! once per few activation rows and unpack its codes each time.
 //!
 //! `x` is quantized once per call (per block size the weight's parts need), exactly as the
 //! decode kernels quantize it (`xtiles`: blocks of 32 or 256, `f32` scales, codes rounded to
 //! nearest), into tiles of 16 rows. The weight (all its parts, for a fused projection) is cut
-//! into chunks of [`CHUNK_ROWS`] rows, one pool task each, all in one job: the task unpacks its rows once
-//! into panels of 4 (`panel`: 8-bit codes in element order, integer group scales, `f32`
-//! scales), then runs the micro-kernel (`kernel`) over every three activation tiles (48 rows of `x`) and every
-//! panel. The micro-kernel computes, for activation row `i` and weight row `r`, per block `b`:
+//! into chunks of [`CHUNK_ROWS`] rows, one pool task each, all in one job: the task unpacks its
+//! rows once into panels of 4 (`panel`: 8-bit codes in element order, integer group scales,
+//! `f32` scales; Q4_K and Q6_K groups in their interleaved layouts eight rows at a time,
+//! `q4kx8`, `q6kx8`), then runs the micro-kernel (`kernel`) over every three activation tiles
+//! (48 rows of `x`) and every panel. The micro-kernel computes, for activation row `i` and
+//! weight row `r`, per block `b`:
 //!
 //! `y_ir += d_rb dx_ib Σ_g sc_rg Σ_{e in g} code_re q_ie  (- dmin_rb dx_ib Σ_g mn_rg Σ_{e in g} q_ie)`
 //!
@@ -20,6 +22,8 @@
 
 mod kernel;
 mod panel;
+mod q4kx8;
+mod q6kx8;
 mod xtiles;
 
 use super::interleave::RowLayout;
@@ -31,8 +35,8 @@ use std::cell::RefCell;
 use xtiles::XTiles;
 
 /// Weight rows per task: 12 panels of 4 (a multiple of 8, so a task starts on a group of
-/// interleaved rows). Their unpacked panels (about 120 KiB for rows of 2048 Q4_K) stay in L2 while
-/// every activation tile passes.
+/// interleaved rows). Their unpacked panels (about 120 KiB for rows of 2048 Q4_K) stay in L2
+/// while every activation tile passes.
 const CHUNK_ROWS: usize = 48;
 
 /// Whether [`igemm`] takes weights of type `t`.

@@ -209,8 +209,8 @@ unsafe fn shr16(v: __m256i, n: i32) -> __m256i {
 /// time.
 ///
 /// # Safety
-/// The CPU must have AVX2.
-#[target_feature(enable = "avx2")]
+/// The CPU must have AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
 pub(crate) unsafe fn build<K: Kind>(
     w: &[u8],
     layout: RowLayout,
@@ -231,7 +231,25 @@ pub(crate) unsafe fn build<K: Kind>(
     let (mut sc, mut pairs) = ([0i32; 16], [0i32; 8]);
     let mut ggml = [0u8; 256];
     let o = out.as_mut_ptr();
-    for r in 0..rows {
+    // Q4_K's whole groups eight rows at a time (two panels each).
+    let eight: Option<unsafe fn(*const u8, usize, *mut u8, usize)> = match (K::T, layout) {
+        (QuantType::Q4K, RowLayout::Q4Kx8) => Some(super::q4kx8::group::<K>),
+        (QuantType::Q6K, RowLayout::Q6Kx8) => Some(super::q6kx8::group::<K>),
+        _ => None,
+    };
+    let first = match eight {
+        Some(group) => {
+            for gi in 0..grouped / 8 {
+                // SAFETY: group `gi` is inside `w` (`8 row_bytes` bytes, `nb` super-blocks),
+                // panels `2 gi` and `2 gi + 1` inside `out`; `K` is the group function's type;
+                // AVX2 and F16C are the caller's.
+                unsafe { group(w.as_ptr().add(gi * 8 * row_bytes), nb, o.add(2 * gi * panel_bytes), panel_bytes) };
+            }
+            grouped
+        }
+        None => 0,
+    };
+    for r in first..rows {
         let (p, j) = (r / NR, r % NR);
         for b in 0..nb {
             let blk: &[u8] = if r < grouped {
