@@ -205,8 +205,9 @@ unsafe fn shr16(v: __m256i, n: i32) -> __m256i {
 
 /// Unpacks `rows` weight rows (`w`, `row_bytes` each, `nb` blocks of `K` per row, stored in
 /// `layout`) into `rows.div_ceil(NR)` panels, one after another in `out` (resized; rows past
-/// `rows` zero). Rows in whole groups of an interleaved layout are read in place, a block at a
-/// time.
+/// `rows` zero). Q4_K and Q6_K rows in whole groups of their interleaved layouts unpack eight
+/// at a time (`q4kx8`, `q6kx8`); every other row one block at a time from ggml's bytes (an
+/// interleaved row's block copied out of its group first, `ggml_block`).
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C.
