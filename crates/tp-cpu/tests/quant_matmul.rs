@@ -335,7 +335,7 @@ fn stacked_parts_are_the_per_part_products_side_by_side() {
 /// what `RowLayout::preferred` gives them) stay within the documented bound on every kernel and
 /// both paths, at row counts off the group of eight and task sizes, with 1 to 600 activation
 /// rows (past 95 the integer path runs in passes; on AVX512-VNNI the integer GEMM takes over from
-/// 32 to 256 rows): the same checks as for ggml's layout (the integer sums are the same; only
+/// 32 rows): the same checks as for ggml's layout (the integer sums are the same; only
 /// the order of the f32 additions differs).
 #[test]
 fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
@@ -439,7 +439,7 @@ fn vnni(kernel: CpuKernel) -> bool {
 /// Activation rows from which `quant_matmul` takes the integer GEMM for `t` on AVX512-VNNI.
 fn igemm_min_m(t: QuantType) -> Option<usize> {
     match t {
-        QuantType::Q4_0 => Some(256),
+        QuantType::Q4_0 => Some(32),
         QuantType::Q4K => Some(32),
         QuantType::Q6K => Some(32),
         _ => None,

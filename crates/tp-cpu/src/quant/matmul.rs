@@ -5,9 +5,9 @@
 //!   per call (`act`), then each weight row streamed once per pass of at most 92 rows and dotted
 //!   in integers with them (`dot_x86` / `dot_portable`), weight rows split over the pool's
 //!   threads;
-//! * on AVX512-VNNI, Q4_0, Q4_K and Q6_K weights from 256, 32 and 32 rows of `x` (prefill and
-//!   batched decode): the integer GEMM (`igemm`), the same integers and roundings as the decode
-//!   kernels of the interleaved layouts, each weight row unpacked once per call;
+//! * on AVX512-VNNI, Q4_0, Q4_K and Q6_K weights from 32 rows of `x` (prefill and batched
+//!   decode): the integer GEMM (`igemm`), the same integers and roundings as the decode kernels
+//!   of the interleaved layouts, each weight row unpacked once per call;
 //! * few rows, `F32` / `F16` / `BF16` weights: each weight row widened to `f32` in a buffer and
 //!   dotted with the `f32` rows of `x`;
 //! * many rows (prefill) of the other types, or a batch-invariant thread
@@ -36,19 +36,16 @@ const GEMM_MIN_M: usize = 48;
 /// `[5632, 2048]` Q4_K), the integer path took 2.8 ms at 48 rows against the GEMM path's 3.7,
 /// 3.8 at 64 against 4.3, and they met near 96.
 const INTERLEAVED_GEMM_MIN_M: usize = 96;
-/// Rows of `x` from which Q4_K, Q6_K and Q4_0 weights (any layout) take the integer GEMM
+/// Rows of `x` from which Q4_0, Q4_K and Q6_K weights (any layout) take the integer GEMM
 /// (`igemm`) on AVX512-VNNI. Measured on Zen 4 (two threads, `[5632, 2048]` in the interleaved
-/// layouts, eight copies read in turn from memory, against the decode kernels in passes of
-/// [`STREAM_CHUNK_M`] rows): Q4_K 1.07 against 0.99 ms at 16 rows, 1.62 against 1.42 at 24
-/// (two tiles of 16 either way), 1.62 against 1.97 at 32, 2.20 against 2.70 at 48; Q6_K 2.10
-/// against 2.01 at 24, 2.04 against 2.59 at 32; Q4_0 (unpacked row by row) 10.0 against 10.8
-/// at 192, 13.1 against 11.9 at 256 (its blocks of 32 cost the GEMM a conversion and two
-/// multiply-adds per 32 products, and its decode kernel takes eight rows at a time). From 2048
-/// rows the GEMM runs at 1.5x (Q4_K), 2.2x (Q6_K) and 1.4x (Q4_0) the decode kernels, 2x the
+/// layouts, whose groups unpack eight rows at a time, eight copies read in turn from memory,
+/// against the decode kernels in passes of [`STREAM_CHUNK_M`] rows): Q4_K 1.07 against 0.99 ms
+/// at 16 rows, 1.62 against 1.42 at 24 (two tiles of 16 either way), 1.62 against 1.97 at 32,
+/// 2.20 against 2.70 at 48; Q6_K 2.10 against 2.01 at 24, 2.04 against 2.59 at 32; Q4_0 1.06
+/// against 0.97 at 16, 1.68 against 1.84 at 32, 2.99 against 3.67 at 64. From 2048 rows the
+/// GEMM runs at 1.5x (Q4_K), 2.2x (Q6_K) and 1.4x (Q4_0) the decode kernels, 2x the
 /// dequantizing `bf16` GEMM.
-const IGEMM_MIN_M_Q4K: usize = 32;
-const IGEMM_MIN_M_Q6K: usize = 32;
-const IGEMM_MIN_M_Q4_0: usize = 256;
+const IGEMM_MIN_M: usize = 32;
 /// The most rows of `x` one pass of the streaming (integer) path takes (bounds its per-task
 /// buffer).
 const STREAM_MAX_M: usize = 96;
@@ -61,9 +58,7 @@ const STREAM_CHUNK_M: usize = 92;
 /// `igemm` takes, the integer GEMM).
 fn gemm_min_m(p: &QuantPart<'_>, isa: Int8Isa) -> usize {
     match (isa, p.t) {
-        (Int8Isa::Avx512Vnni, QuantType::Q4K) => IGEMM_MIN_M_Q4K,
-        (Int8Isa::Avx512Vnni, QuantType::Q6K) => IGEMM_MIN_M_Q6K,
-        (Int8Isa::Avx512Vnni, QuantType::Q4_0) => IGEMM_MIN_M_Q4_0,
+        (Int8Isa::Avx512Vnni, QuantType::Q4_0 | QuantType::Q4K | QuantType::Q6K) => IGEMM_MIN_M,
         _ if !p.layout.applies(p.t) => GEMM_MIN_M,
         (Int8Isa::Avx2, _) => INTERLEAVED_GEMM_MIN_M,
         _ => GEMM_MIN_M,
@@ -86,9 +81,9 @@ const PARALLEL_MIN_BYTES: usize = 64 << 10;
 /// K-quants; `f32` scales `d = amax / 127`, codes rounded to nearest), the dot products run on
 /// integers (AVX512-VNNI, AVX2 or portable, as the calling thread's [`CpuKernel`] allows) with
 /// `f32` accumulation, and each weight row is streamed once for all `m` rows of `x`. On
-/// AVX512-VNNI, Q4_0, Q4_K and Q6_K weights stay on integers at every `m` (from 256, 32 and 32
-/// rows in the integer GEMM, whose outputs are bitwise those of the decode kernels of the
-/// interleaved layouts). `F32` / `F16` / `BF16` weights take `x` as `f32` there. For more rows
+/// AVX512-VNNI, Q4_0, Q4_K and Q6_K weights stay on integers at every `m` (from 32 rows in the
+/// integer GEMM, whose outputs are bitwise those of the decode kernels of the interleaved
+/// layouts). `F32` / `F16` / `BF16` weights take `x` as `f32` there. For more rows
 /// (prefill) of the other types, or on a batch-invariant thread
 /// ([`crate::set_batch_invariant`]), tiles of `W` are dequantized and multiplied by `x` with the
 /// packed GEMM: quantized and `BF16` weights as `bf16` with `x` rounded to `bf16`

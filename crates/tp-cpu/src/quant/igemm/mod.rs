@@ -23,6 +23,7 @@
 mod kernel;
 mod panel;
 mod q4kx8;
+mod q4x8;
 mod q6kx8;
 mod xtiles;
 

@@ -205,8 +205,8 @@ unsafe fn shr16(v: __m256i, n: i32) -> __m256i {
 
 /// Unpacks `rows` weight rows (`w`, `row_bytes` each, `nb` blocks of `K` per row, stored in
 /// `layout`) into `rows.div_ceil(NR)` panels, one after another in `out` (resized; rows past
-/// `rows` zero). Q4_K and Q6_K rows in whole groups of their interleaved layouts unpack eight
-/// at a time (`q4kx8`, `q6kx8`); every other row one block at a time from ggml's bytes (an
+/// `rows` zero). Q4_0, Q4_K and Q6_K rows in whole groups of their interleaved layouts unpack
+/// eight at a time (`q4x8`, `q4kx8`, `q6kx8`); every other row one block at a time from ggml's bytes (an
 /// interleaved row's block copied out of its group first, `ggml_block`).
 ///
 /// # Safety
@@ -232,10 +232,11 @@ pub(crate) unsafe fn build<K: Kind>(
     let (mut sc, mut pairs) = ([0i32; 16], [0i32; 8]);
     let mut ggml = [0u8; 256];
     let o = out.as_mut_ptr();
-    // Q4_K's whole groups eight rows at a time (two panels each).
+    // Whole groups of an interleaved layout eight rows at a time (two panels each).
     let eight: Option<unsafe fn(*const u8, usize, *mut u8, usize)> = match (K::T, layout) {
         (QuantType::Q4K, RowLayout::Q4Kx8) => Some(super::q4kx8::group::<K>),
         (QuantType::Q6K, RowLayout::Q6Kx8) => Some(super::q6kx8::group::<K>),
+        (QuantType::Q4_0, RowLayout::Q4_0x8) => Some(super::q4x8::group::<K>),
         _ => None,
     };
     let first = match eight {

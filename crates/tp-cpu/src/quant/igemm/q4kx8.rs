@@ -68,16 +68,8 @@ pub(super) unsafe fn group<K: Kind>(g: *const u8, nb: usize, out: *mut u8, panel
                     }
                     c128[q] = _mm256_add_epi64(c128[q], _mm256_mul_epu32(lo_sum, rows_u64(sc_lo, q)));
                     c128[q] = _mm256_add_epi64(c128[q], _mm256_mul_epu32(hi_sum, rows_u64(sc_hi, q)));
-                    // Rows 4q + rr: pieces 0-3 of chunk c, a 4 x 4 transpose of 64-bit lanes.
-                    let (t0, t1) = (_mm256_unpacklo_epi64(v[0], v[1]), _mm256_unpackhi_epi64(v[0], v[1]));
-                    let (t2, t3) = (_mm256_unpacklo_epi64(v[2], v[3]), _mm256_unpackhi_epi64(v[2], v[3]));
-                    let w = [
-                        _mm256_permute2x128_si256::<0x20>(t0, t2),
-                        _mm256_permute2x128_si256::<0x20>(t1, t3),
-                        _mm256_permute2x128_si256::<0x31>(t0, t2),
-                        _mm256_permute2x128_si256::<0x31>(t1, t3),
-                    ];
-                    for (rr, wr) in w.iter().enumerate() {
+                    // Rows 4q + rr: pieces 0-3 of chunk c.
+                    for (rr, wr) in transpose4(v).iter().enumerate() {
                         let at = dst[q].add(rr * K::BLOCK + 64 * c);
                         _mm256_storeu_si256(at.cast(), _mm256_and_si256(*wr, nibble));
                         _mm256_storeu_si256(at.add(32).cast(), _mm256_and_si256(_mm256_srli_epi16::<4>(*wr), nibble));
@@ -85,10 +77,7 @@ pub(super) unsafe fn group<K: Kind>(g: *const u8, nb: usize, out: *mut u8, panel
                 }
             }
             for (q, c) in c128.iter().enumerate() {
-                // 128 times each row's sum (below 2^31), the low halves of the 64-bit lanes.
-                let v =
-                    _mm256_permutevar8x32_epi32(_mm256_slli_epi64::<7>(*c), _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
-                _mm_storeu_si128(dst[q].add(K::C128).cast(), _mm256_castsi256_si128(v));
+                store_c128(*c, dst[q].add(K::C128));
             }
         }
     }
@@ -100,12 +89,56 @@ pub(super) unsafe fn group<K: Kind>(g: *const u8, nb: usize, out: *mut u8, panel
 /// # Safety
 /// Both `dst[i] + at` writable for 16 bytes; AVX2.
 #[inline(always)]
-unsafe fn halves(v: __m256i, rows_in_order: __m256i, dst: [*mut u8; 2], at: usize) {
+pub(super) unsafe fn halves(v: __m256i, rows_in_order: __m256i, dst: [*mut u8; 2], at: usize) {
+    // SAFETY: as stated.
+    unsafe { store_halves(_mm256_permutevar8x32_epi32(v, rows_in_order), dst, at) }
+}
+
+/// The two halves of `v` (eight rows in row order) into the two panels at byte `at`.
+///
+/// # Safety
+/// Both `dst[i] + at` writable for 16 bytes; AVX2.
+#[inline(always)]
+pub(super) unsafe fn store_halves(v: __m256i, dst: [*mut u8; 2], at: usize) {
     // SAFETY: as stated.
     unsafe {
-        let v = _mm256_permutevar8x32_epi32(v, rows_in_order);
         _mm_storeu_si128(dst[0].add(at).cast(), _mm256_castsi256_si128(v));
         _mm_storeu_si128(dst[1].add(at).cast(), _mm256_extracti128_si256::<1>(v));
+    }
+}
+
+/// A 4 x 4 transpose of 64-bit lanes: `v[p]` holds piece `p` of four rows (row `rr` in lane
+/// `rr`); the result's register `rr` holds row `rr`'s pieces 0-3.
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+pub(super) unsafe fn transpose4(v: [__m256i; 4]) -> [__m256i; 4] {
+    // SAFETY: AVX2 is the caller's.
+    unsafe {
+        let (t0, t1) = (_mm256_unpacklo_epi64(v[0], v[1]), _mm256_unpackhi_epi64(v[0], v[1]));
+        let (t2, t3) = (_mm256_unpacklo_epi64(v[2], v[3]), _mm256_unpackhi_epi64(v[2], v[3]));
+        [
+            _mm256_permute2x128_si256::<0x20>(t0, t2),
+            _mm256_permute2x128_si256::<0x20>(t1, t3),
+            _mm256_permute2x128_si256::<0x31>(t0, t2),
+            _mm256_permute2x128_si256::<0x31>(t1, t3),
+        ]
+    }
+}
+
+/// 128 times each of four rows' sums (64-bit lanes; the products fit in 32 bits) as four `i32`
+/// at `at`.
+///
+/// # Safety
+/// `at` writable for 16 bytes; AVX2.
+#[inline(always)]
+pub(super) unsafe fn store_c128(sums: __m256i, at: *mut u8) {
+    // SAFETY: as stated.
+    unsafe {
+        let low = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+        let v = _mm256_permutevar8x32_epi32(_mm256_slli_epi64::<7>(sums), low);
+        _mm_storeu_si128(at.cast(), _mm256_castsi256_si128(v));
     }
 }
 

@@ -8,6 +8,7 @@
 //! GEMM's bitwise checks).
 
 use super::panel::{Kind, NR};
+use super::q4kx8::{store_c128, store_halves, transpose4};
 use crate::quant::interleave::{K6_QH, K6_QL, K6_SCALES};
 use std::arch::x86_64::*;
 
@@ -98,28 +99,15 @@ pub(super) unsafe fn group<K: Kind>(g: *const u8, nb: usize, out: *mut u8, panel
                                 c128 =
                                     _mm256_add_epi64(c128, _mm256_mul_epi32(_mm256_sub_epi64(sum, half_group), scale));
                             }
-                            // Rows 4q + rr: a 4 x 4 transpose of 64-bit lanes, minus 32.
-                            let (t0, t1) = (_mm256_unpacklo_epi64(u[0], u[1]), _mm256_unpackhi_epi64(u[0], u[1]));
-                            let (t2, t3) = (_mm256_unpacklo_epi64(u[2], u[3]), _mm256_unpackhi_epi64(u[2], u[3]));
-                            let w = [
-                                _mm256_permute2x128_si256::<0x20>(t0, t2),
-                                _mm256_permute2x128_si256::<0x20>(t1, t3),
-                                _mm256_permute2x128_si256::<0x31>(t0, t2),
-                                _mm256_permute2x128_si256::<0x31>(t1, t3),
-                            ];
-                            for (rr, wr) in w.iter().enumerate() {
+                            // Rows 4q + rr, minus 32.
+                            for (rr, wr) in transpose4(u).iter().enumerate() {
                                 let at = dq.add(rr * K::BLOCK + 128 * jh + 32 * s);
                                 _mm256_storeu_si256(at.cast(), _mm256_sub_epi8(*wr, offset));
                             }
                         }
                     }
                 }
-                // 128 times each row's sum (its low 32 bits), the low halves of the 64-bit lanes.
-                let v = _mm256_permutevar8x32_epi32(
-                    _mm256_slli_epi64::<7>(c128),
-                    _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6),
-                );
-                _mm_storeu_si128(dq.add(K::C128).cast(), _mm256_castsi256_si128(v));
+                store_c128(c128, dq.add(K::C128));
             }
         }
     }
@@ -133,17 +121,4 @@ pub(super) unsafe fn group<K: Kind>(g: *const u8, nb: usize, out: *mut u8, panel
 unsafe fn half(v: __m256i, q: usize) -> __m128i {
     // SAFETY: AVX2 is the caller's.
     unsafe { if q == 0 { _mm256_castsi256_si128(v) } else { _mm256_extracti128_si256::<1>(v) } }
-}
-
-/// The two halves of `v` (eight rows in row order) into the two panels at byte `at`.
-///
-/// # Safety
-/// Both `dst[i] + at` writable for 16 bytes; AVX2.
-#[inline(always)]
-pub(super) unsafe fn store_halves(v: __m256i, dst: [*mut u8; 2], at: usize) {
-    // SAFETY: as stated.
-    unsafe {
-        _mm_storeu_si128(dst[0].add(at).cast(), _mm256_castsi256_si128(v));
-        _mm_storeu_si128(dst[1].add(at).cast(), _mm256_extracti128_si256::<1>(v));
-    }
 }
