@@ -167,49 +167,36 @@ unsafe fn dots8_avx2(a: &[f32], b: [&[f32]; 8]) -> [f32; 8] {
 /// Panics if `v` is too short: `(w.len() - 1) · stride + y.len()` values are read.
 #[inline(always)]
 pub(super) fn weighted_rows<const FMA: bool>(y: &mut [f32], w: &[f32], v: &[f32], stride: usize) {
-    const C: usize = 64;
-    let d = y.len();
-    for c0 in (0..d).step_by(C) {
-        let cw = C.min(d - c0);
-        let mut acc = [0f32; C];
-        if cw == C {
-            for (j, &wj) in w.iter().enumerate() {
-                let vj: &[f32; C] = v[j * stride + c0..][..C].try_into().expect("64 values");
-                for l in 0..C {
-                    acc[l] = if FMA { wj.mul_add(vj[l], acc[l]) } else { acc[l] + wj * vj[l] };
-                }
-            }
-        } else {
-            for (j, &wj) in w.iter().enumerate() {
-                let vj = &v[j * stride + c0..][..cw];
-                for (a, &b) in acc[..cw].iter_mut().zip(vj) {
-                    *a = if FMA { wj.mul_add(b, *a) } else { *a + wj * b };
-                }
-            }
-        }
-        y[c0..c0 + cw].copy_from_slice(&acc[..cw]);
-    }
+    weighted::<FMA, _>(y, w, |j| &v[j * stride..]);
 }
 
 /// [`weighted_rows`] over rows held apart (`v[j]` the row of weight `w[j]`, each at least
 /// `y.len()` long): the same sums, in the same order, bit for bit.
 #[inline(always)]
 pub(super) fn weighted_refs<const FMA: bool>(y: &mut [f32], w: &[f32], v: &[&[f32]]) {
+    weighted::<FMA, _>(y, w, |j| v[j]);
+}
+
+/// The body of [`weighted_rows`] and [`weighted_refs`]: `row(j)` starts the row of weight `w[j]`
+/// (at least `y.len()` values).
+#[inline(always)]
+fn weighted<'a, const FMA: bool, R: Fn(usize) -> &'a [f32]>(y: &mut [f32], w: &[f32], row: R) {
     const C: usize = 64;
     let d = y.len();
     for c0 in (0..d).step_by(C) {
         let cw = C.min(d - c0);
         let mut acc = [0f32; C];
         if cw == C {
-            for (&wj, vj) in w.iter().zip(v) {
-                let vj: &[f32; C] = vj[c0..][..C].try_into().expect("64 values");
+            for (j, &wj) in w.iter().enumerate() {
+                let vj: &[f32; C] = row(j)[c0..][..C].try_into().expect("64 values");
                 for l in 0..C {
                     acc[l] = if FMA { wj.mul_add(vj[l], acc[l]) } else { acc[l] + wj * vj[l] };
                 }
             }
         } else {
-            for (&wj, vj) in w.iter().zip(v) {
-                for (a, &b) in acc[..cw].iter_mut().zip(&vj[c0..c0 + cw]) {
+            for (j, &wj) in w.iter().enumerate() {
+                let vj = &row(j)[c0..][..cw];
+                for (a, &b) in acc[..cw].iter_mut().zip(vj) {
                     *a = if FMA { wj.mul_add(b, *a) } else { *a + wj * b };
                 }
             }
