@@ -118,19 +118,6 @@ fn block_q4_0(inp: &[u8], r: usize, out: &mut [u8]) {
 /// The lane of row `r` in an interleaved block (the inverse of [`LANES`]).
 const LANE_OF: [usize; 8] = [0, 1, 4, 5, 2, 3, 6, 7];
 
-/// The ggml bytes of row `r` (`< 8`) of one interleaved (super-)block of eight rows `inp`
-/// (`8 t.block_bytes()` bytes of a group stored in `layout`, which must apply to `t`) into `out`
-/// (`t.block_bytes()` bytes).
-#[inline(always)]
-pub(crate) fn ggml_block(layout: RowLayout, inp: &[u8], r: usize, out: &mut [u8]) {
-    match layout {
-        RowLayout::Q4Kx8 => block_q4k(inp, r, out),
-        RowLayout::Q6Kx8 => block_q6k(inp, r, out),
-        RowLayout::Q4_0x8 => block_q4_0(inp, r, out),
-        RowLayout::Ggml => unreachable!("ggml_block: ggml's layout is not interleaved"),
-    }
-}
-
 /// Bytes of a Q4_K super-block (d, dmin, 12 bytes of packed scales, 128 code bytes), and of
 /// an interleaved super-block of eight rows.
 const K_BLOCK: usize = 144;
@@ -191,7 +178,8 @@ fn deinterleave_k(src: &[u8], nb: usize, dst: &mut [u8]) {
 
 /// Row `r`'s ggml super-block out of one interleaved Q4_K super-block of eight rows (`inp`):
 /// [`k_place`]'s runs copied whole (the two `f16` scales, three 4-byte words of packed scales,
-/// sixteen 8-byte pieces of codes), so that readers of ggml's layout pay little for the copy.
+/// sixteen 8-byte pieces of codes), so that the dequantizing GEMM's copy costs little beside its
+/// dequantization.
 #[inline(always)]
 fn block_q4k(inp: &[u8], r: usize, out: &mut [u8]) {
     let l = LANE_OF[r];

@@ -17,8 +17,10 @@
 //! Rows past the weight's last are zero (their outputs are zero and never stored).
 
 use crate::quant::blocks::{K4_SCALES, Q4_0_QS, Q4K_QS, Q6K_D, Q6K_QH, Q6K_SCALES, f16_at, k4_scales_mins};
+use crate::quant::dot_kquant::q6_codes;
 use crate::quant::igemm::xtiles::Extra;
-use crate::quant::interleave::{RowLayout, ggml_block};
+use crate::quant::interleave::RowLayout;
+use crate::quant::simd::nibbles16;
 use crate::quant::types::QuantType;
 use std::arch::x86_64::*;
 
@@ -79,14 +81,11 @@ impl Kind for Q40 {
 
     #[inline(always)]
     unsafe fn unpack(b: &[u8], codes: *mut u8, _sc: &mut [i32; 16], _pairs: &mut [i32; 8]) -> (i32, f32, f32) {
-        // SAFETY: `b` holds a Q4_0 block (18 bytes), `codes` 32 writable bytes; SSE2.
+        // SAFETY: `b` holds a Q4_0 block (18 bytes), `codes` 32 writable bytes; AVX2.
         unsafe {
-            let (lo, hi) = nibbles128(_mm_loadu_si128(b.as_ptr().add(Q4_0_QS).cast()));
-            _mm_storeu_si128(codes.cast(), lo);
-            _mm_storeu_si128(codes.add(16).cast(), hi);
-            let sums = _mm_add_epi64(_mm_sad_epu8(lo, _mm_setzero_si128()), _mm_sad_epu8(hi, _mm_setzero_si128()));
-            let sum = _mm_cvtsi128_si32(sums) + _mm_extract_epi32::<2>(sums);
-            (128 * sum, f16_at(b, 0), 0.0)
+            let u = nibbles16(b.as_ptr().add(Q4_0_QS));
+            _mm256_storeu_si256(codes.cast(), u);
+            (128 * sum32(u), f16_at(b, 0), 0.0)
         }
     }
 }
@@ -144,17 +143,17 @@ impl Kind for Q6K {
         unsafe {
             let p = b.as_ptr();
             for j in 0..2 {
-                let qh = _mm256_loadu_si256(p.add(Q6K_QH + 32 * j).cast());
-                for s in 0..4 {
-                    // Quarter `s` of half `j` (elements 128 j + 32 s ..): low nibbles from
-                    // `ql[64 j + 32 (s % 2) + l]`, nibble `s / 2`; high bits `2s` of `qh[32 j + l]`.
-                    let ql = _mm256_loadu_si256(p.add(64 * j + 32 * (s % 2)).cast());
-                    let ql = if s / 2 == 0 { ql } else { _mm256_srli_epi16::<4>(ql) };
-                    let high = _mm256_and_si256(shr16(qh, 2 * s as i32), _mm256_set1_epi8(3));
-                    let u = _mm256_or_si256(_mm256_and_si256(ql, _mm256_set1_epi8(0x0F)), _mm256_slli_epi16::<4>(high));
-                    _mm256_storeu_si256(codes.add(128 * j + 32 * s).cast(), _mm256_sub_epi8(u, _mm256_set1_epi8(32)));
+                // Quarters `s` of half `j` (elements 128 j + 32 s ..), as the decode kernel takes
+                // them from `ql[64 j ..]`, `ql[64 j + 32 ..]` and `qh[32 j ..]`.
+                let quarters = q6_codes(
+                    _mm256_loadu_si256(p.add(64 * j).cast()),
+                    _mm256_loadu_si256(p.add(64 * j + 32).cast()),
+                    _mm256_loadu_si256(p.add(Q6K_QH + 32 * j).cast()),
+                );
+                for (s, u) in quarters.iter().enumerate() {
+                    _mm256_storeu_si256(codes.add(128 * j + 32 * s).cast(), _mm256_sub_epi8(*u, _mm256_set1_epi8(32)));
                     // Groups 8 j + 2 s and the next: the sums of `u` over each 16, minus 32 each.
-                    let sad = _mm256_sad_epu8(u, _mm256_setzero_si256());
+                    let sad = _mm256_sad_epu8(*u, _mm256_setzero_si256());
                     let lanes: [i64; 4] = std::mem::transmute(sad);
                     let g = 8 * j + 2 * s;
                     c128 += sc[g] * (lanes[0] + lanes[1] - 512) as i32 + sc[g + 1] * (lanes[2] + lanes[3] - 512) as i32;
@@ -162,19 +161,6 @@ impl Kind for Q6K {
             }
         }
         (128 * c128, f16_at(b, Q6K_D), 0.0)
-    }
-}
-
-/// The low and high nibbles of 16 bytes.
-///
-/// # Safety
-/// SSE2.
-#[inline(always)]
-unsafe fn nibbles128(v: __m128i) -> (__m128i, __m128i) {
-    // SAFETY: SSE2 is the caller's.
-    unsafe {
-        let mask = _mm_set1_epi8(0x0F);
-        (_mm_and_si128(v, mask), _mm_and_si128(_mm_srli_epi16::<4>(v), mask))
     }
 }
 
@@ -192,22 +178,10 @@ unsafe fn sum32(v: __m256i) -> i32 {
     }
 }
 
-/// Each 16-bit lane of `v` shifted right by `n` bits (`n < 8`; the caller masks what crosses
-/// into a byte from the next).
-///
-/// # Safety
-/// AVX2.
-#[inline(always)]
-unsafe fn shr16(v: __m256i, n: i32) -> __m256i {
-    // SAFETY: AVX2 is the caller's.
-    unsafe { _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)) }
-}
-
 /// Unpacks `rows` weight rows (`w`, `row_bytes` each, `nb` blocks of `K` per row, stored in
 /// `layout`) into `rows.div_ceil(NR)` panels, one after another in `out` (resized; rows past
-/// `rows` zero). Q4_0, Q4_K and Q6_K rows in whole groups of their interleaved layouts unpack
-/// eight at a time (`q4x8`, `q4kx8`, `q6kx8`); every other row one block at a time from ggml's bytes (an
-/// interleaved row's block copied out of its group first, `ggml_block`).
+/// `rows` zero). Rows in whole groups of an interleaved layout unpack eight at a time (`q4x8`,
+/// `q4kx8`, `q6kx8`); the others (ggml's layout) one block at a time.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C.
@@ -227,40 +201,33 @@ pub(crate) unsafe fn build<K: Kind>(
         out[(panels - 1) * panel_bytes..].fill(0);
     }
     let block_bytes = K::T.block_bytes();
-    let interleaved = layout.applies(K::T);
-    let grouped = if interleaved { rows / 8 * 8 } else { 0 };
     let (mut sc, mut pairs) = ([0i32; 16], [0i32; 8]);
-    let mut ggml = [0u8; 256];
     let o = out.as_mut_ptr();
     // Whole groups of an interleaved layout eight rows at a time (two panels each).
-    let eight: Option<unsafe fn(*const u8, usize, *mut u8, usize)> = match (K::T, layout) {
-        (QuantType::Q4K, RowLayout::Q4Kx8) => Some(super::q4kx8::group::<K>),
-        (QuantType::Q6K, RowLayout::Q6Kx8) => Some(super::q6kx8::group::<K>),
-        (QuantType::Q4_0, RowLayout::Q4_0x8) => Some(super::q4x8::group::<K>),
-        _ => None,
+    let group: Option<unsafe fn(*const u8, usize, *mut u8, usize)> = match layout {
+        _ if !layout.applies(K::T) => None,
+        RowLayout::Q4Kx8 => Some(super::q4kx8::group::<K>),
+        RowLayout::Q6Kx8 => Some(super::q6kx8::group::<K>),
+        RowLayout::Q4_0x8 => Some(super::q4x8::group::<K>),
+        RowLayout::Ggml => None,
     };
-    let first = match eight {
-        Some(group) => {
-            for gi in 0..grouped / 8 {
-                // SAFETY: group `gi` is inside `w` (`8 row_bytes` bytes, `nb` super-blocks),
-                // panels `2 gi` and `2 gi + 1` inside `out`; `K` is the group function's type;
-                // AVX2 and F16C are the caller's.
-                unsafe { group(w.as_ptr().add(gi * 8 * row_bytes), nb, o.add(2 * gi * panel_bytes), panel_bytes) };
-            }
-            grouped
+    let grouped = if let Some(group) = group {
+        for gi in 0..rows / 8 {
+            // SAFETY: group `gi` is inside `w` (`8 row_bytes` bytes, `nb` super-blocks), panels
+            // `2 gi` and `2 gi + 1` inside `out`; `K` is the group function's type (the layout
+            // applies to it); AVX2 and F16C are the caller's.
+            unsafe { group(w.as_ptr().add(gi * 8 * row_bytes), nb, o.add(2 * gi * panel_bytes), panel_bytes) };
         }
-        None => 0,
+        rows / 8 * 8
+    } else {
+        0
     };
-    for r in first..rows {
+    // The rest (ggml's layout, and the rows past an interleaved layout's last group) one block at
+    // a time.
+    for r in grouped..rows {
         let (p, j) = (r / NR, r % NR);
         for b in 0..nb {
-            let blk: &[u8] = if r < grouped {
-                let group = &w[(r / 8) * 8 * row_bytes + b * 8 * block_bytes..][..8 * block_bytes];
-                ggml_block(layout, group, r % 8, &mut ggml[..block_bytes]);
-                &ggml[..block_bytes]
-            } else {
-                &w[r * row_bytes + b * block_bytes..][..block_bytes]
-            };
+            let blk = &w[r * row_bytes + b * block_bytes..][..block_bytes];
             let base = p * panel_bytes + b * K::BYTES;
             // SAFETY: panel `p`, block `b` is inside `out` (`panels` panels of `nb` blocks), and
             // every offset below is inside its `K::BYTES` (see the layout in the module docs);

@@ -1,14 +1,15 @@
 //! Q6_K rows in [`RowLayout::Q6Kx8`](crate::quant::RowLayout) unpacked into panels eight rows
 //! (two panels) at a time, as `q4kx8` does for Q4_K: per interleaved super-block and half of
-//! the group, each 32-element quarter's codes are put together from four registers of low-nibble
-//! pieces and four of high-bit pieces (ggml's bit operations, four rows at once), summed per
-//! 16-element group with `vpsadbw` for the shift constant, then transposed so that each row's
-//! 32 codes (minus 32) go to its panel; the scales come sign-extended from their interleaved
-//! pairs. The same bytes as the row-by-row unpacking of `panel` (tested through the integer
+//! the group, each 32-element quarter's codes are put together from registers of low-nibble
+//! pieces and high-bit pieces (`q6_codes`, the decode kernels' bit operations, four rows at
+//! once), summed per 16-element group with `vpsadbw` for the shift constant, then transposed so
+//! that each row's 32 codes (minus 32) go to its panel; the scales come sign-extended from their
+//! interleaved pairs. The same bytes as the row-by-row unpacking of `panel` (tested through the integer
 //! GEMM's bitwise checks).
 
 use super::panel::{Kind, NR};
 use super::q4kx8::{store_c128, store_halves, transpose4};
+use crate::quant::dot_kquant::q6_codes;
 use crate::quant::interleave::{K6_QH, K6_QL, K6_SCALES};
 use std::arch::x86_64::*;
 
@@ -21,6 +22,8 @@ const GROUP_BLOCK: usize = 8 * 210;
 /// # Safety
 /// `K` must be Q6_K's [`Kind`]; `g` readable for `nb` interleaved super-blocks; both panels
 /// writable for `nb` blocks of `K::BYTES`; the CPU must have AVX2 and F16C.
+// `s` picks the same quarter out of each piece's four.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,f16c")]
 pub(super) unsafe fn group<K: Kind>(g: *const u8, nb: usize, out: *mut u8, panel_bytes: usize) {
     debug_assert_eq!(NR, 4, "two panels per group");
@@ -28,7 +31,7 @@ pub(super) unsafe fn group<K: Kind>(g: *const u8, nb: usize, out: *mut u8, panel
     // one of the two panels (offsets from `K`'s layout), as the caller guarantees.
     unsafe {
         let rows_in_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-        let (nibble, three, offset) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi8(32));
+        let offset = _mm256_set1_epi8(32);
         let zero = _mm256_setzero_si256();
         let half_group = _mm256_set1_epi64x(16 * 32);
         for b in 0..nb {
@@ -72,38 +75,28 @@ pub(super) unsafe fn group<K: Kind>(g: *const u8, nb: usize, out: *mut u8, panel
                         _mm256_loadu_si256(run(K6_QH, 4 * jh + 2)),
                         _mm256_loadu_si256(run(K6_QH, 4 * jh + 3)),
                     ];
-                    for a in 0..2 {
-                        let r0 = 8 * jh + 4 * a;
-                        let l = [
-                            _mm256_loadu_si256(run(K6_QL, r0)),
-                            _mm256_loadu_si256(run(K6_QL, r0 + 1)),
-                            _mm256_loadu_si256(run(K6_QL, r0 + 2)),
-                            _mm256_loadu_si256(run(K6_QL, r0 + 3)),
-                        ];
-                        for s in [a, a + 2] {
-                            // Pieces p of quarter s of half jh for four rows: ggml's codes u.
-                            let mut u = [zero; 4];
-                            for p in 0..4 {
-                                let low = if s < 2 { l[p] } else { _mm256_srli_epi16::<4>(l[p]) };
-                                let high =
-                                    _mm256_and_si256(_mm256_srl_epi16(h[p], _mm_cvtsi32_si128(2 * s as i32)), three);
-                                u[p] = _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_slli_epi16::<4>(high));
-                            }
-                            // Groups 8 jh + 2 s (pieces 0, 1) and the next (2, 3): Σ u - 512, times
-                            // the row's scale.
-                            let gi = 8 * jh + 2 * s;
-                            for (k, pp) in [(0, 0), (1, 2)] {
-                                let sum =
-                                    _mm256_add_epi64(_mm256_sad_epu8(u[pp], zero), _mm256_sad_epu8(u[pp + 1], zero));
-                                let scale = _mm256_cvtepi32_epi64(half(sc[gi + k], q));
-                                c128 =
-                                    _mm256_add_epi64(c128, _mm256_mul_epi32(_mm256_sub_epi64(sum, half_group), scale));
-                            }
-                            // Rows 4q + rr, minus 32.
-                            for (rr, wr) in transpose4(u).iter().enumerate() {
-                                let at = dq.add(rr * K::BLOCK + 128 * jh + 32 * s);
-                                _mm256_storeu_si256(at.cast(), _mm256_sub_epi8(*wr, offset));
-                            }
+                    let ql = |r: usize| run(K6_QL, 8 * jh + r);
+                    // Piece p of the four quarters of half jh, four rows at once: ggml's codes u
+                    // from two low-nibble runs and one high-bit run, as the decode kernel takes
+                    // them.
+                    let mut pieces = [[zero; 4]; 4];
+                    for (p, piece) in pieces.iter_mut().enumerate() {
+                        *piece = q6_codes(_mm256_loadu_si256(ql(p)), _mm256_loadu_si256(ql(p + 4)), h[p]);
+                    }
+                    for s in 0..4 {
+                        let u = [pieces[0][s], pieces[1][s], pieces[2][s], pieces[3][s]];
+                        // Groups 8 jh + 2 s (pieces 0, 1) and the next (2, 3): Σ u - 512, times the
+                        // row's scale.
+                        let gi = 8 * jh + 2 * s;
+                        for (k, pp) in [(0, 0), (1, 2)] {
+                            let sum = _mm256_add_epi64(_mm256_sad_epu8(u[pp], zero), _mm256_sad_epu8(u[pp + 1], zero));
+                            let scale = _mm256_cvtepi32_epi64(half(sc[gi + k], q));
+                            c128 = _mm256_add_epi64(c128, _mm256_mul_epi32(_mm256_sub_epi64(sum, half_group), scale));
+                        }
+                        // Rows 4q + rr, minus 32.
+                        for (rr, wr) in transpose4(u).iter().enumerate() {
+                            let at = dq.add(rr * K::BLOCK + 128 * jh + 32 * s);
+                            _mm256_storeu_si256(at.cast(), _mm256_sub_epi8(*wr, offset));
                         }
                     }
                 }
