@@ -19,7 +19,9 @@ fn case(block_size: usize, heads: (usize, usize, usize), dtype: DType, seed: u64
 #[test]
 fn paged_attention_matches_f64_across_block_sizes_heads_and_dtypes() {
     for bs in [1, 3, 16] {
-        for heads in [(4, 4, 8), (6, 2, 16), (4, 1, 5)] {
+        // Head sizes on and off the 16 lanes of a vector; groups of 1, 2, 3, 4, 8 and 12 query
+        // heads per KV head (more than one pass of the grouped rows).
+        for heads in [(4, 4, 8), (6, 2, 16), (4, 1, 5), (16, 2, 72), (12, 1, 33), (6, 2, 256)] {
             for dtype in [DType::F32, DType::F16, DType::BF16] {
                 check_paged_attention(CPU, &case(bs, heads, dtype, bs as u64 * 31 + heads.0 as u64));
             }
@@ -77,6 +79,10 @@ fn a_rows_result_does_not_depend_on_the_rest_of_the_batch() {
     let big = PagedCase { seqs: vec![(300, 1), (0, 40), (250, 9), (120, 1)], ..case(16, (8, 2, 64), DType::F32, 9) };
     check_paged_attention(CPU, &big);
     check_batch_invariance(CPU, &big);
+    // GQA groups of 8 heads cut by the threads' chunks at various points.
+    let wide = PagedCase { seqs: vec![(200, 1), (0, 30), (90, 3), (310, 1)], ..case(3, (16, 2, 72), DType::BF16, 10) };
+    check_paged_attention(CPU, &wide);
+    check_batch_invariance(CPU, &wide);
 }
 
 #[test]

@@ -15,6 +15,8 @@ mod matmul;
 mod norm;
 mod paged;
 mod paged_cuda;
+#[cfg(target_arch = "x86_64")]
+mod paged_group;
 mod par;
 mod quant;
 mod rope;

@@ -16,13 +16,18 @@
 //!
 //! On CUDA the kernels of `kernels/paged_attention.cu` run (`ops/paged_cuda.rs`); on the host every (row, head) is computed by one sequential algorithm (the keys in position
 //! order: scores in f32, their maximum, `exp`, their sum, the weighted sum of the values, one
-//! division, one rounding to the dtype), the same as [`Tensor::attention`]'s decode loop; rows
-//! are split over threads, never the work of one row. A row's result therefore depends only on
-//! its query and its sequence's keys, bitwise, whatever else is in the batch.
+//! division, one rounding to the dtype), as [`Tensor::attention`]'s decode loop does; rows
+//! are split over threads, never the work of one row. On AVX-512 machines the query heads of a
+//! token that share a KV head are computed together (`ops/paged_group.rs`), reading each key
+//! and value row once for the group, with every head's arithmetic the same whichever heads
+//! share its pass. A row's result therefore depends only on its query and its sequence's keys,
+//! bitwise, whatever else is in the batch.
 
 use super::attention::{GEMM_MIN_TOKENS, exp_neg, gemm_attention, row_groups};
 use super::dot_f32::{dot, dots8, weighted_refs, weighted_rows};
 use super::kv_quant::{KvQuant, QuantKvBuffer};
+#[cfg(target_arch = "x86_64")]
+use super::paged_group::group_rows;
 use crate::storage::{CpuStorage, Storage};
 use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
 
@@ -472,11 +477,76 @@ fn paged_rows<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
     unsafe { paged_rows_body::<S, false>(ctx, first, out) }
 }
 
+/// The AVX-512 rows: the consecutive rows of one token whose query heads share a KV head (a GQA
+/// group, or the part of it in this chunk) go through [`group_rows`] together, reading each key
+/// and value row once for all of them; each row's arithmetic is the same whichever rows share
+/// its group (see `paged_group.rs`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn paged_rows_avx512<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
-    // SAFETY: this function's `#[target_feature]` holds AVX2 and FMA, which its caller checked.
-    unsafe { paged_rows_body::<S, true>(ctx, first, out) }
+    let Geometry { hq, d, block_size: bs, groups, .. } = ctx.geo;
+    let rows = out.len() / d.max(1);
+    let (mut scores, mut krows, mut vrows) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut kptr, mut vptr): (Vec<*const f32>, Vec<*const f32>) = (Vec::new(), Vec::new());
+    // (sequence, KV head, first key, last key) of what `kptr`/`vptr` point at.
+    let mut held: Option<(usize, usize, usize, usize)> = None;
+    let kv_head = |r: usize| ((r % hq) + groups.offset) / groups.size;
+    let mut i = 0;
+    while i < rows {
+        let r = first + i;
+        let tok = r / hq;
+        let si = ctx.row_seq[tok];
+        if ctx.skip[si] {
+            i += 1;
+            continue;
+        }
+        let kvh = kv_head(r);
+        let mut g = 1;
+        while i + g < rows && (r + g) / hq == tok && kv_head(r + g) == kvh {
+            g += 1;
+        }
+        let s = &ctx.seqs[si];
+        let p = s.kv_len - s.q_len + (tok - s.q_start);
+        let (lo, hi) = ctx.spec.key_range(p);
+        if held != Some((si, kvh, lo, hi)) {
+            let slot = |j: usize| s.blocks[j / bs] as usize * bs + j % bs;
+            kptr.clear();
+            vptr.clear();
+            if ctx.kv.direct(slot(lo), kvh).is_some() {
+                // f32 rows are read where they are.
+                for j in lo..=hi {
+                    let (kd, vd) = ctx.kv.direct(slot(j), kvh).expect("an f32 cache");
+                    kptr.push(kd.as_ptr());
+                    vptr.push(vd.as_ptr());
+                }
+            } else {
+                let n = hi + 1 - lo;
+                krows.resize(n * d, 0.0);
+                vrows.resize(n * d, 0.0);
+                for ((j, kd), vd) in (lo..=hi).zip(krows.chunks_exact_mut(d)).zip(vrows.chunks_exact_mut(d)) {
+                    ctx.kv.widen(slot(j), kvh, kd, vd);
+                }
+                kptr.extend(krows.chunks_exact(d).map(<[f32]>::as_ptr));
+                vptr.extend(vrows.chunks_exact(d).map(<[f32]>::as_ptr));
+            }
+            held = Some((si, kvh, lo, hi));
+        }
+        // SAFETY: this function's features hold AVX-512F and FMA, which its caller checked;
+        // every pointer is the start of a `d`-float row of the cache or of `krows`/`vrows`
+        // (unchanged since the pointers were taken); one key and one value row per position.
+        unsafe {
+            group_rows(
+                &ctx.q[r * d..(r + g) * d],
+                d,
+                &kptr,
+                &vptr,
+                ctx.spec.scale,
+                &mut scores,
+                &mut out[i * d..(i + g) * d],
+            );
+        }
+        i += g;
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -25,9 +25,64 @@ pub(crate) fn ln_exp(seed: u64, step: u64, id: usize) -> f64 {
 /// A bound on `-ln_exp` over every input: `x - ln_exp(..) <= x + LN_EXP_BOUND` for every key.
 pub(crate) const LN_EXP_BOUND: f64 = 38.0;
 
+/// Whether the Gumbel key `x - ln_exp(seed, step, id)` may reach `best`, by a bound that takes
+/// no logarithm: `false` only where the key, as computed, is below `best`.
+///
+/// With `u` the id's uniform number and `t = x - best`: `E = -ln u >= 1 - u`, and
+/// `B = 2^(floor(t log2 e) + 2) >= 2 e^t`; where `1 - u > B`, `ln E > t + ln 2`, so the key is
+/// below `best - 0.69`, a margin far above the roundings of `ln`, `ln` and the subtraction as
+/// long as the logits are far below `2^40` in size (elsewhere the answer is `true`). Most
+/// columns of a row fail this test, so the sampler takes two logarithms only for the few that
+/// can win.
+pub(crate) fn may_reach(x: f64, best: f64, seed: u64, step: u64, id: usize) -> bool {
+    const LIMIT: f64 = (1u64 << 40) as f64;
+    if !(x.abs() < LIMIT && best.abs() < LIMIT) {
+        return true;
+    }
+    let a = (x - best) * std::f64::consts::LOG2_E;
+    if a >= -2.0 {
+        return true;
+    }
+    if a < -1000.0 {
+        return false;
+    }
+    // 2^k as its bits, `k >= -998` a normal exponent.
+    let k = a.floor() as i64 + 2;
+    let bound = f64::from_bits(((k + 1023) as u64) << 52);
+    1.0 - uniform(seed, step, id) <= bound
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_ruled_out_by_the_bound_is_below_the_best() {
+        // Random logits and bests, many ids: wherever `may_reach` says no, the key as the
+        // sampler computes it is below the best; and the bound rules out most far columns.
+        let mut rng = tp_core::rng::SplitMix64::new(11);
+        let (mut ruled_out, mut far) = (0usize, 0usize);
+        for i in 0..400_000usize {
+            let r = |rng: &mut tp_core::rng::SplitMix64| (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            let scale = [1.0, 30.0, 1e4, 1e11][i % 4];
+            let best = (r(&mut rng) - 0.5) * scale;
+            let x = best - r(&mut rng) * 40.0 * r(&mut rng);
+            let (seed, step) = (rng.next_u64() % 7, rng.next_u64() % 5);
+            let key = x - ln_exp(seed, step, i);
+            if !may_reach(x, best, seed, step, i) {
+                assert!(key < best, "x {x} best {best} id {i}: key {key} ruled out");
+                ruled_out += 1;
+            }
+            far += usize::from(x < best - 8.0 && scale < 1e11);
+        }
+        assert!(ruled_out * 10 >= far * 9, "{ruled_out} ruled out of {far} far columns");
+        // Logits too large for the margin, equal to the best, or not finite are left to the
+        // full computation.
+        assert!(may_reach(2e12, 2e12 + 100.0, 1, 1, 1));
+        assert!(may_reach(5.0, 5.0, 1, 1, 1));
+        assert!(may_reach(f64::NEG_INFINITY, 0.0, 1, 1, 1));
+        assert!(may_reach(f64::NAN, 0.0, 1, 1, 1));
+    }
 
     #[test]
     fn noise_is_keyed_and_bounded() {
