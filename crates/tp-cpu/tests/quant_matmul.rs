@@ -13,7 +13,9 @@
 
 mod common;
 use common::Rng;
-use tp_cpu::quant::{QuantPart, QuantType, RowLayout, dequantize, quant_matmul, quant_matmul_parts, to_layout};
+use tp_cpu::quant::{
+    QuantPart, QuantType, RowLayout, dequantize, quant_matmul, quant_matmul_paired, quant_matmul_parts, to_layout,
+};
 use tp_cpu::{CpuKernel, Error, with_kernel};
 
 fn f16(b: &[u8], at: usize) -> f64 {
@@ -528,4 +530,81 @@ fn parts_on_different_paths_are_each_parts_own_product() {
             }
         }
     }
+}
+
+/// A gate and an up projection combined as they are made (`quant_matmul_paired`) give bit for
+/// bit the epilogue applied to the two halves of the stacked product, on the integer GEMM of
+/// every AVX512-VNNI kernel, for each type it takes, in ggml's and the interleaved layout, at
+/// row counts on and off its chunks; below its threshold, on other kernels and for parts of two
+/// types the answer is "not taken" with the output untouched; bad shapes are typed errors.
+#[test]
+fn paired_products_are_the_epilogue_of_the_stacked_product() {
+    let mut rng = Rng(61);
+    // Any element-wise function of both: its bits show any element taken from the wrong place.
+    let f = |g: &[f32], u: &[f32], o: &mut [f32]| {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + u.abs()) - 0.5 * u;
+        }
+    };
+    let mut taken = 0usize;
+    for t in [QuantType::Q4_0, QuantType::Q4K, QuantType::Q6K] {
+        let min_m = igemm_min_m(t).unwrap_or(32);
+        for layout in [RowLayout::Ggml, RowLayout::preferred(t)] {
+            for (rows, m, blocks) in [(8, min_m, 1), (53, min_m + 3, 2), (100, 2 * min_m + 17, 1), (5, min_m - 1, 1)] {
+                let k = blocks * t.block_elems();
+                let row_bytes = t.row_bytes(k).unwrap();
+                let (mut wg, mut wu) = (weight(t, rows, k, &mut rng), weight(t, rows, k, &mut rng));
+                to_layout(t, layout, &mut wg, row_bytes).unwrap();
+                to_layout(t, layout, &mut wu, row_bytes).unwrap();
+                let gate = QuantPart { t, w: &wg, rows, layout };
+                let up = QuantPart { t, w: &wu, rows, layout };
+                let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+                for kernel in CpuKernel::available() {
+                    let mut both = vec![f32::NAN; m * 2 * rows];
+                    with_kernel(kernel, || quant_matmul_parts(&[gate, up], k, &x, m, &mut both)).unwrap().unwrap();
+                    let mut y = vec![f32::NAN; m * rows];
+                    let done =
+                        with_kernel(kernel, || quant_matmul_paired(&gate, &up, k, &x, m, &mut y, &f)).unwrap().unwrap();
+                    assert_eq!(done, vnni(kernel) && m >= min_m, "{t} {layout:?} {kernel} m {m}: taken");
+                    if !done {
+                        assert!(y.iter().all(|v| v.is_nan()), "{t} {kernel}: untouched when not taken");
+                        continue;
+                    }
+                    taken += 1;
+                    for (i, (yr, br)) in y.chunks_exact(rows).zip(both.chunks_exact(2 * rows)).enumerate() {
+                        let mut want = vec![0f32; rows];
+                        f(&br[..rows], &br[rows..], &mut want);
+                        for (j, (a, b)) in yr.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "{t} {layout:?} {kernel} rows {rows} m {m}: ({i}, {j})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if CpuKernel::available().into_iter().any(vnni) {
+        assert!(taken > 0);
+    }
+    // Parts of two types are not taken; bad shapes are typed errors.
+    let k = 256;
+    let (w4, w6) = (weight(QuantType::Q4K, 8, k, &mut rng), weight(QuantType::Q6K, 8, k, &mut rng));
+    let gate = QuantPart { t: QuantType::Q4K, w: &w4, rows: 8, layout: RowLayout::Ggml };
+    let up = QuantPart { t: QuantType::Q6K, w: &w6, rows: 8, layout: RowLayout::Ggml };
+    let x = vec![0.5f32; 64 * k];
+    let mut y = vec![f32::NAN; 64 * 8];
+    assert!(!quant_matmul_paired(&gate, &up, k, &x, 64, &mut y, &f).unwrap());
+    assert!(y.iter().all(|v| v.is_nan()));
+    let mut short = vec![0f32; 64 * 8 - 1];
+    assert!(matches!(
+        quant_matmul_paired(&gate, &gate, k, &x, 64, &mut short, &f),
+        Err(Error::OperandLength { operand: "y", .. })
+    ));
+    assert!(matches!(
+        quant_matmul_paired(&gate, &gate, k, &x[1..], 64, &mut y, &f),
+        Err(Error::OperandLength { operand: "x", .. })
+    ));
 }

@@ -4,7 +4,7 @@
 use crate::error::{LayerError, Result};
 use crate::grad::{Grad, Param, Placement};
 use crate::weight::Weight;
-use tp_core::{DType, Device, Tensor};
+use tp_core::{Activation, DType, Device, Tensor};
 
 /// A linear layer: weight `W: [out, in]`, optional bias `b: [out]`; `forward(x) = x W^T + b`
 /// for `x: [.., in]`, bias fused into the GEMM.
@@ -60,6 +60,16 @@ impl Linear {
     /// `x W^T + b` for `x: [.., in]`, giving `[.., out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.weight.linear(x, self.bias.as_ref())
+    }
+
+    /// `act(x G^T) ⊙ (x U^T)` for a quantized weight of two parts `[G; U]` without a bias,
+    /// where the host's integer GEMM fuses the activation into the product
+    /// ([`Tensor::linear_quant_glu`]): bitwise `self.forward(x)?.glu(act)`; `None` elsewhere.
+    pub fn forward_glu(&self, x: &Tensor, act: Activation) -> Result<Option<Tensor>> {
+        match (&self.weight, &self.bias) {
+            (Weight::Quant(q), None) => Ok(x.linear_quant_glu(q, act)?),
+            _ => Ok(None),
+        }
     }
 
     /// Packs the weight once into the host GEMM's panels (host weights only; a no-op on a GPU

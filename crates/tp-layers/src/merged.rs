@@ -12,7 +12,7 @@ use crate::loader::Loader;
 use crate::parts::Projections;
 use crate::weight::Weight;
 use tp_comm::DeviceGroup;
-use tp_core::{Tensor, TensorShard};
+use tp_core::{Activation, Tensor, TensorShard};
 
 /// Rank `r`'s stacked shards of several column-parallel projections.
 #[derive(Debug, Clone)]
@@ -133,6 +133,15 @@ impl MergedColumnParallel {
     /// `[Y^(0)_r | .. | Y^(k-1)_r]` in one GEMM.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.linear.forward(x)
+    }
+
+    /// `act(Y^(0)_r) ⊙ Y^(1)_r` of a gate/up layer, fused into the product where the host
+    /// can ([`Linear::forward_glu`]); `None` elsewhere.
+    pub fn forward_glu(&self, x: &Tensor, act: Activation) -> Result<Option<Tensor>> {
+        if self.shards.len() != 2 {
+            return Ok(None);
+        }
+        self.linear.forward_glu(x, act)
     }
 
     /// Splits a local output into the parts' blocks.

@@ -114,7 +114,12 @@ impl ParallelMlp {
     }
 
     /// `act(G_r) * U_r`: this rank's block of the intermediate activation. No communication.
+    /// On quantized host weights with many rows the activation is fused into the product
+    /// (bitwise the same; [`MergedColumnParallel::forward_glu`]).
     pub fn activation(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = self.gate_up.forward_glu(x, self.act)? {
+            return Ok(y);
+        }
         Ok(self.gate_up.forward(x)?.glu(self.act)?)
     }
 

@@ -214,39 +214,103 @@ fn glu_rows_avx512<T: Element>(x: &[T], r0: usize, chunk: &mut [T], inner: usize
     glu_rows(x, r0, chunk, inner, act)
 }
 
-/// Output rows `r0 ..` (`chunk`, `inner` each) of [`host_glu`], in blocks of 256 columns widened
-/// to `f32`. Plain loops (a closure would not be compiled with the caller's target features).
+/// Elements of the gate and up halves widened to `f32` at a time.
+const GLU_BLOCK: usize = 256;
+
+/// Output rows `r0 ..` (`chunk`, `inner` each) of [`host_glu`], in blocks of [`GLU_BLOCK`]
+/// columns ([`glu_block`]). Plain loops (a closure would not be compiled with the caller's
+/// target features).
 #[inline(always)]
 fn glu_rows<T: Element>(x: &[T], r0: usize, chunk: &mut [T], inner: usize, act: Activation) {
-    const BLOCK: usize = 256;
-    let (mut g, mut u, mut a) = ([0f32; BLOCK], [0f32; BLOCK], [T::from_f32(0.0); BLOCK]);
+    let mut scratch = GluScratch::<T, GLU_BLOCK>::new();
     for (i, o) in chunk.chunks_exact_mut(inner.max(1)).enumerate() {
         let row = &x[(r0 + i) * 2 * inner..(r0 + i + 1) * 2 * inner];
         let (gate, up) = row.split_at(inner);
-        for ((o, gate), up) in o.chunks_mut(BLOCK).zip(gate.chunks(BLOCK)).zip(up.chunks(BLOCK)) {
-            let n = o.len();
-            let (g, u, a) = (&mut g[..n], &mut u[..n], &mut a[..n]);
-            T::slice_to_f32(gate, g);
-            T::slice_to_f32(up, u);
-            match act {
-                Activation::Silu => {
-                    for v in g.iter_mut() {
-                        *v = silu(*v);
-                    }
-                }
-                Activation::GeluTanh => {
-                    for v in g.iter_mut() {
-                        *v = act.apply(*v);
-                    }
-                }
-            }
-            T::slice_from_f32(g, a); // rounded, as torch's activation output
-            T::slice_to_f32(a, g);
-            for (g, u) in g.iter_mut().zip(u.iter()) {
-                *g *= u;
-            }
-            T::slice_from_f32(g, o);
+        for ((o, gate), up) in o.chunks_mut(GLU_BLOCK).zip(gate.chunks(GLU_BLOCK)).zip(up.chunks(GLU_BLOCK)) {
+            glu_block(gate, up, o, act, &mut scratch);
         }
+    }
+}
+
+/// The `f32` blocks of `N` elements [`glu_block`] works in.
+struct GluScratch<T, const N: usize> {
+    g: [f32; N],
+    u: [f32; N],
+    a: [T; N],
+}
+
+impl<T: Element, const N: usize> GluScratch<T, N> {
+    fn new() -> Self {
+        GluScratch { g: [0.0; N], u: [0.0; N], a: [T::from_f32(0.0); N] }
+    }
+}
+
+/// `o = round(round(act(gate)) · up)` over one block of at most `N` elements (see
+/// [`host_glu`]).
+#[inline(always)]
+fn glu_block<T: Element, const N: usize>(
+    gate: &[T],
+    up: &[T],
+    o: &mut [T],
+    act: Activation,
+    scratch: &mut GluScratch<T, N>,
+) {
+    let n = o.len();
+    let (g, u, a) = (&mut scratch.g[..n], &mut scratch.u[..n], &mut scratch.a[..n]);
+    T::slice_to_f32(gate, g);
+    T::slice_to_f32(up, u);
+    match act {
+        Activation::Silu => {
+            for v in g.iter_mut() {
+                *v = silu(*v);
+            }
+        }
+        Activation::GeluTanh => {
+            for v in g.iter_mut() {
+                *v = act.apply(*v);
+            }
+        }
+    }
+    T::slice_from_f32(g, a); // rounded, as torch's activation output
+    T::slice_to_f32(a, g);
+    for (g, u) in g.iter_mut().zip(u.iter()) {
+        *g *= u;
+    }
+    T::slice_from_f32(g, o);
+}
+
+/// The gated activation, element by element, on `f32` blocks of a gate and an up projection's
+/// outputs (the same elements of each, as a product fused with its activation hands them
+/// over): both rounded to `T` (as the product's output in `T` would be), then [`glu_block`],
+/// the result widened back to `f32` (exact). So each output is bitwise [`Tensor::glu`]'s of
+/// the product's `[G | U]` in `T`.
+pub(super) fn glu_pair<T: Element>(gate: &[f32], up: &[f32], out: &mut [f32], act: Activation) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F (checked just above), all `#[target_feature]` adds.
+        return unsafe { glu_pair_avx512::<T>(gate, up, out, act) };
+    }
+    glu_pair_body::<T>(gate, up, out, act)
+}
+
+/// [`glu_pair_body`] compiled for AVX-512 (the same operations, so the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn glu_pair_avx512<T: Element>(gate: &[f32], up: &[f32], out: &mut [f32], act: Activation) {
+    glu_pair_body::<T>(gate, up, out, act)
+}
+
+#[inline(always)]
+fn glu_pair_body<T: Element>(gate: &[f32], up: &[f32], out: &mut [f32], act: Activation) {
+    const N: usize = GLU_BLOCK;
+    let mut scratch = GluScratch::<T, N>::new();
+    let (mut gt, mut ut, mut ot) = ([T::from_f32(0.0); N], [T::from_f32(0.0); N], [T::from_f32(0.0); N]);
+    for ((o, g), u) in out.chunks_mut(N).zip(gate.chunks(N)).zip(up.chunks(N)) {
+        let n = o.len();
+        T::slice_from_f32(g, &mut gt[..n]);
+        T::slice_from_f32(u, &mut ut[..n]);
+        glu_block(&gt[..n], &ut[..n], &mut ot[..n], act, &mut scratch);
+        T::slice_to_f32(&ot[..n], o);
     }
 }
 

@@ -35,6 +35,13 @@ struct Part {
     layout: RowLayout,
 }
 
+impl Part {
+    /// The part as tp-cpu's products take it.
+    fn as_part(&self) -> QuantPart<'_> {
+        QuantPart { t: self.qtype, w: &self.data[..], rows: self.rows, layout: self.layout }
+    }
+}
+
 /// A weight `[out, width]` held as quantized blocks (host memory), for
 /// [`Tensor::linear_quant`].
 #[derive(Debug, Clone)]
@@ -175,23 +182,11 @@ impl Tensor {
         }
         let m: usize = lead_dims.iter().product();
         let x = self.to_dtype(DType::F32)?;
-        let x = x.as_slice::<f32>()?;
-        // The input at column `lead` of zero rows of the stored length, when they differ.
-        let padded;
-        let xs = if w.k == w.width {
-            x
-        } else {
-            let mut p = vec![0f32; m * w.k];
-            for (dst, src) in p.chunks_exact_mut(w.k).zip(x.chunks_exact(width)) {
-                dst[w.lead..w.lead + width].copy_from_slice(src);
-            }
-            padded = p;
-            &padded[..]
-        };
+        let padded = stored_input(x.as_slice::<f32>()?, m, w);
+        let xs = &padded[..];
         let mut y = vec![0f32; m * out];
         // Each part's outputs are a block of columns of `y`; one pass over all of them.
-        let parts: Vec<QuantPart<'_>> =
-            w.parts.iter().map(|p| QuantPart { t: p.qtype, w: &p.data[..], rows: p.rows, layout: p.layout }).collect();
+        let parts: Vec<QuantPart<'_>> = w.parts.iter().map(Part::as_part).collect();
         quant_matmul_parts(&parts, w.k, xs, m, &mut y)?;
         if let Some(b) = bias {
             let b = b.to_dtype(DType::F32)?;
@@ -203,5 +198,61 @@ impl Tensor {
         let mut dims = lead_dims.to_vec();
         dims.push(out);
         Tensor::from_vec(y, &dims, &Device::Cpu)?.to_dtype(self.dtype())
+    }
+}
+
+/// The input `x: [m, width]` at column `lead` of zero rows of the weight's stored length
+/// (borrowed where they are the same).
+fn stored_input<'a>(x: &'a [f32], m: usize, w: &QuantWeight) -> std::borrow::Cow<'a, [f32]> {
+    if w.k == w.width {
+        return std::borrow::Cow::Borrowed(x);
+    }
+    let mut p = vec![0f32; m * w.k];
+    for (dst, src) in p.chunks_exact_mut(w.k).zip(x.chunks_exact(w.width)) {
+        dst[w.lead..w.lead + w.width].copy_from_slice(src);
+    }
+    std::borrow::Cow::Owned(p)
+}
+
+impl Tensor {
+    /// `act(x G^T) ⊙ (x U^T)` for `x: [.., width]` (self) and a quantized gate/up weight of two
+    /// parts `[G; U]` (one type, one row count `I`) without a bias, where the host's integer
+    /// GEMM takes the product (many rows on AVX512-VNNI; see
+    /// [`tp_cpu::quant::quant_matmul_paired`]): the activation is applied to each task's
+    /// outputs as they are made, so the `[.., 2I]` product is never written. Bitwise
+    /// `self.linear_quant(w, None)?.glu(act)` (the product rounded to `x`'s dtype first, as that
+    /// would); `None` where the fused path does not apply (the caller runs those two).
+    ///
+    /// Errors: those of [`linear_quant`](Self::linear_quant).
+    pub fn linear_quant_glu(&self, w: &QuantWeight, act: super::elementwise::Activation) -> Result<Option<Tensor>> {
+        crate::phase::timed(crate::phase::Phase::Gemm, || self.linear_quant_glu_untimed(w, act))
+    }
+
+    fn linear_quant_glu_untimed(&self, w: &QuantWeight, act: super::elementwise::Activation) -> Result<Option<Tensor>> {
+        let [gate, up] = &w.parts[..] else { return Ok(None) };
+        if self.device() != Device::Cpu
+            || !self.dtype().is_float()
+            || self.dims().last() != Some(&w.width)
+            || gate.qtype != up.qtype
+            || gate.rows != up.rows
+        {
+            return Ok(None);
+        }
+        let lead_dims = &self.dims()[..self.ndim() - 1];
+        let m: usize = lead_dims.iter().product();
+        let x = self.to_dtype(DType::F32)?;
+        let xs = stored_input(x.as_slice::<f32>()?, m, w);
+        let mut y = vec![0f32; m * gate.rows];
+        let done = crate::with_dtype!(self.dtype(), E => {
+            let f = |g: &[f32], u: &[f32], o: &mut [f32]| super::elementwise::glu_pair::<E>(g, u, o, act);
+            tp_cpu::quant::quant_matmul_paired(&gate.as_part(), &up.as_part(), w.k, &xs, m, &mut y, &f)?
+        });
+        if !done {
+            return Ok(None);
+        }
+        let mut dims = lead_dims.to_vec();
+        dims.push(gate.rows);
+        // Every value is already one of the dtype's: the conversion is exact.
+        Ok(Some(Tensor::from_vec(y, &dims, &Device::Cpu)?.to_dtype(self.dtype())?))
     }
 }

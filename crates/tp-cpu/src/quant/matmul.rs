@@ -138,6 +138,88 @@ pub struct QuantPart<'a> {
 ///
 /// Errors: those of [`quant_matmul`], for any part.
 pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+    let (shapes, n) = check_parts(parts, k, x, m, y.len(), None)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
+    let kernel = CpuKernel::current();
+    let isa = kernel.int8_isa();
+    let gemm = |p: &QuantPart<'_>| m >= gemm_min_m(p, isa) || batch_invariant();
+    #[cfg(target_arch = "x86_64")]
+    if takes_igemm(parts, m, isa) {
+        // SAFETY: `takes_igemm` holds only where the CPU has AVX-512 F, BW, VL and VNNI (and
+        // AVX2 and FMA, which AVX-512 detection requires); the shapes were checked above, `k`
+        // and `m` are positive.
+        unsafe { super::igemm::igemm(parts, k, x, m, y) };
+        return Ok(());
+    }
+    let _ = isa;
+    parts_apart(parts, &shapes, n, kernel, k, x, m, y, &gemm)
+}
+
+/// Whether the integer GEMM takes a product of `m` rows with `parts`: AVX512-VNNI, every part
+/// of a type it takes and at least its threshold of rows, results not made batch-invariant.
+#[cfg(target_arch = "x86_64")]
+fn takes_igemm(parts: &[QuantPart<'_>], m: usize, isa: Int8Isa) -> bool {
+    isa == Int8Isa::Avx512Vnni
+        && !batch_invariant()
+        && parts.iter().all(|p| super::igemm::takes(p.t) && m >= gemm_min_m(p, isa))
+}
+
+/// `f(gate, up, out)`: an element-wise combination of a gate and an up projection's outputs
+/// (`out[i]` from `gate[i]` and `up[i]` alone; the three of one length, a block of several
+/// activation rows' segments, with columns beyond the product's, whose results are dropped).
+pub type PairEpilogue<'a> = dyn Fn(&[f32], &[f32], &mut [f32]) + Sync + 'a;
+
+/// A gate and an up projection's products combined as they are made: where the integer GEMM
+/// takes the product (see [`quant_matmul_parts`]: AVX512-VNNI, 32 rows or more; here also one
+/// type and one row count `I` for both), `y: [m, I]` receives `f(x gate^T, x up^T)` block by
+/// block and the answer is `Ok(true)`: bitwise `f` applied to the two halves of
+/// [`quant_matmul_parts`]`(&[gate, up])`'s output, without writing and reading that `[m, 2I]`
+/// product. Elsewhere `Ok(false)`, `y` untouched: the caller runs the product and `f` apart.
+///
+/// Errors: those of [`quant_matmul_parts`] for the two parts (`y` of `m · I` elements).
+pub fn quant_matmul_paired(
+    gate: &QuantPart<'_>,
+    up: &QuantPart<'_>,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    f: &PairEpilogue<'_>,
+) -> Result<bool> {
+    let parts = [*gate, *up];
+    check_parts(&parts, k, x, m, y.len(), Some(gate.rows))?;
+    #[cfg(target_arch = "x86_64")]
+    if gate.t == up.t
+        && gate.rows == up.rows
+        && m > 0
+        && k > 0
+        && gate.rows > 0
+        && takes_igemm(&parts, m, CpuKernel::current().int8_isa())
+    {
+        // SAFETY: as in `quant_matmul_parts`; both parts of one type and row count.
+        unsafe { super::igemm::igemm_paired(gate, up, k, x, m, y, f) };
+        return Ok(true);
+    }
+    Ok(false)
+}
+
+/// Checks the parts of a product against `k`, `x` (`[m, k]`) and an output of `y_len`
+/// elements (`m` times the parts' rows, or times `y_cols` where given); returns each part's
+/// shape and the parts' rows.
+fn check_parts(
+    parts: &[QuantPart<'_>],
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y_len: usize,
+    y_cols: Option<usize>,
+) -> Result<(Vec<Shape>, usize)> {
     let mut shapes = Vec::with_capacity(parts.len());
     let mut n = 0usize;
     for p in parts {
@@ -162,30 +244,31 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
         shapes.push(Shape { t: p.t, rows: p.rows, k, row_bytes, m, layout: p.layout });
     }
     let overflow = Error::ShapeOverflow { m, n, k };
-    for (operand, got, expected) in [("x", x.len(), m.checked_mul(k)), ("y", y.len(), m.checked_mul(n))] {
+    let cols = y_cols.unwrap_or(n);
+    for (operand, got, expected) in [("x", x.len(), m.checked_mul(k)), ("y", y_len, m.checked_mul(cols))] {
         let expected = expected.ok_or(overflow.clone())?;
         if got != expected {
             return Err(Error::OperandLength { operand, expected, got });
         }
     }
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    if k == 0 {
-        y.fill(0.0);
-        return Ok(());
-    }
-    let kernel = CpuKernel::current();
+    Ok((shapes, n))
+}
+
+/// [`quant_matmul_parts`] off the integer GEMM: compute-bound parts each on its own path, or
+/// every part streamed together.
+#[allow(clippy::too_many_arguments)]
+fn parts_apart(
+    parts: &[QuantPart<'_>],
+    shapes: &[Shape],
+    n: usize,
+    kernel: CpuKernel,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    gemm: &dyn Fn(&QuantPart<'_>) -> bool,
+) -> Result<()> {
     let isa = kernel.int8_isa();
-    let gemm = |p: &QuantPart<'_>| m >= gemm_min_m(p, isa) || batch_invariant();
-    #[cfg(target_arch = "x86_64")]
-    if isa == Int8Isa::Avx512Vnni && !batch_invariant() && parts.iter().all(|p| super::igemm::takes(p.t) && gemm(p)) {
-        // SAFETY: `int8_isa` returns `Avx512Vnni` only where the CPU has AVX-512 F, BW, VL and
-        // VNNI (and AVX2 and FMA, which AVX-512 detection requires); the shapes were checked
-        // above, `k` and `m` are positive.
-        unsafe { super::igemm::igemm(parts, k, x, m, y) };
-        return Ok(());
-    }
     if parts.len() > 1 && parts.iter().any(gemm) {
         // Compute-bound parts (and any beside them): each part's product on its own path, its
         // columns copied into place.
@@ -237,7 +320,7 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
             rows_dots(isa, s.t, s.layout, w, s.row_bytes, xs.as_deref().unwrap_or_default(), out)
         }
     };
-    stream(&shapes, n, y, &dots);
+    stream(shapes, n, y, &dots);
     Ok(())
 }
 

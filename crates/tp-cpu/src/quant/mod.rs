@@ -41,5 +41,5 @@ mod simd;
 
 pub use dequant::dequantize;
 pub use interleave::{RowLayout, to_layout};
-pub use matmul::{QuantPart, quant_matmul, quant_matmul_parts};
+pub use matmul::{PairEpilogue, QuantPart, quant_matmul, quant_matmul_paired, quant_matmul_parts};
 pub use types::QuantType;

@@ -107,11 +107,59 @@ unsafe fn tile<K: Kind, const MV: usize>(x: &XTiles, g: usize, panel: *const u8)
     }
 }
 
+/// Outputs of one group of activation tiles: lane `l` of tile `v` against panel row `j` at
+/// `[16 v + l][4 p + j]`, panel `p` after panel.
+type GroupBuf = [[f32; CHUNK_ROWS]; MV * LANES];
+
+/// The `mv <= MV` tiles from `g` of `x` against every panel in `panels_at` (`rows` weight rows
+/// in all) into `buf`, each group of tiles against every panel in turn (its codes stay in cache
+/// across the panels).
+///
+/// # Safety
+/// `g + mv <= x.tiles`; `panels_at` must hold `rows.div_ceil(NR)` panels of `x.nb` blocks; the
+/// CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA (the callers' target features).
+#[inline(always)]
+unsafe fn group<K: Kind>(x: &XTiles, panels_at: *const u8, rows: usize, g: usize, mv: usize, buf: &mut GroupBuf) {
+    let panel_bytes = x.nb * K::BYTES;
+    for p in 0..rows.div_ceil(NR) {
+        let at = panels_at.wrapping_add(p * panel_bytes);
+        let (out3, out2, out1);
+        // SAFETY: `g + mv <= x.tiles`, panel `p` is inside `panels_at`, the CPU is the caller's.
+        let out: &[[__m512; NR]] = unsafe {
+            match mv {
+                3 => {
+                    out3 = tile::<K, 3>(x, g, at);
+                    &out3
+                }
+                2 => {
+                    out2 = tile::<K, 2>(x, g, at);
+                    &out2
+                }
+                _ => {
+                    out1 = tile::<K, 1>(x, g, at);
+                    &out1
+                }
+            }
+        };
+        for (v, out) in out.iter().enumerate() {
+            for (j, o) in out.iter().enumerate() {
+                let mut lanes = [0f32; LANES];
+                // SAFETY: `lanes` holds 16 floats.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *o) };
+                for (l, &val) in lanes.iter().enumerate() {
+                    if let Some(slot) = buf[LANES * v + l].get_mut(p * NR + j) {
+                        *slot = val;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Every activation tile of `x` against the panels in `panels_at` (`rows <= CHUNK_ROWS` weight
 /// rows in all), written into `y` (`[m, n]` row-major) at columns `col .. col + rows`: tiles
-/// [`MV`] at a time (then fewer), each group against every panel in turn (its codes stay in
-/// cache across the panels), its outputs gathered in a buffer and written a row of `rows`
-/// columns at a time.
+/// [`MV`] at a time (then fewer), their outputs gathered in a buffer ([`group`]) and written a
+/// row of `rows` columns at a time.
 ///
 /// # Safety
 /// `panels_at` must hold `rows.div_ceil(NR)` panels of `x.nb` blocks; `y` must be valid for
@@ -126,48 +174,54 @@ pub(crate) unsafe fn panels<K: Kind>(
     (m, n, col): (usize, usize, usize),
 ) {
     assert!(rows <= CHUNK_ROWS, "panels: rows");
-    let panel_bytes = x.nb * K::BYTES;
-    // Outputs of a group of tiles: lane `l` of tile `v` against panel row `j` at
-    // `[16 v + l][j]`, panel after panel.
     let mut buf = [[0f32; CHUNK_ROWS]; MV * LANES];
     let mut g = 0;
     while g < x.tiles {
         let mv = (x.tiles - g).min(MV);
-        for p in 0..rows.div_ceil(NR) {
-            let at = panels_at.wrapping_add(p * panel_bytes);
-            let (out3, out2, out1);
-            // SAFETY: `g + mv <= x.tiles`, panel `p` is inside `panels_at`, the CPU is the
-            // caller's.
-            let out: &[[__m512; NR]] = unsafe {
-                match mv {
-                    3 => {
-                        out3 = tile::<K, 3>(x, g, at);
-                        &out3
-                    }
-                    2 => {
-                        out2 = tile::<K, 2>(x, g, at);
-                        &out2
-                    }
-                    _ => {
-                        out1 = tile::<K, 1>(x, g, at);
-                        &out1
-                    }
-                }
-            };
-            for (v, out) in out.iter().enumerate() {
-                for (j, o) in out.iter().enumerate() {
-                    let mut lanes = [0f32; LANES];
-                    // SAFETY: `lanes` holds 16 floats.
-                    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *o) };
-                    for (l, &val) in lanes.iter().enumerate() {
-                        if let Some(slot) = buf[LANES * v + l].get_mut(p * NR + j) {
-                            *slot = val;
-                        }
-                    }
-                }
-            }
-        }
+        // SAFETY: `g + mv <= x.tiles`; the panels and the CPU are the caller's.
+        unsafe { group::<K>(x, panels_at, rows, g, mv, &mut buf) };
         for (i, row) in buf.iter().enumerate().take(m.saturating_sub(LANES * g).min(LANES * mv)) {
+            // SAFETY: row `16 g + i < m`, columns `col .. col + rows <= n`, which the caller gave
+            // this call alone.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), y.add((LANES * g + i) * n + col), rows) };
+        }
+        g += mv;
+    }
+}
+
+/// [`panels`] for two weights of `rows` rows each (a gate's and an up projection's same rows):
+/// per group of tiles both products into buffers of [`CHUNK_ROWS`] columns per activation row,
+/// then one call `f(gate, up, out)` on the group's rows of those buffers (element-wise, so the
+/// columns past `rows` it also sees are discarded), and the first `rows` columns of each row of
+/// `out` written into columns `col .. col + rows` of `y` (`[m, n]`).
+///
+/// # Safety
+/// As [`panels`], for both `gate_at` and `up_at`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(crate) unsafe fn paired_panels<K: Kind>(
+    x: &XTiles,
+    (gate_at, up_at): (*const u8, *const u8),
+    rows: usize,
+    y: *mut f32,
+    (m, n, col): (usize, usize, usize),
+    f: &super::super::matmul::PairEpilogue<'_>,
+) {
+    assert!(rows <= CHUNK_ROWS, "paired_panels: rows");
+    let mut gate = [[0f32; CHUNK_ROWS]; MV * LANES];
+    let mut up = [[0f32; CHUNK_ROWS]; MV * LANES];
+    let mut out = [[0f32; CHUNK_ROWS]; MV * LANES];
+    let mut g = 0;
+    while g < x.tiles {
+        let mv = (x.tiles - g).min(MV);
+        // SAFETY: `g + mv <= x.tiles`; the panels and the CPU are the caller's.
+        unsafe {
+            group::<K>(x, gate_at, rows, g, mv, &mut gate);
+            group::<K>(x, up_at, rows, g, mv, &mut up);
+        }
+        let valid = m.saturating_sub(LANES * g).min(LANES * mv);
+        let len = valid * CHUNK_ROWS;
+        f(&gate.as_flattened()[..len], &up.as_flattened()[..len], &mut out.as_flattened_mut()[..len]);
+        for (i, row) in out.iter().enumerate().take(valid) {
             // SAFETY: row `16 g + i < m`, columns `col .. col + rows <= n`, which the caller gave
             // this call alone.
             unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), y.add((LANES * g + i) * n + col), rows) };

@@ -101,9 +101,68 @@ pub(crate) unsafe fn igemm(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usiz
     X32.with(|b| *b.borrow_mut() = x32);
 }
 
+/// `y[i, c] = f(gate_ic, up_ic)`: the products of `x` with `gate` and `up` (parts of one type
+/// and one row count `I`), each task's rows of both unpacked and multiplied together and
+/// combined by the element-wise `f` per block of activation rows (`kernel::paired_panels`),
+/// instead of written side by side; `y` is `[m, I]`. The products are bitwise those of
+/// [`igemm`], so `y` is bitwise `f` applied to its `[m, 2I]` output. The rest as [`igemm`].
+///
+/// # Safety
+/// As [`igemm`].
+pub(crate) unsafe fn igemm_paired(
+    gate: &QuantPart<'_>,
+    up: &QuantPart<'_>,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    f: &super::matmul::PairEpilogue<'_>,
+) {
+    let n = gate.rows;
+    assert!(
+        up.rows == n && up.t == gate.t && takes(gate.t) && y.len() == m * n && x.len() == m * k,
+        "igemm_paired: operands"
+    );
+    let block = if gate.t.is_k_quant() { 256 } else { 32 };
+    let extra = match gate.t {
+        QuantType::Q4K => Q4K::EXTRA,
+        QuantType::Q6K => Q6K::EXTRA,
+        _ => Q40::EXTRA,
+    };
+    let mut xt = X256.with(|b| std::mem::replace(&mut *b.borrow_mut(), XTiles::empty()));
+    // SAFETY: the CPU is the caller's.
+    unsafe { xt.fill(x, m, k, block, extra) };
+    let out = TaskPtr(y.as_mut_ptr());
+    let task = |i: usize| {
+        let (r0, r1) = (i * CHUNK_ROWS, ((i + 1) * CHUNK_ROWS).min(n));
+        let row_bytes = gate.w.len() / n;
+        let (wg, wu) = (&gate.w[r0 * row_bytes..r1 * row_bytes], &up.w[r0 * row_bytes..r1 * row_bytes]);
+        // SAFETY: `y` is `[m, n]` and this task alone writes its columns `r0 .. r1`; the tiles
+        // were filled for the parts' block size; the CPU is the caller's.
+        unsafe {
+            match gate.t {
+                QuantType::Q4_0 => {
+                    pair::<Q40>(&xt, (wg, wu), (gate.layout, up.layout), r1 - r0, row_bytes, out.get(), (m, n, r0), f)
+                }
+                QuantType::Q4K => {
+                    pair::<Q4K>(&xt, (wg, wu), (gate.layout, up.layout), r1 - r0, row_bytes, out.get(), (m, n, r0), f)
+                }
+                QuantType::Q6K => {
+                    pair::<Q6K>(&xt, (wg, wu), (gate.layout, up.layout), r1 - r0, row_bytes, out.get(), (m, n, r0), f)
+                }
+                t => unreachable!("igemm_paired: {t} is not taken"),
+            }
+        }
+    };
+    pool::run(n.div_ceil(CHUNK_ROWS), &task);
+    X256.with(|b| *b.borrow_mut() = xt);
+}
+
 thread_local! {
     /// A task's unpacked panels, kept between calls.
     static PANELS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    /// The up projection's panels of a paired task.
+    static UP_PANELS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's quantized activation tiles (blocks of 256 and of 32), kept between
     /// calls.
     static X256: RefCell<XTiles> = const { RefCell::new(XTiles::empty()) };
@@ -134,5 +193,36 @@ unsafe fn chunk<K: Kind>(
         // SAFETY: `p` holds the panels of the `rows` rows (`xt.nb` blocks each); the rest is the
         // caller's.
         unsafe { kernel::panels::<K>(xt, p.as_ptr(), rows, y, at) };
+    })
+}
+
+/// One task of [`igemm_paired`]: the same `rows` rows of the gate and up weights unpacked into
+/// panels, then [`kernel::paired_panels`].
+///
+/// # Safety
+/// As [`chunk`], for both weights.
+#[allow(clippy::too_many_arguments)]
+unsafe fn pair<K: Kind>(
+    xt: &XTiles,
+    (wg, wu): (&[u8], &[u8]),
+    (lg, lu): (RowLayout, RowLayout),
+    rows: usize,
+    row_bytes: usize,
+    y: *mut f32,
+    at: (usize, usize, usize),
+    f: &super::matmul::PairEpilogue<'_>,
+) {
+    PANELS.with(|pg| {
+        UP_PANELS.with(|pu| {
+            let (mut pg, mut pu) = (pg.borrow_mut(), pu.borrow_mut());
+            // SAFETY: the CPU is the caller's.
+            unsafe {
+                panel::build::<K>(wg, lg, rows, row_bytes, xt.nb, &mut pg);
+                panel::build::<K>(wu, lu, rows, row_bytes, xt.nb, &mut pu);
+            }
+            // SAFETY: `pg` and `pu` hold the panels of the `rows` rows (`xt.nb` blocks each); the
+            // rest is the caller's.
+            unsafe { kernel::paired_panels::<K>(xt, (pg.as_ptr(), pu.as_ptr()), rows, y, at, f) };
+        })
     })
 }
