@@ -477,6 +477,16 @@ fn paged_rows<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
     unsafe { paged_rows_body::<S, false>(ctx, first, out) }
 }
 
+/// One KV head's keys and values of one sequence from position `base` on, widened to f32.
+#[cfg(target_arch = "x86_64")]
+#[derive(Default)]
+struct Widened {
+    seq: Option<usize>,
+    base: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
 /// The AVX-512 rows: the consecutive rows of one token whose query heads share a KV head (a GQA
 /// group, or the part of it in this chunk) go through [`group_rows`] together, reading each key
 /// and value row once for all of them; each row's arithmetic is the same whichever rows share
@@ -486,7 +496,11 @@ fn paged_rows<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
 fn paged_rows_avx512<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f32]) {
     let Geometry { hq, d, block_size: bs, groups, .. } = ctx.geo;
     let rows = out.len() / d.max(1);
-    let (mut scores, mut krows, mut vrows) = (Vec::new(), Vec::new(), Vec::new());
+    let mut scores = Vec::new();
+    // Per KV head, the rows widened to f32 so far (a cache not in f32), kept across the rows of
+    // this chunk: a prefill chunk's tokens see growing key ranges of one sequence, so each key
+    // is widened once per chunk instead of once per token.
+    let mut wide: Vec<Widened> = (0..ctx.geo.hkv).map(|_| Widened::default()).collect();
     let (mut kptr, mut vptr): (Vec<*const f32>, Vec<*const f32>) = (Vec::new(), Vec::new());
     // (sequence, KV head, first key, last key) of what `kptr`/`vptr` point at.
     let mut held: Option<(usize, usize, usize, usize)> = None;
@@ -520,20 +534,32 @@ fn paged_rows_avx512<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f3
                     vptr.push(vd.as_ptr());
                 }
             } else {
-                let n = hi + 1 - lo;
-                krows.resize(n * d, 0.0);
-                vrows.resize(n * d, 0.0);
-                for ((j, kd), vd) in (lo..=hi).zip(krows.chunks_exact_mut(d)).zip(vrows.chunks_exact_mut(d)) {
-                    ctx.kv.widen(slot(j), kvh, kd, vd);
+                let w = &mut wide[kvh];
+                if w.seq != Some(si) || lo < w.base {
+                    (w.seq, w.base) = (Some(si), lo);
+                    w.k.clear();
+                    w.v.clear();
                 }
-                kptr.extend(krows.chunks_exact(d).map(<[f32]>::as_ptr));
-                vptr.extend(vrows.chunks_exact(d).map(<[f32]>::as_ptr));
+                // Widen the keys past those held, up to `hi`.
+                let (from, to) = (w.base + w.k.len() / d, hi + 1);
+                if to > from {
+                    w.k.resize((to - w.base) * d, 0.0);
+                    w.v.resize((to - w.base) * d, 0.0);
+                    let (ks, vs) = (&mut w.k[(from - w.base) * d..], &mut w.v[(from - w.base) * d..]);
+                    for ((j, kd), vd) in (from..to).zip(ks.chunks_exact_mut(d)).zip(vs.chunks_exact_mut(d)) {
+                        ctx.kv.widen(slot(j), kvh, kd, vd);
+                    }
+                }
+                let rows = (lo - w.base) * d..(hi + 1 - w.base) * d;
+                kptr.extend(w.k[rows.clone()].chunks_exact(d).map(<[f32]>::as_ptr));
+                vptr.extend(w.v[rows].chunks_exact(d).map(<[f32]>::as_ptr));
             }
             held = Some((si, kvh, lo, hi));
         }
         // SAFETY: this function's features hold AVX-512F and FMA, which its caller checked;
-        // every pointer is the start of a `d`-float row of the cache or of `krows`/`vrows`
-        // (unchanged since the pointers were taken); one key and one value row per position.
+        // every pointer is the start of a `d`-float row of the cache or of a `wide` buffer
+        // (unchanged since the pointers were taken: a buffer only grows when `held` changes,
+        // and then the pointers are taken anew); one key and one value row per position.
         unsafe {
             group_rows(
                 &ctx.q[r * d..(r + g) * d],
