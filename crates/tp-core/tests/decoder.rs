@@ -113,7 +113,13 @@ fn attention_matches_f64_at_mha_gqa_and_mqa() {
                 check_attention(CPU, 7, 7, hq, hkv, d, None, dtype, d as u64); // prefill
                 check_attention(CPU, 1, 19, hq, hkv, d, None, dtype, 1 + d as u64); // decode step
                 check_attention(CPU, 3, 11, hq, hkv, d, None, dtype, 2 + d as u64); // chunk after a prefix
-                check_attention(CPU, 37, 41, hq, hkv, d, None, dtype, 3 + d as u64); // GEMM path
+                // A long prefill on this machine's path, and as GEMMs and row by row.
+                check_attention(CPU, 37, 41, hq, hkv, d, None, dtype, 3 + d as u64);
+                for gemms in [true, false] {
+                    tp_core::cpu::set_prefill_attention_gemms(Some(gemms));
+                    check_attention(CPU, 37, 41, hq, hkv, d, None, dtype, 4 + d as u64);
+                    tp_core::cpu::set_prefill_attention_gemms(None);
+                }
             }
         }
     }
@@ -134,8 +140,12 @@ fn attention_follows_kv_groups_that_start_mid_group() {
                 sliding_window: window,
                 kv_groups: Some(KvGroups { size, offset }),
             };
-            check_attention_spec(CPU, t, (hq, hkv, 24), &spec, DType::F32, (hq * 100 + t) as u64);
-            check_attention_spec(CPU, t, (hq, hkv, 24), &spec, DType::BF16, (hq * 100 + t) as u64);
+            for gemms in [None, Some(true), Some(false)] {
+                tp_core::cpu::set_prefill_attention_gemms(gemms);
+                check_attention_spec(CPU, t, (hq, hkv, 24), &spec, DType::F32, (hq * 100 + t) as u64);
+                check_attention_spec(CPU, t, (hq, hkv, 24), &spec, DType::BF16, (hq * 100 + t) as u64);
+            }
+            tp_core::cpu::set_prefill_attention_gemms(None);
         }
     }
 }
@@ -143,7 +153,11 @@ fn attention_follows_kv_groups_that_start_mid_group() {
 #[test]
 fn attention_respects_a_sliding_window() {
     for w in [1, 3, 64] {
-        check_attention(CPU, 9, 20, 4, 2, 16, Some(w), DType::F32, w as u64);
+        for gemms in [None, Some(true), Some(false)] {
+            tp_core::cpu::set_prefill_attention_gemms(gemms);
+            check_attention(CPU, 9, 20, 4, 2, 16, Some(w), DType::F32, w as u64);
+        }
+        tp_core::cpu::set_prefill_attention_gemms(None);
         check_attention(CPU, 3, 20, 4, 2, 16, Some(w), DType::F32, w as u64); // the row loop
     }
 }

@@ -50,6 +50,14 @@ fn paged_attention_respects_windows_and_groups_starting_mid_group() {
 /// (every row on the per-row path) too.
 #[test]
 fn prefill_chunks_through_score_tiles_match_f64() {
+    // The tiles where the machine takes them (not on AVX-512), and on every machine here.
+    prefill_chunks_match_f64();
+    tp_core::cpu::set_prefill_attention_gemms(Some(true));
+    prefill_chunks_match_f64();
+    tp_core::cpu::set_prefill_attention_gemms(None);
+}
+
+fn prefill_chunks_match_f64() {
     let seqs = vec![(0, 260), (120, 230), (5, 9), (3, 1), (17, 1)];
     for bs in [1, 3, 16] {
         for dtype in [DType::F32, DType::F16, DType::BF16] {

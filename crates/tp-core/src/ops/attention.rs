@@ -12,6 +12,11 @@
 //! `s_j = scale · q·k_j`, the output is `Σ_j softmax(s)_j v_j`; scores, softmax and the weighted
 //! sum are computed in f32 and the output rounded once to the dtype (PyTorch's SDPA does the
 //! same on its fused paths).
+//!
+//! On the host, AVX-512 machines compute every row this way, the query heads of a GQA group
+//! together (`paged_group.rs`); elsewhere prefills of [`GEMM_MIN_TOKENS`] or more run as
+//! GEMMs over score tiles ([`gemm_attention`]; [`crate::cpu::set_prefill_attention_gemms`]
+//! picks either for one thread).
 
 use super::dot_f32::{dot, weighted_rows};
 use crate::storage::{CpuStorage, Storage};
@@ -82,6 +87,13 @@ pub(super) fn row_groups(work: usize) -> usize {
 }
 /// Queries from which attention runs as GEMMs (prefill); fewer (decode) take the row loop.
 pub(super) const GEMM_MIN_TOKENS: usize = 8;
+
+/// Whether prefill attention runs as GEMMs ([`gemm_attention`]) on this thread (see
+/// [`crate::cpu::prefill_attention_as_gemms`]).
+pub(super) fn prefill_as_gemms() -> bool {
+    crate::cpu::prefill_attention_as_gemms()
+}
+
 /// Score elements one GEMM tile may hold (16 MiB of f32): long prefills go tile by tile.
 const SCORE_TILE: usize = 1 << 22;
 
@@ -147,7 +159,7 @@ impl Tensor {
             let (q, k, v) = (widen::<T>(qs.as_slice::<T>().unwrap_or_default()),
                 widen::<T>(&ks.as_slice::<T>().unwrap_or_default()[..valid]),
                 widen::<T>(&vs.as_slice::<T>().unwrap_or_default()[..valid]));
-            let y = if t >= GEMM_MIN_TOKENS && d > 0 { gemm_attention(&q, &k, &v, dims, spec, groups)? } else { host_attention(&q, &k, &v, dims, spec, groups) };
+            let y = if t >= GEMM_MIN_TOKENS && d > 0 && prefill_as_gemms() { gemm_attention(&q, &k, &v, dims, spec, groups)? } else { host_attention(&q, &k, &v, dims, spec, groups) };
             CpuStorage::from_vec(y.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>())
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
@@ -365,8 +377,46 @@ fn attend_rows_avx512(
     first: usize,
     out: &mut [f32],
 ) {
-    // SAFETY: this function's `#[target_feature]` holds AVX2 and FMA, which its caller checked.
-    unsafe { attend_rows_body::<true>(qkv, dims, spec, groups, first, out) }
+    let (q, k, v) = qkv;
+    let (t, hq, hkv, d) = dims;
+    if d == 0 {
+        return;
+    }
+    // The consecutive rows of one token whose query heads share a KV head go through
+    // `group_rows` together (as the paged op's rows do).
+    let rows = out.len() / d;
+    let (mut scores, mut kptr, mut vptr) = (Vec::new(), Vec::new(), Vec::new());
+    let kv_head = |r: usize| ((r % hq) + groups.offset) / groups.size;
+    let mut i = 0;
+    while i < rows {
+        let r = first + i;
+        let (tok, kvh) = (r / hq, kv_head(r));
+        let mut g = 1;
+        while i + g < rows && (r + g) / hq == tok && kv_head(r + g) == kvh {
+            g += 1;
+        }
+        let (lo, hi) = spec.key_range(spec.kv_len - t + tok);
+        kptr.clear();
+        vptr.clear();
+        for j in lo..=hi {
+            kptr.push(k[(j * hkv + kvh) * d..][..d].as_ptr());
+            vptr.push(v[(j * hkv + kvh) * d..][..d].as_ptr());
+        }
+        // SAFETY: this function's features hold AVX-512F and FMA, which its caller checked;
+        // every pointer starts a `d`-float row of `k` or `v` (sliced just above).
+        unsafe {
+            super::paged_group::group_rows(
+                &q[r * d..(r + g) * d],
+                d,
+                &kptr,
+                &vptr,
+                spec.scale,
+                &mut scores,
+                &mut out[i * d..(i + g) * d],
+            );
+        }
+        i += g;
+    }
 }
 
 #[cfg(target_arch = "x86_64")]

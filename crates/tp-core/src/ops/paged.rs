@@ -23,7 +23,7 @@
 //! share its pass. A row's result therefore depends only on its query and its sequence's keys,
 //! bitwise, whatever else is in the batch.
 
-use super::attention::{GEMM_MIN_TOKENS, exp_neg, gemm_attention, row_groups};
+use super::attention::{GEMM_MIN_TOKENS, exp_neg, gemm_attention, prefill_as_gemms, row_groups};
 use super::dot_f32::{dot, dots8, weighted_refs, weighted_rows};
 use super::kv_quant::{KvQuant, QuantKvBuffer};
 #[cfg(target_arch = "x86_64")]
@@ -32,9 +32,11 @@ use crate::storage::{CpuStorage, Storage};
 use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
 
 /// Scores (query rows times keys) from which a prefill chunk attends through score tiles on the
-/// host. Measured on Zen 4 (2 threads, TinyLlama's heads): a 512-token prompt alone takes
-/// 352 ms of attention in tiles against 458 row by row, while 16 prompts of 128 tokens in one
-/// step take 828 ms in tiles (one sequence's small products after another) against 715-736.
+/// host, where the machine runs prefill attention as GEMMs at all (not on AVX-512: see
+/// `attention::prefill_as_gemms`). Measured on Zen 4 with the per-row loop of one head at a
+/// time: a 512-token prompt alone took 352 ms of attention in tiles against 458 row by row,
+/// while 16 prompts of 128 tokens in one step took 828 ms in tiles (one sequence's small
+/// products after another) against 715-736.
 const TILED_MIN_SCORES: usize = 1 << 16;
 
 /// One sequence of a flat token batch, for [`Tensor::paged_attention`].
@@ -388,7 +390,8 @@ impl KvRows for QuantRows<'_> {
 }
 
 /// The f32 attention of every row of the batch on the host: long prefill chunks through the
-/// score tiles of the single-sequence op, unless results must not depend on the batch; the
+/// score tiles of the single-sequence op where the machine runs prefill attention as GEMMs,
+/// unless results must not depend on the batch; the
 /// rest per (row, head), rows spread over tp-cpu's pool when the work pays (the pool splits the
 /// whole batch's rows).
 fn host_attention<S: KvRows>(
@@ -402,7 +405,9 @@ fn host_attention<S: KvRows>(
     let invariant = tp_cpu::batch_invariant();
     let tiled: Vec<bool> = seqs
         .iter()
-        .map(|s| !invariant && s.q_len >= GEMM_MIN_TOKENS && s.q_len * s.kv_len >= TILED_MIN_SCORES)
+        .map(|s| {
+            !invariant && s.q_len >= GEMM_MIN_TOKENS && s.q_len * s.kv_len >= TILED_MIN_SCORES && prefill_as_gemms()
+        })
         .collect();
     let rows = row_seq.len() * geo.hq;
     let mut y = vec![0f32; rows * geo.d];
