@@ -7,7 +7,8 @@
 //! The roofline column: for decode, our tokens/s over the memory roof, `bandwidth / weight bytes
 //! read per token` (all ranks share this machine's memory, so the bytes of every rank count);
 //! for prefill, our tokens/s over what the model's GEMMs alone give (each projection of every
-//! layer at 128 tokens, and the LM head on the last token, timed as bare `matmul_t` calls).
+//! layer at 128 tokens, and the LM head on the last token: on the host on packed weights of
+//! their own streamed from memory, as the model runs them; on a GPU as bare `matmul_t` calls).
 //! Prefill figures (ours, transformers', the GEMMs') are each the best of 3 runs.
 
 use crate::{Args, Row};
@@ -194,16 +195,59 @@ pub fn layer_products(c: &tp_models::ModelConfig) -> [(usize, usize); 4] {
     [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
 }
 
-/// Tokens/s of a `t`-token prefill if only its GEMMs ran: one layer's four products timed on
-/// `device` (fused QKV, o, merged gate/up, down), times the layers, plus the LM head on the
-/// last token.
+/// Tokens/s of a `t`-token prefill if only its GEMMs ran. On the host, the products as the
+/// model runs them ([`host_gemms_alone_tps`]); on a GPU, one layer's four products timed
+/// (fused QKV, o, merged gate/up, down), times the layers, plus the LM head on the last token.
 fn gemm_alone_prefill_tps(c: &tp_models::ModelConfig, t: usize, dtype: DType, device: Device) -> Result<f64> {
+    if device == Device::Cpu {
+        return host_gemms_alone_tps(c, t, dtype);
+    }
     let mut layer = 0.0;
     for (n, k) in layer_products(c) {
         layer += time_matmul(t, n, k, dtype, device)?;
     }
     let head = time_matmul(1, c.vocab_size, c.hidden_size, dtype, device)?;
     Ok(t as f64 / (layer * c.num_hidden_layers as f64 + head))
+}
+
+/// Host prefill tokens/s of the products alone, run as the model runs them: weights packed
+/// once into the host GEMM's panels, every layer's four products one after the other, each on
+/// weights of its own (three copies of a layer's weights in turn, far more than the caches
+/// hold, so each product streams its weight from memory as in the model), then the LM head on
+/// the last token; the best of three passes. (Bare `matmul_t` on one weight timed repeatedly
+/// packs the weight on every call, and keeps the smaller weights in the cache: neither is
+/// what the model's prefill does.)
+fn host_gemms_alone_tps(c: &tp_models::ModelConfig, t: usize, dtype: DType) -> Result<f64> {
+    const COPIES: usize = 3;
+    let product = |m: usize, n: usize, k: usize, seed: u64| -> Result<(Tensor, Tensor, tp_core::PackedWeight)> {
+        let x = Tensor::rand(&[m, k], dtype, 1, &Device::Cpu)?;
+        let w = Tensor::rand(&[n, k], dtype, seed, &Device::Cpu)?;
+        let packed = w.pack_weight()?;
+        Ok((x, w, packed))
+    };
+    let layers = (0..COPIES as u64)
+        .map(|copy| {
+            layer_products(c)
+                .into_iter()
+                .enumerate()
+                .map(|(i, (n, k))| product(t, n, k, 10 * copy + i as u64 + 2))
+                .collect()
+        })
+        .collect::<Result<Vec<Vec<_>>>>()?;
+    let head = product(1, c.vocab_size, c.hidden_size, 1000)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let start = Instant::now();
+        for layer in 0..c.num_hidden_layers {
+            for (x, w, packed) in &layers[layer % COPIES] {
+                std::hint::black_box(x.linear_packed(w, packed, None)?);
+            }
+        }
+        let (x, w, packed) = &head;
+        std::hint::black_box(x.linear_packed(w, packed, None)?);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(t as f64 / best)
 }
 
 fn time_matmul(m: usize, n: usize, k: usize, dtype: DType, device: Device) -> Result<f64> {
