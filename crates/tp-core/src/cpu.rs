@@ -34,18 +34,53 @@ pub fn set_prefill_attention_gemms(choice: Option<bool>) {
     ATTENTION_GEMMS.with(|c| c.set(choice));
 }
 
-/// Whether this thread's prefill attention runs as GEMMs: as set by
-/// [`set_prefill_attention_gemms`], else not on AVX-512 machines, where the rows of a GQA group
-/// go through 16-lane vectors together and measured faster at every prompt length tried (Zen 4,
-/// 2 threads, TinyLlama's heads, bf16: 128 tokens 2.1-2.6 ms against 2.2-3.1, 512 tokens 19-23
-/// against 36-44, 2048 tokens 237-247 against 282-323), and as GEMMs elsewhere.
-pub fn prefill_attention_as_gemms() -> bool {
+/// Keys up to which AVX-512 machines attend row by row: at 4096 keys the two paths measured
+/// alike (1006 against 1079 ms for a 4096-token prompt), at 8192 the score tiles win (4.6 s
+/// against 6.2: each row reads all its keys again, and they no longer stay in cache).
+const ROWS_MAX_KEYS: usize = 4096;
+
+/// Whether this thread's prefill attention over `keys` keys runs as GEMMs: as set by
+/// [`set_prefill_attention_gemms`]; else on AVX-512 machines only past 4096 keys (below, the
+/// rows of a GQA group go through 16-lane vectors together and measured faster: Zen 4, 2
+/// threads, TinyLlama's heads, bf16: 128 tokens 2.1-2.6 ms against 2.2-3.1, 512 tokens 19-23
+/// against 36-44, 2048 tokens 237-252 against 282-323), and always elsewhere.
+pub fn prefill_attention_as_gemms(keys: usize) -> bool {
     ATTENTION_GEMMS.with(|c| c.get()).unwrap_or_else(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            !(std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma"))
+            keys > ROWS_MAX_KEYS
+                || !(std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma"))
         }
         #[cfg(not(target_arch = "x86_64"))]
-        true
+        {
+            let _ = keys;
+            true
+        }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_attention_takes_the_gemms_past_the_rows_limit_and_as_set() {
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx512 = false;
+        assert_eq!(prefill_attention_as_gemms(ROWS_MAX_KEYS), !avx512);
+        assert!(prefill_attention_as_gemms(ROWS_MAX_KEYS + 1));
+        for choice in [true, false] {
+            set_prefill_attention_gemms(Some(choice));
+            assert_eq!(prefill_attention_as_gemms(1), choice);
+            assert_eq!(prefill_attention_as_gemms(1 << 20), choice);
+        }
+        set_prefill_attention_gemms(None);
+        // Another thread keeps the machine's choice.
+        set_prefill_attention_gemms(Some(avx512));
+        let other = std::thread::spawn(|| prefill_attention_as_gemms(16)).join().unwrap();
+        assert_eq!(other, !avx512);
+        set_prefill_attention_gemms(None);
+    }
 }

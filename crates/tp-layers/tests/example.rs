@@ -257,9 +257,15 @@ fn world_sizes_past_the_limit_or_past_what_threads_allow_are_errors() {
         fails_cleanly(world, run_within(cmd, Duration::from_secs(30)), "exceeds the maximum of 4096 ranks");
     }
     // 4096 rank threads in 700 MB of address space: some cannot start, which is an error (the
-    // started ranks are stopped), not a panic or an abort.
+    // started ranks are stopped), not a panic or an abort. (Two malloc arenas: glibc reserves
+    // 64 MB of address space per arena, up to 16 here, as threads first allocate, so otherwise
+    // the space can run out inside an allocation rather than at a thread's start.)
     let mut cmd = Command::new("sh");
-    cmd.arg("-c").arg("ulimit -v 700000 && exec \"$@\"").arg("sh").arg(example_binary()).args(args("4096"));
+    cmd.arg("-c")
+        .arg("ulimit -v 700000 && MALLOC_ARENA_MAX=2 exec \"$@\"")
+        .arg("sh")
+        .arg(example_binary())
+        .args(args("4096"));
     fails_cleanly("4096 threads, 700 MB", run_within(cmd, Duration::from_secs(120)), "cannot start the thread of rank");
 }
 

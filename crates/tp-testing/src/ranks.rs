@@ -49,12 +49,18 @@ pub fn run_threads<R: Send, E: Send>(
     f: impl Fn(&DeviceGroup) -> Result<R, E> + Sync,
 ) -> Vec<Result<R, RankFailure<E>>> {
     let f = &f;
+    // Each thread says it has started before the next is spawned: the runtime sets a new
+    // thread up (its signal stack) after `spawn` returns, and a later spawn taking the last of
+    // the address space meanwhile would abort the process there instead of failing cleanly.
+    let (started, has_started) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
         let mut handles = Vec::with_capacity(groups.len());
         let mut not_started = None;
         for g in groups {
             let spare = g.clone(); // to stop the others if this rank's thread cannot start
+            let started = started.clone();
             let spawned = std::thread::Builder::new().name(format!("{name}-{}", g.rank())).spawn_scoped(s, move || {
+                let _ = started.send(());
                 let out = f(&g);
                 if out.is_err() {
                     g.abort("this rank failed"); // the others stop waiting for it
@@ -62,7 +68,11 @@ pub fn run_threads<R: Send, E: Send>(
                 out
             });
             match spawned {
-                Ok(h) => handles.push(h),
+                Ok(h) => {
+                    handles.push(h);
+                    // (Bounded: a thread that never reports only slows the start.)
+                    let _ = has_started.recv_timeout(std::time::Duration::from_secs(10));
+                }
                 Err(e) => {
                     spare.abort("a rank's thread could not be started");
                     not_started = Some(e);

@@ -13,9 +13,9 @@
 //! sum are computed in f32 and the output rounded once to the dtype (PyTorch's SDPA does the
 //! same on its fused paths).
 //!
-//! On the host, AVX-512 machines compute every row this way, the query heads of a GQA group
-//! together (`paged_group.rs`); elsewhere prefills of [`GEMM_MIN_TOKENS`] or more run as
-//! GEMMs over score tiles ([`gemm_attention`]; [`crate::cpu::set_prefill_attention_gemms`]
+//! On the host, AVX-512 machines compute every row this way up to 4096 keys, the query heads of
+//! a GQA group together (`paged_group.rs`); longer ones, and elsewhere prefills of
+//! [`GEMM_MIN_TOKENS`] or more, run as GEMMs over score tiles ([`gemm_attention`]; [`crate::cpu::set_prefill_attention_gemms`]
 //! picks either for one thread).
 
 use super::dot_f32::{dot, weighted_rows};
@@ -88,10 +88,10 @@ pub(super) fn row_groups(work: usize) -> usize {
 /// Queries from which attention runs as GEMMs (prefill); fewer (decode) take the row loop.
 pub(super) const GEMM_MIN_TOKENS: usize = 8;
 
-/// Whether prefill attention runs as GEMMs ([`gemm_attention`]) on this thread (see
-/// [`crate::cpu::prefill_attention_as_gemms`]).
-pub(super) fn prefill_as_gemms() -> bool {
-    crate::cpu::prefill_attention_as_gemms()
+/// Whether prefill attention over `keys` keys runs as GEMMs ([`gemm_attention`]) on this
+/// thread (see [`crate::cpu::prefill_attention_as_gemms`]).
+pub(super) fn prefill_as_gemms(keys: usize) -> bool {
+    crate::cpu::prefill_attention_as_gemms(keys)
 }
 
 /// Score elements one GEMM tile may hold (16 MiB of f32): long prefills go tile by tile.
@@ -159,7 +159,7 @@ impl Tensor {
             let (q, k, v) = (widen::<T>(qs.as_slice::<T>().unwrap_or_default()),
                 widen::<T>(&ks.as_slice::<T>().unwrap_or_default()[..valid]),
                 widen::<T>(&vs.as_slice::<T>().unwrap_or_default()[..valid]));
-            let y = if t >= GEMM_MIN_TOKENS && d > 0 && prefill_as_gemms() { gemm_attention(&q, &k, &v, dims, spec, groups)? } else { host_attention(&q, &k, &v, dims, spec, groups) };
+            let y = if t >= GEMM_MIN_TOKENS && d > 0 && prefill_as_gemms(spec.kv_len) { gemm_attention(&q, &k, &v, dims, spec, groups)? } else { host_attention(&q, &k, &v, dims, spec, groups) };
             CpuStorage::from_vec(y.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>())
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))

@@ -32,7 +32,7 @@ use crate::storage::{CpuStorage, Storage};
 use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
 
 /// Scores (query rows times keys) from which a prefill chunk attends through score tiles on the
-/// host, where the machine runs prefill attention as GEMMs at all (not on AVX-512: see
+/// host, where the machine runs prefill attention as GEMMs (on AVX-512 only past 4096 keys: see
 /// `attention::prefill_as_gemms`). Measured on Zen 4 with the per-row loop of one head at a
 /// time: a 512-token prompt alone took 352 ms of attention in tiles against 458 row by row,
 /// while 16 prompts of 128 tokens in one step took 828 ms in tiles (one sequence's small
@@ -406,7 +406,10 @@ fn host_attention<S: KvRows>(
     let tiled: Vec<bool> = seqs
         .iter()
         .map(|s| {
-            !invariant && s.q_len >= GEMM_MIN_TOKENS && s.q_len * s.kv_len >= TILED_MIN_SCORES && prefill_as_gemms()
+            !invariant
+                && s.q_len >= GEMM_MIN_TOKENS
+                && s.q_len * s.kv_len >= TILED_MIN_SCORES
+                && prefill_as_gemms(s.kv_len)
         })
         .collect();
     let rows = row_seq.len() * geo.hq;
