@@ -2,7 +2,9 @@
 //! (written once to `target/bench-model/` in bf16, Hugging Face's layout), run through
 //! `tp_models::ParallelCausalLm` at TP 1 and 2 on LocalGroup ranks of one device, in f32 and
 //! bf16: prefill tokens/s (128 tokens) and decode tokens/s, beside transformers on the same
-//! files, threads and dtype in the same run when `python3` has torch and transformers.
+//! files, threads and dtype in the same run when `python3` has torch and transformers. The
+//! model's host weights are packed once after loading, as `tp serve` packs them (prefill's
+//! products then do not repack them on every call; decode reads them as stored).
 //!
 //! The roofline column: for decode, our tokens/s over the memory roof, `bandwidth / weight bytes
 //! read per token` (all ranks share this machine's memory, so the bytes of every rank count);
@@ -154,6 +156,8 @@ fn measure(dir: &Path, dtype: DType, device: Device, world: usize, prompt: &[i64
                 s.spawn(move || -> Result<(f64, f64, Vec<i64>)> {
                     let opts = ModelOptions::new().with_dtype(dtype).with_max_seq_len(prompt.len() + steps + 1);
                     let mut lm = ParallelCausalLm::load(dir, &g, &opts)?;
+                    // The weights packed once, as `tp serve` packs them (a no-op on a GPU).
+                    lm.pack_host_weights()?;
                     let greedy = GenerateOptions::new().ignore_eos(true);
                     lm.generate(&prompt[..8], 2, &greedy)?; // warm-up
                     let mut prefill = Vec::new();
