@@ -88,12 +88,6 @@ pub(super) fn row_groups(work: usize) -> usize {
 /// Queries from which attention runs as GEMMs (prefill); fewer (decode) take the row loop.
 pub(super) const GEMM_MIN_TOKENS: usize = 8;
 
-/// Whether prefill attention over `keys` keys runs as GEMMs ([`gemm_attention`]) on this
-/// thread (see [`crate::cpu::prefill_attention_as_gemms`]).
-pub(super) fn prefill_as_gemms(keys: usize) -> bool {
-    crate::cpu::prefill_attention_as_gemms(keys)
-}
-
 /// Score elements one GEMM tile may hold (16 MiB of f32): long prefills go tile by tile.
 const SCORE_TILE: usize = 1 << 22;
 
@@ -159,7 +153,7 @@ impl Tensor {
             let (q, k, v) = (widen::<T>(qs.as_slice::<T>().unwrap_or_default()),
                 widen::<T>(&ks.as_slice::<T>().unwrap_or_default()[..valid]),
                 widen::<T>(&vs.as_slice::<T>().unwrap_or_default()[..valid]));
-            let y = if t >= GEMM_MIN_TOKENS && d > 0 && prefill_as_gemms(spec.kv_len) { gemm_attention(&q, &k, &v, dims, spec, groups)? } else { host_attention(&q, &k, &v, dims, spec, groups) };
+            let y = if t >= GEMM_MIN_TOKENS && d > 0 && crate::cpu::prefill_attention_as_gemms(spec.kv_len) { gemm_attention(&q, &k, &v, dims, spec, groups)? } else { host_attention(&q, &k, &v, dims, spec, groups) };
             CpuStorage::from_vec(y.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>())
         });
         Ok(Tensor::from_cpu(self.shape().clone(), out))
@@ -386,15 +380,10 @@ fn attend_rows_avx512(
     // `group_rows` together (as the paged op's rows do).
     let rows = out.len() / d;
     let (mut scores, mut kptr, mut vptr) = (Vec::new(), Vec::new(), Vec::new());
-    let kv_head = |r: usize| ((r % hq) + groups.offset) / groups.size;
     let mut i = 0;
     while i < rows {
         let r = first + i;
-        let (tok, kvh) = (r / hq, kv_head(r));
-        let mut g = 1;
-        while i + g < rows && (r + g) / hq == tok && kv_head(r + g) == kvh {
-            g += 1;
-        }
+        let (tok, kvh, g) = super::paged_group::gqa_run(r, rows - i, hq, groups);
         let (lo, hi) = spec.key_range(spec.kv_len - t + tok);
         kptr.clear();
         vptr.clear();

@@ -259,18 +259,7 @@ fn glu_block<T: Element, const N: usize>(
     let (g, u, a) = (&mut scratch.g[..n], &mut scratch.u[..n], &mut scratch.a[..n]);
     T::slice_to_f32(gate, g);
     T::slice_to_f32(up, u);
-    match act {
-        Activation::Silu => {
-            for v in g.iter_mut() {
-                *v = silu(*v);
-            }
-        }
-        Activation::GeluTanh => {
-            for v in g.iter_mut() {
-                *v = act.apply(*v);
-            }
-        }
-    }
+    activate(g, act);
     T::slice_from_f32(g, a); // rounded, as torch's activation output
     T::slice_to_f32(a, g);
     for (g, u) in g.iter_mut().zip(u.iter()) {
@@ -304,12 +293,10 @@ fn glu_pair_avx512<T: Element>(gate: &[f32], up: &[f32], out: &mut [f32], act: A
 fn glu_pair_body<T: Element>(gate: &[f32], up: &[f32], out: &mut [f32], act: Activation) {
     if T::DTYPE == crate::DType::F32 {
         // Every rounding to `T` is the identity: `glu_block`'s operations without its copies.
-        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            let a = match act {
-                Activation::Silu => silu(g),
-                Activation::GeluTanh => act.apply(g),
-            };
-            *o = a * u;
+        out.copy_from_slice(gate);
+        activate(out, act);
+        for (o, &u) in out.iter_mut().zip(up) {
+            *o *= u;
         }
         return;
     }
@@ -322,6 +309,23 @@ fn glu_pair_body<T: Element>(gate: &[f32], up: &[f32], out: &mut [f32], act: Act
         T::slice_from_f32(u, &mut ut[..n]);
         glu_block(&gt[..n], &ut[..n], &mut ot[..n], act, &mut scratch);
         T::slice_to_f32(&ot[..n], o);
+    }
+}
+
+/// `g = act(g)` element by element (one loop per activation, so each vectorises).
+#[inline(always)]
+fn activate(g: &mut [f32], act: Activation) {
+    match act {
+        Activation::Silu => {
+            for v in g.iter_mut() {
+                *v = silu(*v);
+            }
+        }
+        Activation::GeluTanh => {
+            for v in g.iter_mut() {
+                *v = act.apply(*v);
+            }
+        }
     }
 }
 

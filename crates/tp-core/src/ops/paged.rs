@@ -23,17 +23,17 @@
 //! share its pass. A row's result therefore depends only on its query and its sequence's keys,
 //! bitwise, whatever else is in the batch.
 
-use super::attention::{GEMM_MIN_TOKENS, exp_neg, gemm_attention, prefill_as_gemms, row_groups};
+use super::attention::{GEMM_MIN_TOKENS, exp_neg, gemm_attention, row_groups};
 use super::dot_f32::{dot, dots8, weighted_refs, weighted_rows};
 use super::kv_quant::{KvQuant, QuantKvBuffer};
 #[cfg(target_arch = "x86_64")]
-use super::paged_group::group_rows;
+use super::paged_group::{gqa_run, group_rows};
 use crate::storage::{CpuStorage, Storage};
 use crate::{AttentionSpec, Element, Error, KvGroups, Result, Tensor, with_dtype, with_storable};
 
 /// Scores (query rows times keys) from which a prefill chunk attends through score tiles on the
 /// host, where the machine runs prefill attention as GEMMs (on AVX-512 only past 4096 keys: see
-/// `attention::prefill_as_gemms`). Measured on Zen 4 with the per-row loop of one head at a
+/// [`crate::cpu::prefill_attention_as_gemms`]). Measured on Zen 4 with the per-row loop of one head at a
 /// time: a 512-token prompt alone took 352 ms of attention in tiles against 458 row by row,
 /// while 16 prompts of 128 tokens in one step took 828 ms in tiles (one sequence's small
 /// products after another) against 715-736.
@@ -409,7 +409,7 @@ fn host_attention<S: KvRows>(
             !invariant
                 && s.q_len >= GEMM_MIN_TOKENS
                 && s.q_len * s.kv_len >= TILED_MIN_SCORES
-                && prefill_as_gemms(s.kv_len)
+                && crate::cpu::prefill_attention_as_gemms(s.kv_len)
         })
         .collect();
     let rows = row_seq.len() * geo.hq;
@@ -512,20 +512,14 @@ fn paged_rows_avx512<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f3
     let (mut kptr, mut vptr): (Vec<*const f32>, Vec<*const f32>) = (Vec::new(), Vec::new());
     // (sequence, KV head, first key, last key) of what `kptr`/`vptr` point at.
     let mut held: Option<(usize, usize, usize, usize)> = None;
-    let kv_head = |r: usize| ((r % hq) + groups.offset) / groups.size;
     let mut i = 0;
     while i < rows {
         let r = first + i;
-        let tok = r / hq;
+        let (tok, kvh, g) = gqa_run(r, rows - i, hq, groups);
         let si = ctx.row_seq[tok];
         if ctx.skip[si] {
-            i += 1;
+            i += g;
             continue;
-        }
-        let kvh = kv_head(r);
-        let mut g = 1;
-        while i + g < rows && (r + g) / hq == tok && kv_head(r + g) == kvh {
-            g += 1;
         }
         let s = &ctx.seqs[si];
         let p = s.kv_len - s.q_len + (tok - s.q_start);

@@ -26,6 +26,18 @@ const HEADS: usize = 4;
 /// Value elements per pass of the weighted sum, in 16-lane pieces.
 const PIECES: usize = 4;
 
+/// The run of rows from row `r` (token `r / hq`, query head `r % hq`; at most `left` rows) whose
+/// query heads belong to one token and share a KV head: `(token, KV head, rows in the run)`.
+pub(super) fn gqa_run(r: usize, left: usize, hq: usize, groups: crate::KvGroups) -> (usize, usize, usize) {
+    let kv_head = |r: usize| ((r % hq) + groups.offset) / groups.size;
+    let (tok, kvh) = (r / hq, kv_head(r));
+    let mut g = 1;
+    while g < left && (r + g) / hq == tok && kv_head(r + g) == kvh {
+        g += 1;
+    }
+    (tok, kvh, g)
+}
+
 /// Attention of the query heads `q: [g, d]` (one token's heads that share one KV head) over the
 /// key rows `keys[j]` and value rows `vals[j]` (`d` floats each, position order), written to
 /// `y: [g, d]`; `scores` is scratch.

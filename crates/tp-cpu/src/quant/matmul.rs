@@ -147,18 +147,15 @@ pub fn quant_matmul_parts(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usize
         return Ok(());
     }
     let kernel = CpuKernel::current();
-    let isa = kernel.int8_isa();
-    let gemm = |p: &QuantPart<'_>| m >= gemm_min_m(p, isa) || batch_invariant();
     #[cfg(target_arch = "x86_64")]
-    if takes_igemm(parts, m, isa) {
+    if takes_igemm(parts, m, kernel.int8_isa()) {
         // SAFETY: `takes_igemm` holds only where the CPU has AVX-512 F, BW, VL and VNNI (and
         // AVX2 and FMA, which AVX-512 detection requires); the shapes were checked above, `k`
         // and `m` are positive.
         unsafe { super::igemm::igemm(parts, k, x, m, y) };
         return Ok(());
     }
-    let _ = isa;
-    parts_apart(parts, &shapes, n, kernel, k, x, m, y, &gemm)
+    parts_apart(parts, &shapes, n, kernel, k, x, m, y)
 }
 
 /// Whether the integer GEMM takes a product of `m` rows with `parts`: AVX512-VNNI, every part
@@ -266,9 +263,9 @@ fn parts_apart(
     x: &[f32],
     m: usize,
     y: &mut [f32],
-    gemm: &dyn Fn(&QuantPart<'_>) -> bool,
 ) -> Result<()> {
     let isa = kernel.int8_isa();
+    let gemm = |p: &QuantPart<'_>| m >= gemm_min_m(p, isa) || batch_invariant();
     if parts.len() > 1 && parts.iter().any(gemm) {
         // Compute-bound parts (and any beside them): each part's product on its own path, its
         // columns copied into place.

@@ -70,12 +70,13 @@ impl<'a> LocalRow<'a> {
     /// those `min_p` keeps under the row maximum `m` (`None` if no column qualifies).
     pub(crate) fn best_key(&self, m: Option<f64>) -> Option<(f64, Cand)> {
         let p = self.row.params;
-        let p_seed = (self.row.seed, self.row.step);
         let mut best: Option<(f64, Cand)> = None;
         let mut visit = |c: Cand| {
             let x = scaled(c.pen, p.temperature);
             // No key exceeds x + LN_EXP_BOUND, so a column that far below the best cannot win.
-            if best.is_some_and(|(bk, _)| x + LN_EXP_BOUND < bk || !may_reach(x, bk, p_seed.0, p_seed.1, c.id)) {
+            if best
+                .is_some_and(|(bk, _)| x + LN_EXP_BOUND < bk || !may_reach(x, bk, self.row.seed, self.row.step, c.id))
+            {
                 return;
             }
             if m.is_some_and(|m| !min_p_keeps(weight(x, m), p.min_p)) {

@@ -65,19 +65,8 @@ pub(crate) unsafe fn igemm(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usiz
         tasks.extend((0..p.rows).step_by(CHUNK_ROWS).map(|r0| (i, col, r0, (r0 + CHUNK_ROWS).min(p.rows))));
         col += p.rows;
     }
-    let mut x256 = X256.with(|b| std::mem::replace(&mut *b.borrow_mut(), XTiles::empty()));
-    let mut x32 = X32.with(|b| std::mem::replace(&mut *b.borrow_mut(), XTiles::empty()));
-    let has = |t: QuantType| parts.iter().any(|p| p.t == t);
     // SAFETY: the CPU is the caller's.
-    unsafe {
-        if has(QuantType::Q4K) || has(QuantType::Q6K) {
-            // Q6_K needs no pairs; Q4_K's are a superset.
-            x256.fill(x, m, k, 256, if has(QuantType::Q4K) { Q4K::EXTRA } else { Q6K::EXTRA });
-        }
-        if has(QuantType::Q4_0) {
-            x32.fill(x, m, k, 32, Q40::EXTRA);
-        }
-    }
+    let (x256, x32) = unsafe { tiles_for(parts, x, m, k) };
     let out = TaskPtr(y.as_mut_ptr());
     let task = |i: usize| {
         let (p, col, r0, r1) = tasks[i];
@@ -97,6 +86,33 @@ pub(crate) unsafe fn igemm(parts: &[QuantPart<'_>], k: usize, x: &[f32], m: usiz
         }
     };
     pool::run(tasks.len(), &task);
+    keep_tiles(x256, x32);
+}
+
+/// `x` (`[m, k]`) quantized into the tiles the parts' types need, in the calling thread's kept
+/// buffers: blocks of 256 for Q4_K and Q6_K (with Q4_K's min pairs where a part is Q4_K: Q6_K
+/// needs none, Q4_K's are a superset), of 32 for Q4_0. Hand them back with [`keep_tiles`].
+///
+/// # Safety
+/// As [`igemm`]; `k` a multiple of the parts' blocks.
+unsafe fn tiles_for(parts: &[QuantPart<'_>], x: &[f32], m: usize, k: usize) -> (XTiles, XTiles) {
+    let mut x256 = X256.with(|b| std::mem::replace(&mut *b.borrow_mut(), XTiles::empty()));
+    let mut x32 = X32.with(|b| std::mem::replace(&mut *b.borrow_mut(), XTiles::empty()));
+    let has = |t: QuantType| parts.iter().any(|p| p.t == t);
+    // SAFETY: the CPU is the caller's.
+    unsafe {
+        if has(QuantType::Q4K) || has(QuantType::Q6K) {
+            x256.fill(x, m, k, 256, if has(QuantType::Q4K) { Q4K::EXTRA } else { Q6K::EXTRA });
+        }
+        if has(QuantType::Q4_0) {
+            x32.fill(x, m, k, 32, Q40::EXTRA);
+        }
+    }
+    (x256, x32)
+}
+
+/// Gives the tiles of [`tiles_for`] back to the calling thread for its next call.
+fn keep_tiles(x256: XTiles, x32: XTiles) {
     X256.with(|b| *b.borrow_mut() = x256);
     X32.with(|b| *b.borrow_mut() = x32);
 }
@@ -123,15 +139,9 @@ pub(crate) unsafe fn igemm_paired(
         up.rows == n && up.t == gate.t && takes(gate.t) && y.len() == m * n && x.len() == m * k,
         "igemm_paired: operands"
     );
-    let block = if gate.t.is_k_quant() { 256 } else { 32 };
-    let extra = match gate.t {
-        QuantType::Q4K => Q4K::EXTRA,
-        QuantType::Q6K => Q6K::EXTRA,
-        _ => Q40::EXTRA,
-    };
-    let mut xt = X256.with(|b| std::mem::replace(&mut *b.borrow_mut(), XTiles::empty()));
     // SAFETY: the CPU is the caller's.
-    unsafe { xt.fill(x, m, k, block, extra) };
+    let (x256, x32) = unsafe { tiles_for(&[*gate, *up], x, m, k) };
+    let xt = if gate.t == QuantType::Q4_0 { &x32 } else { &x256 };
     let out = TaskPtr(y.as_mut_ptr());
     let task = |i: usize| {
         let (r0, r1) = (i * CHUNK_ROWS, ((i + 1) * CHUNK_ROWS).min(n));
@@ -142,20 +152,20 @@ pub(crate) unsafe fn igemm_paired(
         unsafe {
             match gate.t {
                 QuantType::Q4_0 => {
-                    pair::<Q40>(&xt, (wg, wu), (gate.layout, up.layout), r1 - r0, row_bytes, out.get(), (m, n, r0), f)
+                    pair::<Q40>(xt, (wg, wu), (gate.layout, up.layout), r1 - r0, row_bytes, out.get(), (m, n, r0), f)
                 }
                 QuantType::Q4K => {
-                    pair::<Q4K>(&xt, (wg, wu), (gate.layout, up.layout), r1 - r0, row_bytes, out.get(), (m, n, r0), f)
+                    pair::<Q4K>(xt, (wg, wu), (gate.layout, up.layout), r1 - r0, row_bytes, out.get(), (m, n, r0), f)
                 }
                 QuantType::Q6K => {
-                    pair::<Q6K>(&xt, (wg, wu), (gate.layout, up.layout), r1 - r0, row_bytes, out.get(), (m, n, r0), f)
+                    pair::<Q6K>(xt, (wg, wu), (gate.layout, up.layout), r1 - r0, row_bytes, out.get(), (m, n, r0), f)
                 }
                 t => unreachable!("igemm_paired: {t} is not taken"),
             }
         }
     };
     pool::run(n.div_ceil(CHUNK_ROWS), &task);
-    X256.with(|b| *b.borrow_mut() = xt);
+    keep_tiles(x256, x32);
 }
 
 thread_local! {
