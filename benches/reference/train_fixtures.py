@@ -15,9 +15,13 @@ crates/tp-train/tests/fixtures/<case>/:
 Cases: llama (GQA), llama_tied_biases (tied embeddings, attention and MLP biases), qwen2 (q/k/v
 biases), qwen3 (per-head q/k norm), mistral (sliding window 4), gemma3 (sliding + full layer,
 window 4, tied, final-logit soft-capping 5, query_pre_attn_scalar 10), phi3 (fused qkv_proj and
-gate_up_proj, default RoPE), olmo2 (full-width q/k norm). All: vocab 97, hidden 24, head_dim 6,
-2 KV heads, intermediate 40, 2 layers, max positions 64, rms_norm_eps 1e-5, no bos/eos/pad ids,
-eager attention. Qwen2, Phi-3 and OLMo 2 have no head_dim setting (head_dim = hidden / heads):
+gate_up_proj, default RoPE), olmo2 (full-width q/k norm), llama_tied_pad (tied embeddings with
+pad_token_id 76, a token the first step's rows hold, as SmolLM2 pads with a real token: the
+embedding's padding_idx row gets the LM head's gradient only), phi3_longrope (LongRoPE with
+original_max_position_embeddings 8: rows on both sides of it share micro-batches, and each must
+take the factors of its own length). All: vocab 97, hidden 24, head_dim 6, 2 KV heads,
+intermediate 40, 2 layers, max positions 64, rms_norm_eps 1e-5, no bos/eos ids and no pad id
+(but in llama_tied_pad), eager attention. Qwen2, Phi-3 and OLMo 2 have no head_dim setting (head_dim = hidden / heads):
 they use 4 query heads (head_dim 6), the others 8 query heads of 6 (q width 48 != hidden 24).
 Weights are drawn with a fixed seed per case: matrices and biases N(0, 0.2^2), norm weights their
 init (1, or 0 for Gemma's 1 + w) plus N(0, 0.1^2).
@@ -103,6 +107,10 @@ def no_head_dim(**kw):
     return d
 
 
+# The padding token of llama_tied_pad: an id the first step's rows hold (rows 1 and 3), in the
+# middle of the vocabulary so that uneven vocabulary splits put it on a rank other than the first.
+PAD = 76
+
 LLAMA, QWEN2, MISTRAL = (LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForCausalLM), (MistralConfig,
                                                                                           MistralForCausalLM)
 QWEN3, GEMMA3 = (Qwen3Config, Qwen3ForCausalLM), (Gemma3TextConfig, Gemma3ForCausalLM)
@@ -119,6 +127,10 @@ CASES = {
                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     "phi3": (PHI3, no_head_dim(original_max_position_embeddings=64)),
     "olmo2": (OLMO2, no_head_dim()),
+    # Appended after the others so that their seeds (1000 + index) stay as they were.
+    "llama_tied_pad": (LLAMA, base(tie_word_embeddings=True, pad_token_id=PAD)),
+    "phi3_longrope": (PHI3, no_head_dim(original_max_position_embeddings=8, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.25, 1.5], "long_factor": [1.0, 2.0, 4.0]})),
 }
 
 # (length, masked prompt length); row 1 is longer than seq_len, row 4 exactly seq_len.
@@ -161,19 +173,25 @@ def load(d, dtype):
 
 
 def exact_f64_buffers(m):
-    """RoPE inverse frequencies and Gemma's embedding scale, recomputed in float64 (default RoPE)."""
+    """RoPE inverse frequencies and Gemma's embedding scale, recomputed in float64 (default RoPE,
+    and LongRoPE: the short factors' frequencies in the buffers, the long ones set in advance as
+    the attribute transformers would otherwise compute in float32 on the first long row)."""
     cfg = m.config
     for mod in m.modules():
         for name, buf in list(mod.named_buffers(recurse=False)):
             if name.endswith("inv_freq"):
                 lt = name[:-len("inv_freq")].replace("original_", "").rstrip("_")
                 rp = cfg.rope_parameters[lt] if lt else cfg.rope_parameters
-                assert rp["rope_type"] == "default", rp
+                assert rp["rope_type"] in ("default", "longrope"), rp
                 dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
                 assert buf.shape[0] == dim // 2
-                inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-                assert torch.allclose(inv, buf, rtol=1e-6)
-                buf.copy_(inv)
+                base_inv = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+                short = torch.tensor(rp.get("short_factor", [1.0] * (dim // 2)), dtype=torch.float64)
+                assert torch.allclose(base_inv / short, buf, rtol=1e-6)
+                buf.copy_(base_inv / short)
+                if rp["rope_type"] == "longrope":
+                    assert not lt, "per-layer LongRoPE"
+                    mod.long_inv_freq = base_inv / torch.tensor(rp["long_factor"], dtype=torch.float64)
             elif name == "embed_scale":
                 buf.copy_(torch.tensor(mod.scalar_embed_scale, dtype=torch.float64))
 

@@ -128,6 +128,51 @@ fn forced_calls_parse_validate_and_stream_alike() {
     }
 }
 
+/// `--tool-call-parser hermes` on a model whose template names no format (SmolLM2's case): a
+/// forced call is written as Hermes writes it, `<tool_call>\n{"name": .., "arguments": ..}\n
+/// </tool_call>`, with `json.dumps`'s spacing and nothing else, so every answer closes with
+/// `tool_calls` well inside 200 tokens, at temperature 0 and 0.7, whole and streamed alike
+/// (free whitespace let them run to the limit inside the call).
+#[test]
+fn forced_calls_in_the_parsers_format_close_well_inside_the_limit() {
+    let s = Server::start(&["--tool-call-parser", "hermes", "-tp", "2"]);
+    let user = json!([{"role": "user", "content": "Weather in Oslo?"}]);
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for (choice, parallel) in [(json!("required"), true), (json!("required"), false), (named, true)] {
+        for temperature in [0.0, 0.7] {
+            let body = json!({"messages": user, "tools": tools(), "tool_choice": choice, "n": 3, "seed": 7,
+                "temperature": temperature, "max_tokens": 200, "parallel_tool_calls": parallel});
+            let at = format!("{choice} parallel {parallel} temperature {temperature}");
+            let (st, v) = s.post("/v1/chat/completions", &body);
+            assert_eq!(st, 200, "{v}");
+            let mut whole = Vec::new();
+            for i in 0..3 {
+                let c = &v["choices"][i];
+                assert_eq!(c["finish_reason"], "tool_calls", "{at}: {v}");
+                assert!(c["message"]["content"].is_null(), "{at}: {c}");
+                let calls = message_calls(&v, i);
+                assert!(!calls.is_empty() && (parallel || calls.len() == 1), "{at}: {c}");
+                for (name, args) in &calls {
+                    let args: Value = serde_json::from_str(args).unwrap_or_else(|e| panic!("{at}: {args}: {e}"));
+                    match name.as_str() {
+                        "get_weather" => assert!(valid_weather(&args), "{at}: {args}"),
+                        "ping" if !choice.is_object() => assert_eq!(args, json!({})),
+                        other => panic!("{at}: unexpected function {other}"),
+                    }
+                }
+                whole.push(calls);
+            }
+            let used = v["usage"]["completion_tokens"].as_u64().unwrap();
+            assert!(used <= 3 * 150, "{at}: {used} tokens for 3 answers: {v}");
+            let mut stream = body.clone();
+            stream["stream"] = json!(true);
+            let (calls, reasons) = streamed_calls(&s.post_stream("/v1/chat/completions", &stream), 3);
+            assert_eq!(calls, whole, "{at}");
+            assert!(reasons.iter().all(|r| r == "tool_calls"), "{at}: {reasons:?}");
+        }
+    }
+}
+
 #[test]
 fn tool_round_trips_and_template_options_reach_the_prompt() {
     let s = server_with_template(&[]);
@@ -185,6 +230,10 @@ fn tool_round_trips_and_template_options_reach_the_prompt() {
             "tool_choice",
         ),
         (json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 3}), "chat_template_kwargs"),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": tools(), "parallel_tool_calls": 1}),
+            "parallel_tool_calls",
+        ),
     ] {
         let (st, v) = s.post("/v1/chat/completions", &body);
         assert_eq!((st, v["error"]["param"].as_str()), (400, Some(param)), "{body} -> {v}");

@@ -226,6 +226,58 @@ fn how_a_step_is_split_into_micro_batches_changes_nothing() {
     assert_ne!(logs[0][1]["tokens"], logs[3][1]["tokens"], "3x2 takes six rows a step");
 }
 
+/// LongRoPE (original length 8) with rows of 3 to 16 tokens: 8x1, 1x8 and 2x4 put rows on both
+/// sides of the original length in one micro-batch or in separate ones, and each row must take
+/// its own length's factors either way: the same loss, norm and step-1 gradients.
+#[test]
+fn longrope_rows_give_the_same_step_in_any_micro_batch_split() {
+    let case = fixture("phi3_longrope");
+    let dir = scratch("split-longrope");
+    let data = case.join("data.jsonl").display().to_string();
+    let mut runs = Vec::new();
+    for (b, k) in [("8", "1"), ("1", "8"), ("2", "4")] {
+        let (log, grads) = (dir.join(format!("{b}x{k}.jsonl")), dir.join(format!("{b}x{k}.safetensors")));
+        let (log_s, grads_s) = (log.display().to_string(), grads.display().to_string());
+        let args = [
+            "--data",
+            &data,
+            "--steps",
+            "2",
+            "--micro-batch-size",
+            b,
+            "--grad-accum",
+            k,
+            "--lr",
+            "1e-3",
+            "--seq-len",
+            "16",
+            "--log-json",
+            &log_s,
+            "--dump-grads",
+            &grads_s,
+            "--tensor-parallel-size",
+            "2",
+        ];
+        ok(&tp_train(&case, &args));
+        runs.push((log_lines(&log), tensors(&grads)));
+    }
+    let (first_log, first_grads) = &runs[0];
+    for (log, grads) in &runs[1..] {
+        for (a, b) in first_log.iter().zip(log) {
+            assert_eq!(a["tokens"], b["tokens"]);
+            for k in ["loss", "grad_norm"] {
+                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+                assert!((x - y).abs() <= 1e-5 * y.abs(), "{k}: {x} vs {y}");
+            }
+        }
+        for (name, want) in first_grads {
+            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+            let err = grads[name].iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+            assert!(err <= 1e-5 * scale + 1e-9, "{name}: {err:e} of {scale:e}");
+        }
+    }
+}
+
 #[test]
 fn text_and_chat_rows_train_through_the_tokenizer_and_template() {
     let model = common::model_dir();

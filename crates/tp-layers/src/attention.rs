@@ -432,15 +432,15 @@ pub struct AttentionSaved {
     v: Tensor,
     /// Attention's output `[T, q_len·D]`, the input of `o_proj`.
     o: Tensor,
-    positions: Vec<usize>,
     batch: crate::SeqBatch,
 }
 
 /// Training: a forward over a batch of whole sequences, and its backward.
 ///
 /// The input `x: [T, H]` holds the sequences' tokens one after the other (`lens` of them each,
-/// each sequence from position 0, attending only within itself: no padding is ever computed).
-/// The backward runs the forward's steps in reverse: the output projection's (row-parallel,
+/// each sequence from position 0, attending only within itself: no padding is ever computed;
+/// RoPE turns each sequence with the frequencies of its own length, [`crate::SeqBatch`]'s rule, so a
+/// LongRoPE row gets the factors it would get alone). The backward runs the forward's steps in reverse: the output projection's (row-parallel,
 /// local), attention's per sequence ([`Tensor::attention_backward`], scores recomputed, never
 /// stored), RoPE's (the transposed rotation), the q/k norm's (for a full-width norm the ranks
 /// all-reduce each token's `Σ g·x` over q and over k, `2T` floats, as the forward did its sums
@@ -464,11 +464,11 @@ impl ParallelAttention {
             )));
         }
         let x_full = batch.gather(x, group)?;
-        let positions: Vec<usize> = batch.lens().iter().flat_map(|&n| 0..n).collect();
         let (q, k, v) = self.qkv.forward(&x_full)?;
         let (qn, kn, stats) = self.qk_normed_stats(q.clone(), k.clone(), t)?;
-        let q_rot = qn.reshape(&[t, l.q_len, d])?.rope(&positions, &self.config.rope)?;
-        let k_rot = kn.reshape(&[t, l.kv_len, d])?.rope(&positions, &self.config.rope)?;
+        // Each sequence with its own length's frequencies (LongRoPE, dynamic NTK).
+        let q_rot = batch.rope(&qn.reshape(&[t, l.q_len, d])?, &self.config.rope)?;
+        let k_rot = batch.rope(&kn.reshape(&[t, l.kv_len, d])?, &self.config.rope)?;
         let v = v.reshape(&[t, l.kv_len, d])?;
         let mut outs = Vec::with_capacity(batch.lens().len());
         let mut start = 0;
@@ -480,7 +480,7 @@ impl ParallelAttention {
         }
         let o = Tensor::cat(&outs, 0)?.reshape(&[t, l.q_len * d])?;
         let y = self.o_proj.add_bias(batch.reduce(&self.o_proj.forward_partial(&o)?, group)?)?;
-        let saved = AttentionSaved { x: x.clone(), q, k, stats, q_rot, k_rot, v, o, positions, batch: batch.clone() };
+        let saved = AttentionSaved { x: x.clone(), q, k, stats, q_rot, k_rot, v, o, batch: batch.clone() };
         Ok((y, saved))
     }
 
@@ -489,7 +489,7 @@ impl ParallelAttention {
     pub fn backward(&mut self, saved: AttentionSaved, dy: &Tensor) -> Result<Tensor> {
         let l = *self.layout();
         let d = l.head_dim;
-        let t = saved.positions.len();
+        let t = saved.batch.tokens();
         let group = self.o_proj.group().clone();
         let dy = saved.batch.gather(dy, &group)?;
         let d_o = self.o_proj.backward(&saved.o, &dy)?.reshape(&[t, l.q_len, d])?;
@@ -508,9 +508,9 @@ impl ParallelAttention {
             dv.push(c);
             start += n;
         }
-        let rope = &self.config.rope;
-        let dq = Tensor::cat(&dq, 0)?.rope_backward(&saved.positions, rope)?.reshape(&[t, l.q_len * d])?;
-        let dk = Tensor::cat(&dk, 0)?.rope_backward(&saved.positions, rope)?.reshape(&[t, l.kv_len * d])?;
+        let (rope, batch) = (&self.config.rope, &saved.batch);
+        let dq = batch.rope_backward(&Tensor::cat(&dq, 0)?, rope)?.reshape(&[t, l.q_len * d])?;
+        let dk = batch.rope_backward(&Tensor::cat(&dk, 0)?, rope)?.reshape(&[t, l.kv_len * d])?;
         let dv = Tensor::cat(&dv, 0)?.reshape(&[t, l.kv_len * d])?;
         let (dq, dk) = self.qk_norm_backward(&saved, dq, dk, t)?;
         let dqkv = Tensor::cat(&[dq, dk, dv], 1)?;

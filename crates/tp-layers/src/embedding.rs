@@ -22,6 +22,8 @@ pub struct VocabParallelEmbedding {
     shard: TensorShard,
     /// A factor on every looked-up row (Gemma's `sqrt(H)`), if any.
     scale: Option<f32>,
+    /// The full table's row that lookups never train (torch's `padding_idx`), if any.
+    padding_idx: Option<usize>,
     group: DeviceGroup,
     /// fp32 gradient of `E_r` (training).
     grad: crate::Grad,
@@ -39,7 +41,14 @@ impl VocabParallelEmbedding {
             )));
         }
         check_placement(&shard, table.device(), group)?;
-        Ok(VocabParallelEmbedding { table, shard, scale: None, group: group.clone(), grad: crate::Grad::default() })
+        Ok(VocabParallelEmbedding {
+            table,
+            shard,
+            scale: None,
+            padding_idx: None,
+            group: group.clone(),
+            grad: crate::Grad::default(),
+        })
     }
 
     /// `group`'s rank's rows of a full `[V, H]` table (moved to the group's device).
@@ -62,6 +71,20 @@ impl VocabParallelEmbedding {
     pub fn with_scale(mut self, scale: f32) -> VocabParallelEmbedding {
         self.scale = Some(scale);
         self
+    }
+
+    /// The same table with row `id` of the full table as torch's `padding_idx`: the lookup
+    /// still reads it, but its backward adds nothing to that row (transformers builds every
+    /// model's table as `nn.Embedding(V, H, padding_idx=config.pad_token_id)`). `None`, or a row
+    /// past the vocabulary, trains every row.
+    pub fn with_padding_idx(mut self, id: Option<usize>) -> VocabParallelEmbedding {
+        self.padding_idx = id.filter(|&i| i < self.vocab_size());
+        self
+    }
+
+    /// The row lookups never train, if any.
+    pub fn padding_idx(&self) -> Option<usize> {
+        self.padding_idx
     }
 
     /// The full vocabulary size `V`.
@@ -104,8 +127,12 @@ impl VocabParallelEmbedding {
 }
 
 /// Training: the lookup's gradient is a scatter-add into the rows this rank holds,
-/// `dE_r[t - v_r] += s · dy[t]` for every id `t` in `[v_r, v_{r+1})` (`s` the scale rounded to
-/// the table's dtype, or 1); no communication (every rank has the whole `dy`).
+/// `dE_r[t - v_r] += s · dy[t]` for every id `t` in `[v_r, v_{r+1})` other than the padding
+/// row (`s` the scale rounded to the table's dtype, or 1); no communication (every rank has the
+/// whole `dy`). The padding row's gradient is what other uses add ([`add_grad`]: a tied LM
+/// head's share), as torch's `padding_idx` leaves it.
+///
+/// [`add_grad`]: VocabParallelEmbedding::add_grad
 impl VocabParallelEmbedding {
     /// Training: the lookup of `batch`'s `ids: [T]` into this rank's rows of the output (all
     /// `T`, all-reduced; or its sequence shard, reduce-scattered).
@@ -127,7 +154,7 @@ impl VocabParallelEmbedding {
     pub fn backward(&mut self, ids: &Tensor, dy: &Tensor, batch: &crate::SeqBatch) -> Result<()> {
         let dy = batch.gather(dy, &self.group)?;
         let dy = &dy;
-        let ids = ids.to_device(&tp_core::Device::Cpu)?;
+        let ids = self.trained_ids(&ids.to_device(&tp_core::Device::Cpu)?)?;
         let mut g = dy.embedding_backward(&ids, self.shard.len(), self.shard.start())?;
         if let Some(s) = self.scale {
             let rounded =
@@ -135,6 +162,18 @@ impl VocabParallelEmbedding {
             g = g.scale(rounded as f32)?;
         }
         self.grad.add(&g)
+    }
+
+    /// `ids` (on the host) with the padding row's id replaced by `-1`, which no rank holds:
+    /// the scatter-add then skips it. The same tensor when no id is the padding row.
+    fn trained_ids(&self, ids: &Tensor) -> Result<Tensor> {
+        let Some(pad) = self.padding_idx.and_then(|p| i64::try_from(p).ok()) else { return Ok(ids.clone()) };
+        let mut values = ids.to_i64_vec()?;
+        if !values.contains(&pad) {
+            return Ok(ids.clone());
+        }
+        values.iter_mut().filter(|v| **v == pad).for_each(|v| *v = -1);
+        Ok(Tensor::from_vec(values, ids.dims(), &tp_core::Device::Cpu)?)
     }
 
     /// Adds `g: [V_r, H]` to the table's gradient: the LM head's share when it is tied to

@@ -19,7 +19,7 @@
 
 use crate::error::Result;
 use tp_comm::{DeviceGroup, ReduceOp};
-use tp_core::{Tensor, TensorShard};
+use tp_core::{RotaryEmbedding, Tensor, TensorShard};
 
 /// The token layout of a training micro-batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,5 +84,48 @@ impl SeqBatch {
         }
         let s = self.shard(group)?;
         Ok(full.narrow(0, s.start(), s.len())?)
+    }
+}
+
+/// Rotary embeddings over a batch's sequences. Each sequence turns from position 0 with the
+/// frequencies of its own length where they depend on it (LongRoPE's short or long factors,
+/// dynamic NTK scaling), as it would alone in transformers, so a row's result never depends on
+/// the rows beside it in the micro-batch; one call covers the batch when every sequence has the
+/// same frequencies.
+impl SeqBatch {
+    /// Each token's position in its sequence (`0..n` per sequence, one after the other).
+    pub fn positions(&self) -> Vec<usize> {
+        self.lens.iter().flat_map(|&n| 0..n).collect()
+    }
+
+    /// RoPE on `x: [T, heads, D]` (every token of the batch).
+    pub(crate) fn rope(&self, x: &Tensor, rope: &RotaryEmbedding) -> Result<Tensor> {
+        self.per_frequencies(x, rope, |part, positions| part.rope(positions, rope))
+    }
+
+    /// The transposed rotation of [`rope`](Self::rope) on `dy: [T, heads, D]` (f32 out).
+    pub(crate) fn rope_backward(&self, dy: &Tensor, rope: &RotaryEmbedding) -> Result<Tensor> {
+        self.per_frequencies(dy, rope, |part, positions| part.rope_backward(positions, rope))
+    }
+
+    /// `f(x, positions)` over the whole batch when every sequence's frequencies are those of
+    /// the longest, else per sequence (each with its positions `0..n`), joined in row order.
+    fn per_frequencies(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        f: impl Fn(&Tensor, &[usize]) -> tp_core::Result<Tensor>,
+    ) -> Result<Tensor> {
+        let longest = rope.inv_freq_for(self.lens.iter().copied().max().unwrap_or(0));
+        if self.lens.iter().all(|&n| n == 0 || *rope.inv_freq_for(n) == *longest) {
+            return Ok(f(x, &self.positions())?);
+        }
+        let (mut parts, mut start) = (Vec::with_capacity(self.lens.len()), 0);
+        for &n in self.lens.iter().filter(|&&n| n > 0) {
+            let positions: Vec<usize> = (0..n).collect();
+            parts.push(f(&x.narrow(0, start, n)?, &positions)?);
+            start += n;
+        }
+        Ok(Tensor::cat(&parts, 0)?)
     }
 }

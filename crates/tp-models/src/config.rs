@@ -96,6 +96,10 @@ pub struct ModelConfig {
     pub final_logit_softcapping: Option<f64>,
     /// End-of-sequence ids (`eos_token_id`, one or several; `generation_config.json` wins).
     pub eos_token_ids: Vec<i64>,
+    /// The embedding row of `pad_token_id` (a negative id counts from the end, as torch's
+    /// `padding_idx`): transformers builds the table as `nn.Embedding(V, H, padding_idx)`, so
+    /// training never writes a lookup gradient into that row.
+    pub pad_token_id: Option<usize>,
 }
 
 /// `s` with its control characters escaped (`\u{1b}`, `\n`, ...) and cut to [`SHOWN_CHARS`]
@@ -214,6 +218,20 @@ fn eos_ids(f: &Fields<'_>) -> Result<Vec<i64>> {
         Some(Value::Array(items)) => items.iter().map(|v| v.as_i64().ok_or_else(|| bad(v))).collect(),
         Some(v) => Ok(vec![v.as_i64().ok_or_else(|| bad(v))?]),
     }
+}
+
+/// `pad_token_id` as the embedding row it names: null/absent is none, a negative id counts from
+/// the end (torch's `padding_idx`), and an id outside `-V..V` is refused, as `nn.Embedding`
+/// refuses it when transformers builds the model.
+fn pad_row(f: &Fields<'_>, vocab: usize) -> Result<Option<usize>> {
+    let Some(v) = f.get("pad_token_id") else { return Ok(None) };
+    let bad = |why: String| f.bad("pad_token_id", why);
+    let id = v.as_i64().ok_or_else(|| bad(format!("must be an integer or null, got {}", shown_value(v))))?;
+    let row = if id < 0 { i64::try_from(vocab).ok().and_then(|v| v.checked_add(id)) } else { Some(id) };
+    row.and_then(|r| usize::try_from(r).ok())
+        .filter(|&r| r < vocab)
+        .map(Some)
+        .ok_or_else(|| bad(format!("({id}) must lie within the vocabulary of {vocab} ids")))
 }
 
 /// The family named by `architectures[0]`, else by `model_type`.
@@ -404,6 +422,7 @@ impl ModelConfig {
             embedding_scale,
             final_logit_softcapping,
             eos_token_ids: eos_ids(&f)?,
+            pad_token_id: pad_row(&f, vocab_size)?,
         })
     }
 

@@ -230,7 +230,7 @@ impl ParallelCausalLm {
         let root = Loader::new(&ckpt, group, LoadOptions::new().with_dtype(dtype).with_quantized(quantized));
         let model = root.pp("model");
         let embed = if part.embedding {
-            let mut embed = VocabParallelEmbedding::load(&model.pp("embed_tokens"))?;
+            let mut embed = VocabParallelEmbedding::load(&model.pp("embed_tokens"))?.with_padding_idx(c.pad_token_id);
             if let Some(s) = c.embedding_scale {
                 embed = embed.with_scale(s as f32);
             }

@@ -190,6 +190,23 @@ fn olmo2_matches_torch() {
     check_case("olmo2", &[1, 3, 4]);
 }
 
+/// transformers' tables are `nn.Embedding(V, H, padding_idx=pad_token_id)`: the pad token's
+/// row (76, held by the first step's rows; on a rank past the first at TP 2, 3 and 8) gets no
+/// lookup gradient, only the tied LM head's.
+#[test]
+fn the_pad_tokens_row_trains_as_transformers_trains_it() {
+    check_case("llama_tied_pad", &[1, 2, 3, 8]);
+    check_case_with("llama_tied_pad", &[3], true);
+}
+
+/// LongRoPE with an original length of 8: micro-batches hold rows on both sides of it, and
+/// each row takes the factors of its own length, as it does alone in transformers.
+#[test]
+fn longrope_rows_take_their_own_factors() {
+    check_case("phi3_longrope", &[1, 2, 3]);
+    check_case_with("phi3_longrope", &[4], true);
+}
+
 #[test]
 fn full_recompute_gives_the_same_bits() {
     for case in ["gemma3", "olmo2"] {

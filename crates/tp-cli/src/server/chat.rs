@@ -10,7 +10,8 @@ use super::{AppState, usage};
 use crate::error::{ApiError, json_response};
 use crate::request::{parse_chat, template_kwargs};
 use crate::run::{Finish, TokenOut};
-use crate::structured::{Constraint, Spec};
+use crate::structured::Constraint;
+use crate::tools::forced::{self, CallSyntax};
 use crate::tools::stream::{ChoiceOutput, Delta, OutputRules, ToolMode};
 use crate::tools::{self, ToolChoice, tool_calls_json};
 use axum::body::Body;
@@ -62,21 +63,23 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
                     ));
                 }
             },
-            forced => ToolMode::Forced(forced.clone()),
+            // In the model's own format where it is known, else vLLM's JSON form.
+            forced => ToolMode::Forced(forced.clone(), st.tool_parser.map_or(CallSyntax::Vllm, CallSyntax::Parser)),
         },
     };
-    if let (ToolMode::Forced(_), Some(t)) = (&mode, &tools) {
+    if let (ToolMode::Forced(_, syntax), Some(t)) = (&mode, &tools) {
         if g.constraint.is_some() {
             return Err(ApiError::invalid(
                 "tool_choice",
                 "a `tool_choice` that forces a call cannot be combined with `response_format` or `structured_outputs`",
             ));
         }
-        let schema =
-            tools::choice_schema(t).ok_or_else(|| ApiError::invalid("tool_choice", "no schema for the choice"))?;
-        g.constraint = Some(Constraint { spec: Spec::Json(schema), field: "tool_choice" });
+        let spec = forced::grammar(t, *syntax, st.tool_marker)
+            .ok_or_else(|| ApiError::invalid("tool_choice", "no grammar for the choice"))?;
+        g.constraint = Some(Constraint { spec, field: "tool_choice" });
     }
-    let rules = OutputRules { reasoning: st.reasoning, tools: mode };
+    let parallel_calls = tools.as_ref().is_none_or(|t| t.parallel);
+    let rules = OutputRules { reasoning: st.reasoning, tools: mode, parallel_calls };
     let prompt_tokens = prompt.len();
     let choices = start_choices(&st, &g, std::slice::from_ref(&prompt), arrived, Some(&rules))?;
     let count = choices.len();

@@ -40,6 +40,9 @@ pub struct AppState {
     pub grammars: Grammars,
     /// How the model writes tool calls (`--tool-call-parser`, else read from the template).
     pub tool_parser: Option<ToolParser>,
+    /// The id of the parser's opening marker where it is one special token of the tokenizer
+    /// (Mistral's `[TOOL_CALLS]`): forced calls write that token, as the model does.
+    pub tool_marker: Option<u32>,
     /// `--reasoning-parser`.
     pub reasoning: Option<ReasoningParser>,
     /// The model's name in the API.
@@ -60,12 +63,20 @@ impl AppState {
         let grammars = Grammars::new(&text.tokenizer_json(), limits.vocab_size, &limits.eos_token_ids);
         let tool_parser =
             args.tool_call_parser.or_else(|| text.template().and_then(|t| ToolParser::from_template(t.source())));
+        let tool_marker = match tool_parser {
+            Some(p @ ToolParser::Mistral) => match text.encode(p.marker(), false).as_deref() {
+                Ok(&[id]) => u32::try_from(id).ok(),
+                _ => None,
+            },
+            _ => None,
+        };
         AppState {
             engine,
             text: Arc::new(text),
             metrics: Arc::new(Metrics::default()),
             grammars,
             tool_parser,
+            tool_marker,
             reasoning: args.reasoning_parser,
             model_name: args.served_model_name.clone(),
             api_key: args.api_key.clone(),

@@ -1,9 +1,10 @@
-//! Tool calling: the request's `tools` and `tool_choice`, the grammars that enforce
-//! `"required"` and a named function (vLLM's: a JSON list of `{name, parameters}` calls, or the
-//! named function's arguments alone), and the parsers that find calls in free output
+//! Tool calling: the request's `tools`, `tool_choice` and `parallel_tool_calls`, the grammars
+//! that enforce `"required"` and a named function ([`forced`]: in the model's own call format
+//! where it is known, else vLLM's JSON form), and the parsers that find calls in free output
 //! ([`parse`]: Hermes/Qwen `<tool_call>{...}</tool_call>`, Llama 3 JSON, Mistral
 //! `[TOOL_CALLS]`), chosen from the chat template or `--tool-call-parser`.
 
+pub mod forced;
 pub mod stream;
 
 use crate::error::ApiError;
@@ -41,6 +42,9 @@ pub struct Tools {
     pub list: Vec<Tool>,
     /// What the model must do with them.
     pub choice: ToolChoice,
+    /// `parallel_tool_calls` (default true): false allows one call at most (a forced choice
+    /// writes exactly one; free output keeps its first, as vLLM does).
+    pub parallel: bool,
 }
 
 /// How the model writes tool calls.
@@ -167,10 +171,17 @@ pub fn parse_request(body: &Map<String, Value>) -> Result<Option<Tools>, ApiErro
         }
         _ => {}
     }
+    let parallel = match body.get("parallel_tool_calls") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::invalid("parallel_tool_calls", "`parallel_tool_calls` must be true or false"));
+        }
+    };
     if raw.is_none() && choice == ToolChoice::None {
         return Ok(None);
     }
-    Ok(Some(Tools { raw: raw.cloned().unwrap_or(Value::Array(Vec::new())), list, choice }))
+    Ok(Some(Tools { raw: raw.cloned().unwrap_or(Value::Array(Vec::new())), list, choice, parallel }))
 }
 
 /// One entry of `tools`.
@@ -194,45 +205,6 @@ fn tool(i: usize, t: &Value) -> Result<Tool, ApiError> {
         Some(_) => return Err(at("`function.parameters` must be a JSON schema object")),
     };
     Ok(Tool { name: name.to_string(), parameters })
-}
-
-/// The JSON schema that enforces `choice` (`None` for `none` and `auto`): a named function's
-/// arguments alone, or for `required` a list of one or more `{"name", "parameters"}` calls of
-/// the tools, as vLLM enforces them.
-pub fn choice_schema(tools: &Tools) -> Option<Value> {
-    match &tools.choice {
-        ToolChoice::None | ToolChoice::Auto => None,
-        ToolChoice::Named(n) => tools.list.iter().find(|t| &t.name == n).map(|t| t.parameters.clone()),
-        ToolChoice::Required => {
-            let each: Vec<Value> = tools
-                .list
-                .iter()
-                .map(|t| {
-                    json!({"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
-                        "parameters": t.parameters}, "required": ["name", "parameters"]})
-                })
-                .collect();
-            Some(json!({"type": "array", "minItems": 1, "items": {"anyOf": each}}))
-        }
-    }
-}
-
-/// The calls of an output written under an enforced `choice`: for a named function the whole
-/// output is its arguments, as written (vLLM's); for `required` a JSON list of calls, each
-/// call's arguments as Python's `json.dumps` writes them. `None` if the output does not parse
-/// (a `length` cut).
-pub fn parse_forced(choice: &ToolChoice, text: &str) -> Option<Vec<Call>> {
-    match choice {
-        ToolChoice::Named(name) => {
-            serde_json::from_str::<Value>(text).ok()?;
-            Some(vec![Call { name: name.clone(), arguments: text.to_string() }])
-        }
-        ToolChoice::Required => {
-            let list: Vec<Value> = serde_json::from_str(text).ok()?;
-            list.iter().map(|c| call_of(c, &["parameters", "arguments"])).collect()
-        }
-        _ => None,
-    }
 }
 
 /// A `{"name", <args key>}` object as a call.
@@ -392,7 +364,8 @@ mod tests {
         assert_eq!(t(json!({})).unwrap(), None);
         let named =
             t(json!({"tools": f, "tool_choice": {"type": "function", "function": {"name": "get"}}})).unwrap().unwrap();
-        assert_eq!(named.choice, ToolChoice::Named("get".into()));
+        assert_eq!((named.choice, named.parallel), (ToolChoice::Named("get".into()), true));
+        assert!(!t(json!({"tools": f, "parallel_tool_calls": false})).unwrap().unwrap().parallel);
         for (body, param) in [
             (json!({"tools": {}}), "tools"),
             (json!({"tools": [{"type": "function"}]}), "tools"),
@@ -402,17 +375,9 @@ mod tests {
             (json!({"tools": f, "tool_choice": "maybe"}), "tool_choice"),
             (json!({"tools": f, "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice"),
             (json!({"tool_choice": "required"}), "tool_choice"),
+            (json!({"tools": f, "parallel_tool_calls": "no"}), "parallel_tool_calls"),
         ] {
             assert_eq!(t(body.clone()).unwrap_err().param.as_deref(), Some(param), "{body}");
         }
-    }
-
-    #[test]
-    fn forced_outputs_parse_into_calls() {
-        let named = parse_forced(&ToolChoice::Named("f".into()), "{\"a\":1}").unwrap();
-        assert_eq!(named, vec![Call { name: "f".into(), arguments: "{\"a\":1}".into() }]);
-        let req = parse_forced(&ToolChoice::Required, "[{\"name\": \"g\", \"parameters\": {\"b\": [true]}}]").unwrap();
-        assert_eq!(req, vec![Call { name: "g".into(), arguments: "{\"b\": [true]}".into() }]);
-        assert_eq!(parse_forced(&ToolChoice::Required, "[{\"name\": \"g\""), None);
     }
 }

@@ -3,7 +3,8 @@
 //! until it cannot; a call is sent whole (id, name and arguments in one delta) once its format
 //! closes or the choice ends, so the streamed calls equal the non-streamed ones.
 
-use super::{Call, ToolChoice, ToolParser, parse, parse_forced};
+use super::forced::{CallSyntax, parse_forced};
+use super::{Call, ToolChoice, ToolParser, parse};
 use crate::reasoning::{ReasoningParser, partial_suffix};
 
 /// What a chat's output is read for.
@@ -13,6 +14,9 @@ pub struct OutputRules {
     pub reasoning: Option<ReasoningParser>,
     /// How tool calls appear in the answer.
     pub tools: ToolMode,
+    /// Whether a choice may make several calls (`parallel_tool_calls`); without, only its first
+    /// call is kept.
+    pub parallel_calls: bool,
 }
 
 /// How tool calls appear in a choice's answer.
@@ -22,8 +26,9 @@ pub enum ToolMode {
     Off,
     /// Maybe, written in this format (`tool_choice: "auto"`).
     Auto(ToolParser),
-    /// The whole answer is the call(s) (`"required"` or a named function, enforced).
-    Forced(ToolChoice),
+    /// The whole answer is the call(s) (`"required"` or a named function), enforced in this
+    /// syntax.
+    Forced(ToolChoice, CallSyntax),
 }
 
 /// A streamed piece of a choice.
@@ -68,7 +73,10 @@ impl OutputRules {
     /// Whether the answer's text keeps special tokens: Mistral's `[TOOL_CALLS]` is one, and its
     /// parser reads the text with them kept (as vLLM keeps them).
     pub fn keeps_special(&self) -> bool {
-        matches!(self.tools, ToolMode::Auto(ToolParser::Mistral))
+        matches!(
+            self.tools,
+            ToolMode::Auto(ToolParser::Mistral) | ToolMode::Forced(_, CallSyntax::Parser(ToolParser::Mistral))
+        )
     }
 
     /// Splits a whole output.
@@ -78,17 +86,21 @@ impl OutputRules {
             None => (None, (!text.is_empty()).then(|| text.to_string())),
         };
         let answer_text = answer.clone().unwrap_or_default();
-        match &self.tools {
+        let mut out = match &self.tools {
             ToolMode::Off => Final { reasoning, content: answer, calls: Vec::new() },
             ToolMode::Auto(p) => {
                 let parsed = parse(*p, &answer_text);
                 Final { reasoning, content: parsed.content, calls: parsed.calls }
             }
-            ToolMode::Forced(choice) => match parse_forced(choice, &answer_text) {
+            ToolMode::Forced(choice, syntax) => match parse_forced(choice, *syntax, &answer_text) {
                 Some(calls) => Final { reasoning, content: None, calls },
                 None => Final { reasoning, content: answer, calls: Vec::new() },
             },
+        };
+        if !self.parallel_calls {
+            out.calls.truncate(1);
         }
+        out
     }
 }
 
@@ -143,7 +155,7 @@ impl ChoiceOutput {
                 Some(at) => at,
                 None => answer.len() - partial_suffix(answer, p.marker()),
             },
-            ToolMode::Forced(ToolChoice::Named(name)) => {
+            ToolMode::Forced(ToolChoice::Named(name), CallSyntax::Vllm) => {
                 let name = name.clone();
                 let id = self.named_id.get_or_insert_with(super::call_id).clone();
                 if self.sent_content == 0 && !answer.is_empty() {
@@ -154,7 +166,8 @@ impl ChoiceOutput {
                 self.sent_content = answer.len();
                 return out;
             }
-            ToolMode::Forced(_) => 0,
+            // The parser's format, or vLLM's list: the calls go out whole at the end.
+            ToolMode::Forced(..) => 0,
         };
         if ready > self.sent_content {
             out.push(Delta::Content(answer[self.sent_content..ready].to_string()));
@@ -196,6 +209,10 @@ impl ChoiceOutput {
 mod tests {
     use super::*;
 
+    fn rules(tools: ToolMode) -> OutputRules {
+        OutputRules { reasoning: None, tools, parallel_calls: true }
+    }
+
     fn run(rules: OutputRules, pieces: &[&str]) -> (Vec<Delta>, bool) {
         let mut o = ChoiceOutput::new(rules);
         let mut all = Vec::new();
@@ -222,7 +239,11 @@ mod tests {
 
     #[test]
     fn streamed_hermes_calls_equal_the_whole_parse() {
-        let rules = OutputRules { reasoning: Some(ReasoningParser::Qwen3), tools: ToolMode::Auto(ToolParser::Hermes) };
+        let rules = OutputRules {
+            reasoning: Some(ReasoningParser::Qwen3),
+            tools: ToolMode::Auto(ToolParser::Hermes),
+            parallel_calls: true,
+        };
         let text = "<think>plan</think>Sure.<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>";
         // Every split of the text into two pieces streams the same result.
         let whole = rules.finish(text);
@@ -240,14 +261,31 @@ mod tests {
 
     #[test]
     fn plain_text_streams_at_once_and_a_named_call_streams_its_arguments() {
-        let (d, called) =
-            run(OutputRules { reasoning: None, tools: ToolMode::Auto(ToolParser::Hermes) }, &["Hello <", "b>"]);
+        let (d, called) = run(rules(ToolMode::Auto(ToolParser::Hermes)), &["Hello <", "b>"]);
         assert_eq!(d, vec![Delta::Content("Hello ".into()), Delta::Content("<b>".into())]);
         assert!(!called);
-        let named = OutputRules { reasoning: None, tools: ToolMode::Forced(ToolChoice::Named("f".into())) };
+        let named = rules(ToolMode::Forced(ToolChoice::Named("f".into()), CallSyntax::Vllm));
         let (d, called) = run(named, &["{\"a\":", " 1}"]);
         assert!(called);
         let (_, c, calls) = joined(&d);
         assert_eq!((c.as_str(), calls), ("", vec![("f".to_string(), "{\"a\": 1}".to_string())]));
+    }
+
+    #[test]
+    fn calls_in_the_parsers_format_stream_whole_and_one_without_parallel_calls() {
+        let text = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
+        let forced = ToolMode::Forced(ToolChoice::Required, CallSyntax::Parser(ToolParser::Hermes));
+        let (d, called) = run(rules(forced.clone()), &[&text[..30], &text[30..]]);
+        assert!(called);
+        let (_, c, calls) = joined(&d);
+        assert_eq!(c, "");
+        assert_eq!(calls, vec![("f".to_string(), "{\"a\": 1}".to_string()), ("g".to_string(), "{}".to_string())]);
+        // parallel_tool_calls false keeps the first call, forced or free.
+        for tools in [forced, ToolMode::Auto(ToolParser::Hermes)] {
+            let one = OutputRules { reasoning: None, tools, parallel_calls: false };
+            let (d, _) = run(one.clone(), &[text]);
+            assert_eq!(joined(&d).2.len(), 1);
+            assert_eq!(one.finish(text).calls.len(), 1);
+        }
     }
 }

@@ -106,7 +106,8 @@ pub(crate) fn config_json(m: &Meta<'_>) -> Result<(&'static GgufArch, Map<String
     set("rope_theta", json!(m.decimal("rope.freq_base")?.unwrap_or(10_000.0)));
     set("tie_word_embeddings", json!(m.file.tensor("output.weight").is_none()));
     set(family.activation_key(), json!(family.default_activation()));
-    set("vocab_size", json!(vocab_size(m)?));
+    let vocab = vocab_size(m)?;
+    set("vocab_size", json!(vocab));
     if let Some(f) = partial_rotary_factor(m, family, head_dim)? {
         set("partial_rotary_factor", json!(f));
     }
@@ -141,6 +142,12 @@ pub(crate) fn config_json(m: &Meta<'_>) -> Result<(&'static GgufArch, Map<String
     }
     if let Some(bos) = m.global_u64("tokenizer.ggml.bos_token_id")? {
         set("bos_token_id", json!(bos));
+    }
+    // transformers reads the padding token as the config's `pad_token_id` (the embedding's
+    // `padding_idx`); one outside the vocabulary is left out, as llama.cpp ignores a bad
+    // special id.
+    if let Some(pad) = m.global_u64("tokenizer.ggml.padding_token_id")?.filter(|&p| p < vocab) {
+        set("pad_token_id", json!(pad));
     }
     super::extras::family_extras(m, family, dims, &mut c)?;
     Ok((spec, c))
