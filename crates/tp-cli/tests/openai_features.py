@@ -101,32 +101,45 @@ def structured(base, model, tokenizer_json):
                 finished += 1
     check(finished >= 3 * len(SCHEMAS), f"only {finished} of {4 * len(SCHEMAS)} constrained answers finished")
 
-    # Tools: a forced call, streamed against whole, then the round trip with the tool's answer.
+    # Tools: forced calls (the template writes <tool_call>, so in Hermes' format), each closing
+    # with tool_calls well inside 200 tokens at temperature 0 and 0.7, streamed equal to whole;
+    # then the round trip with the tool's answer.
     msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+
+    def streamed_calls(**kw):
+        calls, reason = {}, None
+        for chunk in client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, stream=True, **kw):
+            for ch in chunk.choices:
+                reason = ch.finish_reason or reason
+                for d in ch.delta.tool_calls or []:
+                    entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                    if d.function and d.function.name:
+                        entry["name"] = d.function.name
+                    if d.function and d.function.arguments:
+                        entry["arguments"] += d.function.arguments
+        return calls, reason
+
+    named_choice = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named_choice):
+        for temperature in (0.0, 0.7):
+            kw = dict(tool_choice=choice, seed=3, temperature=temperature, max_completion_tokens=200)
+            whole = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, **kw)
+            c = whole.choices[0]
+            what = f"tool_choice {choice} at temperature {temperature}"
+            check(c.finish_reason == "tool_calls", f"{what}: finish {c}")
+            calls = c.message.tool_calls
+            check(calls and all(t.type == "function" for t in calls), f"{what}: calls {c.message}")
+            check(choice == "required" or all(t.function.name == "get_weather" for t in calls), f"{what}: {calls}")
+            for t in calls:
+                spec = next(x for x in TOOLS if x["function"]["name"] == t.function.name)
+                jsonschema.validate(json.loads(t.function.arguments), spec["function"]["parameters"])
+            streamed, reason = streamed_calls(**kw)
+            want = {k: {"name": t.function.name, "arguments": t.function.arguments} for k, t in enumerate(calls)}
+            check(streamed == want and reason == "tool_calls", f"{what}: streamed {streamed} ({reason}) vs {want}")
     whole = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required", seed=3,
-                                           max_completion_tokens=1200)
+                                           max_completion_tokens=200)
     c = whole.choices[0]
-    check(c.finish_reason == "tool_calls", f"tool finish: {c}")
     calls = c.message.tool_calls
-    check(calls and all(t.type == "function" for t in calls), f"tool calls: {c.message}")
-    for t in calls:
-        spec = next(x for x in TOOLS if x["function"]["name"] == t.function.name)
-        jsonschema.validate(json.loads(t.function.arguments), spec["function"]["parameters"])
-    streamed = {}
-    for chunk in client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required", seed=3,
-                                                max_completion_tokens=1200, stream=True):
-        for ch in chunk.choices:
-            for d in ch.delta.tool_calls or []:
-                entry = streamed.setdefault(d.index, {"name": "", "arguments": ""})
-                if d.function and d.function.name:
-                    entry["name"] = d.function.name
-                if d.function and d.function.arguments:
-                    entry["arguments"] += d.function.arguments
-    want = {k: {"name": t.function.name, "arguments": t.function.arguments} for k, t in enumerate(calls)}
-    check(streamed == want, f"streamed calls {streamed} vs {want}")
-    named = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, seed=4, max_completion_tokens=1200,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    check(named.choices[0].message.tool_calls[0].function.name == "get_weather", f"named: {named}")
     round_trip = msgs + [c.message.model_dump(exclude_none=True)] + [
         {"role": "tool", "tool_call_id": t.id, "content": "sunny"} for t in calls]
     answer = client.chat.completions.create(model=model, messages=round_trip, tools=TOOLS, max_completion_tokens=8)
