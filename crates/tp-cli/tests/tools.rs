@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Server, THINK_END, TOOL_CALLS, TOOLS_TEMPLATE, model_dir_with_len};
+use common::{EOT, Server, THINK_END, TOOL_CALLS, TOOLS_TEMPLATE, model_dir_with_len};
 use serde_json::{Value, json};
 
 fn tools() -> Value {
@@ -135,13 +135,30 @@ fn forced_calls_parse_validate_and_stream_alike() {
 /// (free whitespace let them run to the limit inside the call).
 #[test]
 fn forced_calls_in_the_parsers_format_close_well_inside_the_limit() {
-    let s = Server::start(&["--tool-call-parser", "hermes", "-tp", "2"]);
+    forced_calls_close(&Server::start(&["--tool-call-parser", "hermes", "-tp", "2"]), true);
+}
+
+/// With no known format, vLLM's form (a JSON list of calls, or the named function's arguments),
+/// laid out the same way, closes as well where one call is asked for. (With several allowed, a
+/// random model may add calls to the list until the limit: only the list's `]` ends it, which no
+/// bias toward the end token can reach, unlike a Hermes call followed by the end token.)
+#[test]
+fn forced_calls_in_vllms_form_close_well_inside_the_limit() {
+    forced_calls_close(&Server::start(&["-tp", "3"]), false);
+}
+
+/// Forced calls of `s` (several allowed too where `several`) end with `tool_calls`.
+fn forced_calls_close(s: &Server, several: bool) {
     let user = json!([{"role": "user", "content": "Weather in Oslo?"}]);
     let named = json!({"type": "function", "function": {"name": "get_weather"}});
-    for (choice, parallel) in [(json!("required"), true), (json!("required"), false), (named, true)] {
+    let cases = [(json!("required"), true), (json!("required"), false), (named, true)];
+    for (choice, parallel) in cases.into_iter().filter(|(c, p)| several || !p || c.is_object()) {
         for temperature in [0.0, 0.7] {
+            // A bias toward the end token stands in for a trained model's wish to stop after its
+            // call (a random one may repeat calls); the grammar allows it only between calls.
             let body = json!({"messages": user, "tools": tools(), "tool_choice": choice, "n": 3, "seed": 7,
-                "temperature": temperature, "max_tokens": 200, "parallel_tool_calls": parallel});
+                "temperature": temperature, "max_tokens": 200, "parallel_tool_calls": parallel,
+                "logit_bias": {EOT.to_string(): 6}});
             let at = format!("{choice} parallel {parallel} temperature {temperature}");
             let (st, v) = s.post("/v1/chat/completions", &body);
             assert_eq!(st, 200, "{v}");
