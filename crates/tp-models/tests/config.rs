@@ -31,6 +31,18 @@ fn tinyllama_config_parses_with_defaults_filled() {
     assert_eq!(c.eos_token_ids, vec![2]);
     assert!(!c.tie_word_embeddings && !c.qkv_bias && !c.o_bias && !c.mlp_bias);
     assert_eq!(c.sliding_window, None);
+    assert_eq!(c.pad_token_id, None);
+}
+
+/// `pad_token_id` names the embedding row torch's `padding_idx` leaves untrained: negative ids
+/// count from the end, as `nn.Embedding` reads them; null is none.
+#[test]
+fn the_pad_token_is_an_embedding_row() {
+    for (id, row) in [(json!(2), Some(2)), (json!(0), Some(0)), (json!(-1), Some(31999)), (Value::Null, None)] {
+        let mut c = tinyllama();
+        c["pad_token_id"] = id.clone();
+        assert_eq!(parse(c).unwrap().pad_token_id, row, "{id}");
+    }
 }
 
 #[test]
@@ -294,6 +306,9 @@ fn bad_fields_are_named() {
         ("rope_theta", json!(0), "rope_theta"),
         ("eos_token_id", json!("eos"), "eos_token_id"),
         ("head_dim", json!(63), "head_dim"),
+        ("pad_token_id", json!(32000), "pad_token_id"),
+        ("pad_token_id", json!(-32001), "pad_token_id"),
+        ("pad_token_id", json!("<pad>"), "pad_token_id"),
     ];
     for (field, value, named) in cases {
         let mut c = tinyllama();

@@ -96,7 +96,8 @@ fn write(test: &str, spec: &SyntheticModel, qtype: &str) -> (PathBuf, PathBuf) {
     write_with(test, spec, qtype, &[])
 }
 
-/// [`write`] with more arguments to the script (`--meta`, `--drop-tensor`, `--extra-tensor`).
+/// [`write`] with more arguments to the script (`--meta`, `--drop-tensor`, `--extra-tensor`,
+/// `--pad`).
 fn write_with(test: &str, spec: &SyntheticModel, qtype: &str, args: &[&str]) -> (PathBuf, PathBuf) {
     let dir = tmpdir(&format!("gguf-{test}-{qtype}"));
     let hf = dir.join("hf");
@@ -208,6 +209,21 @@ fn quantized_runs_stay_near_the_dequantized_model_and_pick_its_tokens() {
             assert!(drift <= 0.06 * scale, "{name} TP {world} vs TP 1: {drift}");
         }
     }
+}
+
+/// transformers reads `tokenizer.ggml.padding_token_id` as the config's `pad_token_id` (the
+/// embedding's `padding_idx`, which training leaves untrained); one past the vocabulary is left
+/// out, as llama.cpp ignores a bad special id.
+#[test]
+fn the_files_padding_token_is_the_models_pad_token_id() {
+    let pad =
+        |id: i64| SyntheticModel { extra: Some(json!({"pad_token_id": id})), ..spec(Architecture::Llama, true, 19) };
+    let (gguf, reference) = write("llama-pad", &pad(76), "F32");
+    let read = tp_models::gguf::GgufModel::open(&gguf).unwrap().config;
+    assert_eq!(read.pad_token_id, Some(76));
+    assert_eq!(read, ModelConfig::from_dir(&reference).unwrap());
+    let (gguf, _) = write_with("llama-pad-outside", &spec(Architecture::Llama, true, 19), "F32", &["--pad", "5000"]);
+    assert_eq!(tp_models::gguf::GgufModel::open(&gguf).unwrap().config.pad_token_id, None);
 }
 
 #[test]

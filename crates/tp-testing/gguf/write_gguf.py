@@ -360,6 +360,8 @@ def main():
     p.add_argument("--meta", action="append", default=[], metavar="KEY=N")
     p.add_argument("--drop-tensor", action="append", default=[], metavar="NAME")
     p.add_argument("--extra-tensor", action="append", default=[], metavar="NAME")
+    # tokenizer.ggml.padding_token_id (default: the config's pad_token_id, if any).
+    p.add_argument("--pad", type=int)
     a = p.parse_args()
 
     cfg = json.load(open(os.path.join(a.hf_dir, "config.json")))
@@ -395,6 +397,9 @@ def main():
         w.add_eos_token_id(2)
         w.add_unk_token_id(0)
         w.add_add_bos_token(True)
+    pad = a.pad if a.pad is not None else cfg.get("pad_token_id")
+    if pad is not None:
+        w.add_pad_token_id(pad)
     if arch == "gemma3":
         w.add_add_space_prefix(False)
     w.add_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
