@@ -51,8 +51,13 @@ pub use dtype::{DType, Element, IntElement, Storable, bf16, f16};
 pub use error::{Error, Result};
 pub use ops::{
     Activation, AdamwParam, AdamwStep, AttentionSpec, KvBuffer, KvGroups, KvQuant, NormStyle, PackedWeight,
-    PagedAttentionSpec, PagedSeq, QuantKvBuffer, QuantWeight, RopeScaling, RotaryEmbedding, WeightLayout, adamw_step,
+    PagedAttentionSpec, PagedSeq, QuantKvBuffer, QuantWeight, RopeScaling, RotaryEmbedding, RouterKind, Routing,
+    WeightLayout, adamw_step,
 };
+/// Mixture-of-experts routing ([`moe::route`]).
+pub mod moe {
+    pub use crate::ops::route;
+}
 pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;
 pub use tensor::Tensor;

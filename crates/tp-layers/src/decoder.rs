@@ -20,6 +20,7 @@ use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::loader::Loader;
 use crate::mlp::{MlpNames, ParallelMlp};
+use crate::moe::{MoeConfig, MoeNames, ParallelMoe};
 use crate::norm::RmsNorm;
 use crate::paged_cache::PagedKvCache;
 use tp_core::{Activation, KvQuant, NormStyle, Tensor};
@@ -98,6 +99,8 @@ pub struct DecoderConfig {
     pub norm_style: NormStyle,
     /// The MLP's gate activation.
     pub activation: Activation,
+    /// A mixture of experts in place of the MLP, if this layer has one.
+    pub moe: Option<MoeConfig>,
 }
 
 /// The checkpoint names of a block's parts, relative to its prefix (`model.layers.N`).
@@ -111,6 +114,9 @@ pub struct DecoderNames {
     pub mlp: &'static str,
     /// Its tensors.
     pub mlp_names: MlpNames,
+    /// A mixture-of-experts layer's prefixes (the first the checkpoint has: Mixtral's
+    /// `block_sparse_moe`, or `mlp` as transformers 5 renames it) and tensors.
+    pub moe: Option<(&'static [&'static str], MoeNames)>,
     /// The norms.
     pub norms: BlockNorms,
 }
@@ -122,9 +128,51 @@ impl Default for DecoderNames {
             attn_names: AttentionNames::default(),
             mlp: "mlp",
             mlp_names: MlpNames::default(),
+            moe: None,
             norms: BlockNorms::PRE,
         }
     }
+}
+
+/// A block's feed-forward part: a gated MLP, or a mixture of experts.
+// One per layer, held in place: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    /// A gated MLP.
+    Dense(ParallelMlp),
+    /// A mixture of experts.
+    Moe(ParallelMoe),
+}
+
+impl FeedForward {
+    /// `[T, H]` to `[T, H]`, every rank the same (one all-reduce).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            FeedForward::Dense(m) => m.forward(x),
+            FeedForward::Moe(m) => m.forward(x),
+        }
+    }
+
+    fn pack_host(&mut self) -> Result<()> {
+        match self {
+            FeedForward::Dense(m) => m.pack_host(),
+            FeedForward::Moe(m) => m.pack_host(),
+        }
+    }
+
+    /// The dense MLP, or an error naming `what` for a mixture of experts (whose training is
+    /// not written yet).
+    fn dense_mut(&mut self, what: &str) -> Result<&mut ParallelMlp> {
+        match self {
+            FeedForward::Dense(m) => Ok(m),
+            FeedForward::Moe(_) => Err(moe_training(what)),
+        }
+    }
+}
+
+fn moe_training(what: &str) -> crate::LayerError {
+    crate::LayerError::Config(format!("{what}: training a mixture-of-experts block is not supported yet"))
 }
 
 /// Rank `r`'s part of one decoder block.
@@ -134,7 +182,7 @@ pub struct DecoderLayer {
     self_attn: ParallelAttention,
     attn_out: Option<RmsNorm>,
     mlp_in: Option<RmsNorm>,
-    mlp: ParallelMlp,
+    mlp: FeedForward,
     mlp_out: Option<RmsNorm>,
 }
 
@@ -155,7 +203,7 @@ impl DecoderLayer {
         mlp: ParallelMlp,
         [attn_in, attn_out, mlp_in, mlp_out]: [Option<RmsNorm>; 4],
     ) -> DecoderLayer {
-        DecoderLayer { attn_in, self_attn, attn_out, mlp_in, mlp, mlp_out }
+        DecoderLayer { attn_in, self_attn, attn_out, mlp_in, mlp: FeedForward::Dense(mlp), mlp_out }
     }
 
     /// Loads the block under the loader's prefix (e.g. `model.layers.3`), each rank reading
@@ -165,12 +213,26 @@ impl DecoderLayer {
             name.map(|n| RmsNorm::load(&ld.pp(n), config.rms_norm_eps, config.norm_style)).transpose()
         };
         let n = names.norms;
+        let mlp = match (config.moe, names.moe) {
+            (None, _) => FeedForward::Dense(ParallelMlp::load(&ld.pp(names.mlp), names.mlp_names, config.activation)?),
+            (Some(moe), Some((prefixes, moe_names))) => {
+                let router = format!("{}.weight", moe_names.router);
+                let prefix = prefixes.iter().find(|p| ld.pp(p).contains(&router)).or(prefixes.first());
+                FeedForward::Moe(ParallelMoe::load(&ld.pp(prefix.unwrap_or(&names.mlp)), moe, moe_names)?)
+            }
+            (Some(_), None) => {
+                return Err(crate::LayerError::Config(format!(
+                    "{}: a mixture-of-experts layer in a family without expert names",
+                    ld.prefix()
+                )));
+            }
+        };
         Ok(DecoderLayer {
             attn_in: norm(n.attn_in)?,
             self_attn: ParallelAttention::load(&ld.pp(names.attn), &config.attention, names.attn_names)?,
             attn_out: norm(n.attn_out)?,
             mlp_in: norm(n.mlp_in)?,
-            mlp: ParallelMlp::load(&ld.pp(names.mlp), names.mlp_names, config.activation)?,
+            mlp,
             mlp_out: norm(n.mlp_out)?,
         })
     }
@@ -179,8 +241,8 @@ impl DecoderLayer {
     pub fn self_attn(&self) -> &ParallelAttention {
         &self.self_attn
     }
-    /// The MLP block.
-    pub fn mlp(&self) -> &ParallelMlp {
+    /// The feed-forward block (an MLP or a mixture of experts).
+    pub fn feed_forward(&self) -> &FeedForward {
         &self.mlp
     }
 }
@@ -236,7 +298,8 @@ impl Block for DecoderLayer {
         let mut h = norm(&self.attn_out, a_raw.clone())?;
         h.add_assign(x)?;
         let m_in = norm(&self.mlp_in, h.clone())?;
-        let (m_raw, mlp) = self.mlp.forward_train(&m_in, batch)?;
+        let FeedForward::Dense(dense) = &self.mlp else { return Err(moe_training("forward_train")) };
+        let (m_raw, mlp) = dense.forward_train(&m_in, batch)?;
         let mut y = norm(&self.mlp_out, m_raw.clone())?;
         y.add_assign(&h)?;
         let saved = DecoderSaved { x: x.clone(), attn, a_raw, h, mlp, m_raw };
@@ -252,7 +315,7 @@ impl Block for DecoderLayer {
         })?;
         let dy = dy.to_dtype(tp_core::DType::F32)?;
         let d_mraw = norm_backward(&mut self.mlp_out, &s.m_raw, &dy)?;
-        let d_min = self.mlp.backward(s.mlp, &d_mraw)?;
+        let d_min = self.mlp.dense_mut("backward")?.backward(s.mlp, &d_mraw)?;
         let mut dh = norm_backward(&mut self.mlp_in, &s.h, &d_min)?;
         dh.add_assign(&dy)?;
         let d_araw = norm_backward(&mut self.attn_out, &s.a_raw, &dh)?;
@@ -292,7 +355,7 @@ impl Block for DecoderLayer {
             }
         }
         self.self_attn.params(&join(prefix, names.attn), names.attn_names, f)?;
-        self.mlp.params(&join(prefix, names.mlp), names.mlp_names, f)
+        self.mlp.dense_mut("params")?.params(&join(prefix, names.mlp), names.mlp_names, f)
     }
 }
 

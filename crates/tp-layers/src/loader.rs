@@ -148,6 +148,19 @@ impl<'a> Loader<'a> {
         self.range(t, 1, start, len)
     }
 
+    /// Entry `i` of dim 0 of the 3-D parameter `t` (`[E, a, b]`: one expert of a fused expert
+    /// tensor) as `[a, b]`, reading only its bytes.
+    pub fn expert(&self, t: &str, i: usize) -> Result<Tensor> {
+        let one = self.range(t, 0, i, 1)?;
+        match one.dims() {
+            &[1, a, b] => Ok(one.reshape(&[a, b])?),
+            dims => Err(LayerError::Config(format!(
+                "checkpoint tensor {:?} has shape {dims:?} per entry; a 3-D [E, out, in] tensor was expected",
+                self.name(t)
+            ))),
+        }
+    }
+
     /// Rows `start..start + len` of the 2-D linear weight `t`: the GGUF file's quantized
     /// blocks when the options keep them, else a tensor as [`rows`](Self::rows) reads it.
     pub fn linear_rows(&self, t: &str, start: usize, len: usize) -> Result<Weight> {

@@ -216,6 +216,7 @@ fn decoder_layer_loads_hugging_face_names_and_matches_f64() {
         rms_norm_eps: 1e-6,
         norm_style: NormStyle::Weight,
         activation: Activation::Silu,
+        moe: None,
     };
     let names = DecoderNames::default();
     for world in 1..=8 {

@@ -101,6 +101,7 @@ fn decoder_layers_on_ranks_sharing_one_gpu_match_f64() {
         rms_norm_eps: 1e-6,
         norm_style: NormStyle::Weight,
         activation: Activation::Silu,
+        moe: None,
     };
     for dtype in DType::FLOATS {
         for world in [1, 2, 4] {

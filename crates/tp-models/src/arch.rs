@@ -9,7 +9,7 @@
 //! checkpoints of the dev-only tp-testing crate all read this table.
 
 use tp_core::{Activation, NormStyle};
-use tp_layers::{AttentionNames, BlockNorms, DecoderNames, MlpNames, Projections, QkNormSpan};
+use tp_layers::{AttentionNames, BlockNorms, DecoderNames, MlpNames, MoeNames, Projections, QkNormSpan};
 
 /// The model families tp runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -34,6 +34,43 @@ pub enum Architecture {
     /// `Olmo2ForCausalLM`: RMSNorm over the full q and k width after the projections, and
     /// norms after attention and after the MLP (none before).
     Olmo2,
+    /// `MixtralForCausalLM`: Mistral's attention, a mixture of experts (`w1`/`w3`/`w2`) in
+    /// every layer, its top-k weights always renormalised and kept in f32.
+    Mixtral,
+    /// `Qwen2MoeForCausalLM`: Qwen2's attention (`qkv_bias`), experts plus a shared expert
+    /// gated by a sigmoid; `decoder_sparse_step` and `mlp_only_layers` pick the MoE layers.
+    Qwen2Moe,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention (per-head q/k norm), experts, the same layer
+    /// rules as Qwen2-MoE.
+    Qwen3Moe,
+    /// `OlmoeForCausalLM`: full-width q/k norm, pre-norms, experts in every layer.
+    Olmoe,
+}
+
+/// A mixture-of-experts family's config rules: its keys and its config class's defaults.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MoeRule {
+    /// The expert count's keys, the first present wins (`num_experts`, `num_local_experts`),
+    /// and the class default.
+    pub experts_keys: &'static [&'static str],
+    pub experts_default: usize,
+    /// `num_experts_per_tok`'s default.
+    pub top_k_default: usize,
+    /// The experts' intermediate size: its key (`moe_intermediate_size`, or Mixtral's and
+    /// OLMoE's `intermediate_size`) and default.
+    pub expert_size_key: &'static str,
+    pub expert_size_default: usize,
+    /// `norm_topk_prob`'s default; `None`: always renormalised, the key not read (Mixtral).
+    pub norm_topk_prob: Option<bool>,
+    /// Whether the top-k weights are cast to the model's dtype (all but Mixtral).
+    pub weights_in_dtype: bool,
+    /// `shared_expert_intermediate_size`'s default where the family has a shared expert.
+    pub shared_expert_default: Option<usize>,
+    /// Whether `decoder_sparse_step` and `mlp_only_layers` pick the MoE layers (Qwen); else
+    /// every layer.
+    pub sparse_step: bool,
+    /// `router_aux_loss_coef`'s default.
+    pub aux_loss_coef_default: f64,
 }
 
 /// Which projections carry biases, from the config.
@@ -43,6 +80,8 @@ pub(crate) enum Biases {
     None,
     /// q, k and v always; o and the MLP never (Qwen2).
     Qkv,
+    /// q, k and v as the `qkv_bias` key says (default true); o and the MLP never (Qwen2-MoE).
+    QkvKey,
     /// `attention_bias` on q, k, v and o; `mlp_bias` on the MLP (Llama; keys absent: false).
     AttentionAndMlp,
     /// `attention_bias` on q, k, v and o; none in the MLP (Qwen3, Gemma 3, OLMo 2).
@@ -62,6 +101,12 @@ pub(crate) enum Windows {
     /// Gemma's rule: `sliding_window` (absent: 4096) on the layers `layer_types` names
     /// `sliding_attention` (absent: all but every `sliding_window_pattern`-th, default 6).
     Gemma,
+    /// Qwen3-MoE's: `sliding_window` (absent: 4096) on every layer when
+    /// `use_sliding_window`, else none.
+    OptInEvery,
+    /// Qwen2-MoE's: when `use_sliding_window`, `sliding_window` (absent: 4096) on the layers
+    /// `layer_types` names (absent: the even-indexed layers below `max_window_layers`, default 28).
+    Qwen2Moe,
 }
 
 /// One family's entry in the table.
@@ -102,7 +147,28 @@ pub(crate) struct ArchSpec {
     /// Gemma's extras: `sqrt(hidden)` embedding scale, `query_pre_attn_scalar`,
     /// `final_logit_softcapping`, a local rope base for sliding layers.
     pub gemma: bool,
+    /// `pad_token_id`'s default in the config class (Gemma 3: 0, Phi-3: 32000, OLMo 2 and
+    /// OLMoE: 1), used when the key is absent and the id lies in the vocabulary.
+    pub pad_token_id: Option<usize>,
+    /// The mixture-of-experts rules of a family with experts.
+    pub moe: Option<MoeRule>,
 }
+
+const QWEN_MOE: MoeRule = MoeRule {
+    experts_keys: &["num_experts", "num_local_experts"],
+    experts_default: 128,
+    top_k_default: 8,
+    expert_size_key: "moe_intermediate_size",
+    expert_size_default: 768,
+    norm_topk_prob: Some(false),
+    weights_in_dtype: true,
+    shared_expert_default: None,
+    sparse_step: true,
+    aux_loss_coef_default: 0.001,
+};
+
+/// Qwen2/3-MoE's and OLMoE's expert names under `mlp`.
+const QWEN_MOE_NAMES: Option<(&[&str], MoeNames)> = Some((&["mlp"], MoeNames::QWEN));
 
 const LLAMA_NAMES: DecoderNames = DecoderNames {
     attn: "self_attn",
@@ -114,6 +180,7 @@ const LLAMA_NAMES: DecoderNames = DecoderNames {
     },
     mlp: "mlp",
     mlp_names: MlpNames { gate_up: Projections::Separate(["gate_proj", "up_proj"]), down: "down_proj" },
+    moe: None,
     norms: BlockNorms::PRE,
 };
 
@@ -138,10 +205,12 @@ const BASE: ArchSpec = ArchSpec {
     names: LLAMA_NAMES,
     partial_rotary: false,
     gemma: false,
+    pad_token_id: None,
+    moe: None,
 };
 
 /// Every family tp runs.
-pub(crate) const TABLE: [ArchSpec; 7] = [
+pub(crate) const TABLE: [ArchSpec; 11] = [
     BASE,
     ArchSpec {
         arch: Architecture::Qwen2,
@@ -201,6 +270,7 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
             ..LLAMA_NAMES
         },
         gemma: true,
+        pad_token_id: Some(0),
         ..BASE
     },
     ArchSpec {
@@ -219,6 +289,7 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
             ..LLAMA_NAMES
         },
         partial_rotary: true,
+        pad_token_id: Some(32_000),
         ..BASE
     },
     ArchSpec {
@@ -239,6 +310,94 @@ pub(crate) const TABLE: [ArchSpec; 7] = [
             },
             ..LLAMA_NAMES
         },
+        pad_token_id: Some(1),
+        ..BASE
+    },
+    ArchSpec {
+        arch: Architecture::Mixtral,
+        class: "MixtralForCausalLM",
+        model_types: &["mixtral"],
+        max_position_embeddings: 4096 * 32,
+        rope_theta: 1_000_000.0,
+        rms_norm_eps: 1e-5,
+        num_key_value_heads: Some(8),
+        biases: Biases::None,
+        windows: Windows::Every { default: None },
+        names: DecoderNames {
+            moe: Some((
+                &["block_sparse_moe", "mlp"],
+                MoeNames {
+                    expert: MlpNames { gate_up: Projections::Separate(["w1", "w3"]), down: "w2" },
+                    ..MoeNames::QWEN
+                },
+            )),
+            ..LLAMA_NAMES
+        },
+        moe: Some(MoeRule {
+            experts_keys: &["num_local_experts", "num_experts"],
+            experts_default: 8,
+            top_k_default: 2,
+            expert_size_key: "intermediate_size",
+            expert_size_default: 14_336,
+            norm_topk_prob: None,
+            weights_in_dtype: false,
+            sparse_step: false,
+            ..QWEN_MOE
+        }),
+        ..BASE
+    },
+    ArchSpec {
+        arch: Architecture::Qwen2Moe,
+        class: "Qwen2MoeForCausalLM",
+        model_types: &["qwen2_moe"],
+        max_position_embeddings: 32_768,
+        num_key_value_heads: Some(16),
+        biases: Biases::QkvKey,
+        windows: Windows::Qwen2Moe,
+        names: DecoderNames {
+            moe: Some((&["mlp"], MoeNames { shared: Some(("shared_expert", "shared_expert_gate")), ..MoeNames::QWEN })),
+            ..LLAMA_NAMES
+        },
+        moe: Some(MoeRule {
+            experts_default: 60,
+            top_k_default: 4,
+            expert_size_default: 1408,
+            shared_expert_default: Some(5632),
+            ..QWEN_MOE
+        }),
+        ..BASE
+    },
+    ArchSpec {
+        arch: Architecture::Qwen3Moe,
+        class: "Qwen3MoeForCausalLM",
+        model_types: &["qwen3_moe"],
+        max_position_embeddings: 32_768,
+        num_key_value_heads: Some(4),
+        biases: Biases::Attention,
+        windows: Windows::OptInEvery,
+        qk_norm: Some(QkNormSpan::PerHead),
+        names: DecoderNames { moe: QWEN_MOE_NAMES, ..LLAMA_NAMES },
+        moe: Some(QWEN_MOE),
+        ..BASE
+    },
+    ArchSpec {
+        arch: Architecture::Olmoe,
+        class: "OlmoeForCausalLM",
+        model_types: &["olmoe"],
+        max_position_embeddings: 4096,
+        rms_norm_eps: 1e-5,
+        biases: Biases::Attention,
+        qk_norm: Some(QkNormSpan::FullWidth),
+        names: DecoderNames { moe: QWEN_MOE_NAMES, ..LLAMA_NAMES },
+        moe: Some(MoeRule {
+            experts_default: 64,
+            expert_size_key: "intermediate_size",
+            expert_size_default: 2048,
+            sparse_step: false,
+            aux_loss_coef_default: 0.01,
+            ..QWEN_MOE
+        }),
+        pad_token_id: Some(1),
         ..BASE
     },
 ];

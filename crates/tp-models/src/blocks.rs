@@ -1,11 +1,11 @@
 //! One decoder block of a model, built from the architecture table and the config: which rope
-//! (Gemma 3's sliding layers have their own base), which window, which norms and q/k norm, and
-//! the family's tensor names.
+//! (Gemma 3's sliding layers have their own base), which window, which norms and q/k norm, an
+//! MLP or a mixture of experts, and the family's tensor names.
 
 use crate::config::ModelConfig;
 use crate::error::Result;
-use tp_core::RotaryEmbedding;
-use tp_layers::{AttentionConfig, AttentionHeads, Block, DecoderConfig, DecoderLayer, Loader, QkNorm};
+use tp_core::{RotaryEmbedding, RouterKind};
+use tp_layers::{AttentionConfig, AttentionHeads, Block, DecoderConfig, DecoderLayer, Loader, MoeConfig, QkNorm};
 
 /// What layer `i` of the model needs besides its weights.
 pub(crate) fn decoder_config(c: &ModelConfig, i: usize) -> Result<DecoderConfig> {
@@ -23,7 +23,20 @@ pub(crate) fn decoder_config(c: &ModelConfig, i: usize) -> Result<DecoderConfig>
         scale: c.attention_scale,
         qk_norm: c.qk_norm.map(|span| QkNorm { span, style: c.norm_style, eps: c.rms_norm_eps }),
     };
-    Ok(DecoderConfig { attention, rms_norm_eps: c.rms_norm_eps, norm_style: c.norm_style, activation: c.hidden_act })
+    let moe = c.moe.as_ref().filter(|m| m.is_sparse(i)).map(|m| MoeConfig {
+        num_experts: m.num_experts,
+        top_k: m.top_k,
+        router: RouterKind::SoftmaxTopK { renormalize: m.norm_topk_prob },
+        weights_in_dtype: m.weights_in_dtype,
+        activation: c.hidden_act,
+    });
+    Ok(DecoderConfig {
+        attention,
+        rms_norm_eps: c.rms_norm_eps,
+        norm_style: c.norm_style,
+        activation: c.hidden_act,
+        moe,
+    })
 }
 
 /// Layer `i` under the loader's prefix (`model.layers.i`), this rank's shards only.

@@ -10,6 +10,7 @@
 
 use crate::arch::{self, Architecture, Biases, Windows};
 use crate::error::{ModelError, Result};
+use crate::moe_config::{MoeSettings, moe_settings};
 use crate::rope_config::{RopeFamily, rope, rope_params};
 use serde_json::{Map, Value};
 use std::path::Path;
@@ -96,6 +97,8 @@ pub struct ModelConfig {
     pub final_logit_softcapping: Option<f64>,
     /// End-of-sequence ids (`eos_token_id`, one or several; `generation_config.json` wins).
     pub eos_token_ids: Vec<i64>,
+    /// The experts of a mixture-of-experts family (which layers have them, how they route).
+    pub moe: Option<MoeSettings>,
     /// The embedding row of `pad_token_id` (a negative id counts from the end, as torch's
     /// `padding_idx`): transformers builds the table as `nn.Embedding(V, H, padding_idx)`, so
     /// training never writes a lookup gradient into that row.
@@ -220,10 +223,14 @@ fn eos_ids(f: &Fields<'_>) -> Result<Vec<i64>> {
     }
 }
 
-/// `pad_token_id` as the embedding row it names: null/absent is none, a negative id counts from
-/// the end (torch's `padding_idx`), and an id outside `-V..V` is refused, as `nn.Embedding`
-/// refuses it when transformers builds the model.
-fn pad_row(f: &Fields<'_>, vocab: usize) -> Result<Option<usize>> {
+/// `pad_token_id` as the embedding row it names: null is none, absent the config class's
+/// `default` (where it lies in the vocabulary), a negative id counts from the end (torch's
+/// `padding_idx`), and an id outside `-V..V` is refused, as `nn.Embedding` refuses it when
+/// transformers builds the model.
+fn pad_row(f: &Fields<'_>, vocab: usize, default: Option<usize>) -> Result<Option<usize>> {
+    if !f.map.contains_key("pad_token_id") {
+        return Ok(default.filter(|&d| d < vocab));
+    }
     let Some(v) = f.get("pad_token_id") else { return Ok(None) };
     let bad = |why: String| f.bad("pad_token_id", why);
     let id = v.as_i64().ok_or_else(|| bad(format!("must be an integer or null, got {}", shown_value(v))))?;
@@ -360,6 +367,7 @@ impl ModelConfig {
         let (qkv_bias, o_bias, mlp_bias) = match spec.biases {
             Biases::None => (false, false, false),
             Biases::Qkv => (true, false, false),
+            Biases::QkvKey => (f.flag("qkv_bias", true)?, false, false),
             Biases::Attention => {
                 let a = f.flag("attention_bias", false)?;
                 (a, a, false)
@@ -370,6 +378,12 @@ impl ModelConfig {
             }
         };
         let (sliding_window, layer_types) = windows(&f, spec.windows, num_hidden_layers)?;
+        let moe = spec.moe.as_ref().map(|rule| moe_settings(&f, rule, num_hidden_layers, hidden_size)).transpose()?;
+        if spec.arch == Architecture::Olmoe
+            && let Some(v) = f.get("clip_qkv")
+        {
+            return Err(unsupported("clip_qkv", &shown_value(v), "tp does not clamp q, k and v"));
+        }
         let (mut attention_scale, mut embedding_scale, mut final_logit_softcapping) = (None, None, None);
         if spec.gemma {
             if f.flag("use_bidirectional_attention", false)? {
@@ -422,7 +436,8 @@ impl ModelConfig {
             embedding_scale,
             final_logit_softcapping,
             eos_token_ids: eos_ids(&f)?,
-            pad_token_id: pad_row(&f, vocab_size)?,
+            pad_token_id: pad_row(&f, vocab_size, spec.pad_token_id)?,
+            moe,
         })
     }
 
@@ -490,15 +505,21 @@ fn windows(f: &Fields<'_>, rule: Windows, layers: usize) -> Result<(Option<usize
         }
         Windows::Qwen => {
             let w = if f.flag("use_sliding_window", false)? { window(Some(4096))? } else { None };
-            // 0 is a valid max_window_layers (every layer slides).
-            let from = match f.get("max_window_layers") {
-                None => 28,
-                Some(v) => v.as_u64().and_then(|v| usize::try_from(v).ok()).ok_or_else(|| {
-                    f.bad("max_window_layers", format!("must be a non-negative integer, got {}", shown_value(v)))
-                })?,
-            };
+            let from = max_window_layers(f)?;
             let default: Vec<LayerType> = (0..layers)
                 .map(|i| if w.is_some() && i >= from { LayerType::Sliding } else { LayerType::Full })
+                .collect();
+            (w, layer_types(f, layers, default)?)
+        }
+        Windows::OptInEvery => {
+            let w = if f.flag("use_sliding_window", false)? { window(Some(4096))? } else { None };
+            (w, all(w))
+        }
+        Windows::Qwen2Moe => {
+            let w = if f.flag("use_sliding_window", false)? { window(Some(4096))? } else { None };
+            let below = max_window_layers(f)?;
+            let default = (0..layers)
+                .map(|i| if w.is_some() && i % 2 == 0 && i < below { LayerType::Sliding } else { LayerType::Full })
                 .collect();
             (w, layer_types(f, layers, default)?)
         }
@@ -515,6 +536,16 @@ fn windows(f: &Fields<'_>, rule: Windows, layers: usize) -> Result<(Option<usize
         return Err(f.bad("sliding_window", "is null but layer_types names sliding_attention layers"));
     }
     Ok((w, types))
+}
+
+/// `max_window_layers` (default 28; 0 is valid).
+fn max_window_layers(f: &Fields<'_>) -> Result<usize> {
+    match f.get("max_window_layers") {
+        None => Ok(28),
+        Some(v) => v.as_u64().and_then(|v| usize::try_from(v).ok()).ok_or_else(|| {
+            f.bad("max_window_layers", format!("must be a non-negative integer, got {}", shown_value(v)))
+        }),
+    }
 }
 
 /// `layer_types` when present (one `full_attention` / `sliding_attention` per layer), else

@@ -45,6 +45,7 @@ pub mod gguf;
 #[cfg(feature = "tokenizers")]
 pub mod gguf_tokenizer;
 mod model;
+mod moe_config;
 mod rope_config;
 mod rope_kinds;
 mod source;
@@ -58,6 +59,7 @@ pub use model::{
     ParallelCausalLm, Recompute, StageForward, StageOutput, StagePart, StageSaved, TrainRow, parse_layer_partition,
     partition_layers, stage_parts,
 };
+pub use moe_config::MoeSettings;
 pub use rope_kinds::{RopeKindError, rope_scaling_from_kind};
 pub use source::ModelSource;
 pub use tensors::expected_tensors;

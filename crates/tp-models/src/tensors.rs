@@ -3,7 +3,8 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use tp_layers::{Checkpoint, Projections, QkNormSpan};
+use crate::moe_config::MoeSettings;
+use tp_layers::{Checkpoint, MlpNames, Projections, QkNormSpan};
 
 /// Every `(name, shape)` of the model's parameters, in Hugging Face's order, and the names of
 /// biases the config says the model has not (present, they are an error).
@@ -49,6 +50,10 @@ pub fn expected_tensors(c: &ModelConfig) -> (Vec<(String, Vec<usize>)>, Vec<Stri
             }
             None => {}
         }
+        if let (Some(moe), Some((prefixes, _))) = (c.moe.as_ref().filter(|m| m.is_sparse(l)), names.moe) {
+            want.extend(moe_tensors(c, moe, &format!("{p}.{}", prefixes[0]), false));
+            continue;
+        }
         let mlp = format!("{p}.{}", names.mlp);
         match names.mlp_names.gate_up {
             Projections::Separate([g, u]) => {
@@ -66,9 +71,59 @@ pub fn expected_tensors(c: &ModelConfig) -> (Vec<(String, Vec<usize>)>, Vec<Stri
     (want, absent)
 }
 
-/// Checks every tensor the config implies against the checkpoint.
+/// The tensors of MoE layer under `prefix` (`model.layers.N.mlp`): the router `gate` `[E, H]`,
+/// each expert's gated MLP (one tensor per expert as on the Hub; `fused`: transformers 5's
+/// `experts.gate_up_proj: [E, 2I, H]` and `experts.down_proj: [E, H, I]`), and Qwen2-MoE's
+/// shared expert and its gate `[1, H]`.
+fn moe_tensors(c: &ModelConfig, moe: &MoeSettings, prefix: &str, fused: bool) -> Vec<(String, Vec<usize>)> {
+    let Some((_, n)) = c.architecture.spec().names.moe else { return Vec::new() };
+    let (h, e, i) = (c.hidden_size, moe.num_experts, moe.expert_intermediate_size);
+    let mut want = vec![(format!("{prefix}.{}.weight", n.router), vec![e, h])];
+    let mlp = |want: &mut Vec<(String, Vec<usize>)>, p: String, names: MlpNames, i: usize| match names.gate_up {
+        Projections::Separate([g, u]) => {
+            want.push((format!("{p}.{g}.weight"), vec![i, h]));
+            want.push((format!("{p}.{u}.weight"), vec![i, h]));
+            want.push((format!("{p}.{}.weight", names.down), vec![h, i]));
+        }
+        Projections::Fused(f) => {
+            want.push((format!("{p}.{f}.weight"), vec![2 * i, h]));
+            want.push((format!("{p}.{}.weight", names.down), vec![h, i]));
+        }
+    };
+    if fused {
+        want.push((format!("{prefix}.{}.gate_up_proj", n.experts), vec![e, 2 * i, h]));
+        want.push((format!("{prefix}.{}.down_proj", n.experts), vec![e, h, i]));
+    } else {
+        for x in 0..e {
+            mlp(&mut want, format!("{prefix}.{}.{x}", n.experts), n.expert, i);
+        }
+    }
+    if let (Some((shared, gate)), Some(si)) = (n.shared, moe.shared_expert_intermediate_size) {
+        mlp(&mut want, format!("{prefix}.{shared}"), MlpNames::default(), si);
+        want.push((format!("{prefix}.{gate}.weight"), vec![1, h]));
+    }
+    want
+}
+
+/// Checks every tensor the config implies against the checkpoint (an MoE layer's experts in
+/// whichever layout the checkpoint holds them).
 pub(crate) fn check_tensors(ckpt: &Checkpoint, c: &ModelConfig) -> Result<()> {
-    let (want, absent) = expected_tensors(c);
+    let (mut want, absent) = expected_tensors(c);
+    if let (Some(moe), Some((prefixes, n))) = (&c.moe, c.architecture.spec().names.moe) {
+        for l in (0..c.num_hidden_layers).filter(|&l| moe.is_sparse(l)) {
+            let layer = format!("model.layers.{l}");
+            // The prefix the checkpoint uses (Mixtral's `block_sparse_moe`, or `mlp`).
+            let prefix = prefixes
+                .iter()
+                .map(|p| format!("{layer}.{p}"))
+                .find(|p| ckpt.contains(&format!("{p}.{}.weight", n.router)))
+                .unwrap_or_else(|| format!("{layer}.{}", prefixes[0]));
+            let fused = ckpt.contains(&format!("{prefix}.{}.gate_up_proj", n.experts));
+            let default = format!("{layer}.{}", prefixes[0]);
+            want.retain(|(name, _)| !name.starts_with(&format!("{default}.")));
+            want.extend(moe_tensors(c, moe, &prefix, fused));
+        }
+    }
     for (name, dims) in want {
         ckpt.param_info(&name)?;
         ckpt.expect(&name, &dims, None)?;

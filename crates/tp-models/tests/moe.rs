@@ -1,0 +1,131 @@
+//! Mixture-of-experts models against transformers: tiny random checkpoints of Qwen3-MoE,
+//! Qwen2-MoE, Mixtral and OLMoE, written by transformers with their quirks on, and
+//! transformers' float64 logits and greedy tokens on them (`benches/reference/moe_fixtures.py`
+//! wrote both into `tests/data/moe/`). tp loads each at TP 1, 2, 3, 4 and 8 (experts' features,
+//! heads and vocabulary split unevenly), from the Hub's one-tensor-per-expert layout and from
+//! transformers 5's fused expert tensors, and must match.
+
+mod common;
+
+use common::{CPU, on_ranks};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tp_core::DType;
+use tp_models::{ModelOptions, ParallelCausalLm};
+
+fn case(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/moe").join(name)
+}
+
+/// The reference's tensors as f64 vectors (`prompt` and `tokens` as ids).
+fn reference(dir: &Path) -> BTreeMap<String, Vec<f64>> {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let vals = match v.dtype() {
+                safetensors::Dtype::F64 => {
+                    v.data().chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect()
+                }
+                safetensors::Dtype::I64 => {
+                    v.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64).collect()
+                }
+                d => panic!("{n}: {d:?}"),
+            };
+            (n, vals)
+        })
+        .collect()
+}
+
+/// `max |got - want| / max |want|`.
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max) / scale
+}
+
+/// Rank 0's prefill logits of the prompt, then the logits of each greedy step (the token
+/// picked by the previous logits fed back), and the tokens.
+fn run(dir: &Path, world: usize, dtype: DType, prompt: &[i64], steps: usize) -> (Vec<f64>, Vec<Vec<f64>>, Vec<i64>) {
+    let mut out = on_ranks(world, CPU, |g| {
+        let mut lm = ParallelCausalLm::load(dir, &g, &ModelOptions::new().with_dtype(dtype)).unwrap();
+        let vocab = lm.config().vocab_size;
+        let prefill = lm.prefill(prompt).unwrap().to_f64_vec().unwrap();
+        let mut last = prefill[prefill.len() - vocab..].to_vec();
+        let (mut decode, mut tokens) = (Vec::new(), Vec::new());
+        for _ in 0..steps {
+            let t = common::argmax(&last) as i64;
+            tokens.push(t);
+            decode.push(last.clone());
+            last = lm.decode_step(t).unwrap().to_f64_vec().unwrap();
+        }
+        (prefill, decode, tokens)
+    });
+    out.swap_remove(0)
+}
+
+fn check(name: &str, folder: &Path, worlds: &[usize]) {
+    let want = reference(&case(name));
+    let prompt: Vec<i64> = want["prompt"].iter().map(|&v| v as i64).collect();
+    let tokens: Vec<i64> = want["tokens"].iter().map(|&v| v as i64).collect();
+    let vocab = want["prefill"].len() / prompt.len();
+    for &world in worlds {
+        let at = format!("{name} ({}) TP {world}", folder.display());
+        let (prefill, decode, got) = run(folder, world, DType::F32, &prompt, tokens.len());
+        let e = rel_err(&prefill, &want["prefill"]);
+        assert!(e < 2e-5, "{at}: prefill logits off by {e:e}");
+        assert_eq!(got, tokens, "{at}: greedy tokens");
+        for (i, row) in decode.iter().enumerate() {
+            let e = rel_err(row, &want["decode"][i * vocab..(i + 1) * vocab]);
+            assert!(e < 2e-5, "{at}: decode step {i} logits off by {e:e}");
+        }
+    }
+}
+
+#[test]
+fn qwen3_moe_matches_transformers_at_every_tp_degree_in_both_layouts() {
+    check("qwen3_moe", &case("qwen3_moe"), &[1, 2, 3, 4, 8]);
+    check("qwen3_moe", &case("qwen3_moe").join("fused"), &[1, 3]);
+}
+
+#[test]
+fn qwen2_moe_with_its_shared_expert_matches_transformers() {
+    check("qwen2_moe", &case("qwen2_moe"), &[1, 2, 3, 4, 8]);
+}
+
+#[test]
+fn mixtral_matches_transformers_in_both_layouts() {
+    check("mixtral", &case("mixtral"), &[1, 2, 3, 4, 8]);
+    check("mixtral", &case("mixtral").join("fused"), &[2, 8]);
+}
+
+#[test]
+fn olmoe_matches_transformers() {
+    check("olmoe", &case("olmoe"), &[1, 2, 3, 4]);
+}
+
+/// In bf16 the logits stay within bf16's rounding of transformers' float64 ones (per prompt
+/// position, at most 1.5x transformers' own bf16 error on the prompt), and the greedy tokens are
+/// its, at TP 1 and at an uneven degree. (The fixtures' prompts route clear of ties, so bf16 routes
+/// as float64 does.)
+#[test]
+fn bf16_stays_within_bf16s_rounding_in_every_family() {
+    for name in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] {
+        let want = reference(&case(name));
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(case(name).join("reference.json")).unwrap()).unwrap();
+        let theirs = meta["transformers_bf16_error"].as_f64().unwrap();
+        let prompt: Vec<i64> = want["prompt"].iter().map(|&v| v as i64).collect();
+        let tokens: Vec<i64> = want["tokens"].iter().map(|&v| v as i64).collect();
+        let v = want["prefill"].len() / prompt.len();
+        for world in [1, 3] {
+            let (prefill, _, got) = run(&case(name), world, DType::BF16, &prompt, tokens.len());
+            let worst = (0..prompt.len())
+                .map(|p| rel_err(&prefill[p * v..(p + 1) * v], &want["prefill"][p * v..(p + 1) * v]))
+                .fold(0f64, f64::max);
+            assert!(worst <= 1.5 * theirs, "{name} bf16 TP {world}: {worst:e} against transformers' {theirs:e}");
+            assert_eq!(got, tokens, "{name} bf16 TP {world}: greedy tokens");
+        }
+    }
+}
