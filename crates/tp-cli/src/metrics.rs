@@ -100,7 +100,7 @@ impl Metrics {
     }
 
     /// The Prometheus text of `s` and the server's own figures, for model `model`.
-    pub fn render(&self, s: &Stats, model: &str) -> String {
+    pub fn render(&self, s: &Stats, routed: &[u64], model: &str) -> String {
         let label = format!("model_name=\"{}\"", escape(model));
         let mut out = String::new();
         let mut one = |name: &str, kind: &str, help: &str, value: String| {
@@ -159,6 +159,16 @@ impl Metrics {
             "# HELP tp_request_failure_total Choices the engine failed.\n# TYPE tp_request_failure_total counter\n\
              tp_request_failure_total{{{label}}} {failed}"
         );
+        if !routed.is_empty() {
+            let _ = writeln!(
+                out,
+                "# HELP tp_moe_routed_tokens_total Tokens the router sent to each expert, summed over the \
+                 mixture-of-experts layers (rank 0's forward passes).\n# TYPE tp_moe_routed_tokens_total counter"
+            );
+            for (e, n) in routed.iter().enumerate() {
+                let _ = writeln!(out, "tp_moe_routed_tokens_total{{{label},expert=\"{e}\"}} {n}");
+            }
+        }
         if let Ok(h) = self.ttft.lock() {
             let help = "Time from a request's arrival to its first token.";
             h.render(&mut out, "tp_time_to_first_token_seconds", help, &label);
@@ -194,7 +204,9 @@ mod tests {
         }
         m.finished("length");
         let stats = Stats { running: 2, waiting: 5, kv_cache_usage: 0.25, generation_tokens: 9, ..Stats::default() };
-        let t = m.render(&stats, "a\"b");
+        let t = m.render(&stats, &[3, 0, 5], "a\"b");
+        assert_eq!(value(&t, "tp_moe_routed_tokens_total{model_name=\"a\\\"b\",expert=\"2\"}"), 5.0);
+        assert!(!m.render(&stats, &[], "m").contains("tp_moe_routed"));
         assert_eq!(value(&t, "tp_num_requests_running{"), 2.0);
         assert_eq!(value(&t, "tp_num_requests_waiting{"), 5.0);
         assert_eq!(value(&t, "tp_kv_cache_usage_perc{"), 0.25);
@@ -208,7 +220,7 @@ mod tests {
         assert!((value(&t, "tp_time_to_first_token_seconds_sum") - 100.353).abs() < 1e-9);
         assert_eq!(value(&t, "tp_request_success_total{model_name=\"a\\\"b\",finished_reason=\"length\"}"), 1.0);
         m.observe_mask(2e-4);
-        let t = m.render(&stats, "m");
+        let t = m.render(&stats, &[], "m");
         assert_eq!(value(&t, "tp_structured_output_mask_seconds_bucket{model_name=\"m\",le=\"0.0001\"}"), 0.0);
         assert_eq!(value(&t, "tp_structured_output_mask_seconds_bucket{model_name=\"m\",le=\"0.0002\"}"), 1.0);
         assert_eq!(value(&t, "tp_structured_output_mask_seconds_count"), 1.0);

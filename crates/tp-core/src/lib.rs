@@ -54,9 +54,10 @@ pub use ops::{
     PagedAttentionSpec, PagedSeq, QuantKvBuffer, QuantWeight, RopeScaling, RotaryEmbedding, RouterKind, Routing,
     WeightLayout, adamw_step,
 };
-/// Mixture-of-experts routing ([`moe::route`]).
+/// Mixture-of-experts routing ([`moe::route`]) and the per-thread routing counts
+/// ([`moe::take_routed`]).
 pub mod moe {
-    pub use crate::ops::route;
+    pub use crate::ops::{route, take_routed};
 }
 pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;

@@ -259,6 +259,8 @@ pub enum Command {
 #[derive(Debug, Default)]
 pub struct SharedStats {
     stats: Mutex<Stats>,
+    /// Tokens routed to each expert, summed over the MoE layers (rank 0's forward passes).
+    routed: Mutex<Vec<u64>>,
     stopped: Mutex<Option<String>>,
     stopping: AtomicBool,
 }
@@ -268,6 +270,13 @@ impl SharedStats {
     pub fn publish(&self, s: Stats) {
         if let Ok(mut g) = self.stats.lock() {
             *g = s;
+        }
+    }
+    /// Publishes the routing histogram: tokens per expert, summed over the MoE layers.
+    pub fn publish_routed(&self, counts: &[u64]) {
+        if let Ok(mut g) = self.routed.lock() {
+            g.clear();
+            g.extend_from_slice(counts);
         }
     }
     /// Marks the engine stopped, with why; later submissions fail with that reason.
@@ -346,6 +355,12 @@ impl EngineHandle {
     /// The engine's current figures.
     pub fn stats(&self) -> Stats {
         self.stats.stats.lock().map(|g| *g).unwrap_or_default()
+    }
+
+    /// Tokens routed to each expert so far (index = expert id), summed over the model's MoE
+    /// layers; empty for a dense model.
+    pub fn routed_tokens(&self) -> Vec<u64> {
+        self.stats.routed.lock().map(|g| g.clone()).unwrap_or_default()
     }
 
     /// Why the engine stopped, if it has.

@@ -117,12 +117,18 @@ pub fn model_dir() -> PathBuf {
 
 /// [`model_dir`] with `max_position_embeddings` of `max_len`.
 pub fn model_dir_with_len(max_len: usize) -> PathBuf {
+    model_dir_of(SyntheticModel { max_position_embeddings: max_len, ..SyntheticModel::tiny() })
+}
+
+/// A servable folder of `model` (its end of sequence made the tokenizer's `<|eot_id|>`), with
+/// the test tokenizer and template.
+pub fn model_dir_of(model: SyntheticModel) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
     let dir =
         std::env::temp_dir().join(format!("tp-cli-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp folder");
-    let model = SyntheticModel { max_position_embeddings: max_len, eos_token_id: Some(EOT), ..SyntheticModel::tiny() };
+    let model = SyntheticModel { eos_token_id: Some(EOT), ..model };
     model.write(&dir).expect("synthetic checkpoint");
     std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).expect("tokenizer.json");
     let cfg =

@@ -6,8 +6,23 @@
 //! `f32` as transformers computes it: `p = softmax(logits)`, the `k` largest (ties to the lower
 //! expert id), optionally renormalised to sum to 1 (`norm_topk_prob`; Mixtral always). A row's
 //! routing depends on that row alone.
+//!
+//! Each thread counts the routing decisions it made per expert, summed over every routing call
+//! (every MoE layer) until [`take_routed`] reads and resets them: a serving engine takes them
+//! around each step's forward pass for its routing histogram.
 
 use crate::{DType, Device, Error, Result, Tensor};
+use std::cell::RefCell;
+
+thread_local! {
+    static ROUTED: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The tokens this thread routed to each expert (index = expert id; summed over the MoE layers)
+/// since its last call, reset to none.
+pub fn take_routed() -> Vec<u64> {
+    ROUTED.with(|r| std::mem::take(&mut *r.borrow_mut()))
+}
 
 /// How a router turns logits into the chosen experts' weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +115,17 @@ pub fn route(logits: &Tensor, k: usize, kind: RouterKind) -> Result<Routing> {
             });
         }
     }
-    Ok(Routing { top_k: k, num_experts: e, experts, weights })
+    let routing = Routing { top_k: k, num_experts: e, experts, weights };
+    ROUTED.with(|r| {
+        let mut r = r.borrow_mut();
+        if r.len() < e {
+            r.resize(e, 0);
+        }
+        for (c, n) in r.iter_mut().zip(routing.counts()) {
+            *c += n;
+        }
+    });
+    Ok(routing)
 }
 
 /// `softmax(x)` in f32: `exp(x - max) / Σ exp(x - max)`.

@@ -444,6 +444,9 @@ impl Leader {
             ..self.totals
         };
         self.stats.publish(s);
+        if !self.worker.routed.is_empty() {
+            self.stats.publish_routed(&self.worker.routed);
+        }
     }
 }
 

@@ -420,6 +420,7 @@ fn rank_main(
         pipeline,
         busy_secs: 0.0,
         phases: Default::default(),
+        routed: Vec::new(),
         caches,
         block_size: opts.block_size,
         seqs: HashMap::new(),

@@ -53,6 +53,9 @@ pub(crate) struct RankWorker {
     pub busy_secs: f64,
     /// This rank's step time by phase (its `scheduler` and `steps` left to the leader).
     pub phases: crate::api::StepPhases,
+    /// Tokens this rank's forward passes routed to each expert, summed over the MoE layers
+    /// (empty for a dense model).
+    pub routed: Vec<u64>,
     pub caches: Vec<PagedKvCache>,
     pub block_size: usize,
     pub seqs: HashMap<RequestId, SeqState>,
@@ -221,10 +224,18 @@ impl RankWorker {
         // A rank whose forward fails leaves before the masks' broadcast; it aborts the group,
         // which ends the others' wait at once.
         let _ = tp_core::phase::take();
+        let _ = tp_core::moe::take_routed();
         let started = std::time::Instant::now();
         let logits = self.forward(ids, batch, &all_rows);
         let forward = started.elapsed().as_secs_f64();
         let spent = tp_core::phase::take();
+        let routed = tp_core::moe::take_routed();
+        if self.routed.len() < routed.len() {
+            self.routed.resize(routed.len(), 0);
+        }
+        for (total, n) in self.routed.iter_mut().zip(routed) {
+            *total += n;
+        }
         let (gemm, attention) = (spent.gemm.as_secs_f64(), spent.attention.as_secs_f64());
         self.phases.gemm += gemm;
         self.phases.attention += attention;
