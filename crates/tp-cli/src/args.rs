@@ -157,6 +157,10 @@ pub struct ServeArgs {
     /// runs beside it (slower small-batch decode).
     #[arg(long)]
     pub batch_invariant: bool,
+    /// A mixture-of-experts model's experts whole on ranks, split in balanced ranges over the
+    /// tensor-parallel group (vLLM's flag); without it each expert is split over the ranks.
+    #[arg(long)]
+    pub enable_expert_parallel: bool,
     /// Do not pack the host weights once for the GEMM (saves as much memory as the weights;
     /// batched steps then repack them on every call).
     #[arg(long)]
@@ -216,6 +220,8 @@ pub struct EngineArgs {
     pub max_waiting: usize,
     /// Batch-invariant host products.
     pub batch_invariant: bool,
+    /// Experts whole on ranks.
+    pub expert_parallel: bool,
     /// Pack host weights once.
     pub prepack_weights: bool,
     /// `--speculative-config`.
@@ -354,6 +360,7 @@ impl ServeArgs {
             seed: self.seed,
             max_waiting: self.max_waiting_requests,
             batch_invariant: self.batch_invariant,
+            expert_parallel: self.enable_expert_parallel,
             prepack_weights: !self.no_prepack_weights,
             speculative: match &self.speculative_config {
                 None => None,

@@ -49,6 +49,7 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     o.seed = args.seed;
     o.max_waiting = args.max_waiting;
     o.batch_invariant = args.batch_invariant;
+    o.expert_parallel = args.expert_parallel;
     o.prepack_weights = args.prepack_weights;
     o.speculative = args.speculative;
     o.timeout = tp_comm::LaunchEnv::timeout_from_lookup(|k| std::env::var(k).ok())
@@ -72,11 +73,25 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     Ok(o)
 }
 
+/// Where a mixture-of-experts model's experts go over the tensor-parallel group (`None` for a
+/// dense model, or a config that does not read: the engine's start says why).
+fn expert_placement(args: &EngineArgs, source: Option<&tp_models::ModelSource>) -> Option<String> {
+    let config = match source {
+        Some(s) => s.config().ok()?,
+        None => tp_models::ModelConfig::from_dir(&args.model_dir).ok()?,
+    };
+    let moe = config.moe?;
+    let p =
+        tp_models::tp_layers::ExpertPlacement::new(moe.num_experts, args.tensor_parallel_size, args.expert_parallel);
+    p.ok().map(|p| p.describe())
+}
+
 /// Loads the model and starts the engine with `args`: ranks as threads (`--backend local`), or
 /// this process as rank 0 of one process per GPU (`--backend nccl`; see [`nccl_follower`]). `source`:
 /// the model already opened (its GGUF file is then not opened again); `None` opens `args.model_dir`.
 pub fn start_engine(args: &EngineArgs, source: Option<tp_models::ModelSource>) -> Result<StartedEngine, CliError> {
     let mut opts = engine_options(args)?;
+    let placement = expert_placement(args, source.as_ref());
     opts.source = source;
     let (engine, children) = match args.backend {
         BackendArg::Local => {
@@ -95,6 +110,9 @@ pub fn start_engine(args: &EngineArgs, source: Option<tp_models::ModelSource>) -
             tp_core::KvQuant::Q8_0 => "keys and values in q8_0 blocks",
         })
     );
+    if let Some(p) = placement {
+        tracing::info!("experts: {p}");
+    }
     let handle = engine.handle();
     let join: Join = Box::new(move |deadline| {
         engine.handle().begin_shutdown();

@@ -1,6 +1,7 @@
 //! Serving a mixture-of-experts model (a tiny Qwen3-MoE: a dense first layer, then experts):
 //! `--batch-invariant` answers with the same bits whichever requests share the step and its
-//! experts, at uneven TP degrees, and `/metrics` counts the tokens routed to each expert.
+//! experts, at uneven TP degrees and with `--enable-expert-parallel`, and `/metrics` counts the
+//! tokens routed to each expert.
 
 mod common;
 
@@ -37,9 +38,13 @@ fn answer(v: &Value) -> (String, Vec<Value>) {
 
 #[test]
 fn an_moe_model_answers_with_the_same_bits_whatever_shares_its_step() {
-    for tp in ["1", "3"] {
+    for (tp, ep) in [("1", false), ("3", false), ("3", true)] {
         // (A server removes its folder when it stops.)
-        let s = Server::start_in(&moe_dir(), &["-tp", tp, "--batch-invariant", "--no-enable-prefix-caching"], &[]);
+        let mut args = vec!["-tp", tp, "--batch-invariant", "--no-enable-prefix-caching"];
+        if ep {
+            args.push("--enable-expert-parallel");
+        }
+        let s = Server::start_in(&moe_dir(), &args, &[]);
         let (st, alone) = s.post("/v1/chat/completions", &chat("Hello there"));
         assert_eq!(st, 200, "{alone}");
         let alone = answer(&alone);
@@ -58,7 +63,7 @@ fn an_moe_model_answers_with_the_same_bits_whatever_shares_its_step() {
             mine
         });
         assert_eq!(together.0, 200, "{}", together.1);
-        assert_eq!(answer(&together.1), alone, "TP {tp}: the answer changed with its neighbours");
+        assert_eq!(answer(&together.1), alone, "TP {tp} (EP {ep}): the answer changed with its neighbours");
     }
 }
 

@@ -82,6 +82,21 @@ impl MergedColumnParallel {
         names: Projections<N>,
         granule: usize,
     ) -> Result<MergedColumnParallel> {
+        Self::load_with(ld, names, |rows| aligned_shard(rows, granule, ld.rank(), ld.world_size()))
+    }
+
+    /// Every row of each part on this rank (an expert that expert parallelism places whole on
+    /// one rank): each part's shard covers all its rows.
+    pub fn load_whole<const N: usize>(ld: &Loader<'_>, names: Projections<N>) -> Result<MergedColumnParallel> {
+        Self::load_with(ld, names, |rows| Ok(TensorShard::with_range(0, rows, ld.rank(), ld.world_size(), 0, rows)?))
+    }
+
+    /// Loads the parts, each part's rows on this rank given by `shard_of(rows)`.
+    fn load_with<const N: usize>(
+        ld: &Loader<'_>,
+        names: Projections<N>,
+        shard_of: impl Fn(usize) -> Result<TensorShard>,
+    ) -> Result<MergedColumnParallel> {
         let rows: [usize; N] = match names {
             Projections::Separate(n) => {
                 let mut rows = [0; N];
@@ -107,7 +122,7 @@ impl MergedColumnParallel {
         let bias = names.has_bias(ld)?;
         let (mut weights, mut biases, mut shards) = (Vec::new(), Vec::new(), Vec::new());
         for (i, &r) in rows.iter().enumerate() {
-            let s = aligned_shard(r, granule, ld.rank(), ld.world_size())?;
+            let s = shard_of(r)?;
             let (w, b) = names.read(ld, i, &rows, (s.start(), s.len()), bias)?;
             weights.push(w);
             biases.extend(b);

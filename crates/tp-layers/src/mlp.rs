@@ -90,6 +90,45 @@ impl ParallelMlp {
         Self::load_inner(ld, names, act)
     }
 
+    /// The whole MLP on this rank (every intermediate feature), as expert parallelism places
+    /// an expert: no rank shares it, so its partial product is its output.
+    pub fn load_whole(ld: &Loader<'_>, names: MlpNames, act: Activation) -> Result<ParallelMlp> {
+        let gate_up = MergedColumnParallel::load_whole(ld, names.gate_up)?;
+        let (inter, hidden) = (gate_up.shards()[0].global_len(), gate_up.local().in_features());
+        let down_name = format!("{}.weight", names.down);
+        ld.expect(&down_name, &[hidden, inter])?;
+        let down = RowParallel::load_columns(&ld.pp(names.down), 0..inter)?;
+        Self::new(gate_up, down, act)
+    }
+
+    /// [`from_full`](Self::from_full), every feature on this rank (see
+    /// [`load_whole`](Self::load_whole)).
+    pub fn from_whole(
+        gate: &Linear,
+        up: &Linear,
+        down: &Linear,
+        act: Activation,
+        group: &DeviceGroup,
+    ) -> Result<ParallelMlp> {
+        let (rank, world) = (group.rank(), group.world_size());
+        let dev = group.device();
+        let mut shards = Vec::new();
+        for p in [gate, up] {
+            shards.push(tp_core::TensorShard::with_range(0, p.out_features(), rank, world, 0, p.out_features())?);
+        }
+        let weight = Tensor::cat(&[gate.weight()?, up.weight()?], 0)?.to_device(&dev)?;
+        let bias = match (gate.bias(), up.bias()) {
+            (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)?.to_device(&dev)?),
+            (None, None) => None,
+            _ => return Err(LayerError::Config("gate and up must both have a bias or neither".into())),
+        };
+        let gate_up = MergedColumnParallel::new(Linear::new(weight, bias)?, shards, group)?;
+        let inter = down.in_features();
+        let shard = tp_core::TensorShard::with_range(1, inter, rank, world, 0, inter)?;
+        let down = RowParallel::new(down.weight()?.to_device(&dev)?, down.bias().cloned(), shard, group)?;
+        Self::new(gate_up, down, act)
+    }
+
     fn load_inner(ld: &Loader<'_>, names: MlpNames, act: Activation) -> Result<ParallelMlp> {
         let down_name = format!("{}.weight", names.down);
         let granule = ld.quant_block(&down_name)?;

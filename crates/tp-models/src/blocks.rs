@@ -8,7 +8,7 @@ use tp_core::{RotaryEmbedding, RouterKind};
 use tp_layers::{AttentionConfig, AttentionHeads, Block, DecoderConfig, DecoderLayer, Loader, MoeConfig, QkNorm};
 
 /// What layer `i` of the model needs besides its weights.
-pub(crate) fn decoder_config(c: &ModelConfig, i: usize) -> Result<DecoderConfig> {
+pub(crate) fn decoder_config(c: &ModelConfig, i: usize, expert_parallel: bool) -> Result<DecoderConfig> {
     let window = c.window_of(i);
     let (theta, scaling) = match (window, c.local_rope.clone()) {
         (Some(_), Some(local)) => local,
@@ -29,6 +29,7 @@ pub(crate) fn decoder_config(c: &ModelConfig, i: usize) -> Result<DecoderConfig>
         router: RouterKind::SoftmaxTopK { renormalize: m.norm_topk_prob },
         weights_in_dtype: m.weights_in_dtype,
         activation: c.hidden_act,
+        expert_parallel,
     });
     Ok(DecoderConfig {
         attention,
@@ -39,8 +40,14 @@ pub(crate) fn decoder_config(c: &ModelConfig, i: usize) -> Result<DecoderConfig>
     })
 }
 
-/// Layer `i` under the loader's prefix (`model.layers.i`), this rank's shards only.
-pub(crate) fn decoder_layer(ld: &Loader<'_>, c: &ModelConfig, i: usize) -> Result<Box<dyn Block>> {
+/// Layer `i` under the loader's prefix (`model.layers.i`), this rank's shards only (an MoE
+/// layer's experts whole on ranks under `expert_parallel`).
+pub(crate) fn decoder_layer(
+    ld: &Loader<'_>,
+    c: &ModelConfig,
+    i: usize,
+    expert_parallel: bool,
+) -> Result<Box<dyn Block>> {
     let names = c.architecture.spec().names;
-    Ok(Box::new(DecoderLayer::load(ld, &decoder_config(c, i)?, &names)?))
+    Ok(Box::new(DecoderLayer::load(ld, &decoder_config(c, i, expert_parallel)?, &names)?))
 }

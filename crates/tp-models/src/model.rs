@@ -41,6 +41,9 @@ pub struct ModelOptions {
     /// The longest sequence the KV caches may grow to (`None`: `max_position_embeddings`;
     /// larger values are capped there). Caches start small and grow as sequences need.
     pub max_seq_len: Option<usize>,
+    /// A mixture-of-experts model's experts whole on ranks (expert parallelism, vLLM's
+    /// `--enable-expert-parallel`) instead of each split over them.
+    pub expert_parallel: bool,
 }
 
 impl ModelOptions {
@@ -56,6 +59,11 @@ impl ModelOptions {
     /// KV caches that grow to at most `len` positions.
     pub fn with_max_seq_len(mut self, len: usize) -> ModelOptions {
         self.max_seq_len = Some(len);
+        self
+    }
+    /// Experts whole on ranks (expert parallelism) or, with `false`, split over them.
+    pub fn with_expert_parallel(mut self, yes: bool) -> ModelOptions {
+        self.expert_parallel = yes;
         self
     }
 }
@@ -241,7 +249,7 @@ impl ParallelCausalLm {
         let layers = part
             .layers
             .clone()
-            .map(|i| crate::blocks::decoder_layer(&model.pp("layers").pp(i), c, i))
+            .map(|i| crate::blocks::decoder_layer(&model.pp("layers").pp(i), c, i, opts.expert_parallel))
             .collect::<Result<Vec<_>>>()?;
         let head = if part.head {
             let norm = RmsNorm::load(&model.pp("norm"), c.rms_norm_eps, c.norm_style)?;

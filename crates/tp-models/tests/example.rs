@@ -425,3 +425,39 @@ fn a_signal_during_the_logits_write_leaves_no_file_behind() {
     }
     let _ = std::fs::remove_dir_all(&dir); // 50 MB
 }
+
+/// `--enable-expert-parallel` (vLLM's flag): the placement is printed at start and the tokens
+/// are transformers' greedy ones (the Qwen3-MoE fixture of tests/moe.rs); more ranks than
+/// experts is refused before any rank starts, naming both.
+#[test]
+fn the_example_runs_experts_whole_on_ranks_and_prints_where() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/moe/qwen3_moe");
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids = |name: &str| -> Vec<String> {
+        st.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()).to_string())
+            .collect()
+    };
+    let (prompt, tokens) = (ids("prompt").join(","), ids("tokens"));
+    let n = tokens.len().to_string();
+    let model = dir.to_str().unwrap();
+    let base = ["--model", model, "--prompt-ids", &prompt, "--max-new-tokens", &n, "--ignore-eos"];
+    let o = run(&[&base[..], &["--world-size", "3", "--enable-expert-parallel"]].concat());
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("experts: expert parallelism: rank 0 experts 0-2, rank 1 experts 3-5, rank 2 experts 6-7"),
+        "{stderr}"
+    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().next(), Some(tokens.join(",").as_str()));
+    let o = run(&[&base[..], &["--world-size", "3"]].concat());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("expert tensor parallelism: each of 8 experts split over 3"));
+    let o = run(&[&base[..], &["--world-size", "9", "--enable-expert-parallel"]].concat());
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && stderr.lines().count() == 1, "{stderr}");
+    assert!(stderr.contains("over 9 ranks needs at least 9 experts; the model has 8"), "{stderr}");
+}

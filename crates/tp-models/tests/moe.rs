@@ -48,8 +48,18 @@ fn rel_err(got: &[f64], want: &[f64]) -> f64 {
 /// Rank 0's prefill logits of the prompt, then the logits of each greedy step (the token
 /// picked by the previous logits fed back), and the tokens.
 fn run(dir: &Path, world: usize, dtype: DType, prompt: &[i64], steps: usize) -> (Vec<f64>, Vec<Vec<f64>>, Vec<i64>) {
+    run_with(dir, world, ModelOptions::new().with_dtype(dtype), prompt, steps)
+}
+
+fn run_with(
+    dir: &Path,
+    world: usize,
+    opts: ModelOptions,
+    prompt: &[i64],
+    steps: usize,
+) -> (Vec<f64>, Vec<Vec<f64>>, Vec<i64>) {
     let mut out = on_ranks(world, CPU, |g| {
-        let mut lm = ParallelCausalLm::load(dir, &g, &ModelOptions::new().with_dtype(dtype)).unwrap();
+        let mut lm = ParallelCausalLm::load(dir, &g, &opts).unwrap();
         let vocab = lm.config().vocab_size;
         let prefill = lm.prefill(prompt).unwrap().to_f64_vec().unwrap();
         let mut last = prefill[prefill.len() - vocab..].to_vec();
@@ -66,13 +76,18 @@ fn run(dir: &Path, world: usize, dtype: DType, prompt: &[i64], steps: usize) -> 
 }
 
 fn check(name: &str, folder: &Path, worlds: &[usize]) {
+    check_with(name, folder, worlds, ModelOptions::new().with_dtype(DType::F32));
+}
+
+fn check_with(name: &str, folder: &Path, worlds: &[usize], opts: ModelOptions) {
     let want = reference(&case(name));
     let prompt: Vec<i64> = want["prompt"].iter().map(|&v| v as i64).collect();
     let tokens: Vec<i64> = want["tokens"].iter().map(|&v| v as i64).collect();
     let vocab = want["prefill"].len() / prompt.len();
     for &world in worlds {
-        let at = format!("{name} ({}) TP {world}", folder.display());
-        let (prefill, decode, got) = run(folder, world, DType::F32, &prompt, tokens.len());
+        let ep = if opts.expert_parallel { " EP" } else { "" };
+        let at = format!("{name} ({}) TP {world}{ep}", folder.display());
+        let (prefill, decode, got) = run_with(folder, world, opts, &prompt, tokens.len());
         let e = rel_err(&prefill, &want["prefill"]);
         assert!(e < 2e-5, "{at}: prefill logits off by {e:e}");
         assert_eq!(got, tokens, "{at}: greedy tokens");
@@ -128,4 +143,15 @@ fn bf16_stays_within_bf16s_rounding_in_every_family() {
             assert_eq!(got, tokens, "{name} bf16 TP {world}: greedy tokens");
         }
     }
+}
+
+/// Expert parallelism: whole experts on ranks, 8 experts over 2, 3 (3, 3, 2), 5 (2, 2, 2, 1, 1)
+/// and 8 ranks, from both layouts and with a shared expert (split as an MLP), gives
+/// transformers' logits and tokens.
+#[test]
+fn expert_parallelism_at_uneven_placements_matches_transformers() {
+    let ep = ModelOptions::new().with_dtype(DType::F32).with_expert_parallel(true);
+    check_with("qwen3_moe", &case("qwen3_moe"), &[2, 3, 5, 8], ep);
+    check_with("mixtral", &case("mixtral").join("fused"), &[3], ep);
+    check_with("qwen2_moe", &case("qwen2_moe"), &[3, 5], ep);
 }

@@ -101,6 +101,9 @@ pub struct EngineOptions {
     /// logits are then bitwise the same whatever else runs beside it, at some cost to
     /// small-batch decode.
     pub batch_invariant: bool,
+    /// A mixture-of-experts model's experts whole on ranks (expert parallelism) instead of
+    /// each split over them.
+    pub expert_parallel: bool,
     /// Pack the host weights once for the GEMM ([`ParallelCausalLm::pack_host_weights`]): batched
     /// steps stop repacking them (about 2x on 16-row products), for as much memory again as the
     /// weights. On by default; a no-op on a GPU.
@@ -136,6 +139,7 @@ impl EngineOptions {
             timeout: Duration::from_secs(tp_comm::DEFAULT_TIMEOUT_SECS),
             max_waiting: 4096,
             batch_invariant: false,
+            expert_parallel: false,
             prepack_weights: true,
             fault: None,
             step_delay: Duration::ZERO,
@@ -381,7 +385,7 @@ fn rank_main(
         }
         Err(e)
     };
-    let mut mopts = ModelOptions::new().with_max_seq_len(max_model_len);
+    let mut mopts = ModelOptions::new().with_max_seq_len(max_model_len).with_expert_parallel(opts.expert_parallel);
     if let Some(d) = opts.dtype {
         mopts = mopts.with_dtype(d);
     }

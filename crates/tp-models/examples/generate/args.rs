@@ -5,7 +5,7 @@ use tp_core::DType;
 
 pub const USAGE: &str = "usage: generate --model DIR (--prompt-ids 1,2,3 | --prompt TEXT) --max-new-tokens N --world-size W \
                          [--backend local|nccl] [--device cpu|cuda] [--dtype f32|f16|bf16] \
-                         [--logits-out FILE.safetensors] [--ignore-eos]";
+                         [--logits-out FILE.safetensors] [--ignore-eos] [--enable-expert-parallel]";
 
 /// Largest `--world-size` accepted (tp-comm's limit for a group).
 pub const MAX_WORLD_SIZE: usize = tp_comm::MAX_WORLD_SIZE;
@@ -48,6 +48,8 @@ pub struct Args {
     pub dtype: Option<DType>,
     pub logits_out: Option<String>,
     pub ignore_eos: bool,
+    /// A mixture-of-experts model's experts whole on ranks (vLLM's flag).
+    pub expert_parallel: bool,
 }
 
 /// The arguments as UTF-8 strings (a non-UTF-8 argument is an error, not a panic).
@@ -70,6 +72,7 @@ fn ids(v: &str) -> Result<Vec<i64>, String> {
 pub fn parse(args: &[String]) -> Result<Args, String> {
     let (mut model, mut prompt, mut n, mut world, mut logits_out) = (None, None, None, None, None);
     let (mut backend, mut device, mut dtype, mut ignore_eos) = (Backend::Local, DeviceKind::Cpu, None, false);
+    let mut expert_parallel = false;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().cloned().ok_or_else(|| format!("{flag} needs a value; {USAGE}"));
@@ -116,6 +119,7 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
             }
             "--logits-out" => logits_out = Some(value()?),
             "--ignore-eos" => ignore_eos = true,
+            "--enable-expert-parallel" => expert_parallel = true,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}; {USAGE}")),
         }
@@ -131,5 +135,6 @@ pub fn parse(args: &[String]) -> Result<Args, String> {
         dtype,
         logits_out,
         ignore_eos,
+        expert_parallel,
     })
 }

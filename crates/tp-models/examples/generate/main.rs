@@ -58,6 +58,14 @@ fn run() -> Result<(), String> {
         Prompt::Text(text) => tokenizer::encode(dir, text)?,
     };
     check_request(&config, &prompt, a.max_new_tokens)?;
+    if let Some(moe) = &config.moe {
+        // Where the experts go, checked (and shown once) before any rank starts.
+        let placement = tp_models::tp_layers::ExpertPlacement::new(moe.num_experts, a.world_size, a.expert_parallel)
+            .map_err(|e| e.to_string())?;
+        if std::env::var("RANK").is_err() {
+            eprintln!("experts: {}", placement.describe());
+        }
+    }
     let out = match a.backend {
         Backend::Local => run_local(&a, &config, &prompt)?,
         Backend::Nccl if std::env::var_os("RANK").is_some() => match run_nccl_rank(&a, &config, &prompt)? {
@@ -108,7 +116,8 @@ fn check_request(c: &ModelConfig, prompt: &[i64], n: usize) -> Result<(), String
 
 /// One rank: load its shards, generate.
 fn one_rank(a: &Args, config: &ModelConfig, prompt: &[i64], g: &DeviceGroup) -> Result<Generation, String> {
-    let mut opts = ModelOptions::new().with_max_seq_len(prompt.len() + a.max_new_tokens);
+    let mut opts =
+        ModelOptions::new().with_max_seq_len(prompt.len() + a.max_new_tokens).with_expert_parallel(a.expert_parallel);
     if let Some(d) = a.dtype {
         opts = opts.with_dtype(d);
     }
