@@ -82,8 +82,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, get_cosine_schedule_with_warmup)
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          OlmoeConfig, OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM, get_cosine_schedule_with_warmup)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 OUT = os.path.join(ROOT, "crates", "tp-train", "tests", "fixtures")
@@ -115,6 +117,8 @@ LLAMA, QWEN2, MISTRAL = (LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForC
                                                                                           MistralForCausalLM)
 QWEN3, GEMMA3 = (Qwen3Config, Qwen3ForCausalLM), (Gemma3TextConfig, Gemma3ForCausalLM)
 PHI3, OLMO2 = (Phi3Config, Phi3ForCausalLM), (Olmo2Config, Olmo2ForCausalLM)
+QWEN3MOE, QWEN2MOE = (Qwen3MoeConfig, Qwen3MoeForCausalLM), (Qwen2MoeConfig, Qwen2MoeForCausalLM)
+MIXTRAL, OLMOE = (MixtralConfig, MixtralForCausalLM), (OlmoeConfig, OlmoeForCausalLM)
 CASES = {
     "llama": (LLAMA, base()),
     "llama_tied_biases": (LLAMA, base(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
@@ -131,6 +135,17 @@ CASES = {
     "llama_tied_pad": (LLAMA, base(tie_word_embeddings=True, pad_token_id=PAD)),
     "phi3_longrope": (PHI3, no_head_dim(original_max_position_embeddings=8, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0, 1.25, 1.5], "long_factor": [1.0, 2.0, 4.0]})),
+    # Mixtures of experts: 8 experts of 20 features, 2 per token, the load-balancing loss on (coefficient 0.05,
+    # far above the default so that its gradient shows) except in Mixtral.
+    "qwen3_moe": (QWEN3MOE, base(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=20, norm_topk_prob=True,
+                                 mlp_only_layers=[0], attention_bias=True, output_router_logits=True,
+                                 router_aux_loss_coef=0.05)),
+    "qwen2_moe": (QWEN2MOE, no_head_dim(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=20,
+                                        shared_expert_intermediate_size=28, output_router_logits=True,
+                                        router_aux_loss_coef=0.05)),
+    "mixtral": (MIXTRAL, base(num_local_experts=8, num_experts_per_tok=2, intermediate_size=20, sliding_window=4)),
+    "olmoe": (OLMOE, no_head_dim(num_experts=8, num_experts_per_tok=2, intermediate_size=20, num_key_value_heads=4,
+                                 output_router_logits=True, router_aux_loss_coef=0.05)),
 }
 
 # (length, masked prompt length); row 1 is longer than seq_len, row 4 exactly seq_len.
@@ -148,7 +163,7 @@ def make_data():
 
 def make_model(d, classes, kw, seed):
     torch.manual_seed(seed)
-    m = classes[1](classes[0](attn_implementation="eager", **kw)).float()
+    m = classes[1](classes[0](attn_implementation="eager", experts_implementation="eager", **kw)).float()
     with torch.no_grad():
         for n, p in m.named_parameters():
             if "norm" in n:
@@ -162,9 +177,12 @@ def make_model(d, classes, kw, seed):
 
 
 def load(d, dtype):
-    m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    # The eager experts (the modeling file's loop), not the grouped-GEMM integration, which takes no float64.
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager",
+                                                          experts_implementation="eager")
     saved = load_file(os.path.join(d, "model.safetensors"))
     sd = m.state_dict()
+    sd = by_checkpoint_name(m, sorted(saved), {id(p): sd[k] for k, p in m.named_parameters()})
     for k, v in saved.items():
         assert torch.equal(sd[k], v), k
     if dtype == torch.float64:
@@ -224,8 +242,14 @@ def full_f64():
 class NoLowPrecision(TorchDispatchMode):
     """Fails on any op that produces a floating tensor narrower than float64."""
 
+    # transformers' load-balancing loss counts the experts chosen in float32 (zeros, then a histogram of the
+    # chosen ids): whole numbers, exact in any float type.
+    EXACT = (torch.ops.aten.zeros.default, torch.ops.aten.histc.default)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in self.EXACT:
+            return out
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
                 raise AssertionError(f"{func} produced {t.dtype}")
@@ -234,13 +258,27 @@ class NoLowPrecision(TorchDispatchMode):
 
 def row_ce(m, row, seq_len):
     """(sum of CE over the row's target tokens, number of target tokens), the row truncated to seq_len."""
+    ce, n, _ = row_ce_aux(m, row, seq_len)
+    return ce, n
+
+
+def row_ce_aux(m, row, seq_len):
+    """row_ce and the row's load-balancing loss (transformers' `aux_loss` of the row alone, unweighted; 0 for a
+    dense model or a config without output_router_logits)."""
     ids = torch.tensor([row["input_ids"][:seq_len]])
     labels = torch.tensor(row["labels"][:seq_len])
-    logits = m(ids).logits[0]
+    moe = getattr(m.config, "output_router_logits", False)
+    out = m(ids, output_router_logits=True) if moe else m(ids)
+    logits = out.logits[0]
     tgt = labels[1:]
     mask = tgt != -100
     ce = torch.nn.functional.cross_entropy(logits[:-1][mask], tgt[mask], reduction="sum")
-    return ce, int(mask.sum())
+    return ce, int(mask.sum()), (out.aux_loss if moe else 0.0)
+
+
+def aux_coef(m):
+    """The load-balancing loss's weight in the loss (0 without output_router_logits)."""
+    return m.config.router_aux_loss_coef if getattr(m.config, "output_router_logits", False) else 0.0
 
 
 def train(m, rows, h):
@@ -257,9 +295,10 @@ def train(m, rows, h):
         batch = [rows[(nxt + i) % len(rows)] for i in range(per_step)]
         nxt += per_step
         opt.zero_grad(set_to_none=True)
-        parts = [row_ce(m, r, h["seq_len"]) for r in batch]
-        n = sum(c for _, c in parts)
-        loss = sum(ce for ce, _ in parts) / n
+        parts = [row_ce_aux(m, r, h["seq_len"]) for r in batch]
+        n = sum(c for _, c, _ in parts)
+        # A mixture's load-balancing loss: each row's own (its forward alone), the mean over the step's rows.
+        loss = sum(ce for ce, _, _ in parts) / n + aux_coef(m) * sum(a for _, _, a in parts) / len(parts)
         loss.backward()
         if s == 1:
             grads1 = {id(p): p.grad.detach().clone() for p in m.parameters()}
@@ -272,10 +311,31 @@ def train(m, rows, h):
 
 
 def by_checkpoint_name(m, names, values):
-    """{checkpoint name: f32 tensor} for every parameter; values maps id(param) to a tensor."""
+    """{checkpoint name: f32 tensor} for every parameter; values maps id(param) to a tensor. transformers 5 holds
+    a mixture's experts fused (`experts.gate_up_proj: [E, 2I, H]`, `experts.down_proj: [E, H, I]`); the checkpoint
+    (and tp) name them per expert, so those are split."""
     params = dict(m.named_parameters())  # a tied lm_head appears once, as model.embed_tokens.weight
-    assert sorted(params) == names, (sorted(params), names)
-    return {k: values[id(params[k])].detach().to(torch.float32).contiguous() for k in names}
+    # Mixtral's checkpoints name the block `block_sparse_moe` and the projections w1 (gate), w3 (up), w2 (down).
+    mixtral = any(".block_sparse_moe." in n for n in names)
+    proj = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    out = {}
+    for k, p in params.items():
+        v = values[id(p)].detach().to(torch.float32)
+        if mixtral:
+            k = k.replace(".mlp.", ".block_sparse_moe.")
+        if k.endswith(".experts.gate_up_proj") or k.endswith(".experts.down_proj"):
+            prefix = k.rsplit(".", 1)[0]
+            for e in range(v.shape[0]):
+                if k.endswith("gate_up_proj"):
+                    i = v.shape[1] // 2
+                    out[f"{prefix}.{e}.{proj['gate']}.weight"] = v[e, :i].contiguous()
+                    out[f"{prefix}.{e}.{proj['up']}.weight"] = v[e, i:].contiguous()
+                else:
+                    out[f"{prefix}.{e}.{proj['down']}.weight"] = v[e].contiguous()
+        else:
+            out[k] = v.contiguous()
+    assert sorted(out) == names, (sorted(out), names)
+    return out
 
 
 def dir_size(d):
@@ -300,8 +360,8 @@ def run_case(name, classes, kw, seed, rows):
             ids = torch.tensor([r["input_ids"][:HYPER["seq_len"]]])
             labels = torch.tensor([r["labels"][:HYPER["seq_len"]]])
             hf = m32(ids, labels=labels).loss.item()
-            ce, n = row_ce(m32, r, HYPER["seq_len"])
-            worst = max(worst, abs(hf - ce.item() / n) / abs(hf))
+            ce, n, aux = row_ce_aux(m32, r, HYPER["seq_len"])
+            worst = max(worst, abs(hf - (ce.item() / n + aux_coef(m32) * float(aux))) / abs(hf))
     assert worst < 1e-6, worst
 
     # The reference: float64 throughout, on exactly the saved weights.
@@ -320,8 +380,10 @@ def run_case(name, classes, kw, seed, rows):
     # Check 2: unpatched transformers in float64 (its f32 casts) gives the same step-1 loss.
     m64, _ = load(d, torch.float64)
     with torch.no_grad():
-        parts = [row_ce(m64, r, HYPER["seq_len"]) for r in rows[:HYPER["micro_batch_size"] * HYPER["grad_accum"]]]
-    plain = sum(c for c, _ in parts).item() / sum(n for _, n in parts)
+        parts = [row_ce_aux(m64, r, HYPER["seq_len"])
+                 for r in rows[:HYPER["micro_batch_size"] * HYPER["grad_accum"]]]
+    plain = (sum(c for c, _, _ in parts).item() / sum(n for _, n, _ in parts)
+             + aux_coef(m64) * sum(float(a) for _, _, a in parts) / len(parts))
     dev64 = abs(plain - steps[0]["loss"]) / steps[0]["loss"]
     assert dev64 < 1e-5, dev64
     assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in steps)

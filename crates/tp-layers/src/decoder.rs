@@ -49,6 +49,14 @@ pub trait Block: std::fmt::Debug + Send + Sync {
     /// Training: `dx` (f32, every rank the same) from `dy`, accumulating the gradients of the
     /// block's parameters.
     fn backward(&mut self, saved: BlockSaved, dy: &Tensor) -> Result<Tensor>;
+    /// Training: what this block's mixture of experts routed in the forward that kept `saved`
+    /// (`None` for a dense block).
+    fn router_stats<'s>(&self, _saved: &'s BlockSaved) -> Option<&'s crate::RouterStats> {
+        None
+    }
+    /// Training: sets the load-balancing loss's gradient on this block's router probabilities
+    /// (`[T · E]`), which its backward adds (a no-op for a dense block).
+    fn set_router_prob_grad(&self, _saved: &mut BlockSaved, _grad: std::sync::Arc<Vec<f32>>) {}
     /// The block's trainable parameters under `prefix` (`model.layers.N`), named by `names`;
     /// under `sequence_parallel` the replicated norms' gradients are partial (each rank's rows).
     fn params<'a>(
@@ -161,18 +169,45 @@ impl FeedForward {
         }
     }
 
-    /// The dense MLP, or an error naming `what` for a mixture of experts (whose training is
-    /// not written yet).
-    fn dense_mut(&mut self, what: &str) -> Result<&mut ParallelMlp> {
+    /// Training forward (see [`ParallelMlp::forward_train`], [`ParallelMoe::forward_train`]).
+    fn forward_train(&self, x: &Tensor, batch: &crate::SeqBatch) -> Result<(Tensor, FeedForwardSaved)> {
         match self {
-            FeedForward::Dense(m) => Ok(m),
-            FeedForward::Moe(_) => Err(moe_training(what)),
+            FeedForward::Dense(m) => m.forward_train(x, batch).map(|(y, s)| (y, FeedForwardSaved::Dense(s))),
+            FeedForward::Moe(m) => m.forward_train(x, batch).map(|(y, s)| (y, FeedForwardSaved::Moe(s))),
+        }
+    }
+
+    fn backward(&mut self, saved: FeedForwardSaved, dy: &Tensor) -> Result<Tensor> {
+        match (self, saved) {
+            (FeedForward::Dense(m), FeedForwardSaved::Dense(s)) => m.backward(s, dy),
+            (FeedForward::Moe(m), FeedForwardSaved::Moe(s)) => m.backward(s, dy),
+            _ => Err(crate::LayerError::Config("a feed-forward backward got another kind's saved state".into())),
+        }
+    }
+
+    fn params<'a>(&'a mut self, prefix: &str, names: &DecoderNames, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()> {
+        use crate::parts::join;
+        match self {
+            FeedForward::Dense(m) => m.params(&join(prefix, names.mlp), names.mlp_names, f),
+            FeedForward::Moe(m) => {
+                let Some((prefixes, moe_names)) = names.moe else {
+                    return Err(crate::LayerError::Config(format!(
+                        "{prefix}: experts in a family without expert names"
+                    )));
+                };
+                m.params(&join(prefix, prefixes[0]), moe_names, f)
+            }
         }
     }
 }
 
-fn moe_training(what: &str) -> crate::LayerError {
-    crate::LayerError::Config(format!("{what}: training a mixture-of-experts block is not supported yet"))
+/// A feed-forward part's training forward, kept for its backward.
+// One per block, boxed inside `BlockSaved`: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+enum FeedForwardSaved {
+    Dense(crate::MlpSaved),
+    Moe(crate::MoeSaved),
 }
 
 /// Rank `r`'s part of one decoder block.
@@ -298,8 +333,7 @@ impl Block for DecoderLayer {
         let mut h = norm(&self.attn_out, a_raw.clone())?;
         h.add_assign(x)?;
         let m_in = norm(&self.mlp_in, h.clone())?;
-        let FeedForward::Dense(dense) = &self.mlp else { return Err(moe_training("forward_train")) };
-        let (m_raw, mlp) = dense.forward_train(&m_in, batch)?;
+        let (m_raw, mlp) = self.mlp.forward_train(&m_in, batch)?;
         let mut y = norm(&self.mlp_out, m_raw.clone())?;
         y.add_assign(&h)?;
         let saved = DecoderSaved { x: x.clone(), attn, a_raw, h, mlp, m_raw };
@@ -315,7 +349,7 @@ impl Block for DecoderLayer {
         })?;
         let dy = dy.to_dtype(tp_core::DType::F32)?;
         let d_mraw = norm_backward(&mut self.mlp_out, &s.m_raw, &dy)?;
-        let d_min = self.mlp.dense_mut("backward")?.backward(s.mlp, &d_mraw)?;
+        let d_min = self.mlp.backward(s.mlp, &d_mraw)?;
         let mut dh = norm_backward(&mut self.mlp_in, &s.h, &d_min)?;
         dh.add_assign(&dy)?;
         let d_araw = norm_backward(&mut self.attn_out, &s.a_raw, &dh)?;
@@ -323,6 +357,19 @@ impl Block for DecoderLayer {
         let mut dx = norm_backward(&mut self.attn_in, &s.x, &d_ain)?;
         dx.add_assign(&dh)?;
         Ok(dx)
+    }
+
+    fn router_stats<'s>(&self, saved: &'s BlockSaved) -> Option<&'s crate::RouterStats> {
+        match &saved.0.downcast_ref::<DecoderSaved>()?.mlp {
+            FeedForwardSaved::Moe(m) => Some(m.router_stats()),
+            FeedForwardSaved::Dense(_) => None,
+        }
+    }
+
+    fn set_router_prob_grad(&self, saved: &mut BlockSaved, grad: std::sync::Arc<Vec<f32>>) {
+        if let Some(DecoderSaved { mlp: FeedForwardSaved::Moe(m), .. }) = saved.0.downcast_mut::<DecoderSaved>() {
+            m.set_prob_grad(grad);
+        }
     }
 
     fn params<'a>(
@@ -355,7 +402,7 @@ impl Block for DecoderLayer {
             }
         }
         self.self_attn.params(&join(prefix, names.attn), names.attn_names, f)?;
-        self.mlp.dense_mut("params")?.params(&join(prefix, names.mlp), names.mlp_names, f)
+        self.mlp.params(prefix, names, f)
     }
 }
 
@@ -366,7 +413,7 @@ struct DecoderSaved {
     attn: crate::AttentionSaved,
     a_raw: Tensor,
     h: Tensor,
-    mlp: crate::MlpSaved,
+    mlp: FeedForwardSaved,
     m_raw: Tensor,
 }
 

@@ -140,6 +140,10 @@ impl MergedColumnParallel {
     pub fn local(&self) -> &Linear {
         &self.linear
     }
+    /// The local stacked layer, for a backward without communication (an expert's).
+    pub(crate) fn local_mut(&mut self) -> &mut Linear {
+        &mut self.linear
+    }
     /// The group the layer runs on.
     pub fn group(&self) -> &DeviceGroup {
         &self.group

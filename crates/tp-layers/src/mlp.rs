@@ -245,6 +245,31 @@ impl ParallelMlp {
         self.gate_up.backward_batch(&x_full, &dgu, &saved.batch)
     }
 
+    /// The forward of rows `x` (this rank's full rows), keeping `(G_r|U_r, act)` and returning
+    /// this rank's partial output `A_r Wd_r^T` (no communication): an expert's, whose partial
+    /// sums the mixture joins.
+    pub(crate) fn forward_partial_saved(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let gate_up = self.gate_up.forward(x)?;
+        let act = gate_up.glu(self.act)?;
+        let out = self.down.forward_partial(&act)?;
+        Ok((gate_up, act, out))
+    }
+
+    /// The backward of [`forward_partial_saved`](Self::forward_partial_saved): this rank's
+    /// partial `dx` (f32, no communication) from the partial output's gradient `dy`,
+    /// accumulating every weight's gradient.
+    pub(crate) fn backward_partial(
+        &mut self,
+        x: &Tensor,
+        gate_up: &Tensor,
+        act: &Tensor,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        let da = self.down.backward(act, dy)?;
+        let dgu = gate_up.glu_backward(self.act, &da)?;
+        self.gate_up.local_mut().backward(x, &dgu)
+    }
+
     /// The projections as parameters under `prefix` (named by `names`).
     pub fn params<'a>(&'a mut self, prefix: &str, names: MlpNames, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()> {
         self.gate_up.params(prefix, names.gate_up, f)?;

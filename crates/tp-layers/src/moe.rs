@@ -224,11 +224,16 @@ impl ParallelMoe {
 
     /// The routing of `x: [T, H]` (every rank the same).
     pub fn route(&self, x: &Tensor) -> Result<Routing> {
-        let logits = self.router.forward(x)?;
-        let mut r = route(&logits, self.config.top_k, self.config.router)?;
-        if self.config.weights_in_dtype && x.dtype() != DType::F32 {
+        self.route_logits(&self.router.forward(x)?, x.dtype())
+    }
+
+    /// The routing of router logits `[T, E]`, the weights rounded to `dtype` where the family
+    /// casts them.
+    fn route_logits(&self, logits: &Tensor, dtype: DType) -> Result<Routing> {
+        let mut r = route(logits, self.config.top_k, self.config.router)?;
+        if self.config.weights_in_dtype && dtype != DType::F32 {
             let w = Tensor::from_vec(std::mem::take(&mut r.weights), &[r.experts.len()], &Device::Cpu)?;
-            r.weights = w.to_dtype(x.dtype())?.to_dtype(DType::F32)?.to_vec::<f32>()?;
+            r.weights = w.to_dtype(dtype)?.to_dtype(DType::F32)?.to_vec::<f32>()?;
         }
         Ok(r)
     }
@@ -269,6 +274,296 @@ impl ParallelMoe {
         let y = if self.group.world_size() == 1 { partial } else { self.group.all_reduce(&partial, ReduceOp::Sum)? };
         Ok((y.to_dtype(x.dtype())?, routing))
     }
+}
+
+/// What a router did in a training forward: per token, every expert's probability and the
+/// experts chosen (the load-balancing loss is computed from these over all of a row's MoE
+/// layers; see [`ParallelMoe::backward`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterStats {
+    /// Experts `E`.
+    pub num_experts: usize,
+    /// Experts per token `k`.
+    pub top_k: usize,
+    /// `[T · E]` softmax probabilities (f32), every token of the batch.
+    pub probs: Vec<f32>,
+    /// `[T · k]` chosen experts.
+    pub experts: Vec<u32>,
+}
+
+/// One expert's part of a training forward: the rows routed to it, their slots in the
+/// routing (`t · k + j`), its input rows, `G|U`, the activation and its partial output.
+#[derive(Debug)]
+struct ExpertSaved {
+    rows: Vec<usize>,
+    slots: Vec<usize>,
+    x: Tensor,
+    gate_up: Tensor,
+    act: Tensor,
+    out: Tensor,
+}
+
+/// What [`ParallelMoe::backward`] needs of a training forward.
+#[derive(Debug)]
+pub struct MoeSaved {
+    x: Tensor,
+    batch: crate::SeqBatch,
+    routing: Routing,
+    stats: RouterStats,
+    experts: Vec<Option<ExpertSaved>>,
+    /// The shared expert's `G|U`, activation and partial output, and its gate's values.
+    shared: Option<(Tensor, Tensor, Tensor, Vec<f32>)>,
+    /// `d loss / d p` of the load-balancing loss, `[T · E]`, set before the backward.
+    prob_grad: Option<std::sync::Arc<Vec<f32>>>,
+}
+
+impl MoeSaved {
+    /// The router's probabilities and choices.
+    pub fn router_stats(&self) -> &RouterStats {
+        &self.stats
+    }
+    /// Sets the load-balancing loss's gradient on the router probabilities (`[T · E]`).
+    pub fn set_prob_grad(&mut self, g: std::sync::Arc<Vec<f32>>) {
+        self.prob_grad = Some(g);
+    }
+}
+
+/// Training.
+///
+/// With `l = x R^T`, `p = softmax(l)`, the top `k` set `S`, weights `w_e = p_e` (or
+/// `p_e / Σ_S p` renormalised) and `y = Σ_{e∈S} w_e E_e(x) + σ(x a^T) S(x)`:
+///
+/// * `dw_e = dy · E_e(x)`: each rank dots `dy` with its partial output, and the `T·k` scalars
+///   are summed over the group (with the shared expert's `dy · S(x)`), one small all-reduce;
+/// * each expert's backward from `w_e dy` on its rows and the shared expert's from `σ dy`, all
+///   locally, their partial `dx` summed into one buffer for the block's one all-reduce (or
+///   reduce-scatter under sequence parallelism);
+/// * `dp` from `dw` (through the renormalisation: `dp_i = dw_i / s - Σ_j dw_j p_j / s²`), plus
+///   the load-balancing loss's `dp` where the model set one, then the softmax's
+///   `dl = p ⊙ (dp - p·dp)`, `dR += dl^T x` and `dx += dl R`; the gate's `dz = dg σ (1 - σ)`,
+///   `da += dz^T x`, `dx += dz a`. Router and gate are replicated and see every token, so their
+///   gradients and `dx` terms are the same on every rank and added after the reduction.
+///
+/// Weights rounded to the model's dtype in the forward pass their gradient straight through.
+/// The experts must all be split over the ranks (expert parallelism does not train yet).
+impl ParallelMoe {
+    /// The forward of this rank's rows `x` of `batch` (all of them, or its sequence shard,
+    /// all-gathered first), keeping what the backward needs; the output in the same rows.
+    pub fn forward_train(&self, x: &Tensor, batch: &crate::SeqBatch) -> Result<(Tensor, MoeSaved)> {
+        if self.placement.is_expert_parallel() {
+            return Err(LayerError::Config("training with expert parallelism is not supported yet".into()));
+        }
+        let group = &self.group;
+        let x_full = batch.gather(x, group)?;
+        let &[t, h] = x_full.dims() else {
+            return Err(LayerError::Config(format!("an MoE block takes [tokens, hidden], got {:?}", x_full.dims())));
+        };
+        let logits = self.router.forward(&x_full)?;
+        let routing = self.route_logits(&logits, x.dtype())?;
+        let e = self.config.num_experts;
+        let probs: Vec<f32> = logits
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .to_vec::<f32>()?
+            .chunks_exact(e.max(1))
+            .flat_map(softmax_f32)
+            .collect();
+        let mut partial = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu)?;
+        let mut experts = Vec::with_capacity(e);
+        let mut slots_of: Vec<Vec<usize>> = vec![Vec::new(); e];
+        for (slot, &ex) in routing.experts.iter().enumerate() {
+            if let Some(v) = slots_of.get_mut(ex as usize) {
+                v.push(slot);
+            }
+        }
+        for (expert, slots) in self.experts.iter().zip(slots_of) {
+            let Some(expert) = expert else {
+                experts.push(None);
+                continue;
+            };
+            if slots.is_empty() {
+                experts.push(None);
+                continue;
+            }
+            let k = routing.top_k;
+            let rows: Vec<usize> = slots.iter().map(|s| s / k).collect();
+            let weights: Vec<f32> = slots.iter().map(|&s| routing.weights[s]).collect();
+            let xe = gather_rows(&x_full, &rows)?;
+            let (gate_up, act, out) = expert.forward_partial_saved(&xe)?;
+            partial.add_rows_scaled(&rows, &out.to_device(&Device::Cpu)?, &weights)?;
+            experts.push(Some(ExpertSaved { rows, slots, x: xe, gate_up, act, out }));
+        }
+        let shared = match &self.shared {
+            None => None,
+            Some((expert, gate)) => {
+                let (gate_up, act, out) = expert.forward_partial_saved(&x_full)?;
+                let g = sigmoid_in_dtype(&gate.forward(&x_full)?)?;
+                let rows: Vec<usize> = (0..t).collect();
+                partial.add_rows_scaled(&rows, &out.to_device(&Device::Cpu)?, &g)?;
+                Some((gate_up, act, out, g))
+            }
+        };
+        let partial = partial.to_device(&x.device())?;
+        let y = batch.reduce(&partial, group)?.to_dtype(x.dtype())?;
+        let stats = RouterStats { num_experts: e, top_k: routing.top_k, probs, experts: routing.experts.clone() };
+        let saved = MoeSaved { x: x.clone(), batch: batch.clone(), routing, stats, experts, shared, prob_grad: None };
+        Ok((y, saved))
+    }
+
+    /// `dx` (f32, the forward's input rows) from `dy` (the output's rows), accumulating every
+    /// parameter's gradient.
+    pub fn backward(&mut self, saved: MoeSaved, dy: &Tensor) -> Result<Tensor> {
+        let group = self.group.clone();
+        let batch = &saved.batch;
+        let dy_full = batch.gather(&dy.to_dtype(DType::F32)?, &group)?.to_device(&Device::Cpu)?;
+        let x_full = batch.gather(&saved.x, &group)?;
+        let &[t, h] = dy_full.dims() else {
+            return Err(LayerError::Config(format!(
+                "an MoE block's gradient is [tokens, hidden], got {:?}",
+                dy.dims()
+            )));
+        };
+        let (k, e) = (saved.routing.top_k, self.config.num_experts);
+        let dyv = dy_full.to_vec::<f32>()?;
+        // Partial dot products (dw per slot, dg per token), summed over the group below.
+        let mut dots = vec![0f32; t * k + t];
+        let mut dx_partial = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu)?;
+        for (expert, s) in self.experts.iter_mut().zip(&saved.experts) {
+            let (Some(expert), Some(s)) = (expert.as_mut(), s.as_ref()) else { continue };
+            let out = s.out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec::<f32>()?;
+            let mut d_out = Vec::with_capacity(s.rows.len() * h);
+            for (i, (&row, &slot)) in s.rows.iter().zip(&s.slots).enumerate() {
+                let dy_row = &dyv[row * h..(row + 1) * h];
+                dots[slot] = dot(dy_row, &out[i * h..(i + 1) * h]);
+                let w = saved.routing.weights[slot];
+                d_out.extend(dy_row.iter().map(|&g| w * g));
+            }
+            let d_out = Tensor::from_vec(d_out, &[s.rows.len(), h], &Device::Cpu)?.to_device(&s.x.device())?;
+            let dxe = expert.backward_partial(&s.x, &s.gate_up, &s.act, &d_out)?;
+            dx_partial.add_rows_scaled(&s.rows, &dxe.to_device(&Device::Cpu)?, &vec![1.0; s.rows.len()])?;
+        }
+        if let (Some((expert, _)), Some((gate_up, act, out, g))) = (self.shared.as_mut(), saved.shared.as_ref()) {
+            let out = out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec::<f32>()?;
+            let mut d_out = Vec::with_capacity(t * h);
+            for row in 0..t {
+                let dy_row = &dyv[row * h..(row + 1) * h];
+                dots[t * k + row] = dot(dy_row, &out[row * h..(row + 1) * h]);
+                d_out.extend(dy_row.iter().map(|&v| g[row] * v));
+            }
+            let d_out = Tensor::from_vec(d_out, &[t, h], &Device::Cpu)?.to_device(&x_full.device())?;
+            let dxs = expert.backward_partial(&x_full, gate_up, act, &d_out)?;
+            dx_partial.add_rows_scaled(&(0..t).collect::<Vec<_>>(), &dxs.to_device(&Device::Cpu)?, &vec![1.0; t])?;
+        }
+        let dots = Tensor::from_vec(dots, &[t * k + t], &Device::Cpu)?.to_device(&group.device())?;
+        let dots = if group.world_size() == 1 { dots } else { group.all_reduce(&dots, ReduceOp::Sum)? };
+        let dots = dots.to_device(&Device::Cpu)?.to_vec::<f32>()?;
+        // The router: dw -> dp -> dl.
+        let renormalize = matches!(self.config.router, RouterKind::SoftmaxTopK { renormalize: true });
+        let mut dl = vec![0f32; t * e];
+        for row in 0..t {
+            let p = &saved.stats.probs[row * e..(row + 1) * e];
+            let mut dp = match &saved.prob_grad {
+                Some(g) => g[row * e..(row + 1) * e].to_vec(),
+                None => vec![0f32; e],
+            };
+            let chosen = &saved.routing.experts[row * k..(row + 1) * k];
+            let dw = &dots[row * k..(row + 1) * k];
+            if renormalize {
+                let s: f32 = chosen.iter().map(|&c| p[c as usize]).sum();
+                let sum_dw_p: f32 = chosen.iter().zip(dw).map(|(&c, &d)| d * p[c as usize]).sum();
+                for (&c, &d) in chosen.iter().zip(dw) {
+                    dp[c as usize] += d / s - sum_dw_p / (s * s);
+                }
+            } else {
+                for (&c, &d) in chosen.iter().zip(dw) {
+                    dp[c as usize] += d;
+                }
+            }
+            let pdp: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+            for j in 0..e {
+                dl[row * e + j] = p[j] * (dp[j] - pdp);
+            }
+        }
+        let dl = Tensor::from_vec(dl, &[t, e], &Device::Cpu)?.to_device(&x_full.device())?;
+        let mut dx_replicated = self.router.backward(&x_full, &dl)?.to_device(&Device::Cpu)?;
+        if let (Some((_, gate)), Some((_, _, _, g))) = (self.shared.as_mut(), saved.shared.as_ref()) {
+            let dz: Vec<f32> = (0..t).map(|row| dots[t * k + row] * g[row] * (1.0 - g[row])).collect();
+            let dz = Tensor::from_vec(dz, &[t, 1], &Device::Cpu)?.to_device(&x_full.device())?;
+            dx_replicated.add_assign(&gate.backward(&x_full, &dz)?.to_device(&Device::Cpu)?)?;
+        }
+        // An expert no token chose gets a zero gradient: transformers 5 holds the experts as one
+        // fused tensor whose gradient covers them all, so AdamW still steps every expert (on
+        // its momentum and weight decay); a missing gradient would skip it.
+        for (expert, s) in self.experts.iter_mut().zip(&saved.experts) {
+            if let (Some(expert), None) = (expert.as_mut(), s) {
+                zero_missing_grads(expert)?;
+            }
+        }
+        let dx = batch.reduce(&dx_partial.to_device(&group.device())?, &group)?.to_device(&Device::Cpu)?;
+        let mut dx = dx;
+        dx.add_assign(&batch.local(&dx_replicated, &group)?)?;
+        Ok(dx.to_device(&saved.x.device())?)
+    }
+
+    /// The block's parameters under `prefix` (`model.layers.N.mlp`): the router and the shared
+    /// expert's gate replicated (every rank computes their whole gradient), every expert's and
+    /// the shared expert's projections as their MLPs place them (checkpoint names per expert).
+    pub fn params<'a>(&'a mut self, prefix: &str, names: MoeNames, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()> {
+        use crate::parts::join;
+        let rank = self.group.rank();
+        let replicated = |name: String, dims: &[usize]| vec![crate::Placement::replicated(name, dims, rank, false)];
+        let (e, h) = (self.router.out_features(), self.router.in_features());
+        let w = replicated(join(prefix, &format!("{}.weight", names.router)), &[e, h]);
+        self.router.params(w, Vec::new(), f)?;
+        for (i, x) in self.experts.iter_mut().enumerate() {
+            let Some(x) = x else {
+                return Err(LayerError::Config("training with expert parallelism is not supported yet".into()));
+            };
+            x.params(&join(prefix, &format!("{}.{i}", names.experts)), names.expert, f)?;
+        }
+        if let (Some((x, gate)), Some((shared, gate_name))) = (self.shared.as_mut(), names.shared) {
+            x.params(&join(prefix, shared), MlpNames::default(), f)?;
+            let g = replicated(join(prefix, &format!("{gate_name}.weight")), &[1, h]);
+            gate.params(g, Vec::new(), f)?;
+        }
+        Ok(())
+    }
+}
+
+/// Sets every gradient of `mlp` that no backward has touched to zeros.
+fn zero_missing_grads(mlp: &mut ParallelMlp) -> Result<()> {
+    let mut failed = None;
+    mlp.params("", MlpNames::default(), &mut |p| {
+        if p.grad.get().is_none() && p.grad.deferred() == 0 {
+            match Tensor::zeros(p.value.dims(), DType::F32, &p.value.device()) {
+                Ok(z) => p.grad.set(Some(z)),
+                Err(e) => failed = Some(e),
+            }
+        }
+    })?;
+    match failed {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
+}
+
+/// Rows `rows` of `x: [T, H]`, in order.
+fn gather_rows(x: &Tensor, rows: &[usize]) -> Result<Tensor> {
+    let ids: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+    let ids = Tensor::from_vec(ids, &[rows.len()], &Device::Cpu)?.to_device(&x.device())?;
+    Ok(x.embedding(&ids, 0)?)
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// `softmax(x)` in f32 (as the router's weights are computed).
+fn softmax_f32(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = x.iter().map(|&v| (v - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    exps.into_iter().map(|v| v / sum).collect()
 }
 
 /// This rank's part of every expert from transformers 5's fused tensors under `ld`'s prefix:

@@ -30,6 +30,11 @@ pub struct MoeSettings {
     pub sparse_layers: Vec<bool>,
     /// The load-balancing loss's coefficient (`router_aux_loss_coef`).
     pub router_aux_loss_coef: f64,
+    /// Whether training adds the load-balancing loss (`output_router_logits`, default false:
+    /// transformers adds it only then).
+    pub output_router_logits: bool,
+    /// Mixtral's `router_jitter_noise`: random scaling of a training forward's inputs (0: none).
+    pub router_jitter_noise: f64,
 }
 
 impl MoeSettings {
@@ -81,6 +86,8 @@ pub(crate) fn moe_settings(f: &Fields<'_>, rule: &MoeRule, layers: usize, hidden
         vec![true; layers]
     };
     let router_aux_loss_coef = f.number("router_aux_loss_coef", Some(rule.aux_loss_coef_default))?;
+    let output_router_logits = f.flag("output_router_logits", false)?;
+    let router_jitter_noise = f.number("router_jitter_noise", Some(0.0))?;
     Ok(MoeSettings {
         num_experts,
         top_k,
@@ -90,6 +97,8 @@ pub(crate) fn moe_settings(f: &Fields<'_>, rule: &MoeRule, layers: usize, hidden
         shared_expert_intermediate_size,
         sparse_layers,
         router_aux_loss_coef,
+        output_router_logits,
+        router_jitter_noise,
     })
 }
 

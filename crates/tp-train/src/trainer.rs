@@ -299,7 +299,8 @@ impl Trainer {
             .map(|m| {
                 let batch: Vec<TrainRow<'_>> =
                     m.iter().map(|e| TrainRow { input_ids: &e.input_ids, labels: &e.labels }).collect();
-                chunks[0].micro_batch(&batch)
+                // A mixture's load-balancing loss: the mean over the step's rows.
+                chunks[0].micro_batch(&batch).map(|mb| mb.with_router_aux_scale(1.0 / rows.len() as f32))
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let (p, v) = (groups.pp.world_size(), chunks.len());

@@ -207,9 +207,25 @@ fn longrope_rows_take_their_own_factors() {
     check_case_with("phi3_longrope", &[4], true);
 }
 
+/// Mixtures of experts (8 experts of 20 features, top 2, uneven splits of every expert over
+/// the ranks): backward through the router, the top-k weights (renormalised in Qwen3-MoE), the
+/// experts and Qwen2-MoE's gated shared expert, and the load-balancing loss where the config
+/// asks for it (`output_router_logits`; Mixtral's does not), each row's own, averaged over the
+/// step's rows.
+#[test]
+fn mixtures_of_experts_match_torch() {
+    check_case("qwen3_moe", &[1, 3, 8]);
+    check_case("qwen2_moe", &[1, 2, 3]);
+    check_case("mixtral", &[1, 3]);
+    check_case("olmoe", &[1, 3]);
+    for (case, world) in [("qwen3_moe", 3), ("qwen2_moe", 2), ("olmoe", 4)] {
+        check_case_with(case, &[world], true);
+    }
+}
+
 #[test]
 fn full_recompute_gives_the_same_bits() {
-    for case in ["gemma3", "olmo2"] {
+    for case in ["gemma3", "olmo2", "qwen2_moe"] {
         let a = train(case, 3, Recompute::None, false);
         let b = train(case, 3, Recompute::Full, false);
         assert_eq!(a.0, b.0, "{case}: step logs");

@@ -75,6 +75,9 @@ pub struct MicroBatch {
     ids: Tensor,
     targets: Vec<Option<usize>>,
     batch: SeqBatch,
+    /// The weight of each row's load-balancing loss (`1 / rows` of the step: the loss is the
+    /// mean over the step's rows; by default over this micro-batch's).
+    router_aux_scale: f32,
 }
 
 impl MicroBatch {
@@ -90,6 +93,12 @@ impl MicroBatch {
     pub fn layout(&self) -> &SeqBatch {
         &self.batch
     }
+    /// The micro-batch with each row's load-balancing loss weighted by `scale` (`1 / rows` of
+    /// the whole step, so that the loss is the mean over the step's rows whatever its split).
+    pub fn with_router_aux_scale(mut self, scale: f32) -> MicroBatch {
+        self.router_aux_scale = scale;
+        self
+    }
 }
 
 /// What a stage's training forward returns ([`ParallelCausalLm::stage_forward`]).
@@ -98,7 +107,10 @@ pub struct StageForward {
     /// The hidden states for the next stage: this rank's rows (all `T`, or its sequence shard
     /// under sequence parallelism), `[rows, H]` in the model dtype. `None` on the last stage.
     pub output: Option<Tensor>,
-    /// `Σ loss_t` over the micro-batch's target tokens (the last stage; 0 elsewhere).
+    /// `Σ loss_t` over the micro-batch's target tokens (the last stage; 0 elsewhere), plus,
+    /// for a mixture-of-experts model trained with `output_router_logits`, its weighted
+    /// load-balancing loss in the same units (divided by the `loss_scale` the call was given),
+    /// so that `loss_sum · loss_scale` summed over a step is its whole loss.
     pub loss_sum: f64,
     /// What [`stage_backward`](ParallelCausalLm::stage_backward) needs.
     pub saved: StageSaved,
@@ -115,6 +127,9 @@ pub struct StageSaved {
     last: Option<Tensor>,
     /// `d loss / d h` of the final norm's output (this rank's rows), on the last stage.
     dh: Option<Tensor>,
+    /// The load-balancing loss's gradient on every MoE layer's router probabilities (set again
+    /// on a block whose forward the backward recomputes).
+    router_prob_grad: Option<std::sync::Arc<Vec<f32>>>,
     /// Seconds the LM head's backward took inside the forward call.
     head_backward_secs: f64,
 }
@@ -154,7 +169,7 @@ impl ParallelCausalLm {
         let targets: Vec<Option<usize>> = rows.iter().flat_map(TrainRow::targets).collect();
         let ids = Tensor::from_vec(ids, &[targets.len()], &Device::Cpu)?;
         let batch = SeqBatch::new(&lens, self.sequence_parallel && self.group.world_size() > 1);
-        Ok(MicroBatch { ids, targets, batch })
+        Ok(MicroBatch { ids, targets, batch, router_aux_scale: 1.0 / rows.len().max(1) as f32 })
     }
 
     /// The shape of the hidden states that enter and leave this stage for `mb` on this rank:
@@ -201,15 +216,26 @@ impl ParallelCausalLm {
             (None, None) => return Err(self.stage_input_error("this stage needs the previous stage's hidden states")),
         };
         let mut blocks: Vec<(Tensor, Option<BlockSaved>)> = Vec::with_capacity(self.layers.len());
+        let mut routers = Vec::new();
         for layer in &self.layers {
             let (y, s) = layer.forward_train(&x, batch)?;
+            routers.extend(layer.router_stats(&s).cloned());
             let keep = if recompute == Recompute::Full { None } else { Some(s) };
             blocks.push((std::mem::replace(&mut x, y), keep));
         }
+        let (aux_loss, router_prob_grad) = self.load_balancing(&routers, mb)?;
+        if let Some(g) = &router_prob_grad {
+            for (layer, (_, s)) in self.layers.iter().zip(&mut blocks) {
+                if let Some(s) = s {
+                    layer.set_router_prob_grad(s, g.clone());
+                }
+            }
+        }
+        let aux_sum = if loss_scale > 0.0 { aux_loss / f64::from(loss_scale) } else { 0.0 };
         let Some((norm, lm_head)) = &mut self.head else {
-            let saved = StageSaved { blocks, last: None, dh: None, head_backward_secs: 0.0 };
+            let saved = StageSaved { blocks, last: None, dh: None, router_prob_grad, head_backward_secs: 0.0 };
             let forward_secs = started.elapsed().as_secs_f64();
-            return Ok(StageForward { output: Some(x), loss_sum: 0.0, saved, forward_secs });
+            return Ok(StageForward { output: Some(x), loss_sum: aux_sum, saved, forward_secs });
         };
         let h = norm.forward(&x)?;
         // The LM head sees every token (vocab-parallel); its dh is the same on every rank.
@@ -218,8 +244,66 @@ impl ParallelCausalLm {
         let out = lm_head.loss_backward(&batch.gather(&h, &self.group)?, &mb.targets, loss_scale)?;
         let head_backward_secs = head_started.elapsed().as_secs_f64() - out.forward_secs;
         let dh = batch.local(&out.dh, &self.group)?;
-        let saved = StageSaved { blocks, last: Some(x), dh: Some(dh), head_backward_secs };
-        Ok(StageForward { output: None, loss_sum: out.loss_sum, saved, forward_secs: before_head + out.forward_secs })
+        let saved = StageSaved { blocks, last: Some(x), dh: Some(dh), router_prob_grad, head_backward_secs };
+        let loss_sum = out.loss_sum + aux_sum;
+        Ok(StageForward { output: None, loss_sum, saved, forward_secs: before_head + out.forward_secs })
+    }
+
+    /// The weighted load-balancing loss of `mb` and its gradient on the router probabilities
+    /// (`[T · E]`, the same for every MoE layer), from what each MoE layer's router did
+    /// (`routers`, in layer order); `(0, None)` for a dense model or one trained without
+    /// `output_router_logits`.
+    ///
+    /// transformers' `load_balancing_loss_func` over one row's `N = L · T_row` router outputs
+    /// (its `L` MoE layers' logits concatenated): `aux = E · Σ_e f_e P_e`, `f_e` the fraction of
+    /// the `N` tokens that chose expert `e` (summed over the `k` choices), `P_e` the mean
+    /// probability of `e`. Here each row's loss is its own (a row never depends on its
+    /// neighbours) and the step's is `coef · Σ_rows aux / rows` (`router_aux_scale`); only `P`
+    /// carries a gradient: `d aux / d p_{t,e} = E · c_e / N²` with `c_e = N f_e`.
+    fn load_balancing(
+        &self,
+        routers: &[tp_layers::RouterStats],
+        mb: &MicroBatch,
+    ) -> Result<(f64, Option<std::sync::Arc<Vec<f32>>>)> {
+        let Some(moe) = self.config.moe.as_ref() else { return Ok((0.0, None)) };
+        if moe.router_jitter_noise > 0.0 {
+            return Err(ModelError::Request(format!(
+                "router_jitter_noise ({}) scales a training forward's inputs at random; tp trains without it",
+                moe.router_jitter_noise
+            )));
+        }
+        if !moe.output_router_logits || routers.is_empty() {
+            return Ok((0.0, None));
+        }
+        if !self.part.is_whole(self.config.num_hidden_layers) {
+            return Err(self.stage_input_error(
+                "the load-balancing loss spans every MoE layer; pipeline stages of such a model do not train yet",
+            ));
+        }
+        let (e, k) = (routers[0].num_experts, routers[0].top_k);
+        let layers = routers.len() as f64;
+        let scale = moe.router_aux_loss_coef * f64::from(mb.router_aux_scale);
+        let mut grad = vec![0f32; mb.batch.tokens() * e];
+        let (mut aux_total, mut start) = (0f64, 0usize);
+        for &len in mb.batch.lens() {
+            let rows = start..start + len;
+            let n = layers * len as f64;
+            let (mut c, mut p) = (vec![0f64; e], vec![0f64; e]);
+            for r in routers {
+                for t in rows.clone() {
+                    r.experts[t * k..(t + 1) * k].iter().for_each(|&x| c[x as usize] += 1.0);
+                    r.probs[t * e..(t + 1) * e].iter().zip(&mut p).for_each(|(&v, s)| *s += f64::from(v));
+                }
+            }
+            aux_total += e as f64 * c.iter().zip(&p).map(|(c, p)| (c / n) * (p / n)).sum::<f64>();
+            for t in rows {
+                for (x, g) in grad[t * e..(t + 1) * e].iter_mut().enumerate() {
+                    *g = (scale * e as f64 * c[x] / (n * n)) as f32;
+                }
+            }
+            start += len;
+        }
+        Ok((scale * aux_total, Some(std::sync::Arc::new(grad))))
     }
 
     fn stage_input_error(&self, why: &str) -> ModelError {
@@ -266,7 +350,13 @@ impl ParallelCausalLm {
         for (i, (layer, (input, s))) in self.layers.iter_mut().zip(saved.blocks).enumerate().rev() {
             let s = match s {
                 Some(s) => s,
-                None => layer.forward_train(&input, batch)?.1,
+                None => {
+                    let mut s = layer.forward_train(&input, batch)?.1;
+                    if let Some(g) = &saved.router_prob_grad {
+                        layer.set_router_prob_grad(&mut s, g.clone());
+                    }
+                    s
+                }
             };
             dx = layer.backward(s, &dx)?;
             if let Some(hook) = after_block.as_mut() {
