@@ -46,6 +46,30 @@ pub struct GgufTensor {
     /// Added to every value after dequantizing (Gemma's norms, which llama.cpp stores as `1 + w`,
     /// take `-1`); `0` leaves the values as they are.
     pub shift: f32,
+    /// Which slice of the GGUF tensor this is: `Whole`, one expert of a 3-D expert tensor
+    /// (`ffn_gate_exps: [E, I, H]` in Hugging Face's order), or a 1-D tensor read as one row
+    /// (`ffn_gate_inp_shexp: [H]` as the `[1, H]` weight it was).
+    pub part: GgufPart,
+}
+
+/// Which part of a GGUF tensor a Hugging Face tensor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GgufPart {
+    /// The tensor as it is (1-D or 2-D).
+    #[default]
+    Whole,
+    /// Entry `e` of the outermost dim of a 3-D tensor (llama.cpp stacks an MoE layer's experts
+    /// so): the rows `e · rows .. (e + 1) · rows` of the tensor seen as 2-D.
+    Expert(usize),
+    /// A 1-D tensor `[n]` as the weight `[1, n]`.
+    Row,
+}
+
+impl GgufTensor {
+    /// The whole GGUF tensor `gguf_name` as `name`, rows as stored, no shift.
+    pub fn new(name: String, gguf_name: String) -> GgufTensor {
+        GgufTensor { name, gguf_name, rows: RowOrder::Stored, shift: 0.0, part: GgufPart::Whole }
+    }
 }
 
 /// Where one mapped tensor lies.
@@ -58,6 +82,10 @@ struct Entry {
     dims: Vec<usize>,
     rows: RowOrder,
     shift: f32,
+    /// The first stored row of this tensor's rows (an expert's slice of a 3-D tensor), and the
+    /// bytes of one stored row.
+    row_offset: usize,
+    row_bytes: usize,
 }
 
 /// A GGUF file and its tensors under Hugging Face names.
@@ -88,17 +116,27 @@ impl GgufTensors {
                 found: info.ggml_type.name().map_or(format!("GGML type {id}"), |n| format!("{n} (GGML type {id})")),
                 expected: "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K".into(),
             })?;
-            let dims = match info.dims[..] {
-                [n] => vec![to_usize(n)],
-                [cols, rows] => vec![to_usize(rows), to_usize(cols)],
-                ref d => {
-                    return Err(fail(format!(
-                        "tensor {} has {} dims; a weight has 1 or 2",
-                        quote_text(&t.gguf_name),
-                        d.len()
-                    )));
+            let bad_dims =
+                |d: &[u64], what: &str| fail(format!("tensor {} has dims {d:?}; {what}", quote_text(&t.gguf_name)));
+            let (dims, row_offset) = match (&info.dims[..], t.part) {
+                (&[n], GgufPart::Whole) => (vec![to_usize(n)], 0),
+                (&[n], GgufPart::Row) => (vec![1, to_usize(n)], 0),
+                (&[cols, rows], GgufPart::Whole) => (vec![to_usize(rows), to_usize(cols)], 0),
+                (&[cols, rows, experts], GgufPart::Expert(e)) if (e as u64) < experts => {
+                    (vec![to_usize(rows), to_usize(cols)], e * to_usize(rows))
                 }
+                (d, GgufPart::Expert(e)) => {
+                    return Err(bad_dims(
+                        d,
+                        &format!("expert {e} of a 3-D [experts, rows, columns] tensor was expected"),
+                    ));
+                }
+                (d, GgufPart::Row) => return Err(bad_dims(d, "a vector was expected")),
+                (d, GgufPart::Whole) => return Err(bad_dims(d, "a weight has 1 or 2")),
             };
+            // One stored row: its blocks (a vector is one row).
+            let cols = *dims.last().unwrap_or(&0);
+            let row_bytes = cols.div_ceil(qtype.block_elems().max(1)) * qtype.block_bytes();
             if let RowOrder::Rotary { heads } = t.rows
                 && (heads == 0 || dims[0] % heads != 0 || (dims[0] / heads) % 2 != 0)
             {
@@ -108,7 +146,8 @@ impl GgufTensors {
                     dims[0]
                 )));
             }
-            entries.insert(t.name, Entry { tensor: i, qtype, dims, rows: t.rows, shift: t.shift });
+            entries
+                .insert(t.name, Entry { tensor: i, qtype, dims, rows: t.rows, shift: t.shift, row_offset, row_bytes });
         }
         Ok(GgufTensors { file, origin, entries })
     }
@@ -192,7 +231,7 @@ impl GgufTensors {
             (v, data.len())
         } else {
             let (rows, cols) = (e.dims[0], e.dims[1]);
-            let row_bytes = data.len() / rows.max(1);
+            let row_bytes = e.row_bytes;
             let (r_range, c_range) =
                 if dim == 0 { (start..start + len, 0..cols) } else { (0..rows, start..start + len) };
             // Whole blocks covering the columns.
@@ -201,7 +240,7 @@ impl GgufTensors {
             let mut v = Vec::with_capacity(r_range.len() * c_range.len());
             let mut tmp = vec![0f32; (b1 - b0) * block];
             for r in r_range.clone() {
-                let s = stored_row(e.rows, rows, r);
+                let s = e.row_offset + stored_row(e.rows, rows, r);
                 let row = &data[s * row_bytes..(s + 1) * row_bytes];
                 dequantize(q, &row[b0 * bytes_per_block..b1 * bytes_per_block], &mut tmp)
                     .map_err(|err| self.fail(name, err.to_string()))?;
@@ -228,13 +267,13 @@ impl GgufTensors {
         let data = self.file.tensor_data(&self.file.tensors()[e.tensor]);
         let (q, block) = (e.qtype, e.qtype.block_elems());
         let (rows, cols) = (e.dims[0], e.dims[1]);
-        let row_bytes = data.len() / rows.max(1);
+        let row_bytes = e.row_bytes;
         let (r_range, c_range) = if dim == 0 { (start..start + len, 0..cols) } else { (0..rows, start..start + len) };
         let (b0, b1) = (c_range.start / block, c_range.end.div_ceil(block));
         let (from, to) = (b0 * q.block_bytes(), b1 * q.block_bytes());
         let mut bytes = Vec::with_capacity(r_range.len() * (to - from));
         for r in r_range.clone() {
-            let s = stored_row(e.rows, rows, r);
+            let s = e.row_offset + stored_row(e.rows, rows, r);
             bytes.extend_from_slice(&data[s * row_bytes + from..s * row_bytes + to]);
         }
         let k = (b1 - b0) * block;

@@ -98,7 +98,7 @@ pub use column::ColumnParallel;
 pub use decoder::{Block, BlockNorms, BlockSaved, DecoderConfig, DecoderLayer, DecoderNames, FeedForward};
 pub use embedding::VocabParallelEmbedding;
 pub use error::{LayerError, Result};
-pub use gguf_tensors::{GgufTensor, RowOrder};
+pub use gguf_tensors::{GgufPart, GgufTensor, RowOrder};
 pub use grad::{
     Gather, Grad, Param, Placement, defer_weight_grads, gather_blocks, gather_full, local_from_full, owned_sum_squares,
     sync_partial_grads,

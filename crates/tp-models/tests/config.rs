@@ -394,3 +394,37 @@ fn family_rules_of_the_transformers_config_classes() {
     llama["rope_scaling"] = json!({"type": "yarn", "factor": 2.0});
     assert!(matches!(parse(llama).unwrap().rope_scaling, RopeScaling::Yarn { .. }));
 }
+
+/// Mixture-of-experts fields: the classes' defaults fill what is absent; a top-k above the
+/// expert count, a zero sparse step or a malformed `mlp_only_layers` is refused by name.
+#[test]
+fn moe_fields_read_with_the_classes_defaults_and_bad_ones_are_named() {
+    let qwen3 = || {
+        let mut c = tinyllama();
+        c["architectures"] = json!(["Qwen3MoeForCausalLM"]);
+        c
+    };
+    let m = parse(qwen3()).unwrap().moe.unwrap();
+    assert_eq!((m.num_experts, m.top_k, m.expert_intermediate_size), (128, 8, 768));
+    assert!(!m.norm_topk_prob && !m.output_router_logits && m.sparse_layers.iter().all(|&s| s));
+    let mut c = qwen3();
+    c["decoder_sparse_step"] = json!(2);
+    c["mlp_only_layers"] = json!([1]);
+    let m = parse(c).unwrap().moe.unwrap();
+    assert_eq!(&m.sparse_layers[..4], &[false, false, false, true]);
+    let mut mixtral = tinyllama();
+    mixtral["architectures"] = json!(["MixtralForCausalLM"]);
+    let m = parse(mixtral).unwrap().moe.unwrap();
+    assert_eq!((m.num_experts, m.top_k, m.expert_intermediate_size, m.norm_topk_prob), (8, 2, 5632, true));
+    for (field, value, named) in [
+        ("num_experts_per_tok", json!(200), "num_experts_per_tok"),
+        ("decoder_sparse_step", json!(0), "decoder_sparse_step"),
+        ("mlp_only_layers", json!("all"), "mlp_only_layers"),
+        ("num_experts", json!(-1), "num_experts"),
+    ] {
+        let mut c = qwen3();
+        c[field] = value.clone();
+        let e = parse(c).expect_err(&format!("{field} = {value}"));
+        assert!(e.to_string().contains(named), "{field} = {value}: {e}");
+    }
+}

@@ -289,3 +289,82 @@ fn every_rank_loads_from_the_file_opened_once() {
     });
     assert_eq!(got, want);
 }
+
+/// A mixture of experts of `architecture` (8 experts of 256 features, 2 per token) with the
+/// family's quirks: Qwen3-MoE renormalised with a dense first layer's MLP missing (all MoE, as
+/// llama.cpp writes it), Qwen2-MoE with a shared expert, Mixtral, OLMoE.
+fn moe(architecture: Architecture, seed: u64) -> SyntheticModel {
+    let extra = match architecture {
+        Architecture::Mixtral => json!({"num_local_experts": 8, "num_experts_per_tok": 2}),
+        Architecture::Qwen3Moe => {
+            json!({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": true})
+        }
+        Architecture::Qwen2Moe => json!({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+            "shared_expert_intermediate_size": 512, "norm_topk_prob": false}),
+        _ => json!({"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": false}),
+    };
+    SyntheticModel { intermediate_size: 256, extra: Some(extra), ..spec(architecture, false, seed) }
+}
+
+/// MoE GGUF files (llama.cpp's layout: the router `ffn_gate_inp`, each projection's experts
+/// stacked in one 3-D tensor, Qwen2-MoE's `*_shexp`): the config the metadata implies equals the
+/// original's, the dequantized model equals its reference folder bit for bit at TP 1 to 4 (the
+/// experts' blocks read per expert and per rank), and the quantized run (the experts' products on
+/// their blocks) stays near it, picking its tokens.
+#[test]
+fn moe_gguf_files_load_as_their_originals() {
+    let cases = [
+        ("qwen3moe-Q8_0", moe(Architecture::Qwen3Moe, 41), "Q8_0"),
+        ("qwen2moe-mixed-k", moe(Architecture::Qwen2Moe, 42), "MIXED_K"),
+        ("mixtral-Q4_0", moe(Architecture::Mixtral, 43), "Q4_0"),
+        ("olmoe-mixed-legacy", moe(Architecture::Olmoe, 44), "MIXED_LEGACY"),
+    ];
+    for (name, spec, qtype) in cases {
+        let (gguf, reference) = write(name, &spec, qtype);
+        let read = tp_models::gguf::GgufModel::open(&gguf).unwrap().config;
+        assert!(read.moe.is_some(), "{name}: experts");
+        assert_eq!(read, ModelConfig::from_dir(&reference).unwrap(), "{name}: the file's config");
+        let f32s = ModelOptions::new().with_dtype(DType::F32);
+        let want = prefill(&reference, 1, f32s).remove(0);
+        for world in 1..=4 {
+            let (got, theirs) = (prefill(&gguf, world, f32s), prefill(&reference, world, f32s));
+            assert!(got == theirs, "{name} TP {world}: GGUF logits differ from the reference's");
+        }
+        // The quantized run (8-bit activations into the experts' blocks) stays near the
+        // dequantized model at every position whose routing it keeps; a router near a tie may
+        // send one token elsewhere, which moves that position's logits more (one position of
+        // the prompt at most).
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for world in [1, 3] {
+            let got = prefill(&gguf, world, ModelOptions::new()).remove(0);
+            let per: Vec<f64> = rows(&got, spec.vocab_size)
+                .iter()
+                .zip(rows(&want, spec.vocab_size))
+                .map(|(g, w)| g.iter().zip(w.iter()).fold(0f64, |m, (a, b)| m.max((a - b).abs())) / scale)
+                .collect();
+            let off = per.iter().filter(|&&e| e > 0.06).count();
+            assert!(
+                off <= 1,
+                "{name} quantized TP {world}: positions off by more than 6% of the largest logit: {per:?}"
+            );
+            let mut sorted = per.clone();
+            sorted.sort_by(f64::total_cmp);
+            assert!(sorted[sorted.len() / 2] <= 0.03, "{name} quantized TP {world}: median error {per:?}");
+        }
+    }
+}
+
+/// An MoE file whose metadata disagrees with its tensors is refused at load, naming the key or
+/// the tensor: more experts per token than experts, or an expert count the stacked tensors do
+/// not have.
+#[test]
+fn moe_files_that_disagree_are_refused_by_name() {
+    let spec = moe(Architecture::Qwen3Moe, 45);
+    let (gguf, _) = write_with("moe-topk", &spec, "Q8_0", &["--meta", "expert_used_count=9"]);
+    let e = tp_models::gguf::GgufModel::open(&gguf).unwrap_err().to_string();
+    assert!(e.contains("num_experts_per_tok") && e.contains("exceeds the 8 experts"), "{e}");
+    let (gguf, _) = write_with("moe-count", &spec, "Q8_0", &["--meta", "expert_count=6"]);
+    let e = on_ranks(2, CPU, |g| ParallelCausalLm::load(&gguf, &g, &ModelOptions::new()).unwrap_err().to_string())
+        .remove(0);
+    assert!(e.contains("gate.weight") && e.lines().count() == 1, "{e}");
+}

@@ -3,7 +3,7 @@
 out, with the `gguf` package's writer and quantizers, for tp's tests and benchmarks.
 
     write_gguf.py HF_DIR OUT.gguf --type Q4_0 [--ref REF_DIR] [--seed N] [--tokenizer spm|spm-space|bpe]
-                  [--meta KEY=N] [--drop-tensor NAME] [--extra-tensor NAME]
+                  [--meta KEY=N] [--drop-tensor NAME] [--extra-tensor NAME] [--pad ID]
 
 * Names and metadata follow llama.cpp's converter (`blk.N.attn_q.weight`,
   `llama.embedding_length`, ...; names from the `gguf` package's tensor map, as the converter
@@ -22,7 +22,12 @@ out, with the `gguf` package's writer and quantizers, for tp's tests and benchma
     heads`), `rope.scaling.original_context_length`, `attention.sliding_window` (0: none); with
     LongRoPE, `rope.scaling.attn_factor` and the `rope_factors_long` / `rope_factors_short`
     tensors (F32);
-  - `olmo2`: norms after attention and after the MLP (`post_attention_norm`, `post_ffw_norm`).
+  - `olmo2`: norms after attention and after the MLP (`post_attention_norm`, `post_ffw_norm`);
+  - mixtures of experts (`llama` for Mixtral, `qwen2moe`, `qwen3moe`, `olmoe`): `expert_count`,
+    `expert_used_count`, `expert_feed_forward_length` and `expert_shared_feed_forward_length`
+    (Qwen); the router as `ffn_gate_inp` (F32, as the converter keeps it), each projection's
+    experts stacked into one 3-D tensor (`ffn_{gate,up,down}_exps: [E, rows, columns]`), Qwen2-MoE's
+    shared expert as `ffn_{gate,up,down}_shexp` and its gate as the vector `ffn_gate_inp_shexp`.
 * `--type` is the type of every 2-D weight (norms and biases stay F32): F32, F16, BF16, Q8_0,
   Q4_0, Q4_1, Q5_0, Q5_1 quantize the checkpoint's values with `gguf.quants`; the K-quants
   (Q2_K .. Q6_K), which `gguf` cannot quantize, are written as seeded random blocks of that
@@ -36,6 +41,7 @@ out, with the `gguf` package's writer and quantizers, for tp's tests and benchma
   them: the independent reference the tests load beside the GGUF file.
 * `--meta KEY=N` sets `{arch}.KEY` to the u32 `N`, `--drop-tensor` leaves a GGUF tensor out,
   `--extra-tensor` adds a 1-D F32 tensor of zeros: files tp must refuse, for its tests.
+  `--pad ID` writes `tokenizer.ggml.padding_token_id` (default: the config's `pad_token_id`).
 * The tokenizer (`tokenizer.ggml.*`) is a synthetic one of the config's vocabulary size:
   SentencePiece-style (`llama`: `<unk>`, `<s>`, `</s>`, the 256 byte tokens, pieces with
   scores) or byte-level BPE (`gpt2`: tokens and merges). `spm-space` adds "\u2581" as a piece
@@ -47,6 +53,7 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 import sys
 
@@ -62,7 +69,15 @@ ARCH = {
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2",
+    "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "OlmoeForCausalLM": "olmoe",
 }
+# An MoE layer's per-expert projections (Hugging Face: experts.{e}.NAME) and llama.cpp's stacked tensors.
+EXPERT_PROJ = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+               "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+SHARED_PROJ = {"gate_proj": "ffn_gate_shexp", "up_proj": "ffn_up_shexp", "down_proj": "ffn_down_shexp"}
 PERMUTES_QK = {"llama"}
 NORM_PLUS_ONE = {"gemma3"}
 
@@ -145,10 +160,11 @@ K_SCALES = {
 
 
 def random_k_blocks(qtype, shape, rng):
-    """Seeded random blocks of a K-quant type for a [rows, cols] weight: random quants and
+    """Seeded random blocks of a K-quant type for a [.., rows, cols] weight: random quants and
     sub-block scales, super-block scales that give zero-centred weights of order 1/sqrt(cols)."""
     elems, size = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = shape
+    *lead, cols = shape
+    rows = int(np.prod(lead))
     n = rows * cols // elems
     raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
     offsets, typical, dmin_ratio = K_SCALES[qtype]
@@ -156,7 +172,7 @@ def random_k_blocks(qtype, shape, rng):
     scales = [d] if dmin_ratio is None else [d, d * dmin_ratio]
     for off, v in zip(offsets, scales):
         raw[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(n, 2)
-    return raw.reshape(rows, cols // elems * size)
+    return raw.reshape(*lead, cols // elems * size)
 
 
 def encode(a, qtype, rng):
@@ -328,9 +344,42 @@ def write_metadata(w, arch, cfg, heads, kv, head_dim):
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    if cfg.get("sliding_window") and cfg["architectures"][0] == "MistralForCausalLM":
+    if cfg.get("sliding_window") and cfg["architectures"][0] in ("MistralForCausalLM", "MixtralForCausalLM"):
         w.add_sliding_window(cfg["sliding_window"])
+    write_moe(w, cfg)
     return []
+
+
+def write_moe(w, cfg):
+    """A mixture of experts' metadata (nothing for a dense model)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not experts:
+        return
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if "moe_intermediate_size" in cfg:
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in cfg:
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def moe_gguf_name(name):
+    """(llama.cpp name, expert index or None, is the shared gate) of an MoE layer's tensor, else None."""
+    m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)\.weight$", name)
+    if not m:
+        return None
+    layer, rest = m.groups()
+    if rest == "gate":
+        return f"blk.{layer}.ffn_gate_inp.weight", None, False
+    if rest == "shared_expert_gate":
+        return f"blk.{layer}.ffn_gate_inp_shexp.weight", None, True
+    e = re.match(r"experts\.(\d+)\.(\w+)$", rest)
+    if e and e.group(2) in EXPERT_PROJ:
+        return f"blk.{layer}.{EXPERT_PROJ[e.group(2)]}.weight", int(e.group(1)), False
+    s = re.match(r"shared_expert\.(\w+)$", rest)
+    if s and s.group(1) in SHARED_PROJ:
+        return f"blk.{layer}.{SHARED_PROJ[s.group(1)]}.weight", None, False
+    return None
 
 
 def reference_config(cfg):
@@ -406,8 +455,38 @@ def main():
                         "{% if add_generation_prompt %}<assistant>{% endif %}")
 
     ref = {}
+    # An MoE layer's experts: each projection's E tensors stacked into one 3-D tensor.
+    stacked = {}
+    for name in list(tensors):
+        moe = moe_gguf_name(name)
+        if moe is None:
+            continue
+        gname, expert, row = moe
+        t = tensors.pop(name)
+        if expert is not None:
+            stacked.setdefault(gname, {})[expert] = (name, t)
+        elif row or gname.endswith("ffn_gate_inp.weight"):
+            # The router (F32, as the converter keeps it) and the shared expert's gate (a vector).
+            data = t.reshape(-1).astype(np.float32) if row else t.astype(np.float32)
+            ref[name] = data.reshape(t.shape)
+            if gname not in a.drop_tensor:
+                w.add_tensor(gname, data)
+        else:
+            tensors[name + "@" + gname] = t
+    for gname, parts in stacked.items():
+        order = sorted(parts)
+        full = np.stack([parts[e][1] for e in order]).astype(np.float32)
+        data, deq = encode(full, type_for(a.type, gname), rng)
+        for i, e in enumerate(order):
+            ref[parts[e][0]] = deq[i]
+        if gname not in a.drop_tensor:
+            qtype = type_for(a.type, gname)
+            w.add_tensor(gname, data, raw_dtype=None if qtype == T.F32 else qtype)
     for name, t in tensors.items():
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if "@" in name:
+            name, gname = name.split("@")
+        else:
+            gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gname is None:
             sys.exit("write_gguf.py: unexpected tensor " + name)
         permuted = arch in PERMUTES_QK and (".q_proj." in name or ".k_proj." in name)

@@ -40,7 +40,13 @@ pub(crate) const ARCHS: &[GgufArch] = &[
         ..arch("phi3", Architecture::Phi3)
     },
     arch("olmo2", Architecture::Olmo2),
+    arch("qwen2moe", Architecture::Qwen2Moe),
+    arch("qwen3moe", Architecture::Qwen3Moe),
+    arch("olmoe", Architecture::Olmoe),
 ];
+
+/// `llama` with experts (`llama.expert_count`): llama.cpp writes Mixtral so.
+const MIXTRAL: GgufArch = GgufArch { rotary_qk: true, ..arch("llama", Architecture::Mixtral) };
 
 /// The entry of `general.architecture` `name`, if tp reads it.
 pub(crate) fn gguf_arch(name: &str) -> Option<&'static GgufArch> {
@@ -70,6 +76,11 @@ pub(crate) fn config_json(m: &Meta<'_>) -> Result<(&'static GgufArch, Map<String
             ),
         )
     })?;
+    let spec = if spec.family == Architecture::Llama && m.u64("expert_count")?.is_some_and(|e| e > 0) {
+        &MIXTRAL
+    } else {
+        spec
+    };
     let family = spec.family;
     let (hidden, heads, layers) =
         (m.need("embedding_length")?, m.need("attention.head_count")?, m.need("block_count")?);
@@ -150,7 +161,37 @@ pub(crate) fn config_json(m: &Meta<'_>) -> Result<(&'static GgufArch, Map<String
         set("pad_token_id", json!(pad));
     }
     super::extras::family_extras(m, family, dims, &mut c)?;
+    moe_keys(m, family, &mut c)?;
     Ok((spec, c))
+}
+
+/// A mixture of experts' keys: `expert_count` and `expert_used_count`, the experts' width
+/// (`expert_feed_forward_length`; Mixtral's and OLMoE's `feed_forward_length` is already it), the
+/// shared expert's (`expert_shared_feed_forward_length`), and the renormalisation of the top-k
+/// weights llama.cpp applies per architecture (Qwen3-MoE: yes; Qwen2-MoE, OLMoE: no; Mixtral
+/// always).
+fn moe_keys(m: &Meta<'_>, family: Architecture, c: &mut Map<String, Value>) -> Result<()> {
+    let (experts_key, renorm, own_width, shared) = match family {
+        Architecture::Mixtral => ("num_local_experts", None, false, false),
+        Architecture::Qwen3Moe => ("num_experts", Some(true), true, false),
+        Architecture::Qwen2Moe => ("num_experts", Some(false), true, true),
+        Architecture::Olmoe => ("num_experts", Some(false), false, false),
+        _ => return Ok(()),
+    };
+    c.insert(experts_key.into(), json!(m.need("expert_count")?));
+    c.insert("num_experts_per_tok".into(), json!(m.need("expert_used_count")?));
+    if own_width {
+        c.insert("moe_intermediate_size".into(), json!(m.need("expert_feed_forward_length")?));
+    }
+    if shared {
+        c.insert("shared_expert_intermediate_size".into(), json!(m.need("expert_shared_feed_forward_length")?));
+        // Qwen2-MoE's q/k/v biases are `qkv_bias` (default true): the file says.
+        c.insert("qkv_bias".into(), json!(m.file.tensor("blk.0.attn_q.bias").is_some()));
+    }
+    if let Some(r) = renorm {
+        c.insert("norm_topk_prob".into(), json!(r));
+    }
+    Ok(())
 }
 
 /// `{arch}.vocab_size`, else the number of tokens, else the embedding's rows.

@@ -21,7 +21,7 @@ use std::collections::HashSet;
 use std::path::Path;
 use tp_core::NormStyle;
 use tp_gguf::GgufFile;
-use tp_layers::{GgufTensor, Projections, RowOrder};
+use tp_layers::{GgufPart, GgufTensor, Projections, RowOrder};
 
 /// A block tensor's Hugging Face module (under `model.layers.N`) and llama.cpp name.
 struct LayerName {
@@ -86,9 +86,12 @@ pub(crate) fn tensor_map(c: &ModelConfig, arch: &str) -> Vec<GgufTensor> {
                 _ => None,
             };
             if let Some((g, shift)) = top {
-                return Some(GgufTensor { gguf_name: g.to_string(), name, rows: RowOrder::Stored, shift });
+                return Some(GgufTensor { shift, ..GgufTensor::new(name, g.to_string()) });
             }
             let (l, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+            if let Some(t) = moe_tensor(c, l, rest, &name) {
+                return Some(t);
+            }
             let (module, param) = rest.rsplit_once('.')?;
             let entry = layer.iter().find(|e| e.hf == module)?;
             let rows = match entry.gguf {
@@ -97,9 +100,41 @@ pub(crate) fn tensor_map(c: &ModelConfig, arch: &str) -> Vec<GgufTensor> {
                 _ => RowOrder::Stored,
             };
             let gguf_name = format!("blk.{l}.{}.{param}", entry.gguf);
-            Some(GgufTensor { gguf_name, name, rows, shift: if entry.norm { shift } else { 0.0 } })
+            Some(GgufTensor { rows, shift: if entry.norm { shift } else { 0.0 }, ..GgufTensor::new(name, gguf_name) })
         })
         .collect()
+}
+
+/// The llama.cpp tensor of an MoE layer's `rest` (the name under `model.layers.{l}`), if it is
+/// one: the router `ffn_gate_inp`; expert `e`'s projections as slice `e` of the stacked
+/// `ffn_{gate,up,down}_exps`; the shared expert's `ffn_{gate,up,down}_shexp` and its gate
+/// `ffn_gate_inp_shexp` (a vector for the `[1, H]` weight).
+fn moe_tensor(c: &ModelConfig, l: &str, rest: &str, name: &str) -> Option<GgufTensor> {
+    let (prefixes, n) = c.architecture.decoder_names().moe?;
+    let rest = prefixes.iter().find_map(|p| rest.strip_prefix(p)?.strip_prefix('.'))?;
+    let tensor = |gguf: &str, part: GgufPart| {
+        Some(GgufTensor { part, ..GgufTensor::new(name.to_string(), format!("blk.{l}.{gguf}.weight")) })
+    };
+    if rest == format!("{}.weight", n.router) {
+        return tensor("ffn_gate_inp", GgufPart::Whole);
+    }
+    if let Some((shared, gate)) = n.shared {
+        if rest == format!("{gate}.weight") {
+            return tensor("ffn_gate_inp_shexp", GgufPart::Row);
+        }
+        if let Some(proj) = rest.strip_prefix(shared).and_then(|r| r.strip_prefix('.')) {
+            let role = ["gate_proj", "up_proj", "down_proj"].iter().position(|p| proj == format!("{p}.weight"))?;
+            return tensor(["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"][role], GgufPart::Whole);
+        }
+    }
+    let (e, proj) = rest.strip_prefix(n.experts)?.strip_prefix('.')?.split_once('.')?;
+    let e: usize = e.parse().ok()?;
+    let Projections::Separate([g, u]) = n.expert.gate_up else { return None };
+    let gguf = [(g, "ffn_gate_exps"), (u, "ffn_up_exps"), (n.expert.down, "ffn_down_exps")]
+        .into_iter()
+        .find(|(hf, _)| proj == format!("{hf}.weight"))?
+        .1;
+    tensor(gguf, GgufPart::Expert(e))
 }
 
 /// Fails on the first tensor of `file` that is neither in `mapped` nor read into the config:
