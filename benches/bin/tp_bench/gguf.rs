@@ -21,7 +21,7 @@ use tp_comm::DeviceGroup;
 use tp_core::{DType, Device};
 use tp_models::{GenerateOptions, ModelOptions, ParallelCausalLm};
 
-const PROMPT_LEN: usize = 512;
+pub(crate) const PROMPT_LEN: usize = 512;
 
 /// The files measured: (label, how it is made).
 const FILES: [(&str, Make); 3] = [("Q4_0", Make::Gguf), ("Q8_0", Make::Gguf), ("Q4_K_M", Make::LlamaCpp)];
@@ -134,10 +134,10 @@ fn step_bytes(path: &Path) -> Result<f64> {
 }
 
 /// Tokens/s: prefill of the prompt, decode after it, decode after its first 8 tokens.
-type Speeds = (f64, f64, f64);
+pub(crate) type Speeds = (f64, f64, f64);
 
 /// [`Speeds`] of tp on `path` at `world` ranks (`dtype`: `None` runs the quantized blocks).
-fn measure(path: &Path, dtype: Option<DType>, world: usize, prompt: &[i64], steps: usize) -> Result<Speeds> {
+pub(crate) fn measure(path: &Path, dtype: Option<DType>, world: usize, prompt: &[i64], steps: usize) -> Result<Speeds> {
     let groups = DeviceGroup::local(world, Duration::from_secs(600), |_| Device::Cpu)?;
     let results: Vec<Result<Speeds>> = std::thread::scope(|s| {
         let hs: Vec<_> = groups
@@ -174,7 +174,7 @@ fn measure(path: &Path, dtype: Option<DType>, world: usize, prompt: &[i64], step
 }
 
 /// llama.cpp's [`Speeds`] on `path`.
-fn llama_cpp(path: &Path, steps: usize) -> Result<Speeds> {
+pub(crate) fn llama_cpp(path: &Path, steps: usize) -> Result<Speeds> {
     let threads = tp_core::cpu::num_threads().to_string();
     let out = Command::new("python3")
         .args(["-c", LLAMA_CPP_SCRIPT])

@@ -10,6 +10,7 @@
 //! never part of the default run) measures the forward, dgrad and wgrad GEMMs of a training step
 //! beside torch (`train.rs`); `--only pipeline` (opt-in too) the measured bubble of each pipeline
 //! schedule beside its formula, with one step's timeline per schedule as an SVG (`pipeline.rs`);
+//! `--only moe` (opt-in) a 2B Qwen3-MoE-shaped GGUF file beside llama.cpp (`moe.rs`);
 //! `--only kv-cache` (opt-in) the 8-bit KV caches' memory, speed and logits beside the model
 //! dtype's (`kv_cache.rs`; `--model FILE.gguf` runs a GGUF file in f32). Writes `results.json`, `results.csv` and `results.svg` (throughput against size,
 //! ours beside the reference, one panel per dtype) into DIR (default `target/bench`).
@@ -19,6 +20,7 @@ mod gguf;
 mod gpu;
 mod kv_cache;
 mod model;
+mod moe;
 mod pipeline;
 mod serving;
 mod shapes;
@@ -115,7 +117,7 @@ impl Args {
 }
 
 const USAGE: &str = "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] \
-                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm,pipeline,kv-cache] [--out DIR]\n       \
+                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm,pipeline,kv-cache,moe] [--out DIR]\n       \
                      tp-bench --write-model  (writes the TinyLlama-shaped checkpoint once and prints its folder)";
 
 fn parse_args() -> Result<Args> {
@@ -140,11 +142,13 @@ fn parse_args() -> Result<Args> {
             "--model" => model = Some(it.next().context("--model needs tinyllama, a folder or none")?),
             "--only" => {
                 let list = it.next().context(
-                    "--only needs gemm, model, serving, gguf, train-gemm, pipeline or kv-cache (comma-separated)",
+                    "--only needs gemm, model, serving, gguf, train-gemm, pipeline, kv-cache or moe (comma-separated)",
                 )?;
                 for t in list.split(',') {
-                    if !["gemm", "model", "serving", "gguf", "train-gemm", "pipeline", "kv-cache"].contains(&t) {
-                        bail!("--only takes gemm, model, serving, gguf, train-gemm, pipeline, kv-cache; got {t:?}");
+                    if !["gemm", "model", "serving", "gguf", "train-gemm", "pipeline", "kv-cache", "moe"].contains(&t) {
+                        bail!(
+                            "--only takes gemm, model, serving, gguf, train-gemm, pipeline, kv-cache, moe; got {t:?}"
+                        );
                     }
                     a.only.push(t.to_string());
                 }
@@ -210,6 +214,9 @@ fn run() -> Result<()> {
     }
     if args.named("pipeline") {
         rows.extend(pipeline::rows(&args)?);
+    }
+    if args.named("moe") {
+        rows.extend(moe::rows(&args)?);
     }
     if let Some(which) = &args.model {
         let device = if gpu.is_ok() { tp_core::Device::Cuda(0) } else { tp_core::Device::Cpu };
