@@ -74,6 +74,16 @@ pub trait Communicator: Send + Sync {
         self.all_gather(x, dim)
     }
 
+    /// All-to-all with variable counts (`torch.distributed.all_to_all_single` with split
+    /// sizes): `x`'s rows go out in consecutive chunks of `send_counts[j]` rows to rank `j`;
+    /// returns the rows this rank received, in rank order, and how many came from each rank.
+    /// Receivers need not know the counts beforehand (they are exchanged first). A
+    /// `send_counts` of the wrong length, or not summing to `x`'s rows, is
+    /// [`CommError::Mismatch`]. See `all_to_all.rs` for how it moves the rows.
+    fn all_to_all(&self, x: &Tensor, send_counts: &[usize]) -> Result<(Tensor, Vec<usize>)> {
+        crate::all_to_all::all_to_all(self, x, send_counts)
+    }
+
     /// [`all_reduce`](Self::all_reduce), issued without waiting for it: the result comes from
     /// [`Work::wait`], so the caller can do other work meanwhile. Backends without real overlap
     /// return finished work.

@@ -198,6 +198,15 @@ impl DeviceGroup {
         self.comm.all_gather_sized(x, dim, &lengths)
     }
 
+    /// All-to-all with variable counts: this rank's rows of `x` go out in consecutive chunks of
+    /// `send_counts[j]` rows to rank `j`; the rows received (in rank order) and their counts per
+    /// rank come back ([`Communicator::all_to_all`]). How tokens reach the ranks that hold
+    /// their experts when tokens are split over ranks.
+    pub fn all_to_all(&self, x: &Tensor, send_counts: &[usize]) -> Result<(Tensor, Vec<usize>)> {
+        self.check("all_to_all", x)?;
+        self.comm.all_to_all(x, send_counts)
+    }
+
     /// [`all_gather`](Self::all_gather) with every rank's length along `dim` given.
     pub fn all_gather_sized(&self, x: &Tensor, dim: usize, lengths: &[usize]) -> Result<Tensor> {
         self.check("all_gather", x)?;

@@ -41,6 +41,7 @@
 //! });
 //! ```
 
+mod all_to_all;
 mod communicator;
 mod deadline;
 mod env;
