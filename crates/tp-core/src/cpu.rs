@@ -4,14 +4,15 @@
 //!
 //! * [`CpuKernel`]: which instruction-set family runs (detected at run time; `TP_CPU_KERNEL`
 //!   caps it; [`with_kernel`] overrides it for one call, for tests and benchmarks).
-//! * [`num_threads`]: the threads of the persistent pool every host kernel runs on.
+//! * [`num_threads`]: the threads of the persistent pool every host kernel runs on;
+//!   [`par_tasks`] runs independent tasks on it, each task's products on its own thread.
 //! * [`set_batch_invariant`]: this thread's products give each row the same bits whatever the
 //!   number of rows (the packed GEMM only), and paged attention computes prefill rows one by one
 //!   as decode rows (not through score tiles).
 //! * [`set_prefill_attention_gemms`]: this thread's prefill attention as GEMMs over score tiles
 //!   or row by row, instead of the machine's choice (for tests that cover both paths).
 
-pub use tp_cpu::{CpuKernel, batch_invariant, num_threads, set_batch_invariant};
+pub use tp_cpu::{CpuKernel, batch_invariant, num_threads, par_tasks, set_batch_invariant};
 
 /// Runs `f` with `kernel` as this thread's host kernel family (the threads a product fans out to
 /// follow the calling thread's choice). For tests and benchmarks that compare paths.

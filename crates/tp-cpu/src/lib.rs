@@ -60,6 +60,6 @@ pub use element::{Float, FloatKind};
 pub use error::{Error, Result};
 pub use matmul::{batch_invariant, matmul, matmul_packed, matmul_tn, set_batch_invariant};
 pub use packed::PackedWeight;
-pub use pool::{num_threads, par_row_groups, par_rows};
+pub use pool::{num_threads, par_row_groups, par_rows, par_tasks};
 pub use shape::{GemmShape, Layout};
 pub use weight_buf::WeightBuf;

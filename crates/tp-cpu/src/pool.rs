@@ -53,6 +53,23 @@ pub(crate) fn run(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// Runs `task(i)` for every `i` in `0..tasks` on the pool and the calling thread, each task's own
+/// products running on its thread alone (the pool is busy with this job, so they run inline):
+/// one dispatch for many small independent products (a mixture's experts in a decode step)
+/// instead of one per product. Every task sees the calling thread's kernel family and
+/// batch-invariance choice, so its products give the bits they would give on the caller.
+pub fn par_tasks(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+    let (kernel, invariant) = (crate::CpuKernel::current(), crate::matmul::batch_invariant());
+    run(tasks, &|i| {
+        let before = crate::matmul::batch_invariant();
+        crate::matmul::set_batch_invariant(invariant);
+        if crate::dispatch::with_kernel(kernel, || task(i)).is_err() {
+            task(i);
+        }
+        crate::matmul::set_batch_invariant(before);
+    });
+}
+
 /// Calls `f(first_row, rows)` on `data` cut into groups of whole rows of `row_len` elements (the
 /// last row may be short), spread over the pool when the data is large enough to pay for it.
 pub fn par_rows<E: Send, F>(data: &mut [E], row_len: usize, f: F)
@@ -263,6 +280,18 @@ impl Pool {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn par_tasks_run_every_task_once_with_the_callers_choices() {
+        crate::matmul::set_batch_invariant(true);
+        let seen: Vec<std::sync::Mutex<Vec<bool>>> = (0..13).map(|_| std::sync::Mutex::new(Vec::new())).collect();
+        par_tasks(13, &|i| seen[i].lock().unwrap().push(crate::matmul::batch_invariant()));
+        crate::matmul::set_batch_invariant(false);
+        for (i, s) in seen.iter().enumerate() {
+            assert_eq!(*s.lock().unwrap(), vec![true], "task {i}");
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -33,6 +33,10 @@ use tp_comm::{DeviceGroup, ReduceOp};
 use tp_core::moe::route;
 use tp_core::{Activation, DType, Device, RouterKind, Routing, Tensor};
 
+/// Rows per expert up to which a step's experts run side by side (see
+/// [`ParallelMoe::forward`]).
+const FEW_ROWS: usize = 4;
+
 /// What an MoE block computes besides its weights.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeConfig {
@@ -251,18 +255,48 @@ impl ParallelMoe {
         };
         let routing = self.route(x)?;
         let mut partial = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu)?;
-        for (expert, routed) in self.experts.iter().zip(routing.by_expert()) {
-            let Some(expert) = expert else { continue };
-            if routed.is_empty() {
-                continue;
-            }
-            let rows: Vec<usize> = routed.iter().map(|&(t, _)| t).collect();
-            let weights: Vec<f32> = routed.iter().map(|&(_, w)| w).collect();
-            let ids: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-            let ids = Tensor::from_vec(ids, &[rows.len()], &Device::Cpu)?.to_device(&x.device())?;
-            let xe = x.embedding(&ids, 0)?;
-            let ye = expert.down().forward_partial(&expert.activation(&xe)?)?;
-            partial.add_rows_scaled(&rows, &ye.to_device(&Device::Cpu)?, &weights)?;
+        // The experts with tokens here: (expert, rows ascending, weights).
+        let work: Vec<(&ParallelMlp, Vec<usize>, Vec<f32>)> = self
+            .experts
+            .iter()
+            .zip(routing.by_expert())
+            .filter_map(|(expert, routed)| {
+                let expert = expert.as_ref().filter(|_| !routed.is_empty())?;
+                Some((expert, routed.iter().map(|&(t, _)| t).collect(), routed.iter().map(|&(_, w)| w).collect()))
+            })
+            .collect();
+        let run = |(expert, rows, _): &(&ParallelMlp, Vec<usize>, Vec<f32>)| -> Result<Tensor> {
+            let ye = expert.down().forward_partial(&expert.activation(&gather_rows(x, rows)?)?)?;
+            Ok(ye.to_device(&Device::Cpu)?)
+        };
+        // Few rows per expert (decode): the experts' small products side by side on the host's
+        // threads, one dispatch for all (each expert's products on one thread); many rows
+        // (prefill): one expert after another, each product over every thread. Either way the
+        // outputs are added in expert order, so the bits are the same.
+        let outputs: Vec<Result<Tensor>> =
+            if x.device() == Device::Cpu && work.len() > 1 && work.iter().all(|(_, rows, _)| rows.len() <= FEW_ROWS) {
+                let slots: Vec<std::sync::Mutex<Option<Result<Tensor>>>> =
+                    work.iter().map(|_| std::sync::Mutex::new(None)).collect();
+                tp_core::cpu::par_tasks(work.len(), &|i| {
+                    let out = run(&work[i]);
+                    if let Ok(mut s) = slots[i].lock() {
+                        *s = Some(out);
+                    }
+                });
+                slots
+                    .into_iter()
+                    .map(|s| {
+                        s.into_inner()
+                            .ok()
+                            .flatten()
+                            .unwrap_or_else(|| Err(LayerError::Config("an expert's task did not finish".into())))
+                    })
+                    .collect()
+            } else {
+                work.iter().map(run).collect()
+            };
+        for ((_, rows, weights), ye) in work.iter().zip(outputs) {
+            partial.add_rows_scaled(rows, &ye?, weights)?;
         }
         if let Some((expert, gate)) = &self.shared {
             let ys = expert.down().forward_partial(&expert.activation(x)?)?;
