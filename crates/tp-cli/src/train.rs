@@ -139,6 +139,10 @@ pub struct TrainArgs {
     /// Sequence parallelism: norms and residuals on sequence shards.
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// A mixture of experts' experts whole on ranks, in balanced ranges over the
+    /// tensor-parallel group (vLLM's flag); without it each expert is split over the ranks.
+    #[arg(long)]
+    pub enable_expert_parallel: bool,
     /// What the forward keeps for the backward.
     #[arg(long, value_enum, default_value = "none")]
     pub recompute: RecomputeArg,
@@ -322,7 +326,8 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
                 (data.clone(), config_t.clone(), &opts, &log, &errors, &config, &parts, &trace);
             let rank = mesh.rank();
             let spawned = std::thread::Builder::new().name(format!("train-{rank}")).spawn_scoped(s, move || {
-                let job = RankJob { dir: weights_dir, config, dtype, parts, opts, resume, log, trace };
+                let expert_parallel = a.enable_expert_parallel;
+                let job = RankJob { dir: weights_dir, config, dtype, parts, opts, resume, log, trace, expert_parallel };
                 let out = job.run(&mesh, config_t, data);
                 if let Err(e) = out {
                     mesh.abort(&format!("rank {rank} (stage {}) failed", mesh.coords().pp));
@@ -366,6 +371,8 @@ struct RankJob<'a> {
     log: &'a Log,
     /// The trace's origin and every rank's events.
     trace: &'a Option<(Instant, Mutex<Vec<TraceEvent>>)>,
+    /// Experts whole on ranks.
+    expert_parallel: bool,
 }
 
 impl RankJob<'_> {
@@ -373,7 +380,7 @@ impl RankJob<'_> {
     /// resuming, run the loop.
     fn run(&self, mesh: &Mesh, config_t: TrainConfig, mut data: Dataset) -> Result<(), String> {
         let (p, s) = (mesh.shape().pp, mesh.coords().pp);
-        let opts = ModelOptions::new().with_dtype(self.dtype);
+        let opts = ModelOptions::new().with_dtype(self.dtype).with_expert_parallel(self.expert_parallel);
         let mut chunks = (0..self.parts.len() / p)
             .map(|c| ParallelCausalLm::load_part(self.dir, self.config, mesh.tp(), &opts, &self.parts[c * p + s]))
             .collect::<Result<Vec<_>, _>>()

@@ -145,6 +145,10 @@ pub struct ParallelMoe {
     /// Each expert's part on this rank: its shard, the whole expert, or none (another rank
     /// holds it whole).
     experts: Vec<Option<ParallelMlp>>,
+    /// For each expert another rank holds whole (expert parallelism), empty stand-ins of its
+    /// parameters: every rank lists the same parameters, in the same order, for the
+    /// collectives over them (gathering, the gradient norm, checkpoints).
+    absent: Vec<Option<AbsentExpert>>,
     placement: ExpertPlacement,
     /// The shared expert's shard and its replicated gate `[1, H]`.
     shared: Option<(ParallelMlp, Linear)>,
@@ -202,7 +206,8 @@ impl ParallelMoe {
                 Some((expert, Linear::new(ld.full(&gate_name)?, None)?))
             }
         };
-        Ok(ParallelMoe { router, experts, placement, shared, config, group: ld.group().clone() })
+        let absent = absent_experts(&experts, hidden, ld.group())?;
+        Ok(ParallelMoe { router, experts, absent, placement, shared, config, group: ld.group().clone() })
     }
 
     /// Which rank computes which part of which expert.
@@ -379,14 +384,12 @@ impl MoeSaved {
 ///   gradients and `dx` terms are the same on every rank and added after the reduction.
 ///
 /// Weights rounded to the model's dtype in the forward pass their gradient straight through.
-/// The experts must all be split over the ranks (expert parallelism does not train yet).
+/// Under expert parallelism an expert's gradients live on its rank alone; the other ranks list
+/// empty stand-ins of its parameters, so that every rank lists the same parameters.
 impl ParallelMoe {
     /// The forward of this rank's rows `x` of `batch` (all of them, or its sequence shard,
     /// all-gathered first), keeping what the backward needs; the output in the same rows.
     pub fn forward_train(&self, x: &Tensor, batch: &crate::SeqBatch) -> Result<(Tensor, MoeSaved)> {
-        if self.placement.is_expert_parallel() {
-            return Err(LayerError::Config("training with expert parallelism is not supported yet".into()));
-        }
         let group = &self.group;
         let x_full = batch.gather(x, group)?;
         let &[t, h] = x_full.dims() else {
@@ -549,11 +552,13 @@ impl ParallelMoe {
         let (e, h) = (self.router.out_features(), self.router.in_features());
         let w = replicated(join(prefix, &format!("{}.weight", names.router)), &[e, h]);
         self.router.params(w, Vec::new(), f)?;
-        for (i, x) in self.experts.iter_mut().enumerate() {
-            let Some(x) = x else {
-                return Err(LayerError::Config("training with expert parallelism is not supported yet".into()));
-            };
-            x.params(&join(prefix, &format!("{}.{i}", names.experts)), names.expert, f)?;
+        for (i, (x, absent)) in self.experts.iter_mut().zip(&mut self.absent).enumerate() {
+            let expert = join(prefix, &format!("{}.{i}", names.experts));
+            match (x, absent) {
+                (Some(x), _) => x.params(&expert, names.expert, f)?,
+                (None, Some(a)) => a.params(&expert, names.expert, h, f)?,
+                (None, None) => return Err(LayerError::Config(format!("{expert}: held nowhere on this rank"))),
+            }
         }
         if let (Some((x, gate)), Some((shared, gate_name))) = (self.shared.as_mut(), names.shared) {
             x.params(&join(prefix, shared), MlpNames::default(), f)?;
@@ -579,6 +584,74 @@ fn zero_missing_grads(mlp: &mut ParallelMlp) -> Result<()> {
         Some(e) => Err(e.into()),
         None => Ok(()),
     }
+}
+
+/// The empty stand-ins of an expert another rank holds whole: its stacked gate/up `[0, H]`
+/// and down `[H, 0]`, each a parameter with blocks of length 0 this rank does not own.
+#[derive(Debug, Clone)]
+struct AbsentExpert {
+    /// The expert's intermediate features (its full tensors' rows and columns).
+    inter: usize,
+    gate_up: Tensor,
+    gate_up_grad: crate::Grad,
+    down: Tensor,
+    down_grad: crate::Grad,
+}
+
+impl AbsentExpert {
+    /// The stand-ins as parameters named as the held expert's are (`names` under `prefix`).
+    fn params<'a>(
+        &'a mut self,
+        prefix: &str,
+        names: MlpNames,
+        hidden: usize,
+        f: &mut dyn FnMut(crate::Param<'a>),
+    ) -> Result<()> {
+        use crate::parts::join;
+        let none = |name: String, dims: Vec<usize>, dim: usize| crate::Placement {
+            name,
+            full_dims: dims,
+            dim,
+            local_start: 0,
+            full_start: 0,
+            len: 0,
+            owned: false,
+            partial: false,
+        };
+        let Projections::Separate([g, u]) = names.gate_up else {
+            return Err(LayerError::Config(format!("{prefix}: experts with fused gate/up names")));
+        };
+        let gate_up = [g, u].map(|n| none(join(prefix, &format!("{n}.weight")), vec![self.inter, hidden], 0));
+        f(crate::Param { value: &mut self.gate_up, grad: &mut self.gate_up_grad, placements: gate_up.to_vec() });
+        let down = none(join(prefix, &format!("{}.weight", names.down)), vec![hidden, self.inter], 1);
+        f(crate::Param { value: &mut self.down, grad: &mut self.down_grad, placements: vec![down] });
+        Ok(())
+    }
+}
+
+/// The stand-ins for the experts this rank does not hold (`None` for the ones it holds).
+fn absent_experts(
+    experts: &[Option<ParallelMlp>],
+    hidden: usize,
+    group: &DeviceGroup,
+) -> Result<Vec<Option<AbsentExpert>>> {
+    let Some(held) = experts.iter().flatten().next() else {
+        return Ok(experts.iter().map(|_| None).collect());
+    };
+    let (inter, dtype) = (held.gate_up().shards()[0].global_len(), held.gate_up().local().dtype());
+    experts
+        .iter()
+        .map(|x| match x {
+            Some(_) => Ok(None),
+            None => Ok(Some(AbsentExpert {
+                inter,
+                gate_up: Tensor::zeros(&[0, hidden], dtype, &group.device())?,
+                gate_up_grad: crate::Grad::default(),
+                down: Tensor::zeros(&[hidden, 0], dtype, &group.device())?,
+                down_grad: crate::Grad::default(),
+            })),
+        })
+        .collect()
 }
 
 /// Rows `rows` of `x: [T, H]`, in order.

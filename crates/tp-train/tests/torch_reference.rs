@@ -66,12 +66,16 @@ fn config(hyper: &serde_json::Value, recompute: Recompute, sequence_parallel: bo
 type Run = (Vec<(f64, f64, f64, usize)>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>);
 
 fn train(case: &str, world: usize, recompute: Recompute, sp: bool) -> Run {
+    train_opts(case, world, recompute, sp, ModelOptions::new())
+}
+
+fn train_opts(case: &str, world: usize, recompute: Recompute, sp: bool, opts: ModelOptions) -> Run {
     let dir = fixture(case);
     let reference = read_json(dir.join("reference.json"));
     let hyper = &reference["hyper"];
     let groups = DeviceGroup::local(world, tp_testing::ranks::timeout(), |_| Device::Cpu).unwrap();
     let results = tp_testing::ranks::run_threads(groups, "train", |g| -> Result<Run, String> {
-        let mut model = ParallelCausalLm::load(&dir, g, &ModelOptions::new()).map_err(|e| e.to_string())?;
+        let mut model = ParallelCausalLm::load(&dir, g, &opts).map_err(|e| e.to_string())?;
         let vocab = model.config().vocab_size;
         let seq_len = hyper["seq_len"].as_u64().unwrap() as usize;
         let mut data = Dataset::open(&dir.join("data.jsonl"), vocab, seq_len, None).map_err(|e| e.to_string())?;
@@ -109,14 +113,19 @@ fn check_case(case: &str, worlds: &[usize]) {
 }
 
 fn check_case_with(case: &str, worlds: &[usize], sp: bool) {
+    check_case_opts(case, worlds, sp, ModelOptions::new());
+}
+
+fn check_case_opts(case: &str, worlds: &[usize], sp: bool, opts: ModelOptions) {
     let dir = fixture(case);
     let reference = read_json(dir.join("reference.json"));
     let want_grads = read_tensors(dir.join("grads.safetensors"));
     let want_weights = read_tensors(dir.join("weights_after.safetensors"));
     let before = read_tensors(dir.join("model.safetensors"));
     for &world in worlds {
-        let (logs, grads, weights) = train(case, world, Recompute::None, sp);
-        let at = format!("{case} TP {world}{}", if sp { " SP" } else { "" });
+        let (logs, grads, weights) = train_opts(case, world, Recompute::None, sp, opts);
+        let ep = if opts.expert_parallel { " EP" } else { "" };
+        let at = format!("{case} TP {world}{}{ep}", if sp { " SP" } else { "" });
         for (i, (loss, norm, lr, tokens)) in logs.iter().enumerate() {
             let s = &reference["steps"][i];
             let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
@@ -221,6 +230,17 @@ fn mixtures_of_experts_match_torch() {
     for (case, world) in [("qwen3_moe", 3), ("qwen2_moe", 2), ("olmoe", 4)] {
         check_case_with(case, &[world], true);
     }
+}
+
+/// Expert parallelism in training: whole experts on ranks (8 over 3: 3, 3, 2; over 4; over 8),
+/// each expert's gradients on its rank alone, the other ranks listing empty stand-ins, and the
+/// same gradients and weights as torch's; with sequence parallelism too.
+#[test]
+fn expert_parallel_training_matches_torch() {
+    let ep = ModelOptions::new().with_expert_parallel(true);
+    check_case_opts("qwen3_moe", &[3, 8], false, ep);
+    check_case_opts("qwen2_moe", &[3, 4], false, ep);
+    check_case_opts("mixtral", &[3], true, ep);
 }
 
 #[test]
