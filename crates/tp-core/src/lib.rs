@@ -57,7 +57,7 @@ pub use ops::{
 /// Mixture-of-experts routing ([`moe::route`]) and the per-thread routing counts
 /// ([`moe::take_routed`]).
 pub mod moe {
-    pub use crate::ops::{route, take_routed};
+    pub use crate::ops::{route, softmax, take_routed};
 }
 pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;

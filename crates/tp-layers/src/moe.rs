@@ -403,7 +403,7 @@ impl ParallelMoe {
             .to_device(&Device::Cpu)?
             .to_vec::<f32>()?
             .chunks_exact(e.max(1))
-            .flat_map(softmax_f32)
+            .flat_map(tp_core::moe::softmax)
             .collect();
         let mut partial = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu)?;
         let mut experts = Vec::with_capacity(e);
@@ -663,14 +663,6 @@ fn gather_rows(x: &Tensor, rows: &[usize]) -> Result<Tensor> {
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-/// `softmax(x)` in f32 (as the router's weights are computed).
-fn softmax_f32(x: &[f32]) -> Vec<f32> {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exps: Vec<f32> = x.iter().map(|&v| (v - max).exp()).collect();
-    let sum: f32 = exps.iter().sum();
-    exps.into_iter().map(|v| v / sum).collect()
 }
 
 /// This rank's part of every expert from transformers 5's fused tensors under `ld`'s prefix:

@@ -128,8 +128,8 @@ pub fn route(logits: &Tensor, k: usize, kind: RouterKind) -> Result<Routing> {
     Ok(routing)
 }
 
-/// `softmax(x)` in f32: `exp(x - max) / Σ exp(x - max)`.
-fn softmax(x: &[f32]) -> Vec<f32> {
+/// `softmax(x)` in f32: `exp(x - max) / Σ exp(x - max)` (a router's probabilities).
+pub fn softmax(x: &[f32]) -> Vec<f32> {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let exps: Vec<f32> = x.iter().map(|&v| (v - max).exp()).collect();
     let sum: f32 = exps.iter().sum();
