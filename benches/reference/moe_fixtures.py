@@ -49,7 +49,7 @@ from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeF
                           Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_fixtures import exact_f64_buffers, full_f64  # noqa: E402
+from train_fixtures import exact_f64_buffers, full_f64, make_model  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 OUT = os.path.join(ROOT, "crates", "tp-models", "tests", "data", "moe")
@@ -62,7 +62,9 @@ def base(**kw):
              eos_token_id=None, bos_token_id=None, pad_token_id=None, num_experts_per_tok=2,
              tie_word_embeddings=False)
     d.update(kw)
-    return d
+    # A setting given as None is left at the config's default (OLMoE's head_dim), but the token ids
+    # are set to None on purpose.
+    return {k: v for k, v in d.items() if v is not None or k.endswith("token_id")}
 
 
 CASES = {
@@ -78,23 +80,6 @@ CASES = {
               base(num_experts=8, intermediate_size=20, num_attention_heads=4,
                    num_key_value_heads=4, head_dim=None, norm_topk_prob=False), False),
 }
-
-
-def make_model(d, classes, kw, seed):
-    torch.manual_seed(seed)
-    kw = {k: v for k, v in kw.items() if v is not None or k.endswith("token_id")}
-    m = classes[1](classes[0](attn_implementation="eager", experts_implementation="eager", **kw)).float()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
-    m.save_pretrained(d, safe_serialization=True)
-    gc = os.path.join(d, "generation_config.json")
-    if os.path.exists(gc):
-        os.remove(gc)
-    return m
 
 
 def load(d, dtype):
@@ -164,7 +149,7 @@ def run_case(name, cfg_cls, model_cls, kw, fused, seed):
     d = os.path.join(OUT, name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
-    make_model(d, (cfg_cls, model_cls), kw, seed)
+    make_model(d, (cfg_cls, model_cls), kw, seed, scale=0.3)
     rng = np.random.default_rng(seed)
 
     m = load(d, torch.float32).double()

@@ -161,7 +161,8 @@ def make_data():
     return rows
 
 
-def make_model(d, classes, kw, seed):
+def make_model(d, classes, kw, seed, scale=0.2):
+    """Saves a random model to d: matrices and biases N(0, scale^2), norm weights their init plus N(0, 0.1^2)."""
     torch.manual_seed(seed)
     m = classes[1](classes[0](attn_implementation="eager", experts_implementation="eager", **kw)).float()
     with torch.no_grad():
@@ -169,7 +170,7 @@ def make_model(d, classes, kw, seed):
             if "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
             else:
-                p.copy_(0.2 * torch.randn_like(p))
+                p.copy_(scale * torch.randn_like(p))
     m.save_pretrained(d, safe_serialization=True)
     gc = os.path.join(d, "generation_config.json")
     if os.path.exists(gc):
