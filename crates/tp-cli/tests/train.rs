@@ -86,6 +86,24 @@ fn ok(out: &Output) {
     assert!(out.status.success(), "tp train failed: {}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// Asserts that step log line `a` has the loss and gradient norm of `b` within 1e-5 (relative).
+fn assert_same_loss_and_norm(what: &str, a: &Value, b: &Value) {
+    for k in ["loss", "grad_norm"] {
+        let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "{what} {k}: {x} vs {y}");
+    }
+}
+
+/// Asserts that each tensor of `want` is in `got`, every element within `rel` times the tensor's
+/// largest magnitude (plus 1e-9).
+fn assert_tensors_close(got: &BTreeMap<String, Vec<f64>>, want: &BTreeMap<String, Vec<f64>>, rel: f64) {
+    for (name, w) in want {
+        let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let err = got[name].iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+        assert!(err <= rel * scale + 1e-9, "{name}: {err:e} of {scale:e}");
+    }
+}
+
 #[test]
 fn the_command_matches_torch_and_writes_a_loadable_checkpoint() {
     let case = fixture("gemma3");
@@ -122,11 +140,7 @@ fn the_command_matches_torch_and_writes_a_loadable_checkpoint() {
         want.keys().collect::<Vec<_>>(),
         "tied embedding once, checkpoint names"
     );
-    for (name, w) in &want {
-        let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
-        let err = got[name].iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
-        assert!(err <= 2e-5 * scale + 1e-9, "{name}: {err:e} of {scale:e}");
-    }
+    assert_tensors_close(&got, &want, 2e-5);
 
     // The checkpoint: an HF folder whose weights are the reference's after 3 steps, that tp
     // loads; a state file marking it complete.
@@ -217,10 +231,7 @@ fn how_a_step_is_split_into_micro_batches_changes_nothing() {
     for other in &logs[1..3] {
         for (a, b) in logs[0].iter().zip(other) {
             assert_eq!(a["tokens"], b["tokens"]);
-            for k in ["loss", "grad_norm"] {
-                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
-                assert!((x - y).abs() <= 1e-5 * y.abs(), "{k}: {x} vs {y}");
-            }
+            assert_same_loss_and_norm("split", a, b);
         }
     }
     assert_ne!(logs[0][1]["tokens"], logs[3][1]["tokens"], "3x2 takes six rows a step");
@@ -265,16 +276,9 @@ fn longrope_rows_give_the_same_step_in_any_micro_batch_split() {
     for (log, grads) in &runs[1..] {
         for (a, b) in first_log.iter().zip(log) {
             assert_eq!(a["tokens"], b["tokens"]);
-            for k in ["loss", "grad_norm"] {
-                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
-                assert!((x - y).abs() <= 1e-5 * y.abs(), "{k}: {x} vs {y}");
-            }
+            assert_same_loss_and_norm("longrope split", a, b);
         }
-        for (name, want) in first_grads {
-            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-            let err = grads[name].iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
-            assert!(err <= 1e-5 * scale + 1e-9, "{name}: {err:e} of {scale:e}");
-        }
+        assert_tensors_close(grads, first_grads, 1e-5);
     }
 }
 
@@ -478,10 +482,7 @@ fn pipeline_and_data_parallel_runs_log_the_single_rank_losses_and_a_trace() {
         assert_eq!(lines.len(), base.len(), "{name}");
         for (a, b) in lines.iter().zip(&base) {
             assert_eq!(a["tokens"], b["tokens"], "{name}");
-            for k in ["loss", "grad_norm"] {
-                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
-                assert!((x - y).abs() <= 1e-5 * y.abs(), "{name} {k}: {x} vs {y}");
-            }
+            assert_same_loss_and_norm(name, a, b);
             let bubble = a["bubble"].as_f64().unwrap();
             assert!((0.0..1.0).contains(&bubble), "{name}: bubble {bubble}");
         }
@@ -546,11 +547,7 @@ fn pipeline_checkpoints_resume_at_any_layout_and_dump_the_same_gradients() {
     // The dump holds the whole model (the tied table once) and equals the one-rank dump.
     let (a, b) = (tensors(Path::new(&grads_pp)), tensors(Path::new(&grads_one)));
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for (name, w) in &b {
-        let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
-        let e = a[name].iter().zip(w).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max);
-        assert!(e <= 2e-5 * scale + 1e-9, "{name}: {e:e} of {scale:e}");
-    }
+    assert_tensors_close(&a, &b, 2e-5);
     // A pipeline checkpoint is one HF folder; it resumes at another layout with the same log.
     let step1 = dir.join("ckpt/step-1").display().to_string();
     for (name, layout) in [("pp2", vec!["-pp", "2"]), ("tp3", vec!["-tp", "3"])] {
@@ -561,10 +558,7 @@ fn pipeline_checkpoints_resume_at_any_layout_and_dump_the_same_gradients() {
         let (full, resumed) = (log_lines(&dir.join("full.jsonl")), log_lines(&log));
         assert_eq!(resumed.len(), 2, "{name}");
         for (a, b) in resumed.iter().zip(&full[1..]) {
-            for k in ["loss", "grad_norm"] {
-                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
-                assert!((x - y).abs() <= 1e-5 * y.abs(), "{name} {k}: {x} vs {y}");
-            }
+            assert_same_loss_and_norm(name, a, b);
         }
     }
     let group = tp_comm::DeviceGroup::local(1, std::time::Duration::from_secs(60), |_| tp_core::Device::Cpu).unwrap();
