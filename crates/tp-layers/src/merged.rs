@@ -47,9 +47,24 @@ impl MergedColumnParallel {
 
     /// `group`'s rank's stacked shards of full layers `parts` (same input size and dtype).
     pub fn from_full(parts: &[&Linear], group: &DeviceGroup) -> Result<MergedColumnParallel> {
+        Self::from_full_with(parts, group, |rows| Ok(TensorShard::new(0, rows, group.rank(), group.world_size())?))
+    }
+
+    /// [`from_full`](Self::from_full), every row of each part on this rank (see
+    /// [`load_whole`](Self::load_whole)).
+    pub fn from_full_whole(parts: &[&Linear], group: &DeviceGroup) -> Result<MergedColumnParallel> {
+        Self::from_full_with(parts, group, |rows| whole_shard(rows, group.rank(), group.world_size()))
+    }
+
+    /// Stacks this rank's rows of each part, given by `shard_of(rows)`.
+    fn from_full_with(
+        parts: &[&Linear],
+        group: &DeviceGroup,
+        shard_of: impl Fn(usize) -> Result<TensorShard>,
+    ) -> Result<MergedColumnParallel> {
         let (mut weights, mut biases, mut shards) = (Vec::new(), Vec::new(), Vec::new());
         for p in parts {
-            let s = TensorShard::new(0, p.out_features(), group.rank(), group.world_size())?;
+            let s = shard_of(p.out_features())?;
             weights.push(s.shard(p.weight()?)?);
             biases.push(p.bias().map(|b| s.shard(b)).transpose()?);
             shards.push(s);
@@ -88,7 +103,7 @@ impl MergedColumnParallel {
     /// Every row of each part on this rank (an expert that expert parallelism places whole on
     /// one rank): each part's shard covers all its rows.
     pub fn load_whole<const N: usize>(ld: &Loader<'_>, names: Projections<N>) -> Result<MergedColumnParallel> {
-        Self::load_with(ld, names, |rows| Ok(TensorShard::with_range(0, rows, ld.rank(), ld.world_size(), 0, rows)?))
+        Self::load_with(ld, names, |rows| whole_shard(rows, ld.rank(), ld.world_size()))
     }
 
     /// Loads the parts, each part's rows on this rank given by `shard_of(rows)`.
@@ -227,6 +242,11 @@ impl MergedColumnParallel {
         let (w, b) = names.placements(prefix, &rows, self.linear.in_features(), &blocks);
         self.linear.params(w, b, f)
     }
+}
+
+/// A dim-0 shard of all `rows` rows on rank `rank` of `world` (a part held whole by one rank).
+fn whole_shard(rows: usize, rank: usize, world: usize) -> Result<TensorShard> {
+    Ok(TensorShard::with_range(0, rows, rank, world, 0, rows)?)
 }
 
 /// Rank `rank`'s rows of `len` split in whole units of `granule` (balanced over the units) when

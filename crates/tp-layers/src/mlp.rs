@@ -110,22 +110,8 @@ impl ParallelMlp {
         act: Activation,
         group: &DeviceGroup,
     ) -> Result<ParallelMlp> {
-        let (rank, world) = (group.rank(), group.world_size());
-        let dev = group.device();
-        let mut shards = Vec::new();
-        for p in [gate, up] {
-            shards.push(tp_core::TensorShard::with_range(0, p.out_features(), rank, world, 0, p.out_features())?);
-        }
-        let weight = Tensor::cat(&[gate.weight()?, up.weight()?], 0)?.to_device(&dev)?;
-        let bias = match (gate.bias(), up.bias()) {
-            (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)?.to_device(&dev)?),
-            (None, None) => None,
-            _ => return Err(LayerError::Config("gate and up must both have a bias or neither".into())),
-        };
-        let gate_up = MergedColumnParallel::new(Linear::new(weight, bias)?, shards, group)?;
-        let inter = down.in_features();
-        let shard = tp_core::TensorShard::with_range(1, inter, rank, world, 0, inter)?;
-        let down = RowParallel::new(down.weight()?.to_device(&dev)?, down.bias().cloned(), shard, group)?;
+        let gate_up = MergedColumnParallel::from_full_whole(&[gate, up], group)?;
+        let down = RowParallel::from_full_columns(down.weight()?, down.bias(), 0..down.in_features(), group)?;
         Self::new(gate_up, down, act)
     }
 
