@@ -320,14 +320,10 @@ impl ParallelMoe {
 /// layers; see [`ParallelMoe::backward`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouterStats {
-    /// Experts `E`.
-    pub num_experts: usize,
-    /// Experts per token `k`.
-    pub top_k: usize,
+    /// The `k` experts each token chose and their weights (`[T · k]` each, `E` experts).
+    pub routing: Routing,
     /// `[T · E]` softmax probabilities (f32), every token of the batch.
     pub probs: Vec<f32>,
-    /// `[T · k]` chosen experts.
-    pub experts: Vec<u32>,
 }
 
 /// One expert's part of a training forward: the rows routed to it, their slots in the
@@ -347,7 +343,6 @@ struct ExpertSaved {
 pub struct MoeSaved {
     x: Tensor,
     batch: crate::SeqBatch,
-    routing: Routing,
     stats: RouterStats,
     experts: Vec<Option<ExpertSaved>>,
     /// The shared expert's `G|U`, activation and partial output, and its gate's values.
@@ -442,8 +437,8 @@ impl ParallelMoe {
         };
         let partial = partial.to_device(&x.device())?;
         let y = batch.reduce(&partial, group)?.to_dtype(x.dtype())?;
-        let stats = RouterStats { num_experts: e, top_k: routing.top_k, probs, experts: routing.experts.clone() };
-        let saved = MoeSaved { x: x.clone(), batch: batch.clone(), routing, stats, experts, shared, prob_grad: None };
+        let stats = RouterStats { routing, probs };
+        let saved = MoeSaved { x: x.clone(), batch: batch.clone(), stats, experts, shared, prob_grad: None };
         Ok((y, saved))
     }
 
@@ -460,7 +455,7 @@ impl ParallelMoe {
                 dy.dims()
             )));
         };
-        let (k, e) = (saved.routing.top_k, self.config.num_experts);
+        let (k, e) = (saved.stats.routing.top_k, self.config.num_experts);
         let dyv = dy_full.to_vec::<f32>()?;
         // Partial dot products (dw per slot, dg per token), summed over the group below.
         let mut dots = vec![0f32; t * k + t];
@@ -472,7 +467,7 @@ impl ParallelMoe {
             for (i, (&row, &slot)) in s.rows.iter().zip(&s.slots).enumerate() {
                 let dy_row = &dyv[row * h..(row + 1) * h];
                 dots[slot] = dot(dy_row, &out[i * h..(i + 1) * h]);
-                let w = saved.routing.weights[slot];
+                let w = saved.stats.routing.weights[slot];
                 d_out.extend(dy_row.iter().map(|&g| w * g));
             }
             let d_out = Tensor::from_vec(d_out, &[s.rows.len(), h], &Device::Cpu)?.to_device(&s.x.device())?;
@@ -503,7 +498,7 @@ impl ParallelMoe {
                 Some(g) => g[row * e..(row + 1) * e].to_vec(),
                 None => vec![0f32; e],
             };
-            let chosen = &saved.routing.experts[row * k..(row + 1) * k];
+            let chosen = &saved.stats.routing.experts[row * k..(row + 1) * k];
             let dw = &dots[row * k..(row + 1) * k];
             if renormalize {
                 let s: f32 = chosen.iter().map(|&c| p[c as usize]).sum();

@@ -280,7 +280,7 @@ impl ParallelCausalLm {
                 "the load-balancing loss spans every MoE layer; pipeline stages of such a model do not train yet",
             ));
         }
-        let (e, k) = (routers[0].num_experts, routers[0].top_k);
+        let (e, k) = (routers[0].routing.num_experts, routers[0].routing.top_k);
         let layers = routers.len() as f64;
         let scale = moe.router_aux_loss_coef * f64::from(mb.router_aux_scale);
         let mut grad = vec![0f32; mb.batch.tokens() * e];
@@ -291,7 +291,7 @@ impl ParallelCausalLm {
             let (mut c, mut p) = (vec![0f64; e], vec![0f64; e]);
             for r in routers {
                 for t in rows.clone() {
-                    r.experts[t * k..(t + 1) * k].iter().for_each(|&x| c[x as usize] += 1.0);
+                    r.routing.experts[t * k..(t + 1) * k].iter().for_each(|&x| c[x as usize] += 1.0);
                     r.probs[t * e..(t + 1) * e].iter().zip(&mut p).for_each(|(&v, s)| *s += f64::from(v));
                 }
             }
