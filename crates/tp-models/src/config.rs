@@ -6,10 +6,11 @@
 //! are absent take the defaults of the family's transformers config class (the architecture
 //! table, [`crate::arch`]). Every missing required field, wrong type, impossible value, size
 //! that overflows and unsupported kind is a typed [`ModelError`] naming the field; values from
-//! the file are shown escaped and cut to [`SHOWN_CHARS`] characters.
+//! the file are shown escaped and cut to [`SHOWN_CHARS`](crate::fields::SHOWN_CHARS) characters.
 
 use crate::arch::{self, Architecture, Biases, Windows};
 use crate::error::{ModelError, Result};
+use crate::fields::{Fields, shown, shown_value};
 use crate::moe_config::{MoeSettings, moe_settings};
 use crate::rope_config::{RopeFamily, rope, rope_params};
 use serde_json::{Map, Value};
@@ -20,8 +21,6 @@ use tp_layers::QkNormSpan;
 /// Largest `config.json` or `generation_config.json` read (real ones are a few KiB; Gemma's
 /// and Qwen's carry long lists, well under 1 MiB).
 pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
-/// Longest value shown in an error, in characters.
-pub const SHOWN_CHARS: usize = 200;
 /// Largest `head_dim` accepted.
 pub const MAX_HEAD_DIM: usize = 1 << 16;
 /// Most layers a model may have (the largest released models have under 200).
@@ -103,99 +102,6 @@ pub struct ModelConfig {
     /// `padding_idx`): transformers builds the table as `nn.Embedding(V, H, padding_idx)`, so
     /// training never writes a lookup gradient into that row.
     pub pad_token_id: Option<usize>,
-}
-
-/// `s` with its control characters escaped (`\u{1b}`, `\n`, ...) and cut to [`SHOWN_CHARS`]
-/// characters.
-pub(crate) fn shown(s: &str) -> String {
-    let mut out = String::new();
-    for c in s.chars().take(SHOWN_CHARS) {
-        if c.is_control() {
-            out.extend(c.escape_debug());
-        } else {
-            out.push(c);
-        }
-    }
-    if s.chars().nth(SHOWN_CHARS).is_some() {
-        out.push_str(&format!("… ({} bytes)", s.len()));
-    }
-    out
-}
-
-/// A JSON value as it is shown in an error: its JSON text (strings quoted, control characters
-/// escaped), cut.
-pub(crate) fn shown_value(v: &Value) -> String {
-    shown(&v.to_string())
-}
-
-/// Typed access to one JSON object's fields, naming the field in every error.
-pub(crate) struct Fields<'a> {
-    pub(crate) map: &'a Map<String, Value>,
-    pub(crate) prefix: String,
-}
-
-impl Fields<'_> {
-    pub(crate) fn name(&self, key: &str) -> String {
-        format!("{}{key}", self.prefix)
-    }
-
-    /// The field, treating JSON `null` as absent.
-    pub(crate) fn get(&self, key: &str) -> Option<&Value> {
-        self.map.get(key).filter(|v| !v.is_null())
-    }
-
-    pub(crate) fn bad(&self, key: &str, why: impl Into<String>) -> ModelError {
-        ModelError::ConfigField { field: self.name(key), why: why.into() }
-    }
-
-    /// A positive integer field (or `default` when absent and a default exists).
-    pub(crate) fn count(&self, key: &str, default: Option<usize>) -> Result<usize> {
-        match self.get(key) {
-            None => default.ok_or_else(|| self.bad(key, "is missing")),
-            Some(v) => {
-                let bad = || self.bad(key, format!("must be a positive integer, got {}", shown_value(v)));
-                match v.as_u64().map(usize::try_from) {
-                    Some(Ok(n)) if n > 0 => Ok(n),
-                    _ => Err(bad()),
-                }
-            }
-        }
-    }
-
-    /// A finite number field.
-    pub(crate) fn number(&self, key: &str, default: Option<f64>) -> Result<f64> {
-        match self.get(key) {
-            None => default.ok_or_else(|| self.bad(key, "is missing")),
-            Some(v) => match v.as_f64() {
-                Some(x) if x.is_finite() => Ok(x),
-                _ => Err(self.bad(key, format!("must be a finite number, got {}", shown_value(v)))),
-            },
-        }
-    }
-
-    /// A finite, positive number field.
-    pub(crate) fn positive(&self, key: &str, default: Option<f64>) -> Result<f64> {
-        let v = self.number(key, default)?;
-        if v > 0.0 { Ok(v) } else { Err(self.bad(key, format!("must be positive, got {v}"))) }
-    }
-
-    pub(crate) fn flag(&self, key: &str, default: bool) -> Result<bool> {
-        match self.get(key) {
-            None => Ok(default),
-            Some(v) => {
-                v.as_bool().ok_or_else(|| self.bad(key, format!("must be true or false, got {}", shown_value(v))))
-            }
-        }
-    }
-
-    pub(crate) fn string(&self, key: &str) -> Result<Option<&str>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => {
-                v.as_str().map(Some).ok_or_else(|| self.bad(key, format!("must be a string, got {}", shown_value(v))))
-            }
-        }
-    }
 }
 
 /// The JSON object in `path`: a regular file of at most [`MAX_CONFIG_BYTES`].

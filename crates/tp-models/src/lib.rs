@@ -41,6 +41,7 @@ mod arch;
 mod blocks;
 mod config;
 mod error;
+mod fields;
 pub mod gguf;
 #[cfg(feature = "tokenizers")]
 pub mod gguf_tokenizer;

@@ -5,8 +5,8 @@
 //! `mlp_only_layers`, and `router_aux_loss_coef`.
 
 use crate::arch::MoeRule;
-use crate::config::{Fields, shown_value};
 use crate::error::Result;
+use crate::fields::{Fields, shown_value};
 use serde_json::Value;
 
 /// A mixture-of-experts model's experts, validated.

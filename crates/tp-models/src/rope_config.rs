@@ -1,7 +1,7 @@
 //! Rotary parameters of a Hugging Face config, in both forms real checkpoints use.
 
-use crate::config::{Fields, shown, shown_value};
 use crate::error::{ModelError, Result};
+use crate::fields::{Fields, shown, shown_value};
 use crate::rope_kinds::{RopeKindError, rope_scaling_from_kind};
 use serde_json::Value;
 use std::cell::RefCell;
