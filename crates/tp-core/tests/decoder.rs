@@ -139,6 +139,7 @@ fn attention_follows_kv_groups_that_start_mid_group() {
                 scale: 0.3,
                 sliding_window: window,
                 kv_groups: Some(KvGroups { size, offset }),
+                sinks: None,
             };
             for gemms in [None, Some(true), Some(false)] {
                 tp_core::cpu::set_prefill_attention_gemms(gemms);
@@ -147,6 +148,37 @@ fn attention_follows_kv_groups_that_start_mid_group() {
             }
             tp_core::cpu::set_prefill_attention_gemms(None);
         }
+    }
+}
+
+/// gpt-oss's attention sinks against the f64 reference on every host path (row loop, grouped
+/// rows, score tiles), with windows and groups starting mid-group; a wrong count is refused.
+#[test]
+fn attention_sinks_join_each_heads_softmax() {
+    for (hq, hkv, groups) in [(6, 2, None), (5, 3, Some(KvGroups { size: 3, offset: 2 }))] {
+        let sinks: Vec<f32> = (0..hq).map(|h| [2.5, -0.7, 0.0, -30.0, 6.0][h % 5]).collect();
+        for (t, kv_len, window) in [(1, 19, None), (3, 11, Some(4)), (37, 41, None), (37, 41, Some(6))] {
+            let spec = AttentionSpec {
+                kv_len,
+                scale: 0.3,
+                sliding_window: window,
+                kv_groups: groups,
+                sinks: Some(sinks.clone().into()),
+            };
+            for gemms in [None, Some(true), Some(false)] {
+                tp_core::cpu::set_prefill_attention_gemms(gemms);
+                for dtype in [DType::F32, DType::BF16] {
+                    check_attention_spec(CPU, t, (hq, hkv, 24), &spec, dtype, (hq * 10 + t) as u64);
+                }
+            }
+            tp_core::cpu::set_prefill_attention_gemms(None);
+        }
+    }
+    let q = Tensor::randn(&[2, 4, 8], DType::F32, 1, &CPU).unwrap();
+    let k = Tensor::randn(&[2, 2, 8], DType::F32, 2, &CPU).unwrap();
+    for bad in [vec![0.0; 3], vec![0.0, 1.0, f32::NAN, 0.0]] {
+        let spec = AttentionSpec { sinks: Some(bad.into()), ..AttentionSpec::causal(2, 8) };
+        assert!(matches!(q.attention(&k, &k, &spec), Err(Error::InvalidArgument { .. })));
     }
 }
 
@@ -229,11 +261,11 @@ fn decoder_ops_refuse_bad_shapes() {
     assert!(matches!(x.attention(&k3, &k3, &spec), Err(Error::ShapeMismatch { .. })), "3 KV heads do not divide 4");
     assert!(matches!(x.attention(&k, &k, &AttentionSpec::causal(6, 8)), Err(Error::InvalidArgument { .. })));
     assert!(matches!(x.attention(&k, &k, &AttentionSpec::causal(2, 8)), Err(Error::InvalidArgument { .. })));
-    let w0 = AttentionSpec { sliding_window: Some(0), ..spec };
+    let w0 = AttentionSpec { sliding_window: Some(0), ..spec.clone() };
     assert!(matches!(x.attention(&k, &k, &w0), Err(Error::InvalidArgument { .. })));
     // Groups that send a query head past the KV heads, or an offset outside its group.
     for (size, offset) in [(2, 1), (1, 0), (3, 3), (0, 0)] {
-        let bad = AttentionSpec { kv_groups: Some(KvGroups { size, offset }), ..spec };
+        let bad = AttentionSpec { kv_groups: Some(KvGroups { size, offset }), ..spec.clone() };
         assert!(
             matches!(x.attention(&k, &k, &bad), Err(Error::ShapeMismatch { .. })),
             "4 query heads over 2 KV heads with groups of {size} from {offset}"

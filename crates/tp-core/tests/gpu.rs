@@ -352,7 +352,8 @@ fn decoder_kernels_match_f64_references() {
     for (hq, hkv, size, offset) in [(2, 2, 3, 2), (4, 2, 3, 1), (5, 3, 2, 1)] {
         let groups = Some(tp_core::KvGroups { size, offset });
         for (t, kv_len) in [(1, 19), (9, 20)] {
-            let spec = tp_core::AttentionSpec { kv_len, scale: 0.3, sliding_window: None, kv_groups: groups };
+            let spec =
+                tp_core::AttentionSpec { kv_len, scale: 0.3, sliding_window: None, kv_groups: groups, sinks: None };
             check_attention_spec(GPU, t, (hq, hkv, 24), &spec, DType::BF16, (hq * 100 + t) as u64);
         }
     }

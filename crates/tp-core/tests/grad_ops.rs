@@ -60,12 +60,36 @@ fn attention_backward_matches_finite_differences() {
             rand(&[l, hkv, d], seed + 2),
             rand(&[t, hq, d], seed + 3),
         );
-        let spec = AttentionSpec { kv_len: l, scale: 0.7, sliding_window: window, kv_groups };
+        let spec = AttentionSpec { kv_len: l, scale: 0.7, sliding_window: window, kv_groups, sinks: None };
         let (dq, dk, dv) = q.attention_backward(&k, &vv, &dy, &spec).unwrap();
         let name = format!("attention case {i}");
         check_directional(&format!("{name} dq"), &q, &dy, &dq, |q| q.attention(&k, &vv, &spec).unwrap(), 2e-3);
         check_directional(&format!("{name} dk"), &k, &dy, &dk, |k| q.attention(k, &vv, &spec).unwrap(), 2e-3);
         check_directional(&format!("{name} dv"), &vv, &dy, &dv, |vv| q.attention(&k, vv, &spec).unwrap(), 2e-3);
+
+        // With a sink logit per head (gpt-oss): every input's gradient, and the sinks'.
+        let sinks = Tensor::from_fn_f64(&[hq], DType::F32, &CPU, |h| [0.3, -0.5, 1.2, -1.0, 0.0, 2.0][h % 6]).unwrap();
+        let with = |s: &Tensor| AttentionSpec { sinks: Some(v(s).iter().map(|&x| x as f32).collect()), ..spec.clone() };
+        let spec = with(&sinks);
+        let (dq, dk, dv, ds) = q.attention_backward_sinks(&k, &vv, &dy, &spec).unwrap();
+        let ds = Tensor::from_vec(ds, &[hq], &CPU).unwrap();
+        // (The step's O(h²) error reaches 3e-3 on case 2 along one direction, with or without
+        // sinks; a third of the step leaves 1e-4.)
+        let name = format!("attention with sinks case {i}");
+        check_directional(&format!("{name} dq"), &q, &dy, &dq, |q| q.attention(&k, &vv, &spec).unwrap(), 5e-3);
+        check_directional(&format!("{name} dk"), &k, &dy, &dk, |k| q.attention(k, &vv, &spec).unwrap(), 5e-3);
+        check_directional(&format!("{name} dv"), &vv, &dy, &dv, |vv| q.attention(&k, vv, &spec).unwrap(), 5e-3);
+        check_directional(
+            &format!("{name} dsinks"),
+            &sinks,
+            &dy,
+            &ds,
+            |s| q.attention(&k, &vv, &with(s)).unwrap(),
+            5e-3,
+        );
+        // Without sinks the sinks' gradient is zero and the rest unchanged.
+        let (_, _, _, none) = q.attention_backward_sinks(&k, &vv, &dy, &AttentionSpec { sinks: None, ..spec }).unwrap();
+        assert!(none.iter().all(|&x| x == 0.0));
     }
 }
 
@@ -132,6 +156,16 @@ fn glu_softcap_embedding_and_t_matmul_backwards() {
         let dx = x.glu_backward(act, &dy).unwrap();
         check_directional("glu", &x, &dy, &dx, |x| x.glu(act).unwrap(), 2e-3);
     }
+    // gpt-oss's clamped SwiGLU with a low limit, so that gates above it and ups on both sides
+    // are clamped; the values keep clear of the kinks by more than the finite step moves them.
+    let act = Activation::ClampedSwiglu { alpha: 1.702, limit: 0.8 };
+    let pattern = [-2.0, -1.1, -0.5, 0.1, 0.6, 1.0, 1.7, -0.2, 2.4, 0.3, -1.6, 0.45, 1.3, -0.9];
+    let x = Tensor::from_fn_f64(&[3, 2, 14], DType::F32, &CPU, |i| pattern[(i * 5) % 14]).unwrap();
+    let dy = rand(&[3, 2, 7], 23);
+    let dx = x.glu_backward(act, &dy).unwrap();
+    let clamped = v(&dx).iter().filter(|&&g| g == 0.0).count();
+    assert!(clamped > 0, "some gate or up element must sit past the clamp");
+    check_directional("clamped swiglu", &x, &dy, &dx, |x| x.glu(act).unwrap(), 2e-3);
     let (x, dy) = (rand(&[4, 9], 31).scale(20.0).unwrap(), rand(&[4, 9], 32));
     let dx = x.softcap(15.0).unwrap().softcap_backward(15.0, &dy).unwrap();
     check_directional("softcap", &x, &dy, &dx, |x| x.softcap(15.0).unwrap(), 2e-3);

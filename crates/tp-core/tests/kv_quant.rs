@@ -131,6 +131,7 @@ fn paged_attention_over_8_bit_caches_is_attention_over_their_decoded_values() {
                 spare_blocks: 2,
                 dtype: DType::F32,
                 seed,
+                sinks: None,
             };
             let b = build(&c);
             let quantized = |t: &Tensor| {
@@ -193,7 +194,7 @@ fn bad_8_bit_caches_and_writes_are_typed_errors() {
     let dense = Tensor::zeros(&[2, 4, 2, 8], DType::F32, &CPU).unwrap();
     let other = QuantKvBuffer::zeros(KvQuant::Q8_0, [2, 4, 2, 32]).unwrap();
     let seqs = [tp_core::PagedSeq { q_start: 0, q_len: 1, kv_len: 1, blocks: &[0] }];
-    let spec = tp_core::PagedAttentionSpec { scale: 1.0, sliding_window: None, kv_groups: None };
+    let spec = tp_core::PagedAttentionSpec { scale: 1.0, sliding_window: None, kv_groups: None, sinks: None };
     let e = q.paged_attention_kv(KvBuffer::Dense(&dense), buf.as_kv(), &seqs, &spec).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
     let e = q.paged_attention_kv(buf.as_kv(), other.as_kv(), &seqs, &spec).unwrap_err();

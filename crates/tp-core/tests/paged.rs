@@ -13,7 +13,17 @@ const CPU: Device = Device::Cpu;
 const MIXED: [(usize, usize); 5] = [(9, 1), (0, 7), (20, 5), (0, 1), (33, 1)];
 
 fn case(block_size: usize, heads: (usize, usize, usize), dtype: DType, seed: u64) -> PagedCase {
-    PagedCase { seqs: MIXED.to_vec(), block_size, heads, window: None, groups: None, spare_blocks: 3, dtype, seed }
+    PagedCase {
+        seqs: MIXED.to_vec(),
+        block_size,
+        heads,
+        window: None,
+        groups: None,
+        sinks: None,
+        spare_blocks: 3,
+        dtype,
+        seed,
+    }
 }
 
 #[test]
@@ -93,6 +103,37 @@ fn a_rows_result_does_not_depend_on_the_rest_of_the_batch() {
     check_batch_invariance(CPU, &wide);
 }
 
+/// gpt-oss's attention sinks: each query head's sink logit joins its softmax (large ones take
+/// most of the weight, very negative ones none), on every host path (the grouped AVX-512 rows,
+/// the portable rows, score tiles for long prefill chunks), alone and in a batch, with windows
+/// and groups starting mid-group; a row's bits still do not depend on its batch.
+#[test]
+fn attention_sinks_join_each_heads_softmax() {
+    let sinks = |hq: usize| Some((0..hq).map(|h| [2.5f32, -0.7, 0.0, -30.0, 6.0][h % 5]).collect::<Vec<_>>());
+    let long = vec![(0, 40), (5, 1), (200, 12), (31, 3)];
+    for bs in [1, 4, 16] {
+        for dtype in [DType::F32, DType::BF16] {
+            let c = PagedCase { sinks: sinks(6), ..case(bs, (6, 2, 24), dtype, 60 + bs as u64) };
+            check_paged_attention(CPU, &c);
+            check_paged_attention(CPU, &PagedCase { window: Some(5), ..c.clone() });
+            let groups = Some(KvGroups { size: 3, offset: 2 });
+            check_paged_attention(CPU, &PagedCase { groups, sinks: sinks(5), heads: (5, 3, 24), ..c.clone() });
+            for gemms in [Some(true), Some(false)] {
+                tp_core::cpu::set_prefill_attention_gemms(gemms);
+                check_paged_attention(CPU, &PagedCase { seqs: long.clone(), ..c.clone() });
+            }
+            tp_core::cpu::set_prefill_attention_gemms(None);
+            check_batch_invariance(CPU, &c);
+        }
+    }
+    // A sink per head or none: any other count is refused by name.
+    let mut b = build(&case(4, (4, 2, 8), DType::F32, 3));
+    b.spec.sinks = Some(vec![0.0f32; 3].into());
+    let all: Vec<usize> = (0..b.seqs.len()).collect();
+    let err = b.q.paged_attention(&b.k, &b.v, &b.paged(&all), &b.spec).unwrap_err();
+    assert!(err.to_string().contains("sinks"), "{err}");
+}
+
 #[test]
 fn write_slots_writes_each_row_at_its_slot_and_nothing_else() {
     let (nb, bs, h, d) = (5, 3, 2, 4);
@@ -145,7 +186,7 @@ fn with<'a>(seqs: &[PagedSeq<'a>], i: usize, s: PagedSeq<'a>) -> Vec<PagedSeq<'a
 #[test]
 fn bad_batches_are_typed_errors_naming_the_problem() {
     let b = build(&case(4, (4, 2, 8), DType::F32, 5));
-    let spec = b.spec;
+    let spec = b.spec.clone();
     let all: Vec<usize> = (0..b.seqs.len()).collect();
     let good = b.paged(&all);
     assert!(b.q.paged_attention(&b.k, &b.v, &good, &spec).is_ok());
@@ -172,9 +213,9 @@ fn bad_batches_are_typed_errors_naming_the_problem() {
         run(&with(&good, 2, PagedSeq { blocks: &past, ..good[2] }), &spec),
         "sequence 2: block 999 is past the cache's",
     );
-    let window0 = PagedAttentionSpec { sliding_window: Some(0), ..spec };
+    let window0 = PagedAttentionSpec { sliding_window: Some(0), ..spec.clone() };
     invalid(run(&good, &window0), "window");
-    let nan = PagedAttentionSpec { scale: f32::NAN, ..spec };
+    let nan = PagedAttentionSpec { scale: f32::NAN, ..spec.clone() };
     invalid(run(&good, &nan), "scale");
     // Shapes, dtypes, ranks.
     let q3 = Tensor::randn(&[15, 3, 8], DType::F32, 1, &CPU).unwrap(); // 2 KV heads do not divide 3

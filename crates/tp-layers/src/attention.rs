@@ -13,8 +13,9 @@
 //! 3. RoPE on `q_r` and `k_r` at the tokens' absolute positions; `k_r, v_r` appended to this
 //!    rank's cache (its KV heads only).
 //! 4. Causal attention of `q_r` over the cache (scaled by `1/sqrt(head_dim)` or the
-//!    architecture's own factor, within a sliding window where the layer has one): each rank's
-//!    heads are independent, local.
+//!    architecture's own factor, within a sliding window where the layer has one, with the
+//!    rank's heads' attention-sink logits where the layer has them, gpt-oss's `sinks: [heads]`):
+//!    each rank's heads are independent, local.
 //! 5. `y = Σ_r o_r Wo[:, cols(Q_r)]^T + b_o`: the output projection is row-parallel over the
 //!    input features of the rank's own query heads, `cols(Q_r) = [q_start·D, (q_start+q_len)·D)`,
 //!    which follow the head split (uneven heads included), then one all-reduce; the bias once.
@@ -38,6 +39,7 @@ use crate::paged_cache::PagedKvCache;
 use crate::parts::Projections;
 use crate::qkv::{AttentionHeads, QkvLayout, QkvParallel};
 use crate::row::RowParallel;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tp_comm::{DeviceGroup, ReduceOp};
 use tp_core::{AttentionSpec, DType, Device, KvQuant, NormStyle, PagedAttentionSpec, RotaryEmbedding, Tensor};
@@ -77,12 +79,14 @@ pub struct AttentionConfig {
     pub scale: Option<f64>,
     /// A q/k RMSNorm, if the architecture has one.
     pub qk_norm: Option<QkNorm>,
+    /// Whether each query head has a learned attention-sink logit (gpt-oss).
+    pub sinks: bool,
 }
 
 impl AttentionConfig {
-    /// Plain attention: `heads`, `rope`, no window, the default scale, no q/k norm.
+    /// Plain attention: `heads`, `rope`, no window, the default scale, no q/k norm, no sinks.
     pub fn new(heads: AttentionHeads, rope: RotaryEmbedding) -> AttentionConfig {
-        AttentionConfig { heads, rope, sliding_window: None, scale: None, qk_norm: None }
+        AttentionConfig { heads, rope, sliding_window: None, scale: None, qk_norm: None, sinks: false }
     }
 }
 
@@ -97,11 +101,13 @@ pub struct AttentionNames {
     pub q_norm: &'static str,
     /// See `q_norm`.
     pub k_norm: &'static str,
+    /// The sink logits `[heads]` (`sinks`), read when the config has sinks.
+    pub sinks: &'static str,
 }
 
 impl Default for AttentionNames {
     fn default() -> Self {
-        AttentionNames { qkv: Projections::default(), o: "o_proj", q_norm: "q_norm", k_norm: "k_norm" }
+        AttentionNames { qkv: Projections::default(), o: "o_proj", q_norm: "q_norm", k_norm: "k_norm", sinks: "sinks" }
     }
 }
 
@@ -121,6 +127,9 @@ pub struct ParallelAttention {
     qk_norm: Option<QkNorms>,
     config: AttentionConfig,
     scale: f32,
+    /// This rank's query heads' sink logits `[q_len]` (the model's dtype) and their gradient,
+    /// where the config has sinks.
+    sinks: Option<(Tensor, crate::Grad)>,
     /// Identifies the layer to the KV caches it binds (clones share it).
     id: u64,
 }
@@ -199,7 +208,37 @@ impl ParallelAttention {
                 ));
             }
         };
-        Ok(ParallelAttention { qkv, o_proj, qk_norm, config, scale, id: next_id() })
+        Ok(ParallelAttention { qkv, o_proj, qk_norm, config, scale, sinks: None, id: next_id() })
+    }
+
+    /// Sets the sink logits from the model's full `[heads]` vector (any float dtype): this rank
+    /// keeps its query heads' entries, in f32.
+    ///
+    /// Errors: a config without sinks, a vector of another length, a non-finite logit.
+    pub fn set_sinks(&mut self, full: &Tensor) -> Result<()> {
+        let l = *self.layout();
+        if !self.config.sinks || full.dims() != [l.num_heads] {
+            return Err(LayerError::Config(format!(
+                "attention sinks must be [{}] (one per head) on a layer configured with sinks, got {:?}",
+                l.num_heads,
+                full.dims()
+            )));
+        }
+        let v = full.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec::<f32>()?;
+        if v.iter().any(|x| !x.is_finite()) {
+            return Err(LayerError::Config("attention sinks must be finite".into()));
+        }
+        let mine = full.narrow(0, l.q_start, l.q_len)?.to_dtype(self.dtype())?.to_device(&Device::Cpu)?;
+        self.sinks = Some((mine, crate::Grad::default()));
+        Ok(())
+    }
+
+    /// This rank's query heads' sink logits in f32, if the layer has them.
+    pub fn sinks(&self) -> Result<Option<Arc<[f32]>>> {
+        match &self.sinks {
+            None => Ok(None),
+            Some((w, _)) => Ok(Some(w.to_dtype(DType::F32)?.to_vec::<f32>()?.into())),
+        }
     }
 
     /// `group`'s rank's part of full `q, k, v, o` projections (`o: [H, heads·D]`) and, with a
@@ -236,6 +275,19 @@ impl ParallelAttention {
         Self::new(qkv, o_proj, norms, config)
     }
 
+    /// [`from_full`](Self::from_full) with the full `[heads]` sink logits (gpt-oss).
+    pub fn from_full_with_sinks(
+        proj: [&Linear; 4],
+        qk_norm: Option<(&Tensor, &Tensor)>,
+        sinks: &Tensor,
+        config: AttentionConfig,
+        group: &DeviceGroup,
+    ) -> Result<ParallelAttention> {
+        let mut a = Self::from_full(proj, qk_norm, config, group)?;
+        a.set_sinks(sinks)?;
+        Ok(a)
+    }
+
     /// Loads the projections (and q/k norms) named by `names` under the loader's prefix, each
     /// rank reading only its heads' rows of q/k/v, its heads' columns of o and its slice of a
     /// full-width norm.
@@ -267,7 +319,12 @@ impl ParallelAttention {
                 })
             }
         };
-        Self::new(qkv, o_proj, norms, config.clone())
+        let mut a = Self::new(qkv, o_proj, norms, config.clone())?;
+        if config.sinks {
+            ld.expect(names.sinks, &[l.num_heads])?;
+            a.set_sinks(&ld.full(names.sinks)?)?;
+        }
+        Ok(a)
     }
 
     /// Which heads this rank holds.
@@ -332,6 +389,7 @@ impl ParallelAttention {
             scale: self.scale,
             sliding_window: self.config.sliding_window,
             kv_groups: Some(l.kv_groups()),
+            sinks: self.sinks()?,
         };
         let (kc, vc) = cache.buffers();
         let o = q.attention(kc, vc, &spec)?.reshape(&[t, l.q_len * l.head_dim])?;
@@ -402,6 +460,7 @@ impl ParallelAttention {
             scale: self.scale,
             sliding_window: self.config.sliding_window,
             kv_groups: Some(l.kv_groups()),
+            sinks: self.sinks()?,
         };
         let (kc, vc) = cache.buffers();
         let o = q.paged_attention_kv(kc, vc, &batch.paged_seqs(), &spec)?.reshape(&[t, l.q_len * l.head_dim])?;
@@ -472,8 +531,9 @@ impl ParallelAttention {
         let v = v.reshape(&[t, l.kv_len, d])?;
         let mut outs = Vec::with_capacity(batch.lens().len());
         let mut start = 0;
+        let sinks = self.sinks()?;
         for &n in batch.lens().iter().filter(|&&n| n > 0) {
-            let spec = self.train_spec(n);
+            let spec = self.train_spec(n, sinks.clone());
             let part = |t: &Tensor| t.narrow(0, start, n);
             outs.push(part(&q_rot)?.attention(&part(&k_rot)?, &part(&v)?, &spec)?);
             start += n;
@@ -495,18 +555,24 @@ impl ParallelAttention {
         let d_o = self.o_proj.backward(&saved.o, &dy)?.reshape(&[t, l.q_len, d])?;
         let (mut dq, mut dk, mut dv) = (Vec::new(), Vec::new(), Vec::new());
         let mut start = 0;
+        let sinks = self.sinks()?;
+        let mut dsinks = vec![0f32; l.q_len];
         for &n in saved.batch.lens().iter().filter(|&&n| n > 0) {
             let part = |t: &Tensor| t.narrow(0, start, n);
-            let (a, b, c) = part(&saved.q_rot)?.attention_backward(
+            let (a, b, c, ds) = part(&saved.q_rot)?.attention_backward_sinks(
                 &part(&saved.k_rot)?,
                 &part(&saved.v)?,
                 &part(&d_o)?,
-                &self.train_spec(n),
+                &self.train_spec(n, sinks.clone()),
             )?;
             dq.push(a);
             dk.push(b);
             dv.push(c);
+            dsinks.iter_mut().zip(ds).for_each(|(a, b)| *a += b);
             start += n;
+        }
+        if let Some((_, grad)) = &mut self.sinks {
+            grad.add(&Tensor::from_vec(dsinks, &[l.q_len], &Device::Cpu)?)?;
         }
         let (rope, batch) = (&self.config.rope, &saved.batch);
         let dq = batch.rope_backward(&Tensor::cat(&dq, 0)?, rope)?.reshape(&[t, l.q_len * d])?;
@@ -533,6 +599,10 @@ impl ParallelAttention {
         let d = l.head_dim;
         self.qkv.params(prefix, names.qkv, f)?;
         self.o_proj.params(&join(prefix, names.o), f)?;
+        if let Some((value, grad)) = &mut self.sinks {
+            let p = crate::Placement::block(join(prefix, names.sinks), &[l.num_heads], 0, (0, l.q_start, l.q_len));
+            f(crate::Param { value, grad, placements: vec![p] });
+        }
         let Some(n) = &mut self.qk_norm else { return Ok(()) };
         let (qname, kname) =
             (join(prefix, &format!("{}.weight", names.q_norm)), join(prefix, &format!("{}.weight", names.k_norm)));
@@ -566,12 +636,13 @@ impl ParallelAttention {
     }
 
     /// Attention of one whole sequence of `n` tokens (no cache before it).
-    fn train_spec(&self, n: usize) -> AttentionSpec {
+    fn train_spec(&self, n: usize, sinks: Option<Arc<[f32]>>) -> AttentionSpec {
         AttentionSpec {
             kv_len: n,
             scale: self.scale,
             sliding_window: self.config.sliding_window,
             kv_groups: Some(self.layout().kv_groups()),
+            sinks,
         }
     }
 

@@ -126,6 +126,7 @@ fn config(nq: usize, nkv: usize, d: usize, window: Option<usize>) -> AttentionCo
         sliding_window: window,
         scale: None,
         qk_norm: None,
+        sinks: false,
     }
 }
 

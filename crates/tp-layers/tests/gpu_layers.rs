@@ -97,6 +97,7 @@ fn decoder_layers_on_ranks_sharing_one_gpu_match_f64() {
             sliding_window: None,
             scale: None,
             qk_norm: None,
+            sinks: false,
         },
         rms_norm_eps: 1e-6,
         norm_style: NormStyle::Weight,

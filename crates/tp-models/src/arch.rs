@@ -177,6 +177,7 @@ const LLAMA_NAMES: DecoderNames = DecoderNames {
         o: "o_proj",
         q_norm: "q_norm",
         k_norm: "k_norm",
+        sinks: "sinks",
     },
     mlp: "mlp",
     mlp_names: MlpNames { gate_up: Projections::Separate(["gate_proj", "up_proj"]), down: "down_proj" },

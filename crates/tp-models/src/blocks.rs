@@ -22,6 +22,7 @@ pub(crate) fn decoder_config(c: &ModelConfig, i: usize, expert_parallel: bool) -
         sliding_window: window,
         scale: c.attention_scale,
         qk_norm: c.qk_norm.map(|span| QkNorm { span, style: c.norm_style, eps: c.rms_norm_eps }),
+        sinks: false,
     };
     let moe = c.moe.as_ref().filter(|m| m.is_sparse(i)).map(|m| MoeConfig {
         num_experts: m.num_experts,

@@ -13,6 +13,11 @@
 //! sum are computed in f32 and the output rounded once to the dtype (PyTorch's SDPA does the
 //! same on its fused paths).
 //!
+//! With attention sinks (gpt-oss: one learned logit `σ_h` per query head) the softmax runs over
+//! the visible scores and `σ_h` together and the sink's share is dropped: with
+//! `M = max(σ_h, max_j s_j)`, `y = Σ_j e^{s_j - M} v_j / (Σ_j e^{s_j - M} + e^{σ_h - M})`, as
+//! transformers' eager `GptOssAttention` computes it (a virtual key whose value is zero).
+//!
 //! On the host, AVX-512 machines compute every row this way up to 4096 keys, the query heads of
 //! a GQA group together (`paged_group.rs`); longer ones, and elsewhere prefills of
 //! [`GEMM_MIN_TOKENS`] or more, run as GEMMs over score tiles ([`gemm_attention`]; [`crate::cpu::set_prefill_attention_gemms`]
@@ -21,9 +26,10 @@
 use super::dot_f32::{dot, weighted_rows};
 use crate::storage::{CpuStorage, Storage};
 use crate::{Element, Error, Result, Tensor, with_dtype};
+use std::sync::Arc;
 
 /// Which keys the queries see, and the score scale, for [`Tensor::attention`].
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AttentionSpec {
     /// Valid rows of the key/value cache; the queries are its last `T`.
     pub kv_len: usize,
@@ -35,6 +41,9 @@ pub struct AttentionSpec {
     /// Which KV head each query head uses; `None`: `Hkv` must divide `Hq`, and query head `h`
     /// uses KV head `h / (Hq / Hkv)`.
     pub kv_groups: Option<KvGroups>,
+    /// One attention-sink logit per query head of the call (gpt-oss's `sinks`, the rank's
+    /// heads under tensor parallelism), or `None` for plain softmax.
+    pub sinks: Option<Arc<[f32]>>,
 }
 
 /// How the query heads of one call share KV heads: query head `h` (counted from 0 in this call)
@@ -51,7 +60,30 @@ pub struct KvGroups {
 impl AttentionSpec {
     /// Plain causal attention over `kv_len` cached tokens with scale `1/sqrt(head_dim)`.
     pub fn causal(kv_len: usize, head_dim: usize) -> AttentionSpec {
-        AttentionSpec { kv_len, scale: 1.0 / (head_dim.max(1) as f32).sqrt(), sliding_window: None, kv_groups: None }
+        AttentionSpec {
+            kv_len,
+            scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+            sliding_window: None,
+            kv_groups: None,
+            sinks: None,
+        }
+    }
+
+    /// Query head `h`'s sink logit, if the call has sinks.
+    #[inline]
+    pub fn sink(&self, h: usize) -> Option<f32> {
+        self.sinks.as_ref().map(|s| s[h])
+    }
+
+    /// Checks the sinks against the call's `hq` query heads: one finite logit per head.
+    pub(super) fn check_sinks(&self, op: &'static str, hq: usize) -> Result<()> {
+        match &self.sinks {
+            Some(s) if s.len() != hq || s.iter().any(|x| !x.is_finite()) => Err(Error::InvalidArgument {
+                op,
+                why: format!("attention sinks must be {hq} finite logits (one per query head), got {}", s.len()),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// The grouping for `hq` query heads over `hkv` KV heads, checked: every query head's KV
@@ -140,8 +172,13 @@ impl Tensor {
         if spec.sliding_window == Some(0) || !spec.scale.is_finite() {
             return Err(Error::InvalidArgument { op: OP, why: "the window must be >= 1 and the scale finite".into() });
         }
+        spec.check_sinks(OP, hq)?;
         let dims = (t, hq, hkv, d);
         if let (Storage::Cuda(qs), Storage::Cuda(ks), Storage::Cuda(vs)) = (self.storage(), k.storage(), v.storage()) {
+            if spec.sinks.is_some() {
+                // The CUDA kernels take no sinks yet.
+                return Err(Error::UnsupportedDevice { op: "attention with sinks", device: self.device() });
+            }
             return Ok(Tensor::from_cuda(
                 self.shape().clone(),
                 super::cuda::attention(qs, ks, vs, dims, spec, groups)?,
@@ -227,6 +264,7 @@ pub(super) fn gemm_attention(
                     let (lo, hi) = spec.key_range(p);
                     (lo - lo_tile, hi + 1 - lo_tile)
                 },
+                |row| spec.sink(h0 + row % group),
                 spec.scale,
             );
             let o = scores.matmul(&vg)?; // [tn·group, d]
@@ -242,16 +280,35 @@ pub(super) fn gemm_attention(
 }
 
 /// Row `r` of `s` (rows of `width` scores) becomes `softmax(scale · s[r, a..b])` on its
-/// visible keys `range(r) = (a, b)` and zero elsewhere; rows are split over threads when many.
-pub(super) fn softmax_rows(s: &mut [f32], width: usize, range: impl Fn(usize) -> (usize, usize) + Sync, scale: f32) {
+/// visible keys `range(r) = (a, b)` and zero elsewhere, the row's sink logit `sink(r)` (if
+/// any) counted in the softmax and dropped; rows are split over threads when many.
+pub(super) fn softmax_rows(
+    s: &mut [f32],
+    width: usize,
+    range: impl Fn(usize) -> (usize, usize) + Sync,
+    sink: impl Fn(usize) -> Option<f32> + Sync,
+    scale: f32,
+) {
     tp_cpu::par_row_groups(s, width, row_groups(s.len()), |first, chunk| {
-        softmax_chunk(chunk, width, first, &range, scale)
+        softmax_chunk(chunk, width, first, &Rows { range: &range, sink: &sink }, scale)
     });
+}
+
+/// Per row of a score matrix: its visible keys and its sink logit.
+struct Rows<'a, R, S> {
+    range: &'a R,
+    sink: &'a S,
 }
 
 /// [`softmax_rows`] on the rows of `chunk` (row `i` of it is row `first + i`), its loops compiled
 /// for the best vector unit the CPU has, picked at run time.
-fn softmax_chunk<R: Fn(usize) -> (usize, usize)>(chunk: &mut [f32], width: usize, first: usize, range: &R, scale: f32) {
+fn softmax_chunk<R: Fn(usize) -> (usize, usize), S: Fn(usize) -> Option<f32>>(
+    chunk: &mut [f32],
+    width: usize,
+    first: usize,
+    range: &Rows<'_, R, S>,
+    scale: f32,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
@@ -269,11 +326,11 @@ fn softmax_chunk<R: Fn(usize) -> (usize, usize)>(chunk: &mut [f32], width: usize
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn softmax_chunk_avx512<R: Fn(usize) -> (usize, usize)>(
+fn softmax_chunk_avx512<R: Fn(usize) -> (usize, usize), S: Fn(usize) -> Option<f32>>(
     chunk: &mut [f32],
     width: usize,
     first: usize,
-    range: &R,
+    range: &Rows<'_, R, S>,
     scale: f32,
 ) {
     softmax_chunk_body(chunk, width, first, range, scale)
@@ -281,31 +338,32 @@ fn softmax_chunk_avx512<R: Fn(usize) -> (usize, usize)>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn softmax_chunk_avx2<R: Fn(usize) -> (usize, usize)>(
+fn softmax_chunk_avx2<R: Fn(usize) -> (usize, usize), S: Fn(usize) -> Option<f32>>(
     chunk: &mut [f32],
     width: usize,
     first: usize,
-    range: &R,
+    range: &Rows<'_, R, S>,
     scale: f32,
 ) {
     softmax_chunk_body(chunk, width, first, range, scale)
 }
 
 #[inline(always)]
-fn softmax_chunk_body<R: Fn(usize) -> (usize, usize)>(
+fn softmax_chunk_body<R: Fn(usize) -> (usize, usize), S: Fn(usize) -> Option<f32>>(
     chunk: &mut [f32],
     width: usize,
     first: usize,
-    range: &R,
+    range: &Rows<'_, R, S>,
     scale: f32,
 ) {
     for (i, row) in chunk.chunks_exact_mut(width).enumerate() {
-        let (a, b) = range(first + i);
-        let max = row[a..b].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+        let (a, b) = (range.range)(first + i);
+        let sink = (range.sink)(first + i);
+        let max = row[a..b].iter().fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &x| m.max(x * scale));
         for x in &mut row[a..b] {
             *x = exp_neg(*x * scale - max);
         }
-        let inv = 1.0 / row[a..b].iter().sum::<f32>();
+        let inv = 1.0 / (row[a..b].iter().sum::<f32>() + sink.map_or(0.0, |s| exp_neg(s - max)));
         row[a..b].iter_mut().for_each(|x| *x *= inv);
         row[..a].fill(0.0);
         row[b..].fill(0.0);
@@ -399,7 +457,7 @@ fn attend_rows_avx512(
                 d,
                 &kptr,
                 &vptr,
-                spec.scale,
+                (spec.scale, spec.sinks.as_ref().map(|s| &s[r % hq..r % hq + g])),
                 &mut scores,
                 &mut out[i * d..(i + g) * d],
             );
@@ -443,7 +501,8 @@ unsafe fn attend_rows_body<const FMA: bool>(
         let (lo, hi) = spec.key_range(p);
         let qv = &q[r * d..(r + 1) * d];
         scores.clear();
-        let mut max = f32::NEG_INFINITY;
+        let sink = spec.sink(head);
+        let mut max = sink.unwrap_or(f32::NEG_INFINITY);
         for j in lo..=hi {
             let kj = &k[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
             // SAFETY: `FMA` only where the CPU has AVX2 and FMA (this function's contract).
@@ -454,7 +513,7 @@ unsafe fn attend_rows_body<const FMA: bool>(
         for s in &mut scores {
             *s = exp_neg(*s - max);
         }
-        let sum: f32 = scores.iter().sum();
+        let sum = scores.iter().sum::<f32>() + sink.map_or(0.0, |s| exp_neg(s - max));
         weighted_rows::<FMA>(y, &scores, &v[(lo * hkv + kvh) * d..], hkv * d);
         let inv = 1.0 / sum;
         y.iter_mut().for_each(|a| *a *= inv);

@@ -9,6 +9,10 @@
 //! * `dP = dO_h V_g^T`, `dS = P ⊙ (dP - rowsum(P ⊙ dP))` (the softmax's Jacobian)
 //! * `dQ_h = scale · dS K_g`, `dK_g = Σ_h scale · dS^T Q_h`
 //!
+//! With attention sinks (a zero-valued virtual key of logit `σ_h` in every row's softmax), `P`
+//! is the softmax with the sink counted, the formulas above are unchanged (the sink's `dP` is
+//! 0), and `dσ_h = -Σ_rows p_σ · rowsum(P ⊙ dP)` with `p_σ = 1 - rowsum(P)` (summed in f64).
+//!
 //! The query heads of a group are stacked into one matrix per tile of tokens, so every product
 //! is one host GEMM, as in the forward.
 
@@ -33,6 +37,19 @@ impl Tensor {
         dout: &Tensor,
         spec: &AttentionSpec,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (dq, dk, dv, _) = self.attention_backward_sinks(k, v, dout, spec)?;
+        Ok((dq, dk, dv))
+    }
+
+    /// [`attention_backward`](Self::attention_backward), also returning the gradient of the
+    /// sink logits, one per query head (zeros when `spec` has no sinks).
+    pub fn attention_backward_sinks(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        dout: &Tensor,
+        spec: &AttentionSpec,
+    ) -> Result<(Tensor, Tensor, Tensor, Vec<f32>)> {
         const OP: &str = "attention_backward";
         if dout.dims() != self.dims() {
             return Err(Error::ShapeMismatch {
@@ -54,6 +71,7 @@ impl Tensor {
             return Err(bad("keys and values must share one shape and the queries' head_dim"));
         }
         let groups = spec.groups(hq, hkv).ok_or_else(|| bad("each query head needs a KV head"))?;
+        spec.check_sinks(OP, hq)?;
         if spec.kv_len > c || spec.kv_len < t || spec.sliding_window == Some(0) || !spec.scale.is_finite() {
             return Err(Error::InvalidArgument {
                 op: OP,
@@ -70,6 +88,7 @@ impl Tensor {
         let cpu = Device::Cpu;
         let first_pos = l - t;
         let (mut dq, mut dkv) = (vec![0f32; t * hq * d], [vec![0f32; l * hkv * d], vec![0f32; l * hkv * d]]);
+        let mut dsinks = vec![0f64; hq];
         let tile = (SCORE_TILE / (groups.size.min(hq.max(1)) * l).max(1)).clamp(1, t.max(1));
         for g in 0..hkv {
             let h0 = (g * groups.size).saturating_sub(groups.offset).min(hq);
@@ -111,13 +130,18 @@ impl Tensor {
                         let (lo, hi) = spec.key_range(first_pos + t0 + row / group);
                         (lo - lo_tile, hi + 1 - lo_tile)
                     },
+                    |row| spec.sink(h0 + row % group),
                     spec.scale,
                 );
                 let mut ds = dog.matmul_t(&vg)?; // dP, then dS
                 {
                     let (ps, dss) = (p.as_slice::<f32>()?, ds.as_mut_slice::<f32>()?);
-                    for (prow, drow) in ps.chunks_exact(width).zip(dss.chunks_exact_mut(width)) {
+                    for (r, (prow, drow)) in ps.chunks_exact(width).zip(dss.chunks_exact_mut(width)).enumerate() {
                         let dot: f32 = prow.iter().zip(drow.iter()).map(|(a, b)| a * b).sum();
+                        if spec.sinks.is_some() {
+                            let p_sink = 1.0 - prow.iter().map(|&x| f64::from(x)).sum::<f64>();
+                            dsinks[h0 + r % group] -= p_sink * f64::from(dot);
+                        }
                         for (dv, &pv) in drow.iter_mut().zip(prow) {
                             *dv = pv * (*dv - dot) * spec.scale;
                         }
@@ -141,6 +165,7 @@ impl Tensor {
             Tensor::from_vec(dq, &[t, hq, d], &cpu)?,
             Tensor::from_vec(dk, &[l, hkv, d], &cpu)?,
             Tensor::from_vec(dv, &[l, hkv, d], &cpu)?,
+            dsinks.into_iter().map(|x| x as f32).collect(),
         ))
     }
 }

@@ -91,9 +91,9 @@ pub(crate) fn cast(s: &CudaStorage, numel: usize, to: DType) -> Result<CudaStora
 }
 
 /// `act(gate) * up` over `rows` rows of `[gate | up]`, `inner` each.
-pub(crate) fn glu(s: &CudaStorage, rows: usize, inner: usize, act: crate::Activation) -> Result<CudaStorage> {
+pub(crate) fn glu(s: &CudaStorage, rows: usize, inner: usize, act_code: i32) -> Result<CudaStorage> {
     let (mut buf, parts) = alloc_like(s, rows * inner * s.dtype.size_in_bytes(), s.dtype)?;
-    s.gpu.glu(&mut buf, &s.buf, (rows, inner), act.code(), elem_type(s.dtype))?;
+    s.gpu.glu(&mut buf, &s.buf, (rows, inner), act_code, elem_type(s.dtype))?;
     Ok(parts.finish(buf))
 }
 
@@ -405,11 +405,11 @@ pub(crate) fn glu_backward(
     dy: &CudaStorage,
     rows: usize,
     inner: usize,
-    act: crate::Activation,
+    act_code: i32,
 ) -> Result<CudaStorage> {
     let ([x, dy], dtype) = unify("glu_backward", [(x, rows * 2 * inner), (dy, rows * inner)])?;
     let (mut buf, parts) = alloc_like(&x, rows * 2 * inner * 4, DType::F32)?;
-    x.gpu.glu_backward(&mut buf, &x.buf, &dy.buf, (rows, inner), act.code(), elem_type(dtype))?;
+    x.gpu.glu_backward(&mut buf, &x.buf, &dy.buf, (rows, inner), act_code, elem_type(dtype))?;
     Ok(parts.finish(buf))
 }
 

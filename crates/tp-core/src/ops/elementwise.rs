@@ -7,8 +7,8 @@
 use crate::storage::{CpuStorage, Storage};
 use crate::{Element, Error, Result, Shape, Tensor, with_dtype};
 
-/// The activation of a gated MLP's gate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// The activation of a gated MLP's gate, and what it does to the up projection.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum Activation {
     /// `silu(g) = g / (1 + e^-g)` (Hugging Face's `silu`): SwiGLU.
     #[default]
@@ -16,6 +16,15 @@ pub enum Activation {
     /// `gelu_tanh(g) = g/2 · (1 + tanh(sqrt(2/π) · (g + 0.044715 g³)))` (`gelu_pytorch_tanh`):
     /// GeGLU, as Gemma uses it.
     GeluTanh,
+    /// gpt-oss's clamped SwiGLU: with `g' = min(g, limit)` and `u' = clamp(u, -limit, limit)`,
+    /// `act(g) = g' σ(α g')` and the up factor is `u' + 1`, so the gated output is
+    /// `(u' + 1) · g' σ(α g')` (transformers' `GptOssExperts._apply_gate`).
+    ClampedSwiglu {
+        /// The sigmoid's gain `α` (`swiglu_alpha`, 1.702).
+        alpha: f32,
+        /// The clamp (`swiglu_limit`, 7).
+        limit: f32,
+    },
 }
 
 impl Activation {
@@ -30,10 +39,33 @@ impl Activation {
         }
     }
 
+    /// What multiplies `act(gate)`: the up projection itself, or for the clamped SwiGLU
+    /// `clamp(u, -limit, limit) + 1`.
+    #[inline(always)]
+    pub fn up(self, u: f32) -> f32 {
+        match self {
+            Activation::ClampedSwiglu { limit, .. } => u.clamp(-limit, limit) + 1.0,
+            _ => u,
+        }
+    }
+
+    /// The derivative of [`up`](Self::up): 1, or the clamp's pass-through mask (1 on
+    /// `-limit <= u <= limit`, as `torch.clamp`'s gradient).
+    pub fn up_derivative(self, u: f32) -> f32 {
+        match self {
+            Activation::ClampedSwiglu { limit, .. } => f32::from(u8::from((-limit..=limit).contains(&u))),
+            _ => 1.0,
+        }
+    }
+
     /// The activation in f32.
     pub fn apply(self, g: f32) -> f32 {
         match self {
             Activation::Silu => g / (1.0 + (-g).exp()),
+            Activation::ClampedSwiglu { alpha, limit } => {
+                let g = g.min(limit);
+                g / (1.0 + (-alpha * g).exp())
+            }
             Activation::GeluTanh => {
                 // PyTorch's CPU kernel: 0.5 * x * (1 + tanh(kBeta * (x + kKappa * x^3))).
                 const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
@@ -60,14 +92,24 @@ impl Activation {
                 let th = (BETA * (g + KAPPA * g * g * g)).tanh();
                 0.5 * (1.0 + th) + 0.5 * g * (1.0 - th * th) * BETA * (1.0 + 3.0 * KAPPA * g * g)
             }
+            // `d/dg [g σ(αg)] = σ(αg) (1 + α g (1 - σ(αg)))` below the clamp, 0 above it
+            // (`torch.clamp(max=)` passes the gradient where `g <= limit`).
+            Activation::ClampedSwiglu { alpha, limit } => {
+                if g > limit {
+                    return 0.0;
+                }
+                let s = 1.0 / (1.0 + (-alpha * g).exp());
+                s * (1.0 + alpha * g * (1.0 - s))
+            }
         }
     }
 
-    /// The kernels' code for the activation.
-    pub(crate) fn code(self) -> i32 {
+    /// The kernels' code for the activation (`None`: no kernel computes it yet).
+    pub(crate) fn code(self) -> Option<i32> {
         match self {
-            Activation::Silu => 0,
-            Activation::GeluTanh => 1,
+            Activation::Silu => Some(0),
+            Activation::GeluTanh => Some(1),
+            Activation::ClampedSwiglu { .. } => None,
         }
     }
 }
@@ -105,7 +147,8 @@ impl Tensor {
         dims.push(inner);
         let shape = Shape::new(&dims)?;
         if let Storage::Cuda(s) = self.storage() {
-            return Ok(Tensor::from_cuda(shape, super::cuda::glu(s, rows, inner, act)?));
+            let code = act.code().ok_or(Error::UnsupportedDevice { op: "clamped SwiGLU", device: self.device() })?;
+            return Ok(Tensor::from_cuda(shape, super::cuda::glu(s, rows, inner, code)?));
         }
         let src = self.cpu_storage(OP)?;
         let out = with_dtype!(src.dtype(), T => CpuStorage::from_vec(host_glu::<T>(src.as_slice::<T>().unwrap_or_default(), rows, inner, act)?));
@@ -262,6 +305,12 @@ fn glu_block<T: Element, const N: usize>(
     activate(g, act);
     T::slice_from_f32(g, a); // rounded, as torch's activation output
     T::slice_to_f32(a, g);
+    if let Activation::ClampedSwiglu { .. } = act {
+        // `clamp(u) + 1`, rounded as torch's sum.
+        for u in u.iter_mut() {
+            *u = T::from_f32(act.up(*u)).to_f32();
+        }
+    }
     for (g, u) in g.iter_mut().zip(u.iter()) {
         *g *= u;
     }
@@ -296,7 +345,7 @@ fn glu_pair_body<T: Element>(gate: &[f32], up: &[f32], out: &mut [f32], act: Act
         out.copy_from_slice(gate);
         activate(out, act);
         for (o, &u) in out.iter_mut().zip(up) {
-            *o *= u;
+            *o *= act.up(u);
         }
         return;
     }
@@ -321,7 +370,7 @@ fn activate(g: &mut [f32], act: Activation) {
                 *v = silu(*v);
             }
         }
-        Activation::GeluTanh => {
+        Activation::GeluTanh | Activation::ClampedSwiglu { .. } => {
             for v in g.iter_mut() {
                 *v = act.apply(*v);
             }
@@ -391,7 +440,8 @@ impl Tensor {
 impl Tensor {
     /// The gradient of [`glu`](Tensor::glu)`(act)` with respect to its input `self =
     /// [gate | up]: [.., 2I]`, given `dy: [.., I]`: `[dgate | dup]` with
-    /// `dgate = dy ⊙ up ⊙ act'(gate)` and `dup = dy ⊙ act(gate)`, in f32.
+    /// `dgate = dy ⊙ up(u) ⊙ act'(gate)` and `dup = dy ⊙ act(gate) ⊙ up'(u)` (`up` the identity
+    /// but for the clamped SwiGLU's `clamp(u) + 1`: [`Activation::up`]), in f32.
     ///
     /// Errors: `dy` not `[.., I]` for this input, operands on different devices.
     pub fn glu_backward(&self, act: Activation, dy: &Tensor) -> Result<Tensor> {
@@ -409,7 +459,8 @@ impl Tensor {
         if let Storage::Cuda(x) = self.storage() {
             self.require_float()?;
             let d = super::grad::cuda_float(OP, self, dy)?;
-            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::glu_backward(x, d, rows, inner, act)?));
+            let code = act.code().ok_or(Error::UnsupportedDevice { op: "clamped SwiGLU", device: self.device() })?;
+            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::glu_backward(x, d, rows, inner, code)?));
         }
         let (x, dyt) = (super::grad::f32_host(OP, self)?, super::grad::f32_host(OP, dy)?);
         let (x, dys) = (x.as_slice::<f32>()?, dyt.as_slice::<f32>()?);
@@ -421,8 +472,8 @@ impl Tensor {
                 let d = &dys[r * inner..(r + 1) * inner];
                 let (dg, du) = o.split_at_mut(inner);
                 for i in 0..inner {
-                    dg[i] = d[i] * u[i] * act.derivative(g[i]);
-                    du[i] = d[i] * act.apply(g[i]);
+                    dg[i] = d[i] * act.up(u[i]) * act.derivative(g[i]);
+                    du[i] = d[i] * act.apply(g[i]) * act.up_derivative(u[i]);
                 }
             }
         });

@@ -56,7 +56,7 @@ pub struct PagedSeq<'a> {
 
 /// The score scale, window and head grouping of a [`Tensor::paged_attention`] call (the same for
 /// every sequence of the batch).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PagedAttentionSpec {
     /// Factor on `q·k` (usually `1/sqrt(D)`).
     pub scale: f32,
@@ -64,13 +64,22 @@ pub struct PagedAttentionSpec {
     pub sliding_window: Option<usize>,
     /// Which KV head each query head uses; `None`: `Hkv` must divide `Hq`.
     pub kv_groups: Option<KvGroups>,
+    /// One attention-sink logit per query head (gpt-oss), or `None` (see
+    /// [`AttentionSpec::sinks`]).
+    pub sinks: Option<std::sync::Arc<[f32]>>,
 }
 
 impl PagedAttentionSpec {
     /// The single-sequence spec with the same scale, window and grouping (its `kv_len` unused),
     /// whose `groups` and `key_range` this op shares.
     fn as_spec(&self) -> AttentionSpec {
-        AttentionSpec { kv_len: 0, scale: self.scale, sliding_window: self.sliding_window, kv_groups: self.kv_groups }
+        AttentionSpec {
+            kv_len: 0,
+            scale: self.scale,
+            sliding_window: self.sliding_window,
+            kv_groups: self.kv_groups,
+            sinks: self.sinks.clone(),
+        }
     }
 }
 
@@ -125,6 +134,10 @@ impl Tensor {
         if let (KvBuffer::Dense(k), KvBuffer::Dense(v)) = (k_cache, v_cache)
             && matches!(self.storage(), Storage::Cuda(_))
         {
+            if spec.sinks.is_some() {
+                // The CUDA kernels take no sinks yet.
+                return Err(Error::UnsupportedDevice { op: "paged attention with sinks", device: self.device() });
+            }
             return super::paged_cuda::paged_attention_cuda(self, k, v, seqs, spec, geo);
         }
         let qs = self.cpu_storage(OP)?;
@@ -286,6 +299,7 @@ fn check_paged(
     if dk != d {
         return Err(mismatch("queries and keys must have one head_dim"));
     }
+    spec.as_spec().check_sinks(OP, hq)?;
     let Some(groups) = spec.as_spec().groups(hq, hkv) else {
         return Err(mismatch(
             "each query head needs a KV head: Hkv must divide Hq, or kv_groups must map every query head to one",
@@ -568,7 +582,7 @@ fn paged_rows_avx512<S: KvRows>(ctx: &RowCtx<'_, S>, first: usize, out: &mut [f3
                 d,
                 &kptr,
                 &vptr,
-                ctx.spec.scale,
+                (ctx.spec.scale, ctx.spec.sinks.as_ref().map(|s| &s[r % hq..r % hq + g])),
                 &mut scores,
                 &mut out[i * d..(i + g) * d],
             );
@@ -657,11 +671,12 @@ unsafe fn paged_rows_body<S: KvRows, const FMA: bool>(ctx: &RowCtx<'_, S>, first
             // SAFETY: as above.
             *o = unsafe { dot::<FMA>(qv, key(j)) } * ctx.spec.scale;
         }
-        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let sink = ctx.spec.sink(head);
+        let max = scores.iter().fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &v| m.max(v));
         for sc in &mut scores {
             *sc = exp_neg(*sc - max);
         }
-        let sum: f32 = scores.iter().sum();
+        let sum = scores.iter().sum::<f32>() + sink.map_or(0.0, |s| exp_neg(s - max));
         if direct {
             weighted_refs::<FMA>(y, &scores, &vref);
         } else {

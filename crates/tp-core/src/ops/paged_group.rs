@@ -10,6 +10,8 @@
 //!   fixed tree ([`hsum16`]: lanes `l + 8`, then `l + 4`, then `l + 2`, then `l + 1`);
 //! - `m_h = max_j s_hj`, `e_hj = exp(s_hj − m_h)` ([`exp_neg16`], the same bits as the scalar
 //!   `exp_neg`), `Z_h = Σ_j e_hj` (lane `l` takes `j ≡ l (mod 16)` in order, then the same tree);
+//!   with an attention sink `σ_h`, `m_h` also covers `σ_h` and `e^{σ_h − m_h}` is added to `Z_h`
+//!   last;
 //! - `y_h = (Σ_j e_hj v_j) · (1 / Z_h)`, each output element one fused multiply-add per key in
 //!   position order.
 //!
@@ -40,7 +42,8 @@ pub(super) fn gqa_run(r: usize, left: usize, hq: usize, groups: crate::KvGroups)
 
 /// Attention of the query heads `q: [g, d]` (one token's heads that share one KV head) over the
 /// key rows `keys[j]` and value rows `vals[j]` (`d` floats each, position order), written to
-/// `y: [g, d]`; `scores` is scratch.
+/// `y: [g, d]`, with the score scale and, if the call has them, the `g` heads' sink logits;
+/// `scores` is scratch.
 ///
 /// # Safety
 /// The CPU must have AVX-512F and FMA; every `keys[j]` and `vals[j]` readable for `d` floats;
@@ -51,12 +54,16 @@ pub(super) unsafe fn group_rows(
     d: usize,
     keys: &[*const f32],
     vals: &[*const f32],
-    scale: f32,
+    (scale, sinks): (f32, Option<&[f32]>),
     scores: &mut Vec<f32>,
     y: &mut [f32],
 ) {
     assert!(
-        d > 0 && q.len() == y.len() && q.len().is_multiple_of(d) && keys.len() == vals.len(),
+        d > 0
+            && q.len() == y.len()
+            && q.len().is_multiple_of(d)
+            && keys.len() == vals.len()
+            && sinks.is_none_or(|s| s.len() == q.len() / d),
         "group_rows: operands"
     );
     let g = q.len() / d;
@@ -66,13 +73,14 @@ pub(super) unsafe fn group_rows(
     while h0 < g {
         let hs = HEADS.min(g - h0);
         let (qs, ys) = (&q[h0 * d..(h0 + hs) * d], &mut y[h0 * d..(h0 + hs) * d]);
+        let sk = (scale, sinks.map(|s| &s[h0..h0 + hs]));
         // SAFETY: the caller's guarantees, and `scores` holds `HEADS · np` floats.
         unsafe {
             match hs {
-                1 => pass::<1>(qs, d, keys, vals, scale, scores, np, ys),
-                2 => pass::<2>(qs, d, keys, vals, scale, scores, np, ys),
-                3 => pass::<3>(qs, d, keys, vals, scale, scores, np, ys),
-                _ => pass::<4>(qs, d, keys, vals, scale, scores, np, ys),
+                1 => pass::<1>(qs, d, keys, vals, sk, scores, np, ys),
+                2 => pass::<2>(qs, d, keys, vals, sk, scores, np, ys),
+                3 => pass::<3>(qs, d, keys, vals, sk, scores, np, ys),
+                _ => pass::<4>(qs, d, keys, vals, sk, scores, np, ys),
             }
         }
         h0 += hs;
@@ -90,7 +98,7 @@ unsafe fn pass<const H: usize>(
     d: usize,
     keys: &[*const f32],
     vals: &[*const f32],
-    scale: f32,
+    (scale, sinks): (f32, Option<&[f32]>),
     s: &mut [f32],
     np: usize,
     y: &mut [f32],
@@ -101,7 +109,7 @@ unsafe fn pass<const H: usize>(
         let n = keys.len();
         let mut inv = [0f32; H];
         for (h, inv) in inv.iter_mut().enumerate() {
-            *inv = 1.0 / softmax(&mut s[h * np..h * np + np], n);
+            *inv = 1.0 / softmax(&mut s[h * np..h * np + np], n, sinks.map(|s| s[h]));
         }
         let nc = d.div_ceil(16);
         let mut c0 = 0;
@@ -241,13 +249,13 @@ fn tree_sum(l: &[f32; 16]) -> f32 {
     (b[0] + b[2]) + (b[1] + b[3])
 }
 
-/// Replaces the first `n` scores of `row` by `exp(s − max)` and returns their sum (see the
-/// module docs).
+/// Replaces the first `n` scores of `row` by `exp(s − max)` and returns their sum, the sink's
+/// `exp(σ − max)` included where there is one (`max` covering it too; see the module docs).
 ///
 /// # Safety
 /// AVX-512F; `row` holds a multiple of 16 floats, at least `n`.
 #[inline(always)]
-unsafe fn softmax(row: &mut [f32], n: usize) -> f32 {
+unsafe fn softmax(row: &mut [f32], n: usize, sink: Option<f32>) -> f32 {
     let p = row.as_mut_ptr();
     let mask = |j0: usize| if n - j0 >= 16 { 0xFFFF } else { (1u16 << (n - j0)) - 1 };
     // SAFETY: every access is a masked piece of `row` at `j0 < n <= row.len()`, `j0 + 16 <=
@@ -257,7 +265,9 @@ unsafe fn softmax(row: &mut [f32], n: usize) -> f32 {
         for j0 in (0..n).step_by(16) {
             mx = _mm512_mask_max_ps(mx, mask(j0), mx, _mm512_loadu_ps(p.add(j0)));
         }
-        let max = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        let top = _mm512_reduce_max_ps(mx);
+        let top = sink.map_or(top, |s| top.max(s));
+        let max = _mm512_set1_ps(top);
         let mut sum = _mm512_setzero_ps();
         for j0 in (0..n).step_by(16) {
             let m = mask(j0);
@@ -267,7 +277,7 @@ unsafe fn softmax(row: &mut [f32], n: usize) -> f32 {
         }
         let mut lanes = [0f32; 16];
         _mm512_storeu_ps(lanes.as_mut_ptr(), sum);
-        tree_sum(&lanes)
+        tree_sum(&lanes) + sink.map_or(0.0, |s| super::attention::exp_neg(s - top))
     }
 }
 

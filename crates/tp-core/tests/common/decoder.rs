@@ -125,7 +125,8 @@ pub fn check_attention(
     dtype: DType,
     seed: u64,
 ) {
-    let spec = AttentionSpec { kv_len, scale: 1.0 / (d as f32).sqrt(), sliding_window: window, kv_groups: None };
+    let spec =
+        AttentionSpec { kv_len, scale: 1.0 / (d as f32).sqrt(), sliding_window: window, kv_groups: None, sinks: None };
     check_attention_spec(device, t, (hq, hkv, d), &spec, dtype, seed);
 }
 

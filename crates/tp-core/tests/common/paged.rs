@@ -22,6 +22,8 @@ pub struct PagedCase {
     pub window: Option<usize>,
     /// A grouping that starts mid-group, if any.
     pub groups: Option<KvGroups>,
+    /// Attention-sink logits, one per query head, if any.
+    pub sinks: Option<Vec<f32>>,
     /// Blocks beyond those the sequences use (junk the op must never read).
     pub spare_blocks: usize,
     /// Dtype of q and the caches.
@@ -91,7 +93,12 @@ pub fn build(c: &PagedCase) -> Built {
     let k = Tensor::from_fn_f64(&dims, c.dtype, &cpu, fill(0)).unwrap();
     let v = Tensor::from_fn_f64(&dims, c.dtype, &cpu, fill(1)).unwrap();
     let q = Tensor::randn(&[q_start, hq, d], c.dtype, c.seed + 7, &cpu).unwrap();
-    let spec = PagedAttentionSpec { scale: 1.0 / (d as f32).sqrt(), sliding_window: c.window, kv_groups: c.groups };
+    let spec = PagedAttentionSpec {
+        scale: 1.0 / (d as f32).sqrt(),
+        sliding_window: c.window,
+        kv_groups: c.groups,
+        sinks: c.sinks.as_deref().map(Into::into),
+    };
     Built { q, k, v, seqs, spec }
 }
 
@@ -117,6 +124,7 @@ pub fn reference(b: &Built, heads: (usize, usize, usize)) -> Vec<f64> {
             scale: f64::from(b.spec.scale),
             window: b.spec.sliding_window,
             kv_groups: b.spec.kv_groups,
+            sinks: b.spec.sinks.as_ref().map(|s| s.iter().map(|&x| f64::from(x)).collect()),
         };
         let rows = &q[q_start * hq * d..(q_start + q_len) * hq * d];
         let y = attention_f64(rows, &gather(&k), &gather(&v), &a);

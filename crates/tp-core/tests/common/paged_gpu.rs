@@ -123,7 +123,7 @@ pub fn check_paged_attention(
     seed: u64,
 ) {
     let b = PagedBatch::random(cases, block_size, (hq, hkv, d), dtype, seed);
-    let spec = PagedAttentionSpec { scale: 1.0 / (d as f32).sqrt(), sliding_window: window, kv_groups };
+    let spec = PagedAttentionSpec { scale: 1.0 / (d as f32).sqrt(), sliding_window: window, kv_groups, sinks: None };
     let (kc, vc) = (on(&b.k_cache, device), on(&b.v_cache, device));
     let seqs = b.seqs(cases);
     let y = on(&b.q, device).paged_attention(&kc, &vc, &seqs, &spec).unwrap();
@@ -134,7 +134,17 @@ pub fn check_paged_attention(
     let width = hq * d;
     for (i, c) in cases.iter().enumerate() {
         let rows = b.q_starts[i] * width..(b.q_starts[i] + c.q_len) * width;
-        let attn = Attn { t: c.q_len, hq, hkv, d, kv_len: c.kv_len, scale: f64::from(spec.scale), window, kv_groups };
+        let attn = Attn {
+            t: c.q_len,
+            hq,
+            hkv,
+            d,
+            kv_len: c.kv_len,
+            scale: f64::from(spec.scale),
+            window,
+            kv_groups,
+            sinks: None,
+        };
         let want = attention_f64(&q[rows.clone()], &b.keys[i].0, &b.keys[i].1, &attn);
         // f32 scores of D products, softmax and a weighted sum: a few e-6, plus the output
         // rounding (as the contiguous attention's check).
@@ -164,7 +174,7 @@ pub fn check_paged_equals_contiguous(
     let vt = Tensor::from_fn_f64(&dims, dtype, &Device::Cpu, |i| v[i]).unwrap();
     let spec = AttentionSpec::causal(case[0].kv_len, d);
     let want = on(&b.q, device).attention(&on(&kt, device), &on(&vt, device), &spec).unwrap();
-    let pspec = PagedAttentionSpec { scale: spec.scale, sliding_window: None, kv_groups: None };
+    let pspec = PagedAttentionSpec { scale: spec.scale, sliding_window: None, kv_groups: None, sinks: None };
     let got = on(&b.q, device)
         .paged_attention(&on(&b.k_cache, device), &on(&b.v_cache, device), &b.seqs(&case), &pspec)
         .unwrap();
@@ -176,7 +186,7 @@ pub fn check_paged_attention_refuses_bad_batches(device: Device) {
     let case = [SeqCase { q_len: 2, kv_len: 5 }];
     let b = PagedBatch::random(&case, 4, (2, 1, 8), DType::F32, 5);
     let (q, kc, vc) = (on(&b.q, device), on(&b.k_cache, device), on(&b.v_cache, device));
-    let spec = PagedAttentionSpec { scale: 0.5, sliding_window: None, kv_groups: None };
+    let spec = PagedAttentionSpec { scale: 0.5, sliding_window: None, kv_groups: None, sinks: None };
     let table = &b.tables[0];
     let bad_block = [table[0], 10_000];
     let attempts: [(&str, Vec<PagedSeq<'_>>); 4] = [

@@ -179,7 +179,7 @@ pub fn rotate(x: &mut [f64], positions: &[usize], (heads, head_dim): (usize, usi
 
 /// The shape and rule of one causal attention: `t` queries of `hq` heads over the first
 /// `kv_len` rows of keys and values of `hkv` heads, all of `d` features.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Attn {
     /// Query tokens (the last `t` of the `kv_len` positions).
     pub t: usize,
@@ -197,13 +197,15 @@ pub struct Attn {
     pub window: Option<usize>,
     /// Query head `h` reads KV head `(h + offset) / size`; `None`: `h / (hq / hkv)`.
     pub kv_groups: Option<KvGroups>,
+    /// One attention-sink logit per query head (gpt-oss), counted in the softmax and dropped.
+    pub sinks: Option<Vec<f64>>,
 }
 
 impl Attn {
     /// A whole sequence of `t` tokens attending to itself, scale `1/sqrt(d)`, no window.
     pub fn causal(t: usize, (hq, hkv, d): (usize, usize, usize)) -> Attn {
         let scale = 1.0 / (d as f64).sqrt();
-        Attn { t, hq, hkv, d, kv_len: t, scale, window: None, kv_groups: None }
+        Attn { t, hq, hkv, d, kv_len: t, scale, window: None, kv_groups: None, sinks: None }
     }
 
     /// What `spec` asks of `t` queries of heads `(hq, hkv, d)` (its f32 scale, widened).
@@ -217,13 +219,14 @@ impl Attn {
             scale: f64::from(spec.scale),
             window: spec.sliding_window,
             kv_groups: spec.kv_groups,
+            sinks: spec.sinks.as_ref().map(|s| s.iter().map(|&x| f64::from(x)).collect()),
         }
     }
 }
 
 /// Causal attention in f64: `q: [t, hq, d]`, `k, v: [>= kv_len, hkv, d]`, out `[t, hq, d]`.
 pub fn attention_f64(q: &[f64], k: &[f64], v: &[f64], a: &Attn) -> Vec<f64> {
-    let Attn { t, hq, hkv, d, .. } = *a;
+    let Attn { t, hq, hkv, d, .. } = a.clone();
     let mut out = vec![0.0; t * hq * d];
     for tok in 0..t {
         let p = a.kv_len - t + tok;
@@ -237,9 +240,10 @@ pub fn attention_f64(q: &[f64], k: &[f64], v: &[f64], a: &Attn) -> Vec<f64> {
             let scores: Vec<f64> = (lo..=p)
                 .map(|j| qv.iter().zip(&k[(j * hkv + g) * d..][..d]).map(|(a, b)| a * b).sum::<f64>() * a.scale)
                 .collect();
-            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let sink = a.sinks.as_ref().map(|s| s[h]);
+            let m = scores.iter().cloned().fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-            let z: f64 = e.iter().sum();
+            let z: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
             for (j, w) in (lo..=p).zip(&e) {
                 for i in 0..d {
                     out[(tok * hq + h) * d + i] += w / z * v[(j * hkv + g) * d + i];
@@ -257,12 +261,24 @@ pub fn act_f64(act: Activation, g: f64) -> f64 {
         Activation::GeluTanh => {
             0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh())
         }
+        Activation::ClampedSwiglu { alpha, limit } => {
+            let g = g.min(f64::from(limit));
+            g / (1.0 + (-f64::from(alpha) * g).exp())
+        }
     }
 }
 
-/// The gated activation `act(gate) · up`, element by element.
+/// The factor on `act(gate)`: `up`, or the clamped SwiGLU's `clamp(up, -limit, limit) + 1`.
+pub fn up_f64(act: Activation, u: f64) -> f64 {
+    match act {
+        Activation::ClampedSwiglu { limit, .. } => u.clamp(-f64::from(limit), f64::from(limit)) + 1.0,
+        _ => u,
+    }
+}
+
+/// The gated activation `act(gate) · up(up)`, element by element.
 pub fn glu_f64(gate: &[f64], up: &[f64], act: Activation) -> Vec<f64> {
-    gate.iter().zip(up).map(|(g, u)| act_f64(act, *g) * u).collect()
+    gate.iter().zip(up).map(|(g, u)| act_f64(act, *g) * up_f64(act, *u)).collect()
 }
 
 /// YaRN with transformers' defaults, written out: ramp over 32..1 rotations, truncated to
