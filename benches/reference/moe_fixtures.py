@@ -17,7 +17,9 @@ For each case this writes, under crates/tp-models/tests/data/moe/<case>/:
 Cases (every quirk on): qwen3_moe (per-head q/k norm, norm_topk_prob, a dense first layer through
 mlp_only_layers, attention biases), qwen2_moe (shared expert with its sigmoid gate, qkv biases,
 decoder_sparse_step 2, top-k not renormalised), mixtral (w1/w3/w2 experts, renormalised f32 weights,
-sliding window 6), olmoe (full-width q/k norm). All: vocab 97, hidden 24, 8 query heads of 6 (2 KV
+sliding window 6), olmoe (full-width q/k norm), gpt_oss (attention sinks, q/k/v/o biases, sliding window 4
+on the even layers, the class's default YaRN, a router bias, experts with biases and the clamped SwiGLU in
+gpt-oss's interleaved fused layout, which is its only layout). All: vocab 97, hidden 24, 8 query heads of 6 (2 KV
 heads; OLMoE 4 heads of 6 and 4 KV heads), 3 layers, 8 experts of 20 features, 2 per token, eager
 attention, no bos/eos/pad ids.
 
@@ -45,8 +47,9 @@ import numpy as np
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig,
+                          OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 sys.path.insert(0, os.path.dirname(__file__))
 from train_fixtures import exact_f64_buffers, full_f64, make_model  # noqa: E402
@@ -79,7 +82,22 @@ CASES = {
     "olmoe": (OlmoeConfig, OlmoeForCausalLM,
               base(num_experts=8, intermediate_size=20, num_attention_heads=4,
                    num_key_value_heads=4, head_dim=None, norm_topk_prob=False), False),
+    # swiglu_limit 1.0 (7 by default) so that the clamps act on these small random weights.
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM,
+                base(num_local_experts=8, intermediate_size=20, sliding_window=4, swiglu_limit=1.0), False),
 }
+
+
+def exact_yarn_buffers(m):
+    """YaRN's inverse frequencies recomputed in float64 (transformers computes them in float32)."""
+    for mod in m.modules():
+        if hasattr(mod, "rope_type") and mod.rope_type == "yarn":
+            with full_f64():
+                inv, scaling = ROPE_INIT_FUNCTIONS["yarn"](mod.config, None)
+            assert inv.dtype == torch.float64 and torch.allclose(inv, mod.inv_freq, rtol=1e-6)
+            mod.inv_freq.copy_(inv)
+            mod.original_inv_freq.copy_(inv)
+            assert scaling == mod.attention_scaling
 
 
 def load(d, dtype):
@@ -154,7 +172,10 @@ def run_case(name, cfg_cls, model_cls, kw, fused, seed):
 
     m = load(d, torch.float32).double()
     m.eval()
-    exact_f64_buffers(m)
+    if m.config.model_type == "gpt_oss":
+        exact_yarn_buffers(m)
+    else:
+        exact_f64_buffers(m)
     # A prompt whose routing (prefill and every greedy step) stays clear of ties.
     for attempt in range(2000):
         prompt = torch.from_numpy(rng.integers(0, kw["vocab_size"], (1, PROMPT_LEN)))

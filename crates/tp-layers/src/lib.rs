@@ -110,7 +110,7 @@ pub use loader::Loader;
 pub use loss::LossOutput;
 pub use merged::MergedColumnParallel;
 pub use mlp::{MlpNames, MlpSaved, ParallelMlp};
-pub use moe::{ExpertPlacement, MoeConfig, MoeNames, MoeSaved, ParallelMoe, RouterStats};
+pub use moe::{ExpertPlacement, FusedExperts, MoeConfig, MoeNames, MoeSaved, ParallelMoe, RouterStats};
 pub use norm::RmsNorm;
 pub use options::LoadOptions;
 pub use paged_cache::PagedKvCache;

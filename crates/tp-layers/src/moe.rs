@@ -3,10 +3,12 @@
 //!
 //! For a token `x` (every rank holds all `T` tokens, as after attention's all-reduce):
 //!
-//! * the router `l = x R^T` (`R: [E, H]`, replicated) gives the expert weights
-//!   ([`tp_core::moe::route`]: softmax, the top `k`, renormalised where the family says so);
-//! * each chosen expert `e` is a gated MLP `E_e(x) = down_e(act(gate_e x) ⊙ up_e x)`, and
-//!   `y = Σ_{e chosen} w_e · E_e(x)`;
+//! * the router `l = x R^T (+ b)` (`R: [E, H]`, replicated; gpt-oss's has a bias) gives the
+//!   expert weights ([`tp_core::moe::route`]: softmax, the top `k`, renormalised where the
+//!   family says so; gpt-oss's softmax over the top `k` logits is the renormalised form);
+//! * each chosen expert `e` is a gated MLP `E_e(x) = down_e(act(gate_e x) ⊙ up_e x)` (with
+//!   biases on gate, up and down where the family has them: gpt-oss, whose activation is the
+//!   clamped SwiGLU), and `y = Σ_{e chosen} w_e · E_e(x)`;
 //! * Qwen2-MoE adds a shared expert, gated per token: `y += sigmoid(x g^T) · S(x)`.
 //!
 //! Where the experts live is data ([`ExpertPlacement`]). By default (expert tensor
@@ -126,6 +128,20 @@ pub struct MoeNames {
     pub expert: MlpNames,
     /// The shared expert and its gate (Qwen2-MoE: `shared_expert`, `shared_expert_gate`).
     pub shared: Option<(&'static str, &'static str)>,
+    /// How the fused expert tensors are laid out, where a checkpoint has them.
+    pub fused: FusedExperts,
+}
+
+/// The layouts of fused expert tensors (`experts.gate_up_proj`, `experts.down_proj`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FusedExperts {
+    /// transformers 5's: `gate_up_proj: [E, 2I, H]` (gate rows, then up rows),
+    /// `down_proj: [E, H, I]`, no biases.
+    Stacked,
+    /// gpt-oss's: `gate_up_proj: [E, H, 2I]` (input-major, gate and up columns interleaved:
+    /// column `2i` is gate feature `i`, `2i + 1` up feature `i`) with `gate_up_proj_bias:
+    /// [E, 2I]` interleaved alike, `down_proj: [E, I, H]` with `down_proj_bias: [E, H]`.
+    Interleaved,
 }
 
 impl MoeNames {
@@ -135,7 +151,11 @@ impl MoeNames {
         experts: "experts",
         expert: MlpNames { gate_up: Projections::Separate(["gate_proj", "up_proj"]), down: "down_proj" },
         shared: None,
+        fused: FusedExperts::Stacked,
     };
+
+    /// gpt-oss's names: `router` (with a bias) and the interleaved fused experts.
+    pub const GPT_OSS: MoeNames = MoeNames { router: "router", fused: FusedExperts::Interleaved, ..MoeNames::QWEN };
 }
 
 /// Rank `r`'s part of an MoE block.
@@ -172,9 +192,18 @@ impl ParallelMoe {
         }
         let placement = ExpertPlacement::new(e, ld.world_size(), config.expert_parallel)?;
         let mine = placement.experts_of(ld.rank());
-        let router = Linear::new(ld.full(&router_name)?, None)?;
+        let bias_name = format!("{}.bias", names.router);
+        let router_bias = if ld.contains(&bias_name) {
+            ld.expect(&bias_name, &[e])?;
+            Some(ld.full(&bias_name)?)
+        } else {
+            None
+        };
+        let router = Linear::new(ld.full(&router_name)?, router_bias)?;
         let experts_ld = ld.pp(names.experts);
-        let experts = if experts_ld.contains("gate_up_proj") {
+        let experts = if names.fused == FusedExperts::Interleaved {
+            interleaved_experts(&experts_ld, config, hidden, &placement)?
+        } else if experts_ld.contains("gate_up_proj") {
             fused_experts(&experts_ld, config, hidden, &placement)?
         } else {
             (0..e)
@@ -247,6 +276,16 @@ impl ParallelMoe {
         Ok(r)
     }
 
+    /// An expert's partial output with its down projection's bias added where this rank
+    /// adds it: once per expert over the ranks whose partial sums the all-reduce joins (rank
+    /// 0 under expert tensor parallelism, the expert's own rank under expert parallelism).
+    fn with_down_bias(&self, expert: &ParallelMlp, partial: Tensor) -> Result<Tensor> {
+        match expert.down().bias() {
+            Some(b) if self.placement.is_expert_parallel() || self.group.rank() == 0 => Ok(partial.add_row(b)?),
+            _ => Ok(partial),
+        }
+    }
+
     /// `y: [T, H]` for `x: [T, H]` (every rank the full input and output), with one
     /// all-reduce.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -272,7 +311,7 @@ impl ParallelMoe {
             .collect();
         let run = |(expert, rows, _): &(&ParallelMlp, Vec<usize>, Vec<f32>)| -> Result<Tensor> {
             let ye = expert.down().forward_partial(&expert.activation(&gather_rows(x, rows)?)?)?;
-            Ok(ye.to_device(&Device::Cpu)?)
+            Ok(self.with_down_bias(expert, ye)?.to_device(&Device::Cpu)?)
         };
         // Few rows per expert (decode): the experts' small products side by side on the host's
         // threads, one dispatch for all (each expert's products on one thread); many rows
@@ -422,6 +461,7 @@ impl ParallelMoe {
             let weights: Vec<f32> = slots.iter().map(|&s| routing.weights[s]).collect();
             let xe = gather_rows(&x_full, &rows)?;
             let (gate_up, act, out) = expert.forward_partial_saved(&xe)?;
+            let out = self.with_down_bias(expert, out)?;
             partial.add_rows_scaled(&rows, &out.to_device(&Device::Cpu)?, &weights)?;
             experts.push(Some(ExpertSaved { rows, slots, x: xe, gate_up, act, out }));
         }
@@ -692,6 +732,60 @@ fn fused_experts(
             let gate = Linear::new(gate_up.narrow(0, 0, inter)?, None)?;
             let up = Linear::new(gate_up.narrow(0, inter, inter)?, None)?;
             let down = Linear::new(ld.expert("down_proj", i)?, None)?;
+            let act = config.activation;
+            if placement.is_expert_parallel() {
+                ParallelMlp::from_whole(&gate, &up, &down, act, ld.group()).map(Some)
+            } else {
+                ParallelMlp::from_full(&gate, &up, &down, act, ld.group()).map(Some)
+            }
+        })
+        .collect()
+}
+
+/// This rank's part of every expert from gpt-oss's fused tensors under `ld`'s prefix
+/// ([`FusedExperts::Interleaved`]): each held expert's `[H, 2I]` block transposed and split
+/// into gate (even columns) and up (odd columns), `[I, H]` each, its down `[I, H]` transposed to
+/// `[H, I]`, the biases split alike; then split or kept whole as `placement` says.
+fn interleaved_experts(
+    ld: &Loader<'_>,
+    config: MoeConfig,
+    hidden: usize,
+    placement: &ExpertPlacement,
+) -> Result<Vec<Option<ParallelMlp>>> {
+    let dims = ld.dims("gate_up_proj")?;
+    let &[e, h, two_i] = &dims[..] else {
+        return Err(LayerError::Config(format!("{} has shape {dims:?}; [E, H, 2I] expected", ld.name("gate_up_proj"))));
+    };
+    if e != config.num_experts || h != hidden || two_i % 2 != 0 {
+        return Err(LayerError::Config(format!(
+            "{} has shape {dims:?}; [{}, {hidden}, 2I] expected",
+            ld.name("gate_up_proj"),
+            config.num_experts
+        )));
+    }
+    let inter = two_i / 2;
+    ld.expect("gate_up_proj_bias", &[e, two_i])?;
+    ld.expect("down_proj", &[e, inter, hidden])?;
+    ld.expect("down_proj_bias", &[e, hidden])?;
+    let mine = placement.experts_of(ld.rank());
+    (0..e)
+        .map(|i| {
+            if !mine.contains(&i) {
+                return Ok(None);
+            }
+            let gate_up = ld.expert("gate_up_proj", i)?;
+            let dtype = gate_up.dtype();
+            // [2I, H] with rows 2j (gate j) and 2j + 1 (up j) -> [I, 2, H].
+            let gate_up = gate_up.transpose2d()?.reshape(&[inter, 2, hidden])?;
+            let bias = ld.rows("gate_up_proj_bias", i, 1)?.reshape(&[inter, 2])?;
+            let part = |j: usize| -> Result<Linear> {
+                let w = gate_up.narrow(1, j, 1)?.reshape(&[inter, hidden])?.to_dtype(dtype)?;
+                let b = bias.narrow(1, j, 1)?.reshape(&[inter])?;
+                Linear::new(w, Some(b))
+            };
+            let (gate, up) = (part(0)?, part(1)?);
+            let down_w = ld.expert("down_proj", i)?.transpose2d()?.to_dtype(dtype)?;
+            let down = Linear::new(down_w, Some(ld.rows("down_proj_bias", i, 1)?.reshape(&[hidden])?))?;
             let act = config.activation;
             if placement.is_expert_parallel() {
                 ParallelMlp::from_whole(&gate, &up, &down, act, ld.group()).map(Some)

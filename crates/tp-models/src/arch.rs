@@ -45,6 +45,10 @@ pub enum Architecture {
     Qwen3Moe,
     /// `OlmoeForCausalLM`: full-width q/k norm, pre-norms, experts in every layer.
     Olmoe,
+    /// `GptOssForCausalLM`: attention sinks, biases on q/k/v/o, alternating sliding-window and
+    /// full layers, YaRN by default, a router with a bias, and experts with biases and the
+    /// clamped SwiGLU in gpt-oss's interleaved fused layout (dense or MXFP4 blocks).
+    GptOss,
 }
 
 /// A mixture-of-experts family's config rules: its keys and its config class's defaults.
@@ -71,6 +75,9 @@ pub(crate) struct MoeRule {
     pub sparse_step: bool,
     /// `router_aux_loss_coef`'s default.
     pub aux_loss_coef_default: f64,
+    /// Whether the experts use gpt-oss's clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`)
+    /// instead of the config's `hidden_act`.
+    pub clamped_swiglu: bool,
 }
 
 /// Which projections carry biases, from the config.
@@ -86,6 +93,8 @@ pub(crate) enum Biases {
     AttentionAndMlp,
     /// `attention_bias` on q, k, v and o; none in the MLP (Qwen3, Gemma 3, OLMo 2).
     Attention,
+    /// The same with `attention_bias` true when absent (gpt-oss).
+    AttentionOn,
 }
 
 /// Which layers attend within a sliding window, from the config.
@@ -107,6 +116,9 @@ pub(crate) enum Windows {
     /// Qwen2-MoE's: when `use_sliding_window`, `sliding_window` (absent: 4096) on the layers
     /// `layer_types` names (absent: the even-indexed layers below `max_window_layers`, default 28).
     Qwen2Moe,
+    /// gpt-oss's: `sliding_window` (absent: 128) on the layers `layer_types` names (absent: the
+    /// even-indexed layers).
+    GptOss,
 }
 
 /// One family's entry in the table.
@@ -152,6 +164,11 @@ pub(crate) struct ArchSpec {
     pub pad_token_id: Option<usize>,
     /// The mixture-of-experts rules of a family with experts.
     pub moe: Option<MoeRule>,
+    /// Whether every attention layer has learned sink logits (gpt-oss's `self_attn.sinks`).
+    pub sinks: bool,
+    /// The rope parameters the config class sets when the config has none (gpt-oss: YaRN), as
+    /// a `rope_parameters` JSON object.
+    pub default_rope: Option<&'static str>,
 }
 
 const QWEN_MOE: MoeRule = MoeRule {
@@ -165,6 +182,7 @@ const QWEN_MOE: MoeRule = MoeRule {
     shared_expert_default: None,
     sparse_step: true,
     aux_loss_coef_default: 0.001,
+    clamped_swiglu: false,
 };
 
 /// Qwen2/3-MoE's and OLMoE's expert names under `mlp`.
@@ -208,10 +226,12 @@ const BASE: ArchSpec = ArchSpec {
     gemma: false,
     pad_token_id: None,
     moe: None,
+    sinks: false,
+    default_rope: None,
 };
 
 /// Every family tp runs.
-pub(crate) const TABLE: [ArchSpec; 11] = [
+pub(crate) const TABLE: [ArchSpec; 12] = [
     BASE,
     ArchSpec {
         arch: Architecture::Qwen2,
@@ -401,6 +421,38 @@ pub(crate) const TABLE: [ArchSpec; 11] = [
         pad_token_id: Some(1),
         ..BASE
     },
+    ArchSpec {
+        arch: Architecture::GptOss,
+        class: "GptOssForCausalLM",
+        model_types: &["gpt_oss"],
+        max_position_embeddings: 131_072,
+        rope_theta: 150_000.0,
+        rms_norm_eps: 1e-5,
+        head_dim: Some(64),
+        num_key_value_heads: Some(8),
+        biases: Biases::AttentionOn,
+        windows: Windows::GptOss,
+        // `(self.weight * hidden_states).to(input_dtype)`, as OLMo 2's.
+        norm_style: NormStyle::WeightF32,
+        names: DecoderNames { moe: Some((&["mlp"], MoeNames::GPT_OSS)), ..LLAMA_NAMES },
+        moe: Some(MoeRule {
+            experts_keys: &["num_local_experts", "num_experts"],
+            experts_default: 128,
+            top_k_default: 4,
+            expert_size_key: "intermediate_size",
+            expert_size_default: 2880,
+            // Softmax over the top k logits: the renormalised softmax, whatever the config says.
+            norm_topk_prob: None,
+            sparse_step: false,
+            clamped_swiglu: true,
+            ..QWEN_MOE
+        }),
+        sinks: true,
+        default_rope: Some(
+            r#"{"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 4096}"#,
+        ),
+        ..BASE
+    },
 ];
 
 impl Architecture {
@@ -443,7 +495,7 @@ impl Architecture {
     /// Whether the config's `attention_bias` key decides the attention biases (false where
     /// the family has none, or always has q/k/v biases as Qwen2).
     pub fn reads_attention_bias(self) -> bool {
-        matches!(self.spec().biases, Biases::AttentionAndMlp | Biases::Attention)
+        matches!(self.spec().biases, Biases::AttentionAndMlp | Biases::Attention | Biases::AttentionOn)
     }
 
     /// Whether the config's `mlp_bias` key decides the MLP biases (Llama).

@@ -22,14 +22,14 @@ pub(crate) fn decoder_config(c: &ModelConfig, i: usize, expert_parallel: bool) -
         sliding_window: window,
         scale: c.attention_scale,
         qk_norm: c.qk_norm.map(|span| QkNorm { span, style: c.norm_style, eps: c.rms_norm_eps }),
-        sinks: false,
+        sinks: c.architecture.spec().sinks,
     };
     let moe = c.moe.as_ref().filter(|m| m.is_sparse(i)).map(|m| MoeConfig {
         num_experts: m.num_experts,
         top_k: m.top_k,
         router: RouterKind::SoftmaxTopK { renormalize: m.norm_topk_prob },
         weights_in_dtype: m.weights_in_dtype,
-        activation: c.hidden_act,
+        activation: m.activation.unwrap_or(c.hidden_act),
         expert_parallel,
     });
     Ok(DecoderConfig {

@@ -254,7 +254,21 @@ impl ModelConfig {
                 original_max_position_embeddings: spec.original_max_position_embeddings,
                 longrope_aliases: spec.longrope_aliases,
             };
-            (rope(&f, spec.rope_theta, max_position_embeddings, family)?, None)
+            match spec.default_rope {
+                // The class's own parameters when the config names none (gpt-oss's YaRN).
+                Some(default) if f.get("rope_parameters").is_none() && f.get("rope_scaling").is_none() => {
+                    let mut with = map.clone();
+                    let params: Value = serde_json::from_str(default).map_err(|e| ModelError::Unsupported {
+                        field: "rope_parameters".into(),
+                        value: default.into(),
+                        why: e.to_string(),
+                    })?;
+                    with.insert("rope_parameters".into(), params);
+                    let g = Fields { map: &with, prefix: String::new() };
+                    (rope(&g, spec.rope_theta, max_position_embeddings, family)?, None)
+                }
+                _ => (rope(&f, spec.rope_theta, max_position_embeddings, family)?, None),
+            }
         };
         let rotary_dim = rotary_dim(&f, head_dim, spec.partial_rotary)?;
         // The rotary parameters must fit the rotated features (longrope's lists: one factor per
@@ -274,8 +288,8 @@ impl ModelConfig {
             Biases::None => (false, false, false),
             Biases::Qkv => (true, false, false),
             Biases::QkvKey => (f.flag("qkv_bias", true)?, false, false),
-            Biases::Attention => {
-                let a = f.flag("attention_bias", false)?;
+            Biases::Attention | Biases::AttentionOn => {
+                let a = f.flag("attention_bias", spec.biases == Biases::AttentionOn)?;
                 (a, a, false)
             }
             Biases::AttentionAndMlp => {
@@ -427,6 +441,11 @@ fn windows(f: &Fields<'_>, rule: Windows, layers: usize) -> Result<(Option<usize
             let default = (0..layers)
                 .map(|i| if w.is_some() && i % 2 == 0 && i < below { LayerType::Sliding } else { LayerType::Full })
                 .collect();
+            (w, layer_types(f, layers, default)?)
+        }
+        Windows::GptOss => {
+            let w = window(Some(128))?;
+            let default = (0..layers).map(|i| if i % 2 == 0 { LayerType::Sliding } else { LayerType::Full }).collect();
             (w, layer_types(f, layers, default)?)
         }
         Windows::Gemma => {

@@ -35,6 +35,10 @@ pub struct MoeSettings {
     pub output_router_logits: bool,
     /// Mixtral's `router_jitter_noise`: random scaling of a training forward's inputs (0: none).
     pub router_jitter_noise: f64,
+    /// The experts' activation where the family fixes its own (gpt-oss's clamped SwiGLU with
+    /// `swiglu_alpha`, default 1.702, and `swiglu_limit`, default 7); else the config's
+    /// `hidden_act`.
+    pub activation: Option<tp_core::Activation>,
 }
 
 impl MoeSettings {
@@ -88,6 +92,18 @@ pub(crate) fn moe_settings(f: &Fields<'_>, rule: &MoeRule, layers: usize, hidden
     let router_aux_loss_coef = f.number("router_aux_loss_coef", Some(rule.aux_loss_coef_default))?;
     let output_router_logits = f.flag("output_router_logits", false)?;
     let router_jitter_noise = f.number("router_jitter_noise", Some(0.0))?;
+    let activation = if rule.clamped_swiglu {
+        let alpha = f.positive("swiglu_alpha", Some(1.702))?;
+        let limit = f.positive("swiglu_limit", Some(7.0))?;
+        for (v, key) in [(alpha, "swiglu_alpha"), (limit, "swiglu_limit")] {
+            if !(v as f32).is_finite() {
+                return Err(f.bad(key, format!("({v}) must be a finite f32")));
+            }
+        }
+        Some(tp_core::Activation::ClampedSwiglu { alpha: alpha as f32, limit: limit as f32 })
+    } else {
+        None
+    };
     Ok(MoeSettings {
         num_experts,
         top_k,
@@ -99,6 +115,7 @@ pub(crate) fn moe_settings(f: &Fields<'_>, rule: &MoeRule, layers: usize, hidden
         router_aux_loss_coef,
         output_router_logits,
         router_jitter_noise,
+        activation,
     })
 }
 

@@ -4,7 +4,7 @@
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::moe_config::MoeSettings;
-use tp_layers::{Checkpoint, MlpNames, Projections, QkNormSpan};
+use tp_layers::{Checkpoint, FusedExperts, MlpNames, Projections, QkNormSpan};
 
 /// Every `(name, shape)` of the model's parameters, in Hugging Face's order, and the names of
 /// biases the config says the model has not (present, they are an error).
@@ -50,6 +50,9 @@ pub fn expected_tensors(c: &ModelConfig) -> (Vec<(String, Vec<usize>)>, Vec<Stri
             }
             None => {}
         }
+        if c.architecture.spec().sinks {
+            want.push((format!("{attn}.{}", an.sinks), vec![c.num_attention_heads]));
+        }
         if let (Some(moe), Some((prefixes, _))) = (c.moe.as_ref().filter(|m| m.is_sparse(l)), names.moe) {
             want.extend(moe_tensors(c, moe, &format!("{p}.{}", prefixes[0]), false));
             continue;
@@ -74,11 +77,23 @@ pub fn expected_tensors(c: &ModelConfig) -> (Vec<(String, Vec<usize>)>, Vec<Stri
 /// The tensors of MoE layer under `prefix` (`model.layers.N.mlp`): the router `gate` `[E, H]`,
 /// each expert's gated MLP (one tensor per expert as on the Hub; `fused`: transformers 5's
 /// `experts.gate_up_proj: [E, 2I, H]` and `experts.down_proj: [E, H, I]`), and Qwen2-MoE's
-/// shared expert and its gate `[1, H]`.
+/// shared expert and its gate `[1, H]`; gpt-oss's router bias and interleaved fused experts
+/// with their biases (their MXFP4 blocks are checked as they load).
 fn moe_tensors(c: &ModelConfig, moe: &MoeSettings, prefix: &str, fused: bool) -> Vec<(String, Vec<usize>)> {
     let Some((_, n)) = c.architecture.spec().names.moe else { return Vec::new() };
     let (h, e, i) = (c.hidden_size, moe.num_experts, moe.expert_intermediate_size);
     let mut want = vec![(format!("{prefix}.{}.weight", n.router), vec![e, h])];
+    if n.fused == FusedExperts::Interleaved {
+        let x = format!("{prefix}.{}", n.experts);
+        want.push((format!("{prefix}.{}.bias", n.router), vec![e]));
+        want.push((format!("{x}.gate_up_proj_bias"), vec![e, 2 * i]));
+        want.push((format!("{x}.down_proj_bias"), vec![e, h]));
+        if fused {
+            want.push((format!("{x}.gate_up_proj"), vec![e, h, 2 * i]));
+            want.push((format!("{x}.down_proj"), vec![e, i, h]));
+        }
+        return want;
+    }
     let mlp = |want: &mut Vec<(String, Vec<usize>)>, p: String, names: MlpNames, i: usize| match names.gate_up {
         Projections::Separate([g, u]) => {
             want.push((format!("{p}.{g}.weight"), vec![i, h]));

@@ -115,6 +115,28 @@ fn mixtral_matches_transformers_in_both_layouts() {
     check("mixtral", &case("mixtral").join("fused"), &[2, 8]);
 }
 
+/// gpt-oss: attention sinks, biases everywhere, alternating windows, YaRN, a router bias and
+/// clamped-SwiGLU experts with biases in its interleaved fused layout; heads (8 over 3: 3, 3, 2)
+/// and experts' features split unevenly, and experts whole on ranks.
+#[test]
+fn gpt_oss_matches_transformers_at_every_tp_degree_and_with_expert_parallelism() {
+    check("gpt_oss", &case("gpt_oss"), &[1, 2, 3, 4, 8]);
+    let ep = ModelOptions::new().with_dtype(DType::F32).with_expert_parallel(true);
+    check_with("gpt_oss", &case("gpt_oss"), &[3, 8], ep);
+}
+
+/// Training gpt-oss is refused by name (its interleaved experts would not be saved back in its
+/// own layout), before any step runs.
+#[test]
+fn gpt_oss_training_is_refused_by_name() {
+    let errs = on_ranks(1, CPU, |g| {
+        let lm = ParallelCausalLm::load(case("gpt_oss"), &g, &ModelOptions::new().with_dtype(DType::F32)).unwrap();
+        let row = tp_models::TrainRow { input_ids: &[1, 2, 3], labels: &[1, 2, 3] };
+        lm.micro_batch(&[row]).unwrap_err().to_string()
+    });
+    assert!(errs[0].contains("GptOssForCausalLM does not train yet"), "{}", errs[0]);
+}
+
 #[test]
 fn olmoe_matches_transformers() {
     check("olmoe", &case("olmoe"), &[1, 2, 3, 4]);
@@ -126,7 +148,7 @@ fn olmoe_matches_transformers() {
 /// as float64 does.)
 #[test]
 fn bf16_stays_within_bf16s_rounding_in_every_family() {
-    for name in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] {
+    for name in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"] {
         let want = reference(&case(name));
         let meta: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(case(name).join("reference.json")).unwrap()).unwrap();
