@@ -85,7 +85,62 @@ CASES = {
     # swiglu_limit 1.0 (7 by default) so that the clamps act on these small random weights.
     "gpt_oss": (GptOssConfig, GptOssForCausalLM,
                 base(num_local_experts=8, intermediate_size=20, sliding_window=4, swiglu_limit=1.0), False),
+    # The same with experts whose weights MXFP4 holds exactly (hidden and intermediate sizes multiples of
+    # its 32-element groups); mxfp4/ holds them as the Hub ships gpt-oss (see write_mxfp4).
+    "gpt_oss_mxfp4": (GptOssConfig, GptOssForCausalLM,
+                      base(num_local_experts=8, hidden_size=32, head_dim=8, intermediate_size=32, sliding_window=4,
+                           swiglu_limit=1.0), False),
 }
+
+# transformers' FP4 (E2M1) values, by code.
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                   dtype=torch.float64)
+
+
+def mxfp4_round(w):
+    """`w: [..., K]` (K a multiple of 32) rounded to MXFP4 along its last dim: per group of 32 the
+    power-of-two scale 2^s putting the largest magnitude within FP4's 6, each element the nearest
+    FP4 value times it. Returns (codes uint8 [..., K], scale bytes uint8 [..., K / 32], the values)."""
+    g = w.double().reshape(*w.shape[:-1], -1, 32)
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    s = torch.ceil(torch.log2(amax / 6.0))
+    codes = (g / 2.0 ** s).unsqueeze(-1).sub(FP4).abs().argmin(dim=-1).to(torch.uint8)
+    values = FP4[codes.long()] * 2.0 ** s
+    return codes.reshape(w.shape), (s[..., 0] + 127).to(torch.uint8), values.reshape(w.shape)
+
+
+def mxfp4_experts(d):
+    """Rounds the saved model's expert weights to MXFP4 in place (its dense checkpoint then holds
+    exactly what the MXFP4 one does)."""
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    for k, v in sd.items():
+        if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"):
+            # [E, in, out] -> groups along `in` of the output-major [E, out, in].
+            sd[k] = mxfp4_round(v.transpose(1, 2))[2].transpose(1, 2).to(v.dtype).contiguous()
+    save_file(sd, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_mxfp4(d):
+    """d/mxfp4: the model with its experts as the Hub ships gpt-oss: `*_blocks: [E, out, in/32, 16]`
+    (element 2j in the low nibble of byte j, 2j+1 in the high one) and `*_scales: [E, out, in/32]`,
+    the rest unchanged; checked against transformers' own MXFP4 decoder."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    md = os.path.join(d, "mxfp4")
+    os.makedirs(md)
+    shutil.copy(os.path.join(d, "config.json"), md)
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"):
+            codes, scales, values = mxfp4_round(v.transpose(1, 2))
+            assert torch.equal(values, v.transpose(1, 2).double()), k
+            c = codes.reshape(*codes.shape[:-1], -1, 32)
+            blocks = (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()
+            assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).double(), v.double()), k
+            out[k + "_blocks"], out[k + "_scales"] = blocks, scales.contiguous()
+        else:
+            out[k] = v
+    save_file(out, os.path.join(md, "model.safetensors"), metadata={"format": "pt"})
 
 
 def exact_yarn_buffers(m):
@@ -168,6 +223,8 @@ def run_case(name, cfg_cls, model_cls, kw, fused, seed):
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     make_model(d, (cfg_cls, model_cls), kw, seed, scale=0.3)
+    if name.endswith("_mxfp4"):
+        mxfp4_experts(d)
     rng = np.random.default_rng(seed)
 
     m = load(d, torch.float32).double()
@@ -220,6 +277,8 @@ def run_case(name, cfg_cls, model_cls, kw, fused, seed):
         mf = load(fd, torch.float32)
         with torch.no_grad():
             assert torch.allclose(mf(prompt).logits, m32(prompt).logits, rtol=0, atol=1e-5)
+    if name.endswith("_mxfp4"):
+        write_mxfp4(d)
     ref = {"torch": torch.__version__, "transformers": transformers.__version__, "prompt_len": PROMPT_LEN,
            "steps": STEPS, "routing": routing_counts(m32, prompt), "min_router_gap": margins.gap,
            "transformers_bf16_error": bf16_err,

@@ -47,7 +47,8 @@ fn scale_offsets(t: QuantType) -> &'static [usize] {
         QuantType::Q2K => &[80, 82],
         QuantType::Q3K => &[108],
         QuantType::Q6K => &[208],
-        QuantType::F32 | QuantType::F16 | QuantType::BF16 => &[],
+        // MXFP4's E8M0 scale byte: every value is a finite power of two (or 0), kept random.
+        QuantType::F32 | QuantType::F16 | QuantType::BF16 | QuantType::Mxfp4 => &[],
     }
 }
 
@@ -187,6 +188,7 @@ fn types_carry_ggml_ids_names_and_sizes() {
         (QuantType::Q4K, 12, "Q4_K", 256, 144),
         (QuantType::Q5K, 13, "Q5_K", 256, 176),
         (QuantType::Q6K, 14, "Q6_K", 256, 210),
+        (QuantType::Mxfp4, 39, "MXFP4", 32, 17),
     ];
     assert_eq!(table.map(|r| r.0), QuantType::ALL);
     for (t, id, name, elems, bytes) in table {

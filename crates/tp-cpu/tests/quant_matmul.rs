@@ -31,7 +31,7 @@ fn weight(t: QuantType, rows: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
         QuantType::Q2K => &[80, 82],
         QuantType::Q3K => &[108],
         QuantType::Q6K => &[208],
-        QuantType::F32 | QuantType::F16 | QuantType::BF16 => &[],
+        QuantType::F32 | QuantType::F16 | QuantType::BF16 | QuantType::Mxfp4 => &[],
     };
     for block in w.chunks_exact_mut(t.block_bytes()) {
         for &at in scales {
@@ -44,6 +44,8 @@ fn weight(t: QuantType, rows: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
             QuantType::F32 => block.copy_from_slice(&v.to_le_bytes()),
             QuantType::F16 => block.copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes()),
             QuantType::BF16 => block.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+            // An E8M0 scale of 2^-8 .. 2^-4 (the byte's `2^(e - 128)`).
+            QuantType::Mxfp4 => block[0] = 120 + (rng.next() % 5) as u8,
             _ => {}
         }
     }
@@ -64,6 +66,7 @@ fn reach(t: QuantType, b: &[u8]) -> f64 {
         QuantType::Q4K => 945.0 * d(0) + 63.0 * d(2),
         QuantType::Q5K => 1953.0 * d(0) + 63.0 * d(2),
         QuantType::Q6K => 4096.0 * d(208),
+        QuantType::Mxfp4 => 12.0 * 2f64.powi(i32::from(b[0]) - 128),
         QuantType::F32 | QuantType::F16 | QuantType::BF16 => 0.0,
     }
 }

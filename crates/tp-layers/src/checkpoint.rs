@@ -419,6 +419,41 @@ impl Checkpoint {
         Ok((finish(t, dtype, device)?, read))
     }
 
+    /// The shape of a safetensors `U8` tensor (packed codes and scales, such as gpt-oss's MXFP4
+    /// `*_blocks` and `*_scales`); [`LayerError::WrongDtype`] for any other dtype.
+    pub fn u8_dims(&self, name: &str) -> Result<Vec<usize>> {
+        let e = match &self.gguf {
+            Some(_) => None,
+            None => self.entries.get(name),
+        };
+        let e = e.ok_or_else(|| LayerError::MissingTensor { path: self.origin.clone(), name: cut(name) })?;
+        if e.dtype != Dtype::U8 {
+            return Err(LayerError::WrongDtype {
+                name: cut(name),
+                found: format!("{:?}", e.dtype),
+                expected: "U8".into(),
+            });
+        }
+        Ok(e.shape.clone())
+    }
+
+    /// Entry `i` of dim 0 of the `U8` tensor `name` (one expert of `[E, ..]`): its bytes, read
+    /// from the map alone.
+    pub fn u8_entry(&self, name: &str, i: usize) -> Result<Vec<u8>> {
+        let dims = self.u8_dims(name)?;
+        let fail = |why: String| err_at(&self.origin, format!("tensor {}: {why}", quote_text(name)));
+        let e = &self.entries[name];
+        let per: usize = dims.iter().skip(1).product();
+        if dims.first().is_none_or(|&n| i >= n) {
+            return Err(fail(format!("has no entry {i} along dim 0 of {dims:?}")));
+        }
+        let data = self.files[e.file].map.get(e.start..e.end).ok_or_else(|| fail("lies past the file's end".into()))?;
+        if data.len() != per.saturating_mul(dims[0]) {
+            return Err(fail(format!("holds {} bytes for shape {dims:?}", data.len())));
+        }
+        Ok(data[i * per..(i + 1) * per].to_vec())
+    }
+
     /// Checks that tensor `name` has `dims` and one of tp's dtypes (`dtype`, when given).
     pub fn expect(&self, name: &str, dims: &[usize], dtype: Option<DType>) -> Result<()> {
         let (d, shape) = self.info(name)?;

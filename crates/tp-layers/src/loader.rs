@@ -161,6 +161,16 @@ impl<'a> Loader<'a> {
         }
     }
 
+    /// The shape of the `U8` tensor `t` (packed codes or scales).
+    pub fn u8_dims(&self, t: &str) -> Result<Vec<usize>> {
+        self.ckpt.u8_dims(&self.checked(t)?)
+    }
+
+    /// Entry `i` of dim 0 of the `U8` tensor `t` (one expert's packed codes or scales).
+    pub fn u8_entry(&self, t: &str, i: usize) -> Result<Vec<u8>> {
+        self.ckpt.u8_entry(&self.checked(t)?, i)
+    }
+
     /// Rows `start..start + len` of the 2-D linear weight `t`: the GGUF file's quantized
     /// blocks when the options keep them, else a tensor as [`rows`](Self::rows) reads it.
     pub fn linear_rows(&self, t: &str, start: usize, len: usize) -> Result<Weight> {

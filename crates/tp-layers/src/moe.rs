@@ -745,46 +745,98 @@ fn fused_experts(
 /// This rank's part of every expert from gpt-oss's fused tensors under `ld`'s prefix
 /// ([`FusedExperts::Interleaved`]): each held expert's `[H, 2I]` block transposed and split
 /// into gate (even columns) and up (odd columns), `[I, H]` each, its down `[I, H]` transposed to
-/// `[H, I]`, the biases split alike; then split or kept whole as `placement` says.
+/// `[H, I]`, the biases split alike; then split or kept whole as `placement` says. The Hub's
+/// MXFP4 tensors (`gate_up_proj_blocks`/`_scales: [E, 2I, ..]`, `down_proj_blocks`/`_scales:
+/// [E, H, ..]`, already output-major) are dequantized to the biases' dtype as they load, as
+/// transformers does without its MXFP4 kernels ([`crate::mxfp4`]).
 fn interleaved_experts(
     ld: &Loader<'_>,
     config: MoeConfig,
     hidden: usize,
     placement: &ExpertPlacement,
 ) -> Result<Vec<Option<ParallelMlp>>> {
-    let dims = ld.dims("gate_up_proj")?;
-    let &[e, h, two_i] = &dims[..] else {
-        return Err(LayerError::Config(format!("{} has shape {dims:?}; [E, H, 2I] expected", ld.name("gate_up_proj"))));
+    let mxfp4 = ld.contains("gate_up_proj_blocks") || !ld.contains("gate_up_proj");
+    let e = config.num_experts;
+    let two_i = if mxfp4 {
+        // `[E, 2I, H / 32, 16]` codes and `[E, 2I, H / 32]` scales.
+        let dims = ld.u8_dims("gate_up_proj_blocks")?;
+        match dims[..] {
+            [n, two_i, g, 16] if n == e && g * 32 == hidden => two_i,
+            _ => {
+                return Err(LayerError::Config(format!(
+                    "{} has shape {dims:?}; [{e}, 2I, {}, 16] expected",
+                    ld.name("gate_up_proj_blocks"),
+                    hidden / 32
+                )));
+            }
+        }
+    } else {
+        let dims = ld.dims("gate_up_proj")?;
+        match dims[..] {
+            [n, h, two_i] if n == e && h == hidden => two_i,
+            _ => {
+                return Err(LayerError::Config(format!(
+                    "{} has shape {dims:?}; [{e}, {hidden}, 2I] expected",
+                    ld.name("gate_up_proj")
+                )));
+            }
+        }
     };
-    if e != config.num_experts || h != hidden || two_i % 2 != 0 {
-        return Err(LayerError::Config(format!(
-            "{} has shape {dims:?}; [{}, {hidden}, 2I] expected",
-            ld.name("gate_up_proj"),
-            config.num_experts
-        )));
+    if two_i % 2 != 0 {
+        return Err(LayerError::Config(format!("{}: 2I = {two_i} is odd", ld.name("gate_up_proj"))));
     }
     let inter = two_i / 2;
     ld.expect("gate_up_proj_bias", &[e, two_i])?;
-    ld.expect("down_proj", &[e, inter, hidden])?;
     ld.expect("down_proj_bias", &[e, hidden])?;
+    if mxfp4 {
+        let want = |name: &str, dims: Vec<usize>| -> Result<()> {
+            let found = ld.u8_dims(name)?;
+            if found != dims {
+                return Err(LayerError::Config(format!("{} has shape {found:?}; {dims:?} expected", ld.name(name))));
+            }
+            Ok(())
+        };
+        want("gate_up_proj_scales", vec![e, two_i, hidden / 32])?;
+        if inter % 32 != 0 {
+            return Err(LayerError::Config(format!(
+                "{}: MXFP4 experts need I ({inter}) to be a multiple of 32",
+                ld.name("down_proj_blocks")
+            )));
+        }
+        want("down_proj_blocks", vec![e, hidden, inter / 32, 16])?;
+        want("down_proj_scales", vec![e, hidden, inter / 32])?;
+    } else {
+        ld.expect("down_proj", &[e, inter, hidden])?;
+    }
     let mine = placement.experts_of(ld.rank());
     (0..e)
         .map(|i| {
             if !mine.contains(&i) {
                 return Ok(None);
             }
-            let gate_up = ld.expert("gate_up_proj", i)?;
-            let dtype = gate_up.dtype();
-            // [2I, H] with rows 2j (gate j) and 2j + 1 (up j) -> [I, 2, H].
-            let gate_up = gate_up.transpose2d()?.reshape(&[inter, 2, hidden])?;
             let bias = ld.rows("gate_up_proj_bias", i, 1)?.reshape(&[inter, 2])?;
+            let dtype = bias.dtype();
+            // `[2I, H]` with rows 2j (gate j) and 2j + 1 (up j), and down `[H, I]`, in f32.
+            let (gate_up, down_w) = if mxfp4 {
+                let cpu = Device::Cpu;
+                let w = |name: &str, rows: usize, cols: usize| -> Result<Tensor> {
+                    let codes = ld.u8_entry(&format!("{name}_blocks"), i)?;
+                    let scales = ld.u8_entry(&format!("{name}_scales"), i)?;
+                    let v = crate::mxfp4::dequantize(&codes, &scales, rows, cols)?;
+                    Ok(Tensor::from_vec(v, &[rows, cols], &cpu)?)
+                };
+                (w("gate_up_proj", two_i, hidden)?, w("down_proj", hidden, inter)?)
+            } else {
+                (ld.expert("gate_up_proj", i)?.transpose2d()?, ld.expert("down_proj", i)?.transpose2d()?)
+            };
+            let gate_up = gate_up.reshape(&[inter, 2, hidden])?;
             let part = |j: usize| -> Result<Linear> {
-                let w = gate_up.narrow(1, j, 1)?.reshape(&[inter, hidden])?.to_dtype(dtype)?;
+                let w = gate_up.narrow(1, j, 1)?.reshape(&[inter, hidden])?.to_dtype(dtype)?.to_device(&ld.device())?;
                 let b = bias.narrow(1, j, 1)?.reshape(&[inter])?;
                 Linear::new(w, Some(b))
             };
             let (gate, up) = (part(0)?, part(1)?);
-            let down_w = ld.expert("down_proj", i)?.transpose2d()?.to_dtype(dtype)?;
+            let down_w = down_w.to_dtype(dtype)?.to_device(&ld.device())?;
             let down = Linear::new(down_w, Some(ld.rows("down_proj_bias", i, 1)?.reshape(&[hidden])?))?;
             let act = config.activation;
             if placement.is_expert_parallel() {

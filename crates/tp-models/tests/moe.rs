@@ -125,6 +125,51 @@ fn gpt_oss_matches_transformers_at_every_tp_degree_and_with_expert_parallelism()
     check_with("gpt_oss", &case("gpt_oss"), &[3, 8], ep);
 }
 
+/// gpt-oss's experts as the Hub ships them, MXFP4 blocks and scales (`mxfp4/`), load to the
+/// weights of the dense checkpoint beside them (which MXFP4 holds exactly) and give
+/// transformers' logits and tokens, split and whole on ranks.
+#[test]
+fn gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them() {
+    let name = "gpt_oss_mxfp4";
+    check(name, &case(name), &[1, 3]);
+    check(name, &case(name).join("mxfp4"), &[1, 2, 3, 8]);
+    let ep = ModelOptions::new().with_dtype(DType::F32).with_expert_parallel(true);
+    check_with(name, &case(name).join("mxfp4"), &[3], ep);
+}
+
+/// MXFP4 tensors whose shapes disagree with the config (scales for too few rows, codes of the
+/// wrong group count) are refused at load, naming the tensor.
+#[test]
+fn gpt_oss_mxfp4_tensors_of_the_wrong_shape_are_refused_by_name() {
+    let src = case("gpt_oss_mxfp4").join("mxfp4");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for (bad, shape) in [
+        ("model.layers.1.mlp.experts.gate_up_proj_scales", vec![8, 63, 1]),
+        ("model.layers.2.mlp.experts.down_proj_blocks", vec![8, 32, 2, 8]),
+    ] {
+        let dir = common::tmpdir(&format!("mxfp4-bad-{}", shape.len()));
+        std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+        let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| {
+                if n == bad {
+                    let data = &v.data()[..shape.iter().product::<usize>()];
+                    (n, safetensors::tensor::TensorView::new(v.dtype(), shape.clone(), data).unwrap())
+                } else {
+                    (n, v)
+                }
+            })
+            .collect();
+        safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
+        let errs = on_ranks(1, CPU, |g| {
+            ParallelCausalLm::load(&dir, &g, &ModelOptions::new()).map(|_| ()).unwrap_err().to_string()
+        });
+        assert!(errs[0].contains(bad), "{bad}: {}", errs[0]);
+    }
+}
+
 /// Training gpt-oss is refused by name (its interleaved experts would not be saved back in its
 /// own layout), before any step runs.
 #[test]

@@ -16,6 +16,7 @@
 //! | Q4_K | 144 | `d` @0, `dmin` @2, `scales[12]` @4 (8 scales and 8 mins, 6 bits each), `qs[128]` @16 |
 //! | Q5_K | 176 | `d` @0, `dmin` @2, `scales[12]` @4, `qh[32]` @16, `qs[128]` @48 |
 //! | Q6_K | 210 | `ql[128]` @0, `qh[64]` @128, `scales[16]` i8 @192, `d` @208 |
+//! | MXFP4 | 17 | `e` u8 @0 (E8M0: `d = 2^(e-128)`, ggml's half scale), `qs[16]` @1 (as Q4_0), each code `kvalues[q]` |
 //!
 //! In the K-quants, 2-bit codes of element `e = 128 j + 32 s + l` (`l < 32`) sit at bits `2s..2s+2`
 //! of byte `32 j + l` (Q2_K, Q3_K `qs`, Q6_K `qh`); the 1-bit planes (Q3_K `hmask`, Q5_K `qh`) put
@@ -34,6 +35,18 @@ pub(crate) const Q5_0_QS: usize = 6;
 pub(crate) const Q5_1_QH: usize = 4;
 pub(crate) const Q5_1_QS: usize = 8;
 pub(crate) const Q8_0_QS: usize = 2;
+/// MXFP4's codes, after its scale byte.
+pub(crate) const MXFP4_QS: usize = 1;
+/// MXFP4's code values, doubled (`kvalues_mxfp4`: FP4 E2M1 `±{0, .5, 1, 1.5, 2, 3, 4, 6}` times
+/// 2, so that they are integers; the scale is halved to match).
+pub(crate) const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// ggml's `GGML_E8M0_TO_FP32_HALF`: `2^(e - 128)` for an E8M0 byte `e` (subnormal below `e = 2`).
+#[inline(always)]
+pub(crate) fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 { 0x0020_0000u32 << e } else { (u32::from(e) - 1) << 23 };
+    f32::from_bits(bits)
+}
 /// Q2_K fields.
 pub(crate) const Q2K_QS: usize = 16;
 pub(crate) const Q2K_D: usize = 80;
@@ -137,6 +150,14 @@ impl Decoded {
             QuantType::Q3K => self.q3k(b),
             QuantType::Q4K | QuantType::Q5K => self.q45k(t, b),
             QuantType::Q6K => self.q6k(b),
+            QuantType::Mxfp4 => {
+                let nibbles = &b[MXFP4_QS..MXFP4_QS + 16];
+                for (l, &v) in nibbles.iter().enumerate() {
+                    self.q[l] = MXFP4_VALUES[usize::from(v & 0x0F)];
+                    self.q[l + 16] = MXFP4_VALUES[usize::from(v >> 4)];
+                }
+                self.set_legacy(e8m0_half(b[0]), None);
+            }
             QuantType::F32 | QuantType::F16 | QuantType::BF16 => unreachable!("decode: float types have no blocks"),
         }
     }

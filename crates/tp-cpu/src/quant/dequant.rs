@@ -106,6 +106,7 @@ fn dequantize_body(t: QuantType, src: &[u8], dst: &mut [f32], f16s: &impl Fn(&[u
         QuantType::Q4K => blocks(QuantType::Q4K, src, dst),
         QuantType::Q5K => blocks(QuantType::Q5K, src, dst),
         QuantType::Q6K => blocks(QuantType::Q6K, src, dst),
+        QuantType::Mxfp4 => blocks(QuantType::Mxfp4, src, dst),
     }
 }
 

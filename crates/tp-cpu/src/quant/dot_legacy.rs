@@ -1,5 +1,5 @@
-//! x86 dot products of the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; blocks of 32) with Q8_0
-//! activations.
+//! x86 dot products of the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and MXFP4; blocks of 32)
+//! with Q8_0 activations.
 //!
 //! A block's codes are unpacked to 32 unsigned bytes `u` (nibbles, plus the 5th bit for Q5) and
 //! multiplied by the block's 32 activation codes with [`Dot::dot`]. The signed value of a code is
@@ -10,14 +10,15 @@
 //! as llama.cpp's x86 kernels do it: the integer part per block, its float product with the
 //! block's `d dx` accumulated in 8 lanes, and the second term `c (dx Σ q_x)` 8 blocks at a time
 //! (the activations keep `dx Σ q_x` per block). Q8_0's signed codes go through the sign trick
-//! instead: `|w|` times `x` with `w`'s sign.
+//! instead: `|w|` times `x` with `w`'s sign; so do MXFP4's, looked up from its nibbles in a
+//! 16-entry byte table (`pshufb`), its E8M0 scale byte widened to `2^(e-128)`.
 //!
 //! Scales are read 8 blocks at a time (8 `f16` at the block stride, one `vcvtph2ps`) and
 //! multiplied by the 8 activation scales, for all `M` activation rows, ahead of the dots (see
 //! [`row`]); each block is unpacked once and dotted with every activation row.
 
 use super::act::XRow;
-use super::blocks::{Q4_0_QS, Q4_1_QS, Q5_0_QH, Q5_0_QS, Q5_1_QH, Q5_1_QS, Q8_0_QS};
+use super::blocks::{MXFP4_QS, MXFP4_VALUES, Q4_0_QS, Q4_1_QS, Q5_0_QH, Q5_0_QS, Q5_1_QH, Q5_1_QS, Q8_0_QS, e8m0_half};
 use super::simd::{Dot, f16x8, hsum, load, load_f32, load_x, nibbles16};
 use std::arch::x86_64::*;
 
@@ -45,6 +46,17 @@ pub(crate) trait Legacy {
         // SAFETY: the caller guarantees `D`'s instructions.
         unsafe { D::dot(codes, x) }
     }
+
+    /// The scales `d` of the `n <= 8` blocks at `p`, `p + BYTES`, ... (lanes `n..8` zero): the
+    /// `f16` at each block's start.
+    ///
+    /// # Safety
+    /// The blocks must be readable; the CPU must have AVX2 and F16C.
+    #[inline(always)]
+    unsafe fn scales(p: *const u8, n: usize) -> __m256 {
+        // SAFETY: the caller guarantees the bytes and the instructions.
+        unsafe { f16x8(p, Self::BYTES, n) }
+    }
 }
 
 pub(crate) struct Q40;
@@ -52,6 +64,7 @@ pub(crate) struct Q41;
 pub(crate) struct Q50;
 pub(crate) struct Q51;
 pub(crate) struct Q80;
+pub(crate) struct Mxfp4;
 
 impl Legacy for Q40 {
     const BYTES: usize = 18;
@@ -126,6 +139,35 @@ impl Legacy for Q80 {
     }
 }
 
+impl Legacy for Mxfp4 {
+    const BYTES: usize = 17;
+    const HAS_MIN: bool = false;
+    const OFFSET: f32 = 0.0;
+    #[inline(always)]
+    unsafe fn codes<D: Dot>(p: *const u8) -> __m256i {
+        // SAFETY: the 16 nibble bytes are inside the block; AVX2 as the caller guarantees.
+        unsafe {
+            let table = _mm_loadu_si128(MXFP4_VALUES.as_ptr().cast());
+            _mm256_shuffle_epi8(_mm256_set_m128i(table, table), nibbles16(p.add(MXFP4_QS)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot<D: Dot>(codes: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: the caller guarantees `D`'s instructions (AVX2 included).
+        unsafe { D::dot(_mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes)) }
+    }
+    #[inline(always)]
+    unsafe fn scales(p: *const u8, n: usize) -> __m256 {
+        let mut d = [0f32; 8];
+        for (i, d) in d.iter_mut().enumerate().take(n) {
+            // SAFETY: block `i < n` is readable, as the caller guarantees.
+            *d = e8m0_half(unsafe { p.add(i * Self::BYTES).read() });
+        }
+        // SAFETY: AVX as the caller guarantees; `d` holds 8 floats.
+        unsafe { _mm256_loadu_ps(d.as_ptr()) }
+    }
+}
+
 /// Blocks per pass (a multiple of 8): the scales of a pass stay on the stack, and its blocks in
 /// L1 between the two passes (16 measured faster than 8 or 64 on this Zen 4, streaming from
 /// memory, Q8_0 most: one thread 16 -> 20 GB/s against 64).
@@ -159,7 +201,7 @@ pub(crate) unsafe fn row<D: Dot, L: Legacy, const M: usize>(w: *const u8, nb: us
             for g in (0..len).step_by(8) {
                 let n = (len - g).min(8);
                 let base = w.add((p0 + g) * L::BYTES);
-                let dw = f16x8(base, L::BYTES, n);
+                let dw = L::scales(base, n);
                 let c = if L::HAS_MIN {
                     f16x8(base.add(2), L::BYTES, n)
                 } else {

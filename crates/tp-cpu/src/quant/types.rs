@@ -34,11 +34,15 @@ pub enum QuantType {
     Q5K,
     /// 256 elements: 16 groups of 16 with signed 8-bit scales, 6-bit codes.
     Q6K,
+    /// 32 elements: an E8M0 scale byte `e` (a power of two), 4-bit FP4 (E2M1) codes; ggml's
+    /// `2^(e-128) · kvalues[q]` with `kvalues = ±{0, 1, 2, 3, 4, 6, 8, 12}` (OCP MX FP4, as
+    /// gpt-oss ships its experts).
+    Mxfp4,
 }
 
 impl QuantType {
     /// Every type, in declaration order.
-    pub const ALL: [QuantType; 13] = [
+    pub const ALL: [QuantType; 14] = [
         QuantType::F32,
         QuantType::F16,
         QuantType::BF16,
@@ -52,6 +56,7 @@ impl QuantType {
         QuantType::Q4K,
         QuantType::Q5K,
         QuantType::Q6K,
+        QuantType::Mxfp4,
     ];
 
     /// ggml's type number (`GGML_TYPE_*`), as GGUF files store it.
@@ -70,6 +75,7 @@ impl QuantType {
             QuantType::Q5K => 13,
             QuantType::Q6K => 14,
             QuantType::BF16 => 30,
+            QuantType::Mxfp4 => 39,
         }
     }
 
@@ -94,6 +100,7 @@ impl QuantType {
             QuantType::Q4K => "Q4_K",
             QuantType::Q5K => "Q5_K",
             QuantType::Q6K => "Q6_K",
+            QuantType::Mxfp4 => "MXFP4",
         }
     }
 
@@ -101,7 +108,12 @@ impl QuantType {
     pub const fn block_elems(self) -> usize {
         match self {
             QuantType::F32 | QuantType::F16 | QuantType::BF16 => 1,
-            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q8_0 => 32,
+            QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q5_0
+            | QuantType::Q5_1
+            | QuantType::Q8_0
+            | QuantType::Mxfp4 => 32,
             QuantType::Q2K | QuantType::Q3K | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 256,
         }
     }
@@ -121,6 +133,7 @@ impl QuantType {
             QuantType::Q4K => 144,
             QuantType::Q5K => 176,
             QuantType::Q6K => 210,
+            QuantType::Mxfp4 => 17,
         }
     }
 
