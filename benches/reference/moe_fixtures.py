@@ -86,10 +86,12 @@ CASES = {
     "gpt_oss": (GptOssConfig, GptOssForCausalLM,
                 base(num_local_experts=8, intermediate_size=20, sliding_window=4, swiglu_limit=1.0), False),
     # The same with experts whose weights MXFP4 holds exactly (hidden and intermediate sizes multiples of
-    # its 32-element groups); mxfp4/ holds them as the Hub ships gpt-oss (see write_mxfp4).
+    # its 32-element groups); mxfp4/ holds them as the Hub ships gpt-oss (see write_mxfp4). The default
+    # swiglu_limit (7, which a GGUF file cannot change: llama.cpp fixes it), the experts' gate/up weights
+    # scaled up so that it clamps.
     "gpt_oss_mxfp4": (GptOssConfig, GptOssForCausalLM,
-                      base(num_local_experts=8, hidden_size=32, head_dim=8, intermediate_size=32, sliding_window=4,
-                           swiglu_limit=1.0), False),
+                      base(num_local_experts=8, hidden_size=32, head_dim=8, intermediate_size=32, sliding_window=4),
+                      False),
 }
 
 # transformers' FP4 (E2M1) values, by code.
@@ -109,15 +111,39 @@ def mxfp4_round(w):
     return codes.reshape(w.shape), (s[..., 0] + 127).to(torch.uint8), values.reshape(w.shape)
 
 
+# The MXFP4 case's gate/up weights times this, so that the default clamp at 7 acts.
+GATE_UP_GAIN = 3.0
+
+
 def mxfp4_experts(d):
     """Rounds the saved model's expert weights to MXFP4 in place (its dense checkpoint then holds
-    exactly what the MXFP4 one does)."""
+    exactly what the MXFP4 one does), the gate/up weights scaled by GATE_UP_GAIN first."""
     sd = load_file(os.path.join(d, "model.safetensors"))
     for k, v in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            v = v * GATE_UP_GAIN
         if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"):
             # [E, in, out] -> groups along `in` of the output-major [E, out, in].
             sd[k] = mxfp4_round(v.transpose(1, 2))[2].transpose(1, 2).to(v.dtype).contiguous()
     save_file(sd, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+
+
+def clamped_fraction(m, prompt):
+    """The fraction of the prompt's gate/up values (every expert, every token) past gpt-oss's clamp."""
+    seen = []
+
+    def hook(mod, args):
+        x = args[0]
+        gate_up = torch.einsum("th,ehk->etk", x, mod.gate_up_proj) + mod.gate_up_proj_bias[:, None]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        seen.append(float(((gate > mod.limit) | (up.abs() > mod.limit)).double().mean()))
+
+    hooks = [mod.register_forward_pre_hook(hook) for mod in m.modules() if mod.__class__.__name__ == "GptOssExperts"]
+    with torch.no_grad():
+        m(prompt)
+    for h in hooks:
+        h.remove()
+    return sum(seen) / len(seen)
 
 
 def write_mxfp4(d):
@@ -277,12 +303,15 @@ def run_case(name, cfg_cls, model_cls, kw, fused, seed):
         mf = load(fd, torch.float32)
         with torch.no_grad():
             assert torch.allclose(mf(prompt).logits, m32(prompt).logits, rtol=0, atol=1e-5)
+    clamped = None
     if name.endswith("_mxfp4"):
         write_mxfp4(d)
+        clamped = clamped_fraction(m, prompt)
+        assert clamped > 0.01, clamped
     ref = {"torch": torch.__version__, "transformers": transformers.__version__, "prompt_len": PROMPT_LEN,
            "steps": STEPS, "routing": routing_counts(m32, prompt), "min_router_gap": margins.gap,
            "transformers_bf16_error": bf16_err,
-           "prompt_tries": attempt + 1, "fused": fused}
+           "prompt_tries": attempt + 1, "fused": fused, "swiglu_clamped_fraction": clamped}
     with open(os.path.join(d, "reference.json"), "w") as f:
         json.dump(ref, f, indent=1)
         f.write("\n")

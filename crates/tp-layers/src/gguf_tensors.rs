@@ -59,7 +59,8 @@ pub enum GgufPart {
     #[default]
     Whole,
     /// Entry `e` of the outermost dim of a 3-D tensor (llama.cpp stacks an MoE layer's experts
-    /// so): the rows `e · rows .. (e + 1) · rows` of the tensor seen as 2-D.
+    /// so): the rows `e · rows .. (e + 1) · rows` of the tensor seen as 2-D; of a 2-D tensor
+    /// (the experts' stacked biases, gpt-oss's `ffn_gate_exps.bias: [E, I]`), row `e` as a vector.
     Expert(usize),
     /// A 1-D tensor `[n]` as the weight `[1, n]`.
     Row,
@@ -114,7 +115,7 @@ impl GgufTensors {
             let qtype = QuantType::from_ggml_id(id).ok_or_else(|| LayerError::WrongDtype {
                 name: cut(&t.gguf_name),
                 found: info.ggml_type.name().map_or(format!("GGML type {id}"), |n| format!("{n} (GGML type {id})")),
-                expected: "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K".into(),
+                expected: "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or MXFP4".into(),
             })?;
             let bad_dims =
                 |d: &[u64], what: &str| fail(format!("tensor {} has dims {d:?}; {what}", quote_text(&t.gguf_name)));
@@ -125,10 +126,13 @@ impl GgufTensors {
                 (&[cols, rows, experts], GgufPart::Expert(e)) if (e as u64) < experts => {
                     (vec![to_usize(rows), to_usize(cols)], e * to_usize(rows))
                 }
+                (&[n, experts], GgufPart::Expert(e)) if (e as u64) < experts => (vec![to_usize(n)], e),
                 (d, GgufPart::Expert(e)) => {
                     return Err(bad_dims(
                         d,
-                        &format!("expert {e} of a 3-D [experts, rows, columns] tensor was expected"),
+                        &format!(
+                            "expert {e} of a 3-D [experts, rows, columns] (or 2-D [experts, n]) tensor was expected"
+                        ),
                     ));
                 }
                 (d, GgufPart::Row) => return Err(bad_dims(d, "a vector was expected")),
@@ -224,7 +228,9 @@ impl GgufTensors {
         let mut out_dims = e.dims.clone();
         out_dims[dim] = len;
         let (values, read) = if e.dims.len() == 1 {
-            // A vector: its entries, through the row order (a rotary bias).
+            // A vector: its entries, through the row order (a rotary bias); an expert's row of a
+            // stacked 2-D tensor is its stored row `row_offset`.
+            let data = &data[e.row_offset * e.row_bytes..(e.row_offset + 1) * e.row_bytes];
             let mut all = vec![0f32; e.dims[0]];
             dequantize(q, data, &mut all).map_err(|err| self.fail(name, err.to_string()))?;
             let v = (start..start + len).map(|i| all[stored_row(e.rows, e.dims[0], i)]).collect();

@@ -201,7 +201,8 @@ impl ParallelMoe {
         };
         let router = Linear::new(ld.full(&router_name)?, router_bias)?;
         let experts_ld = ld.pp(names.experts);
-        let experts = if names.fused == FusedExperts::Interleaved {
+        let gpt_oss_fused = experts_ld.contains("gate_up_proj") || experts_ld.contains("gate_up_proj_blocks");
+        let experts = if names.fused == FusedExperts::Interleaved && gpt_oss_fused {
             interleaved_experts(&experts_ld, config, hidden, &placement)?
         } else if experts_ld.contains("gate_up_proj") {
             fused_experts(&experts_ld, config, hidden, &placement)?

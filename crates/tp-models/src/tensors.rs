@@ -54,7 +54,7 @@ pub fn expected_tensors(c: &ModelConfig) -> (Vec<(String, Vec<usize>)>, Vec<Stri
             want.push((format!("{attn}.{}", an.sinks), vec![c.num_attention_heads]));
         }
         if let (Some(moe), Some((prefixes, _))) = (c.moe.as_ref().filter(|m| m.is_sparse(l)), names.moe) {
-            want.extend(moe_tensors(c, moe, &format!("{p}.{}", prefixes[0]), false));
+            want.extend(moe_tensors(c, moe, &format!("{p}.{}", prefixes[0]), Experts::PerExpert));
             continue;
         }
         let mlp = format!("{p}.{}", names.mlp);
@@ -74,26 +74,49 @@ pub fn expected_tensors(c: &ModelConfig) -> (Vec<(String, Vec<usize>)>, Vec<Stri
     (want, absent)
 }
 
+/// How a checkpoint holds an MoE layer's experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Experts {
+    /// One tensor per expert and projection (the Hub's layout for most families; how tp names
+    /// gpt-oss's experts read from a GGUF file's stacked tensors, with their biases).
+    PerExpert,
+    /// The family's fused tensors (transformers 5's, or gpt-oss's interleaved ones).
+    Fused,
+    /// gpt-oss's MXFP4 `*_blocks` and `*_scales` (`U8`, checked as they load) and the biases.
+    Packed,
+}
+
 /// The tensors of MoE layer under `prefix` (`model.layers.N.mlp`): the router `gate` `[E, H]`,
-/// each expert's gated MLP (one tensor per expert as on the Hub; `fused`: transformers 5's
+/// each expert's gated MLP (one tensor per expert as on the Hub; `Fused`: transformers 5's
 /// `experts.gate_up_proj: [E, 2I, H]` and `experts.down_proj: [E, H, I]`), and Qwen2-MoE's
-/// shared expert and its gate `[1, H]`; gpt-oss's router bias and interleaved fused experts
-/// with their biases (their MXFP4 blocks are checked as they load).
-fn moe_tensors(c: &ModelConfig, moe: &MoeSettings, prefix: &str, fused: bool) -> Vec<(String, Vec<usize>)> {
+/// shared expert and its gate `[1, H]`; gpt-oss's router bias and experts with biases (its
+/// interleaved fused tensors, or their MXFP4 blocks, which are checked as they load).
+fn moe_tensors(c: &ModelConfig, moe: &MoeSettings, prefix: &str, layout: Experts) -> Vec<(String, Vec<usize>)> {
     let Some((_, n)) = c.architecture.spec().names.moe else { return Vec::new() };
     let (h, e, i) = (c.hidden_size, moe.num_experts, moe.expert_intermediate_size);
     let mut want = vec![(format!("{prefix}.{}.weight", n.router), vec![e, h])];
     if n.fused == FusedExperts::Interleaved {
         let x = format!("{prefix}.{}", n.experts);
         want.push((format!("{prefix}.{}.bias", n.router), vec![e]));
+        if layout == Experts::PerExpert {
+            let Projections::Separate([g, u]) = n.expert.gate_up else { return want };
+            for k in 0..e {
+                for (proj, dims) in [(g, [i, h]), (u, [i, h]), (n.expert.down, [h, i])] {
+                    want.push((format!("{x}.{k}.{proj}.weight"), dims.to_vec()));
+                    want.push((format!("{x}.{k}.{proj}.bias"), vec![dims[0]]));
+                }
+            }
+            return want;
+        }
         want.push((format!("{x}.gate_up_proj_bias"), vec![e, 2 * i]));
         want.push((format!("{x}.down_proj_bias"), vec![e, h]));
-        if fused {
+        if layout == Experts::Fused {
             want.push((format!("{x}.gate_up_proj"), vec![e, h, 2 * i]));
             want.push((format!("{x}.down_proj"), vec![e, i, h]));
         }
         return want;
     }
+    let fused = layout == Experts::Fused;
     let mlp = |want: &mut Vec<(String, Vec<usize>)>, p: String, names: MlpNames, i: usize| match names.gate_up {
         Projections::Separate([g, u]) => {
             want.push((format!("{p}.{g}.weight"), vec![i, h]));
@@ -133,10 +156,16 @@ pub(crate) fn check_tensors(ckpt: &Checkpoint, c: &ModelConfig) -> Result<()> {
                 .map(|p| format!("{layer}.{p}"))
                 .find(|p| ckpt.contains(&format!("{p}.{}.weight", n.router)))
                 .unwrap_or_else(|| format!("{layer}.{}", prefixes[0]));
-            let fused = ckpt.contains(&format!("{prefix}.{}.gate_up_proj", n.experts));
+            let layout = if ckpt.contains(&format!("{prefix}.{}.gate_up_proj", n.experts)) {
+                Experts::Fused
+            } else if ckpt.contains(&format!("{prefix}.{}.gate_up_proj_blocks", n.experts)) {
+                Experts::Packed
+            } else {
+                Experts::PerExpert
+            };
             let default = format!("{layer}.{}", prefixes[0]);
             want.retain(|(name, _)| !name.starts_with(&format!("{default}.")));
-            want.extend(moe_tensors(c, moe, &prefix, fused));
+            want.extend(moe_tensors(c, moe, &prefix, layout));
         }
     }
     for (name, dims) in want {

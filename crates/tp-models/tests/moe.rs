@@ -137,6 +137,60 @@ fn gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them() {
     check_with(name, &case(name).join("mxfp4"), &[3], ep);
 }
 
+/// gpt-oss as llama.cpp's converter writes it (`gpt-oss`: experts split into
+/// `ffn_{gate,up,down}_exps` with their biases, MXFP4 experts, sinks as `attn_sinks`, the MLP's
+/// input norm as `post_attention_norm`), written from the MXFP4 fixture by tp-testing's
+/// `write_gguf.py`: the config the metadata implies is the original's; dequantized, it gives
+/// transformers' float64 logits and tokens at TP 1 to 4 and with expert parallelism (the experts
+/// read per expert from the stacked blocks); on its MXFP4 blocks (8-bit activations) it stays
+/// near them and picks the same tokens.
+#[test]
+fn gpt_oss_gguf_with_mxfp4_experts_matches_transformers() {
+    let name = "gpt_oss_mxfp4";
+    let dir = common::tmpdir("gpt-oss-gguf");
+    let gguf = dir.join("model.gguf");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tp-testing/gguf/write_gguf.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(case(name))
+        .arg(&gguf)
+        .args(["--type", "MXFP4_EXPERTS", "--tokenizer", "bpe", "--ref"])
+        .arg(dir.join("ref"))
+        .output()
+        .expect("python3 must be installed for the GGUF tests");
+    assert!(
+        out.status.success(),
+        "write_gguf.py failed (the GGUF tests need python3 with `pip install gguf==0.19.0`): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read = tp_models::gguf::GgufModel::open(&gguf).unwrap().config;
+    let original = tp_models::ModelConfig::from_dir(case(name)).unwrap();
+    assert_eq!(read.architecture, original.architecture);
+    assert_eq!((read.moe.as_ref(), read.layer_types.clone()), (original.moe.as_ref(), original.layer_types.clone()));
+    assert_eq!((read.rope_theta, &read.rope_scaling), (original.rope_theta, &original.rope_scaling));
+    assert_eq!((read.sliding_window, read.qkv_bias, read.o_bias), (original.sliding_window, true, true));
+    check(name, &gguf, &[1, 2, 3, 4]);
+    check_with(name, &gguf, &[3], ModelOptions::new().with_dtype(DType::F32).with_expert_parallel(true));
+    // On the blocks: the experts' products with 8-bit activations.
+    let want = reference(&case(name));
+    let prompt: Vec<i64> = want["prompt"].iter().map(|&v| v as i64).collect();
+    let tokens: Vec<i64> = want["tokens"].iter().map(|&v| v as i64).collect();
+    // Per prompt position, the largest error over the largest logit: 8-bit activations move a
+    // position by a few percent (a router near a tie may send one token elsewhere: one position
+    // may move more), and the tokens stay.
+    let v = want["prefill"].len() / prompt.len();
+    for world in [1, 3] {
+        let (prefill, _, got) = run_with(&gguf, world, ModelOptions::new(), &prompt, tokens.len());
+        let mut per: Vec<f64> = (0..prompt.len())
+            .map(|p| rel_err(&prefill[p * v..(p + 1) * v], &want["prefill"][p * v..(p + 1) * v]))
+            .collect();
+        per.sort_by(f64::total_cmp);
+        assert!(per[per.len() - 2] <= 0.06 && per[per.len() / 2] <= 0.03, "MXFP4 blocks TP {world}: {per:?}");
+        assert!(per[per.len() - 1] > 0.0, "MXFP4 blocks TP {world}: the blocks' products must be the quantized ones");
+        assert_eq!(got, tokens, "MXFP4 blocks TP {world}: greedy tokens");
+    }
+}
+
 /// MXFP4 tensors whose shapes disagree with the config (scales for too few rows, codes of the
 /// wrong group count) are refused at load, naming the tensor.
 #[test]

@@ -23,6 +23,12 @@ out, with the `gguf` package's writer and quantizers, for tp's tests and benchma
     LongRoPE, `rope.scaling.attn_factor` and the `rope_factors_long` / `rope_factors_short`
     tensors (F32);
   - `olmo2`: norms after attention and after the MLP (`post_attention_norm`, `post_ffw_norm`);
+  - `gpt-oss`: the interleaved fused experts split as its converter splits them (gate rows even,
+    up rows odd, transposed to `[E, rows, columns]`), their biases as `ffn_*_exps.bias: [E, rows]`,
+    the router's as `ffn_gate_inp.bias`, the sinks as `attn_sinks`, `attention.sliding_window`,
+    YaRN's `rope.scaling.{type,factor,original_context_length}`, `expert_feed_forward_length`;
+    the --ref folder holds its experts one tensor per expert and projection (tp reads that
+    layout too);
   - mixtures of experts (`llama` for Mixtral, `qwen2moe`, `qwen3moe`, `olmoe`): `expert_count`,
     `expert_used_count`, `expert_feed_forward_length` and `expert_shared_feed_forward_length`
     (Qwen); the router as `ffn_gate_inp` (F32, as the converter keeps it), each projection's
@@ -32,7 +38,9 @@ out, with the `gguf` package's writer and quantizers, for tp's tests and benchma
   Q4_0, Q4_1, Q5_0, Q5_1 quantize the checkpoint's values with `gguf.quants`; the K-quants
   (Q2_K .. Q6_K), which `gguf` cannot quantize, are written as seeded random blocks of that
   type with small, finite scales: a valid file whose weights are whatever those blocks hold.
-  `MIXED_K` gives the tensors the types of llama.cpp's Q4_K_M mixture (Q6_K for `attn_v`,
+  `MXFP4` quantizes with `gguf.quants` too; `MXFP4_EXPERTS` makes the experts MXFP4 and every
+  other weight F32 (a gpt-oss file whose experts hold exactly MXFP4-representable values stays
+  exact). `MIXED_K` gives the tensors the types of llama.cpp's Q4_K_M mixture (Q6_K for `attn_v`,
   `ffn_down` and `output`, Q4_K elsewhere), and `MIXED_LEGACY` alternates Q4_0 / Q8_0 / Q5_1.
 * `--ref REF_DIR` writes the same model as a Hugging Face folder in f32 holding exactly the
   weights the GGUF file holds (each tensor dequantized by `gguf.quants.dequantize`, the Q/K
@@ -73,6 +81,7 @@ ARCH = {
     "Qwen2MoeForCausalLM": "qwen2moe",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt-oss",
 }
 # An MoE layer's per-expert projections (Hugging Face: experts.{e}.NAME) and llama.cpp's stacked tensors.
 EXPERT_PROJ = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
@@ -139,6 +148,8 @@ def unpermute(w, heads):
 
 
 def type_for(kind, gname):
+    if kind == "MXFP4_EXPERTS":
+        return T.MXFP4 if "_exps." in gname else T.F32
     if kind == "MIXED_K":
         q6 = gname == "output.weight" or any(k in gname for k in (".attn_v.", ".ffn_down."))
         return T.Q6_K if q6 else T.Q4_K
@@ -333,7 +344,8 @@ def write_metadata(w, arch, cfg, heads, kv, head_dim):
         return []
     if arch == "phi3":
         return write_phi3(w, cfg, rp)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    # The base as transformers 5 writes it (in rope_parameters), else the top-level key.
+    w.add_rope_freq_base(float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     if arch == "olmo2":
         if cfg.get("head_dim") is not None:
             w.add_key_length(head_dim)
@@ -346,8 +358,37 @@ def write_metadata(w, arch, cfg, heads, kv, head_dim):
     w.add_rope_dimension_count(head_dim)
     if cfg.get("sliding_window") and cfg["architectures"][0] in ("MistralForCausalLM", "MixtralForCausalLM"):
         w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gpt-oss":
+        w.add_sliding_window(cfg.get("sliding_window") or 128)
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        if rp.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rp["factor"])
+            w.add_rope_scaling_orig_ctx_len(rp.get("original_max_position_embeddings", 4096))
     write_moe(w, cfg)
     return []
+
+
+def split_gpt_oss(tensors):
+    """gpt-oss's interleaved fused experts as one tensor per expert and projection (Hugging Face's
+    per-expert names), biases included: gate_up_proj [E, H, 2I] -> gate rows 0::2, up rows 1::2 of
+    its transpose; down_proj [E, I, H] -> its transpose."""
+    for name in [n for n in tensors if ".mlp.experts." in n]:
+        t = tensors.pop(name)
+        prefix, what = name.rsplit(".", 1)
+        if what == "gate_up_proj":
+            parts = {"gate_proj.weight": t.transpose(0, 2, 1)[:, 0::2], "up_proj.weight": t.transpose(0, 2, 1)[:, 1::2]}
+        elif what == "gate_up_proj_bias":
+            parts = {"gate_proj.bias": t[:, 0::2], "up_proj.bias": t[:, 1::2]}
+        elif what == "down_proj":
+            parts = {"down_proj.weight": t.transpose(0, 2, 1)}
+        elif what == "down_proj_bias":
+            parts = {"down_proj.bias": t}
+        else:
+            sys.exit("write_gguf.py: unexpected gpt-oss tensor " + name)
+        for suffix, stacked in parts.items():
+            for e in range(stacked.shape[0]):
+                tensors[f"{prefix}.{e}.{suffix}"] = np.ascontiguousarray(stacked[e])
 
 
 def write_moe(w, cfg):
@@ -365,12 +406,17 @@ def write_moe(w, cfg):
 
 def moe_gguf_name(name):
     """(llama.cpp name, expert index or None, is the shared gate) of an MoE layer's tensor, else None."""
-    m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)\.weight$", name)
+    m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)\.(weight|bias)$", name)
     if not m:
         return None
-    layer, rest = m.groups()
-    if rest == "gate":
-        return f"blk.{layer}.ffn_gate_inp.weight", None, False
+    layer, rest, param = m.groups()
+    if rest in ("gate", "router"):
+        return f"blk.{layer}.ffn_gate_inp.{param}", None, False
+    if param == "bias":
+        e = re.match(r"experts\.(\d+)\.(\w+)$", rest)
+        if e and e.group(2) in EXPERT_PROJ:
+            return f"blk.{layer}.{EXPERT_PROJ[e.group(2)]}.bias", int(e.group(1)), False
+        return None
     if rest == "shared_expert_gate":
         return f"blk.{layer}.ffn_gate_inp_shexp.weight", None, True
     e = re.match(r"experts\.(\d+)\.(\w+)$", rest)
@@ -420,6 +466,8 @@ def main():
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     tensors = read_checkpoint(a.hf_dir)
+    if arch == "gpt-oss":
+        split_gpt_oss(tensors)
     rng = np.random.default_rng(a.seed)
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], cfg["num_hidden_layers"])
 
@@ -465,8 +513,9 @@ def main():
         t = tensors.pop(name)
         if expert is not None:
             stacked.setdefault(gname, {})[expert] = (name, t)
-        elif row or gname.endswith("ffn_gate_inp.weight"):
-            # The router (F32, as the converter keeps it) and the shared expert's gate (a vector).
+        elif row or gname.endswith("ffn_gate_inp.weight") or gname.endswith("ffn_gate_inp.bias"):
+            # The router and its bias (F32, as the converter keeps them) and the shared expert's
+            # gate (a vector).
             data = t.reshape(-1).astype(np.float32) if row else t.astype(np.float32)
             ref[name] = data.reshape(t.shape)
             if gname not in a.drop_tensor:
@@ -476,15 +525,17 @@ def main():
     for gname, parts in stacked.items():
         order = sorted(parts)
         full = np.stack([parts[e][1] for e in order]).astype(np.float32)
-        data, deq = encode(full, type_for(a.type, gname), rng)
+        qtype = T.F32 if gname.endswith(".bias") else type_for(a.type, gname)
+        data, deq = encode(full, qtype, rng)
         for i, e in enumerate(order):
             ref[parts[e][0]] = deq[i]
         if gname not in a.drop_tensor:
-            qtype = type_for(a.type, gname)
             w.add_tensor(gname, data, raw_dtype=None if qtype == T.F32 else qtype)
     for name, t in tensors.items():
         if "@" in name:
             name, gname = name.split("@")
+        elif name.endswith(".self_attn.sinks"):
+            gname = "blk.%s.attn_sinks.weight" % name.split(".")[2]
         else:
             gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gname is None:

@@ -43,6 +43,7 @@ pub(crate) const ARCHS: &[GgufArch] = &[
     arch("qwen2moe", Architecture::Qwen2Moe),
     arch("qwen3moe", Architecture::Qwen3Moe),
     arch("olmoe", Architecture::Olmoe),
+    arch("gpt-oss", Architecture::GptOss),
 ];
 
 /// `llama` with experts (`llama.expert_count`): llama.cpp writes Mixtral so.
@@ -176,12 +177,19 @@ fn moe_keys(m: &Meta<'_>, family: Architecture, c: &mut Map<String, Value>) -> R
         Architecture::Qwen3Moe => ("num_experts", Some(true), true, false),
         Architecture::Qwen2Moe => ("num_experts", Some(false), true, true),
         Architecture::Olmoe => ("num_experts", Some(false), false, false),
+        Architecture::GptOss => ("num_local_experts", None, false, false),
         _ => return Ok(()),
     };
     c.insert(experts_key.into(), json!(m.need("expert_count")?));
     c.insert("num_experts_per_tok".into(), json!(m.need("expert_used_count")?));
     if own_width {
         c.insert("moe_intermediate_size".into(), json!(m.need("expert_feed_forward_length")?));
+    }
+    if family == Architecture::GptOss
+        && let Some(w) = m.u64("expert_feed_forward_length")?
+    {
+        // gpt-oss's experts are `intermediate_size` wide (its converter writes both keys).
+        c.insert("intermediate_size".into(), json!(w));
     }
     if shared {
         c.insert("shared_expert_intermediate_size".into(), json!(m.need("expert_shared_feed_forward_length")?));

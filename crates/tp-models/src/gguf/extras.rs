@@ -32,6 +32,7 @@ pub(crate) fn family_extras(m: &Meta<'_>, family: Architecture, dims: Dims, c: &
     match family {
         Architecture::Gemma3 => gemma3(m, dims, c),
         Architecture::Phi3 => phi3(m, dims, c),
+        Architecture::GptOss => gpt_oss(m, c),
         Architecture::Olmo2 => match window(m)? {
             Some(w) => Err(m.err(
                 "attention.sliding_window",
@@ -43,6 +44,22 @@ pub(crate) fn family_extras(m: &Meta<'_>, family: Architecture, dims: Dims, c: &
         },
         _ => Ok(()),
     }
+}
+
+/// gpt-oss: its window (every even layer slides, as in llama.cpp and transformers; absent, the
+/// config class's 128), and its
+/// YaRN as transformers reads gpt-oss's config: `truncate: false` (llama.cpp's file has no such
+/// key; every gpt-oss config sets it).
+fn gpt_oss(m: &Meta<'_>, c: &mut Map<String, Value>) -> Result<()> {
+    if let Some(w) = window(m)? {
+        c.insert("sliding_window".into(), json!(w));
+    }
+    if let Some(Value::Object(s)) = c.get_mut("rope_scaling")
+        && s.get("rope_type").and_then(Value::as_str) == Some("yarn")
+    {
+        s.insert("truncate".into(), json!(false));
+    }
+    Ok(())
 }
 
 /// `attention.sliding_window`, if positive.

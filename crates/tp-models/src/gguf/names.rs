@@ -10,6 +10,11 @@
 //! * MLP: `ffn_gate`, `ffn_up`, or fused gate and up rows in `ffn_up` (Phi-3's `gate_up_proj`,
 //!   gate first, as Hugging Face stacks them); `ffn_down`.
 //!
+//! gpt-oss's converter names its MLP's input norm (`post_attention_layernorm`)
+//! `post_attention_norm`, its sinks `attn_sinks`, and splits its interleaved experts into
+//! `ffn_{gate,up,down}_exps` with their biases `ffn_*_exps.bias: [E, rows]` and the router's
+//! `ffn_gate_inp.bias`.
+//!
 //! What llama.cpp changed in a tensor is read back: Q and K rows of `llama` in its rotary
 //! layout ([`RowOrder::Rotary`]), and Gemma's norms, stored as `1 + w`, shifted by `-1`.
 
@@ -36,10 +41,11 @@ fn layer_names(family: Architecture) -> Vec<LayerName> {
     let mut v = Vec::new();
     let mut push = |hf: String, gguf: &'static str, norm: bool| v.push(LayerName { hf, gguf, norm });
     let b = n.norms;
+    let mlp_in = if family == Architecture::GptOss { "post_attention_norm" } else { "ffn_norm" };
     for (hf, gguf) in [
         (b.attn_in, "attn_norm"),
         (b.attn_out, "post_attention_norm"),
-        (b.mlp_in, "ffn_norm"),
+        (b.mlp_in, mlp_in),
         (b.mlp_out, "post_ffw_norm"),
     ] {
         if let Some(hf) = hf {
@@ -92,6 +98,11 @@ pub(crate) fn tensor_map(c: &ModelConfig, arch: &str) -> Vec<GgufTensor> {
             if let Some(t) = moe_tensor(c, l, rest, &name) {
                 return Some(t);
             }
+            let n = c.architecture.decoder_names();
+            if rest == format!("{}.{}", n.attn, n.attn_names.sinks) {
+                let gguf_name = format!("blk.{l}.attn_sinks.weight");
+                return Some(GgufTensor::new(name, gguf_name));
+            }
             let (module, param) = rest.rsplit_once('.')?;
             let entry = layer.iter().find(|e| e.hf == module)?;
             let rows = match entry.gguf {
@@ -112,10 +123,11 @@ pub(crate) fn tensor_map(c: &ModelConfig, arch: &str) -> Vec<GgufTensor> {
 fn moe_tensor(c: &ModelConfig, l: &str, rest: &str, name: &str) -> Option<GgufTensor> {
     let (prefixes, n) = c.architecture.decoder_names().moe?;
     let rest = prefixes.iter().find_map(|p| rest.strip_prefix(p)?.strip_prefix('.'))?;
+    let param = if rest.ends_with(".bias") { "bias" } else { "weight" };
     let tensor = |gguf: &str, part: GgufPart| {
-        Some(GgufTensor { part, ..GgufTensor::new(name.to_string(), format!("blk.{l}.{gguf}.weight")) })
+        Some(GgufTensor { part, ..GgufTensor::new(name.to_string(), format!("blk.{l}.{gguf}.{param}")) })
     };
-    if rest == format!("{}.weight", n.router) {
+    if rest == format!("{}.{param}", n.router) {
         return tensor("ffn_gate_inp", GgufPart::Whole);
     }
     if let Some((shared, gate)) = n.shared {
@@ -132,7 +144,7 @@ fn moe_tensor(c: &ModelConfig, l: &str, rest: &str, name: &str) -> Option<GgufTe
     let Projections::Separate([g, u]) = n.expert.gate_up else { return None };
     let gguf = [(g, "ffn_gate_exps"), (u, "ffn_up_exps"), (n.expert.down, "ffn_down_exps")]
         .into_iter()
-        .find(|(hf, _)| proj == format!("{hf}.weight"))?
+        .find(|(hf, _)| proj == format!("{hf}.{param}"))?
         .1;
     tensor(gguf, GgufPart::Expert(e))
 }
