@@ -57,7 +57,13 @@ too) and records that floor as rss_floor_mib (the peak RSS os.wait4 reports for 
 Needs torch and transformers (safetensors with them); not part of CI. Build tp first:
   cargo build --release -p tp-cli
 
-usage: python3 benches/reference/train_bench.py [--quick] [--layers N] [--seq L] [--micro-batch B]
+With --shape olmoe the model is instead a tiny OLMoE-shaped mixture of experts (OlmoeConfig: 64 experts,
+8 per token, experts of 256 features, hidden 512, 8 heads of 64, full-width q/k norm, vocabulary 50304,
+4 layers by default), trained on both sides with its load-balancing loss (output_router_logits,
+router_aux_loss_coef 0.01); torch runs transformers' default experts implementation. Results go to
+benches/results/train_bench-olmoe-<date>.json.
+
+usage: python3 benches/reference/train_bench.py [--shape smollm2|olmoe] [--quick] [--layers N] [--seq L] [--micro-batch B]
            [--steps S] [--warmup W] [--threads T] [--tp-sizes 1,2] [--cases f32,bf16]
            [--fwd-steps N] [--weight-decay W] [--tp-bin PATH] [--tp-extra "ARGS"] [--work DIR]
            [--out FILE]
@@ -91,36 +97,55 @@ def smollm2_config(layers):
                        bos_token_id=0, eos_token_id=0, pad_token_id=None)
 
 
-def model_dir(work, layers, case):
-    return os.path.join(work, f"model-L{layers}-{case}")
+def olmoe_config(layers):
+    """A tiny OLMoE-shaped mixture of experts (OLMoE-1B-7B's 64 experts, 8 per token, full-width
+    q/k norm, vocabulary 50304; hidden 512, 8 heads of 64, experts of 256 features), trained with
+    its load-balancing loss (output_router_logits, coefficient 0.01)."""
+    from transformers import OlmoeConfig
+    return OlmoeConfig(hidden_size=512, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=8,
+                       num_key_value_heads=8, vocab_size=50304, num_experts=64, num_experts_per_tok=8,
+                       norm_topk_prob=False, output_router_logits=True, router_aux_loss_coef=0.01,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=None, eos_token_id=50279, pad_token_id=1)
 
 
-def build_models(work, layers):
+# --shape: (config builder, model class name, default depth, vocabulary).
+SHAPES = {"smollm2": (smollm2_config, "LlamaForCausalLM", 30, 49152),
+          "olmoe": (olmoe_config, "OlmoeForCausalLM", 4, 50304)}
+
+
+def model_dir(work, layers, case, shape="smollm2"):
+    prefix = "model" if shape == "smollm2" else f"model-{shape}"
+    return os.path.join(work, f"{prefix}-L{layers}-{case}")
+
+
+def build_models(work, layers, shape="smollm2"):
     """The f32 and bf16 folders (cached: rebuilt only when a config.json is missing), built in a child
     process: this parent never imports torch, so that its RSS, which a child inherits into its
     ru_maxrss when it forks and execs, stays small."""
-    dirs = {c: model_dir(work, layers, c) for c in CASES}
+    dirs = {c: model_dir(work, layers, c, shape) for c in CASES}
     if not all(os.path.exists(os.path.join(d, "config.json")) for d in dirs.values()):
         env = dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1")
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--build-models", work, str(layers)], check=True,
-                       env=env)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--build-models", work, str(layers), shape],
+                       check=True, env=env)
     return dirs
 
 
-def build_models_worker(work, layers):
-    dirs = {c: model_dir(work, layers, c) for c in CASES}
+def build_models_worker(work, layers, shape="smollm2"):
+    dirs = {c: model_dir(work, layers, c, shape) for c in CASES}
     import torch
-    from transformers import LlamaForCausalLM
+    import transformers
+    config, cls, _, _ = SHAPES[shape]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(smollm2_config(layers)).float()
+    model = getattr(transformers, cls)(config(layers)).float()
     n = sum(p.numel() for p in model.parameters())
-    print(f"building {layers}-layer SmolLM2-135M-shaped model ({n / 1e6:.1f}M params) under {work}", flush=True)
+    print(f"building {layers}-layer {shape}-shaped model ({n / 1e6:.1f}M params) under {work}", flush=True)
     model.save_pretrained(dirs["f32"], safe_serialization=True)
     model.to(torch.bfloat16).save_pretrained(dirs["bf16"], safe_serialization=True)
 
 
 def build_data(work, seq, rows, vocab=49152):
-    path = os.path.join(work, f"data-s{seq}-r{rows}.jsonl")
+    path = os.path.join(work, f"data-s{seq}-r{rows}.jsonl" if vocab == 49152 else f"data-v{vocab}-s{seq}-r{rows}.jsonl")
     if not os.path.exists(path):
         rng = random.Random(0)
         tmp = path + ".tmp"
@@ -376,7 +401,9 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="What is measured and how: the docstring at the top of this file.")
     ap.add_argument("--torch-worker", metavar="SPEC", help=argparse.SUPPRESS)
-    ap.add_argument("--build-models", nargs=2, metavar=("WORK", "LAYERS"), help=argparse.SUPPRESS)
+    ap.add_argument("--build-models", nargs=3, metavar=("WORK", "LAYERS", "SHAPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2",
+                    help="smollm2 (SmolLM2-135M, default) or olmoe (a tiny OLMoE-shaped mixture of experts)")
     ap.add_argument("--quick", action="store_true", help="smoke test: layers 2, steps 4, warmup 1")
     ap.add_argument("--layers", type=int, default=None, help="model depth (default 30; 2 with --quick)")
     ap.add_argument("--seq", type=int, default=256, help="tokens per row (default 256)")
@@ -396,8 +423,8 @@ def main():
     if a.torch_worker:
         return torch_worker(a.torch_worker)
     if a.build_models:
-        return build_models_worker(a.build_models[0], int(a.build_models[1]))
-    a.layers = a.layers if a.layers is not None else (2 if a.quick else 30)
+        return build_models_worker(a.build_models[0], int(a.build_models[1]), a.build_models[2])
+    a.layers = a.layers if a.layers is not None else (2 if a.quick else SHAPES[a.shape][2])
     a.steps = a.steps if a.steps is not None else (4 if a.quick else 6)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     if not 0 <= a.warmup < a.steps:
@@ -413,8 +440,9 @@ def main():
     os.makedirs(a.work, exist_ok=True)
     day = datetime.date.today().isoformat()
     if a.out is None:
-        a.out = (os.path.join(a.work, f"train_bench-quick-{day}.json") if a.quick else
-                 os.path.join(ROOT, "benches", "results", f"train_bench-{day}.json"))
+        tag = "" if a.shape == "smollm2" else f"-{a.shape}"
+        a.out = (os.path.join(a.work, f"train_bench{tag}-quick-{day}.json") if a.quick else
+                 os.path.join(ROOT, "benches", "results", f"train_bench{tag}-{day}.json"))
 
     env = machine()
     env["tp_bin_mtime"] = datetime.datetime.fromtimestamp(os.path.getmtime(a.tp_bin)).astimezone().isoformat(
@@ -422,10 +450,10 @@ def main():
     print(f"{env['date']}  CPU {env['cpu_model']} ({env['affinity']} usable of {env['nproc']} cores), "
           f"AMX: {' '.join(env['amx']) or 'none'}, torch {env['torch']}, transformers {env['transformers']}, "
           f"load average {' '.join(f'{x:.2f}' for x in env['loadavg_before'])}", flush=True)
-    dirs = build_models(a.work, a.layers)
-    data = build_data(a.work, a.seq, a.steps * a.micro_batch)
+    dirs = build_models(a.work, a.layers, a.shape)
+    data = build_data(a.work, a.seq, a.steps * a.micro_batch, SHAPES[a.shape][3])
     env["rss_floor_mib"] = wait_child(["true"], dict(os.environ), os.path.join(a.work, "floor.log"))[1]
-    settings = {k: getattr(a, k) for k in ("quick", "layers", "seq", "micro_batch", "steps", "warmup", "threads",
+    settings = {k: getattr(a, k) for k in ("shape", "quick", "layers", "seq", "micro_batch", "steps", "warmup", "threads",
                                            "fwd_steps", "weight_decay", "tp_bin", "tp_extra")}
     settings.update({"grad_accum": 1, "lr": LR, "lr_schedule": "constant", "max_grad_norm": MAX_GRAD_NORM,
                      "tp_sizes": tps, "cases": cases, "data": data, "models": dirs})

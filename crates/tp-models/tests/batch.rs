@@ -97,6 +97,20 @@ fn flavours() -> Vec<(&'static str, SyntheticModel)> {
             },
         ),
         (
+            "gpt-oss-sinks-experts",
+            SyntheticModel {
+                architecture: Architecture::GptOss,
+                num_attention_heads: 8,
+                num_key_value_heads: 2,
+                head_dim: Some(8),
+                attention_bias: true,
+                sliding_window: Some(4),
+                seed: 9,
+                extra: Some(json!({"num_local_experts": 5, "num_experts_per_tok": 2, "swiglu_limit": 1.0})),
+                ..tiny.clone()
+            },
+        ),
+        (
             "mistral-window",
             SyntheticModel {
                 architecture: Architecture::Mistral,

@@ -187,6 +187,10 @@ impl SyntheticModel {
         } else if name.ends_with(".bias") {
             let mut rng = tp_core::rng::SplitMix64::new(seed);
             Tensor::from_fn_f64(dims, self.dtype, &cpu, |_| 0.1 * rng.normal())?
+        } else if dims.len() == 1 {
+            // Vectors of logits (gpt-oss's attention sinks), of the scores' order.
+            let mut rng = tp_core::rng::SplitMix64::new(seed);
+            Tensor::from_fn_f64(dims, self.dtype, &cpu, |_| rng.normal())?
         } else {
             let scale = if name == "model.embed_tokens.weight" { 1.0 } else { 1.0 / (dims[1] as f64).sqrt() };
             let mut rng = tp_core::rng::SplitMix64::new(seed);
