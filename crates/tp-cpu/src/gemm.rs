@@ -332,6 +332,25 @@ pub(crate) fn gemm<T: Float>(
     n: usize,
     y: &mut [MaybeUninit<f32>],
 ) {
+    gemm_into(micro, x, b, bias, m, k, n, y, false)
+}
+
+/// [`gemm`], or with `accumulate` `y += x · op(W)` into an initialised `y` (the first depth
+/// block adds into `y` as the later ones do; `bias` must then be `None`): a weight gradient
+/// accumulated in place, with no `[m, n]` temporary.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_into<T: Float>(
+    micro: Micro,
+    x: ASource<'_, T>,
+    b: BSource<'_, T>,
+    bias: Option<&[f32]>,
+    m: usize,
+    k: usize,
+    n: usize,
+    y: &mut [MaybeUninit<f32>],
+    accumulate: bool,
+) {
+    assert!(!(accumulate && bias.is_some()), "gemm: a bias with accumulation");
     let (x, x_cols) = match x {
         ASource::Rows(x) => (x, false),
         ASource::Cols(x) => (x, true),
@@ -440,7 +459,7 @@ pub(crate) fn gemm<T: Float>(
                             ldc: n,
                             mr: mr.min(m - i0),
                             nr: nr.min(j0 + ncols - jj),
-                            first: kb == 0,
+                            first: kb == 0 && !accumulate,
                             bias: bias.map(|b| b.get().cast_const().wrapping_add(jj)),
                         };
                         let b = &b_buf[q * nr * depth..][..nr * depth];

@@ -135,6 +135,33 @@ pub fn matmul_tn<T: Float>(
     Ok(())
 }
 
+/// `y += a^T · op(W)` into an initialised `y: [m, n]`: [`matmul_tn`] accumulating in place (the
+/// GEMM's first depth block adds into `y` as the later ones do), for a weight gradient summed
+/// over chunks or micro-batches without an `[m, n]` temporary. `k = 0` adds nothing.
+///
+/// Errors: those of [`matmul_tn`].
+pub fn matmul_tn_acc<T: Float>(a: &[T], w: &[T], layout: Layout, shape: GemmShape, y: &mut [f32]) -> Result<()> {
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and every value the GEMM writes through
+    // this view is an initialised `f32` (it reads `y` and stores sums), so `y` stays initialised.
+    let view = unsafe { std::slice::from_raw_parts_mut(y.as_mut_ptr().cast::<MaybeUninit<f32>>(), y.len()) };
+    check_lengths(a, w, None, shape, view)?;
+    let GemmShape { m, n, k } = shape;
+    if k == 0 || m == 0 || n == 0 {
+        return Ok(());
+    }
+    let micro = Micro::choose(CpuKernel::current(), T::KIND);
+    if matches!(micro, Micro::Amx { .. }) {
+        let mut t = Vec::with_capacity(m * k);
+        for i in 0..m {
+            t.extend((0..k).map(|j| a[j * m + i]));
+        }
+        gemm::gemm_into(micro, ASource::Rows(&t), BSource::Pack(w, layout), None, m, k, n, view, true);
+    } else {
+        gemm::gemm_into(micro, ASource::Cols(a), BSource::Pack(w, layout), None, m, k, n, view, true);
+    }
+    Ok(())
+}
+
 /// Checks every buffer's length against `shape` (an `[N, K]` or `[K, N]` weight alike).
 fn check_lengths<T>(x: &[T], w: &[T], bias: Option<&[f32]>, shape: GemmShape, y: &[MaybeUninit<f32>]) -> Result<()> {
     let GemmShape { m, n, k } = shape;

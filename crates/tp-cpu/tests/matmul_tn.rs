@@ -7,13 +7,24 @@ mod common;
 use common::Rng;
 use half::bf16;
 use std::mem::MaybeUninit;
-use tp_cpu::{CpuKernel, Float, GemmShape, Layout, matmul_tn, with_kernel};
+use tp_cpu::{CpuKernel, Float, GemmShape, Layout, matmul_tn, matmul_tn_acc, with_kernel};
 
 fn run<T: Float>(a: &[T], w: &[T], layout: Layout, shape: GemmShape) -> Vec<f32> {
     let mut y = vec![MaybeUninit::<f32>::uninit(); shape.m * shape.n];
     matmul_tn(a, w, layout, None, shape, &mut y).unwrap();
     // SAFETY: matmul_tn succeeded, so it wrote all m * n outputs.
     y.into_iter().map(|v| unsafe { v.assume_init() }).collect()
+}
+
+/// `matmul_tn_acc` into a start of `3 (i - j) / (m + n)`, less that start: the product alone.
+fn run_acc<T: Float>(a: &[T], w: &[T], layout: Layout, shape: GemmShape) -> Vec<f32> {
+    let start = |i: usize| {
+        let (r, c) = (i / shape.n, i % shape.n);
+        3.0 * (r as f32 - c as f32) / (shape.m + shape.n) as f32
+    };
+    let mut y: Vec<f32> = (0..shape.m * shape.n).map(start).collect();
+    matmul_tn_acc(a, w, layout, shape, &mut y).unwrap();
+    y.iter().enumerate().map(|(i, v)| v - start(i)).collect()
 }
 
 fn check<T: Float>(rng: &mut Rng, conv: impl Fn(f32) -> T, back: impl Fn(T) -> f64, tol: f64) {
@@ -24,8 +35,16 @@ fn check<T: Float>(rng: &mut Rng, conv: impl Fn(f32) -> T, back: impl Fn(T) -> f
             let shape = GemmShape { m, n, k };
             let kernels =
                 [CpuKernel::Portable, CpuKernel::Avx2, CpuKernel::Avx512, CpuKernel::Avx512Bf16, CpuKernel::Amx];
-            for kernel in kernels.into_iter().filter(|k| k.is_available()) {
-                let y = with_kernel(kernel, || run(&a, &w, layout, shape)).unwrap();
+            let runs = kernels.into_iter().filter(|k| k.is_available()).flat_map(|k| [(k, false), (k, true)]);
+            for (kernel, acc) in runs {
+                let y =
+                    with_kernel(
+                        kernel,
+                        || {
+                            if acc { run_acc(&a, &w, layout, shape) } else { run(&a, &w, layout, shape) }
+                        },
+                    )
+                    .unwrap();
                 for i in 0..m {
                     for j in 0..n {
                         let want: f64 = (0..k)
@@ -40,7 +59,7 @@ fn check<T: Float>(rng: &mut Rng, conv: impl Fn(f32) -> T, back: impl Fn(T) -> f
                         let got = f64::from(y[i * n + j]);
                         assert!(
                             (got - want).abs() <= tol * (k as f64).sqrt(),
-                            "{kernel:?} {layout:?} {m}x{n}x{k} [{i}][{j}]: {got} vs {want}"
+                            "{kernel:?} {layout:?} accumulate {acc} {m}x{n}x{k} [{i}][{j}]: {got} vs {want}"
                         );
                     }
                 }

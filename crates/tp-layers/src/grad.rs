@@ -90,7 +90,33 @@ impl Grad {
             self.deferred.push_back(Deferred::Weight { x: x.clone(), dy: dy.clone() });
             return Ok(());
         }
-        self.add(&crate::linear::grad_weight(x, dy)?)
+        self.accumulate_weight_grad(x, dy)
+    }
+
+    /// `dW += dY^T X` now (never deferred): the product added into the accumulated gradient by
+    /// the GEMM itself when there is one ([`Tensor::add_t_matmul`]: no `[out, in]` temporary,
+    /// no fresh pages), else computed into a new one.
+    pub(crate) fn accumulate_weight_grad(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
+        match &mut self.acc {
+            Some(acc) if acc.dtype() == DType::F32 && acc.device() == x.device() => {
+                Ok(acc.add_t_matmul(&dy.to_dtype(x.dtype())?, x)?)
+            }
+            _ => self.add(&crate::linear::grad_weight(x, dy)?),
+        }
+    }
+
+    /// Zeroes the accumulated gradient in place, keeping its buffer for the next step's
+    /// accumulation (deferred contributions are dropped); nothing when there is none.
+    pub fn zero(&mut self) -> Result<()> {
+        self.deferred.clear();
+        if let Some(acc) = &mut self.acc {
+            if acc.device() == tp_core::Device::Cpu && acc.dtype() == DType::F32 {
+                acc.as_mut_slice::<f32>()?.fill(0.0);
+            } else {
+                *acc = Tensor::zeros(acc.dims(), DType::F32, &acc.device())?;
+            }
+        }
+        Ok(())
     }
     /// `db += Σ_t dY[t]`, or kept for later inside [`defer_weight_grads`].
     pub(crate) fn add_bias_grad(&mut self, dy: &Tensor) -> Result<()> {
@@ -107,11 +133,10 @@ impl Grad {
     /// Computes and adds the oldest deferred contribution; false when there is none.
     pub fn flush_one(&mut self) -> Result<bool> {
         let Some(d) = self.deferred.pop_front() else { return Ok(false) };
-        let g = match d {
-            Deferred::Weight { x, dy } => crate::linear::grad_weight(&x, &dy)?,
-            Deferred::Bias { dy } => dy.sum_rows()?,
-        };
-        self.add(&g)?;
+        match d {
+            Deferred::Weight { x, dy } => self.accumulate_weight_grad(&x, &dy)?,
+            Deferred::Bias { dy } => self.add(&dy.sum_rows()?)?,
+        }
         Ok(true)
     }
     /// The accumulated gradient, if any backward ran.

@@ -99,7 +99,9 @@ impl ParallelLmHead {
             } else {
                 None
             };
-            let grads = crate::linear::grad_weight(&hc, &dl).and_then(|g| self.grad.add(&g));
+            // `dW_r += dL^T h` into the accumulated gradient itself (immediate, never deferred:
+            // a chunk's logits gradient is dropped here).
+            let grads = self.grad.accumulate_weight_grad(&hc, &dl);
             let dh = match work {
                 Some(w) => w.wait()?.to_device(&Device::Cpu)?,
                 None => dh_partial,

@@ -382,7 +382,9 @@ impl Trainer {
             )));
         }
         for (p, st) in params.iter_mut().zip(&mut self.states) {
-            let Some(g) = p.grad.take() else { continue }; // torch skips parameters without a gradient
+            // torch skips parameters without a gradient. The gradient stays where it is: the next
+            // step's `zero_grads` zeroes that buffer in place and accumulates into it again.
+            let Some(g) = p.grad.get() else { continue };
             let g = g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
             let (g, decay) = (g.as_slice::<f32>()?, p.decays());
             match &mut st.master {

@@ -140,8 +140,17 @@ impl Tensor {
             let bs = cuda_float(OP, a, b)?;
             return super::cuda::add_t_matmul(self.cuda_storage_mut(OP)?, asg, bs, (t, m, k));
         }
-        let product = a.t_matmul(b)?;
-        self.add_assign(&product)
+        // The host GEMM adds into the accumulator itself (no `[M, K]` temporary), both operands
+        // in one dtype as `t_matmul` reads them.
+        let (a, b) = if a.dtype() == b.dtype() { (a.clone(), b.clone()) } else { (f32_host(OP, a)?, f32_host(OP, b)?) };
+        let (ah, bh) = (a.cpu_storage(OP)?, b.cpu_storage(OP)?);
+        let shape = tp_cpu::GemmShape { m, n: k, k: t };
+        let acc = self.as_mut_slice::<f32>()?;
+        with_dtype!(a.dtype(), T => {
+            let (av, bv) = (ah.as_slice::<T>().unwrap_or_default(), bh.as_slice::<T>().unwrap_or_default());
+            tp_cpu::matmul_tn_acc(av, bv, tp_cpu::Layout::Kn, shape, acc)?;
+        });
+        Ok(())
     }
 
     /// The sums over every row of `self: [.., N]`: `[N]` in f32 (accumulated in f64 on the

@@ -488,12 +488,16 @@ impl ParallelCausalLm {
         Ok(())
     }
 
-    /// Empties every parameter's gradient.
+    /// Zeroes every parameter's gradient (in place, keeping the buffers).
     pub fn zero_grads(&mut self) -> Result<()> {
+        // Zeroed in place: the next step accumulates into the same buffers (no fresh pages).
         for p in self.params_mut()? {
-            p.grad.take();
+            p.grad.zero()?;
         }
-        if let Some((_, lm_head)) = &mut self.head {
+        // A tied head's gradient moves into the embedding's each step; nothing stays.
+        if self.config.tie_word_embeddings
+            && let Some((_, lm_head)) = &mut self.head
+        {
             lm_head.take_grad();
         }
         Ok(())
