@@ -1,4 +1,5 @@
-//! Serving a mixture-of-experts model (a tiny Qwen3-MoE: a dense first layer, then experts):
+//! Serving a mixture-of-experts model (a tiny Qwen3-MoE: a dense first layer, then experts; and a
+//! tiny gpt-oss: attention sinks, sliding-window layers, biases, clamped-SwiGLU experts):
 //! `--batch-invariant` answers with the same bits whichever requests share the step and its
 //! experts, at uneven TP degrees and with `--enable-expert-parallel`, and `/metrics` counts the
 //! tokens routed to each expert.
@@ -25,6 +26,21 @@ fn moe_dir() -> std::path::PathBuf {
     })
 }
 
+/// A tiny gpt-oss (8 query heads over 2 KV heads, windows of 4 on the even layers, 5 experts).
+fn gpt_oss_dir() -> std::path::PathBuf {
+    model_dir_of(SyntheticModel {
+        architecture: Architecture::GptOss,
+        max_position_embeddings: MAX_LEN,
+        num_attention_heads: 8,
+        num_key_value_heads: 2,
+        head_dim: Some(8),
+        attention_bias: true,
+        sliding_window: Some(4),
+        extra: Some(json!({"num_local_experts": 5, "num_experts_per_tok": 2, "swiglu_limit": 1.0})),
+        ..SyntheticModel::tiny()
+    })
+}
+
 fn chat(content: &str) -> Value {
     json!({"messages": [{"role": "user", "content": content}], "max_tokens": 10, "temperature": 0,
         "logprobs": true, "top_logprobs": 2})
@@ -38,13 +54,16 @@ fn answer(v: &Value) -> (String, Vec<Value>) {
 
 #[test]
 fn an_moe_model_answers_with_the_same_bits_whatever_shares_its_step() {
-    for (tp, ep) in [("1", false), ("3", false), ("3", true)] {
+    let cases =
+        [("qwen3-moe", "1", false), ("qwen3-moe", "3", false), ("qwen3-moe", "3", true), ("gpt-oss", "3", true)];
+    for (model, tp, ep) in cases {
         // (A server removes its folder when it stops.)
         let mut args = vec!["-tp", tp, "--batch-invariant", "--no-enable-prefix-caching"];
         if ep {
             args.push("--enable-expert-parallel");
         }
-        let s = Server::start_in(&moe_dir(), &args, &[]);
+        let dir = if model == "gpt-oss" { gpt_oss_dir() } else { moe_dir() };
+        let s = Server::start_in(&dir, &args, &[]);
         let (st, alone) = s.post("/v1/chat/completions", &chat("Hello there"));
         assert_eq!(st, 200, "{alone}");
         let alone = answer(&alone);
@@ -63,7 +82,7 @@ fn an_moe_model_answers_with_the_same_bits_whatever_shares_its_step() {
             mine
         });
         assert_eq!(together.0, 200, "{}", together.1);
-        assert_eq!(answer(&together.1), alone, "TP {tp} (EP {ep}): the answer changed with its neighbours");
+        assert_eq!(answer(&together.1), alone, "{model} TP {tp} (EP {ep}): the answer changed with its neighbours");
     }
 }
 
