@@ -1,7 +1,8 @@
 // attention.cu -- causal scaled-dot-product attention with grouped-query heads, a block per
 // (query token, head), online softmax. Simple, correct at any length; not flash-attention.
 //
-// * tp_attention_T(out, q, k, v, tokens, hq, hkv, group, group_offset, d, kv_len, scale, window):
+// * tp_attention_T(out, q, k, v, tokens, hq, hkv, group, group_offset, d, kv_len, scale, window,
+//   sinks): sinks is null, or hq f32 attention-sink logits (head h's joins its softmax);
 //   q, out: tokens x hq x d; k, v: (>= kv_len) x hkv x d, all row-major T; d <= 256.
 //   Query t sits at position p = kv_len - tokens + t and sees keys j in [lo, p], lo = 0, or
 //   p + 1 - window when window > 0 and p + 1 > window (Mistral's sliding window). Query head h
@@ -16,13 +17,14 @@ template <typename T>
 __device__ __forceinline__ void attention(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k,
                                           const T* __restrict__ v, int64_t tokens, int64_t hq, int64_t hkv,
                                           int64_t group, int64_t group_offset, int64_t d, int64_t kv_len,
-                                          float scale, int64_t window) {
+                                          float scale, int64_t window, const float* __restrict__ sinks) {
     for (int64_t row = blockIdx.x; row < tokens * hq; row += gridDim.x) {
         const int64_t t = row / hq, h = row - t * hq;
         const int64_t kvh = (h + group_offset) / group;
         const int64_t p = kv_len - tokens + t;
         const int64_t lo = (window > 0 && p + 1 > window) ? p + 1 - window : 0;
-        tp::attend_row<T>(out + row * d, q + row * d, k, v, d, lo, p, scale,
+        const float sink = sinks ? sinks[h] : -INFINITY;
+        tp::attend_row<T>(out + row * d, q + row * d, k, v, d, lo, p, scale, sink,
                           [=](int64_t j) { return (j * hkv + kvh) * d; });
     }
 }
@@ -30,8 +32,8 @@ __device__ __forceinline__ void attention(T* __restrict__ out, const T* __restri
 #define TP_ATTENTION(SUFFIX, T)                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) tp_attention_##SUFFIX(                       \
         T* out, const T* q, const T* k, const T* v, int64_t tokens, int64_t hq, int64_t hkv, int64_t group,  \
-        int64_t group_offset, int64_t d, int64_t kv_len, float scale, int64_t window) {                      \
-        attention<T>(out, q, k, v, tokens, hq, hkv, group, group_offset, d, kv_len, scale, window);         \
+        int64_t group_offset, int64_t d, int64_t kv_len, float scale, int64_t window, const float* sinks) {  \
+        attention<T>(out, q, k, v, tokens, hq, hkv, group, group_offset, d, kv_len, scale, window, sinks);  \
     }
 TP_ATTENTION(f32, float)
 TP_ATTENTION(f16, __half)

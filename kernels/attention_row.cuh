@@ -1,10 +1,11 @@
 // attention_row.cuh -- one (query, head) row of causal attention, shared by the contiguous
 // (attention.cu) and the paged (paged_attention.cu) kernels, so both compute a row the same way.
 //
-// attend_row<T>(out_row, q_row, k, v, d, lo, p, scale, key_at): the query q_row (d <= 256
+// attend_row<T>(out_row, q_row, k, v, d, lo, p, scale, sink, key_at): the query q_row (d <= 256
 // elements) sees keys j in [lo, p]; key j's K row is k + key_at(j) and its V row v + key_at(j)
 // (d elements each). s_j = scale * (q . k_j) in f32; out_row = sum_j softmax(s)_j v_j in f32,
-// rounded once to T.
+// rounded once to T. An attention sink (gpt-oss; -INFINITY for none) joins the softmax as a
+// logit whose value is zero: it enters the merge's maximum and adds e^(sink - M) to the sum.
 //
 // Called by all ATT_WARPS * 32 threads of a block. Warp w takes keys lo + w, lo + w + ATT_WARPS,
 // ...: lane l holds dims l, l + 32, ... (at most 8), the dot product is a warp sum, and each warp
@@ -25,7 +26,7 @@ namespace tp {
 template <typename T, typename KeyAt>
 __device__ __forceinline__ void attend_row(T* __restrict__ out_row, const T* __restrict__ q_row,
                                            const T* __restrict__ k, const T* __restrict__ v, int64_t d, int64_t lo,
-                                           int64_t p, float scale, KeyAt key_at) {
+                                           int64_t p, float scale, float sink, KeyAt key_at) {
     __shared__ float qs[ATT_MAX_D];
     __shared__ float acc_s[ATT_WARPS][ATT_MAX_D];
     __shared__ float m_s[ATT_WARPS], l_s[ATT_WARPS];
@@ -68,13 +69,14 @@ __device__ __forceinline__ void attend_row(T* __restrict__ out_row, const T* __r
     __syncthreads();
     // Merge: M = max_w m_w, L = sum_w l_w e^(m_w - M), out = sum_w acc_w e^(m_w - M) / L. Key p
     // is always visible, so some warp has a finite m and L > 0.
-    float big = m_s[0];
+    float big = fmaxf(m_s[0], sink);
     for (int w = 1; w < ATT_WARPS; ++w) big = fmaxf(big, m_s[w]);
     float sum = 0.0f, f[ATT_WARPS];
     for (int w = 0; w < ATT_WARPS; ++w) {
         f[w] = l_s[w] > 0.0f ? expf(m_s[w] - big) : 0.0f;
         sum += l_s[w] * f[w];
     }
+    sum += expf(sink - big);  // 0 without a sink (-INFINITY)
     const float inv = 1.0f / sum;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
         float o = 0.0f;

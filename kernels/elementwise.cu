@@ -1,10 +1,11 @@
 // elementwise.cu -- the small element-wise ops the layers need between GEMMs.
 //
-// * tp_glu_T(out, in, rows, inner, act): in is rows x (2*inner) row-major holding [gate | up]
-//   per row (a merged gate/up projection's output); out is rows x inner with
-//   out[r, j] = round(round(act(gate[r, j])) * up[r, j]), computed in f32: act 0 is silu,
-//   g / (1 + exp(-g)); act 1 is GELU's tanh approximation,
-//   0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) (PyTorch's gelu(approximate="tanh")).
+// * tp_glu_T(out, in, rows, inner, act, alpha, limit): in is rows x (2*inner) row-major holding
+//   [gate | up] per row (a merged gate/up projection's output); out is rows x inner with
+//   out[r, j] = round(round(act(gate[r, j])) * round(up_factor(up[r, j]))), computed in f32:
+//   act 0 is silu, g / (1 + exp(-g)); act 1 is GELU's tanh approximation,
+//   0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) (PyTorch's gelu(approximate="tanh")); act 2
+//   gpt-oss's clamped SwiGLU (activation.cuh; alpha and limit are read by it alone).
 //   act(gate) is rounded to T before the product, as PyTorch's separate activation op rounds it.
 // * tp_scale_T(out, x, n, s): out[i] = round(x[i] * round(s)) (a tensor times a scalar that
 //   PyTorch first converts to the tensor's dtype). Grid-stride over n.
@@ -22,13 +23,14 @@ using tp::activation;
 
 template <typename T>
 __device__ __forceinline__ void glu(T* __restrict__ out, const T* __restrict__ in, int64_t rows, int64_t inner,
-                                    int act) {
+                                    int act, float alpha, float limit) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* gate = in + r * 2 * inner;
         const T* up = gate + inner;
         for (int64_t j = threadIdx.x; j < inner; j += blockDim.x) {
-            const float a = tp::to_f32(tp::from_f32<T>(activation(tp::to_f32(gate[j]), act)));
-            out[r * inner + j] = tp::from_f32<T>(__fmul_rn(a, tp::to_f32(up[j])));
+            const float a = tp::to_f32(tp::from_f32<T>(activation(tp::to_f32(gate[j]), act, alpha, limit)));
+            const float u = tp::to_f32(tp::from_f32<T>(tp::up_factor(tp::to_f32(up[j]), act, limit)));
+            out[r * inner + j] = tp::from_f32<T>(__fmul_rn(a, u));
         }
     }
 }
@@ -69,8 +71,9 @@ __device__ __forceinline__ void add_inplace(T* __restrict__ x, const T* __restri
 
 #define TP_ELEMENTWISE(SUFFIX, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_glu_##SUFFIX(T* out, const T* in, int64_t rows,      \
-                                                                      int64_t inner, int act) {               \
-        glu<T>(out, in, rows, inner, act);                                                                    \
+                                                                      int64_t inner, int act, float alpha,    \
+                                                                      float limit) {                          \
+        glu<T>(out, in, rows, inner, act, alpha, limit);                                                      \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_scale_##SUFFIX(T* out, const T* x, int64_t n,        \
                                                                         float s) {                            \

@@ -158,15 +158,18 @@ __device__ __forceinline__ void rope_backward(float* __restrict__ out, const T* 
 
 template <typename T>
 __device__ __forceinline__ void glu_backward(float* __restrict__ out, const T* __restrict__ in,
-                                             const T* __restrict__ dy, int64_t rows, int64_t inner, int act) {
+                                             const T* __restrict__ dy, int64_t rows, int64_t inner, int act,
+                                             float alpha, float limit) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* gate = in + r * 2 * inner;
         const T* up = gate + inner;
         float* o = out + r * 2 * inner;
         for (int64_t j = threadIdx.x; j < inner; j += blockDim.x) {
             const float g = tp::to_f32(gate[j]), u = tp::to_f32(up[j]), d = tp::to_f32(dy[r * inner + j]);
-            o[j] = __fmul_rn(__fmul_rn(d, u), tp::activation_derivative(g, act));
-            o[inner + j] = __fmul_rn(d, tp::activation(g, act));
+            const float uf = tp::up_factor(u, act, limit);
+            o[j] = __fmul_rn(__fmul_rn(d, uf), tp::activation_derivative(g, act, alpha, limit));
+            o[inner + j] =
+                __fmul_rn(__fmul_rn(d, tp::activation(g, act, alpha, limit)), tp::up_factor_derivative(u, act, limit));
         }
     }
 }
@@ -276,8 +279,8 @@ extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS)
         rope_backward<T>(out, dy, pos, inv_freq, scale, tokens, heads, half, dim);                             \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_glu_backward_##SUFFIX(                \
-        float* out, const T* in, const T* dy, int64_t rows, int64_t inner, int act) {                         \
-        glu_backward<T>(out, in, dy, rows, inner, act);                                                        \
+        float* out, const T* in, const T* dy, int64_t rows, int64_t inner, int act, float alpha, float limit) {\
+        glu_backward<T>(out, in, dy, rows, inner, act, alpha, limit);                                          \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ELEMENTWISE_THREADS) tp_softcap_backward_##SUFFIX(            \
         float* out, const T* y, const T* dy, int64_t n, float cap) {                                           \

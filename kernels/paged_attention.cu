@@ -5,7 +5,8 @@
 // sequence lives in block table[j / block_size], row j % block_size.
 //
 // * tp_paged_attention_T(out, q, k_cache, v_cache, meta, tokens, hq, hkv, group, group_offset, d,
-//   block_size, scale, window): q, out: tokens x hq x d (the flat batch, sequence after
+//   block_size, scale, window, sinks): sinks null or hq f32 attention-sink logits (as
+//   tp_attention_T's); q, out: tokens x hq x d (the flat batch, sequence after
 //   sequence). meta (built and checked by the host launcher) holds, as int64, pos[tokens] (the
 //   position of each query row) and tab[tokens] (where its sequence's block table starts), then
 //   the block tables as uint32. Row t sits at position p = pos[t] and sees its own sequence's keys
@@ -26,7 +27,8 @@ __device__ __forceinline__ void paged_attention(T* __restrict__ out, const T* __
                                                 const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                                                 const int64_t* __restrict__ meta, int64_t tokens, int64_t hq,
                                                 int64_t hkv, int64_t group, int64_t group_offset, int64_t d,
-                                                int64_t block_size, float scale, int64_t window) {
+                                                int64_t block_size, float scale, int64_t window,
+                                                const float* __restrict__ sinks) {
     const int64_t* pos = meta;
     const int64_t* tab = meta + tokens;
     const uint32_t* tables = reinterpret_cast<const uint32_t*>(meta + 2 * tokens);
@@ -42,7 +44,8 @@ __device__ __forceinline__ void paged_attention(T* __restrict__ out, const T* __
             const uint32_t blk = (uint32_t)j / bs, off = (uint32_t)j - blk * bs;
             return (((int64_t)table[blk] * block_size + off) * hkv + kvh) * d;
         };
-        tp::attend_row<T>(out + row * d, q + row * d, k_cache, v_cache, d, lo, p, scale, key_at);
+        const float sink = sinks ? sinks[h] : -INFINITY;
+        tp::attend_row<T>(out + row * d, q + row * d, k_cache, v_cache, d, lo, p, scale, sink, key_at);
     }
 }
 
@@ -60,9 +63,9 @@ __device__ __forceinline__ void write_slots(U* __restrict__ cache, const U* __re
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) tp_paged_attention_##SUFFIX(                \
         T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* meta, int64_t tokens,        \
         int64_t hq, int64_t hkv, int64_t group, int64_t group_offset, int64_t d, int64_t block_size,        \
-        float scale, int64_t window) {                                                                      \
+        float scale, int64_t window, const float* sinks) {                                                  \
         paged_attention<T>(out, q, k_cache, v_cache, meta, tokens, hq, hkv, group, group_offset, d,         \
-                           block_size, scale, window);                                                      \
+                           block_size, scale, window, sinks);                                               \
     }
 TP_PAGED_ATTENTION(f32, float)
 TP_PAGED_ATTENTION(f16, __half)

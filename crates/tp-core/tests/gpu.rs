@@ -355,6 +355,10 @@ fn decoder_kernels_match_f64_references() {
             let spec =
                 tp_core::AttentionSpec { kv_len, scale: 0.3, sliding_window: None, kv_groups: groups, sinks: None };
             check_attention_spec(GPU, t, (hq, hkv, 24), &spec, DType::BF16, (hq * 100 + t) as u64);
+            // With gpt-oss's attention sinks, one logit per query head.
+            let sinks: Vec<f32> = (0..hq).map(|h| [2.5, -0.7, 0.0, -30.0, 6.0][h % 5]).collect();
+            let spec = tp_core::AttentionSpec { sinks: Some(sinks.into()), sliding_window: Some(5), ..spec };
+            check_attention_spec(GPU, t, (hq, hkv, 24), &spec, DType::F32, (hq * 100 + t) as u64);
         }
     }
     for (hq, hkv, d) in [(4, 4, 10), (6, 2, 64), (3, 1, 128)] {
@@ -379,15 +383,25 @@ fn paged_attention_matches_f64_and_is_batch_invariant() {
         for block_size in [1, 16, 17] {
             for d in [64, 80, 128] {
                 let seed = (block_size * 1000 + d) as u64;
-                check_paged_attention(GPU, &cases, block_size, (4, 2, d), None, None, dtype, seed);
+                check_paged_attention(GPU, &cases, block_size, (4, 2, d), (None, false), None, dtype, seed);
+                check_paged_attention(GPU, &cases, block_size, (6, 2, d), (Some(7), true), None, dtype, seed + 3);
                 // Query heads starting inside a KV group (a rank's uneven share), with windows.
-                check_paged_attention(GPU, &cases, block_size, (3, 2, d), Some(5), gqa(2, 1), dtype, seed + 1);
-                check_paged_attention(GPU, &cases, block_size, (5, 3, d), Some(17), gqa(2, 1), dtype, seed + 2);
+                check_paged_attention(GPU, &cases, block_size, (3, 2, d), (Some(5), false), gqa(2, 1), dtype, seed + 1);
+                check_paged_attention(
+                    GPU,
+                    &cases,
+                    block_size,
+                    (5, 3, d),
+                    (Some(17), false),
+                    gqa(2, 1),
+                    dtype,
+                    seed + 2,
+                );
             }
             check_paged_equals_contiguous(GPU, block_size, (6, 2, 80), dtype);
         }
     }
-    check_paged_attention(GPU, &cases, 16, (8, 1, 256), Some(1), None, DType::F32, 3);
+    check_paged_attention(GPU, &cases, 16, (8, 1, 256), (Some(1), false), None, DType::F32, 3);
     check_paged_attention_refuses_bad_batches(GPU);
 }
 

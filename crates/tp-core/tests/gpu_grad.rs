@@ -201,7 +201,8 @@ fn glu_and_softcap_backward_match_host() {
     setup();
     for (xt, gt) in PAIRS {
         for (rows, inner) in [(1, 1), (3, 7), (37, 1001), (2, 4099)] {
-            for act in [Activation::Silu, Activation::GeluTanh] {
+            for act in [Activation::Silu, Activation::GeluTanh, Activation::ClampedSwiglu { alpha: 1.702, limit: 1.0 }]
+            {
                 let seed = (rows * 31 + inner) as u64;
                 let (x, dy) =
                     (randn(&[rows, 2 * inner], xt, seed).scale(2.0).unwrap(), randn(&[rows, inner], gt, seed + 1));

@@ -175,10 +175,6 @@ impl Tensor {
         spec.check_sinks(OP, hq)?;
         let dims = (t, hq, hkv, d);
         if let (Storage::Cuda(qs), Storage::Cuda(ks), Storage::Cuda(vs)) = (self.storage(), k.storage(), v.storage()) {
-            if spec.sinks.is_some() {
-                // The CUDA kernels take no sinks yet.
-                return Err(Error::UnsupportedDevice { op: "attention with sinks", device: self.device() });
-            }
             return Ok(Tensor::from_cuda(
                 self.shape().clone(),
                 super::cuda::attention(qs, ks, vs, dims, spec, groups)?,

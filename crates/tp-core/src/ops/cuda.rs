@@ -91,9 +91,9 @@ pub(crate) fn cast(s: &CudaStorage, numel: usize, to: DType) -> Result<CudaStora
 }
 
 /// `act(gate) * up` over `rows` rows of `[gate | up]`, `inner` each.
-pub(crate) fn glu(s: &CudaStorage, rows: usize, inner: usize, act_code: i32) -> Result<CudaStorage> {
+pub(crate) fn glu(s: &CudaStorage, rows: usize, inner: usize, act: (i32, f32, f32)) -> Result<CudaStorage> {
     let (mut buf, parts) = alloc_like(s, rows * inner * s.dtype.size_in_bytes(), s.dtype)?;
-    s.gpu.glu(&mut buf, &s.buf, (rows, inner), act_code, elem_type(s.dtype))?;
+    s.gpu.glu(&mut buf, &s.buf, (rows, inner), act, elem_type(s.dtype))?;
     Ok(parts.finish(buf))
 }
 
@@ -239,9 +239,21 @@ pub(crate) fn attention(
         scale: spec.scale,
         window: spec.sliding_window,
     };
+    let sinks = sinks_on(&q.gpu, spec.sinks.as_deref())?;
     let (mut buf, parts) = alloc_like(q, t * hq * d * q.dtype.size_in_bytes(), q.dtype)?;
-    q.gpu.attention(&mut buf, &q.buf, &k.buf, &v.buf, shape, elem_type(q.dtype))?;
+    q.gpu.attention(&mut buf, &q.buf, &k.buf, &v.buf, shape, sinks.as_ref(), elem_type(q.dtype))?;
     Ok(parts.finish(buf))
+}
+
+/// Attention-sink logits (f32) copied to `gpu`, if the call has them.
+pub(crate) fn sinks_on(
+    gpu: &tp_kernels::Gpu,
+    sinks: Option<&[f32]>,
+) -> Result<Option<tp_kernels::cudarc::driver::CudaSlice<u8>>> {
+    Ok(match sinks {
+        Some(s) => Some(gpu.htod(bytemuck::cast_slice(s))?),
+        None => None,
+    })
 }
 
 /// Embedding rows of `table: [rows, h]` for `n` ids.
@@ -405,11 +417,11 @@ pub(crate) fn glu_backward(
     dy: &CudaStorage,
     rows: usize,
     inner: usize,
-    act_code: i32,
+    act: (i32, f32, f32),
 ) -> Result<CudaStorage> {
     let ([x, dy], dtype) = unify("glu_backward", [(x, rows * 2 * inner), (dy, rows * inner)])?;
     let (mut buf, parts) = alloc_like(&x, rows * 2 * inner * 4, DType::F32)?;
-    x.gpu.glu_backward(&mut buf, &x.buf, &dy.buf, (rows, inner), act_code, elem_type(dtype))?;
+    x.gpu.glu_backward(&mut buf, &x.buf, &dy.buf, (rows, inner), act, elem_type(dtype))?;
     Ok(parts.finish(buf))
 }
 

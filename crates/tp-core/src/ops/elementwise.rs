@@ -104,12 +104,13 @@ impl Activation {
         }
     }
 
-    /// The kernels' code for the activation (`None`: no kernel computes it yet).
-    pub(crate) fn code(self) -> Option<i32> {
+    /// The kernels' arguments for the activation: its code, and the clamped SwiGLU's alpha and
+    /// limit (zeros for the others, which do not read them).
+    pub(crate) fn kernel_args(self) -> (i32, f32, f32) {
         match self {
-            Activation::Silu => Some(0),
-            Activation::GeluTanh => Some(1),
-            Activation::ClampedSwiglu { .. } => None,
+            Activation::Silu => (0, 0.0, 0.0),
+            Activation::GeluTanh => (1, 0.0, 0.0),
+            Activation::ClampedSwiglu { alpha, limit } => (2, alpha, limit),
         }
     }
 }
@@ -147,8 +148,7 @@ impl Tensor {
         dims.push(inner);
         let shape = Shape::new(&dims)?;
         if let Storage::Cuda(s) = self.storage() {
-            let code = act.code().ok_or(Error::UnsupportedDevice { op: "clamped SwiGLU", device: self.device() })?;
-            return Ok(Tensor::from_cuda(shape, super::cuda::glu(s, rows, inner, code)?));
+            return Ok(Tensor::from_cuda(shape, super::cuda::glu(s, rows, inner, act.kernel_args())?));
         }
         let src = self.cpu_storage(OP)?;
         let out = with_dtype!(src.dtype(), T => CpuStorage::from_vec(host_glu::<T>(src.as_slice::<T>().unwrap_or_default(), rows, inner, act)?));
@@ -459,8 +459,8 @@ impl Tensor {
         if let Storage::Cuda(x) = self.storage() {
             self.require_float()?;
             let d = super::grad::cuda_float(OP, self, dy)?;
-            let code = act.code().ok_or(Error::UnsupportedDevice { op: "clamped SwiGLU", device: self.device() })?;
-            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::glu_backward(x, d, rows, inner, code)?));
+            let args = act.kernel_args();
+            return Ok(Tensor::from_cuda(self.shape().clone(), super::cuda::glu_backward(x, d, rows, inner, args)?));
         }
         let (x, dyt) = (super::grad::f32_host(OP, self)?, super::grad::f32_host(OP, dy)?);
         let (x, dys) = (x.as_slice::<f32>()?, dyt.as_slice::<f32>()?);

@@ -134,10 +134,6 @@ impl Tensor {
         if let (KvBuffer::Dense(k), KvBuffer::Dense(v)) = (k_cache, v_cache)
             && matches!(self.storage(), Storage::Cuda(_))
         {
-            if spec.sinks.is_some() {
-                // The CUDA kernels take no sinks yet.
-                return Err(Error::UnsupportedDevice { op: "paged attention with sinks", device: self.device() });
-            }
             return super::paged_cuda::paged_attention_cuda(self, k, v, seqs, spec, geo);
         }
         let qs = self.cpu_storage(OP)?;

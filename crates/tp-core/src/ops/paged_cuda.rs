@@ -49,8 +49,9 @@ pub(crate) fn paged_attention_cuda(
         .map(|s| tp_kernels::PagedSequence { q_start: s.q_start, q_len: s.q_len, kv_len: s.kv_len, blocks: s.blocks })
         .collect();
     let bytes = t * hq * d * q.dtype().size_in_bytes();
+    let sinks = super::cuda::sinks_on(&qs.gpu, spec.sinks.as_deref())?;
     let mut buf = qs.gpu.alloc(bytes)?;
-    qs.gpu.paged_attention(&mut buf, &qs.buf, &ks.buf, &vs.buf, shape, &rows, elem_type(q.dtype()))?;
+    qs.gpu.paged_attention(&mut buf, &qs.buf, &ks.buf, &vs.buf, shape, &rows, sinks.as_ref(), elem_type(q.dtype()))?;
     Ok(Tensor::from_cuda(q.shape().clone(), CudaStorage::new(buf, bytes, q.dtype(), qs.gpu.clone())))
 }
 

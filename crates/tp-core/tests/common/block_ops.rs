@@ -6,7 +6,7 @@
 use super::decoder::{norm_row, round_to, rstd, ulp};
 use super::{assert_close, f64s};
 use tp_core::{Activation, DType, Device, NormStyle, Tensor};
-use tp_testing::reference::ops::act_f64;
+use tp_testing::reference::ops::{act_f64, up_f64};
 
 fn on(t: &Tensor, device: Device) -> Tensor {
     t.to_device(&device).expect("to device")
@@ -63,7 +63,8 @@ pub fn check_glu(device: Device, (rows, inner): (usize, usize), dtype: DType, ac
     let f = |g: f64| act_f64(act, g);
     let pairs: Vec<(f64, f64)> =
         xv.chunks(2 * inner).flat_map(|r| (0..inner).map(move |j| (r[j], r[inner + j]))).collect();
-    let want: Vec<f64> = pairs.iter().map(|&(g, u)| round_to(dtype, round_to(dtype, f(g)) * u)).collect();
+    let want: Vec<f64> =
+        pairs.iter().map(|&(g, u)| round_to(dtype, round_to(dtype, f(g)) * round_to(dtype, up_f64(act, u)))).collect();
     // The activation in f32 may round to the neighbouring value of the dtype: 2 ulps of the
     // product (half types), a few f32 ulps (expf, tanhf); GELU's `1 + tanh(..)` cancels for
     // negative gates, so its f32 error is relative to `|g·u|`, not to the result.
@@ -104,6 +105,8 @@ pub fn check_block_ops(device: Device) {
             check_sum_squares(device, shape, dtype);
             check_glu(device, shape, dtype, Activation::Silu);
             check_glu(device, shape, dtype, Activation::GeluTanh);
+            // gpt-oss's, with a low clamp so that randn's gates and ups reach it.
+            check_glu(device, shape, dtype, Activation::ClampedSwiglu { alpha: 1.702, limit: 1.0 });
         }
         check_scale_softcap(device, 1000, dtype);
     }

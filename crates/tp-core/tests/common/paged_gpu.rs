@@ -111,26 +111,35 @@ impl PagedBatch {
 /// Paged attention of a mixed batch (decodes, whole prefills, chunked-prefill continuations)
 /// on `device` against the f64 reference of each sequence alone on its contiguous keys; then
 /// each sequence run alone must give bitwise the rows it gave in the batch (batch invariance).
+/// With `sinks`, every query head has an attention-sink logit (gpt-oss).
 #[allow(clippy::too_many_arguments)]
 pub fn check_paged_attention(
     device: Device,
     cases: &[SeqCase],
     block_size: usize,
     (hq, hkv, d): (usize, usize, usize),
-    window: Option<usize>,
+    (window, sinks): (Option<usize>, bool),
     kv_groups: Option<KvGroups>,
     dtype: DType,
     seed: u64,
 ) {
     let b = PagedBatch::random(cases, block_size, (hq, hkv, d), dtype, seed);
-    let spec = PagedAttentionSpec { scale: 1.0 / (d as f32).sqrt(), sliding_window: window, kv_groups, sinks: None };
+    let sinks: Option<Vec<f32>> = sinks.then(|| (0..hq).map(|h| [2.5, -0.7, 0.0, -30.0, 6.0][h % 5]).collect());
+    let spec = PagedAttentionSpec {
+        scale: 1.0 / (d as f32).sqrt(),
+        sliding_window: window,
+        kv_groups,
+        sinks: sinks.as_deref().map(Into::into),
+    };
     let (kc, vc) = (on(&b.k_cache, device), on(&b.v_cache, device));
     let seqs = b.seqs(cases);
     let y = on(&b.q, device).paged_attention(&kc, &vc, &seqs, &spec).unwrap();
     assert_eq!((y.dims(), y.dtype()), (b.q.dims(), dtype));
     let (got, q) = (f64s(&y), f64s(&b.q));
-    let what =
-        format!("paged attention {device} bs{block_size} hq{hq} hkv{hkv} d{d} w{window:?} {kv_groups:?} {dtype}");
+    let what = format!(
+        "paged attention {device} bs{block_size} hq{hq} hkv{hkv} d{d} w{window:?} sinks {} {kv_groups:?} {dtype}",
+        sinks.is_some()
+    );
     let width = hq * d;
     for (i, c) in cases.iter().enumerate() {
         let rows = b.q_starts[i] * width..(b.q_starts[i] + c.q_len) * width;
@@ -143,7 +152,7 @@ pub fn check_paged_attention(
             scale: f64::from(spec.scale),
             window,
             kv_groups,
-            sinks: None,
+            sinks: sinks.as_ref().map(|s| s.iter().map(|&x| f64::from(x)).collect()),
         };
         let want = attention_f64(&q[rows.clone()], &b.keys[i].0, &b.keys[i].1, &attn);
         // f32 scores of D products, softmax and a weighted sum: a few e-6, plus the output

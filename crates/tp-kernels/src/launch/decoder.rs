@@ -33,6 +33,16 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
+/// Checks attention sinks against the call's query heads: at least `q_heads` f32 logits.
+pub(super) fn check_sinks(k: &'static str, sinks: Option<&CudaSlice<u8>>, q_heads: usize) -> Result<()> {
+    match sinks {
+        Some(s) if span(k, q_heads, 4, 0)? > s.len() => {
+            Err(invalid(k, format!("{} bytes of sinks for {q_heads} query heads", s.len())))
+        }
+        _ => Ok(()),
+    }
+}
+
 impl Gpu {
     /// RMSNorm of `rows` rows of `h` elements (`tp_rms_norm_T`): style 0 `out = w *
     /// round(x * rstd)`, style 1 `out = x * rstd * (1 + w)`, style 2 `out = w * (x * rstd)`; the mean of squares of row `r` is
@@ -159,7 +169,8 @@ impl Gpu {
     }
 
     /// Causal GQA attention (`tp_attention_T`): `q, out: [tokens, q_heads, head_dim]`, `k, v`:
-    /// at least `[kv_len, kv_heads, head_dim]`.
+    /// at least `[kv_len, kv_heads, head_dim]`; `sinks`, if any, `q_heads` f32 attention-sink
+    /// logits (gpt-oss), one joining each head's softmax.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -168,10 +179,12 @@ impl Gpu {
         k: &CudaSlice<u8>,
         v: &CudaSlice<u8>,
         s: AttentionShape,
+        sinks: Option<&CudaSlice<u8>>,
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "attention";
         require_float(K, ty)?;
+        check_sinks(K, sinks, s.q_heads)?;
         if s.head_dim > consts::ATTENTION_MAX_HEAD_DIM as usize {
             return Err(invalid(K, format!("head_dim {} exceeds {}", s.head_dim, consts::ATTENTION_MAX_HEAD_DIM)));
         }
@@ -208,8 +221,14 @@ impl Gpu {
         let mut b = self.stream().launch_builder(f);
         b.arg(out).arg(q).arg(k).arg(v).arg(&t).arg(&hq).arg(&hkv).arg(&g).arg(&go).arg(&d).arg(&l);
         b.arg(&s.scale).arg(&window);
+        let null: u64 = 0;
+        match sinks {
+            Some(s) => b.arg(s),
+            None => b.arg(&null),
+        };
         // SAFETY: matches tp_attention_T(T* out, const T* q, const T* k, const T* v, int64 tokens,
-        // hq, hkv, group, group_offset, d, kv_len, float scale, int64 window). q and out hold
+        // hq, hkv, group, group_offset, d, kv_len, float scale, int64 window, const float*
+        // sinks): sinks null (a zero pointer) or q_heads floats (checked), read at h < hq. q and out hold
         // tokens*hq*d elements and k, v at least kv_len*hkv*d (checked above); the kernel reads
         // keys j <= kv_len - 1 only, of KV heads (h + group_offset) / group < hkv for every
         // h < hq (checked above), and head_dim <= 256 fits its shared arrays; kv_len >= tokens,

@@ -8,18 +8,19 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 impl Gpu {
     /// `out = act(gate) * up` over `rows` rows of `[gate | up]` (`inner` each), element type
-    /// `ty`; `act` 0 is silu, 1 GELU's tanh approximation (`kernels/elementwise.cu`, `tp_glu_T`).
+    /// `ty`; `act` 0 is silu, 1 GELU's tanh approximation, 2 gpt-oss's clamped SwiGLU with its
+    /// `(alpha, limit)` (`kernels/elementwise.cu`, `tp_glu_T`).
     pub fn glu(
         &self,
         out: &mut CudaSlice<u8>,
         input: &CudaSlice<u8>,
         (rows, inner): (usize, usize),
-        act: i32,
+        (act, alpha, limit): (i32, f32, f32),
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "glu";
-        if !(0..=1).contains(&act) {
-            return Err(invalid(K, format!("unknown activation code {act}")));
+        if !(0..=2).contains(&act) || !alpha.is_finite() || !limit.is_finite() {
+            return Err(invalid(K, format!("unknown activation code {act} (alpha {alpha}, limit {limit})")));
         }
         require_float(K, ty)?;
         let n = span(K, rows, inner, 0)?;
@@ -32,10 +33,10 @@ impl Gpu {
         let f = self.function(&format!("tp_glu_{}", ty.name()), 0)?;
         let (r, i) = (i64_of(K, rows)?, i64_of(K, inner)?);
         let mut b = self.stream().launch_builder(f);
-        b.arg(out).arg(input).arg(&r).arg(&i).arg(&act);
-        // SAFETY: matches tp_glu_T(T* out, const T* in, int64 rows, int64 inner, int act); `in`
-        // holds rows*2*inner and `out` rows*inner elements (checked above); act is 0 or 1
-        // (checked); distinct buffers (& vs &mut), 256-byte aligned.
+        b.arg(out).arg(input).arg(&r).arg(&i).arg(&act).arg(&alpha).arg(&limit);
+        // SAFETY: matches tp_glu_T(T* out, const T* in, int64 rows, int64 inner, int act, float
+        // alpha, float limit); `in` holds rows*2*inner and `out` rows*inner elements (checked
+        // above); act is 0, 1 or 2 (checked); distinct buffers (& vs &mut), 256-byte aligned.
         unsafe { b.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_glu)"))
     }
 

@@ -264,13 +264,13 @@ impl Gpu {
         input: &CudaSlice<u8>,
         dy: &CudaSlice<u8>,
         (rows, inner): (usize, usize),
-        act: i32,
+        (act, alpha, limit): (i32, f32, f32),
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "glu_backward";
         require_float(K, ty)?;
-        if !(0..=1).contains(&act) {
-            return Err(invalid(K, format!("unknown activation code {act}")));
+        if !(0..=2).contains(&act) || !alpha.is_finite() || !limit.is_finite() {
+            return Err(invalid(K, format!("unknown activation code {act} (alpha {alpha}, limit {limit})")));
         }
         let n = span(K, rows, inner, 0)?;
         if bytes(K, n, 2, ty.size())? > input.len()
@@ -285,11 +285,11 @@ impl Gpu {
         let f = self.function(&format!("tp_glu_backward_{}", ty.name()), 0)?;
         let (r, i) = (i64_of(K, rows)?, i64_of(K, inner)?);
         let mut l = self.stream().launch_builder(f);
-        l.arg(out).arg(input).arg(dy).arg(&r).arg(&i).arg(&act);
+        l.arg(out).arg(input).arg(dy).arg(&r).arg(&i).arg(&act).arg(&alpha).arg(&limit);
         // SAFETY: matches tp_glu_backward_T(float* out, const T* in, const T* dy, int64 rows,
-        // int64 inner, int act); `in` holds rows*2*inner and dy rows*inner elements of T, out
-        // rows*2*inner floats (checked above); act is 0 or 1; out is the only buffer written,
-        // borrowed mutably.
+        // int64 inner, int act, float alpha, float limit); `in` holds rows*2*inner and dy
+        // rows*inner elements of T, out rows*2*inner floats (checked above); act is 0, 1 or 2;
+        // out is the only buffer written, borrowed mutably.
         unsafe { l.launch(self.grid_rows(rows as u64)) }.map(drop).map_err(driver("cuLaunchKernel(tp_glu_backward)"))
     }
 

@@ -105,6 +105,7 @@ impl Gpu {
     /// Paged causal GQA attention (`tp_paged_attention_T`): `q, out: [tokens, q_heads,
     /// head_dim]`, `k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]`; each row of
     /// `seqs` attends over its own blocks. Every row must belong to exactly one sequence.
+    /// `sinks`, if any: `q_heads` f32 attention-sink logits, as [`Gpu::attention`]'s.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -114,10 +115,12 @@ impl Gpu {
         v_cache: &CudaSlice<u8>,
         s: PagedShape,
         seqs: &[PagedSequence<'_>],
+        sinks: Option<&CudaSlice<u8>>,
         ty: ElemType,
     ) -> Result<()> {
         const K: &str = "paged_attention";
         require_float(K, ty)?;
+        super::decoder::check_sinks(K, sinks, s.q_heads)?;
         if s.head_dim > consts::ATTENTION_MAX_HEAD_DIM as usize {
             return Err(invalid(K, format!("head_dim {} exceeds {}", s.head_dim, consts::ATTENTION_MAX_HEAD_DIM)));
         }
@@ -155,9 +158,15 @@ impl Gpu {
         let mut b = self.stream().launch_builder(f);
         b.arg(out).arg(q).arg(k_cache).arg(v_cache).arg(&meta);
         b.arg(&t).arg(&hq).arg(&hkv).arg(&g).arg(&go).arg(&d).arg(&bs).arg(&s.scale).arg(&window);
+        let null: u64 = 0;
+        match sinks {
+            Some(s) => b.arg(s),
+            None => b.arg(&null),
+        };
         // SAFETY: matches tp_paged_attention_T(T* out, const T* q, const T* k_cache, const T*
         // v_cache, const int64* meta, int64 tokens, hq, hkv, group, group_offset, d, block_size,
-        // float scale, int64 window). q and out hold tokens*hq*d elements and each cache
+        // float scale, int64 window, const float* sinks): sinks a zero pointer or q_heads floats
+        // (checked). q and out hold tokens*hq*d elements and each cache
         // num_blocks*block_size*hkv*d (checked above). meta is paged_meta's buffer: every row has a
         // position p < kv_len <= 2^31 - 1 of exactly one sequence, whose table entries for
         // positions <= p are all < num_blocks, so every key row read lies in the caches; KV heads
