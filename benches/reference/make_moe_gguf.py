@@ -4,6 +4,13 @@ to about 2B parameters with 64 experts, in llama.cpp's Q4_K_M mixture (Q6_K for 
 `ffn_down_exps` and `output`, Q4_K for the other matrices, F32 norms and routers).
 
     make_moe_gguf.py OUT.gguf [--layers 18] [--hidden 1024] [--experts 64] [--used 8] [--expert-ffn 512]
+    make_moe_gguf.py OUT.gguf --arch gpt-oss   (16 layers, hidden 1024, 32 experts of 1024, 4 per token)
+
+`--arch gpt-oss` writes gpt-oss's shape instead (`gpt-oss`: attention sinks, q/k/v/o biases, YaRN,
+a window of 128 on the even layers, a router with a bias, experts with biases) with its experts in
+MXFP4, as gpt-oss ships them (seeded random codes, E8M0 scales of 2^-7 so that weights are of
+order 1/sqrt(fan_in)), and every other matrix Q8_0 (quantized from seeded N(0, 1/fan_in) values):
+about 1.7B parameters, 0.3B active per token.
 
 The K-quant blocks are seeded random blocks with small, finite scales (crates/tp-testing/gguf/write_gguf.py's
 `random_k_blocks`: weights of order 1/sqrt(fan_in)); norms are near 1 and routers N(0, 1/hidden), so the
@@ -34,7 +41,10 @@ def main():
     p.add_argument("--used", type=int, default=8)
     p.add_argument("--expert-ffn", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--arch", choices=["qwen3moe", "gpt-oss"], default="qwen3moe")
     a = p.parse_args()
+    if a.arch == "gpt-oss":
+        return gpt_oss(a)
     rng = np.random.default_rng(20261207)
     h, e, i, d = a.hidden, a.experts, a.expert_ffn, a.head_dim
     q, kv = a.heads * d, a.kv_heads * d
@@ -90,6 +100,86 @@ def main():
     w.write_tensors_to_file()
     w.close()
     active = params - a.layers * 3 * (e - a.used) * i * h - a.vocab * h
+    print(f"{a.out}: {params / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token "
+          f"({os.path.getsize(a.out) / 2**30:.2f} GiB)")
+
+
+def gpt_oss(a):
+    """The gpt-oss-shaped file (see the module docs); the shape flags left at their defaults take
+    gpt-oss's proportions scaled down."""
+    layers = 16 if a.layers == 18 else a.layers
+    experts = 32 if a.experts == 64 else a.experts
+    used = 4 if a.used == 8 else a.used
+    i = 1024 if a.expert_ffn == 512 else a.expert_ffn
+    h, d = a.hidden, a.head_dim
+    q, kv = a.heads * d, a.kv_heads * d
+    rng = np.random.default_rng(20261208)
+    cfg = {"architectures": ["GptOssForCausalLM"], "hidden_size": h, "intermediate_size": i,
+           "num_hidden_layers": layers, "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads,
+           "head_dim": d, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "vocab_size": a.vocab,
+           "num_local_experts": experts, "num_experts_per_tok": used, "sliding_window": 128,
+           "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                               "rope_theta": 150000.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}}
+    w = gguf.GGUFWriter(a.out, "gpt-oss")
+    w.add_name("tp gpt-oss bench model")
+    W.write_metadata(w, "gpt-oss", cfg, a.heads, a.kv_heads, d)
+    tokens, scores, types, _ = W.synthetic_vocab(a.vocab, "spm-space")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    params = 0
+
+    def q8(name, shape):
+        nonlocal params
+        params += int(np.prod(shape))
+        x = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+        w.add_tensor(name, gguf.quants.quantize(x, T.Q8_0), raw_dtype=T.Q8_0)
+
+    def mxfp4(name, shape):
+        nonlocal params
+        params += int(np.prod(shape))
+        *lead, cols = shape
+        blocks = int(np.prod(lead)) * cols // 32
+        raw = rng.integers(0, 256, size=(blocks, 17), dtype=np.uint8)
+        raw[:, 0] = 121  # 2^(121 - 128): codes of |2|..|12| give weights of order 1/sqrt(1024)
+        w.add_tensor(name, raw.reshape(*lead, cols // 32 * 17), raw_dtype=T.MXFP4)
+
+    def vector(name, shape, value):
+        nonlocal params
+        params += int(np.prod(shape))
+        w.add_tensor(name, value(shape).astype(np.float32))
+
+    near_one = lambda s: 1.0 + 0.05 * rng.standard_normal(s)  # noqa: E731
+    small = lambda s: 0.02 * rng.standard_normal(s)  # noqa: E731
+    q8("token_embd.weight", (a.vocab, h))
+    for b in range(layers):
+        blk = f"blk.{b}"
+        vector(f"{blk}.attn_norm.weight", (h,), near_one)
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            q8(f"{blk}.{name}.weight", (rows, h))
+            vector(f"{blk}.{name}.bias", (rows,), small)
+        q8(f"{blk}.attn_output.weight", (h, q))
+        vector(f"{blk}.attn_output.bias", (h,), small)
+        vector(f"{blk}.attn_sinks.weight", (a.heads,), lambda s: rng.standard_normal(s))
+        vector(f"{blk}.post_attention_norm.weight", (h,), near_one)
+        vector(f"{blk}.ffn_gate_inp.weight", (experts, h), lambda s: rng.standard_normal(s) / np.sqrt(h))
+        vector(f"{blk}.ffn_gate_inp.bias", (experts,), small)
+        for name, shape in (("ffn_gate_exps", (experts, i, h)), ("ffn_up_exps", (experts, i, h)),
+                            ("ffn_down_exps", (experts, h, i))):
+            mxfp4(f"{blk}.{name}.weight", shape)
+            vector(f"{blk}.{name}.bias", shape[:2], small)
+    vector("output_norm.weight", (h,), near_one)
+    q8("output.weight", (a.vocab, h))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    active = params - layers * 3 * (experts - used) * i * h - a.vocab * h
     print(f"{a.out}: {params / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token "
           f"({os.path.getsize(a.out) / 2**30:.2f} GiB)")
 
