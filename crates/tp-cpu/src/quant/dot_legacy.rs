@@ -10,8 +10,10 @@
 //! as llama.cpp's x86 kernels do it: the integer part per block, its float product with the
 //! block's `d dx` accumulated in 8 lanes, and the second term `c (dx Σ q_x)` 8 blocks at a time
 //! (the activations keep `dx Σ q_x` per block). Q8_0's signed codes go through the sign trick
-//! instead: `|w|` times `x` with `w`'s sign; so do MXFP4's, looked up from its nibbles in a
-//! 16-entry byte table (`pshufb`), its E8M0 scale byte widened to `2^(e-128)`.
+//! instead: `|w|` times `x` with `w`'s sign. MXFP4's codes are looked up from its nibbles in a
+//! 16-entry byte table (`pshufb`) already offset by 12 (`kvalues + 12`, unsigned, 0..24), so they
+//! take the unsigned path with offset 12 (no sign trick), its E8M0 scale byte widened to
+//! `2^(e-128)`.
 //!
 //! Scales are read 8 blocks at a time (8 `f16` at the block stride, one `vcvtph2ps`) and
 //! multiplied by the 8 activation scales, for all `M` activation rows, ahead of the dots (see
@@ -139,22 +141,28 @@ impl Legacy for Q80 {
     }
 }
 
+/// MXFP4's code values plus [`Mxfp4::OFFSET`]: unsigned bytes (0..24) for the unsigned dot.
+const MXFP4_UNSIGNED: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (MXFP4_VALUES[i] + 12) as u8;
+        i += 1;
+    }
+    t
+};
+
 impl Legacy for Mxfp4 {
     const BYTES: usize = 17;
     const HAS_MIN: bool = false;
-    const OFFSET: f32 = 0.0;
+    const OFFSET: f32 = 12.0;
     #[inline(always)]
     unsafe fn codes<D: Dot>(p: *const u8) -> __m256i {
         // SAFETY: the 16 nibble bytes are inside the block; AVX2 as the caller guarantees.
         unsafe {
-            let table = _mm_loadu_si128(MXFP4_VALUES.as_ptr().cast());
+            let table = _mm_loadu_si128(MXFP4_UNSIGNED.as_ptr().cast());
             _mm256_shuffle_epi8(_mm256_set_m128i(table, table), nibbles16(p.add(MXFP4_QS)))
         }
-    }
-    #[inline(always)]
-    unsafe fn dot<D: Dot>(codes: __m256i, x: __m256i) -> __m256i {
-        // SAFETY: the caller guarantees `D`'s instructions (AVX2 included).
-        unsafe { D::dot(_mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes)) }
     }
     #[inline(always)]
     unsafe fn scales(p: *const u8, n: usize) -> __m256 {
