@@ -12,6 +12,12 @@
 //!
 //! The integer sums are exact, and each block adds one rounded term per row, so the error bound
 //! of `quant_matmul` holds as for ggml's layout (the rounding order differs, not the count).
+//!
+//! [`Mxfp4x8`] runs MXFP4 rows in [`RowLayout::Mxfp4x8`](super::interleave::RowLayout) the same
+//! way: its codes sit where Q4_0x8's do (after eight scale bytes instead of sixteen), each nibble
+//! looked up in a 16-entry table of its value plus 12 (unsigned, one `pshufb`), the offset 12
+//! taken back as Q4_0's 8 is; the eight E8M0 scale bytes become `2^(e - 128)` in one register
+//! (integer shifts into the exponent, subnormal below `e = 2`, exactly as the scalar decoder).
 
 use super::act::XRow;
 use super::interleave::LANES;
@@ -48,6 +54,72 @@ const PREFETCH: usize = 64;
 
 /// Q4_0 in `RowLayout::Q4_0x8`.
 pub(crate) struct Q40x8;
+
+/// MXFP4 in `RowLayout::Mxfp4x8`.
+pub(crate) struct Mxfp4x8;
+
+/// Bytes of one interleaved MXFP4 block of eight rows.
+const MX_GROUP_BLOCK: usize = 136;
+
+/// MXFP4's code values plus 12, as unsigned bytes.
+const MX_TABLE: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
+
+impl Group for Mxfp4x8 {
+    const BLOCK_BYTES: usize = 17;
+    const WIDEST: usize = 8;
+
+    #[inline(always)]
+    unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
+        // SAFETY: every read stays in the `nb` interleaved blocks at `g` and the first `nb`
+        // blocks of each activation row, as the caller guarantees; the instructions are the
+        // caller's.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); M];
+            let mut corr = [_mm256_setzero_ps(); M];
+            let nibble = _mm256_set1_epi8(0x0F);
+            let t = _mm_loadu_si128(MX_TABLE.as_ptr().cast());
+            let table = _mm256_set_m128i(t, t);
+            let one = _mm256_set1_epi32(1);
+            for b in 0..nb {
+                let blk = g.add(b * MX_GROUP_BLOCK);
+                let ahead = blk.wrapping_add(PREFETCH * MX_GROUP_BLOCK);
+                for l in (0..MX_GROUP_BLOCK).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l).cast());
+                }
+                // 2^(e - 128): (e - 1) << 23 for e >= 2, 0x00200000 << e below (ggml's
+                // `GGML_E8M0_TO_FP32_HALF`).
+                let e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.cast()));
+                let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, one));
+                let small = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+                let d = _mm256_castsi256_ps(_mm256_blendv_epi8(small, normal, _mm256_cmpgt_epi32(e, one)));
+                let mut lo = [_mm256_setzero_si256(); 4];
+                let mut hi = [_mm256_setzero_si256(); 4];
+                for c in 0..4 {
+                    let v = _mm256_loadu_si256(blk.add(8 + 32 * c).cast());
+                    lo[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, nibble));
+                    hi[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble));
+                }
+                for i in 0..M {
+                    let xq = xs[i].qs.as_ptr().add(b * 32);
+                    let bytes = |at: usize| _mm256_set1_epi64x(xq.add(at).cast::<i64>().read_unaligned());
+                    let (mut rows03, mut rows47) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for h in 0..2 {
+                        let (xl, xh) = (bytes(8 * h), bytes(16 + 8 * h));
+                        rows03 = D::dot_acc(rows03, lo[2 * h], xl);
+                        rows03 = D::dot_acc(rows03, hi[2 * h], xh);
+                        rows47 = D::dot_acc(rows47, lo[2 * h + 1], xl);
+                        rows47 = D::dot_acc(rows47, hi[2 * h + 1], xh);
+                    }
+                    let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(rows03, rows47));
+                    let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
+                    acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), acc[i]);
+                    corr[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(*xs[i].sx.get_unchecked(b)), corr[i]);
+                }
+            }
+            std::array::from_fn(|i| by_row(_mm256_fnmadd_ps(_mm256_set1_ps(12.0), corr[i], acc[i])))
+        }
+    }
+}
 
 /// The eight sums of `v`, in lane order [`LANES`], by row.
 ///

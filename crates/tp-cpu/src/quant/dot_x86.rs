@@ -200,6 +200,9 @@ macro_rules! isa_entry {
                         QuantType::Q5_0 => legacy::<lg::Q50>(w, row_bytes, xs, out),
                         QuantType::Q5_1 => legacy::<lg::Q51>(w, row_bytes, xs, out),
                         QuantType::Q8_0 => legacy::<lg::Q80>(w, row_bytes, xs, out),
+                        QuantType::Mxfp4 if interleaved => {
+                            grouped::<q4::Mxfp4x8>(w, row_bytes, xs, out, legacy::<lg::Mxfp4>)
+                        }
                         QuantType::Mxfp4 => legacy::<lg::Mxfp4>(w, row_bytes, xs, out),
                         QuantType::Q2K => kquant::<kq::Q2>(w, row_bytes, xs, out),
                         QuantType::Q3K => kquant::<kq::Q3>(w, row_bytes, xs, out),

@@ -22,6 +22,10 @@
 //! code bytes in 8-byte runs of four rows, as ggml stores them within a row, so that the kernel
 //! (`dot_q6kx8`) unpacks four rows' codes with ggml's own bit operations.
 //!
+//! [`RowLayout::Mxfp4x8`] does the same for MXFP4 blocks (see [`mx_place`]): the eight rows'
+//! E8M0 scale bytes side by side in lane order, then their codes as Q4_0x8 places them, so that
+//! the kernel (`dot_q4x8`'s `Mxfp4x8`) decodes eight rows' scales at once.
+//!
 //! Rows past the last whole group (`rows % 8` of them) keep ggml's layout, after the groups.
 //! Everything but the host decode kernels reads ggml's layout: [`to_ggml`] puts rows back.
 
@@ -40,6 +44,8 @@ pub enum RowLayout {
     Q4Kx8,
     /// Q6_K only: groups of eight rows interleaved super-block by super-block (see `k6_place`).
     Q6Kx8,
+    /// MXFP4 only: groups of eight rows interleaved block by block (see `mx_place`).
+    Mxfp4x8,
 }
 
 impl RowLayout {
@@ -49,6 +55,7 @@ impl RowLayout {
             QuantType::Q4_0 => RowLayout::Q4_0x8,
             QuantType::Q4K => RowLayout::Q4Kx8,
             QuantType::Q6K => RowLayout::Q6Kx8,
+            QuantType::Mxfp4 => RowLayout::Mxfp4x8,
             _ => RowLayout::Ggml,
         }
     }
@@ -60,6 +67,7 @@ impl RowLayout {
             (RowLayout::Q4_0x8, QuantType::Q4_0)
                 | (RowLayout::Q4Kx8, QuantType::Q4K)
                 | (RowLayout::Q6Kx8, QuantType::Q6K)
+                | (RowLayout::Mxfp4x8, QuantType::Mxfp4)
         )
     }
 }
@@ -197,6 +205,43 @@ fn block_q4k(inp: &[u8], r: usize, out: &mut [u8]) {
     }
 }
 
+/// Bytes of an MXFP4 block (the E8M0 scale byte, 16 code bytes), and of an interleaved block of
+/// eight rows.
+const MX_BLOCK: usize = 17;
+const MX_GROUP_BLOCK: usize = 8 * MX_BLOCK;
+/// Where an interleaved MXFP4 block's codes start (after the eight scale bytes).
+pub(crate) const MX_CODES: usize = 8;
+
+/// Where byte `i` of an MXFP4 block goes in an interleaved block of eight rows
+/// (`RowLayout::Mxfp4x8`), for row `r` whose lane is `l` (`LANES[l] == r`): the scale byte at
+/// `l` (bytes `0..8`); code byte `j = i - 1` at `8 + 32 (2 h + q) + 8 rr + j % 8` with
+/// `h = j / 8` and row `4 q + rr`, as Q4_0x8 places its codes.
+fn mx_place(r: usize, i: usize) -> usize {
+    let l = LANES.iter().position(|&x| x == r).unwrap_or(0);
+    if i == 0 {
+        return l;
+    }
+    let (j, (q, rr)) = (i - 1, (r / 4, r % 4));
+    MX_CODES + 32 * (2 * (j / 8) + q) + 8 * rr + j % 8
+}
+
+/// One interleaved MXFP4 group back into eight ggml rows, block by block.
+fn deinterleave_mx(src: &[u8], nb: usize, dst: &mut [u8]) {
+    let row_bytes = nb * MX_BLOCK;
+    for b in 0..nb {
+        let inp = &src[b * MX_GROUP_BLOCK..(b + 1) * MX_GROUP_BLOCK];
+        for r in 0..8 {
+            let out = &mut dst[r * row_bytes + b * MX_BLOCK..][..MX_BLOCK];
+            out[0] = inp[LANE_OF[r]];
+            let (q, rr) = (r / 4, r % 4);
+            for h in 0..2 {
+                let at = MX_CODES + 32 * (2 * h + q) + 8 * rr;
+                out[1 + 8 * h..9 + 8 * h].copy_from_slice(&inp[at..at + 8]);
+            }
+        }
+    }
+}
+
 /// Bytes of a Q6_K super-block (128 bytes of low code nibbles, 64 of high code bits, 16 signed
 /// scales, `d`), and of an interleaved super-block of eight rows.
 const K6_BLOCK: usize = 210;
@@ -281,6 +326,7 @@ pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: us
         match layout {
             RowLayout::Q4Kx8 => interleave_blocks(group, row_bytes / K_BLOCK, K_BLOCK, k_place, &mut tmp),
             RowLayout::Q6Kx8 => interleave_blocks(group, row_bytes / K6_BLOCK, K6_BLOCK, k6_place, &mut tmp),
+            RowLayout::Mxfp4x8 => interleave_blocks(group, row_bytes / MX_BLOCK, MX_BLOCK, mx_place, &mut tmp),
             _ => interleave(group, row_bytes / BLOCK, &mut tmp),
         }
         group.copy_from_slice(&tmp);
@@ -326,6 +372,7 @@ pub(crate) fn to_ggml(t: QuantType, layout: RowLayout, src: &[u8], row_bytes: us
         match layout {
             RowLayout::Q4Kx8 => deinterleave_k(s, row_bytes / K_BLOCK, d),
             RowLayout::Q6Kx8 => deinterleave_k6(s, row_bytes / K6_BLOCK, d),
+            RowLayout::Mxfp4x8 => deinterleave_mx(s, row_bytes / MX_BLOCK, d),
             _ => deinterleave(s, row_bytes / BLOCK, d),
         }
     }
@@ -335,6 +382,27 @@ pub(crate) fn to_ggml(t: QuantType, layout: RowLayout, src: &[u8], row_bytes: us
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// MXFP4 groups go there and back, scale bytes in lane order, codes where Q4_0x8 puts them.
+    #[test]
+    fn mxfp4_rows_go_there_and_back() {
+        let t = QuantType::Mxfp4;
+        let (nb, rows) = (3, 19);
+        let row_bytes = nb * MX_BLOCK;
+        let ggml: Vec<u8> = (0..rows * row_bytes).map(|i| (i * 37 % 251) as u8).collect();
+        let mut x8 = ggml.clone();
+        to_layout(t, RowLayout::Mxfp4x8, &mut x8, row_bytes).unwrap();
+        assert_ne!(x8[..8 * row_bytes], ggml[..8 * row_bytes]);
+        assert_eq!(x8[16 * row_bytes..], ggml[16 * row_bytes..], "rows past the last group stay");
+        for (l, &r) in LANES.iter().enumerate() {
+            assert_eq!(x8[l], ggml[r * row_bytes], "block 0 scale of row {r} in lane {l}");
+        }
+        // Row 5 (q 1, rr 1), code bytes 8..16 (h 1) of block 0.
+        assert_eq!(x8[MX_CODES + 32 * 3 + 8..MX_CODES + 32 * 3 + 16], ggml[5 * row_bytes + 9..5 * row_bytes + 17]);
+        let mut back = vec![0u8; ggml.len()];
+        to_ggml(t, RowLayout::Mxfp4x8, &x8, row_bytes, &mut back);
+        assert_eq!(back, ggml);
+    }
 
     #[test]
     fn rows_go_there_and_back_and_land_where_documented() {

@@ -209,7 +209,8 @@ pub(crate) unsafe fn build<K: Kind>(
         RowLayout::Q4Kx8 => Some(super::q4kx8::group::<K>),
         RowLayout::Q6Kx8 => Some(super::q6kx8::group::<K>),
         RowLayout::Q4_0x8 => Some(super::q4x8::group::<K>),
-        RowLayout::Ggml => None,
+        // (No integer GEMM takes MXFP4: `applies` is false for every `K` above.)
+        RowLayout::Mxfp4x8 | RowLayout::Ggml => None,
     };
     let grouped = if let Some(group) = group {
         for gi in 0..rows / 8 {
