@@ -29,6 +29,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "crates",
 import write_gguf as W  # noqa: E402
 
 
+def write_tokenizer(w, vocab):
+    """A synthetic SentencePiece-style tokenizer of `vocab` pieces (write_gguf.py's `spm-space`)."""
+    tokens, scores, types, _ = W.synthetic_vocab(vocab, "spm-space")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -55,15 +68,7 @@ def main():
     w = gguf.GGUFWriter(a.out, "qwen3moe")
     w.add_name("tp moe bench model")
     W.write_metadata(w, "qwen3moe", cfg, a.heads, a.kv_heads, d)
-    tokens, scores, types, _ = W.synthetic_vocab(a.vocab, "spm-space")
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
+    write_tokenizer(w, a.vocab)
 
     params = 0
 
@@ -123,15 +128,7 @@ def gpt_oss(a):
     w = gguf.GGUFWriter(a.out, "gpt-oss")
     w.add_name("tp gpt-oss bench model")
     W.write_metadata(w, "gpt-oss", cfg, a.heads, a.kv_heads, d)
-    tokens, scores, types, _ = W.synthetic_vocab(a.vocab, "spm-space")
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
+    write_tokenizer(w, a.vocab)
     params = 0
 
     def q8(name, shape):

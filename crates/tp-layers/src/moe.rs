@@ -733,12 +733,7 @@ fn fused_experts(
             let gate = Linear::new(gate_up.narrow(0, 0, inter)?, None)?;
             let up = Linear::new(gate_up.narrow(0, inter, inter)?, None)?;
             let down = Linear::new(ld.expert("down_proj", i)?, None)?;
-            let act = config.activation;
-            if placement.is_expert_parallel() {
-                ParallelMlp::from_whole(&gate, &up, &down, act, ld.group()).map(Some)
-            } else {
-                ParallelMlp::from_full(&gate, &up, &down, act, ld.group()).map(Some)
-            }
+            place_expert([&gate, &up, &down], config, placement, ld.group()).map(Some)
         })
         .collect()
 }
@@ -839,14 +834,24 @@ fn interleaved_experts(
             let (gate, up) = (part(0)?, part(1)?);
             let down_w = down_w.to_dtype(dtype)?.to_device(&ld.device())?;
             let down = Linear::new(down_w, Some(ld.rows("down_proj_bias", i, 1)?.reshape(&[hidden])?))?;
-            let act = config.activation;
-            if placement.is_expert_parallel() {
-                ParallelMlp::from_whole(&gate, &up, &down, act, ld.group()).map(Some)
-            } else {
-                ParallelMlp::from_full(&gate, &up, &down, act, ld.group()).map(Some)
-            }
+            place_expert([&gate, &up, &down], config, placement, ld.group()).map(Some)
         })
         .collect()
+}
+
+/// This rank's part of one whole expert (`gate`, `up`: `[I, H]`, `down`: `[H, I]`): all of it
+/// under expert parallelism, else its balanced shard of the intermediate features.
+fn place_expert(
+    [gate, up, down]: [&Linear; 3],
+    config: MoeConfig,
+    placement: &ExpertPlacement,
+    group: &DeviceGroup,
+) -> Result<ParallelMlp> {
+    if placement.is_expert_parallel() {
+        ParallelMlp::from_whole(gate, up, down, config.activation, group)
+    } else {
+        ParallelMlp::from_full(gate, up, down, config.activation, group)
+    }
 }
 
 /// `sigmoid(g)` of a gate's output `g: [T, 1]`, one value per token, rounded to `g`'s dtype as

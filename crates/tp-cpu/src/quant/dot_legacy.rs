@@ -142,7 +142,7 @@ impl Legacy for Q80 {
 }
 
 /// MXFP4's code values plus [`Mxfp4::OFFSET`]: unsigned bytes (0..24) for the unsigned dot.
-const MXFP4_UNSIGNED: [u8; 16] = {
+pub(crate) const MXFP4_UNSIGNED: [u8; 16] = {
     let mut t = [0u8; 16];
     let mut i = 0;
     while i < 16 {

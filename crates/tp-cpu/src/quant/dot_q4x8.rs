@@ -61,66 +61,6 @@ pub(crate) struct Mxfp4x8;
 /// Bytes of one interleaved MXFP4 block of eight rows.
 const MX_GROUP_BLOCK: usize = 136;
 
-/// MXFP4's code values plus 12, as unsigned bytes.
-const MX_TABLE: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
-
-impl Group for Mxfp4x8 {
-    const BLOCK_BYTES: usize = 17;
-    const WIDEST: usize = 8;
-
-    #[inline(always)]
-    unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
-        // SAFETY: every read stays in the `nb` interleaved blocks at `g` and the first `nb`
-        // blocks of each activation row, as the caller guarantees; the instructions are the
-        // caller's.
-        unsafe {
-            let mut acc = [_mm256_setzero_ps(); M];
-            let mut corr = [_mm256_setzero_ps(); M];
-            let nibble = _mm256_set1_epi8(0x0F);
-            let t = _mm_loadu_si128(MX_TABLE.as_ptr().cast());
-            let table = _mm256_set_m128i(t, t);
-            let one = _mm256_set1_epi32(1);
-            for b in 0..nb {
-                let blk = g.add(b * MX_GROUP_BLOCK);
-                let ahead = blk.wrapping_add(PREFETCH * MX_GROUP_BLOCK);
-                for l in (0..MX_GROUP_BLOCK).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l).cast());
-                }
-                // 2^(e - 128): (e - 1) << 23 for e >= 2, 0x00200000 << e below (ggml's
-                // `GGML_E8M0_TO_FP32_HALF`).
-                let e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.cast()));
-                let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, one));
-                let small = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
-                let d = _mm256_castsi256_ps(_mm256_blendv_epi8(small, normal, _mm256_cmpgt_epi32(e, one)));
-                let mut lo = [_mm256_setzero_si256(); 4];
-                let mut hi = [_mm256_setzero_si256(); 4];
-                for c in 0..4 {
-                    let v = _mm256_loadu_si256(blk.add(8 + 32 * c).cast());
-                    lo[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, nibble));
-                    hi[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble));
-                }
-                for i in 0..M {
-                    let xq = xs[i].qs.as_ptr().add(b * 32);
-                    let bytes = |at: usize| _mm256_set1_epi64x(xq.add(at).cast::<i64>().read_unaligned());
-                    let (mut rows03, mut rows47) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                    for h in 0..2 {
-                        let (xl, xh) = (bytes(8 * h), bytes(16 + 8 * h));
-                        rows03 = D::dot_acc(rows03, lo[2 * h], xl);
-                        rows03 = D::dot_acc(rows03, hi[2 * h], xh);
-                        rows47 = D::dot_acc(rows47, lo[2 * h + 1], xl);
-                        rows47 = D::dot_acc(rows47, hi[2 * h + 1], xh);
-                    }
-                    let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(rows03, rows47));
-                    let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
-                    acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), acc[i]);
-                    corr[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(*xs[i].sx.get_unchecked(b)), corr[i]);
-                }
-            }
-            std::array::from_fn(|i| by_row(_mm256_fnmadd_ps(_mm256_set1_ps(12.0), corr[i], acc[i])))
-        }
-    }
-}
-
 /// The eight sums of `v`, in lane order [`LANES`], by row.
 ///
 /// # Safety
@@ -137,53 +77,137 @@ pub(crate) unsafe fn by_row(v: __m256) -> [f32; 8] {
     rows
 }
 
+/// A 4-bit type interleaved as Q4_0x8 is (eight rows' scales at the start of an interleaved
+/// block, then four 32-byte chunks of codes): how its scales and codes decode, and the offset
+/// its unsigned codes carry. [`Q40x8`] and [`Mxfp4x8`] share [`group4`] through it.
+trait FourBit {
+    /// Bytes of one interleaved block of eight rows, and where its codes start.
+    const GROUP_BLOCK: usize;
+    const CODES: usize;
+    /// The offset the unsigned codes carry (8 for Q4_0, 12 for MXFP4's looked-up values).
+    const OFFSET: f32;
+    /// The eight rows' scales `d`, in lane order, from the block at `blk`.
+    ///
+    /// # Safety
+    /// The block is readable; AVX2 and F16C.
+    unsafe fn scales(blk: *const u8) -> __m256;
+    /// The unsigned codes of 32 nibbles (`0..16` each).
+    ///
+    /// # Safety
+    /// AVX2.
+    unsafe fn codes(nibbles: __m256i) -> __m256i;
+}
+
+impl FourBit for Q40x8 {
+    const GROUP_BLOCK: usize = GROUP_BLOCK;
+    const CODES: usize = 16;
+    const OFFSET: f32 = 8.0;
+    #[inline(always)]
+    unsafe fn scales(blk: *const u8) -> __m256 {
+        // SAFETY: the eight f16 scales start the block; F16C as the caller guarantees.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.cast())) }
+    }
+    #[inline(always)]
+    unsafe fn codes(nibbles: __m256i) -> __m256i {
+        nibbles
+    }
+}
+
+impl FourBit for Mxfp4x8 {
+    const GROUP_BLOCK: usize = MX_GROUP_BLOCK;
+    const CODES: usize = 8;
+    const OFFSET: f32 = 12.0;
+    #[inline(always)]
+    unsafe fn scales(blk: *const u8) -> __m256 {
+        // SAFETY: the eight scale bytes start the block; AVX2 as the caller guarantees.
+        unsafe {
+            // 2^(e - 128): (e - 1) << 23 for e >= 2, 0x00200000 << e below (ggml's
+            // `GGML_E8M0_TO_FP32_HALF`).
+            let one = _mm256_set1_epi32(1);
+            let e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.cast()));
+            let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, one));
+            let small = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+            _mm256_castsi256_ps(_mm256_blendv_epi8(small, normal, _mm256_cmpgt_epi32(e, one)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn codes(nibbles: __m256i) -> __m256i {
+        // SAFETY: register operations; AVX2 as the caller guarantees.
+        unsafe {
+            let t = _mm_loadu_si128(super::dot_legacy::MXFP4_UNSIGNED.as_ptr().cast());
+            _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nibbles)
+        }
+    }
+}
+
+/// [`Group::group`] of a [`FourBit`] type (see the module docs).
+///
+/// # Safety
+/// As [`Group::group`].
+#[inline(always)]
+unsafe fn group4<F: FourBit, D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
+    // SAFETY: every read stays in the `nb` interleaved blocks at `g` and the first `nb` blocks of
+    // each activation row (codes, scales, sums), as the caller guarantees; the instructions are
+    // the caller's.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); M];
+        let mut corr = [_mm256_setzero_ps(); M];
+        let nibble = _mm256_set1_epi8(0x0F);
+        for b in 0..nb {
+            let blk = g.add(b * F::GROUP_BLOCK);
+            // The block `PREFETCH` ahead (past the group's end it is the next group's, which
+            // follows; a prefetch never faults).
+            let ahead = blk.wrapping_add(PREFETCH * F::GROUP_BLOCK);
+            for l in (0..F::GROUP_BLOCK).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l).cast());
+            }
+            let d = F::scales(blk);
+            let mut lo = [_mm256_setzero_si256(); 4];
+            let mut hi = [_mm256_setzero_si256(); 4];
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(blk.add(F::CODES + 32 * c).cast());
+                lo[c] = F::codes(_mm256_and_si256(v, nibble));
+                hi[c] = F::codes(_mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble));
+            }
+            for i in 0..M {
+                let xq = xs[i].qs.as_ptr().add(b * 32);
+                let bytes = |at: usize| _mm256_set1_epi64x(xq.add(at).cast::<i64>().read_unaligned());
+                let (mut rows03, mut rows47) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for h in 0..2 {
+                    let (xl, xh) = (bytes(8 * h), bytes(16 + 8 * h));
+                    rows03 = D::dot_acc(rows03, lo[2 * h], xl);
+                    rows03 = D::dot_acc(rows03, hi[2 * h], xh);
+                    rows47 = D::dot_acc(rows47, lo[2 * h + 1], xl);
+                    rows47 = D::dot_acc(rows47, hi[2 * h + 1], xh);
+                }
+                let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(rows03, rows47));
+                let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
+                acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), acc[i]);
+                corr[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(*xs[i].sx.get_unchecked(b)), corr[i]);
+            }
+        }
+        std::array::from_fn(|i| by_row(_mm256_fnmadd_ps(_mm256_set1_ps(F::OFFSET), corr[i], acc[i])))
+    }
+}
+
 impl Group for Q40x8 {
     const BLOCK_BYTES: usize = 18;
     const WIDEST: usize = 8;
 
     #[inline(always)]
     unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
-        // SAFETY: every read stays in the `nb` interleaved blocks at `g` and the first `nb`
-        // blocks of each activation row (codes, scales, sums), as the caller guarantees; the
-        // instructions are the caller's.
-        unsafe {
-            let mut acc = [_mm256_setzero_ps(); M];
-            let mut corr = [_mm256_setzero_ps(); M];
-            let nibble = _mm256_set1_epi8(0x0F);
-            for b in 0..nb {
-                let blk = g.add(b * GROUP_BLOCK);
-                // The block `PREFETCH` ahead (past the group's end it is the next group's, which
-                // follows; a prefetch never faults).
-                let ahead = blk.wrapping_add(PREFETCH * GROUP_BLOCK);
-                for l in (0..GROUP_BLOCK).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l).cast());
-                }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
-                let mut lo = [_mm256_setzero_si256(); 4];
-                let mut hi = [_mm256_setzero_si256(); 4];
-                for c in 0..4 {
-                    let v = _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
-                    lo[c] = _mm256_and_si256(v, nibble);
-                    hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
-                }
-                for i in 0..M {
-                    let xq = xs[i].qs.as_ptr().add(b * 32);
-                    let bytes = |at: usize| _mm256_set1_epi64x(xq.add(at).cast::<i64>().read_unaligned());
-                    let (mut rows03, mut rows47) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                    for h in 0..2 {
-                        let (xl, xh) = (bytes(8 * h), bytes(16 + 8 * h));
-                        rows03 = D::dot_acc(rows03, lo[2 * h], xl);
-                        rows03 = D::dot_acc(rows03, hi[2 * h], xh);
-                        rows47 = D::dot_acc(rows47, lo[2 * h + 1], xl);
-                        rows47 = D::dot_acc(rows47, hi[2 * h + 1], xh);
-                    }
-                    let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(rows03, rows47));
-                    let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
-                    acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), acc[i]);
-                    corr[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(*xs[i].sx.get_unchecked(b)), corr[i]);
-                }
-            }
-            std::array::from_fn(|i| by_row(_mm256_fnmadd_ps(_mm256_set1_ps(8.0), corr[i], acc[i])))
-        }
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { group4::<Self, D, M>(g, nb, xs) }
+    }
+}
+
+impl Group for Mxfp4x8 {
+    const BLOCK_BYTES: usize = 17;
+    const WIDEST: usize = 8;
+
+    #[inline(always)]
+    unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { group4::<Self, D, M>(g, nb, xs) }
     }
 }
