@@ -336,8 +336,8 @@ fn stacked_parts_are_the_per_part_products_side_by_side() {
     assert!(y.iter().all(|&v| v == 7.0), "an error wrote to y");
 }
 
-/// Q4_0, Q4_K, Q6_K and MXFP4 rows interleaved eight at a time (`RowLayout::Q4_0x8`, `Q4Kx8`,
-/// `Q6Kx8`, `Mxfp4x8`: what `RowLayout::preferred` gives them) stay within the documented bound on every kernel and
+/// Q4_0, Q4_K, Q6_K, MXFP4 and Q8_0 rows interleaved eight at a time (`RowLayout::Q4_0x8`,
+/// `Q4Kx8`, `Q6Kx8`, `Mxfp4x8`, `Q8_0x8`: what `RowLayout::preferred` gives them) stay within the documented bound on every kernel and
 /// both paths, at row counts off the group of eight and task sizes, with 1 to 600 activation
 /// rows (past 95 the integer path runs in passes; on AVX512-VNNI the integer GEMM takes over from
 /// 32 rows): the same checks as for ggml's layout (the integer sums are the same; only
@@ -348,7 +348,8 @@ fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
     assert_eq!(RowLayout::preferred(QuantType::Q4K), RowLayout::Q4Kx8);
     assert_eq!(RowLayout::preferred(QuantType::Q6K), RowLayout::Q6Kx8);
     assert_eq!(RowLayout::preferred(QuantType::Mxfp4), RowLayout::Mxfp4x8);
-    assert_eq!(RowLayout::preferred(QuantType::Q8_0), RowLayout::Ggml);
+    assert_eq!(RowLayout::preferred(QuantType::Q8_0), RowLayout::Q8_0x8);
+    assert_eq!(RowLayout::preferred(QuantType::Q5_0), RowLayout::Ggml);
     let mut rng = Rng(31);
     // The last case's rows are long enough that the GEMM path's tiles (224 rows there) end
     // inside the weight: the second tile starts on a group and ends in the ggml-layout rows.
@@ -369,7 +370,7 @@ fn interleaved_rows_stay_within_the_bound_on_every_kernel() {
         (101, 270, 1),
         (24, 600, 1),
     ];
-    for t in [QuantType::Q4_0, QuantType::Q4K, QuantType::Q6K, QuantType::Mxfp4] {
+    for t in [QuantType::Q4_0, QuantType::Q4K, QuantType::Q6K, QuantType::Mxfp4, QuantType::Q8_0] {
         let layout = RowLayout::preferred(t);
         for (rows, m, scale_k) in cases {
             // An odd number of blocks: 37 of Q4_0 / MXFP4, 5 super-blocks of Q4_K / Q6_K (times 8

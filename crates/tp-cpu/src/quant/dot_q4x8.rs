@@ -1,5 +1,6 @@
 //! The x86 decode kernel of Q4_0 rows in [`RowLayout::Q4_0x8`](super::interleave::RowLayout):
-//! eight weight rows against `M` Q8_0 activation rows, one interleaved block at a time.
+//! eight weight rows against `M` Q8_0 activation rows, one interleaved block at a time (and, the
+//! same way, MXFP4's [`Mxfp4x8`] and Q8_0's [`Q80x8`], at the end).
 //!
 //! Per block: the eight rows' scales in one load and one `vcvtph2ps`; the 128 code bytes in four
 //! 32-byte loads, each split into its low and high nibbles (elements `8h..8h + 8` and
@@ -57,6 +58,12 @@ pub(crate) struct Q40x8;
 
 /// MXFP4 in `RowLayout::Mxfp4x8`.
 pub(crate) struct Mxfp4x8;
+
+/// Q8_0 in `RowLayout::Q8_0x8`.
+pub(crate) struct Q80x8;
+
+/// Bytes of one interleaved Q8_0 block of eight rows.
+const Q8_GROUP_BLOCK: usize = 272;
 
 /// Bytes of one interleaved MXFP4 block of eight rows.
 const MX_GROUP_BLOCK: usize = 136;
@@ -209,5 +216,51 @@ impl Group for Mxfp4x8 {
     unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
         // SAFETY: the caller's guarantees, passed on.
         unsafe { group4::<Self, D, M>(g, nb, xs) }
+    }
+}
+
+/// Q8_0's rows eight at a time: each block's eight `f16` scales in one conversion, its eight
+/// 32-byte chunks of signed codes through the sign trick (`|w|` against `x` with `w`'s sign, as
+/// ggml's and the row kernel's: the pairwise sums of AVX2's unsigned-by-signed multiply stay
+/// below `2 · 128 · 127` and never saturate), so the integer sums are exact.
+impl Group for Q80x8 {
+    const BLOCK_BYTES: usize = 34;
+    const WIDEST: usize = 8;
+
+    #[inline(always)]
+    unsafe fn group<D: Dot, const M: usize>(g: *const u8, nb: usize, xs: &[XRow<'_>; M]) -> [[f32; 8]; M] {
+        // SAFETY: every read stays in the `nb` interleaved blocks at `g` and the first `nb`
+        // blocks of each activation row, as the caller guarantees; the instructions are the
+        // caller's.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); M];
+            for b in 0..nb {
+                let blk = g.add(b * Q8_GROUP_BLOCK);
+                let ahead = blk.wrapping_add(PREFETCH * Q8_GROUP_BLOCK);
+                for l in (0..Q8_GROUP_BLOCK).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l).cast());
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
+                let mut w = [_mm256_setzero_si256(); 8];
+                let mut a = [_mm256_setzero_si256(); 8];
+                for c in 0..8 {
+                    w[c] = _mm256_loadu_si256(blk.add(16 + 32 * c).cast());
+                    a[c] = _mm256_abs_epi8(w[c]);
+                }
+                for i in 0..M {
+                    let xq = xs[i].qs.as_ptr().add(b * 32);
+                    let (mut rows03, mut rows47) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for p in 0..4 {
+                        let x = _mm256_set1_epi64x(xq.add(8 * p).cast::<i64>().read_unaligned());
+                        rows03 = D::dot_acc(rows03, a[2 * p], _mm256_sign_epi8(x, w[2 * p]));
+                        rows47 = D::dot_acc(rows47, a[2 * p + 1], _mm256_sign_epi8(x, w[2 * p + 1]));
+                    }
+                    let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(rows03, rows47));
+                    let dx = _mm256_set1_ps(*xs[i].d.get_unchecked(b));
+                    acc[i] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dx), acc[i]);
+                }
+            }
+            std::array::from_fn(|i| by_row(acc[i]))
+        }
     }
 }

@@ -199,6 +199,9 @@ macro_rules! isa_entry {
                         QuantType::Q4_1 => legacy::<lg::Q41>(w, row_bytes, xs, out),
                         QuantType::Q5_0 => legacy::<lg::Q50>(w, row_bytes, xs, out),
                         QuantType::Q5_1 => legacy::<lg::Q51>(w, row_bytes, xs, out),
+                        QuantType::Q8_0 if interleaved => {
+                            grouped::<q4::Q80x8>(w, row_bytes, xs, out, legacy::<lg::Q80>)
+                        }
                         QuantType::Q8_0 => legacy::<lg::Q80>(w, row_bytes, xs, out),
                         QuantType::Mxfp4 if interleaved => {
                             grouped::<q4::Mxfp4x8>(w, row_bytes, xs, out, legacy::<lg::Mxfp4>)

@@ -26,6 +26,11 @@
 //! E8M0 scale bytes side by side in lane order, then their codes as Q4_0x8 places them, so that
 //! the kernel (`dot_q4x8`'s `Mxfp4x8`) decodes eight rows' scales at once.
 //!
+//! [`RowLayout::Q8_0x8`] does the same for Q8_0 blocks (see [`q8_place`]): the eight rows' `f16`
+//! scales in lane order, then their 32 code bytes in 8-byte pieces, piece `p` of rows
+//! `4q .. 4q + 4` in chunk `2p + q`, so that the kernel (`dot_q8x8`) dots a chunk with the
+//! activation's matching 8 bytes for four rows at once.
+//!
 //! Rows past the last whole group (`rows % 8` of them) keep ggml's layout, after the groups.
 //! Everything but the host decode kernels reads ggml's layout: [`to_ggml`] puts rows back.
 
@@ -46,6 +51,8 @@ pub enum RowLayout {
     Q6Kx8,
     /// MXFP4 only: groups of eight rows interleaved block by block (see `mx_place`).
     Mxfp4x8,
+    /// Q8_0 only: groups of eight rows interleaved block by block (see `q8_place`).
+    Q8_0x8,
 }
 
 impl RowLayout {
@@ -56,6 +63,7 @@ impl RowLayout {
             QuantType::Q4K => RowLayout::Q4Kx8,
             QuantType::Q6K => RowLayout::Q6Kx8,
             QuantType::Mxfp4 => RowLayout::Mxfp4x8,
+            QuantType::Q8_0 => RowLayout::Q8_0x8,
             _ => RowLayout::Ggml,
         }
     }
@@ -68,6 +76,7 @@ impl RowLayout {
                 | (RowLayout::Q4Kx8, QuantType::Q4K)
                 | (RowLayout::Q6Kx8, QuantType::Q6K)
                 | (RowLayout::Mxfp4x8, QuantType::Mxfp4)
+                | (RowLayout::Q8_0x8, QuantType::Q8_0)
         )
     }
 }
@@ -242,6 +251,42 @@ fn deinterleave_mx(src: &[u8], nb: usize, dst: &mut [u8]) {
     }
 }
 
+/// Bytes of a Q8_0 block (`f16` scale, 32 code bytes), and of an interleaved block of eight rows.
+const Q8_BLOCK: usize = 34;
+const Q8_GROUP_BLOCK: usize = 8 * Q8_BLOCK;
+/// Where an interleaved Q8_0 block's codes start (after the eight scales).
+pub(crate) const Q8_CODES: usize = 16;
+
+/// Where byte `i` of a Q8_0 block goes in an interleaved block of eight rows
+/// (`RowLayout::Q8_0x8`), for row `r = 4 q + rr` whose lane is `l`: the scale's two bytes at
+/// `2 l`; code byte `j = i - 2` at `16 + 32 (2 (j / 8) + q) + 8 rr + j % 8`.
+fn q8_place(r: usize, i: usize) -> usize {
+    let l = LANES.iter().position(|&x| x == r).unwrap_or(0);
+    if i < 2 {
+        return 2 * l + i;
+    }
+    let (j, (q, rr)) = (i - 2, (r / 4, r % 4));
+    Q8_CODES + 32 * (2 * (j / 8) + q) + 8 * rr + j % 8
+}
+
+/// One interleaved Q8_0 group back into eight ggml rows, block by block.
+fn deinterleave_q8(src: &[u8], nb: usize, dst: &mut [u8]) {
+    let row_bytes = nb * Q8_BLOCK;
+    for b in 0..nb {
+        let inp = &src[b * Q8_GROUP_BLOCK..(b + 1) * Q8_GROUP_BLOCK];
+        for r in 0..8 {
+            let out = &mut dst[r * row_bytes + b * Q8_BLOCK..][..Q8_BLOCK];
+            let l = LANE_OF[r];
+            out[..2].copy_from_slice(&inp[2 * l..2 * l + 2]);
+            let (q, rr) = (r / 4, r % 4);
+            for p in 0..4 {
+                let at = Q8_CODES + 32 * (2 * p + q) + 8 * rr;
+                out[2 + 8 * p..10 + 8 * p].copy_from_slice(&inp[at..at + 8]);
+            }
+        }
+    }
+}
+
 /// Bytes of a Q6_K super-block (128 bytes of low code nibbles, 64 of high code bits, 16 signed
 /// scales, `d`), and of an interleaved super-block of eight rows.
 const K6_BLOCK: usize = 210;
@@ -327,6 +372,7 @@ pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: us
             RowLayout::Q4Kx8 => interleave_blocks(group, row_bytes / K_BLOCK, K_BLOCK, k_place, &mut tmp),
             RowLayout::Q6Kx8 => interleave_blocks(group, row_bytes / K6_BLOCK, K6_BLOCK, k6_place, &mut tmp),
             RowLayout::Mxfp4x8 => interleave_blocks(group, row_bytes / MX_BLOCK, MX_BLOCK, mx_place, &mut tmp),
+            RowLayout::Q8_0x8 => interleave_blocks(group, row_bytes / Q8_BLOCK, Q8_BLOCK, q8_place, &mut tmp),
             _ => interleave(group, row_bytes / BLOCK, &mut tmp),
         }
         group.copy_from_slice(&tmp);
@@ -373,6 +419,7 @@ pub(crate) fn to_ggml(t: QuantType, layout: RowLayout, src: &[u8], row_bytes: us
             RowLayout::Q4Kx8 => deinterleave_k(s, row_bytes / K_BLOCK, d),
             RowLayout::Q6Kx8 => deinterleave_k6(s, row_bytes / K6_BLOCK, d),
             RowLayout::Mxfp4x8 => deinterleave_mx(s, row_bytes / MX_BLOCK, d),
+            RowLayout::Q8_0x8 => deinterleave_q8(s, row_bytes / Q8_BLOCK, d),
             _ => deinterleave(s, row_bytes / BLOCK, d),
         }
     }

@@ -210,7 +210,7 @@ pub(crate) unsafe fn build<K: Kind>(
         RowLayout::Q6Kx8 => Some(super::q6kx8::group::<K>),
         RowLayout::Q4_0x8 => Some(super::q4x8::group::<K>),
         // (No integer GEMM takes MXFP4: `applies` is false for every `K` above.)
-        RowLayout::Mxfp4x8 | RowLayout::Ggml => None,
+        RowLayout::Mxfp4x8 | RowLayout::Q8_0x8 | RowLayout::Ggml => None,
     };
     let grouped = if let Some(group) = group {
         for gi in 0..rows / 8 {
