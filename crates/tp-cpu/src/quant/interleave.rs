@@ -28,8 +28,8 @@
 //!
 //! [`RowLayout::Q8_0x8`] does the same for Q8_0 blocks (see [`q8_place`]): the eight rows' `f16`
 //! scales in lane order, then their 32 code bytes in 8-byte pieces, piece `p` of rows
-//! `4q .. 4q + 4` in chunk `2p + q`, so that the kernel (`dot_q8x8`) dots a chunk with the
-//! activation's matching 8 bytes for four rows at once.
+//! `4q .. 4q + 4` in chunk `2p + q`, so that the kernel dots a chunk with the
+//! activation's matching 8 bytes for four rows at once (`dot_q4x8`'s `Q80x8`).
 //!
 //! Rows past the last whole group (`rows % 8` of them) keep ggml's layout, after the groups.
 //! Everything but the host decode kernels reads ggml's layout: [`to_ggml`] puts rows back.
@@ -429,6 +429,25 @@ pub(crate) fn to_ggml(t: QuantType, layout: RowLayout, src: &[u8], row_bytes: us
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Q8_0 groups go there and back, pieces where documented.
+    #[test]
+    fn q8_0_rows_go_there_and_back() {
+        let t = QuantType::Q8_0;
+        let (nb, rows) = (2, 17);
+        let row_bytes = nb * Q8_BLOCK;
+        let ggml: Vec<u8> = (0..rows * row_bytes).map(|i| (i * 53 % 251) as u8).collect();
+        let mut x8 = ggml.clone();
+        to_layout(t, RowLayout::Q8_0x8, &mut x8, row_bytes).unwrap();
+        assert_eq!(x8[16 * row_bytes..], ggml[16 * row_bytes..], "rows past the last group stay");
+        // Row 6 (q 1, rr 2), piece 3 (codes 24..32) of block 0; its scale in lane 6.
+        let at = Q8_CODES + 32 * 7 + 16;
+        assert_eq!(x8[at..at + 8], ggml[6 * row_bytes + 26..6 * row_bytes + 34]);
+        assert_eq!(x8[12..14], ggml[6 * row_bytes..6 * row_bytes + 2]);
+        let mut back = vec![0u8; ggml.len()];
+        to_ggml(t, RowLayout::Q8_0x8, &x8, row_bytes, &mut back);
+        assert_eq!(back, ggml);
+    }
 
     /// MXFP4 groups go there and back, scale bytes in lane order, codes where Q4_0x8 puts them.
     #[test]
