@@ -428,3 +428,72 @@ fn moe_fields_read_with_the_classes_defaults_and_bad_ones_are_named() {
         assert!(e.to_string().contains(named), "{field} = {value}: {e}");
     }
 }
+
+/// gpt-oss-20b's config.json in the form the Hub serves it (transformers 4 form: `rope_scaling`
+/// with `rope_theta` beside it, `quantization_config` for its MXFP4 experts, `experts_per_token`
+/// and `initial_context_length` keys transformers does not read), and the defaults of
+/// `GptOssConfig` when those keys are absent.
+#[test]
+fn gpt_oss_configs_read_as_transformers_reads_them() {
+    let layer_types: Vec<&str> =
+        (0..24).map(|i| if i % 2 == 0 { "sliding_attention" } else { "full_attention" }).collect();
+    let hub = json!({
+        "architectures": ["GptOssForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+        "intermediate_size": 2880, "layer_types": layer_types, "max_position_embeddings": 131072,
+        "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": false, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+            "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+            "rope_type": "yarn", "truncate": false},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": false, "use_cache": true, "vocab_size": 201088
+    });
+    let c = parse(hub.clone()).unwrap();
+    assert_eq!(c.architecture, Architecture::GptOss);
+    assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (64, 8, 64));
+    assert_eq!((c.qkv_bias, c.o_bias, c.mlp_bias), (true, true, false));
+    assert_eq!(c.sliding_window, Some(128));
+    assert_eq!(c.window_of(0), Some(128));
+    assert_eq!(c.window_of(1), None);
+    assert_eq!(c.rope_theta, 150000.0);
+    let RopeScaling::Yarn { factor, original_max_position_embeddings, truncate, .. } = c.rope_scaling else {
+        panic!("{:?}", c.rope_scaling)
+    };
+    assert_eq!((factor, original_max_position_embeddings, truncate), (32.0, 4096.0, false));
+    let moe = c.moe.as_ref().unwrap();
+    assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate_size), (32, 4, 2880));
+    assert!(moe.norm_topk_prob && moe.sparse_layers.iter().all(|&s| s));
+    assert_eq!(moe.router_aux_loss_coef, 0.9);
+    assert_eq!(moe.activation, Some(tp_core::Activation::ClampedSwiglu { alpha: 1.702, limit: 7.0 }));
+    // The class's defaults: attention biases on, a window of 128 on the even layers, YaRN.
+    let mut bare = hub;
+    for key in ["attention_bias", "layer_types", "sliding_window", "rope_scaling", "rope_theta", "swiglu_limit"] {
+        bare.as_object_mut().unwrap().remove(key);
+    }
+    let d = parse(bare).unwrap();
+    assert_eq!((d.qkv_bias, d.o_bias, d.sliding_window, d.rope_theta), (true, true, Some(128), 150000.0));
+    assert_eq!((d.window_of(2), d.window_of(3)), (Some(128), None));
+    assert!(matches!(d.rope_scaling, RopeScaling::Yarn { factor: 32.0, truncate: false, .. }), "{:?}", d.rope_scaling);
+    assert_eq!(d, c, "the Hub's config spells out the class's defaults");
+    // A clamp or gain that is not a positive number is refused by name.
+    for key in ["swiglu_limit", "swiglu_alpha"] {
+        let e = parse(gpt_oss_with(key, json!(-1.0))).unwrap_err().to_string();
+        assert!(e.contains(key), "{e}");
+    }
+    assert!(parse(gpt_oss_with("swiglu_limit", json!(1.5))).is_ok());
+}
+
+/// A small gpt-oss config with `key` set to `v`.
+fn gpt_oss_with(key: &str, v: Value) -> Value {
+    let mut base = json!({
+        "architectures": ["GptOssForCausalLM"], "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 100, "num_local_experts": 4,
+        "num_experts_per_tok": 2
+    });
+    base[key] = v;
+    base
+}
