@@ -122,17 +122,32 @@ pub fn matmul_tn<T: Float>(
         // Nothing is read from `a`: the plain product gives the bias (or zeros).
         return matmul(a, w, layout, bias, shape, y);
     }
+    tn_gemm(a, w, layout, bias, shape, y, false);
+    Ok(())
+}
+
+/// The GEMM of [`matmul_tn`] (storing) and [`matmul_tn_acc`] (`accumulate`): `a`'s panels
+/// packed from its columns, or on AMX (whose tiles take rows) from a transposed copy. `m`, `n`
+/// and `k` nonzero; lengths checked.
+fn tn_gemm<T: Float>(
+    a: &[T],
+    w: &[T],
+    layout: Layout,
+    bias: Option<&[f32]>,
+    GemmShape { m, n, k }: GemmShape,
+    y: &mut [MaybeUninit<f32>],
+    accumulate: bool,
+) {
     let micro = Micro::choose(CpuKernel::current(), T::KIND);
     if matches!(micro, Micro::Amx { .. }) {
         let mut t = Vec::with_capacity(m * k);
         for i in 0..m {
             t.extend((0..k).map(|j| a[j * m + i]));
         }
-        gemm::gemm(micro, ASource::Rows(&t), BSource::Pack(w, layout), bias, m, k, n, y);
+        gemm::gemm_into(micro, ASource::Rows(&t), BSource::Pack(w, layout), bias, m, k, n, y, accumulate);
     } else {
-        gemm::gemm(micro, ASource::Cols(a), BSource::Pack(w, layout), bias, m, k, n, y);
+        gemm::gemm_into(micro, ASource::Cols(a), BSource::Pack(w, layout), bias, m, k, n, y, accumulate);
     }
-    Ok(())
 }
 
 /// `y += a^T · op(W)` into an initialised `y: [m, n]`: [`matmul_tn`] accumulating in place (the
@@ -149,16 +164,7 @@ pub fn matmul_tn_acc<T: Float>(a: &[T], w: &[T], layout: Layout, shape: GemmShap
     if k == 0 || m == 0 || n == 0 {
         return Ok(());
     }
-    let micro = Micro::choose(CpuKernel::current(), T::KIND);
-    if matches!(micro, Micro::Amx { .. }) {
-        let mut t = Vec::with_capacity(m * k);
-        for i in 0..m {
-            t.extend((0..k).map(|j| a[j * m + i]));
-        }
-        gemm::gemm_into(micro, ASource::Rows(&t), BSource::Pack(w, layout), None, m, k, n, view, true);
-    } else {
-        gemm::gemm_into(micro, ASource::Cols(a), BSource::Pack(w, layout), None, m, k, n, view, true);
-    }
+    tn_gemm(a, w, layout, None, shape, view, true);
     Ok(())
 }
 
