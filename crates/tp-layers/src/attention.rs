@@ -212,7 +212,8 @@ impl ParallelAttention {
     }
 
     /// Sets the sink logits from the model's full `[heads]` vector (any float dtype): this rank
-    /// keeps its query heads' entries, in f32.
+    /// keeps its query heads' entries, in the layer's dtype (after [`new`](Self::new) or
+    /// [`from_full`](Self::from_full); [`load`](Self::load) reads them itself).
     ///
     /// Errors: a config without sinks, a vector of another length, a non-finite logit.
     pub fn set_sinks(&mut self, full: &Tensor) -> Result<()> {
@@ -273,19 +274,6 @@ impl ParallelAttention {
             _ => None,
         };
         Self::new(qkv, o_proj, norms, config)
-    }
-
-    /// [`from_full`](Self::from_full) with the full `[heads]` sink logits (gpt-oss).
-    pub fn from_full_with_sinks(
-        proj: [&Linear; 4],
-        qk_norm: Option<(&Tensor, &Tensor)>,
-        sinks: &Tensor,
-        config: AttentionConfig,
-        group: &DeviceGroup,
-    ) -> Result<ParallelAttention> {
-        let mut a = Self::from_full(proj, qk_norm, config, group)?;
-        a.set_sinks(sinks)?;
-        Ok(a)
     }
 
     /// Loads the projections (and q/k norms) named by `names` under the loader's prefix, each

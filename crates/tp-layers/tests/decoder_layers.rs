@@ -360,3 +360,28 @@ fn impossible_attention_layouts_and_shapes_are_typed_errors() {
     });
     assert_eq!(ok, vec![(0, 1), (1, 1), (1, 1)]);
 }
+
+/// Attention sinks (gpt-oss): each rank keeps its own heads' logits of the full `[heads]`
+/// vector (5 heads over 2 ranks: 3 and 2); a layer configured without sinks, a vector of another
+/// length or a non-finite logit is refused and leaves the layer without sinks.
+#[test]
+fn attention_sinks_are_split_by_head_and_bad_ones_refused() {
+    let w = AttnWeights::random(HIDDEN, 5, 5, 8, false, DType::F32, 21);
+    let full = Tensor::from_vec(vec![0.5f32, -1.0, 2.0, 0.25, -3.0], &[5], &CPU).unwrap();
+    let got = on_ranks(2, CPU, |g| {
+        let with = AttentionConfig { sinks: true, ..config(5, 5, 8, None) };
+        let mut a = ParallelAttention::from_full([&w.q, &w.k, &w.v, &w.o], None, with, &g).unwrap();
+        for bad in [vec![0.0f32; 4], vec![0.0, 1.0, f32::INFINITY, 0.0, 0.0]] {
+            let n = bad.len();
+            let e = a.set_sinks(&Tensor::from_vec(bad, &[n], &CPU).unwrap()).unwrap_err();
+            assert!(e.to_string().contains("sinks"), "{e}");
+            assert!(a.sinks().unwrap().is_none());
+        }
+        a.set_sinks(&full).unwrap();
+        let mut without =
+            ParallelAttention::from_full([&w.q, &w.k, &w.v, &w.o], None, config(5, 5, 8, None), &g).unwrap();
+        assert!(without.set_sinks(&full).unwrap_err().to_string().contains("configured with sinks"));
+        a.sinks().unwrap().unwrap().to_vec()
+    });
+    assert_eq!(got, vec![vec![0.5, -1.0, 2.0], vec![0.25, -3.0]]);
+}
