@@ -22,11 +22,11 @@
 //! code bytes in 8-byte runs of four rows, as ggml stores them within a row, so that the kernel
 //! (`dot_q6kx8`) unpacks four rows' codes with ggml's own bit operations.
 //!
-//! [`RowLayout::Mxfp4x8`] does the same for MXFP4 blocks (see [`mx_place`]): the eight rows'
+//! [`RowLayout::Mxfp4x8`] does the same for MXFP4 blocks (see [`Pieces`]): the eight rows'
 //! E8M0 scale bytes side by side in lane order, then their codes as Q4_0x8 places them, so that
 //! the kernel (`dot_q4x8`'s `Mxfp4x8`) decodes eight rows' scales at once.
 //!
-//! [`RowLayout::Q8_0x8`] does the same for Q8_0 blocks (see [`q8_place`]): the eight rows' `f16`
+//! [`RowLayout::Q8_0x8`] does the same for Q8_0 blocks (see [`Pieces`]): the eight rows' `f16`
 //! scales in lane order, then their 32 code bytes in 8-byte pieces, piece `p` of rows
 //! `4q .. 4q + 4` in chunk `2p + q`, so that the kernel dots a chunk with the
 //! activation's matching 8 bytes for four rows at once (`dot_q4x8`'s `Q80x8`).
@@ -49,9 +49,9 @@ pub enum RowLayout {
     Q4Kx8,
     /// Q6_K only: groups of eight rows interleaved super-block by super-block (see `k6_place`).
     Q6Kx8,
-    /// MXFP4 only: groups of eight rows interleaved block by block (see `mx_place`).
+    /// MXFP4 only: groups of eight rows interleaved block by block (see `Pieces`).
     Mxfp4x8,
-    /// Q8_0 only: groups of eight rows interleaved block by block (see `q8_place`).
+    /// Q8_0 only: groups of eight rows interleaved block by block (see `Pieces`).
     Q8_0x8,
 }
 
@@ -86,49 +86,57 @@ pub(crate) const LANES: [usize; 8] = [0, 1, 4, 5, 2, 3, 6, 7];
 
 /// Bytes of a Q4_0 block, and of an interleaved block of eight.
 const BLOCK: usize = 18;
+#[cfg(test)]
 const GROUP_BLOCK: usize = 8 * BLOCK;
 
-/// One group: eight ggml rows of `nb` blocks (`src`, row after row) into `dst` interleaved.
-fn interleave(src: &[u8], nb: usize, dst: &mut [u8]) {
-    let row_bytes = nb * BLOCK;
-    for b in 0..nb {
-        let out = &mut dst[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-        let block = |r: usize| &src[r * row_bytes + b * BLOCK..][..BLOCK];
-        for (l, &r) in LANES.iter().enumerate() {
-            out[2 * l..2 * l + 2].copy_from_slice(&block(r)[..2]);
-        }
-        for h in 0..2 {
-            for q in 0..2 {
-                for rr in 0..4 {
-                    let at = 16 + 32 * (2 * h + q) + 8 * rr;
-                    out[at..at + 8].copy_from_slice(&block(4 * q + rr)[2 + 8 * h..][..8]);
-                }
-            }
-        }
-    }
+/// A block type interleaved in 8-byte pieces (Q4_0x8, Mxfp4x8, Q8_0x8): `block` bytes a row,
+/// the first `scale` of them its scale; in an interleaved block the eight rows' scales side by
+/// side in lane order (bytes `0 .. 8 scale`), then the code bytes in 8-byte pieces, piece `p`
+/// (the row's code bytes `8p .. 8p + 8`) of rows `4q .. 4q + 4` in the 32-byte chunk `2p + q`.
+#[derive(Debug, Clone, Copy)]
+struct Pieces {
+    block: usize,
+    scale: usize,
 }
 
-/// One interleaved group back into eight ggml rows.
-fn deinterleave(src: &[u8], nb: usize, dst: &mut [u8]) {
-    let row_bytes = nb * BLOCK;
-    for b in 0..nb {
-        let inp = &src[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK];
-        for r in 0..8 {
-            block_q4_0(inp, r, &mut dst[r * row_bytes + b * BLOCK..][..BLOCK]);
+impl Pieces {
+    const Q4_0: Pieces = Pieces { block: BLOCK, scale: 2 };
+    const MXFP4: Pieces = Pieces { block: 17, scale: 1 };
+    const Q8_0: Pieces = Pieces { block: 34, scale: 2 };
+
+    /// Where the codes of an interleaved block start.
+    const fn codes(self) -> usize {
+        8 * self.scale
+    }
+
+    /// The runs of one group of eight rows of `nb` blocks: `(byte in ggml's layout (row after
+    /// row), byte in the interleaved one, length)` for each row's scale and each of its 8-byte
+    /// pieces of codes.
+    fn runs(self, nb: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+        let (row_bytes, group, pieces) = (nb * self.block, 8 * self.block, (self.block - self.scale) / 8);
+        (0..nb).flat_map(move |b| {
+            (0..8).flat_map(move |r| {
+                let (l, q, rr) = (LANE_OF[r], r / 4, r % 4);
+                let row = r * row_bytes + b * self.block;
+                let codes = b * group + self.codes() + 8 * rr;
+                std::iter::once((row, b * group + self.scale * l, self.scale))
+                    .chain((0..pieces).map(move |p| (row + self.scale + 8 * p, codes + 32 * (2 * p + q), 8)))
+            })
+        })
+    }
+
+    /// One group of eight ggml rows of `nb` blocks (`src`) into `dst` interleaved.
+    fn interleave(self, src: &[u8], nb: usize, dst: &mut [u8]) {
+        for (g, x, len) in self.runs(nb) {
+            dst[x..x + len].copy_from_slice(&src[g..g + len]);
         }
     }
-}
 
-/// Row `r`'s ggml block out of one interleaved Q4_0 block of eight rows (`inp`, 144 bytes) into
-/// `out` (18 bytes).
-#[inline(always)]
-fn block_q4_0(inp: &[u8], r: usize, out: &mut [u8]) {
-    let l = LANE_OF[r];
-    out[..2].copy_from_slice(&inp[2 * l..2 * l + 2]);
-    let (q, rr) = (r / 4, r % 4);
-    for h in 0..2 {
-        let at = 16 + 32 * (2 * h + q) + 8 * rr;
-        out[2 + 8 * h..10 + 8 * h].copy_from_slice(&inp[at..at + 8]);
+    /// One interleaved group (`src`) back into eight ggml rows.
+    fn deinterleave(self, src: &[u8], nb: usize, dst: &mut [u8]) {
+        for (g, x, len) in self.runs(nb) {
+            dst[g..g + len].copy_from_slice(&src[x..x + len]);
+        }
     }
 }
 
@@ -214,78 +222,11 @@ fn block_q4k(inp: &[u8], r: usize, out: &mut [u8]) {
     }
 }
 
-/// Bytes of an MXFP4 block (the E8M0 scale byte, 16 code bytes), and of an interleaved block of
-/// eight rows.
-const MX_BLOCK: usize = 17;
-const MX_GROUP_BLOCK: usize = 8 * MX_BLOCK;
-/// Where an interleaved MXFP4 block's codes start (after the eight scale bytes).
-pub(crate) const MX_CODES: usize = 8;
-
-/// Where byte `i` of an MXFP4 block goes in an interleaved block of eight rows
-/// (`RowLayout::Mxfp4x8`), for row `r` whose lane is `l` (`LANES[l] == r`): the scale byte at
-/// `l` (bytes `0..8`); code byte `j = i - 1` at `8 + 32 (2 h + q) + 8 rr + j % 8` with
-/// `h = j / 8` and row `4 q + rr`, as Q4_0x8 places its codes.
-fn mx_place(r: usize, i: usize) -> usize {
-    let l = LANES.iter().position(|&x| x == r).unwrap_or(0);
-    if i == 0 {
-        return l;
-    }
-    let (j, (q, rr)) = (i - 1, (r / 4, r % 4));
-    MX_CODES + 32 * (2 * (j / 8) + q) + 8 * rr + j % 8
-}
-
-/// One interleaved MXFP4 group back into eight ggml rows, block by block.
-fn deinterleave_mx(src: &[u8], nb: usize, dst: &mut [u8]) {
-    let row_bytes = nb * MX_BLOCK;
-    for b in 0..nb {
-        let inp = &src[b * MX_GROUP_BLOCK..(b + 1) * MX_GROUP_BLOCK];
-        for r in 0..8 {
-            let out = &mut dst[r * row_bytes + b * MX_BLOCK..][..MX_BLOCK];
-            out[0] = inp[LANE_OF[r]];
-            let (q, rr) = (r / 4, r % 4);
-            for h in 0..2 {
-                let at = MX_CODES + 32 * (2 * h + q) + 8 * rr;
-                out[1 + 8 * h..9 + 8 * h].copy_from_slice(&inp[at..at + 8]);
-            }
-        }
-    }
-}
-
-/// Bytes of a Q8_0 block (`f16` scale, 32 code bytes), and of an interleaved block of eight rows.
-const Q8_BLOCK: usize = 34;
-const Q8_GROUP_BLOCK: usize = 8 * Q8_BLOCK;
-/// Where an interleaved Q8_0 block's codes start (after the eight scales).
-pub(crate) const Q8_CODES: usize = 16;
-
-/// Where byte `i` of a Q8_0 block goes in an interleaved block of eight rows
-/// (`RowLayout::Q8_0x8`), for row `r = 4 q + rr` whose lane is `l`: the scale's two bytes at
-/// `2 l`; code byte `j = i - 2` at `16 + 32 (2 (j / 8) + q) + 8 rr + j % 8`.
-fn q8_place(r: usize, i: usize) -> usize {
-    let l = LANES.iter().position(|&x| x == r).unwrap_or(0);
-    if i < 2 {
-        return 2 * l + i;
-    }
-    let (j, (q, rr)) = (i - 2, (r / 4, r % 4));
-    Q8_CODES + 32 * (2 * (j / 8) + q) + 8 * rr + j % 8
-}
-
-/// One interleaved Q8_0 group back into eight ggml rows, block by block.
-fn deinterleave_q8(src: &[u8], nb: usize, dst: &mut [u8]) {
-    let row_bytes = nb * Q8_BLOCK;
-    for b in 0..nb {
-        let inp = &src[b * Q8_GROUP_BLOCK..(b + 1) * Q8_GROUP_BLOCK];
-        for r in 0..8 {
-            let out = &mut dst[r * row_bytes + b * Q8_BLOCK..][..Q8_BLOCK];
-            let l = LANE_OF[r];
-            out[..2].copy_from_slice(&inp[2 * l..2 * l + 2]);
-            let (q, rr) = (r / 4, r % 4);
-            for p in 0..4 {
-                let at = Q8_CODES + 32 * (2 * p + q) + 8 * rr;
-                out[2 + 8 * p..10 + 8 * p].copy_from_slice(&inp[at..at + 8]);
-            }
-        }
-    }
-}
+/// Where an interleaved MXFP4 and Q8_0 block's codes start (after the eight scales).
+#[cfg(test)]
+const MX_CODES: usize = Pieces::MXFP4.codes();
+#[cfg(test)]
+const Q8_CODES: usize = Pieces::Q8_0.codes();
 
 /// Bytes of a Q6_K super-block (128 bytes of low code nibbles, 64 of high code bits, 16 signed
 /// scales, `d`), and of an interleaved super-block of eight rows.
@@ -371,9 +312,9 @@ pub fn to_layout(t: QuantType, layout: RowLayout, data: &mut [u8], row_bytes: us
         match layout {
             RowLayout::Q4Kx8 => interleave_blocks(group, row_bytes / K_BLOCK, K_BLOCK, k_place, &mut tmp),
             RowLayout::Q6Kx8 => interleave_blocks(group, row_bytes / K6_BLOCK, K6_BLOCK, k6_place, &mut tmp),
-            RowLayout::Mxfp4x8 => interleave_blocks(group, row_bytes / MX_BLOCK, MX_BLOCK, mx_place, &mut tmp),
-            RowLayout::Q8_0x8 => interleave_blocks(group, row_bytes / Q8_BLOCK, Q8_BLOCK, q8_place, &mut tmp),
-            _ => interleave(group, row_bytes / BLOCK, &mut tmp),
+            RowLayout::Mxfp4x8 => Pieces::MXFP4.interleave(group, row_bytes / Pieces::MXFP4.block, &mut tmp),
+            RowLayout::Q8_0x8 => Pieces::Q8_0.interleave(group, row_bytes / Pieces::Q8_0.block, &mut tmp),
+            _ => Pieces::Q4_0.interleave(group, row_bytes / BLOCK, &mut tmp),
         }
         group.copy_from_slice(&tmp);
     }
@@ -418,9 +359,9 @@ pub(crate) fn to_ggml(t: QuantType, layout: RowLayout, src: &[u8], row_bytes: us
         match layout {
             RowLayout::Q4Kx8 => deinterleave_k(s, row_bytes / K_BLOCK, d),
             RowLayout::Q6Kx8 => deinterleave_k6(s, row_bytes / K6_BLOCK, d),
-            RowLayout::Mxfp4x8 => deinterleave_mx(s, row_bytes / MX_BLOCK, d),
-            RowLayout::Q8_0x8 => deinterleave_q8(s, row_bytes / Q8_BLOCK, d),
-            _ => deinterleave(s, row_bytes / BLOCK, d),
+            RowLayout::Mxfp4x8 => Pieces::MXFP4.deinterleave(s, row_bytes / Pieces::MXFP4.block, d),
+            RowLayout::Q8_0x8 => Pieces::Q8_0.deinterleave(s, row_bytes / Pieces::Q8_0.block, d),
+            _ => Pieces::Q4_0.deinterleave(s, row_bytes / BLOCK, d),
         }
     }
     dst[whole..].copy_from_slice(&src[whole..]);
@@ -435,7 +376,7 @@ mod tests {
     fn q8_0_rows_go_there_and_back() {
         let t = QuantType::Q8_0;
         let (nb, rows) = (2, 17);
-        let row_bytes = nb * Q8_BLOCK;
+        let row_bytes = nb * Pieces::Q8_0.block;
         let ggml: Vec<u8> = (0..rows * row_bytes).map(|i| (i * 53 % 251) as u8).collect();
         let mut x8 = ggml.clone();
         to_layout(t, RowLayout::Q8_0x8, &mut x8, row_bytes).unwrap();
@@ -454,7 +395,7 @@ mod tests {
     fn mxfp4_rows_go_there_and_back() {
         let t = QuantType::Mxfp4;
         let (nb, rows) = (3, 19);
-        let row_bytes = nb * MX_BLOCK;
+        let row_bytes = nb * Pieces::MXFP4.block;
         let ggml: Vec<u8> = (0..rows * row_bytes).map(|i| (i * 37 % 251) as u8).collect();
         let mut x8 = ggml.clone();
         to_layout(t, RowLayout::Mxfp4x8, &mut x8, row_bytes).unwrap();
