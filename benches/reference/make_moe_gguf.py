@@ -29,6 +29,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "crates",
 import write_gguf as W  # noqa: E402
 
 
+# The shape flags' defaults of each architecture.
+ARCH_DEFAULTS = {"qwen3moe": {"layers": 18, "experts": 64, "used": 8, "expert_ffn": 512},
+                 "gpt-oss": {"layers": 16, "experts": 32, "used": 4, "expert_ffn": 1024}}
+
+
 def write_tokenizer(w, vocab):
     """A synthetic SentencePiece-style tokenizer of `vocab` pieces (write_gguf.py's `spm-space`)."""
     tokens, scores, types, _ = W.synthetic_vocab(vocab, "spm-space")
@@ -45,17 +50,21 @@ def write_tokenizer(w, vocab):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--layers", type=int, default=18)
+    # Defaults per --arch (ARCH_DEFAULTS) where the two shapes differ.
+    p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--used", type=int, default=8)
-    p.add_argument("--expert-ffn", type=int, default=512)
+    p.add_argument("--experts", type=int)
+    p.add_argument("--used", type=int)
+    p.add_argument("--expert-ffn", type=int)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--arch", choices=["qwen3moe", "gpt-oss"], default="qwen3moe")
+    p.add_argument("--arch", choices=sorted(ARCH_DEFAULTS), default="qwen3moe")
     a = p.parse_args()
+    for key, value in ARCH_DEFAULTS[a.arch].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     if a.arch == "gpt-oss":
         return gpt_oss(a)
     rng = np.random.default_rng(20261207)
@@ -110,12 +119,8 @@ def main():
 
 
 def gpt_oss(a):
-    """The gpt-oss-shaped file (see the module docs); the shape flags left at their defaults take
-    gpt-oss's proportions scaled down."""
-    layers = 16 if a.layers == 18 else a.layers
-    experts = 32 if a.experts == 64 else a.experts
-    used = 4 if a.used == 8 else a.used
-    i = 1024 if a.expert_ffn == 512 else a.expert_ffn
+    """The gpt-oss-shaped file (see the module docs)."""
+    layers, experts, used, i = a.layers, a.experts, a.used, a.expert_ffn
     h, d = a.hidden, a.head_dim
     q, kv = a.heads * d, a.kv_heads * d
     rng = np.random.default_rng(20261208)

@@ -751,7 +751,8 @@ fn interleaved_experts(
     hidden: usize,
     placement: &ExpertPlacement,
 ) -> Result<Vec<Option<ParallelMlp>>> {
-    let mxfp4 = ld.contains("gate_up_proj_blocks") || !ld.contains("gate_up_proj");
+    // The caller found `gate_up_proj` or its MXFP4 blocks.
+    let mxfp4 = !ld.contains("gate_up_proj");
     let e = config.num_experts;
     let two_i = if mxfp4 {
         // `[E, 2I, H / 32, 16]` codes and `[E, 2I, H / 32]` scales.
