@@ -30,7 +30,6 @@ mod common;
 use common::*;
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use tp_core::DType;
 use tp_models::{Architecture, ModelConfig, ModelOptions, ParallelCausalLm};
 use tp_testing::synthetic::SyntheticModel;
@@ -85,11 +84,6 @@ fn phi3(seed: u64, longrope: bool) -> SyntheticModel {
     }
 }
 
-/// The script beside tp-testing's sources.
-fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tp-testing/gguf/write_gguf.py")
-}
-
 /// Writes `spec` as a Hugging Face folder, then as a GGUF file of `qtype` with its dequantized
 /// reference folder; returns `(gguf file, reference folder)`.
 fn write(test: &str, spec: &SyntheticModel, qtype: &str) -> (PathBuf, PathBuf) {
@@ -103,19 +97,7 @@ fn write_with(test: &str, spec: &SyntheticModel, qtype: &str, args: &[&str]) -> 
     let hf = dir.join("hf");
     spec.write(&hf).unwrap();
     let (gguf, reference) = (dir.join("model.gguf"), dir.join("ref"));
-    let out = Command::new("python3")
-        .arg(script())
-        .args([hf.as_os_str(), gguf.as_os_str()])
-        .args(["--type", qtype, "--ref"])
-        .arg(&reference)
-        .args(args)
-        .output()
-        .expect("python3 must be installed for the GGUF tests");
-    assert!(
-        out.status.success(),
-        "write_gguf.py failed (the GGUF tests need python3 with `pip install gguf==0.19.0`): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    write_gguf(&hf, &gguf, qtype, &reference, args);
     (gguf, reference)
 }
 

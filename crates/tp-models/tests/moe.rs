@@ -149,20 +149,7 @@ fn gpt_oss_gguf_with_mxfp4_experts_matches_transformers() {
     let name = "gpt_oss_mxfp4";
     let dir = common::tmpdir("gpt-oss-gguf");
     let gguf = dir.join("model.gguf");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tp-testing/gguf/write_gguf.py");
-    let out = std::process::Command::new("python3")
-        .arg(script)
-        .arg(case(name))
-        .arg(&gguf)
-        .args(["--type", "MXFP4_EXPERTS", "--tokenizer", "bpe", "--ref"])
-        .arg(dir.join("ref"))
-        .output()
-        .expect("python3 must be installed for the GGUF tests");
-    assert!(
-        out.status.success(),
-        "write_gguf.py failed (the GGUF tests need python3 with `pip install gguf==0.19.0`): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::write_gguf(&case(name), &gguf, "MXFP4_EXPERTS", &dir.join("ref"), &["--tokenizer", "bpe"]);
     let read = tp_models::gguf::GgufModel::open(&gguf).unwrap().config;
     let original = tp_models::ModelConfig::from_dir(case(name)).unwrap();
     assert_eq!(read.architecture, original.architecture);

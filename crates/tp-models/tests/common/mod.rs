@@ -2,7 +2,7 @@
 //! are tp-testing's.
 #![allow(dead_code, unused_imports)] // each test binary uses some of the helpers
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use tp_core::Device;
 use tp_models::{Architecture, ModelConfig};
 pub use tp_testing::ranks::on_ranks;
@@ -17,6 +17,27 @@ pub fn tmpdir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// Writes the Hugging Face folder `hf` as the GGUF file `gguf` of `qtype` with tp-testing's
+/// `write_gguf.py`, its dequantized reference folder at `reference`, and the script's further
+/// `args` (`--tokenizer`, `--meta`, ...); fails the test, naming the package to install, when
+/// the script fails.
+pub fn write_gguf(hf: &Path, gguf: &Path, qtype: &str, reference: &Path, args: &[&str]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tp-testing/gguf/write_gguf.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .args([hf, gguf])
+        .args(["--type", qtype, "--ref"])
+        .arg(reference)
+        .args(args)
+        .output()
+        .expect("python3 must be installed for the GGUF tests");
+    assert!(
+        out.status.success(),
+        "write_gguf.py failed (the GGUF tests need python3 with `pip install gguf==0.19.0`): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Asserts `got` is within `tol` (absolute, scaled by the largest |want|) of `want`.
