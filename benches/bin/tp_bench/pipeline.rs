@@ -17,6 +17,7 @@ use anyhow::{Context, Result};
 use std::time::{Duration, Instant};
 use tp_comm::DeviceGroup;
 use tp_core::{DType, Device, Tensor};
+use tp_models::Handoff;
 use tp_train::pipeline::{Schedule, ScheduleKind, StageRunner, StageWork, TraceClock, bubble_formula, timeline_svg};
 
 /// Costs of the stand-in chunks: forward, input gradient, weight gradient.
@@ -37,12 +38,12 @@ struct Sleeper {
 
 impl StageWork for Sleeper {
     type Saved = ();
-    fn forward(&mut self, _mb: usize, input: Option<Tensor>) -> tp_train::Result<(Option<Tensor>, f64, ())> {
+    fn forward(&mut self, _mb: usize, input: Option<Handoff>) -> tp_train::Result<(Option<Handoff>, f64, ())> {
         std::thread::sleep(F);
         let out = if self.last { None } else { Some(input.map_or_else(zeros, Ok)?) };
         Ok((out, 0.0, ()))
     }
-    fn backward(&mut self, _mb: usize, _: (), dy: Option<Tensor>, defer: bool) -> tp_train::Result<Option<Tensor>> {
+    fn backward(&mut self, _mb: usize, _: (), dy: Option<Handoff>, defer: bool) -> tp_train::Result<Option<Handoff>> {
         std::thread::sleep(if defer { B } else { B + W });
         self.deferred += usize::from(defer);
         if self.first { Ok(None) } else { Ok(Some(dy.map_or_else(zeros, Ok)?)) }
@@ -57,8 +58,8 @@ impl StageWork for Sleeper {
     }
 }
 
-fn zeros() -> tp_train::Result<Tensor> {
-    Ok(Tensor::zeros(&DIMS, DType::F32, &Device::Cpu)?)
+fn zeros() -> tp_train::Result<Handoff> {
+    Ok(Handoff { hidden: Tensor::zeros(&DIMS, DType::F32, &Device::Cpu)?, router_sums: None })
 }
 
 /// One step of `schedule` on `p` threads: the measured bubble and every rank's trace events.

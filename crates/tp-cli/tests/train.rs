@@ -283,28 +283,33 @@ fn longrope_rows_give_the_same_step_in_any_micro_batch_split() {
 }
 
 /// Mixtures of experts through the command: Qwen2-MoE (shared expert, the load-balancing loss)
-/// trains at TP 3 in f32 and bf16, and with `--enable-expert-parallel`, step 1's loss as torch's
-/// float64 one (within bf16's rounding for bf16), and its checkpoint loads back.
+/// trains at TP 3 in f32 and bf16, with `--enable-expert-parallel`, and over two pipeline
+/// stages, step 1's loss as torch's float64 one (within bf16's rounding for bf16), and its
+/// checkpoint loads back.
 #[test]
 fn a_mixture_of_experts_trains_in_f32_and_bf16() {
     let case = fixture("qwen2_moe");
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(case.join("reference.json")).unwrap()).unwrap();
     let want = reference["steps"][0]["loss"].as_f64().unwrap();
-    for (dtype, tol, ep) in [("f32", 2e-6, false), ("bf16", 2e-2, false), ("f32", 2e-6, true)] {
+    for (dtype, tol, ep, pp) in
+        [("f32", 2e-6, false, "1"), ("bf16", 2e-2, false, "1"), ("f32", 2e-6, true, "1"), ("f32", 2e-6, true, "2")]
+    {
         let dir = scratch("moe");
         let (log, save) = (dir.join("log.jsonl"), dir.join("ckpt"));
         let mut args = hyper_flags(&case.join("data.jsonl"));
         for (k, v) in [("--log-json", log.display().to_string()), ("--save", save.display().to_string())] {
             args.extend([k.to_string(), v]);
         }
-        args.extend(["--tensor-parallel-size", "3", "--dtype", dtype].map(String::from));
+        args.extend(
+            ["--tensor-parallel-size", "3", "--pipeline-parallel-size", pp, "--dtype", dtype].map(String::from),
+        );
         if ep {
             args.push("--enable-expert-parallel".into());
         }
         ok(&tp_train(&case, &args.iter().map(String::as_str).collect::<Vec<_>>()));
         let got = log_lines(&log)[0]["loss"].as_f64().unwrap();
-        assert!((got - want).abs() <= tol * want, "{dtype} (EP {ep}): step 1 loss {got} vs torch's {want}");
+        assert!((got - want).abs() <= tol * want, "{dtype} (EP {ep}, PP {pp}): step 1 loss {got} vs torch's {want}");
         let group =
             tp_comm::DeviceGroup::local(1, std::time::Duration::from_secs(60), |_| tp_core::Device::Cpu).unwrap();
         tp_models::ParallelCausalLm::load(&save, &group[0], &tp_models::ModelOptions::new())

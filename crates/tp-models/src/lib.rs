@@ -56,7 +56,7 @@ pub use arch::Architecture;
 pub use config::{LayerType, MAX_CONFIG_BYTES, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{
-    BlockHook, GenerateOptions, Generation, INITIAL_CACHE_POSITIONS, MicroBatch, MicroBatchLoss, ModelOptions,
+    BlockHook, GenerateOptions, Generation, Handoff, INITIAL_CACHE_POSITIONS, MicroBatch, MicroBatchLoss, ModelOptions,
     ParallelCausalLm, Recompute, StageForward, StageOutput, StagePart, StageSaved, TrainRow, parse_layer_partition,
     partition_layers, stage_parts,
 };

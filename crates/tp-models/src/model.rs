@@ -9,12 +9,13 @@
 //! the same tokens.
 
 mod batch;
+mod load_balancing;
 mod stage;
 mod train;
 
 pub use batch::StageOutput;
 pub use stage::{StagePart, parse_layer_partition, partition_layers, stage_parts};
-pub use train::{BlockHook, MicroBatch, MicroBatchLoss, Recompute, StageForward, StageSaved, TrainRow};
+pub use train::{BlockHook, Handoff, MicroBatch, MicroBatchLoss, Recompute, StageForward, StageSaved, TrainRow};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};

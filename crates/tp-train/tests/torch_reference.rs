@@ -8,15 +8,16 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use tp_comm::DeviceGroup;
+use std::sync::Mutex;
+use tp_comm::{DeviceGroup, Mesh, MeshShape};
 use tp_core::{Device, Tensor};
-use tp_layers::{Gather, gather_full};
-use tp_models::{ModelOptions, ParallelCausalLm, Recompute};
+use tp_layers::{Gather, gather_blocks, gather_full};
+use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute, stage_parts};
 use tp_train::data::Dataset;
 use tp_train::optim::AdamW;
 use tp_train::pipeline::ScheduleKind;
 use tp_train::schedule::{LrSchedule, LrScheduleKind};
-use tp_train::{TrainConfig, Trainer};
+use tp_train::{StepGroups, TrainConfig, Trainer};
 
 fn fixture(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case)
@@ -100,6 +101,92 @@ fn train_opts(case: &str, world: usize, recompute: Recompute, sp: bool, opts: Mo
     results.swap_remove(0)
 }
 
+/// A data-, pipeline- and tensor-parallel mesh of `shape = (dp, pp, tp)` trains `case` (one
+/// thread per rank, each stage's layers split evenly, 1F1B over one-row micro-batches): what
+/// its first replica's first tensor-parallel ranks gathered (every stage's full tensors).
+fn train_mesh(case: &str, shape: (usize, usize, usize), sp: bool, opts: ModelOptions) -> Run {
+    let (dp, pp, tp) = shape;
+    let dir = fixture(case);
+    let reference = read_json(dir.join("reference.json"));
+    let hyper = &reference["hyper"];
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let parts = stage_parts(config.num_hidden_layers, pp, None).unwrap();
+    let meshes =
+        Mesh::local(MeshShape::new(dp, pp, tp).unwrap(), tp_testing::ranks::timeout(), |_| Device::Cpu).unwrap();
+    let (grads, weights, logs) = (Mutex::new(BTreeMap::new()), Mutex::new(BTreeMap::new()), Mutex::new(Vec::new()));
+    let rows_per_step = (hyper["micro_batch_size"].as_u64().unwrap() * hyper["grad_accum"].as_u64().unwrap()) as usize;
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = meshes
+            .into_iter()
+            .map(|mesh| {
+                let (config, parts, dir, grads, weights, logs) = (&config, &parts, &dir, &grads, &weights, &logs);
+                s.spawn(move || -> Result<(), String> {
+                    let out = (|| -> Result<(), String> {
+                        let e = |e: &dyn std::fmt::Display| e.to_string();
+                        let part = &parts[mesh.coords().pp];
+                        let mut chunks =
+                            vec![ParallelCausalLm::load_part(dir, config, mesh.tp(), &opts, part).map_err(|x| e(&x))?];
+                        let mut data =
+                            Dataset::open(&dir.join("data.jsonl"), config.vocab_size, 16, None).map_err(|x| e(&x))?;
+                        let mut cfg = self::config(hyper, Recompute::None, sp);
+                        cfg.micro_batch_size = 1;
+                        let mut trainer = Trainer::new(cfg).map_err(|x| e(&x))?;
+                        let groups = StepGroups { pp: mesh.pp(), dp: mesh.dp(), trace: None };
+                        let writer = mesh.coords().dp == 0 && mesh.coords().tp == 0;
+                        let gather = |chunks: &mut Vec<ParallelCausalLm>,
+                                      what: Gather,
+                                      into: &Mutex<BTreeMap<String, Tensor>>| {
+                            let group = chunks[0].group().clone();
+                            let params = chunks[0].params_mut().map_err(|x| e(&x))?;
+                            let items: Vec<_> = params
+                                .iter()
+                                .map(|p| {
+                                    let t = match what {
+                                        Gather::Values => Some(p.value.clone()),
+                                        Gather::Grads => p.grad.get().cloned(),
+                                    };
+                                    (p.placements.as_slice(), p.value.dims(), t)
+                                })
+                                .collect();
+                            let full = gather_blocks(&items, &group).map_err(|x| e(&x))?;
+                            if writer {
+                                into.lock().unwrap().extend(full);
+                            }
+                            Ok::<(), String>(())
+                        };
+                        for step in 1..=hyper["steps"].as_u64().unwrap() {
+                            let rows = data.next_rows(rows_per_step);
+                            let acc = trainer.accumulate_stages(&mut chunks, &groups, &rows).map_err(|x| e(&x))?;
+                            if step == 1 {
+                                gather(&mut chunks, Gather::Grads, grads)?;
+                            }
+                            let lr = trainer.apply_stages(&mut chunks, acc.grad_norm).map_err(|x| e(&x))?;
+                            if mesh.rank() == 0 {
+                                logs.lock().unwrap().push((
+                                    acc.loss_sum / acc.targets as f64,
+                                    acc.grad_norm,
+                                    lr,
+                                    acc.targets,
+                                ));
+                            }
+                        }
+                        gather(&mut chunks, Gather::Values, weights)
+                    })();
+                    if let Err(why) = &out {
+                        mesh.abort(&format!("rank {} failed: {why}", mesh.rank()));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().unwrap().err()).collect()
+    });
+    if let Some(e) = errors.into_iter().next() {
+        panic!("{case} at dp {dp} x pp {pp} x tp {tp}: {e}");
+    }
+    (logs.into_inner().unwrap(), grads.into_inner().unwrap(), weights.into_inner().unwrap())
+}
+
 /// `max |a - b| <= atol + rtol · max |b|` over the tensor.
 fn close(what: &str, got: &[f64], want: &[f64], rtol: f64, atol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -117,15 +204,21 @@ fn check_case_with(case: &str, worlds: &[usize], sp: bool) {
 }
 
 fn check_case_opts(case: &str, worlds: &[usize], sp: bool, opts: ModelOptions) {
+    for &world in worlds {
+        let ep = if opts.expert_parallel { " EP" } else { "" };
+        let at = format!("{case} TP {world}{}{ep}", if sp { " SP" } else { "" });
+        check_run(case, &at, train_opts(case, world, Recompute::None, sp, opts));
+    }
+}
+
+/// `run` (what rank 0 saw) against the torch fixture of `case`.
+fn check_run(case: &str, at: &str, (logs, grads, weights): Run) {
     let dir = fixture(case);
     let reference = read_json(dir.join("reference.json"));
     let want_grads = read_tensors(dir.join("grads.safetensors"));
     let want_weights = read_tensors(dir.join("weights_after.safetensors"));
     let before = read_tensors(dir.join("model.safetensors"));
-    for &world in worlds {
-        let (logs, grads, weights) = train_opts(case, world, Recompute::None, sp, opts);
-        let ep = if opts.expert_parallel { " EP" } else { "" };
-        let at = format!("{case} TP {world}{}{ep}", if sp { " SP" } else { "" });
+    {
         for (i, (loss, norm, lr, tokens)) in logs.iter().enumerate() {
             let s = &reference["steps"][i];
             let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
@@ -241,6 +334,25 @@ fn expert_parallel_training_matches_torch() {
     check_case_opts("qwen3_moe", &[3, 8], false, ep);
     check_case_opts("qwen2_moe", &[3, 4], false, ep);
     check_case_opts("mixtral", &[3], true, ep);
+}
+
+/// Pipeline stages with the load-balancing loss: each row's router sums travel with the hidden
+/// states to the last stage and back with the gradients, so every stage's routers get the
+/// whole model's gradient (Qwen3-MoE's first layer is dense: its stage only passes them on).
+/// With data parallelism and expert parallelism inside each stage, and sequence parallelism.
+#[test]
+fn moe_training_at_dp_2_x_pp_2_with_ep_matches_torch() {
+    let ep = ModelOptions::new().with_expert_parallel(true);
+    for (case, shape, sp) in [
+        ("qwen2_moe", (2, 2, 3), false),
+        ("olmoe", (2, 2, 2), true),
+        ("qwen3_moe", (2, 2, 3), false),
+        ("qwen2_moe", (1, 2, 1), false),
+    ] {
+        let (dp, pp, tp) = shape;
+        let at = format!("{case} dp {dp} x pp {pp} x tp {tp} EP{}", if sp { " SP" } else { "" });
+        check_run(case, &at, train_mesh(case, shape, sp, ep));
+    }
 }
 
 #[test]

@@ -13,6 +13,7 @@
 //! is added to the table's (one parameter, the sum of both uses).
 
 use super::ParallelCausalLm;
+use super::load_balancing::RouterSums;
 use crate::error::{ModelError, Result};
 use tp_core::{Device, Tensor};
 use tp_layers::{BlockSaved, Param, Placement, SeqBatch};
@@ -101,12 +102,26 @@ impl MicroBatch {
     }
 }
 
+/// What one pipeline stage hands the next (after its forward) or the previous (after its
+/// backward).
+#[derive(Debug)]
+pub struct Handoff {
+    /// Forward: the hidden states, this rank's rows (all `T`, or its sequence shard under
+    /// sequence parallelism), `[rows, H]` in the model dtype. Backward: their gradient, f32.
+    pub hidden: Tensor,
+    /// For a mixture of experts trained with its load-balancing loss, each row's router sums
+    /// (expert counts and probability sums, `[rows, 2E]` as the bits of `f64`s in `I64`):
+    /// forward, over the MoE layers of the stages before the receiver; backward, over every
+    /// MoE layer of the model. `None` otherwise
+    /// ([`stage_router_sums_dims`](ParallelCausalLm::stage_router_sums_dims)).
+    pub router_sums: Option<Tensor>,
+}
+
 /// What a stage's training forward returns ([`ParallelCausalLm::stage_forward`]).
 #[derive(Debug)]
 pub struct StageForward {
-    /// The hidden states for the next stage: this rank's rows (all `T`, or its sequence shard
-    /// under sequence parallelism), `[rows, H]` in the model dtype. `None` on the last stage.
-    pub output: Option<Tensor>,
+    /// What goes to the next stage; `None` on the last stage.
+    pub output: Option<Handoff>,
     /// `Σ loss_t` over the micro-batch's target tokens (the last stage; 0 elsewhere), plus,
     /// for a mixture-of-experts model trained with `output_router_logits`, its weighted
     /// load-balancing loss in the same units (divided by the `loss_scale` the call was given),
@@ -127,9 +142,9 @@ pub struct StageSaved {
     last: Option<Tensor>,
     /// `d loss / d h` of the final norm's output (this rank's rows), on the last stage.
     dh: Option<Tensor>,
-    /// The load-balancing loss's gradient on every MoE layer's router probabilities (set again
-    /// on a block whose forward the backward recomputes).
-    router_prob_grad: Option<std::sync::Arc<Vec<f32>>>,
+    /// On the last stage of a mixture trained with its load-balancing loss: every MoE layer's
+    /// router sums (the previous stages' backward needs them).
+    router_totals: Option<RouterSums>,
     /// Seconds the LM head's backward took inside the forward call.
     head_backward_secs: f64,
 }
@@ -185,18 +200,63 @@ impl ParallelCausalLm {
         Ok([mb.batch.shard(&self.group)?.len(), self.config.hidden_size])
     }
 
+    /// The shape of the router sums that travel between stages with the hidden states (both
+    /// ways, `I64`) for `mb`: `Some([rows, 2E])` for a mixture of experts trained with its
+    /// load-balancing loss, else `None`.
+    ///
+    /// Errors: a config this forward refuses (`router_jitter_noise`).
+    pub fn stage_router_sums_dims(&self, mb: &MicroBatch) -> Result<Option<[usize; 2]>> {
+        Ok(self.load_balancing()?.map(|(e, _)| RouterSums::dims(mb.batch.lens().len(), e)))
+    }
+
+    /// For a mixture of experts trained with its load-balancing loss
+    /// (`output_router_logits`), its expert count and MoE layer count; else `None`.
+    ///
+    /// Errors: `router_jitter_noise`, which tp does not train with.
+    fn load_balancing(&self) -> Result<Option<(usize, usize)>> {
+        let Some(moe) = self.config.moe.as_ref() else { return Ok(None) };
+        if moe.router_jitter_noise > 0.0 {
+            return Err(ModelError::Request(format!(
+                "router_jitter_noise ({}) scales a training forward's inputs at random; tp trains without it",
+                moe.router_jitter_noise
+            )));
+        }
+        let layers = moe.sparse_layers.iter().filter(|&&s| s).count();
+        Ok((moe.output_router_logits && layers > 0).then_some((moe.num_experts, layers)))
+    }
+
+    /// The router sums this stage starts from: zeros on the first stage, else the previous
+    /// stage's (`given`); `None` without a load-balancing loss.
+    fn router_sums_in(&self, mb: &MicroBatch, given: Option<Tensor>) -> Result<Option<RouterSums>> {
+        let rows = mb.batch.lens().len();
+        match (self.load_balancing()?, self.embed.is_some(), given) {
+            (None, _, None) => Ok(None),
+            (None, _, Some(_)) => {
+                Err(self.stage_input_error("router sums given to a model trained without a load-balancing loss"))
+            }
+            (Some((e, _)), true, None) => Ok(Some(RouterSums::zeros(rows, e))),
+            (Some((e, _)), false, Some(t)) => Ok(Some(RouterSums::from_tensor(&t, rows, e)?)),
+            (Some(_), true, Some(_)) => Err(self.stage_input_error("the first stage takes no router sums")),
+            (Some(_), false, None) => {
+                Err(self.stage_input_error("this stage needs the previous stage's router sums (load-balancing loss)"))
+            }
+        }
+    }
+
     /// Training forward of this stage for `mb`: from the token ids on the first stage, else
     /// from `input` (the previous stage's [`StageForward::output`]); through this stage's
     /// blocks; on the last stage the final norm, the LM head and the loss, whose gradient
     /// (weighted by `loss_scale`) the LM head's backward computes at once (its weight gradient
-    /// accumulated here).
+    /// accumulated here). A mixture trained with its load-balancing loss adds its layers'
+    /// router sums to the previous stage's; the last stage adds the loss
+    /// (see `load_balancing.rs`).
     ///
     /// Errors: `input` given to the first stage or missing elsewhere, or of another shape;
-    /// layer and collective errors.
+    /// router sums missing or unexpected; layer and collective errors.
     pub fn stage_forward(
         &mut self,
         mb: &MicroBatch,
-        input: Option<Tensor>,
+        input: Option<Handoff>,
         loss_scale: f32,
         recompute: Recompute,
     ) -> Result<StageForward> {
@@ -205,6 +265,11 @@ impl ParallelCausalLm {
         }
         let started = std::time::Instant::now();
         let batch = &mb.batch;
+        let (input, sums_in) = match input {
+            Some(h) => (Some(h.hidden), h.router_sums),
+            None => (None, None),
+        };
+        let mut sums = self.router_sums_in(mb, sums_in)?;
         let mut x = match (&self.embed, input) {
             (Some(embed), None) => embed.forward_train(&mb.ids, batch)?,
             (None, Some(x)) => {
@@ -223,27 +288,31 @@ impl ParallelCausalLm {
             (None, None) => return Err(self.stage_input_error("this stage needs the previous stage's hidden states")),
         };
         let mut blocks: Vec<(Tensor, Option<BlockSaved>)> = Vec::with_capacity(self.layers.len());
-        let mut routers = Vec::new();
         for layer in &self.layers {
             let (y, s) = layer.forward_train(&x, batch)?;
-            routers.extend(layer.router_stats(&s).cloned());
+            if let (Some(sums), Some(r)) = (&mut sums, layer.router_stats(&s)) {
+                sums.add(r, batch.lens())?;
+            }
             let keep = if recompute == Recompute::Full { None } else { Some(s) };
             blocks.push((std::mem::replace(&mut x, y), keep));
         }
-        let (aux_loss, router_prob_grad) = self.load_balancing(&routers, mb)?;
-        if let Some(g) = &router_prob_grad {
-            for (layer, (_, s)) in self.layers.iter().zip(&mut blocks) {
-                if let Some(s) = s {
-                    layer.set_router_prob_grad(s, g.clone());
-                }
-            }
-        }
-        let aux_sum = if loss_scale > 0.0 { aux_loss / f64::from(loss_scale) } else { 0.0 };
-        let Some((norm, lm_head)) = &mut self.head else {
-            let saved = StageSaved { blocks, last: None, dh: None, router_prob_grad, head_backward_secs: 0.0 };
-            let forward_secs = started.elapsed().as_secs_f64();
-            return Ok(StageForward { output: Some(x), loss_sum: aux_sum, saved, forward_secs });
+        // The loss is the last stage's (it holds the totals).
+        let aux_loss = match (&sums, self.load_balancing()?) {
+            (Some(s), Some((_, layers))) => s.loss(batch.lens(), layers, self.router_aux_coef_scale(mb)),
+            _ => 0.0,
         };
+        let Some((norm, lm_head)) = &mut self.head else {
+            let router_sums = sums.map(|s| s.to_tensor()).transpose()?;
+            let saved = StageSaved { blocks, last: None, dh: None, router_totals: None, head_backward_secs: 0.0 };
+            let forward_secs = started.elapsed().as_secs_f64();
+            return Ok(StageForward {
+                output: Some(Handoff { hidden: x, router_sums }),
+                loss_sum: 0.0,
+                saved,
+                forward_secs,
+            });
+        };
+        let aux_sum = if loss_scale > 0.0 { aux_loss / f64::from(loss_scale) } else { 0.0 };
         let h = norm.forward(&x)?;
         // The LM head sees every token (vocab-parallel); its dh is the same on every rank.
         let before_head = started.elapsed().as_secs_f64();
@@ -251,66 +320,14 @@ impl ParallelCausalLm {
         let out = lm_head.loss_backward(&batch.gather(&h, &self.group)?, &mb.targets, loss_scale)?;
         let head_backward_secs = head_started.elapsed().as_secs_f64() - out.forward_secs;
         let dh = batch.local(&out.dh, &self.group)?;
-        let saved = StageSaved { blocks, last: Some(x), dh: Some(dh), router_prob_grad, head_backward_secs };
+        let saved = StageSaved { blocks, last: Some(x), dh: Some(dh), router_totals: sums, head_backward_secs };
         let loss_sum = out.loss_sum + aux_sum;
         Ok(StageForward { output: None, loss_sum, saved, forward_secs: before_head + out.forward_secs })
     }
 
-    /// The weighted load-balancing loss of `mb` and its gradient on the router probabilities
-    /// (`[T · E]`, the same for every MoE layer), from what each MoE layer's router did
-    /// (`routers`, in layer order); `(0, None)` for a dense model or one trained without
-    /// `output_router_logits`.
-    ///
-    /// transformers' `load_balancing_loss_func` over one row's `N = L · T_row` router outputs
-    /// (its `L` MoE layers' logits concatenated): `aux = E · Σ_e f_e P_e`, `f_e` the fraction of
-    /// the `N` tokens that chose expert `e` (summed over the `k` choices), `P_e` the mean
-    /// probability of `e`. Here each row's loss is its own (a row never depends on its
-    /// neighbours) and the step's is `coef · Σ_rows aux / rows` (`router_aux_scale`); only `P`
-    /// carries a gradient: `d aux / d p_{t,e} = E · c_e / N²` with `c_e = N f_e`.
-    fn load_balancing(
-        &self,
-        routers: &[tp_layers::RouterStats],
-        mb: &MicroBatch,
-    ) -> Result<(f64, Option<std::sync::Arc<Vec<f32>>>)> {
-        let Some(moe) = self.config.moe.as_ref() else { return Ok((0.0, None)) };
-        if moe.router_jitter_noise > 0.0 {
-            return Err(ModelError::Request(format!(
-                "router_jitter_noise ({}) scales a training forward's inputs at random; tp trains without it",
-                moe.router_jitter_noise
-            )));
-        }
-        if !moe.output_router_logits || routers.is_empty() {
-            return Ok((0.0, None));
-        }
-        if !self.part.is_whole(self.config.num_hidden_layers) {
-            return Err(self.stage_input_error(
-                "the load-balancing loss spans every MoE layer; pipeline stages of such a model do not train yet",
-            ));
-        }
-        let (e, k) = (routers[0].routing.num_experts, routers[0].routing.top_k);
-        let layers = routers.len() as f64;
-        let scale = moe.router_aux_loss_coef * f64::from(mb.router_aux_scale);
-        let mut grad = vec![0f32; mb.batch.tokens() * e];
-        let (mut aux_total, mut start) = (0f64, 0usize);
-        for &len in mb.batch.lens() {
-            let rows = start..start + len;
-            let n = layers * len as f64;
-            let (mut c, mut p) = (vec![0f64; e], vec![0f64; e]);
-            for r in routers {
-                for t in rows.clone() {
-                    r.routing.experts[t * k..(t + 1) * k].iter().for_each(|&x| c[x as usize] += 1.0);
-                    r.probs[t * e..(t + 1) * e].iter().zip(&mut p).for_each(|(&v, s)| *s += f64::from(v));
-                }
-            }
-            aux_total += e as f64 * c.iter().zip(&p).map(|(c, p)| (c / n) * (p / n)).sum::<f64>();
-            for t in rows {
-                for (x, g) in grad[t * e..(t + 1) * e].iter_mut().enumerate() {
-                    *g = (scale * e as f64 * c[x] / (n * n)) as f32;
-                }
-            }
-            start += len;
-        }
-        Ok((scale * aux_total, Some(std::sync::Arc::new(grad))))
+    /// `router_aux_loss_coef` times `mb`'s weight of each row's load-balancing loss.
+    fn router_aux_coef_scale(&self, mb: &MicroBatch) -> f64 {
+        self.config.moe.as_ref().map_or(0.0, |m| m.router_aux_loss_coef * f64::from(mb.router_aux_scale))
     }
 
     fn stage_input_error(&self, why: &str) -> ModelError {
@@ -318,18 +335,20 @@ impl ParallelCausalLm {
     }
 
     /// Training backward of this stage for `mb`, from what its [`stage_forward`](Self::stage_forward)
-    /// kept and, except on the last stage, `dy` (the next stage's input gradient, f32, this
-    /// rank's rows). Adds every parameter's gradient; with tied embeddings on one stage, the LM
-    /// head's gradient goes into the table's. Returns the input gradient for the previous stage
-    /// (`None` on the first stage) and the seconds it took.
+    /// kept and, except on the last stage, `dy` (the next stage's [`Handoff`]: the input
+    /// gradient, f32, this rank's rows, and for a mixture trained with its load-balancing loss
+    /// the model's router sums). Adds every parameter's gradient; with tied embeddings on one
+    /// stage, the LM head's gradient goes into the table's. Returns what goes to the previous
+    /// stage (`None` on the first stage) and the seconds it took.
     ///
-    /// Errors: `dy` missing or given to the last stage; layer and collective errors.
+    /// Errors: `dy` missing or given to the last stage, router sums missing or unexpected;
+    /// layer and collective errors.
     pub fn stage_backward(
         &mut self,
         mb: &MicroBatch,
         saved: StageSaved,
-        dy: Option<Tensor>,
-    ) -> Result<(Option<Tensor>, f64)> {
+        dy: Option<Handoff>,
+    ) -> Result<(Option<Handoff>, f64)> {
         self.stage_backward_with(mb, saved, dy, None)
     }
 
@@ -341,13 +360,30 @@ impl ParallelCausalLm {
         &mut self,
         mb: &MicroBatch,
         saved: StageSaved,
-        dy: Option<Tensor>,
+        dy: Option<Handoff>,
         mut after_block: Option<BlockHook<'_>>,
-    ) -> Result<(Option<Tensor>, f64)> {
+    ) -> Result<(Option<Handoff>, f64)> {
         let started = std::time::Instant::now();
         let names = self.config.architecture.spec().names;
         let (sp, first) = (self.sequence_parallel, self.part.layers.start);
         let batch = &mb.batch;
+        let (dy, sums_back) = match dy {
+            Some(h) => (Some(h.hidden), h.router_sums),
+            None => (None, None),
+        };
+        let totals = match (self.load_balancing()?, saved.router_totals, sums_back) {
+            (None, None, None) => None,
+            (Some(_), Some(t), None) => Some(t),
+            (Some((e, _)), None, Some(t)) => Some(RouterSums::from_tensor(&t, batch.lens().len(), e)?),
+            (Some(_), None, None) => {
+                return Err(self.stage_input_error("this stage's backward needs the next stage's router sums"));
+            }
+            _ => return Err(self.stage_input_error("router sums given to the last stage's backward")),
+        };
+        let prob_grad = match (&totals, self.load_balancing()?) {
+            (Some(t), Some((_, layers))) => Some(t.prob_grad(batch.lens(), layers, self.router_aux_coef_scale(mb))),
+            _ => None,
+        };
         let mut dx = match (&mut self.head, saved.last, saved.dh, dy) {
             (Some((norm, _)), Some(last), Some(dh), None) => norm.backward(&last, &dh)?,
             (None, None, None, Some(dy)) => dy,
@@ -355,16 +391,13 @@ impl ParallelCausalLm {
             _ => return Err(self.stage_input_error("this stage's backward needs the next stage's gradient")),
         };
         for (i, (layer, (input, s))) in self.layers.iter_mut().zip(saved.blocks).enumerate().rev() {
-            let s = match s {
+            let mut s = match s {
                 Some(s) => s,
-                None => {
-                    let mut s = layer.forward_train(&input, batch)?.1;
-                    if let Some(g) = &saved.router_prob_grad {
-                        layer.set_router_prob_grad(&mut s, g.clone());
-                    }
-                    s
-                }
+                None => layer.forward_train(&input, batch)?.1,
             };
+            if let Some(g) = &prob_grad {
+                layer.set_router_prob_grad(&mut s, g.clone());
+            }
             dx = layer.backward(s, &dx)?;
             if let Some(hook) = after_block.as_mut() {
                 let mut params = Vec::new();
@@ -383,7 +416,7 @@ impl ParallelCausalLm {
                 }
                 None
             }
-            None => Some(dx),
+            None => Some(Handoff { hidden: dx, router_sums: totals.map(|t| t.to_tensor()).transpose()? }),
         };
         Ok((dx, saved.head_backward_secs + started.elapsed().as_secs_f64()))
     }

@@ -1,5 +1,7 @@
 //! The pipeline executor: runs one rank's list of [`Action`]s of a [`Schedule`] on its model
-//! chunks, moving hidden states and their gradients between stages over the pipeline group.
+//! chunks, moving hidden states and their gradients between stages over the pipeline group
+//! (for a mixture of experts trained with its load-balancing loss, each message is followed
+//! by the rows' router sums to the same peer, see [`Handoff`]).
 //!
 //! Rank `s` of the pipeline group holds chunk `c` = virtual stage `c·p + s` (one chunk unless
 //! the schedule is interleaved). Every rank of a stage's tensor-parallel group runs the same
@@ -22,7 +24,7 @@ use std::time::Instant;
 use tp_comm::{DeviceGroup, Work};
 use tp_core::{DType, Tensor};
 use tp_layers::Param;
-use tp_models::{MicroBatch, ParallelCausalLm, Recompute, StageSaved};
+use tp_models::{Handoff, MicroBatch, ParallelCausalLm, Recompute, StageSaved};
 
 /// What one rank's run of a schedule did.
 #[derive(Debug, Clone, Default)]
@@ -66,7 +68,7 @@ pub trait StageWork {
     type Saved;
     /// Forward of micro-batch `mb` from `input` (`None` on the first virtual stage): the output
     /// for the next stage (`None` on the last) and the loss it computed (0 but on the last).
-    fn forward(&mut self, mb: usize, input: Option<Tensor>) -> Result<(Option<Tensor>, f64, Self::Saved)>;
+    fn forward(&mut self, mb: usize, input: Option<Handoff>) -> Result<(Option<Handoff>, f64, Self::Saved)>;
     /// Backward of `mb` from the next stage's gradient (`None` on the last stage), adding the
     /// parameters' gradients (their weight part deferred when `defer_weights`); the input
     /// gradient for the previous stage (`None` on the first).
@@ -74,13 +76,18 @@ pub trait StageWork {
         &mut self,
         mb: usize,
         saved: Self::Saved,
-        dy: Option<Tensor>,
+        dy: Option<Handoff>,
         defer_weights: bool,
-    ) -> Result<Option<Tensor>>;
+    ) -> Result<Option<Handoff>>;
     /// The oldest deferred weight gradients (one micro-batch's).
     fn backward_weight(&mut self) -> Result<()>;
     /// Shape and dtype of the hidden states entering this chunk for `mb` (its gradient is f32).
     fn activation(&self, mb: usize) -> Result<(Vec<usize>, DType)>;
+    /// Shape of the router sums (`I64`) that follow the hidden states and their gradient for
+    /// `mb`, if any ([`Handoff::router_sums`]); none by default.
+    fn router_sums(&self, _mb: usize) -> Result<Option<Vec<usize>>> {
+        Ok(None)
+    }
 }
 
 /// A model chunk driven by the executor: the model, the step's micro-batches, the loss weight,
@@ -182,11 +189,11 @@ impl<'a> ModelChunk<'a> {
 
 impl StageWork for ModelChunk<'_> {
     type Saved = StageSaved;
-    fn forward(&mut self, mb: usize, input: Option<Tensor>) -> Result<(Option<Tensor>, f64, StageSaved)> {
+    fn forward(&mut self, mb: usize, input: Option<Handoff>) -> Result<(Option<Handoff>, f64, StageSaved)> {
         let f = self.model.stage_forward(&self.micro_batches[mb], input, self.loss_scale, self.recompute)?;
         Ok((f.output, f.loss_sum, f.saved))
     }
-    fn backward(&mut self, mb: usize, saved: StageSaved, dy: Option<Tensor>, defer: bool) -> Result<Option<Tensor>> {
+    fn backward(&mut self, mb: usize, saved: StageSaved, dy: Option<Handoff>, defer: bool) -> Result<Option<Handoff>> {
         let (model, mb) = (&mut *self.model, &self.micro_batches[mb]);
         self.done.0 += 1;
         let (dx, _) = if defer {
@@ -228,6 +235,9 @@ impl StageWork for ModelChunk<'_> {
     }
     fn activation(&self, mb: usize) -> Result<(Vec<usize>, DType)> {
         Ok((self.model.stage_activation_dims(&self.micro_batches[mb])?.to_vec(), self.model.dtype()))
+    }
+    fn router_sums(&self, mb: usize) -> Result<Option<Vec<usize>>> {
+        Ok(self.model.stage_router_sums_dims(&self.micro_batches[mb])?.map(|d| d.to_vec()))
     }
 }
 
@@ -271,11 +281,11 @@ impl<W: StageWork> StageRunner<'_, W> {
         }
         let started = Instant::now();
         let mut out = StageStep::default();
-        let mut inputs: HashMap<Key, Tensor> = HashMap::new();
-        let mut outputs: HashMap<Key, Tensor> = HashMap::new();
+        let mut inputs: HashMap<Key, Handoff> = HashMap::new();
+        let mut outputs: HashMap<Key, Handoff> = HashMap::new();
         let mut saved: HashMap<Key, W::Saved> = HashMap::new();
-        let mut grads_in: HashMap<Key, Tensor> = HashMap::new();
-        let mut grads_out: HashMap<Key, Tensor> = HashMap::new();
+        let mut grads_in: HashMap<Key, Handoff> = HashMap::new();
+        let mut grads_out: HashMap<Key, Handoff> = HashMap::new();
         let mut sends: Vec<(Key, Work)> = Vec::new();
         let missing = |what: &str, (mb, chunk): Key| {
             TrainError::Model(format!(
@@ -315,26 +325,24 @@ impl<W: StageWork> StageRunner<'_, W> {
                     ("backward-weight", Some((mb, chunk)))
                 }
                 Action::SendActivation { mb, chunk, peer } => {
-                    let t = outputs.remove(&(mb, chunk)).ok_or_else(|| missing("the forward output", (mb, chunk)))?;
-                    sends.push(((mb, chunk), self.pp.send_async(&t, peer)?));
+                    let h = outputs.remove(&(mb, chunk)).ok_or_else(|| missing("the forward output", (mb, chunk)))?;
+                    self.send(h, (mb, chunk), peer, &mut sends)?;
                     continue;
                 }
                 Action::SendGrad { mb, chunk, peer } => {
-                    let t = grads_out.remove(&(mb, chunk)).ok_or_else(|| missing("the input gradient", (mb, chunk)))?;
-                    sends.push(((mb, chunk), self.pp.send_async(&t, peer)?));
+                    let h = grads_out.remove(&(mb, chunk)).ok_or_else(|| missing("the input gradient", (mb, chunk)))?;
+                    self.send(h, (mb, chunk), peer, &mut sends)?;
                     continue;
                 }
                 Action::RecvActivation { mb, chunk, peer } => {
                     let (dims, dtype) = self.chunks[chunk].activation(mb)?;
-                    let t = self.pp.recv(&dims, dtype, peer)?;
-                    inputs.insert((mb, chunk), t);
+                    inputs.insert((mb, chunk), self.recv(chunk, mb, &dims, dtype, peer)?);
                     out.wait_secs += t0.elapsed().as_secs_f64();
                     ("recv-wait", Some((mb, chunk)))
                 }
                 Action::RecvGrad { mb, chunk, peer } => {
                     let (dims, _) = self.chunks[chunk].activation(mb)?;
-                    let t = self.pp.recv(&dims, DType::F32, peer)?;
-                    grads_in.insert((mb, chunk), t);
+                    grads_in.insert((mb, chunk), self.recv(chunk, mb, &dims, DType::F32, peer)?);
                     out.wait_secs += t0.elapsed().as_secs_f64();
                     ("recv-wait", Some((mb, chunk)))
                 }
@@ -359,6 +367,27 @@ impl<W: StageWork> StageRunner<'_, W> {
         }
         out.wall_secs = started.elapsed().as_secs_f64();
         Ok(out)
+    }
+
+    /// Posts the sends of `h` to `peer`: the hidden states (or their gradient), then the router
+    /// sums if there are any.
+    fn send(&self, h: Handoff, key: Key, peer: usize, sends: &mut Vec<(Key, Work)>) -> Result<()> {
+        sends.push((key, self.pp.send_async(&h.hidden, peer)?));
+        if let Some(sums) = &h.router_sums {
+            sends.push((key, self.pp.send_async(sums, peer)?));
+        }
+        Ok(())
+    }
+
+    /// Receives from `peer` what [`send`](Self::send) sent for `mb` on `chunk`: `dims` of
+    /// `dtype`, then the router sums where the chunk expects them.
+    fn recv(&self, chunk: usize, mb: usize, dims: &[usize], dtype: DType, peer: usize) -> Result<Handoff> {
+        let hidden = self.pp.recv(dims, dtype, peer)?;
+        let router_sums = match self.chunks[chunk].router_sums(mb)? {
+            Some(d) => Some(self.pp.recv(&d, DType::I64, peer)?),
+            None => None,
+        };
+        Ok(Handoff { hidden, router_sums })
     }
 
     fn record(&self, events: &mut Vec<TraceEvent>, name: &str, key: Option<Key>, start: Instant, secs: f64) {
