@@ -19,7 +19,9 @@ gate_up_proj, default RoPE), olmo2 (full-width q/k norm), llama_tied_pad (tied e
 pad_token_id 76, a token the first step's rows hold, as SmolLM2 pads with a real token: the
 embedding's padding_idx row gets the LM head's gradient only), phi3_longrope (LongRoPE with
 original_max_position_embeddings 8: rows on both sides of it share micro-batches, and each must
-take the factors of its own length). All: vocab 97, hidden 24, head_dim 6, 2 KV heads,
+take the factors of its own length); the mixtures qwen3_moe, qwen2_moe, mixtral, olmoe and gpt_oss
+(sinks, biases, a window on layer 0, YaRN, the clamped SwiGLU, experts fused and interleaved in the
+checkpoint as gpt-oss ships them). All: vocab 97, hidden 24, head_dim 6, 2 KV heads,
 intermediate 40, 2 layers, max positions 64, rms_norm_eps 1e-5, no bos/eos ids and no pad id
 (but in llama_tied_pad), eager attention. Qwen2, Phi-3 and OLMo 2 have no head_dim setting (head_dim = hidden / heads):
 they use 4 query heads (head_dim 6), the others 8 query heads of 6 (q width 48 != hidden 24).
@@ -45,8 +47,8 @@ Training semantics (hyper-parameters in reference.json "hyper"):
   - Gradient of that loss w.r.t. every parameter; grad_norm is the global L2 norm over all
     parameters before clipping (torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm);
     a tied embedding counts once and its gradient is the sum of both uses).
-  - torch.optim.AdamW, two groups: parameters with ndim == 1 (biases, norm weights) weight decay 0,
-    all others 0.1; betas (0.9, 0.95), eps 1e-8, lr 1e-3.
+  - torch.optim.AdamW, two groups: parameters with ndim == 1 (biases, norm weights) and gpt-oss's
+    fused expert biases (`*_bias`) weight decay 0, all others 0.1; betas (0.9, 0.95), eps 1e-8, lr 1e-3.
   - transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=3),
     scheduler.step() after each optimizer.step() (as the Trainer): step s (from 1) uses the
     schedule at s - 1, so step 1 has lr 0 (Adam moments still update), step 2 1e-3, step 3 5e-4.
@@ -81,11 +83,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           OlmoeConfig, OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM, get_cosine_schedule_with_warmup)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 OUT = os.path.join(ROOT, "crates", "tp-train", "tests", "fixtures")
@@ -119,6 +122,7 @@ QWEN3, GEMMA3 = (Qwen3Config, Qwen3ForCausalLM), (Gemma3TextConfig, Gemma3ForCau
 PHI3, OLMO2 = (Phi3Config, Phi3ForCausalLM), (Olmo2Config, Olmo2ForCausalLM)
 QWEN3MOE, QWEN2MOE = (Qwen3MoeConfig, Qwen3MoeForCausalLM), (Qwen2MoeConfig, Qwen2MoeForCausalLM)
 MIXTRAL, OLMOE = (MixtralConfig, MixtralForCausalLM), (OlmoeConfig, OlmoeForCausalLM)
+GPTOSS = (GptOssConfig, GptOssForCausalLM)
 CASES = {
     "llama": (LLAMA, base()),
     "llama_tied_biases": (LLAMA, base(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
@@ -146,6 +150,11 @@ CASES = {
     "mixtral": (MIXTRAL, base(num_local_experts=8, num_experts_per_tok=2, intermediate_size=20, sliding_window=4)),
     "olmoe": (OLMOE, no_head_dim(num_experts=8, num_experts_per_tok=2, intermediate_size=20, num_key_value_heads=4,
                                  output_router_logits=True, router_aux_loss_coef=0.05)),
+    # gpt-oss: attention sinks, q/k/v/o biases, a sliding window of 4 on layer 0, the class's default YaRN, a router
+    # bias, experts with biases in its fused interleaved layout, and the clamped SwiGLU (limit 1 so that the clamps
+    # act on these small weights).
+    "gpt_oss": (GPTOSS, base(num_local_experts=8, num_experts_per_tok=2, intermediate_size=20, sliding_window=4,
+                             swiglu_limit=1.0, output_router_logits=True, router_aux_loss_coef=0.05)),
 }
 
 # (length, masked prompt length); row 1 is longer than seq_len, row 4 exactly seq_len.
@@ -197,6 +206,14 @@ def exact_f64_buffers(m):
     the attribute transformers would otherwise compute in float32 on the first long row)."""
     cfg = m.config
     for mod in m.modules():
+        if getattr(mod, "rope_type", None) == "yarn":
+            with full_f64():
+                inv, scaling = ROPE_INIT_FUNCTIONS["yarn"](mod.config, None)
+            assert inv.dtype == torch.float64 and torch.allclose(inv, mod.inv_freq, rtol=1e-6)
+            mod.inv_freq.copy_(inv)
+            mod.original_inv_freq.copy_(inv)
+            assert scaling == mod.attention_scaling
+            continue
         for name, buf in list(mod.named_buffers(recurse=False)):
             if name.endswith("inv_freq"):
                 lt = name[:-len("inv_freq")].replace("original_", "").rstrip("_")
@@ -282,11 +299,17 @@ def aux_coef(m):
     return m.config.router_aux_loss_coef if getattr(m.config, "output_router_logits", False) else 0.0
 
 
+def no_decay(name, p):
+    """Megatron's rule: no weight decay on biases (gpt-oss's fused expert biases `*_bias` are 2-D) and 1-D
+    parameters (norm weights, gpt-oss's sinks)."""
+    return p.ndim == 1 or name.endswith("_bias")
+
+
 def train(m, rows, h):
-    decay = [p for p in m.parameters() if p.ndim != 1]
-    no_decay = [p for p in m.parameters() if p.ndim == 1]
+    decay = [p for n, p in m.named_parameters() if not no_decay(n, p)]
+    no_decay_params = [p for n, p in m.named_parameters() if no_decay(n, p)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": h["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=h["lr"],
+                             {"params": no_decay_params, "weight_decay": 0.0}], lr=h["lr"],
                             betas=(h["adam_beta1"], h["adam_beta2"]), eps=h["adam_eps"])
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=h["warmup_steps"], num_training_steps=h["steps"])
     per_step = h["micro_batch_size"] * h["grad_accum"]
@@ -314,7 +337,8 @@ def train(m, rows, h):
 def by_checkpoint_name(m, names, values):
     """{checkpoint name: f32 tensor} for every parameter; values maps id(param) to a tensor. transformers 5 holds
     a mixture's experts fused (`experts.gate_up_proj: [E, 2I, H]`, `experts.down_proj: [E, H, I]`); the checkpoint
-    (and tp) name them per expert, so those are split."""
+    (and tp) name them per expert, so those are split, except where the checkpoint holds them fused too
+    (gpt-oss)."""
     params = dict(m.named_parameters())  # a tied lm_head appears once, as model.embed_tokens.weight
     # Mixtral's checkpoints name the block `block_sparse_moe` and the projections w1 (gate), w3 (up), w2 (down).
     mixtral = any(".block_sparse_moe." in n for n in names)
@@ -324,7 +348,9 @@ def by_checkpoint_name(m, names, values):
         v = values[id(p)].detach().to(torch.float32)
         if mixtral:
             k = k.replace(".mlp.", ".block_sparse_moe.")
-        if k.endswith(".experts.gate_up_proj") or k.endswith(".experts.down_proj"):
+        if k in names:
+            out[k] = v.contiguous()
+        elif k.endswith(".experts.gate_up_proj") or k.endswith(".experts.down_proj"):
             prefix = k.rsplit(".", 1)[0]
             for e in range(v.shape[0]):
                 if k.endswith("gate_up_proj"):

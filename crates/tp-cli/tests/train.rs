@@ -106,14 +106,30 @@ fn assert_tensors_close(got: &BTreeMap<String, Vec<f64>>, want: &BTreeMap<String
 
 #[test]
 fn the_command_matches_torch_and_writes_a_loadable_checkpoint() {
-    let case = fixture("gemma3");
+    matches_torch_and_saves("gemma3", &["--tensor-parallel-size", "3", "--sequence-parallel"]);
+}
+
+/// gpt-oss's gradients are dumped and its weights saved in its own fused, interleaved expert
+/// layout (the names and shapes of its checkpoint, which transformers loads), under expert
+/// parallelism too.
+#[test]
+fn gpt_oss_trains_and_saves_in_its_own_expert_layout() {
+    matches_torch_and_saves("gpt_oss", &["--tensor-parallel-size", "3"]);
+    matches_torch_and_saves("gpt_oss", &["--tensor-parallel-size", "2", "--enable-expert-parallel"]);
+}
+
+/// `tp train` of the torch fixture `case` with `flags`: torch's step logs, step 1's gradients
+/// (`--dump-grads`, the checkpoint's names) and weights after 3 steps (`--save`, a folder tp
+/// loads).
+fn matches_torch_and_saves(name: &str, flags: &[&str]) {
+    let case = fixture(name);
     let dir = scratch("torch");
     let (log, grads, save) = (dir.join("log.jsonl"), dir.join("grads.safetensors"), dir.join("ckpt"));
     let mut args = hyper_flags(&case.join("data.jsonl"));
     for (k, v) in [("--log-json", &log), ("--dump-grads", &grads), ("--save", &save)] {
         args.extend([k.to_string(), v.display().to_string()]);
     }
-    args.extend(["--tensor-parallel-size".into(), "3".into(), "--sequence-parallel".into()]);
+    args.extend(flags.iter().map(|f| f.to_string()));
     let out = tp_train(&case, &args.iter().map(String::as_str).collect::<Vec<_>>());
     ok(&out);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -129,7 +145,7 @@ fn the_command_matches_torch_and_writes_a_loadable_checkpoint() {
         let rel = |k: &str| {
             (got[k].as_f64().unwrap() - want[k].as_f64().unwrap()).abs() / want[k].as_f64().unwrap().abs().max(1e-12)
         };
-        assert!(rel("loss") < 2e-6 && rel("grad_norm") < 2e-5, "{got} vs {want}");
+        assert!(rel("loss") < 2e-6 && rel("grad_norm") < 2e-5, "{name} {flags:?}: {got} vs {want}");
         assert_eq!(got["lr"].as_f64(), want["lr"].as_f64());
         assert!(got["elapsed_s"].as_f64().unwrap() >= 0.0);
     }
@@ -138,7 +154,7 @@ fn the_command_matches_torch_and_writes_a_loadable_checkpoint() {
     assert_eq!(
         got.keys().collect::<Vec<_>>(),
         want.keys().collect::<Vec<_>>(),
-        "tied embedding once, checkpoint names"
+        "{name}: tied embedding once, checkpoint names"
     );
     assert_tensors_close(&got, &want, 2e-5);
 
@@ -152,10 +168,11 @@ fn the_command_matches_torch_and_writes_a_loadable_checkpoint() {
         tensors(&case.join("weights_after.safetensors")),
         tensors(&case.join("model.safetensors")),
     );
-    for (name, w) in &after {
-        let err = saved[name].iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
-        let moved = w.iter().zip(&before[name]).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
-        assert!(err <= 2e-3 * moved + 1e-7, "{name}: {err:e} (moved {moved:e})");
+    assert_eq!(saved.keys().collect::<Vec<_>>(), after.keys().collect::<Vec<_>>(), "{name}: saved names");
+    for (t, w) in &after {
+        let err = saved[t].iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+        let moved = w.iter().zip(&before[t]).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+        assert!(err <= 2e-3 * moved + 1e-7, "{name} {t}: {err:e} (moved {moved:e})");
     }
     let group = tp_comm::DeviceGroup::local(1, std::time::Duration::from_secs(60), |_| tp_core::Device::Cpu).unwrap();
     tp_models::ParallelCausalLm::load(&save, &group[0], &tp_models::ModelOptions::new())
@@ -172,7 +189,8 @@ fn fields(v: &Value) -> Value {
 
 #[test]
 fn a_resumed_run_logs_what_the_uninterrupted_one_does() {
-    for (case, dtype) in [("qwen3", "f32"), ("llama_tied_biases", "bf16")] {
+    // gpt-oss: its checkpoint holds the experts fused; the optimizer's state is per expert.
+    for (case, dtype) in [("qwen3", "f32"), ("llama_tied_biases", "bf16"), ("gpt_oss", "f32")] {
         let case = fixture(case);
         let dir = scratch("resume");
         let base = hyper_flags(&case.join("data.jsonl"));

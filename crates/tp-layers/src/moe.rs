@@ -587,7 +587,9 @@ impl ParallelMoe {
         let replicated = |name: String, dims: &[usize]| vec![crate::Placement::replicated(name, dims, rank, false)];
         let (e, h) = (self.router.out_features(), self.router.in_features());
         let w = replicated(join(prefix, &format!("{}.weight", names.router)), &[e, h]);
-        self.router.params(w, Vec::new(), f)?;
+        // gpt-oss's router has a bias (replicated too); Linear lists it only where it exists.
+        let b = replicated(join(prefix, &format!("{}.bias", names.router)), &[e]);
+        self.router.params(w, b, f)?;
         for (i, (x, absent)) in self.experts.iter_mut().zip(&mut self.absent).enumerate() {
             let expert = join(prefix, &format!("{}.{i}", names.experts));
             match (x, absent) {
@@ -623,7 +625,8 @@ fn zero_missing_grads(mlp: &mut ParallelMlp) -> Result<()> {
 }
 
 /// The empty stand-ins of an expert another rank holds whole: its stacked gate/up `[0, H]`
-/// and down `[H, 0]`, each a parameter with blocks of length 0 this rank does not own.
+/// and down `[H, 0]`, and where the experts have biases (gpt-oss) its stacked gate/up bias
+/// `[0]` and down bias `[0]`, each a parameter with blocks of length 0 this rank does not own.
 #[derive(Debug, Clone)]
 struct AbsentExpert {
     /// The expert's intermediate features (its full tensors' rows and columns).
@@ -632,6 +635,7 @@ struct AbsentExpert {
     gate_up_grad: crate::Grad,
     down: Tensor,
     down_grad: crate::Grad,
+    biases: Option<[(Tensor, crate::Grad); 2]>,
 }
 
 impl AbsentExpert {
@@ -659,8 +663,21 @@ impl AbsentExpert {
         };
         let gate_up = [g, u].map(|n| none(join(prefix, &format!("{n}.weight")), vec![self.inter, hidden], 0));
         f(crate::Param { value: &mut self.gate_up, grad: &mut self.gate_up_grad, placements: gate_up.to_vec() });
+        let gate_up_bias = self
+            .biases
+            .as_ref()
+            .map(|_| [g, u].map(|n| none(join(prefix, &format!("{n}.bias")), vec![self.inter], 0)).to_vec());
         let down = none(join(prefix, &format!("{}.weight", names.down)), vec![hidden, self.inter], 1);
-        f(crate::Param { value: &mut self.down, grad: &mut self.down_grad, placements: vec![down] });
+        let down_bias = none(join(prefix, &format!("{}.bias", names.down)), vec![hidden], 0);
+        match (&mut self.biases, gate_up_bias) {
+            (Some([(gub, gub_grad), (db, db_grad)]), Some(gate_up_bias)) => {
+                // In the order a held expert lists them: gate/up weight, its bias, down, its bias.
+                f(crate::Param { value: gub, grad: gub_grad, placements: gate_up_bias });
+                f(crate::Param { value: &mut self.down, grad: &mut self.down_grad, placements: vec![down] });
+                f(crate::Param { value: db, grad: db_grad, placements: vec![down_bias] });
+            }
+            _ => f(crate::Param { value: &mut self.down, grad: &mut self.down_grad, placements: vec![down] }),
+        }
         Ok(())
     }
 }
@@ -675,6 +692,10 @@ fn absent_experts(
         return Ok(experts.iter().map(|_| None).collect());
     };
     let (inter, dtype) = (held.gate_up().shards()[0].global_len(), held.gate_up().local().dtype());
+    let biased = held.gate_up().local().bias().is_some() || held.down().bias().is_some();
+    let empty = || -> Result<(Tensor, crate::Grad)> {
+        Ok((Tensor::zeros(&[0], dtype, &group.device())?, crate::Grad::default()))
+    };
     experts
         .iter()
         .map(|x| match x {
@@ -685,6 +706,7 @@ fn absent_experts(
                 gate_up_grad: crate::Grad::default(),
                 down: Tensor::zeros(&[hidden, 0], dtype, &group.device())?,
                 down_grad: crate::Grad::default(),
+                biases: if biased { Some([empty()?, empty()?]) } else { None },
             })),
         })
         .collect()

@@ -219,7 +219,11 @@ impl RowParallel {
         );
         f(crate::Param { value: self.weight.dense_mut()?, grad: &mut self.grad_weight, placements: vec![w] });
         if let Some(b) = &mut self.bias {
-            let p = crate::Placement::replicated(crate::parts::join(prefix, "bias"), &[out], self.group.rank(), false);
+            // The bias is whole on every rank that holds the layer, and owned by one of them: rank
+            // 0, or the one rank holding every input feature (an expert held whole under expert
+            // parallelism, which the other ranks do not hold at all).
+            let owner = if s.len() == s.global_len() { 0 } else { self.group.rank() };
+            let p = crate::Placement::replicated(crate::parts::join(prefix, "bias"), &[out], owner, false);
             f(crate::Param { value: b, grad: &mut self.grad_bias, placements: vec![p] });
         }
         Ok(())

@@ -39,6 +39,7 @@
 
 mod arch;
 mod blocks;
+mod checkpoint_layout;
 mod config;
 mod error;
 mod fields;
@@ -53,6 +54,7 @@ mod source;
 mod tensors;
 
 pub use arch::Architecture;
+pub use checkpoint_layout::to_checkpoint_layout;
 pub use config::{LayerType, MAX_CONFIG_BYTES, ModelConfig};
 pub use error::{ModelError, Result};
 pub use model::{

@@ -103,14 +103,20 @@ pub fn save_stages(
     let Some(tp) = chunks.first().map(|c| c.group().clone()) else {
         return Err(err(dir, "no model chunk on this rank"));
     };
+    let arch = chunks[0].config().architecture;
     let (weights, optimizer) = gather(chunks, trainer, &tp)?;
-    let (mut weights, optimizer) = (merge_stages(weights, pp, &tp)?, merge_stages(optimizer, pp, &tp)?);
+    let (weights, optimizer) = (merge_stages(weights, pp, &tp)?, merge_stages(optimizer, pp, &tp)?);
     let writer = pp.rank() == 0 && tp.rank() == 0;
     let written = if writer {
-        for t in weights.values_mut() {
-            *t = t.to_dtype(info.dtype)?;
-        }
-        write(dir, &weights, &optimizer, trainer.steps_done(), info)
+        // The weights in the family's checkpoint layout (gpt-oss's experts fused, as transformers
+        // loads them); the optimizer's tensors keep tp's per-parameter names.
+        (|| {
+            let mut weights = tp_models::to_checkpoint_layout(arch, weights)?;
+            for t in weights.values_mut() {
+                *t = t.to_dtype(info.dtype)?;
+            }
+            write(dir, &weights, &optimizer, trainer.steps_done(), info)
+        })()
     } else {
         Ok(())
     };

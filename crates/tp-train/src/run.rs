@@ -111,8 +111,8 @@ fn save(
     checkpoint::save_stages(dir, chunks, pp, trainer, &info)
 }
 
-/// The first rank writes every parameter's full gradient (f32, checkpoint names; a tied table
-/// once) to `path`: each stage gathers its own over its tensor-parallel group and sends them
+/// The first rank writes every parameter's full gradient (f32, checkpoint names and layout; a
+/// tied table once) to `path`: each stage gathers its own over its tensor-parallel group and sends them
 /// to stage 0.
 fn dump_grads(chunks: &mut [ParallelCausalLm], pp: &tp_comm::DeviceGroup, path: &Path) -> Result<()> {
     let Some(tp) = chunks.first().map(|c| c.group().clone()) else { return Ok(()) };
@@ -123,8 +123,11 @@ fn dump_grads(chunks: &mut [ParallelCausalLm], pp: &tp_comm::DeviceGroup, path: 
         let full = gather_full(&params, Gather::Grads, &tp)?;
         grads.extend(full.into_iter().filter(|(n, _)| !(copy && n == "model.embed_tokens.weight")));
     }
+    let arch = chunks[0].config().architecture;
     let grads = checkpoint::merge_stages(grads, pp, &tp)?;
     if tp.rank() == 0 && pp.rank() == 0 {
+        // The checkpoint's names and layout (gpt-oss's experts fused).
+        let grads = tp_models::to_checkpoint_layout(arch, grads)?;
         let named: Vec<(&str, &tp_core::Tensor)> = grads.iter().map(|(n, t)| (n.as_str(), t)).collect();
         tp_layers::save(path, &named)
             .map_err(|e| TrainError::Checkpoint { path: path.display().to_string(), why: e.to_string() })?;

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use tp_comm::{DeviceGroup, Mesh, MeshShape};
 use tp_core::{Device, Tensor};
 use tp_layers::{Gather, gather_blocks, gather_full};
-use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute, stage_parts};
+use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute, stage_parts, to_checkpoint_layout};
 use tp_train::data::Dataset;
 use tp_train::optim::AdamW;
 use tp_train::pipeline::ScheduleKind;
@@ -89,12 +89,17 @@ fn train_opts(case: &str, world: usize, recompute: Recompute, sp: bool, opts: Mo
                 let params = model.params_mut().map_err(|e| e.to_string())?;
                 grads = gather_full(&params, Gather::Grads, g).map_err(|e| e.to_string())?;
             }
+            let arch = model.config().architecture;
+            if step == 1 {
+                grads = to_checkpoint_layout(arch, grads).map_err(|e| e.to_string())?;
+            }
             let lr = trainer.apply(&mut model, acc.grad_norm).map_err(|e| e.to_string())?;
             logs.push((acc.loss_sum / acc.targets as f64, acc.grad_norm, lr, acc.targets));
         }
+        let arch = model.config().architecture;
         let params = model.params_mut().map_err(|e| e.to_string())?;
         let weights = gather_full(&params, Gather::Values, g).map_err(|e| e.to_string())?;
-        Ok((logs, grads, weights))
+        Ok((logs, grads, to_checkpoint_layout(arch, weights).map_err(|e| e.to_string())?))
     });
     let mut results: Vec<Run> =
         results.into_iter().map(|r| r.unwrap_or_else(|e| panic!("{case} at TP {world}: {e:?}"))).collect();
@@ -184,7 +189,10 @@ fn train_mesh(case: &str, shape: (usize, usize, usize), sp: bool, opts: ModelOpt
     if let Some(e) = errors.into_iter().next() {
         panic!("{case} at dp {dp} x pp {pp} x tp {tp}: {e}");
     }
-    (logs.into_inner().unwrap(), grads.into_inner().unwrap(), weights.into_inner().unwrap())
+    let layout = |m: Mutex<BTreeMap<String, Tensor>>| {
+        to_checkpoint_layout(config.architecture, m.into_inner().unwrap()).unwrap()
+    };
+    (logs.into_inner().unwrap(), layout(grads), layout(weights))
 }
 
 /// `max |a - b| <= atol + rtol · max |b|` over the tensor.
@@ -314,6 +322,18 @@ fn longrope_rows_take_their_own_factors() {
 /// experts and Qwen2-MoE's gated shared expert, and the load-balancing loss where the config
 /// asks for it (`output_router_logits`; Mixtral's does not), each row's own, averaged over the
 /// step's rows.
+/// gpt-oss: the sinks' and the clamped SwiGLU's backward, biases everywhere, the window, YaRN,
+/// the router's softmax over its top k with the load-balancing loss; gradients and weights
+/// compared in gpt-oss's fused interleaved layout (`to_checkpoint_layout`, the layout tp
+/// saves), at TP 1 and 3, with expert parallelism, and over two pipeline stages.
+#[test]
+fn gpt_oss_matches_torch() {
+    check_case("gpt_oss", &[1, 3]);
+    check_case_with("gpt_oss", &[2], true);
+    check_case_opts("gpt_oss", &[3], false, ModelOptions::new().with_expert_parallel(true));
+    check_run("gpt_oss", "gpt_oss dp 2 x pp 2 x tp 2", train_mesh("gpt_oss", (2, 2, 2), false, ModelOptions::new()));
+}
+
 #[test]
 fn mixtures_of_experts_match_torch() {
     check_case("qwen3_moe", &[1, 3, 8]);

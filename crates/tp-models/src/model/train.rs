@@ -155,13 +155,6 @@ impl ParallelCausalLm {
     /// Errors: an empty row, labels of another length, ids or labels outside the vocabulary,
     /// a row longer than `max_position_embeddings`.
     pub fn micro_batch(&self, rows: &[TrainRow<'_>]) -> Result<MicroBatch> {
-        if self.config.architecture == crate::Architecture::GptOss {
-            return Err(ModelError::Request(
-                "GptOssForCausalLM does not train yet: its parameters would not be saved in gpt-oss's own \
-                 interleaved expert layout (it loads, generates and serves)"
-                    .into(),
-            ));
-        }
         let vocab = self.config.vocab_size;
         for (i, r) in rows.iter().enumerate() {
             let bad = |why: String| Err(ModelError::Request(format!("row {i} of the micro-batch: {why}")));
