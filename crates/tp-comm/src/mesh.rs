@@ -20,6 +20,14 @@
 //! | ...  |    |    |    |          |          |          |
 //!
 //! Rank `i` of a rank's pipeline group is stage `i` (likewise for the other axes).
+//!
+//! Expert parallelism (Megatron's `--expert-model-parallel-size`, `ep` dividing `dp`) splits
+//! the data-parallel axis in two: `dp = edp_index · ep + ep_index`. The expert-parallel group
+//! is `ep` consecutive replicas (the same stage and tensor-parallel rank), over which a
+//! mixture's experts are placed and its tokens dispatched; the expert-data-parallel group is
+//! the replicas holding the same experts (`dp / ep` of them), over which the experts'
+//! gradients are summed. Without it (`ep = 1`) the first is one rank and the second is the
+//! data-parallel group.
 
 use crate::error::{CommError, Result};
 use crate::group::DeviceGroup;
@@ -27,6 +35,9 @@ use crate::{LaunchEnv, MAX_WORLD_SIZE};
 use std::sync::Arc;
 use std::time::Duration;
 use tp_core::Device;
+
+/// Every axis, in the order their groups are made.
+const AXES: [Axis; 5] = [Axis::Tp, Axis::Pp, Axis::Dp, Axis::Ep, Axis::Edp];
 
 /// An axis of the mesh.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -37,6 +48,10 @@ pub enum Axis {
     Pp,
     /// Data-parallel replicas (slowest).
     Dp,
+    /// Expert parallelism: consecutive data-parallel replicas sharing out the experts.
+    Ep,
+    /// Expert data parallelism: the replicas holding the same experts.
+    Edp,
 }
 
 /// The sizes of the axes.
@@ -48,6 +63,8 @@ pub struct MeshShape {
     pub pp: usize,
     /// Tensor-parallel ranks per stage.
     pub tp: usize,
+    /// Expert-parallel replicas (dividing `dp`; 1: none).
+    pub ep: usize,
 }
 
 /// A rank's place on each axis.
@@ -76,12 +93,28 @@ impl MeshShape {
             });
         }
         match dp.checked_mul(pp).and_then(|x| x.checked_mul(tp)) {
-            Some(w) if w <= MAX_WORLD_SIZE => Ok(MeshShape { dp, pp, tp }),
+            Some(w) if w <= MAX_WORLD_SIZE => Ok(MeshShape { dp, pp, tp, ep: 1 }),
             _ => Err(CommError::Limit {
                 op: OP,
                 why: format!("{dp} x {pp} x {tp} ranks exceed the maximum of {MAX_WORLD_SIZE}"),
             }),
         }
+    }
+    /// The same mesh with `ep` expert-parallel replicas out of its `dp`.
+    ///
+    /// Errors: `ep` 0 or not dividing `dp`, naming both.
+    pub fn with_expert_parallel(self, ep: usize) -> Result<MeshShape> {
+        if ep == 0 || self.dp % ep != 0 {
+            return Err(CommError::Limit {
+                op: "MeshShape::with_expert_parallel",
+                why: format!(
+                    "expert parallelism of {ep} must divide the {} data-parallel replicas (experts are placed over \
+                     replicas, as Megatron's --expert-model-parallel-size)",
+                    self.dp
+                ),
+            });
+        }
+        Ok(MeshShape { ep, ..self })
     }
     /// `dp · pp · tp`.
     pub fn world_size(&self) -> usize {
@@ -101,6 +134,8 @@ impl MeshShape {
             Axis::Tp => self.tp,
             Axis::Pp => self.pp,
             Axis::Dp => self.dp,
+            Axis::Ep => self.ep,
+            Axis::Edp => self.dp / self.ep,
         }
     }
     /// The global ranks of `rank`'s group along `axis`, in that axis's order.
@@ -113,6 +148,8 @@ impl MeshShape {
                     Axis::Tp => d.tp = i,
                     Axis::Pp => d.pp = i,
                     Axis::Dp => d.dp = i,
+                    Axis::Ep => d.dp = c.dp / self.ep * self.ep + i,
+                    Axis::Edp => d.dp = i * self.ep + c.dp % self.ep,
                 }
                 self.rank(d)
             })
@@ -125,6 +162,8 @@ impl MeshShape {
             Axis::Tp => c.tp,
             Axis::Pp => c.pp,
             Axis::Dp => c.dp,
+            Axis::Ep => c.dp % self.ep,
+            Axis::Edp => c.dp / self.ep,
         }
     }
     /// Which group of `axis` global `rank` belongs to, numbered `0..world / size(axis)`.
@@ -134,6 +173,8 @@ impl MeshShape {
             Axis::Tp => c.dp * self.pp + c.pp,
             Axis::Pp => c.dp * self.tp + c.tp,
             Axis::Dp => c.pp * self.tp + c.tp,
+            Axis::Ep => (c.dp / self.ep * self.pp + c.pp) * self.tp + c.tp,
+            Axis::Edp => (c.dp % self.ep * self.pp + c.pp) * self.tp + c.tp,
         }
     }
 }
@@ -147,6 +188,8 @@ pub struct Mesh {
     tp: DeviceGroup,
     pp: DeviceGroup,
     dp: DeviceGroup,
+    ep: DeviceGroup,
+    edp: DeviceGroup,
     /// Keeps rank 0's rendezvous store alive for the mesh's life (from_launch_env).
     _rendezvous: Option<Arc<std::sync::Mutex<crate::Rendezvous>>>,
 }
@@ -167,7 +210,7 @@ impl Mesh {
         let n = shape.world_size();
         let world = DeviceGroup::local(n, timeout, &device)?;
         let mut axes: Vec<Vec<Option<DeviceGroup>>> = Vec::new();
-        for axis in [Axis::Tp, Axis::Pp, Axis::Dp] {
+        for axis in AXES {
             let mut mine: Vec<Option<DeviceGroup>> = vec![None; n];
             let size = shape.size(axis);
             // Each group once, from its first rank.
@@ -180,24 +223,17 @@ impl Mesh {
             }
             axes.push(mine);
         }
-        let [tp, pp, dp] = <[Vec<Option<DeviceGroup>>; 3]>::try_from(axes)
-            .map_err(|_| CommError::Limit { op: "Mesh::local", why: "internal: three axes".into() })?;
+        let mut axes: Vec<std::vec::IntoIter<Option<DeviceGroup>>> = axes.into_iter().map(Vec::into_iter).collect();
         world
             .into_iter()
-            .zip(tp.into_iter().zip(pp.into_iter().zip(dp)))
             .enumerate()
-            .map(|(rank, (world, (tp, (pp, dp))))| {
+            .map(|(rank, world)| {
                 let missing =
                     || CommError::Limit { op: "Mesh::local", why: format!("internal: rank {rank} has no group") };
-                Ok(Mesh {
-                    shape,
-                    rank,
-                    world,
-                    tp: tp.ok_or_else(missing)?,
-                    pp: pp.ok_or_else(missing)?,
-                    dp: dp.ok_or_else(missing)?,
-                    _rendezvous: None,
-                })
+                let mut next =
+                    || axes.iter_mut().map(|a| a.next().flatten().ok_or_else(missing)).collect::<Result<Vec<_>>>();
+                let [tp, pp, dp, ep, edp] = <[DeviceGroup; 5]>::try_from(next()?).map_err(|_| missing())?;
+                Ok(Mesh { shape, rank, world, tp, pp, dp, ep, edp, _rendezvous: None })
             })
             .collect()
     }
@@ -232,13 +268,15 @@ impl Mesh {
         }
         let mut rdv = crate::Rendezvous::join(env)?;
         match Self::nccl_mesh(&mut rdv, env, shape) {
-            Ok((world, [tp, pp, dp])) => Ok(Mesh {
+            Ok((world, [tp, pp, dp, ep, edp])) => Ok(Mesh {
                 shape,
                 rank: env.rank,
                 world,
                 tp,
                 pp,
                 dp,
+                ep,
+                edp,
                 _rendezvous: Some(Arc::new(std::sync::Mutex::new(rdv))),
             }),
             Err(e) => {
@@ -248,20 +286,21 @@ impl Mesh {
         }
     }
 
-    /// The world communicator, then one per axis (tp, pp, dp, the same order on every rank, as
-    /// NCCL's blocking-until-all initialisation of each needs).
+    /// The world communicator, then one per axis (tp, pp, dp, ep, edp, the same order on every
+    /// rank, as NCCL's blocking-until-all initialisation of each needs).
     fn nccl_mesh(
         rdv: &mut crate::Rendezvous,
         env: &LaunchEnv,
         shape: MeshShape,
-    ) -> Result<(DeviceGroup, [DeviceGroup; 3])> {
+    ) -> Result<(DeviceGroup, [DeviceGroup; 5])> {
         let (world, device) = DeviceGroup::nccl_over(rdv, env)?;
         let world = DeviceGroup::new(Arc::new(world), device);
         let gpu = tp_kernels::Gpu::get(env.local_rank)
             .map_err(|e| CommError::Tensor { op: "Mesh::from_launch_env", source: e.into() })?;
         let nccl = crate::nccl::Nccl::get()?;
-        let mut out = Vec::with_capacity(3);
-        for (name, axis) in [("tp", Axis::Tp), ("pp", Axis::Pp), ("dp", Axis::Dp)] {
+        let mut out = Vec::with_capacity(5);
+        for (name, axis) in [("tp", Axis::Tp), ("pp", Axis::Pp), ("dp", Axis::Dp), ("ep", Axis::Ep), ("edp", Axis::Edp)]
+        {
             let members = shape.group_ranks(env.rank, axis);
             if members.len() == env.world_size {
                 out.push(world.clone());
@@ -283,9 +322,9 @@ impl Mesh {
             out.push(DeviceGroup::new(Arc::new(comm), device));
         }
         rdv.barrier("mesh-ready")?;
-        let [tp, pp, dp] =
-            <[DeviceGroup; 3]>::try_from(out).map_err(|_| CommError::Rendezvous("internal: three axes".into()))?;
-        Ok((world, [tp, pp, dp]))
+        let groups =
+            <[DeviceGroup; 5]>::try_from(out).map_err(|_| CommError::Rendezvous("internal: five axes".into()))?;
+        Ok((world, groups))
     }
 
     /// The axes' sizes.
@@ -306,6 +345,8 @@ impl Mesh {
             Axis::Tp => &self.tp,
             Axis::Pp => &self.pp,
             Axis::Dp => &self.dp,
+            Axis::Ep => &self.ep,
+            Axis::Edp => &self.edp,
         }
     }
     /// The tensor-parallel group (this stage's ranks of this replica).
@@ -320,6 +361,16 @@ impl Mesh {
     pub fn dp(&self) -> &DeviceGroup {
         &self.dp
     }
+    /// The expert-parallel group: the replicas over which a mixture's experts are placed (one
+    /// rank without expert parallelism).
+    pub fn ep(&self) -> &DeviceGroup {
+        &self.ep
+    }
+    /// The expert-data-parallel group: the replicas holding the same experts (the
+    /// data-parallel group without expert parallelism).
+    pub fn edp(&self) -> &DeviceGroup {
+        &self.edp
+    }
     /// Every rank.
     pub fn world(&self) -> &DeviceGroup {
         &self.world
@@ -330,7 +381,7 @@ impl Mesh {
     }
     /// Fails every group of this rank, so that a failure anywhere ends every rank's waits.
     pub fn abort(&self, reason: &str) {
-        for g in [&self.world, &self.tp, &self.pp, &self.dp] {
+        for g in [&self.world, &self.tp, &self.pp, &self.dp, &self.ep, &self.edp] {
             g.abort(reason);
         }
     }

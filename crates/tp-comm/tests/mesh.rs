@@ -252,3 +252,36 @@ fn shapes_with_a_zero_axis_or_too_many_ranks_are_refused() {
     assert_eq!(MeshShape::new(MAX_WORLD_SIZE, 1, 1).unwrap().world_size(), MAX_WORLD_SIZE);
     assert_eq!(MeshShape::new(1, 2, MAX_WORLD_SIZE / 2).unwrap().world_size(), MAX_WORLD_SIZE);
 }
+
+/// Expert parallelism splits the data-parallel axis: `ep` consecutive replicas share out the
+/// experts, and the replicas `ep` apart hold the same ones. Each group's all-reduce sums the
+/// global ranks written out from the formula; an `ep` that does not divide `dp` is refused.
+#[test]
+fn expert_parallel_groups_split_the_data_parallel_axis() {
+    for (dp, pp, tp, ep) in [(4, 1, 1, 2), (4, 2, 2, 2), (6, 1, 2, 3), (2, 2, 1, 2), (3, 1, 2, 1)] {
+        let s = MeshShape::new(dp, pp, tp).unwrap().with_expert_parallel(ep).unwrap();
+        assert_eq!((s.size(Axis::Ep), s.size(Axis::Edp)), (ep, dp / ep));
+        for r in 0..s.world_size() {
+            let c = s.coords(r);
+            let (outer, inner) = (c.dp / ep, c.dp % ep);
+            let ep_group: Vec<usize> = (0..ep).map(|i| rank_of(outer * ep + i, c.pp, c.tp, (pp, tp))).collect();
+            let edp_group: Vec<usize> = (0..dp / ep).map(|i| rank_of(i * ep + inner, c.pp, c.tp, (pp, tp))).collect();
+            assert_eq!(s.group_ranks(r, Axis::Ep), ep_group, "{dp}x{pp}x{tp} ep {ep} rank {r}");
+            assert_eq!(s.group_ranks(r, Axis::Edp), edp_group, "{dp}x{pp}x{tp} ep {ep} rank {r}");
+        }
+        let meshes = Mesh::local(s, Duration::from_secs(30), |_| CPU).unwrap();
+        let sums = on_meshes(meshes, |m| {
+            [m.ep(), m.edp()].map(|g| {
+                let t = Tensor::from_vec(vec![m.rank() as f32], &[1], &CPU).unwrap();
+                g.all_reduce(&t, ReduceOp::Sum).unwrap().to_vec::<f32>().unwrap()[0] as usize
+            })
+        });
+        for (r, [ep_sum, edp_sum]) in sums.into_iter().enumerate() {
+            assert_eq!(ep_sum, s.group_ranks(r, Axis::Ep).iter().sum::<usize>(), "rank {r} ep");
+            assert_eq!(edp_sum, s.group_ranks(r, Axis::Edp).iter().sum::<usize>(), "rank {r} edp");
+        }
+    }
+    let err = MeshShape::new(4, 1, 1).unwrap().with_expert_parallel(3).unwrap_err().to_string();
+    assert!(err.contains("expert parallelism of 3") && err.contains("4 data-parallel"), "{err}");
+    assert!(MeshShape::new(4, 1, 1).unwrap().with_expert_parallel(0).is_err());
+}
