@@ -396,7 +396,7 @@ impl RankJob<'_> {
             self.log.start_now(); // elapsed_s counts training, not loading
         }
         let clock = self.trace.as_ref().map(|(origin, _)| TraceClock { rank, origin: *origin });
-        let groups = StepGroups { pp: mesh.pp(), dp: mesh.dp(), trace: clock };
+        let groups = StepGroups::of_mesh(mesh, clock);
         let mut failed = None;
         let mut on_step = |l: &StepLog, events: &[TraceEvent]| {
             if let Some((_, all)) = self.trace

@@ -81,6 +81,7 @@ mod loss;
 mod merged;
 mod mlp;
 mod moe;
+mod moe_dispatch;
 mod mxfp4;
 mod norm;
 mod options;

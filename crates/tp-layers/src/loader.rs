@@ -25,12 +25,14 @@ pub struct Loader<'a> {
     prefix: String,
     /// Why the prefix is not a checkpoint path (an empty segment), reported by every read.
     invalid: Option<String>,
+    /// The expert-parallel group of a mesh that places a mixture's experts over replicas.
+    experts: Option<&'a DeviceGroup>,
 }
 
 impl<'a> Loader<'a> {
     /// The whole checkpoint (empty prefix) for the rank of `group`.
     pub fn new(ckpt: &'a Checkpoint, group: &'a DeviceGroup, opts: LoadOptions) -> Loader<'a> {
-        Loader { ckpt, group, opts, prefix: String::new(), invalid: None }
+        Loader { ckpt, group, opts, prefix: String::new(), invalid: None, experts: None }
     }
 
     /// The same view one level down: tensor `t` of the result is `{prefix}.{name}.{t}`.
@@ -81,6 +83,15 @@ impl<'a> Loader<'a> {
     /// The checkpoint.
     pub fn checkpoint(&self) -> &'a Checkpoint {
         self.ckpt
+    }
+    /// The same view placing a mixture's experts whole over `group` (a mesh's expert-parallel
+    /// group, [`ParallelMoe`](crate::ParallelMoe)), each split over this loader's group.
+    pub fn with_expert_group(&self, group: &'a DeviceGroup) -> Loader<'a> {
+        Loader { experts: Some(group), ..self.clone() }
+    }
+    /// The expert-parallel group, if any ([`with_expert_group`](Self::with_expert_group)).
+    pub fn expert_group(&self) -> Option<&'a DeviceGroup> {
+        self.experts
     }
     /// The load options.
     pub fn options(&self) -> &LoadOptions {

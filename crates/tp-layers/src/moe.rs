@@ -30,6 +30,7 @@ use crate::error::{LayerError, Result};
 use crate::linear::Linear;
 use crate::loader::Loader;
 use crate::mlp::{MlpNames, ParallelMlp};
+use crate::moe_dispatch::Dispatch;
 use crate::parts::Projections;
 use tp_comm::{DeviceGroup, ReduceOp};
 use tp_core::moe::route;
@@ -170,6 +171,9 @@ pub struct ParallelMoe {
     /// collectives over them (gathering, the gradient norm, checkpoints).
     absent: Vec<Option<AbsentExpert>>,
     placement: ExpertPlacement,
+    /// An expert-parallel mesh's group and the experts' placement over it (each rank's experts
+    /// split over `group`); `None` when every rank of `group` sees the same tokens.
+    ep: Option<(DeviceGroup, ExpertPlacement)>,
     /// The shared expert's shard and its replicated gate `[1, H]`.
     shared: Option<(ParallelMlp, Linear)>,
     config: MoeConfig,
@@ -191,7 +195,23 @@ impl ParallelMoe {
             )));
         }
         let placement = ExpertPlacement::new(e, ld.world_size(), config.expert_parallel)?;
-        let mine = placement.experts_of(ld.rank());
+        // An expert-parallel mesh places whole experts over replicas (each split over the
+        // tensor-parallel group); tokens reach them by all-to-all (`moe_dispatch.rs`).
+        let ep = match ld.expert_group().filter(|g| g.world_size() > 1) {
+            None => None,
+            Some(_) if config.expert_parallel => {
+                return Err(LayerError::Config(
+                    "experts are placed either over the tensor-parallel ranks (--enable-expert-parallel) or over \
+                     replicas (an expert-parallel mesh, -ep), not both"
+                        .into(),
+                ));
+            }
+            Some(g) => Some((g.clone(), ExpertPlacement::new(e, g.world_size(), true)?)),
+        };
+        let mine = match &ep {
+            Some((g, pl)) => pl.experts_of(g.rank()),
+            None => placement.experts_of(ld.rank()),
+        };
         let bias_name = format!("{}.bias", names.router);
         let router_bias = if ld.contains(&bias_name) {
             ld.expect(&bias_name, &[e])?;
@@ -203,9 +223,9 @@ impl ParallelMoe {
         let experts_ld = ld.pp(names.experts);
         let gpt_oss_fused = experts_ld.contains("gate_up_proj") || experts_ld.contains("gate_up_proj_blocks");
         let experts = if names.fused == FusedExperts::Interleaved && gpt_oss_fused {
-            interleaved_experts(&experts_ld, config, hidden, &placement)?
+            interleaved_experts(&experts_ld, config, hidden, &placement, mine.clone())?
         } else if experts_ld.contains("gate_up_proj") {
-            fused_experts(&experts_ld, config, hidden, &placement)?
+            fused_experts(&experts_ld, config, hidden, &placement, mine.clone())?
         } else {
             (0..e)
                 .map(|i| {
@@ -237,7 +257,7 @@ impl ParallelMoe {
             }
         };
         let absent = absent_experts(&experts, hidden, ld.group())?;
-        Ok(ParallelMoe { router, experts, absent, placement, shared, config, group: ld.group().clone() })
+        Ok(ParallelMoe { router, experts, absent, placement, ep, shared, config, group: ld.group().clone() })
     }
 
     /// Which rank computes which part of which expert.
@@ -298,6 +318,12 @@ impl ParallelMoe {
         let &[t, h] = x.dims() else {
             return Err(LayerError::Config(format!("an MoE block takes [tokens, hidden], got {:?}", x.dims())));
         };
+        if self.ep.is_some() {
+            return Err(LayerError::Config(
+                "an MoE block of an expert-parallel mesh (-ep) runs in training only; load it without one to generate"
+                    .into(),
+            ));
+        }
         let routing = self.route(x)?;
         let mut partial = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu)?;
         // The experts with tokens here: (expert, rows ascending, weights).
@@ -389,6 +415,9 @@ pub struct MoeSaved {
     shared: Option<(Tensor, Tensor, Tensor, Vec<f32>)>,
     /// `d loss / d p` of the load-balancing loss, `[T · E]`, set before the backward.
     prob_grad: Option<std::sync::Arc<Vec<f32>>>,
+    /// Under an expert-parallel mesh: the exchange plan and the experts' (partial) outputs that
+    /// came back, f32, one row per sent slot.
+    dispatch: Option<(Dispatch, Tensor)>,
 }
 
 impl MoeSaved {
@@ -448,24 +477,33 @@ impl ParallelMoe {
                 v.push(slot);
             }
         }
-        for (expert, slots) in self.experts.iter().zip(slots_of) {
-            let Some(expert) = expert else {
-                experts.push(None);
-                continue;
-            };
-            if slots.is_empty() {
-                experts.push(None);
-                continue;
+        let dispatch = match &self.ep {
+            Some((ep, ep_placement)) => {
+                experts.resize_with(e, || None);
+                Some(self.dispatch_forward(&x_full, &routing, ep, ep_placement, &mut partial, &mut experts)?)
             }
-            let k = routing.top_k;
-            let rows: Vec<usize> = slots.iter().map(|s| s / k).collect();
-            let weights: Vec<f32> = slots.iter().map(|&s| routing.weights[s]).collect();
-            let xe = gather_rows(&x_full, &rows)?;
-            let (gate_up, act, out) = expert.forward_partial_saved(&xe)?;
-            let out = self.with_down_bias(expert, out)?;
-            partial.add_rows_scaled(&rows, &out.to_device(&Device::Cpu)?, &weights)?;
-            experts.push(Some(ExpertSaved { rows, slots, x: xe, gate_up, act, out }));
-        }
+            None => {
+                for (expert, slots) in self.experts.iter().zip(slots_of) {
+                    let Some(expert) = expert else {
+                        experts.push(None);
+                        continue;
+                    };
+                    if slots.is_empty() {
+                        experts.push(None);
+                        continue;
+                    }
+                    let k = routing.top_k;
+                    let rows: Vec<usize> = slots.iter().map(|s| s / k).collect();
+                    let weights: Vec<f32> = slots.iter().map(|&s| routing.weights[s]).collect();
+                    let xe = gather_rows(&x_full, &rows)?;
+                    let (gate_up, act, out) = expert.forward_partial_saved(&xe)?;
+                    let out = self.with_down_bias(expert, out)?;
+                    partial.add_rows_scaled(&rows, &out.to_device(&Device::Cpu)?, &weights)?;
+                    experts.push(Some(ExpertSaved { rows, slots, x: xe, gate_up, act, out }));
+                }
+                None
+            }
+        };
         let shared = match &self.shared {
             None => None,
             Some((expert, gate)) => {
@@ -479,7 +517,7 @@ impl ParallelMoe {
         let partial = partial.to_device(&x.device())?;
         let y = batch.reduce(&partial, group)?.to_dtype(x.dtype())?;
         let stats = RouterStats { routing, probs };
-        let saved = MoeSaved { x: x.clone(), batch: batch.clone(), stats, experts, shared, prob_grad: None };
+        let saved = MoeSaved { x: x.clone(), batch: batch.clone(), stats, experts, shared, prob_grad: None, dispatch };
         Ok((y, saved))
     }
 
@@ -501,19 +539,24 @@ impl ParallelMoe {
         // Partial dot products (dw per slot, dg per token), summed over the group below.
         let mut dots = vec![0f32; t * k + t];
         let mut dx_partial = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu)?;
-        for (expert, s) in self.experts.iter_mut().zip(&saved.experts) {
-            let (Some(expert), Some(s)) = (expert.as_mut(), s.as_ref()) else { continue };
-            let out = s.out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec::<f32>()?;
-            let mut d_out = Vec::with_capacity(s.rows.len() * h);
-            for (i, (&row, &slot)) in s.rows.iter().zip(&s.slots).enumerate() {
-                let dy_row = &dyv[row * h..(row + 1) * h];
-                dots[slot] = dot(dy_row, &out[i * h..(i + 1) * h]);
-                let w = saved.stats.routing.weights[slot];
-                d_out.extend(dy_row.iter().map(|&g| w * g));
+        if let (Some((plan, back)), Some((ep, _))) = (&saved.dispatch, &self.ep) {
+            let ep = ep.clone();
+            self.dispatch_backward(plan, back, &saved, &dyv, &ep, &mut dots, &mut dx_partial)?;
+        } else {
+            for (expert, s) in self.experts.iter_mut().zip(&saved.experts) {
+                let (Some(expert), Some(s)) = (expert.as_mut(), s.as_ref()) else { continue };
+                let out = s.out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec::<f32>()?;
+                let mut d_out = Vec::with_capacity(s.rows.len() * h);
+                for (i, (&row, &slot)) in s.rows.iter().zip(&s.slots).enumerate() {
+                    let dy_row = &dyv[row * h..(row + 1) * h];
+                    dots[slot] = dot(dy_row, &out[i * h..(i + 1) * h]);
+                    let w = saved.stats.routing.weights[slot];
+                    d_out.extend(dy_row.iter().map(|&g| w * g));
+                }
+                let d_out = Tensor::from_vec(d_out, &[s.rows.len(), h], &Device::Cpu)?.to_device(&s.x.device())?;
+                let dxe = expert.backward_partial(&s.x, &s.gate_up, &s.act, &d_out)?;
+                dx_partial.add_rows_scaled(&s.rows, &dxe.to_device(&Device::Cpu)?, &vec![1.0; s.rows.len()])?;
             }
-            let d_out = Tensor::from_vec(d_out, &[s.rows.len(), h], &Device::Cpu)?.to_device(&s.x.device())?;
-            let dxe = expert.backward_partial(&s.x, &s.gate_up, &s.act, &d_out)?;
-            dx_partial.add_rows_scaled(&s.rows, &dxe.to_device(&Device::Cpu)?, &vec![1.0; s.rows.len()])?;
         }
         if let (Some((expert, _)), Some((gate_up, act, out, g))) = (self.shared.as_mut(), saved.shared.as_ref()) {
             let out = out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec::<f32>()?;
@@ -605,6 +648,99 @@ impl ParallelMoe {
         }
         Ok(())
     }
+}
+
+/// Under an expert-parallel mesh (see `moe_dispatch.rs`).
+impl ParallelMoe {
+    /// The routed experts' forward through the exchange: every slot's row goes to the rank
+    /// holding its expert, each held expert runs once over the rows it got (from every rank),
+    /// and the (tensor-parallel partial) outputs come back to be added, weighted, into
+    /// `partial`. Fills `saved[e]` for each held expert that got rows (`rows`: its positions
+    /// among the received rows).
+    fn dispatch_forward(
+        &self,
+        x_full: &Tensor,
+        routing: &Routing,
+        ep: &DeviceGroup,
+        ep_placement: &ExpertPlacement,
+        partial: &mut Tensor,
+        saved: &mut [Option<ExpertSaved>],
+    ) -> Result<(Dispatch, Tensor)> {
+        let (k, h) = (routing.top_k, x_full.dims()[1]);
+        let plan = Dispatch::plan(routing, ep_placement, ep)?;
+        let rows: Vec<usize> = plan.slots.iter().map(|s| s / k).collect();
+        let received = plan.dispatch(&rows_of(x_full, &rows, h)?, ep)?;
+        let mut out_recv = Tensor::zeros(&[plan.received, h], DType::F32, &Device::Cpu)?;
+        for (j, e) in ep_placement.experts_of(ep.rank()).enumerate() {
+            let (Some(expert), positions) = (&self.experts[e], &plan.local_rows[j]) else { continue };
+            if positions.is_empty() {
+                continue;
+            }
+            let xe = gather_rows(&received, positions)?;
+            let (gate_up, act, out) = expert.forward_partial_saved(&xe)?;
+            let out = self.with_down_bias(expert, out)?;
+            out_recv.add_rows_scaled(positions, &out.to_device(&Device::Cpu)?, &vec![1.0; positions.len()])?;
+            saved[e] = Some(ExpertSaved { rows: positions.clone(), slots: Vec::new(), x: xe, gate_up, act, out });
+        }
+        let back = plan.combine(&out_recv.to_device(&ep.device())?, ep)?.to_device(&Device::Cpu)?;
+        let weights: Vec<f32> = plan.slots.iter().map(|&s| routing.weights[s]).collect();
+        if !rows.is_empty() {
+            partial.add_rows_scaled(&rows, &back, &weights)?;
+        }
+        Ok((plan, back))
+    }
+
+    /// The backward of [`dispatch_forward`](Self::dispatch_forward): each slot's `dw = dy · out`
+    /// into `dots`, the outputs' gradients `w dy` out to the experts' ranks, each held expert's
+    /// backward there (accumulating its weights' gradients), and the inputs' gradients back,
+    /// added into `dx_partial`.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_backward(
+        &mut self,
+        plan: &Dispatch,
+        back: &Tensor,
+        saved: &MoeSaved,
+        dyv: &[f32],
+        ep: &DeviceGroup,
+        dots: &mut [f32],
+        dx_partial: &mut Tensor,
+    ) -> Result<()> {
+        let routing = &saved.stats.routing;
+        let k = routing.top_k;
+        let h = dx_partial.dims()[1];
+        let backv = back.to_dtype(DType::F32)?.to_vec::<f32>()?;
+        let mut d_sent = Vec::with_capacity(plan.slots.len() * h);
+        for (i, &slot) in plan.slots.iter().enumerate() {
+            let row = slot / k;
+            let dy_row = &dyv[row * h..(row + 1) * h];
+            dots[slot] = dot(dy_row, &backv[i * h..(i + 1) * h]);
+            let w = routing.weights[slot];
+            d_sent.extend(dy_row.iter().map(|&g| w * g));
+        }
+        let d_sent = Tensor::from_vec(d_sent, &[plan.slots.len(), h], &Device::Cpu)?.to_device(&ep.device())?;
+        let d_recv = plan.dispatch(&d_sent, ep)?.to_device(&Device::Cpu)?;
+        let mut dx_recv = Tensor::zeros(&[plan.received, h], DType::F32, &Device::Cpu)?;
+        for (expert, s) in self.experts.iter_mut().zip(&saved.experts) {
+            let (Some(expert), Some(s)) = (expert.as_mut(), s.as_ref()) else { continue };
+            let d_out = gather_rows(&d_recv, &s.rows)?.to_device(&s.x.device())?;
+            let dxe = expert.backward_partial(&s.x, &s.gate_up, &s.act, &d_out)?;
+            dx_recv.add_rows_scaled(&s.rows, &dxe.to_device(&Device::Cpu)?, &vec![1.0; s.rows.len()])?;
+        }
+        let dx_sent = plan.combine(&dx_recv.to_device(&ep.device())?, ep)?.to_device(&Device::Cpu)?;
+        let rows: Vec<usize> = plan.slots.iter().map(|s| s / k).collect();
+        if !rows.is_empty() {
+            dx_partial.add_rows_scaled(&rows, &dx_sent, &vec![1.0; rows.len()])?;
+        }
+        Ok(())
+    }
+}
+
+/// Rows `rows` of `x: [T, H]` (`[0, H]` for none).
+fn rows_of(x: &Tensor, rows: &[usize], h: usize) -> Result<Tensor> {
+    if rows.is_empty() {
+        return Ok(Tensor::zeros(&[0, h], x.dtype(), &x.device())?);
+    }
+    gather_rows(x, rows)
 }
 
 /// Sets every gradient of `mlp` that no backward has touched to zeros.
@@ -731,6 +867,7 @@ fn fused_experts(
     config: MoeConfig,
     hidden: usize,
     placement: &ExpertPlacement,
+    mine: std::ops::Range<usize>,
 ) -> Result<Vec<Option<ParallelMlp>>> {
     let dims = ld.dims("gate_up_proj")?;
     let &[e, two_i, h] = &dims[..] else {
@@ -745,7 +882,6 @@ fn fused_experts(
     }
     let inter = two_i / 2;
     ld.expect("down_proj", &[e, hidden, inter])?;
-    let mine = placement.experts_of(ld.rank());
     (0..e)
         .map(|i| {
             if !mine.contains(&i) {
@@ -772,6 +908,7 @@ fn interleaved_experts(
     config: MoeConfig,
     hidden: usize,
     placement: &ExpertPlacement,
+    mine: std::ops::Range<usize>,
 ) -> Result<Vec<Option<ParallelMlp>>> {
     // The caller found `gate_up_proj` or its MXFP4 blocks.
     let mxfp4 = !ld.contains("gate_up_proj");
@@ -827,7 +964,6 @@ fn interleaved_experts(
     } else {
         ld.expect("down_proj", &[e, inter, hidden])?;
     }
-    let mine = placement.experts_of(ld.rank());
     (0..e)
         .map(|i| {
             if !mine.contains(&i) {

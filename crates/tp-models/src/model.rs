@@ -214,6 +214,36 @@ impl ParallelCausalLm {
         opts: &ModelOptions,
         part: &StagePart,
     ) -> Result<ParallelCausalLm> {
+        Self::load_part_inner(source, config, group, None, opts, part)
+    }
+
+    /// [`load_part`](Self::load_part) on an expert-parallel mesh (Megatron's
+    /// `--expert-model-parallel-size`): a mixture's experts placed whole over `experts` (the
+    /// mesh's expert-parallel group, replicas holding different tokens), each split over
+    /// `group`; tokens reach them by all-to-all. Such a model trains (it does not generate);
+    /// a dense model loads as [`load_part`](Self::load_part) does.
+    ///
+    /// Errors: as [`load_part`](Self::load_part); more replicas than experts; expert
+    /// parallelism over `group` too.
+    pub fn load_part_expert_parallel(
+        dir: impl AsRef<Path>,
+        config: &ModelConfig,
+        group: &DeviceGroup,
+        experts: &DeviceGroup,
+        opts: &ModelOptions,
+        part: &StagePart,
+    ) -> Result<ParallelCausalLm> {
+        Self::load_part_inner(&ModelSource::open(dir)?, config, group, Some(experts), opts, part)
+    }
+
+    fn load_part_inner(
+        source: &ModelSource,
+        config: &ModelConfig,
+        group: &DeviceGroup,
+        experts: Option<&DeviceGroup>,
+        opts: &ModelOptions,
+        part: &StagePart,
+    ) -> Result<ParallelCausalLm> {
         let c = config;
         if part.layers.start > part.layers.end || part.layers.end > c.num_hidden_layers {
             return Err(ModelError::Request(format!(
@@ -236,7 +266,10 @@ impl ParallelCausalLm {
             None => ckpt.param_info("model.embed_tokens.weight")?.0,
         };
         check_same_config(c, group)?;
-        let root = Loader::new(&ckpt, group, LoadOptions::new().with_dtype(dtype).with_quantized(quantized));
+        let mut root = Loader::new(&ckpt, group, LoadOptions::new().with_dtype(dtype).with_quantized(quantized));
+        if let Some(ep) = experts {
+            root = root.with_expert_group(ep);
+        }
         let model = root.pp("model");
         let embed = if part.embedding {
             let mut embed = VocabParallelEmbedding::load(&model.pp("embed_tokens"))?.with_padding_idx(c.pad_token_id);

@@ -86,17 +86,21 @@ pub struct SaveInfo<'a> {
 /// Writes a checkpoint of `model` and `trainer` into `dir` (collective: every rank calls it).
 pub fn save(dir: &Path, model: &mut ParallelCausalLm, trainer: &Trainer, info: &SaveInfo<'_>) -> Result<()> {
     let single = crate::trainer::single_groups(model.group())?;
-    save_stages(dir, std::slice::from_mut(model), &single, trainer, info)
+    save_stages(dir, std::slice::from_mut(model), &single, None, trainer, info)
 }
 
 /// [`save`] of a pipeline: every rank of every stage calls it with its chunks and its pipeline
 /// group (one data-parallel replica's ranks; the replicas hold the same weights). Each stage
 /// gathers its tensors over its tensor-parallel group; the stages send theirs to stage 0, whose
 /// first tensor-parallel rank writes one checkpoint of the whole model, as [`save`] does.
+/// Under expert parallelism (`experts`: the expert-parallel group, whose every replica calls
+/// it), each replica's experts are summed over that group first (the others hold zeros for
+/// them), and its first replica writes.
 pub fn save_stages(
     dir: &Path,
     chunks: &mut [ParallelCausalLm],
     pp: &DeviceGroup,
+    experts: Option<&DeviceGroup>,
     trainer: &Trainer,
     info: &SaveInfo<'_>,
 ) -> Result<()> {
@@ -105,8 +109,9 @@ pub fn save_stages(
     };
     let arch = chunks[0].config().architecture;
     let (weights, optimizer) = gather(chunks, trainer, &tp)?;
+    let (weights, optimizer) = (sum_experts(weights, experts)?, sum_experts(optimizer, experts)?);
     let (weights, optimizer) = (merge_stages(weights, pp, &tp)?, merge_stages(optimizer, pp, &tp)?);
-    let writer = pp.rank() == 0 && tp.rank() == 0;
+    let writer = pp.rank() == 0 && tp.rank() == 0 && experts.is_none_or(|g| g.rank() == 0);
     let written = if writer {
         // The weights in the family's checkpoint layout (gpt-oss's experts fused, as transformers
         // loads them); the optimizer's tensors keep tp's per-parameter names.
@@ -122,7 +127,7 @@ pub fn save_stages(
     };
     // Every rank learns whether the write worked.
     let mut failed = f32::from(u8::from(written.is_err()));
-    for g in [pp, &tp] {
+    for g in [Some(pp), Some(&tp), experts].into_iter().flatten() {
         if g.world_size() > 1 {
             let t = Tensor::from_vec(vec![failed], &[1], &Device::Cpu)?.to_device(&g.device())?;
             failed = g.all_reduce(&t, ReduceOp::Max)?.to_f64_vec()?[0] as f32;
@@ -133,6 +138,22 @@ pub fn save_stages(
         return Err(err(dir, "rank 0 could not write the checkpoint"));
     }
     Ok(())
+}
+
+/// Under expert parallelism over `experts`, every routed expert's full tensor (named
+/// `...experts.{e}...`, held by one replica, zeros on the others) summed over the group, so
+/// that each replica has every expert; the others unchanged.
+pub(crate) fn sum_experts(
+    mut tensors: BTreeMap<String, Tensor>,
+    experts: Option<&DeviceGroup>,
+) -> Result<BTreeMap<String, Tensor>> {
+    let Some(g) = experts.filter(|g| g.world_size() > 1) else { return Ok(tensors) };
+    for (name, t) in tensors.iter_mut() {
+        if name.contains(".experts.") {
+            *t = g.all_reduce(&t.to_device(&g.device())?, ReduceOp::Sum)?.to_device(&Device::Cpu)?;
+        }
+    }
+    Ok(tensors)
 }
 
 /// Every stage's tensors on stage 0 (the others return theirs unchanged): each stage's first

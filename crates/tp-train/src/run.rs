@@ -44,7 +44,7 @@ pub fn run(
     on_step: &mut dyn FnMut(&StepLog, &[TraceEvent]),
 ) -> Result<()> {
     let single = single_groups(model.group())?;
-    let groups = StepGroups { pp: &single, dp: &single, trace: None };
+    let groups = StepGroups::new(&single, &single, None);
     run_stages(std::slice::from_mut(model), &groups, trainer, data, opts, on_step)
 }
 
@@ -63,7 +63,13 @@ pub fn run_stages(
     opts: &RunOptions,
     on_step: &mut dyn FnMut(&StepLog, &[TraceEvent]),
 ) -> Result<()> {
-    let writer = groups.dp.rank() == 0;
+    // Replica 0 writes; under expert parallelism, the replicas of its expert-parallel group
+    // join in (each holds other experts).
+    let writer = match groups.experts {
+        Some(x) => x.edp.rank() == 0,
+        None => groups.dp.rank() == 0,
+    };
+    let experts = groups.experts.map(|x| x.ep);
     let Some(dtype) = chunks.first().map(ParallelCausalLm::dtype) else {
         return Err(TrainError::Model("no model chunk on this rank".into()));
     };
@@ -75,7 +81,7 @@ pub fn run_stages(
             && writer
             && let Some(path) = &opts.dump_grads
         {
-            dump_grads(chunks, groups.pp, path)?;
+            dump_grads(chunks, groups.pp, experts, path)?;
         }
         let started = std::time::Instant::now();
         let lr = trainer.apply_stages(chunks, acc.grad_norm)?;
@@ -87,20 +93,20 @@ pub fn run_stages(
             && step < opts.steps
             && writer
         {
-            save(chunks, groups.pp, trainer, data, opts, dtype, &dir.join(format!("step-{step}")))?;
+            save(chunks, (groups.pp, experts), trainer, data, opts, dtype, &dir.join(format!("step-{step}")))?;
         }
     }
     if let Some(dir) = &opts.save
         && writer
     {
-        save(chunks, groups.pp, trainer, data, opts, dtype, dir)?;
+        save(chunks, (groups.pp, experts), trainer, data, opts, dtype, dir)?;
     }
     Ok(())
 }
 
 fn save(
     chunks: &mut [ParallelCausalLm],
-    pp: &tp_comm::DeviceGroup,
+    (pp, experts): (&tp_comm::DeviceGroup, Option<&tp_comm::DeviceGroup>),
     trainer: &Trainer,
     data: &Dataset,
     opts: &RunOptions,
@@ -108,13 +114,18 @@ fn save(
     dir: &Path,
 ) -> Result<()> {
     let info = SaveInfo { source: &opts.source, dtype, data_position: data.position() };
-    checkpoint::save_stages(dir, chunks, pp, trainer, &info)
+    checkpoint::save_stages(dir, chunks, pp, experts, trainer, &info)
 }
 
 /// The first rank writes every parameter's full gradient (f32, checkpoint names and layout; a
 /// tied table once) to `path`: each stage gathers its own over its tensor-parallel group and sends them
 /// to stage 0.
-fn dump_grads(chunks: &mut [ParallelCausalLm], pp: &tp_comm::DeviceGroup, path: &Path) -> Result<()> {
+fn dump_grads(
+    chunks: &mut [ParallelCausalLm],
+    pp: &tp_comm::DeviceGroup,
+    experts: Option<&tp_comm::DeviceGroup>,
+    path: &Path,
+) -> Result<()> {
     let Some(tp) = chunks.first().map(|c| c.group().clone()) else { return Ok(()) };
     let mut grads = std::collections::BTreeMap::new();
     for c in chunks.iter_mut() {
@@ -124,8 +135,8 @@ fn dump_grads(chunks: &mut [ParallelCausalLm], pp: &tp_comm::DeviceGroup, path: 
         grads.extend(full.into_iter().filter(|(n, _)| !(copy && n == "model.embed_tokens.weight")));
     }
     let arch = chunks[0].config().architecture;
-    let grads = checkpoint::merge_stages(grads, pp, &tp)?;
-    if tp.rank() == 0 && pp.rank() == 0 {
+    let grads = checkpoint::merge_stages(checkpoint::sum_experts(grads, experts)?, pp, &tp)?;
+    if tp.rank() == 0 && pp.rank() == 0 && experts.is_none_or(|g| g.rank() == 0) {
         // The checkpoint's names and layout (gpt-oss's experts fused).
         let grads = tp_models::to_checkpoint_layout(arch, grads)?;
         let named: Vec<(&str, &tp_core::Tensor)> = grads.iter().map(|(n, t)| (n.as_str(), t)).collect();

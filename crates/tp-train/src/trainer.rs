@@ -117,16 +117,54 @@ pub struct Trainer {
 }
 
 /// The groups a step runs on besides each chunk's own tensor-parallel group: the pipeline
-/// group (rank `s` = stage `s`) and the data-parallel group (replicas of the same stage and
-/// tensor-parallel rank), and where trace events go.
+/// group (rank `s` = stage `s`), the data-parallel group (replicas of the same stage and
+/// tensor-parallel rank), a mesh's expert-parallel groups if it has them, and where trace
+/// events go.
 #[derive(Debug, Clone, Copy)]
 pub struct StepGroups<'a> {
     /// The pipeline group.
     pub pp: &'a DeviceGroup,
     /// The data-parallel group.
     pub dp: &'a DeviceGroup,
+    /// Expert parallelism over replicas ([`tp_comm::Mesh::ep`]); `None` without.
+    pub experts: Option<ExpertGroups<'a>>,
     /// Record the step's trace events.
     pub trace: Option<TraceClock>,
+}
+
+/// The groups of expert parallelism over data-parallel replicas.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertGroups<'a> {
+    /// The replicas sharing out a mixture's experts (the tokens' all-to-all runs over it).
+    pub ep: &'a DeviceGroup,
+    /// The replicas holding the same experts, over which the experts' gradients are summed.
+    pub edp: &'a DeviceGroup,
+}
+
+impl<'a> StepGroups<'a> {
+    /// Pipeline and data-parallel groups, without expert parallelism.
+    pub fn new(pp: &'a DeviceGroup, dp: &'a DeviceGroup, trace: Option<TraceClock>) -> StepGroups<'a> {
+        StepGroups { pp, dp, experts: None, trace }
+    }
+    /// The groups of `mesh`, with its expert parallelism where it has some.
+    pub fn of_mesh(mesh: &'a tp_comm::Mesh, trace: Option<TraceClock>) -> StepGroups<'a> {
+        let experts = (mesh.ep().world_size() > 1).then(|| ExpertGroups { ep: mesh.ep(), edp: mesh.edp() });
+        StepGroups { pp: mesh.pp(), dp: mesh.dp(), experts, trace }
+    }
+    /// The group over which `p`'s gradient is summed across replicas: the expert-data-parallel
+    /// group for a routed expert's parameter under expert parallelism, else the data-parallel
+    /// group.
+    pub(crate) fn replicas_of(&self, p: &Param<'_>) -> &'a DeviceGroup {
+        match self.experts {
+            Some(x) if is_routed_expert(p) => x.edp,
+            _ => self.dp,
+        }
+    }
+}
+
+/// Whether `p` is a routed expert's parameter (`...experts.{e}...`, shared experts excluded).
+pub(crate) fn is_routed_expert(p: &Param<'_>) -> bool {
+    p.placements.first().is_some_and(|pl| pl.name.contains(".experts."))
 }
 
 /// The gradients of a step, accumulated and completed, before clipping and the update.
@@ -208,7 +246,7 @@ impl Trainer {
     /// Errors: no target token in the whole step, a non-finite loss or norm, model errors.
     pub fn accumulate(&mut self, model: &mut ParallelCausalLm, rows: &[Example]) -> Result<Accumulated> {
         let single = single_groups(model.group())?;
-        let groups = StepGroups { pp: &single, dp: &single, trace: None };
+        let groups = StepGroups::new(&single, &single, None);
         self.accumulate_with(std::slice::from_mut(model), &groups, rows, ScheduleKind::OneFOneB)
     }
 
@@ -261,6 +299,10 @@ impl Trainer {
             }
             groups.pp.abort(&why);
             groups.dp.abort(&why);
+            if let Some(x) = groups.experts {
+                x.ep.abort(&why);
+                x.edp.abort(&why);
+            }
         }
         out
     }
@@ -315,7 +357,7 @@ impl Trainer {
         let scale = (1.0 / targets as f64) as f32;
         let recompute = self.config.recompute;
         let mut work: Vec<ModelChunk<'_>> =
-            chunks.iter_mut().map(|model| ModelChunk::new(model, &micro, scale, recompute, Some(groups.dp))).collect();
+            chunks.iter_mut().map(|model| ModelChunk::new(model, &micro, scale, recompute, Some(*groups))).collect();
         let ran = StageRunner { chunks: &mut work, pp: groups.pp, schedule, trace: groups.trace }.run(micro.len())?;
         let summed = work.into_iter().map(ModelChunk::finish).collect::<Result<Vec<_>>>()?;
 
@@ -326,15 +368,27 @@ impl Trainer {
             return Err(TrainError::NotFinite { step, what: "loss", value: loss });
         }
         sync_tied_copies(chunks, groups.pp)?;
-        let mut local = 0f64;
+        let (mut local, mut experts_local) = (0f64, 0f64);
         for (c, summed) in chunks.iter_mut().zip(&summed) {
             let mut params = c.params_mut()?;
             sync_partial_grads(&mut params, &tp)?;
-            all_reduce_grads(&mut params, groups.dp, summed)?;
-            local += owned_sum_squares(&params)?;
+            all_reduce_grads(&mut params, groups, summed)?;
+            match groups.experts {
+                // Each expert-parallel replica holds other experts: their squares are summed
+                // over the expert-parallel group too, the replicated parameters' are not.
+                Some(_) => {
+                    let (experts, rest): (Vec<_>, Vec<_>) = params.into_iter().partition(is_routed_expert);
+                    local += owned_sum_squares(&rest)?;
+                    experts_local += owned_sum_squares(&experts)?;
+                }
+                None => local += owned_sum_squares(&params)?,
+            }
         }
         // f32 is enough for a norm (torch reduces the per-tensor norms in the grads' dtype).
-        let total = sum_over(local, &[&tp, groups.pp])?;
+        let mut total = sum_over(local, &[&tp, groups.pp])?;
+        if let Some(x) = groups.experts {
+            total += sum_over(experts_local, &[&tp, groups.pp, x.ep])?;
+        }
         let grad_norm = total.sqrt();
         if !grad_norm.is_finite() {
             return Err(TrainError::NotFinite { step, what: "gradient norm", value: grad_norm });
@@ -519,21 +573,23 @@ fn sync_tied_copies(chunks: &mut [ParallelCausalLm], pp: &DeviceGroup) -> Result
     Ok(())
 }
 
-/// Sums over the data-parallel group the gradients the executor did not sum already (`done`:
+/// Sums over the data-parallel group (a routed expert's over the expert-data-parallel group
+/// under expert parallelism) the gradients the executor did not sum already (`done`:
 /// the blocks'; here the embedding, final norm and LM head), all issued before any is waited
 /// for (a parameter without a gradient counts as zeros, so every replica makes the same calls).
 fn all_reduce_grads(
     params: &mut [Param<'_>],
-    dp: &DeviceGroup,
+    groups: &StepGroups<'_>,
     done: &std::collections::HashSet<String>,
 ) -> Result<()> {
-    if dp.world_size() == 1 {
+    if groups.dp.world_size() == 1 {
         return Ok(());
     }
     let mut params: Vec<&mut Param<'_>> =
         params.iter_mut().filter(|p| !done.contains(&crate::pipeline::exec::param_key(p))).collect();
     let mut works = Vec::with_capacity(params.len());
     for p in params.iter() {
+        let dp = groups.replicas_of(p);
         let g = match p.grad.get() {
             Some(g) => g.to_device(&dp.device())?,
             None => Tensor::zeros(p.value.dims(), DType::F32, &dp.device())?,

@@ -139,7 +139,7 @@ impl Setup<'_> {
                                 .collect::<Result<Vec<_>, _>>()
                                 .map_err(|x| e(&x))?;
                             let mut trainer = Trainer::new(self.config()).map_err(|x| e(&x))?;
-                            let groups = StepGroups { pp: mesh.pp(), dp: mesh.dp(), trace: None };
+                            let groups = StepGroups::of_mesh(&mesh, None);
                             let writer = mesh.coords().dp == 0 && mesh.coords().tp == 0;
                             for step in 0..self.steps {
                                 let step_rows = &data[step * per_step..][..per_step];
@@ -398,7 +398,7 @@ fn a_stage_that_fails_or_stalls_ends_every_rank_with_an_error_naming_it() {
                         }
                         let mut trainer =
                             Trainer::new(setup(dir, (1, 3, 1), ScheduleKind::OneFOneB, 4, 1).config()).unwrap();
-                        let groups = StepGroups { pp: mesh.pp(), dp: mesh.dp(), trace: None };
+                        let groups = StepGroups::of_mesh(&mesh, None);
                         let e = trainer.accumulate_stages(std::slice::from_mut(&mut chunk), &groups, data).unwrap_err();
                         (st, e.to_string())
                     })

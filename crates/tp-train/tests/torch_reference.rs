@@ -110,14 +110,20 @@ fn train_opts(case: &str, world: usize, recompute: Recompute, sp: bool, opts: Mo
 /// thread per rank, each stage's layers split evenly, 1F1B over one-row micro-batches): what
 /// its first replica's first tensor-parallel ranks gathered (every stage's full tensors).
 fn train_mesh(case: &str, shape: (usize, usize, usize), sp: bool, opts: ModelOptions) -> Run {
+    train_mesh_ep(case, shape, 1, sp, opts)
+}
+
+/// [`train_mesh`] with `ep` expert-parallel replicas out of the `dp` (experts placed over
+/// replicas, tokens dispatched by all-to-all).
+fn train_mesh_ep(case: &str, shape: (usize, usize, usize), ep: usize, sp: bool, opts: ModelOptions) -> Run {
     let (dp, pp, tp) = shape;
     let dir = fixture(case);
     let reference = read_json(dir.join("reference.json"));
     let hyper = &reference["hyper"];
     let config = ModelConfig::from_dir(&dir).unwrap();
     let parts = stage_parts(config.num_hidden_layers, pp, None).unwrap();
-    let meshes =
-        Mesh::local(MeshShape::new(dp, pp, tp).unwrap(), tp_testing::ranks::timeout(), |_| Device::Cpu).unwrap();
+    let mesh_shape = MeshShape::new(dp, pp, tp).unwrap().with_expert_parallel(ep).unwrap();
+    let meshes = Mesh::local(mesh_shape, tp_testing::ranks::timeout(), |_| Device::Cpu).unwrap();
     let (grads, weights, logs) = (Mutex::new(BTreeMap::new()), Mutex::new(BTreeMap::new()), Mutex::new(Vec::new()));
     let rows_per_step = (hyper["micro_batch_size"].as_u64().unwrap() * hyper["grad_accum"].as_u64().unwrap()) as usize;
     let errors: Vec<String> = std::thread::scope(|s| {
@@ -129,15 +135,20 @@ fn train_mesh(case: &str, shape: (usize, usize, usize), sp: bool, opts: ModelOpt
                     let out = (|| -> Result<(), String> {
                         let e = |e: &dyn std::fmt::Display| e.to_string();
                         let part = &parts[mesh.coords().pp];
-                        let mut chunks =
-                            vec![ParallelCausalLm::load_part(dir, config, mesh.tp(), &opts, part).map_err(|x| e(&x))?];
+                        let chunk = if ep > 1 {
+                            ParallelCausalLm::load_part_expert_parallel(dir, config, mesh.tp(), mesh.ep(), &opts, part)
+                        } else {
+                            ParallelCausalLm::load_part(dir, config, mesh.tp(), &opts, part)
+                        };
+                        let mut chunks = vec![chunk.map_err(|x| e(&x))?];
                         let mut data =
                             Dataset::open(&dir.join("data.jsonl"), config.vocab_size, 16, None).map_err(|x| e(&x))?;
                         let mut cfg = self::config(hyper, Recompute::None, sp);
                         cfg.micro_batch_size = 1;
                         let mut trainer = Trainer::new(cfg).map_err(|x| e(&x))?;
-                        let groups = StepGroups { pp: mesh.pp(), dp: mesh.dp(), trace: None };
+                        let groups = StepGroups::of_mesh(&mesh, None);
                         let writer = mesh.coords().dp == 0 && mesh.coords().tp == 0;
+                        let experts = (ep > 1).then(|| mesh.ep());
                         let gather = |chunks: &mut Vec<ParallelCausalLm>,
                                       what: Gather,
                                       into: &Mutex<BTreeMap<String, Tensor>>| {
@@ -154,6 +165,8 @@ fn train_mesh(case: &str, shape: (usize, usize, usize), sp: bool, opts: ModelOpt
                                 })
                                 .collect();
                             let full = gather_blocks(&items, &group).map_err(|x| e(&x))?;
+                            // Each expert-parallel replica holds other experts (zeros for the rest).
+                            let full = sum_over_ep(full, experts).map_err(|x| e(&x))?;
                             if writer {
                                 into.lock().unwrap().extend(full);
                             }
@@ -193,6 +206,20 @@ fn train_mesh(case: &str, shape: (usize, usize, usize), sp: bool, opts: ModelOpt
         to_checkpoint_layout(config.architecture, m.into_inner().unwrap()).unwrap()
     };
     (logs.into_inner().unwrap(), layout(grads), layout(weights))
+}
+
+/// `tensors` with every routed expert's summed over `ep` (its holder's, zeros elsewhere).
+fn sum_over_ep(
+    mut tensors: BTreeMap<String, Tensor>,
+    ep: Option<&DeviceGroup>,
+) -> Result<BTreeMap<String, Tensor>, tp_comm::CommError> {
+    let Some(g) = ep else { return Ok(tensors) };
+    for (name, t) in tensors.iter_mut() {
+        if name.contains(".experts.") {
+            *t = g.all_reduce(t, tp_comm::ReduceOp::Sum)?;
+        }
+    }
+    Ok(tensors)
 }
 
 /// `max |a - b| <= atol + rtol · max |b|` over the tensor.
@@ -372,6 +399,28 @@ fn moe_training_at_dp_2_x_pp_2_with_ep_matches_torch() {
         let (dp, pp, tp) = shape;
         let at = format!("{case} dp {dp} x pp {pp} x tp {tp} EP{}", if sp { " SP" } else { "" });
         check_run(case, &at, train_mesh(case, shape, sp, ep));
+    }
+}
+
+/// Expert parallelism over data-parallel replicas (Megatron's `--expert-model-parallel-size`):
+/// the replicas hold different rows and different experts (each split over the
+/// tensor-parallel group), tokens reach their experts by all-to-all and come back, the
+/// experts' gradients are summed over the replicas holding the same experts; the same
+/// gradients and weights as torch's. 8 experts over 2 and 4 replicas, with pipeline stages
+/// and sequence parallelism; gpt-oss's biased experts too.
+#[test]
+fn expert_parallel_mesh_training_matches_torch() {
+    let none = ModelOptions::new();
+    for (case, shape, ep, sp) in [
+        ("qwen2_moe", (2, 1, 1), 2, false),
+        ("olmoe", (4, 1, 1), 4, false),
+        ("qwen3_moe", (4, 1, 2), 2, true),
+        ("mixtral", (2, 2, 2), 2, false),
+        ("gpt_oss", (2, 1, 3), 2, false),
+    ] {
+        let (dp, pp, tp) = shape;
+        let at = format!("{case} dp {dp} (ep {ep}) x pp {pp} x tp {tp}{}", if sp { " SP" } else { "" });
+        check_run(case, &at, train_mesh_ep(case, shape, ep, sp, none));
     }
 }
 

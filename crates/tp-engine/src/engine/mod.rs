@@ -204,7 +204,10 @@ pub fn start(opts: &EngineOptions) -> Result<Engine, EngineError> {
     };
     if opts.pipeline_parallel_size > 1 {
         let shape = MeshShape::new(1, opts.pipeline_parallel_size, opts.tensor_parallel_size)?;
-        let ranks = Mesh::local(shape, opts.timeout, |r| devices[r])?.into_iter().map(RankGroups::Mesh).collect();
+        let ranks = Mesh::local(shape, opts.timeout, |r| devices[r])?
+            .into_iter()
+            .map(|m| RankGroups::Mesh(Box::new(m)))
+            .collect();
         return launch(ranks, opts, &settings);
     }
     let groups = DeviceGroup::local(n, opts.timeout, |r| devices[r])?;
@@ -214,7 +217,7 @@ pub fn start(opts: &EngineOptions) -> Result<Engine, EngineError> {
 /// The groups of one engine rank: its tensor-parallel group alone, or its place in a pipeline.
 enum RankGroups {
     Tp(DeviceGroup),
-    Mesh(Mesh),
+    Mesh(Box<Mesh>),
 }
 
 impl RankGroups {

@@ -104,8 +104,9 @@ pub struct ModelChunk<'a> {
     pub loss_scale: f32,
     /// What forwards keep.
     pub recompute: Recompute,
-    /// Sum the blocks' gradients over this group as backward produces them.
-    pub dp: Option<&'a DeviceGroup>,
+    /// Sum the blocks' gradients over these groups' replicas as backward produces them (the
+    /// data-parallel group; a routed expert's over the expert-data-parallel group).
+    pub dp: Option<crate::StepGroups<'a>>,
     /// Backwards (or input halves) and weight halves run so far.
     done: (usize, usize),
     /// The all-reduces in flight.
@@ -124,9 +125,19 @@ pub(crate) fn param_key(p: &Param<'_>) -> String {
     p.placements.iter().map(|pl| pl.name.as_str()).collect::<Vec<_>>().join("+")
 }
 
+/// Issues the sums of `params`' gradients over their replicas ([`crate::StepGroups`]): one flat
+/// buffer over the data-parallel group and, under expert parallelism, one of the routed
+/// experts' over the expert-data-parallel group.
+fn issue_buckets(params: &[Param<'_>], groups: &crate::StepGroups<'_>) -> tp_models::Result<Vec<Bucket>> {
+    let Some(x) = groups.experts else { return Ok(vec![issue_bucket(&params.iter().collect::<Vec<_>>(), groups.dp)?]) };
+    let (experts, rest): (Vec<&Param<'_>>, Vec<&Param<'_>>) =
+        params.iter().partition(|p| crate::trainer::is_routed_expert(p));
+    Ok(vec![issue_bucket(&rest, groups.dp)?, issue_bucket(&experts, x.edp)?])
+}
+
 /// Issues the sum over `dp` of `params`' gradients (zeros for a parameter without one) as one
 /// flat buffer.
-fn issue_bucket(params: &[Param<'_>], dp: &DeviceGroup) -> tp_models::Result<Bucket> {
+fn issue_bucket(params: &[&Param<'_>], dp: &DeviceGroup) -> tp_models::Result<Bucket> {
     let mut flat = Vec::with_capacity(params.len());
     let mut keys = Vec::with_capacity(params.len());
     for p in params {
@@ -155,9 +166,9 @@ impl<'a> ModelChunk<'a> {
         micro_batches: &'a [MicroBatch],
         loss_scale: f32,
         recompute: Recompute,
-        dp: Option<&'a DeviceGroup>,
+        dp: Option<crate::StepGroups<'a>>,
     ) -> ModelChunk<'a> {
-        let dp = dp.filter(|g| g.world_size() > 1);
+        let dp = dp.filter(|g| g.dp.world_size() > 1);
         ModelChunk { model, micro_batches, loss_scale, recompute, dp, done: (0, 0), buckets: Vec::new() }
     }
 
@@ -202,7 +213,7 @@ impl StageWork for ModelChunk<'_> {
             // The last backward: each block's gradients are final once its backward is done.
             let mut buckets = Vec::new();
             let mut hook = |ps: &mut [Param<'_>]| -> tp_models::Result<()> {
-                buckets.push(issue_bucket(ps, dp)?);
+                buckets.extend(issue_buckets(ps, &dp)?);
                 Ok(())
             };
             let out = model.stage_backward_with(mb, saved, dy, Some(&mut hook))?;
@@ -227,7 +238,7 @@ impl StageWork for ModelChunk<'_> {
             while start < params.len() {
                 let b = block(&params[start]);
                 let end = (start..params.len()).find(|&i| block(&params[i]) != b).unwrap_or(params.len());
-                self.buckets.push(issue_bucket(&params[start..end], dp)?);
+                self.buckets.extend(issue_buckets(&params[start..end], &dp)?);
                 start = end;
             }
         }
