@@ -254,11 +254,16 @@ pub struct ServerArgs {
 }
 
 /// Parses `tp`'s arguments; vLLM's single-dash `-tp N` / `-tp=N` is read as
-/// `--tensor-parallel-size`, `-pp` as `--pipeline-parallel-size` and `-dp` as
-/// `--data-parallel-size` (clap's short flags are one letter).
+/// `--tensor-parallel-size`, `-pp` as `--pipeline-parallel-size`, `-dp` as
+/// `--data-parallel-size` and `-ep` as `--expert-model-parallel-size` (clap's short flags are
+/// one letter).
 pub fn parse_cli<I: IntoIterator<Item = std::ffi::OsString>>(args: I) -> Result<Cli, clap::Error> {
-    const SHORT: [(&str, &str); 3] =
-        [("-tp", "--tensor-parallel-size"), ("-pp", "--pipeline-parallel-size"), ("-dp", "--data-parallel-size")];
+    const SHORT: [(&str, &str); 4] = [
+        ("-tp", "--tensor-parallel-size"),
+        ("-pp", "--pipeline-parallel-size"),
+        ("-dp", "--data-parallel-size"),
+        ("-ep", "--expert-model-parallel-size"),
+    ];
     let args = args.into_iter().map(|a| {
         let Some(s) = a.to_str() else { return a };
         for (short, long) in SHORT {

@@ -79,6 +79,11 @@ pub struct TrainArgs {
     /// Data-parallel replicas of the whole pipeline; a step takes D x B x K rows.
     #[arg(long = "data-parallel-size", alias = "dp", default_value_t = 1)]
     pub data_parallel_size: usize,
+    /// Expert parallelism over data-parallel replicas (Megatron's axis, `-ep`): a mixture's
+    /// experts whole over E of the D replicas (E divides D), each split over the tensor-parallel
+    /// group, tokens sent to them by all-to-all.
+    #[arg(long = "expert-model-parallel-size", alias = "ep", default_value_t = 1)]
+    pub expert_model_parallel_size: usize,
     /// The pipeline schedule: gpipe, 1f1b, interleaved (with --virtual-stages) or zb-h1.
     #[arg(long, default_value = "1f1b", value_parser = parse_schedule)]
     pub pp_schedule: ScheduleKind,
@@ -192,6 +197,13 @@ fn check(a: &TrainArgs) -> Result<(), CliError> {
     if a.pipeline_parallel_size == 0 || a.data_parallel_size == 0 || a.virtual_stages == 0 {
         return Err(bad("--pipeline-parallel-size, --data-parallel-size and --virtual-stages must be at least 1"));
     }
+    if a.expert_model_parallel_size > 1 && a.enable_expert_parallel {
+        return Err(bad(format!(
+            "--expert-model-parallel-size {} places experts over data-parallel replicas and --enable-expert-parallel \
+             over the tensor-parallel ranks: use one",
+            a.expert_model_parallel_size
+        )));
+    }
     if a.virtual_stages > 1 && a.pp_schedule != ScheduleKind::Interleaved1F1B {
         return Err(bad(format!(
             "--virtual-stages {} needs --pp-schedule interleaved (got {})",
@@ -248,7 +260,29 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
     let n = a.tensor_parallel_size;
     tp_layers::QkvLayout::new(config.num_attention_heads, config.num_key_value_heads, config.head_dim, 0, n)
         .map_err(|e| bad(format!("--tensor-parallel-size {n}: {e}")))?;
-    let shape = MeshShape::new(a.data_parallel_size, a.pipeline_parallel_size, n).map_err(|e| bad(e.to_string()))?;
+    let ep = a.expert_model_parallel_size;
+    let shape = MeshShape::new(a.data_parallel_size, a.pipeline_parallel_size, n)
+        .and_then(|s| s.with_expert_parallel(ep))
+        .map_err(|e| bad(format!("--expert-model-parallel-size {ep}: {e}")))?;
+    if ep > 1 {
+        let experts = config.moe.as_ref().filter(|m| m.sparse_layers.iter().any(|&s| s)).map(|m| m.num_experts);
+        match experts {
+            None => return Err(bad(format!("--expert-model-parallel-size {ep}: the model has no experts"))),
+            Some(e) if e < ep => {
+                return Err(bad(format!(
+                    "--expert-model-parallel-size {ep}: the model has {e} experts, fewer than the {ep} replicas"
+                )));
+            }
+            Some(e) => {
+                let placement = tp_layers::ExpertPlacement::new(e, ep, true).map_err(|x| bad(x.to_string()))?;
+                eprintln!(
+                    "expert parallelism over {ep} data-parallel replicas (each expert split over {n} tensor-parallel \
+                     rank(s)): {}",
+                    placement.describe_over("replica").trim_start_matches("expert parallelism: ")
+                );
+            }
+        }
+    }
     let (p, v) = (a.pipeline_parallel_size, a.virtual_stages);
     let partition = a.pp_layer_partition.as_deref().map(parse_layer_partition).transpose().map_err(model_err)?;
     let parts = stage_parts(config.num_hidden_layers, p * v, partition.as_deref())
@@ -382,7 +416,21 @@ impl RankJob<'_> {
         let (p, s) = (mesh.shape().pp, mesh.coords().pp);
         let opts = ModelOptions::new().with_dtype(self.dtype).with_expert_parallel(self.expert_parallel);
         let mut chunks = (0..self.parts.len() / p)
-            .map(|c| ParallelCausalLm::load_part(self.dir, self.config, mesh.tp(), &opts, &self.parts[c * p + s]))
+            .map(|c| {
+                let part = &self.parts[c * p + s];
+                if mesh.ep().world_size() > 1 {
+                    ParallelCausalLm::load_part_expert_parallel(
+                        self.dir,
+                        self.config,
+                        mesh.tp(),
+                        mesh.ep(),
+                        &opts,
+                        part,
+                    )
+                } else {
+                    ParallelCausalLm::load_part(self.dir, self.config, mesh.tp(), &opts, part)
+                }
+            })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| e.to_string())?;
         let mut trainer = Trainer::new(config_t).map_err(|e| e.to_string())?;

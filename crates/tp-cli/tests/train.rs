@@ -335,6 +335,76 @@ fn a_mixture_of_experts_trains_in_f32_and_bf16() {
     }
 }
 
+/// `-dp 2 -ep 2` (Megatron's expert-model-parallel axis): two replicas hold different rows and
+/// different experts; the step logs, step 1's gradients (`--dump-grads`, every expert) and the
+/// weights after 3 steps (`--save`) are torch's; the checkpoint resumes without expert
+/// parallelism at another layout and logs what the uninterrupted run does. Bad layouts are
+/// refused before anything runs.
+#[test]
+fn expert_parallel_replicas_train_as_torch_and_resume_at_another_layout() {
+    let case = fixture("qwen2_moe");
+    let dir = scratch("ep");
+    let mut base = hyper_flags(&case.join("data.jsonl"));
+    // One row per micro-batch: 2 replicas x 1 row x 2 micro-batches, torch's 4 rows a step.
+    let at = base.iter().position(|a| a == "--micro-batch-size").unwrap();
+    base[at + 1] = "1".into();
+    let run = |layout: &[&str], extra: &[String]| {
+        let mut args: Vec<String> = base.clone();
+        args.extend(layout.iter().map(|s| s.to_string()));
+        args.extend(extra.iter().cloned());
+        tp_train(&case, &args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let (log, grads, save) = (dir.join("ep.jsonl"), dir.join("grads.safetensors"), dir.join("ckpt"));
+    let extra: Vec<String> = [("--log-json", &log), ("--dump-grads", &grads), ("--save", &save)]
+        .iter()
+        .flat_map(|(k, v)| [k.to_string(), v.display().to_string()])
+        .chain(["--save-every".to_string(), "1".to_string()])
+        .collect();
+    let out = run(&["-dp", "2", "-ep", "2", "-tp", "2"], &extra);
+    ok(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("replica 0 experts 0-3, replica 1 experts 4-7"), "the placement is printed: {stderr}");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("reference.json")).unwrap()).unwrap();
+    let lines = log_lines(&log);
+    for (got, want) in lines.iter().zip(reference["steps"].as_array().unwrap()) {
+        assert_eq!(got["tokens"], want["tokens"]);
+        assert_same_loss_and_norm("-ep 2", got, want);
+    }
+    assert_tensors_close(&tensors(&grads), &tensors(&case.join("grads.safetensors")), 2e-5);
+    let (saved, after) = (tensors(&save.join("model.safetensors")), tensors(&case.join("weights_after.safetensors")));
+    assert_eq!(saved.keys().collect::<Vec<_>>(), after.keys().collect::<Vec<_>>());
+    assert_tensors_close(&saved, &after, 1e-5);
+    // Resume step 1's checkpoint on one replica of 3 ranks, without expert parallelism.
+    let step1 = dir.join("ckpt/step-1").display().to_string();
+    let resumed_log = dir.join("resumed.jsonl");
+    let resumed_flags = ["--log-json".to_string(), resumed_log.display().to_string(), "--resume".into(), step1];
+    let mut base_two = base.clone();
+    let at = base_two.iter().position(|a| a == "--micro-batch-size").unwrap();
+    base_two[at + 1] = "2".into();
+    let mut args = base_two;
+    args.extend(["-tp".to_string(), "3".to_string()]);
+    args.extend(resumed_flags);
+    ok(&tp_train(&case, &args.iter().map(String::as_str).collect::<Vec<_>>()));
+    let resumed = log_lines(&resumed_log);
+    assert_eq!(resumed.len(), 2);
+    for (r, f) in resumed.iter().zip(&lines[1..]) {
+        assert_same_loss_and_norm("resumed without -ep", r, f);
+    }
+    for (layout, why) in [
+        (&["-dp", "2", "-ep", "3"][..], "must divide the 2 data-parallel replicas"),
+        (&["-dp", "2", "-ep", "2", "--enable-expert-parallel"][..], "use one"),
+    ] {
+        let out = run(layout, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(why), "{layout:?}: {err}");
+    }
+    let llama = fixture("llama");
+    let out = tp_train(&llama, &["--data", llama.join("data.jsonl").to_str().unwrap(), "-dp", "2", "-ep", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("the model has no experts"), "{err}");
+}
+
 #[test]
 fn text_and_chat_rows_train_through_the_tokenizer_and_template() {
     let model = common::model_dir();

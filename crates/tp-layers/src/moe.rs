@@ -97,6 +97,11 @@ impl ExpertPlacement {
     /// One line for the logs: `expert parallelism: rank 0 experts 0-2, rank 1 experts 3-5`, or
     /// `expert tensor parallelism: each of 8 experts split over 3 ranks`.
     pub fn describe(&self) -> String {
+        self.describe_over("rank")
+    }
+
+    /// [`describe`](Self::describe) naming the places `unit` (`rank`, `replica`).
+    pub fn describe_over(&self, unit: &str) -> String {
         if !self.expert_parallel {
             return format!(
                 "expert tensor parallelism: each of {} experts split over {} rank(s)",
@@ -107,8 +112,8 @@ impl ExpertPlacement {
             .map(|r| {
                 let e = self.experts_of(r);
                 match e.len() {
-                    1 => format!("rank {r} expert {}", e.start),
-                    _ => format!("rank {r} experts {}-{}", e.start, e.end - 1),
+                    1 => format!("{unit} {r} expert {}", e.start),
+                    _ => format!("{unit} {r} experts {}-{}", e.start, e.end - 1),
                 }
             })
             .collect();
