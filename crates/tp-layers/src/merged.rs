@@ -245,7 +245,7 @@ impl MergedColumnParallel {
 }
 
 /// A dim-0 shard of all `rows` rows on rank `rank` of `world` (a part held whole by one rank).
-fn whole_shard(rows: usize, rank: usize, world: usize) -> Result<TensorShard> {
+pub(crate) fn whole_shard(rows: usize, rank: usize, world: usize) -> Result<TensorShard> {
     Ok(TensorShard::with_range(0, rows, rank, world, 0, rows)?)
 }
 

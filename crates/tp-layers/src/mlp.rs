@@ -126,6 +126,13 @@ impl ParallelMlp {
         Self::new(gate_up, down, act)
     }
 
+    /// The MLP of this rank's parts, built elsewhere (an expert read from its own layout).
+    ///
+    /// Errors: gate/up and down splitting different intermediate features.
+    pub(crate) fn from_parts(gate_up: MergedColumnParallel, down: RowParallel, act: Activation) -> Result<ParallelMlp> {
+        Self::new(gate_up, down, act)
+    }
+
     fn new(gate_up: MergedColumnParallel, down: RowParallel, act: Activation) -> Result<ParallelMlp> {
         let s = gate_up.shards();
         if s.len() != 2

@@ -974,6 +974,10 @@ fn interleaved_experts(
             if !mine.contains(&i) {
                 return Ok(None);
             }
+            if mxfp4 && ld.options().quantized {
+                let whole = placement.is_expert_parallel();
+                return crate::mxfp4::quantized_expert(ld, i, (hidden, inter), whole, config.activation).map(Some);
+            }
             let bias = ld.rows("gate_up_proj_bias", i, 1)?.reshape(&[inter, 2])?;
             let dtype = bias.dtype();
             // `[2I, H]` with rows 2j (gate j) and 2j + 1 (up j), and down `[H, I]`, in f32.

@@ -51,6 +51,67 @@ pub(crate) fn dequantize(blocks: &[u8], scales: &[u8], rows: usize, cols: usize)
     Ok(out)
 }
 
+/// This rank's part of Hub expert `i` kept as MXFP4 blocks (gpt-oss's
+/// `gate_up_proj_blocks: [E, 2I, H / 32, 16]`, rows `2j` gate and `2j + 1` up, and
+/// `down_proj_blocks: [E, H, I / 32, 16]`, with their scales and biases under `ld`): the
+/// intermediate features whole (`whole`, expert parallelism over the tensor-parallel ranks)
+/// or split in whole groups of 32 where each rank gets one, gate and up rows, down columns
+/// (the blocks covering them). Nothing is dequantized: decode reads 4.25 bits a weight.
+pub(crate) fn quantized_expert(
+    ld: &crate::Loader<'_>,
+    i: usize,
+    (hidden, inter): (usize, usize),
+    whole: bool,
+    act: tp_core::Activation,
+) -> Result<crate::ParallelMlp> {
+    use crate::{Linear, MergedColumnParallel, RowParallel, Weight};
+    use tp_core::{QuantWeight, TensorShard};
+    let (rank, world) = (ld.rank(), ld.world_size());
+    let s = if whole {
+        crate::merged::whole_shard(inter, rank, world)?
+    } else {
+        crate::merged::aligned_shard(inter, GROUP, rank, world)?
+    };
+    let q = QuantType::Mxfp4;
+    let entry = |name: &str, rows: usize, cols: usize| -> Result<Vec<u8>> {
+        let codes = ld.u8_entry(&format!("{name}_blocks"), i)?;
+        let scales = ld.u8_entry(&format!("{name}_scales"), i)?;
+        ggml_blocks(&codes, &scales, rows, cols)
+    };
+    // Gate/up: rows `2j` and `2j + 1` of the interleaved `[2I, H]`, for this rank's features.
+    let gate_up = entry("gate_up_proj", 2 * inter, hidden)?;
+    let row_bytes = hidden / GROUP * q.block_bytes();
+    let rows_of = |parity: usize| -> Result<Weight> {
+        let mut bytes = Vec::with_capacity(s.len() * row_bytes);
+        for j in s.start()..s.end() {
+            let r = 2 * j + parity;
+            bytes.extend_from_slice(&gate_up[r * row_bytes..(r + 1) * row_bytes]);
+        }
+        Ok(Weight::Quant(QuantWeight::new(q, s.len(), hidden, 0, hidden, bytes)?))
+    };
+    let bias = ld.rows("gate_up_proj_bias", i, 1)?.reshape(&[inter, 2])?;
+    let bias_of = |parity: usize| -> Result<tp_core::Tensor> {
+        Ok(bias.narrow(1, parity, 1)?.reshape(&[inter])?.narrow(0, s.start(), s.len())?)
+    };
+    let stacked = Weight::stack(vec![rows_of(0)?, rows_of(1)?])?;
+    let bias = tp_core::Tensor::cat(&[bias_of(0)?, bias_of(1)?], 0)?;
+    let gate_up = MergedColumnParallel::new(Linear::new(stacked, Some(bias))?, vec![s, s], ld.group())?;
+    // Down: the blocks of `[H, I]` covering this rank's columns, on every row.
+    let down = entry("down_proj", hidden, inter)?;
+    let down_row = inter / GROUP * q.block_bytes();
+    let (b0, b1) = (s.start() / GROUP, s.end().div_ceil(GROUP));
+    let mut bytes = Vec::with_capacity(hidden * (b1 - b0) * q.block_bytes());
+    for r in 0..hidden {
+        bytes.extend_from_slice(&down[r * down_row + b0 * q.block_bytes()..r * down_row + b1 * q.block_bytes()]);
+    }
+    let k = (b1 - b0) * GROUP;
+    let down_w = QuantWeight::new(q, hidden, k, s.start() - b0 * GROUP, s.len(), bytes)?;
+    let down_b = ld.rows("down_proj_bias", i, 1)?.reshape(&[hidden])?;
+    let cols = TensorShard::with_range(1, inter, rank, world, s.start(), s.len())?;
+    let down = RowParallel::new(Weight::Quant(down_w), Some(down_b), cols, ld.group())?;
+    crate::ParallelMlp::from_parts(gate_up, down, act)
+}
+
 #[cfg(test)]
 mod tests {
     /// transformers' `FP4_VALUES`, indexed by code.

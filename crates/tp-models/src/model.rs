@@ -258,7 +258,8 @@ impl ParallelCausalLm {
                 let tensors = crate::gguf::tensor_map(c, &m.arch);
                 (Checkpoint::from_gguf(m.file.clone(), &m.path, tensors)?, opts.dtype.is_none())
             }
-            ModelSource::Folder(dir) => (Checkpoint::open(dir)?, false),
+            // A folder's MXFP4 experts (gpt-oss on the Hub) stay blocks unless a dtype is asked for.
+            ModelSource::Folder(dir) => (Checkpoint::open(dir)?, opts.dtype.is_none()),
         };
         check_tensors(&ckpt, c)?;
         let dtype = match opts.dtype {

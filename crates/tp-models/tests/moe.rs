@@ -178,6 +178,41 @@ fn gpt_oss_gguf_with_mxfp4_experts_matches_transformers() {
     }
 }
 
+/// The Hub's MXFP4 experts kept as blocks (no `--dtype`: nothing dequantized, as vLLM keeps
+/// them): near transformers' float64 logits (8-bit activations) with its greedy tokens, each
+/// expert split over the ranks in whole groups of 32 or whole under expert parallelism; the
+/// same logits as the GGUF file holding the same blocks.
+#[test]
+fn gpt_oss_hub_mxfp4_experts_stay_blocks_without_a_dtype() {
+    let name = "gpt_oss_mxfp4";
+    let folder = case(name).join("mxfp4");
+    let want = reference(&case(name));
+    let prompt: Vec<i64> = want["prompt"].iter().map(|&v| v as i64).collect();
+    let tokens: Vec<i64> = want["tokens"].iter().map(|&v| v as i64).collect();
+    let v = want["prefill"].len() / prompt.len();
+    let dir = common::tmpdir("gpt-oss-hub-blocks");
+    let gguf = dir.join("model.gguf");
+    common::write_gguf(&case(name), &gguf, "MXFP4_EXPERTS", &dir.join("ref"), &["--tokenizer", "bpe"]);
+    for (world, opts) in
+        [(1, ModelOptions::new()), (2, ModelOptions::new()), (3, ModelOptions::new().with_expert_parallel(true))]
+    {
+        let (prefill, _, got) = run_with(&folder, world, opts, &prompt, tokens.len());
+        let mut per: Vec<f64> = (0..prompt.len())
+            .map(|p| rel_err(&prefill[p * v..(p + 1) * v], &want["prefill"][p * v..(p + 1) * v]))
+            .collect();
+        per.sort_by(f64::total_cmp);
+        let at = format!("Hub MXFP4 blocks TP {world} (EP {})", opts.expert_parallel);
+        assert!(per[per.len() - 2] <= 0.06 && per[per.len() / 2] <= 0.03, "{at}: {per:?}");
+        // f32 products of dequantized experts stay within 1e-5; 8-bit activations do not.
+        assert!(per[per.len() - 1] > 1e-4, "{at}: the experts' products must be the quantized ones: {per:?}");
+        assert_eq!(got, tokens, "{at}: greedy tokens");
+        let (from_gguf, _, _) = run_with(&gguf, world, opts, &prompt, tokens.len());
+        let worst = prefill.iter().zip(&from_gguf).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+        let scale = from_gguf.iter().fold(0f64, |m, x| m.max(x.abs()));
+        assert!(worst <= 1e-5 * scale, "{at}: {worst:e} from the GGUF file's logits on the same blocks");
+    }
+}
+
 /// MXFP4 tensors whose shapes disagree with the config (scales for too few rows, codes of the
 /// wrong group count) are refused at load, naming the tensor.
 #[test]
@@ -211,16 +246,22 @@ fn gpt_oss_mxfp4_tensors_of_the_wrong_shape_are_refused_by_name() {
     }
 }
 
-/// Training gpt-oss is refused by name (its interleaved experts would not be saved back in its
-/// own layout), before any step runs.
+/// Experts kept as MXFP4 blocks have no tensor to train: asking for the parameters says so and
+/// how to get one (a dtype, which dequantizes them); with one, the same folder trains.
 #[test]
-fn gpt_oss_training_is_refused_by_name() {
+fn hub_mxfp4_blocks_are_not_trained_but_a_dtype_dequantizes_them() {
     let errs = on_ranks(1, CPU, |g| {
-        let lm = ParallelCausalLm::load(case("gpt_oss"), &g, &ModelOptions::new().with_dtype(DType::F32)).unwrap();
+        let folder = case("gpt_oss_mxfp4").join("mxfp4");
+        let mut lm = ParallelCausalLm::load(&folder, &g, &ModelOptions::new()).unwrap();
+        let err = lm.params_mut().map(|_| ()).unwrap_err().to_string();
+        let mut lm = ParallelCausalLm::load(&folder, &g, &ModelOptions::new().with_dtype(DType::F32)).unwrap();
         let row = tp_models::TrainRow { input_ids: &[1, 2, 3], labels: &[1, 2, 3] };
-        lm.micro_batch(&[row]).unwrap_err().to_string()
+        let loss = lm.train_micro_batch(&[row], 1.0, tp_models::Recompute::None).unwrap().loss_sum;
+        (err, loss)
     });
-    assert!(errs[0].contains("GptOssForCausalLM does not train yet"), "{}", errs[0]);
+    let (err, loss) = &errs[0];
+    assert!(err.contains("quantized weight cannot be trained") && err.contains("dtype"), "{err}");
+    assert!(loss.is_finite() && *loss > 0.0, "{loss}");
 }
 
 #[test]
