@@ -168,15 +168,16 @@ pub struct ServeArgs {
     /// A Jinja chat template file that replaces the model's own.
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
-    /// How the model writes tool calls: hermes (also qwen), llama3_json, mistral (default: read
-    /// from the chat template).
+    /// How the model writes tool calls: hermes (also qwen), llama3_json, mistral, openai
+    /// (gpt-oss's harmony) (default: read from the chat template).
     #[arg(long, value_name = "NAME")]
     pub tool_call_parser: Option<String>,
     /// Accepted for vLLM compatibility: `tool_choice: "auto"` is on whenever a tool-call format
     /// is known.
     #[arg(long)]
     pub enable_auto_tool_choice: bool,
-    /// Move `<think>...</think>` into `reasoning_content`: qwen3 or deepseek_r1.
+    /// Move the reasoning into `reasoning_content`: qwen3 or deepseek_r1 (`<think>...</think>`),
+    /// openai_gptoss (harmony's analysis channel; on by itself for a harmony chat template).
     #[arg(long, value_name = "NAME")]
     pub reasoning_parser: Option<String>,
     /// Speculative decoding, as JSON: `{"method": "ngram", "num_speculative_tokens": K,
@@ -338,14 +339,16 @@ impl ServeArgs {
             None => None,
             Some(n) => Some(crate::tools::ToolParser::from_name(n).ok_or_else(|| {
                 CliError::Args(format!(
-                    "--tool-call-parser: unknown parser `{n}` (expected hermes, qwen, llama3_json or mistral)"
+                    "--tool-call-parser: unknown parser `{n}` (expected hermes, qwen, llama3_json, mistral or openai)"
                 ))
             })?),
         };
         let reasoning_parser = match &self.reasoning_parser {
             None => None,
             Some(n) => Some(crate::reasoning::ReasoningParser::from_name(n).ok_or_else(|| {
-                CliError::Args(format!("--reasoning-parser: unknown parser `{n}` (expected qwen3 or deepseek_r1)"))
+                CliError::Args(format!(
+                    "--reasoning-parser: unknown parser `{n}` (expected qwen3, deepseek_r1 or openai_gptoss)"
+                ))
             })?),
         };
         let engine = EngineArgs {

@@ -6,6 +6,7 @@ mod args;
 mod detok;
 mod engine;
 mod error;
+mod harmony;
 mod metrics;
 mod reasoning;
 mod request;

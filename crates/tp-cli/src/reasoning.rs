@@ -6,6 +6,10 @@
 //! * `qwen3`: the output is reasoning only if it opens with `<think>` (Qwen3 writes the tag
 //!   itself; with `enable_thinking: false` the template closes an empty block in the prompt and
 //!   the output is all answer), until `</think>` or the end.
+//! * `openai_gptoss`: gpt-oss's harmony messages, the `analysis` channel as reasoning and the
+//!   `final` one as the answer (`harmony.rs`; the text keeps its special tokens).
+
+use std::borrow::Cow;
 
 /// Which reasoning format the model writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,6 +18,8 @@ pub enum ReasoningParser {
     DeepSeekR1,
     /// Qwen3.
     Qwen3,
+    /// gpt-oss (harmony).
+    GptOss,
 }
 
 const OPEN: &str = "<think>";
@@ -25,6 +31,7 @@ impl ReasoningParser {
         match name {
             "deepseek_r1" => Some(ReasoningParser::DeepSeekR1),
             "qwen3" => Some(ReasoningParser::Qwen3),
+            "openai_gptoss" => Some(ReasoningParser::GptOss),
             _ => None,
         }
     }
@@ -32,17 +39,21 @@ impl ReasoningParser {
     /// `text` split as far as it is decided: `(reasoning, answer, open)`. `answer` is `None`
     /// while the reasoning has not ended; `open` is whether more text may still extend the
     /// reasoning. Text that might be the start of a tag is left out of both until it is not.
-    pub fn split(self, text: &str) -> (&str, Option<&str>, bool) {
+    pub fn split(self, text: &str) -> (Cow<'_, str>, Option<Cow<'_, str>>, bool) {
         let (body, reasoning) = match self {
+            ReasoningParser::GptOss => {
+                let h = crate::harmony::parse(text, false);
+                return (Cow::Owned(h.reasoning), Some(Cow::Owned(h.content)), true);
+            }
             ReasoningParser::DeepSeekR1 => {
                 if OPEN.starts_with(text) && !text.is_empty() {
-                    return ("", None, true);
+                    return ("".into(), None, true);
                 }
                 (text.strip_prefix(OPEN).unwrap_or(text), true)
             }
             ReasoningParser::Qwen3 => {
                 if OPEN.starts_with(text) {
-                    return ("", None, true);
+                    return ("".into(), None, true);
                 }
                 match text.strip_prefix(OPEN) {
                     Some(rest) => (rest, true),
@@ -51,25 +62,29 @@ impl ReasoningParser {
             }
         };
         if !reasoning {
-            return ("", Some(body), false);
+            return ("".into(), Some(body.into()), false);
         }
         match body.find(CLOSE) {
-            Some(end) => (&body[..end], Some(&body[end + CLOSE.len()..]), false),
-            None => (&body[..body.len() - partial_suffix(body, CLOSE)], None, true),
+            Some(end) => (body[..end].into(), Some(body[end + CLOSE.len()..].into()), false),
+            None => (body[..body.len() - partial_suffix(body, CLOSE)].into(), None, true),
         }
     }
 
     /// The final split of a whole output: reasoning (`None` when there was none) and the answer
     /// (`None` when empty).
     pub fn finish(self, text: &str) -> (Option<String>, Option<String>) {
+        let some = |s: &str| (!s.is_empty()).then(|| s.to_string());
         let (body, reasoning) = match self {
+            ReasoningParser::GptOss => {
+                let h = crate::harmony::parse(text, true);
+                return (some(&h.reasoning), some(&h.content));
+            }
             ReasoningParser::DeepSeekR1 => (text.strip_prefix(OPEN).unwrap_or(text), true),
             ReasoningParser::Qwen3 => match text.strip_prefix(OPEN) {
                 Some(rest) => (rest, true),
                 None => (text, false),
             },
         };
-        let some = |s: &str| (!s.is_empty()).then(|| s.to_string());
         if !reasoning {
             return (None, some(body));
         }
@@ -99,9 +114,9 @@ mod tests {
         assert_eq!(p.finish("abc</think>\n\nAnswer"), (Some("abc".into()), Some("\n\nAnswer".into())));
         assert_eq!(p.finish("<think>abc</think>x"), (Some("abc".into()), Some("x".into())));
         assert_eq!(p.finish("no end"), (Some("no end".into()), None));
-        assert_eq!(p.split("abc</th"), ("abc", None, true));
-        assert_eq!(p.split("abc</think>de"), ("abc", Some("de"), false));
-        assert_eq!(p.split("<thi"), ("", None, true));
+        assert_eq!(p.split("abc</th"), ("abc".into(), None, true));
+        assert_eq!(p.split("abc</think>de"), ("abc".into(), Some("de".into()), false));
+        assert_eq!(p.split("<thi"), ("".into(), None, true));
     }
 
     #[test]
@@ -109,9 +124,9 @@ mod tests {
         let p = ReasoningParser::Qwen3;
         assert_eq!(p.finish("<think>\nhm\n</think>\n\nHi"), (Some("\nhm\n".into()), Some("\n\nHi".into())));
         assert_eq!(p.finish("Hi there"), (None, Some("Hi there".into())));
-        assert_eq!(p.split("<thi"), ("", None, true));
-        assert_eq!(p.split("Hi"), ("", Some("Hi"), false));
-        assert_eq!(p.split("<think>ab<"), ("ab", None, true));
+        assert_eq!(p.split("<thi"), ("".into(), None, true));
+        assert_eq!(p.split("Hi"), ("".into(), Some("Hi".into()), false));
+        assert_eq!(p.split("<think>ab<"), ("ab".into(), None, true));
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{EOT, Server, THINK_END, TOOL_CALLS, TOOLS_TEMPLATE, model_dir_with_len};
+use common::{EOT, Server, THINK_END, TOOL_CALLS, TOOLS_TEMPLATE, harmony_id, model_dir_with_len};
 use serde_json::{Value, json};
 
 fn tools() -> Value {
@@ -315,6 +315,76 @@ fn reasoning_is_split_and_constraints_start_after_it() {
         if v["choices"][i]["finish_reason"] == "stop" {
             assert!(c.ends_with('c'), "{v}");
         }
+    }
+}
+
+/// A harmony chat template (gpt-oss's format): its output is read as vLLM reads gpt-oss's, with
+/// no flag. A grammar of special tokens makes the tiny model write harmony messages: the
+/// analysis channel becomes `reasoning_content`, the final channel `content`, a commentary
+/// message to `functions.get_weather` a tool call; streamed deltas add up to the whole answer.
+#[test]
+fn harmony_messages_split_into_reasoning_content_and_calls() {
+    const HARMONY_TEMPLATE: &str = "{% for m in messages %}<|start|>{{ m['role'] }}\
+        {% if m['role'] == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>\
+        {% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}";
+    let dir = model_dir_with_len(2048);
+    let path = dir.join("harmony.jinja");
+    std::fs::write(&path, HARMONY_TEMPLATE).unwrap();
+    let s = Server::start_in(&dir, &["--chat-template", path.to_str().unwrap()], &[]);
+    let t = |name: &str| format!("<[{}]>", harmony_id(name));
+    let answer = format!(
+        "start: {} \"analysis\" {} \"Think a bit.\" {} {} \"assistant\" {} \"final\" {} \"It is sunny.\" {}",
+        t("<|channel|>"),
+        t("<|message|>"),
+        t("<|end|>"),
+        t("<|start|>"),
+        t("<|channel|>"),
+        t("<|message|>"),
+        t("<|return|>")
+    );
+    let call = format!(
+        "start: {} \"analysis\" {} \"Use the tool.\" {} {} \"assistant\" {} \"commentary to=functions.get_weather \" \
+         {} \"json\" {} \"{{\\\"city\\\":\\\"Oslo\\\",\\\"days\\\":2}}\" {}",
+        t("<|channel|>"),
+        t("<|message|>"),
+        t("<|end|>"),
+        t("<|start|>"),
+        t("<|channel|>"),
+        t("<|constrain|>"),
+        t("<|message|>"),
+        t("<|call|>")
+    );
+    for (grammar, reasoning, content, calls) in [
+        (answer, "Think a bit.", Some("It is sunny."), vec![]),
+        (
+            call,
+            "Use the tool.",
+            None,
+            vec![("get_weather".to_string(), "{\"city\": \"Oslo\", \"days\": 2}".to_string())],
+        ),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": "Weather?"}], "tools": tools(),
+            "max_tokens": 200, "temperature": 0, "structured_outputs": {"grammar": grammar}});
+        let (st, v) = s.post("/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        let m = &v["choices"][0]["message"];
+        assert_eq!(m["reasoning_content"], reasoning, "{v}");
+        assert_eq!(m["content"].as_str(), content, "{v}");
+        assert_eq!(message_calls(&v, 0), calls, "{v}");
+        let want_reason = if calls.is_empty() { "stop" } else { "tool_calls" };
+        assert_eq!(v["choices"][0]["finish_reason"], want_reason, "{v}");
+        body["stream"] = json!(true);
+        let events = s.post_stream("/v1/chat/completions", &body);
+        let (mut r, mut c) = (String::new(), String::new());
+        for e in events.iter().filter(|e| *e != "[DONE]") {
+            let chunk: Value = serde_json::from_str(e).unwrap();
+            for ch in chunk["choices"].as_array().unwrap() {
+                r.push_str(ch["delta"]["reasoning_content"].as_str().unwrap_or(""));
+                c.push_str(ch["delta"]["content"].as_str().unwrap_or(""));
+            }
+        }
+        assert_eq!((r.as_str(), c.as_str()), (reasoning, content.unwrap_or("")), "{events:?}");
+        assert_eq!(streamed_calls(&events, 1).0[0], calls, "{events:?}");
     }
 }
 

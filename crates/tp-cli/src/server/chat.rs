@@ -64,7 +64,10 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
                 }
             },
             // In the model's own format where it is known, else vLLM's JSON form.
-            forced => ToolMode::Forced(forced.clone(), st.tool_parser.map_or(CallSyntax::Vllm, CallSyntax::Parser)),
+            forced => ToolMode::Forced(
+                forced.clone(),
+                st.tool_parser.map_or(CallSyntax::Vllm, crate::tools::ToolParser::forced_syntax),
+            ),
         },
     };
     if let (ToolMode::Forced(_, syntax), Some(t)) = (&mode, &tools) {

@@ -70,6 +70,11 @@ impl AppState {
             },
             _ => None,
         };
+        // A harmony template (gpt-oss) is read as vLLM reads gpt-oss: reasoning on the analysis
+        // channel, the answer on the final one.
+        let harmony = tool_parser == Some(ToolParser::Harmony)
+            || text.template().is_some_and(|t| crate::tools::is_harmony_template(t.source()));
+        let reasoning = args.reasoning_parser.or(harmony.then_some(ReasoningParser::GptOss));
         AppState {
             engine,
             text: Arc::new(text),
@@ -77,7 +82,9 @@ impl AppState {
             grammars,
             tool_parser,
             tool_marker,
-            reasoning: args.reasoning_parser,
+            // A harmony template (gpt-oss) is read as vLLM reads gpt-oss: reasoning on the
+            // analysis channel, the answer on the final one.
+            reasoning,
             model_name: args.served_model_name.clone(),
             api_key: args.api_key.clone(),
             max_body: args.max_request_bytes,

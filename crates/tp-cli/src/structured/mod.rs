@@ -82,14 +82,18 @@ impl Grammars {
         };
         // Free text up to and including `</think>`, then the constraint.
         let think = "think[suffix=\"</think>\"]: /(?s:.*)/";
-        let grammar = match reasoning {
+        let start = match reasoning {
+            None => None,
+            Some(ReasoningParser::DeepSeekR1) => Some(format!("start: \"<think>\"? think @answer\n{think}")),
+            Some(ReasoningParser::Qwen3) => Some(format!("start: \"<think>\" think @answer | @answer\n{think}")),
+            // gpt-oss's harmony headers are special tokens: the constraint holds from the first
+            // token (no analysis message), and header-less text is read as the answer.
+            Some(ReasoningParser::GptOss) => None,
+        };
+        let grammar = match start {
             None => TopLevelGrammar::from_grammar(answer),
-            Some(r) => {
+            Some(start) => {
                 answer.name = Some("answer".into());
-                let start = match r {
-                    ReasoningParser::DeepSeekR1 => format!("start: \"<think>\"? think @answer\n{think}"),
-                    ReasoningParser::Qwen3 => format!("start: \"<think>\" think @answer | @answer\n{think}"),
-                };
                 let mut main = GrammarWithLexer::from_lark(start);
                 main.name = Some("main".into());
                 TopLevelGrammar { grammars: vec![main, answer], max_tokens: None }

@@ -77,6 +77,8 @@ pub fn grammar(tools: &Tools, syntax: CallSyntax, marker: Option<u32>) -> Option
         ToolParser::Hermes => ("<tool_call>\n{\"name\": \"", "arguments", "}\n</tool_call>", "\n"),
         ToolParser::Llama3Json => ("{\"name\": \"", "parameters", "}", "; "),
         ToolParser::Mistral => ("{\"name\": \"", "arguments", "}", ", "),
+        // Harmony's headers are special tokens: forced calls take vLLM's JSON form.
+        ToolParser::Harmony => return Some(Spec::Json(vllm_schema(tools, &fns))),
     };
     // Lark's string literals are JSON strings.
     let lit = |s: &str| Value::String(s.to_string()).to_string();

@@ -57,6 +57,9 @@ pub enum ToolParser {
     Llama3Json,
     /// Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`, or `[TOOL_CALLS]name[ARGS]{...}`.
     Mistral,
+    /// gpt-oss (OpenAI's harmony): a `commentary` message `to=functions.NAME` whose body is the
+    /// arguments, ended by `<|call|>` (`harmony.rs`).
+    Harmony,
 }
 
 impl ToolParser {
@@ -66,13 +69,16 @@ impl ToolParser {
             "hermes" | "qwen" | "qwen2_5" => Some(ToolParser::Hermes),
             "llama3_json" | "llama4_json" => Some(ToolParser::Llama3Json),
             "mistral" => Some(ToolParser::Mistral),
+            "openai" => Some(ToolParser::Harmony),
             _ => None,
         }
     }
 
     /// The parser a chat template's own text implies, if any.
     pub fn from_template(source: &str) -> Option<ToolParser> {
-        if source.contains("<tool_call>") {
+        if is_harmony_template(source) {
+            Some(ToolParser::Harmony)
+        } else if source.contains("<tool_call>") {
             Some(ToolParser::Hermes)
         } else if source.contains("[TOOL_CALLS]") {
             Some(ToolParser::Mistral)
@@ -89,8 +95,24 @@ impl ToolParser {
             ToolParser::Hermes => "<tool_call>",
             ToolParser::Llama3Json => "{",
             ToolParser::Mistral => "[TOOL_CALLS]",
+            ToolParser::Harmony => "<|channel|>",
         }
     }
+
+    /// The syntax a forced call is written in: the parser's own, or vLLM's JSON where its
+    /// format is made of special tokens a grammar of text cannot force (harmony's headers).
+    pub fn forced_syntax(self) -> forced::CallSyntax {
+        match self {
+            ToolParser::Harmony => forced::CallSyntax::Vllm,
+            p => forced::CallSyntax::Parser(p),
+        }
+    }
+}
+
+/// Whether a chat template writes OpenAI's harmony format (gpt-oss's): its output is then read
+/// by `harmony.rs` (reasoning, content and calls), as vLLM reads gpt-oss's.
+pub fn is_harmony_template(source: &str) -> bool {
+    source.contains("<|channel|>") && source.contains("<|message|>")
 }
 
 /// One parsed call: a name and its arguments as a JSON string (Python's `json.dumps`).
@@ -223,6 +245,10 @@ fn call_of(v: &Value, keys: &[&str]) -> Option<Call> {
 pub fn parse(parser: ToolParser, text: &str) -> Parsed {
     let all_content = || Parsed { content: (!text.is_empty()).then(|| text.to_string()), calls: Vec::new() };
     match parser {
+        ToolParser::Harmony => {
+            let h = crate::harmony::parse(text, true);
+            Parsed { content: (!h.content.is_empty()).then_some(h.content), calls: h.calls }
+        }
         ToolParser::Hermes => {
             let Some(first) = text.find("<tool_call>") else { return all_content() };
             let mut calls = Vec::new();

@@ -71,12 +71,15 @@ pub struct Final {
 
 impl OutputRules {
     /// Whether the answer's text keeps special tokens: Mistral's `[TOOL_CALLS]` is one, and its
-    /// parser reads the text with them kept (as vLLM keeps them).
+    /// parser reads the text with them kept (as vLLM keeps them); harmony's headers are all
+    /// special tokens.
     pub fn keeps_special(&self) -> bool {
-        matches!(
-            self.tools,
-            ToolMode::Auto(ToolParser::Mistral) | ToolMode::Forced(_, CallSyntax::Parser(ToolParser::Mistral))
-        )
+        self.reasoning == Some(ReasoningParser::GptOss)
+            || matches!(
+                self.tools,
+                ToolMode::Auto(ToolParser::Mistral | ToolParser::Harmony)
+                    | ToolMode::Forced(_, CallSyntax::Parser(ToolParser::Mistral))
+            )
     }
 
     /// Splits a whole output.
@@ -88,6 +91,10 @@ impl OutputRules {
         let answer_text = answer.clone().unwrap_or_default();
         let mut out = match &self.tools {
             ToolMode::Off => Final { reasoning, content: answer, calls: Vec::new() },
+            // Harmony's calls are messages of their own, outside the answer.
+            ToolMode::Auto(ToolParser::Harmony) if self.reasoning == Some(ReasoningParser::GptOss) => {
+                Final { reasoning, content: answer, calls: crate::harmony::parse(text, true).calls }
+            }
             ToolMode::Auto(p) => {
                 let parsed = parse(*p, &answer_text);
                 Final { reasoning, content: parsed.content, calls: parsed.calls }
@@ -129,13 +136,14 @@ impl ChoiceOutput {
                 let (r, a, _) = p.split(&self.text);
                 (r, a)
             }
-            None => ("", Some(self.text.as_str())),
+            None => ("".into(), Some(std::borrow::Cow::Borrowed(self.text.as_str()))),
         };
         if reasoning.len() > self.sent_reasoning {
             out.push(Delta::Reasoning(reasoning[self.sent_reasoning..].to_string()));
             self.sent_reasoning = reasoning.len();
         }
         let Some(answer) = answer else { return out };
+        let answer: &str = &answer;
         let ready = match &self.rules.tools {
             ToolMode::Off => answer.len(),
             ToolMode::Auto(ToolParser::Llama3Json) => {

@@ -62,9 +62,17 @@ pub const THINK: i64 = 264;
 pub const THINK_END: i64 = 265;
 /// Token id of `[TOOL_CALLS]`, a special token (Mistral's tool-call marker).
 pub const TOOL_CALLS: i64 = 266;
+/// OpenAI's harmony markers (gpt-oss's), special tokens from id 267 in this order.
+pub const HARMONY: [&str; 7] =
+    ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"];
+/// The token id of harmony marker `name`.
+pub fn harmony_id(name: &str) -> i64 {
+    267 + HARMONY.iter().position(|&h| h == name).expect("a harmony marker") as i64
+}
 
 /// A byte-level BPE tokenizer: ids 0..256 the bytes, 256..259 three merges, 259..264 Llama 3's
-/// specials, 264 and 265 `<think>` and `</think>` (added, not special), 266 `[TOOL_CALLS]` (special).
+/// specials, 264 and 265 `<think>` and `</think>` (added, not special), 266 `[TOOL_CALLS]` (special),
+/// 267.. harmony's markers ([`HARMONY`], special).
 pub fn tokenizer_json() -> Value {
     let chars = byte_chars();
     let mut vocab = serde_json::Map::new();
@@ -90,6 +98,10 @@ pub fn tokenizer_json() -> Value {
     }
     added.push(json!({"id": TOOL_CALLS, "content": "[TOOL_CALLS]", "single_word": false, "lstrip": false,
         "rstrip": false, "normalized": false, "special": true}));
+    for h in HARMONY {
+        added.push(json!({"id": harmony_id(h), "content": h, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}));
+    }
     json!({
         "version": "1.0",
         "truncation": null,
