@@ -243,7 +243,7 @@ unsafe fn hsum16(v: &[__m512; 16]) -> __m512 {
 }
 
 /// The sum of sixteen lanes by [`hsum16`]'s tree.
-fn tree_sum(l: &[f32; 16]) -> f32 {
+pub(super) fn tree_sum(l: &[f32; 16]) -> f32 {
     let a: [f32; 8] = std::array::from_fn(|i| l[i] + l[i + 8]);
     let b: [f32; 4] = std::array::from_fn(|i| a[i] + a[i + 4]);
     (b[0] + b[2]) + (b[1] + b[3])
@@ -287,7 +287,7 @@ unsafe fn softmax(row: &mut [f32], n: usize, sink: Option<f32>) -> f32 {
 /// # Safety
 /// AVX-512F.
 #[inline(always)]
-unsafe fn exp_neg16(x: __m512) -> __m512 {
+pub(super) unsafe fn exp_neg16(x: __m512) -> __m512 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
