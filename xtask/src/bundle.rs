@@ -21,6 +21,7 @@ const SUITES: &[(&str, &str, &str)] = &[
     ("gpu-tests", "tp-core", "gpu"),
     ("gpu-quant-tests", "tp-core", "gpu_quant"),
     ("gpu-grad-tests", "tp-core", "gpu_grad"),
+    ("gpu-moe-tests", "tp-core", "gpu_moe"),
     ("gpu-comm-tests", "tp-comm", "gpu_comm"),
     ("gpu-layer-tests", "tp-layers", "gpu_layers"),
     ("gpu-model-tests", "tp-models", "gpu_models"),

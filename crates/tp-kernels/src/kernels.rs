@@ -57,6 +57,8 @@ pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
         for k in ["row_max", "cross_entropy_parts", "cross_entropy_backward"] {
             v.push(("loss", format!("tp_{k}_{}", t.name())));
         }
+        v.push(("moe", format!("tp_moe_route_{}", t.name())));
+        v.push(("moe", format!("tp_moe_combine_{}", t.name())));
     }
     v.push(("grad", "tp_col_sum_finish".to_string()));
     v.push(("optim", "tp_adamw".to_string()));

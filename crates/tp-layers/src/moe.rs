@@ -330,7 +330,6 @@ impl ParallelMoe {
             ));
         }
         let routing = self.route(x)?;
-        let mut partial = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu)?;
         // The experts with tokens here: (expert, rows ascending, weights).
         let work: Vec<(&ParallelMlp, Vec<usize>, Vec<f32>)> = self
             .experts
@@ -343,8 +342,15 @@ impl ParallelMoe {
             .collect();
         let run = |(expert, rows, _): &(&ParallelMlp, Vec<usize>, Vec<f32>)| -> Result<Tensor> {
             let ye = expert.down().forward_partial(&expert.activation(&gather_rows(x, rows)?)?)?;
-            Ok(self.with_down_bias(expert, ye)?.to_device(&Device::Cpu)?)
+            self.with_down_bias(expert, ye)
         };
+        if x.device() != Device::Cpu {
+            let outputs = work.iter().map(run).collect::<Result<Vec<_>>>()?;
+            let partial = self.combine_on_device(x, &work, outputs)?;
+            let y = if self.group.world_size() == 1 { partial } else { self.group.all_reduce(&partial, ReduceOp::Sum)? };
+            return Ok((y.to_dtype(x.dtype())?, routing));
+        }
+        let mut partial = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu)?;
         // Few rows per expert (decode): the experts' small products side by side on the host's
         // threads, one dispatch for all (each expert's products on one thread); many rows
         // (prefill): one expert after another, each product over every thread. Either way the
@@ -380,9 +386,51 @@ impl ParallelMoe {
             let rows: Vec<usize> = (0..t).collect();
             partial.add_rows_scaled(&rows, &ys.to_device(&Device::Cpu)?, &g)?;
         }
-        let partial = partial.to_device(&x.device())?;
         let y = if self.group.world_size() == 1 { partial } else { self.group.all_reduce(&partial, ReduceOp::Sum)? };
         Ok((y.to_dtype(x.dtype())?, routing))
+    }
+
+    /// The host's combine (`add_rows_scaled` expert after expert, then the gated shared
+    /// expert) on the device, where the experts' outputs stay (`tp_moe_combine`): each token's
+    /// slots in expert order over the outputs side by side, then the shared expert's `g · y`
+    /// added. `[T, H]` f32, this rank's partial sum.
+    fn combine_on_device(
+        &self,
+        x: &Tensor,
+        work: &[(&ParallelMlp, Vec<usize>, Vec<f32>)],
+        outputs: Vec<Tensor>,
+    ) -> Result<Tensor> {
+        let t = x.dims()[0];
+        let mut slots: Vec<Vec<(i64, f32)>> = vec![Vec::new(); t];
+        let mut at = 0i64;
+        for ((_, rows, weights), ye) in work.iter().zip(&outputs) {
+            for (i, (&r, &w)) in rows.iter().zip(weights).enumerate() {
+                slots[r].push((at + i as i64, w));
+            }
+            at += ye.dims()[0] as i64;
+        }
+        let k = slots.iter().map(Vec::len).max().unwrap_or(0);
+        let (mut pos, mut w) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
+        for row in &slots {
+            for j in 0..k {
+                let (p, v) = row.get(j).copied().unwrap_or((-1, 0.0));
+                pos.push(p);
+                w.push(v);
+            }
+        }
+        let h = x.dims()[1];
+        let mut partial = if outputs.is_empty() || k == 0 {
+            Tensor::zeros(&[t, h], DType::F32, &x.device())?
+        } else {
+            tp_core::moe::moe_combine(&Tensor::cat(&outputs, 0)?, &pos, &w, t)?
+        };
+        if let Some((expert, gate)) = &self.shared {
+            let ys = expert.down().forward_partial(&expert.activation(x)?)?;
+            let g = sigmoid_in_dtype(&gate.forward(x)?)?;
+            let rows: Vec<i64> = (0..t as i64).collect();
+            partial = partial.add(&tp_core::moe::moe_combine(&ys, &rows, &g, t)?)?;
+        }
+        Ok(partial)
     }
 }
 

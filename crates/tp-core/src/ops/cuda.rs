@@ -548,3 +548,36 @@ pub(crate) fn adamw(
     gpu.adamw(&mut tensors, f)?;
     Ok(())
 }
+
+/// A router's choices on the GPU (`tp_moe_route`): each row's `k` experts and weights, read
+/// back to the host (`rows * k` of each).
+pub(crate) fn moe_route(
+    logits: &CudaStorage,
+    (rows, e, k): (usize, usize, usize),
+    renormalize: bool,
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let slots = rows * k;
+    let (mut experts, mut weights) = (logits.gpu.alloc(slots * 4)?, logits.gpu.alloc(slots * 4)?);
+    logits.gpu.moe_route(&mut experts, &mut weights, &logits.buf, (rows, e, k), renormalize, elem_type(logits.dtype))?;
+    let word = |b: &[u8]| [b[0], b[1], b[2], b[3]];
+    let ids = logits.gpu.dtoh(&experts, slots * 4)?;
+    let w = logits.gpu.dtoh(&weights, slots * 4)?;
+    Ok((
+        ids.chunks_exact(4).map(|b| i32::from_le_bytes(word(b)).max(0) as u32).collect(),
+        w.chunks_exact(4).map(|b| f32::from_le_bytes(word(b))).collect(),
+    ))
+}
+
+/// The experts' outputs combined on the GPU (`tp_moe_combine`): `[rows, h]` f32.
+pub(crate) fn moe_combine(
+    y: &CudaStorage,
+    pos: &[i64],
+    weights: &[f32],
+    (rows, k, h, y_rows): (usize, usize, usize, usize),
+) -> Result<CudaStorage> {
+    let (mut out, parts) = alloc_like(y, rows * h * 4, DType::F32)?;
+    let pos_d = y.gpu.htod(bytemuck::cast_slice(pos))?;
+    let w_d = y.gpu.htod(bytemuck::cast_slice(weights))?;
+    y.gpu.moe_combine(&mut out, &y.buf, (&pos_d, pos), &w_d, (rows, k, h, y_rows), elem_type(y.dtype))?;
+    Ok(parts.finish(out))
+}

@@ -2,16 +2,19 @@
 //! weight ([`route`]), and the weighted sum of the experts' outputs back into the tokens' rows
 //! ([`Tensor::add_rows_scaled`]).
 //!
-//! Routing runs on the host over the router's logits `[T, E]` (a few numbers per token), in
-//! `f32` as transformers computes it: `p = softmax(logits)`, the `k` largest (ties to the lower
-//! expert id), optionally renormalised to sum to 1 (`norm_topk_prob`; Mixtral always). A row's
-//! routing depends on that row alone.
+//! Routing runs over the router's logits `[T, E]` in `f32` as transformers computes it:
+//! `p = softmax(logits)`, the `k` largest (ties to the lower expert id), optionally
+//! renormalised to sum to 1 (`norm_topk_prob`; Mixtral always). A row's routing depends on that
+//! row alone. Logits on a GPU are routed there (`kernels/moe.cu`: only the `T · k` choices and
+//! weights come back; sums in another order, so within rounding of the host's), and
+//! [`moe_combine`] adds the experts' outputs there too.
 //!
 //! Each thread counts the routing decisions it made per expert, summed over every routing call
 //! (every MoE layer) until [`take_routed`] reads and resets them: a serving engine takes them
 //! around each step's forward pass for its routing histogram.
 
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::storage::Storage;
+use crate::{DType, Device, Error, Result, Shape, Tensor};
 use std::cell::RefCell;
 
 thread_local! {
@@ -92,6 +95,13 @@ pub fn route(logits: &Tensor, k: usize, kind: RouterKind) -> Result<Routing> {
     if k == 0 || k > e {
         return Err(Error::InvalidArgument { op: OP, why: format!("top-k {k} must lie in 1..={e} (the experts)") });
     }
+    if let Storage::Cuda(s) = logits.storage()
+        && e <= tp_kernels::MAX_ROUTED_EXPERTS
+    {
+        let RouterKind::SoftmaxTopK { renormalize } = kind;
+        let (experts, weights) = super::cuda::moe_route(s, (t, e, k), renormalize)?;
+        return Ok(counted(Routing { top_k: k, num_experts: e, experts, weights }));
+    }
     let values = logits.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec::<f32>()?;
     let (mut experts, mut weights) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
     let mut order: Vec<usize> = Vec::with_capacity(e);
@@ -115,7 +125,12 @@ pub fn route(logits: &Tensor, k: usize, kind: RouterKind) -> Result<Routing> {
             });
         }
     }
-    let routing = Routing { top_k: k, num_experts: e, experts, weights };
+    Ok(counted(Routing { top_k: k, num_experts: e, experts, weights }))
+}
+
+/// `routing`, its choices added to this thread's counts ([`take_routed`]).
+fn counted(routing: Routing) -> Routing {
+    let e = routing.num_experts;
     ROUTED.with(|r| {
         let mut r = r.borrow_mut();
         if r.len() < e {
@@ -125,7 +140,47 @@ pub fn route(logits: &Tensor, k: usize, kind: RouterKind) -> Result<Routing> {
             *c += n;
         }
     });
-    Ok(routing)
+    routing
+}
+
+/// The experts' outputs combined into the tokens' rows: `out[r] = Σ_j weights[r·k + j] ·
+/// y[pos[r·k + j]]` for `j < k` in order, `k = pos.len() / rows`, each product and sum rounded
+/// to f32 in that order (as [`Tensor::add_rows_scaled`] adds expert after expert); a negative
+/// `pos` adds nothing. `y: [n, H]` of any float dtype; the result is `[rows, H]` f32 on `y`'s
+/// device (on a GPU one kernel, `tp_moe_combine`).
+///
+/// Errors: `y` not 2-D or not float, `pos` and `weights` of different lengths or not a multiple
+/// of `rows`, a position past `y`'s rows.
+pub fn moe_combine(y: &Tensor, pos: &[i64], weights: &[f32], rows: usize) -> Result<Tensor> {
+    const OP: &str = "moe_combine";
+    let &[n, h] = y.dims() else {
+        return Err(Error::RankMismatch { op: OP, expected: "2 ([rows, width])", dims: y.dims().to_vec() });
+    };
+    y.require_float()?;
+    let k = if rows == 0 { 0 } else { pos.len() / rows };
+    if pos.len() != weights.len() || k * rows != pos.len() {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            why: format!("{} positions and {} weights for {rows} rows", pos.len(), weights.len()),
+        });
+    }
+    if let Some(&p) = pos.iter().find(|&&p| p >= n as i64) {
+        return Err(Error::InvalidArgument { op: OP, why: format!("position {p} is past the {n} rows") });
+    }
+    if let Storage::Cuda(s) = y.storage() {
+        let out = super::cuda::moe_combine(s, pos, weights, (rows, k, h, n))?;
+        return Ok(Tensor::from_cuda(Shape::new(&[rows, h])?, out));
+    }
+    let yv = y.to_dtype(DType::F32)?.to_vec::<f32>()?;
+    let mut out = vec![0f32; rows * h];
+    for (r, row) in out.chunks_exact_mut(h.max(1)).enumerate().take(rows) {
+        for j in 0..k {
+            let Ok(p) = usize::try_from(pos[r * k + j]) else { continue };
+            let w = weights[r * k + j];
+            row.iter_mut().zip(&yv[p * h..(p + 1) * h]).for_each(|(o, &v)| *o += w * v);
+        }
+    }
+    Tensor::from_vec(out, &[rows, h], &Device::Cpu)
 }
 
 /// `softmax(x)` in f32: `exp(x - max) / Σ exp(x - max)` (a router's probabilities).
@@ -174,5 +229,58 @@ impl Tensor {
             out[r * h..(r + 1) * h].iter_mut().zip(row).for_each(|(o, &v)| *o += s * v);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The combine gives `add_rows_scaled`'s bits when each row's slots come in expert order
+    /// (the order the host adds the experts in), skipped slots adding nothing; bad positions
+    /// and lengths are refused.
+    #[test]
+    fn the_combine_adds_as_add_rows_scaled_adds() {
+        let (t, h, k) = (5, 7, 3);
+        let y = Tensor::randn(&[9, h], DType::BF16, 3, &Device::Cpu).unwrap();
+        // Expert e's outputs are rows 3e..3e+3 of y; token r's slots pick experts in order.
+        let experts: [[i64; 3]; 5] = [[0, 1, 2], [0, 2, -1], [1, 2, -1], [0, 1, -1], [2, -1, -1]];
+        let mut used = [0usize; 3];
+        let (mut pos, mut weights) = (Vec::new(), Vec::new());
+        let mut want = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu).unwrap();
+        let mut per_expert: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); 3];
+        for (r, row) in experts.iter().enumerate() {
+            for (j, &e) in row.iter().enumerate() {
+                let w = 0.25 + 0.1 * (r * k + j) as f32;
+                match usize::try_from(e) {
+                    Ok(e) => {
+                        let p = 3 * e + used[e];
+                        used[e] += 1;
+                        pos.push(p as i64);
+                        weights.push(w);
+                        per_expert[e].push((r, p, w));
+                    }
+                    Err(_) => {
+                        pos.push(-1);
+                        weights.push(w);
+                    }
+                }
+            }
+        }
+        for list in &per_expert {
+            let rows: Vec<usize> = list.iter().map(|x| x.0).collect();
+            let src = Tensor::cat(
+                &list.iter().map(|x| y.narrow(0, x.1, 1).unwrap()).collect::<Vec<_>>(),
+                0,
+            )
+            .unwrap();
+            let w: Vec<f32> = list.iter().map(|x| x.2).collect();
+            want.add_rows_scaled(&rows, &src, &w).unwrap();
+        }
+        let got = moe_combine(&y, &pos, &weights, t).unwrap();
+        assert_eq!(got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        assert!(moe_combine(&y, &[9], &[1.0], 1).is_err());
+        assert!(moe_combine(&y, &[0, 1], &[1.0], 1).is_err());
+        assert!(moe_combine(&y, &[0, 1, 2], &[1.0; 3], 2).is_err());
     }
 }
