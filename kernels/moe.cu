@@ -8,8 +8,9 @@
 //   then the k largest p in descending order, NaN last and ties to the lower expert (the
 //   host's stable sort): k passes of a warp arg-max over the not-yet-chosen experts. The
 //   weights are p_i, or with renorm p_i / (sum of the k chosen p, added in choice order).
-//   experts: rows*k int32; weights: rows*k f32; logits: rows*e of T. 1 <= k <= e <= 1024
-//   (each lane holds e / 32 probabilities, at most 32).
+//   experts: rows*k int32; weights: rows*k f32; logits: rows*e of T. 1 <= k <= e <= 256
+//   (each lane holds e / 32 probabilities in registers, at most 8; routers with more experts
+//   are routed on the host).
 // * tp_moe_combine_T(out, y, pos, weights, rows, k, h): out[r, c] = sum over j < k, in order,
 //   of weights[r*k + j] * y[pos[r*k + j], c], each product and sum rounded to f32 in that order
 //   (the host's add_rows_scaled, expert after expert); a slot with pos < 0 adds nothing (an
@@ -19,7 +20,7 @@
 
 namespace {
 
-constexpr int kMaxPerLane = 32;  // e <= 1024
+constexpr int kMaxPerLane = 8;  // e <= 256
 
 // Whether probability a of expert ia comes before b of ib: the larger first, NaN last, ties to
 // the lower expert.

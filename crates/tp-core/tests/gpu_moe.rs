@@ -3,7 +3,7 @@
 //! within a few f32 ulps: the softmax's sums run in another order) and the combine against the
 //! host's `moe_combine` bit for bit (the same products and sums in the same order), on random
 //! logits and rows, shapes off every warp and block multiple (1, 7, 33, 129 rows; 8, 60, 64,
-//! 129 experts; top 1, 2, 8), f32, f16 and bf16 inputs, outputs poisoned (NaN) before the
+//! 129 and 256 experts, and 300, past the kernel's 256, routed on the host; top 1, 2, 4, 8), f32, f16 and bf16 inputs, outputs poisoned (NaN) before the
 //! kernels write them.
 //!
 //! Built only with `--features gpu-tests` (`cargo xtask bundle` ships it as `gpu-moe-tests`).
@@ -34,7 +34,7 @@ fn near_tie(probs: &[f32], k: usize) -> bool {
 #[test]
 fn the_router_picks_the_hosts_experts_and_weights() {
     setup();
-    for (rows, e, k) in [(1, 8, 2), (7, 60, 8), (33, 64, 8), (129, 129, 1), (40, 1024, 4)] {
+    for (rows, e, k) in [(1, 8, 2), (7, 60, 8), (33, 64, 8), (129, 129, 1), (40, 256, 4), (3, 300, 2)] {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             for renormalize in [false, true] {
                 let kind = RouterKind::SoftmaxTopK { renormalize };
@@ -71,8 +71,7 @@ fn the_combine_is_the_hosts_bit_for_bit() {
             let y = Tensor::randn(&[n, h], DType::F32, (n * h) as u64, &CPU).unwrap().to_dtype(dtype).unwrap();
             let mut rng = tp_core::rng::SplitMix64::new((rows * k) as u64);
             // Some slots skipped (-1: an expert this rank does not hold).
-            let pos: Vec<i64> =
-                (0..rows * k).map(|_| (rng.next_u64() % (n as u64 + 1)) as i64 - 1).collect();
+            let pos: Vec<i64> = (0..rows * k).map(|_| (rng.next_u64() % (n as u64 + 1)) as i64 - 1).collect();
             let weights: Vec<f32> = (0..rows * k).map(|_| (rng.next_u64() % 1000) as f32 / 997.0).collect();
             let want = moe_combine(&y, &pos, &weights, rows).unwrap().to_vec::<f32>().unwrap();
             let got = moe_combine(&y.to_device(&GPU).unwrap(), &pos, &weights, rows).unwrap();

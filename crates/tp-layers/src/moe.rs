@@ -347,7 +347,8 @@ impl ParallelMoe {
         if x.device() != Device::Cpu {
             let outputs = work.iter().map(run).collect::<Result<Vec<_>>>()?;
             let partial = self.combine_on_device(x, &work, outputs)?;
-            let y = if self.group.world_size() == 1 { partial } else { self.group.all_reduce(&partial, ReduceOp::Sum)? };
+            let y =
+                if self.group.world_size() == 1 { partial } else { self.group.all_reduce(&partial, ReduceOp::Sum)? };
             return Ok((y.to_dtype(x.dtype())?, routing));
         }
         let mut partial = Tensor::zeros(&[t, h], DType::F32, &Device::Cpu)?;

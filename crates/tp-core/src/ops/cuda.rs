@@ -558,7 +558,14 @@ pub(crate) fn moe_route(
 ) -> Result<(Vec<u32>, Vec<f32>)> {
     let slots = rows * k;
     let (mut experts, mut weights) = (logits.gpu.alloc(slots * 4)?, logits.gpu.alloc(slots * 4)?);
-    logits.gpu.moe_route(&mut experts, &mut weights, &logits.buf, (rows, e, k), renormalize, elem_type(logits.dtype))?;
+    logits.gpu.moe_route(
+        &mut experts,
+        &mut weights,
+        &logits.buf,
+        (rows, e, k),
+        renormalize,
+        elem_type(logits.dtype),
+    )?;
     let word = |b: &[u8]| [b[0], b[1], b[2], b[3]];
     let ids = logits.gpu.dtoh(&experts, slots * 4)?;
     let w = logits.gpu.dtoh(&weights, slots * 4)?;

@@ -157,7 +157,7 @@ pub fn moe_combine(y: &Tensor, pos: &[i64], weights: &[f32], rows: usize) -> Res
         return Err(Error::RankMismatch { op: OP, expected: "2 ([rows, width])", dims: y.dims().to_vec() });
     };
     y.require_float()?;
-    let k = if rows == 0 { 0 } else { pos.len() / rows };
+    let k = pos.len().checked_div(rows).unwrap_or(0);
     if pos.len() != weights.len() || k * rows != pos.len() {
         return Err(Error::InvalidArgument {
             op: OP,
@@ -242,8 +242,8 @@ mod tests {
     #[test]
     fn the_combine_adds_as_add_rows_scaled_adds() {
         let (t, h, k) = (5, 7, 3);
-        let y = Tensor::randn(&[9, h], DType::BF16, 3, &Device::Cpu).unwrap();
-        // Expert e's outputs are rows 3e..3e+3 of y; token r's slots pick experts in order.
+        let y = Tensor::randn(&[12, h], DType::BF16, 3, &Device::Cpu).unwrap();
+        // Expert e's outputs are rows 4e.. of y; token r's slots pick experts in order.
         let experts: [[i64; 3]; 5] = [[0, 1, 2], [0, 2, -1], [1, 2, -1], [0, 1, -1], [2, -1, -1]];
         let mut used = [0usize; 3];
         let (mut pos, mut weights) = (Vec::new(), Vec::new());
@@ -254,7 +254,7 @@ mod tests {
                 let w = 0.25 + 0.1 * (r * k + j) as f32;
                 match usize::try_from(e) {
                     Ok(e) => {
-                        let p = 3 * e + used[e];
+                        let p = 4 * e + used[e];
                         used[e] += 1;
                         pos.push(p as i64);
                         weights.push(w);
@@ -269,17 +269,13 @@ mod tests {
         }
         for list in &per_expert {
             let rows: Vec<usize> = list.iter().map(|x| x.0).collect();
-            let src = Tensor::cat(
-                &list.iter().map(|x| y.narrow(0, x.1, 1).unwrap()).collect::<Vec<_>>(),
-                0,
-            )
-            .unwrap();
+            let src = Tensor::cat(&list.iter().map(|x| y.narrow(0, x.1, 1).unwrap()).collect::<Vec<_>>(), 0).unwrap();
             let w: Vec<f32> = list.iter().map(|x| x.2).collect();
             want.add_rows_scaled(&rows, &src, &w).unwrap();
         }
         let got = moe_combine(&y, &pos, &weights, t).unwrap();
         assert_eq!(got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
-        assert!(moe_combine(&y, &[9], &[1.0], 1).is_err());
+        assert!(moe_combine(&y, &[12], &[1.0], 1).is_err());
         assert!(moe_combine(&y, &[0, 1], &[1.0], 1).is_err());
         assert!(moe_combine(&y, &[0, 1, 2], &[1.0; 3], 2).is_err());
     }

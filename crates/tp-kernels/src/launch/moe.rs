@@ -8,8 +8,8 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Rows a block of the router takes (one warp each).
 const ROUTE_ROWS_PER_BLOCK: u64 = 8;
-/// Most experts the router takes (32 per lane).
-pub const MAX_ROUTED_EXPERTS: usize = 1024;
+/// Most experts the router takes (8 per lane, in registers).
+pub const MAX_ROUTED_EXPERTS: usize = 256;
 
 impl Gpu {
     /// The routing of `logits: [rows, e]` of `ty` (`tp_moe_route_T`): for each row the `k`
@@ -51,7 +51,7 @@ impl Gpu {
         l.arg(experts).arg(weights).arg(logits).arg(&r).arg(&e_i).arg(&k_i).arg(&renorm);
         // SAFETY: matches tp_moe_route_T(int32* experts, float* weights, const T* logits, int64 rows,
         // int e, int k, int renorm); logits holds rows*e elements of T, experts and weights rows*k
-        // 4-byte entries (checked above); 1 <= k <= e <= 1024 as the kernel's 32 registers a lane
+        // 4-byte entries (checked above); 1 <= k <= e <= 256 as the kernel's 8 registers a lane
         // need; experts and weights, borrowed mutably, are the only buffers written; 256 threads
         // (8 warps, one row each).
         unsafe { l.launch(cfg) }.map(drop).map_err(driver("cuLaunchKernel(tp_moe_route)"))
