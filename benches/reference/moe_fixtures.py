@@ -49,7 +49,6 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import (GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig,
                           OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 sys.path.insert(0, os.path.dirname(__file__))
 from train_fixtures import exact_f64_buffers, full_f64, make_model  # noqa: E402
@@ -169,18 +168,6 @@ def write_mxfp4(d):
     save_file(out, os.path.join(md, "model.safetensors"), metadata={"format": "pt"})
 
 
-def exact_yarn_buffers(m):
-    """YaRN's inverse frequencies recomputed in float64 (transformers computes them in float32)."""
-    for mod in m.modules():
-        if hasattr(mod, "rope_type") and mod.rope_type == "yarn":
-            with full_f64():
-                inv, scaling = ROPE_INIT_FUNCTIONS["yarn"](mod.config, None)
-            assert inv.dtype == torch.float64 and torch.allclose(inv, mod.inv_freq, rtol=1e-6)
-            mod.inv_freq.copy_(inv)
-            mod.original_inv_freq.copy_(inv)
-            assert scaling == mod.attention_scaling
-
-
 def load(d, dtype):
     # The eager experts (a loop over the experts hit, as the modeling file writes it), not the
     # grouped-GEMM integration, which takes no float64.
@@ -255,10 +242,7 @@ def run_case(name, cfg_cls, model_cls, kw, fused, seed):
 
     m = load(d, torch.float32).double()
     m.eval()
-    if m.config.model_type == "gpt_oss":
-        exact_yarn_buffers(m)
-    else:
-        exact_f64_buffers(m)
+    exact_f64_buffers(m)  # YaRN's frequencies included (gpt-oss)
     # A prompt whose routing (prefill and every greedy step) stays clear of ties.
     for attempt in range(2000):
         prompt = torch.from_numpy(rng.integers(0, kw["vocab_size"], (1, PROMPT_LEN)))

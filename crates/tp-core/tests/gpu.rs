@@ -13,11 +13,7 @@ const GPU: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
 
 fn setup() {
-    tp_kernels::note_sticky_errors_on_panic();
-    let n = tp_kernels::device_count().expect("the GPU suite needs a CUDA device and driver");
-    assert!(n > 0, "no CUDA device");
-    assert!(tp_kernels::NOT_COMPILED.is_none(), "kernels not compiled: {:?}", tp_kernels::NOT_COMPILED);
-    tp_kernels::set_poison_allocations(true);
+    gpu_setup();
 }
 
 fn gpu(t: &Tensor) -> Tensor {

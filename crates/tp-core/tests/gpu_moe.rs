@@ -9,6 +9,8 @@
 //! Built only with `--features gpu-tests` (`cargo xtask bundle` ships it as `gpu-moe-tests`).
 //! It FAILS, never skips, when no GPU, driver or compiled kernels are present.
 
+mod common;
+use common::gpu_setup;
 use tp_core::moe::{moe_combine, route};
 use tp_core::{DType, Device, RouterKind, Tensor};
 
@@ -16,11 +18,7 @@ const GPU: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
 
 fn setup() {
-    tp_kernels::note_sticky_errors_on_panic();
-    let n = tp_kernels::device_count().expect("the GPU suite needs a CUDA device and driver");
-    assert!(n > 0, "no CUDA device");
-    assert!(tp_kernels::NOT_COMPILED.is_none(), "kernels not compiled: {:?}", tp_kernels::NOT_COMPILED);
-    tp_kernels::set_poison_allocations(true);
+    gpu_setup();
 }
 
 /// Whether the host's `k`-th and `k+1`-th probabilities of a row (or any two chosen ones) are

@@ -20,11 +20,7 @@ use tp_cpu::quant::{self, QuantType};
 use tp_kernels::{ElemType, GemmShape, Gpu, KernelError, QUANT_FORMATS, QUANT_GEMV_MAX_M, QuantFormat};
 
 fn setup() -> Arc<Gpu> {
-    tp_kernels::note_sticky_errors_on_panic();
-    let n = tp_kernels::device_count().expect("the GPU suite needs a CUDA device and driver");
-    assert!(n > 0, "no CUDA device");
-    assert!(tp_kernels::NOT_COMPILED.is_none(), "kernels not compiled: {:?}", tp_kernels::NOT_COMPILED);
-    tp_kernels::set_poison_allocations(true);
+    common::gpu_setup();
     Gpu::get(0).expect("GPU 0")
 }
 

@@ -448,9 +448,7 @@ impl Trainer {
                 }
                 Some(master) => {
                     adamw.step_clipped(master, g, coef, &mut st.adam, step, lr, decay)?;
-                    let dims = p.value.dims().to_vec();
-                    let updated = Tensor::from_slice(master, &dims, &Device::Cpu)?.to_dtype(p.value.dtype())?;
-                    *p.value = updated.to_device(&p.value.device())?;
+                    store_master(p.value, master)?;
                 }
             }
         }
@@ -469,6 +467,41 @@ impl Trainer {
         let lr = self.apply(model, acc.grad_norm)?;
         Ok(StepLog::new(self.step, &acc, lr, started.elapsed().as_secs_f64()))
     }
+}
+
+/// `value = master` rounded to `value`'s dtype (round to nearest even, as `to_dtype`): a host
+/// bf16 or f16 weight in place, on the host's threads for a large one (no copy of the master,
+/// no fresh buffer whose pages fault in every step); elsewhere through a new tensor.
+fn store_master(value: &mut Tensor, master: &[f32]) -> Result<()> {
+    if value.device() == Device::Cpu && value.numel() == master.len() {
+        match value.dtype() {
+            DType::BF16 => return round_into(master, value.as_mut_slice::<tp_core::bf16>()?),
+            DType::F16 => return round_into(master, value.as_mut_slice::<tp_core::f16>()?),
+            _ => {}
+        }
+    }
+    let dims = value.dims().to_vec();
+    let updated = Tensor::from_slice(master, &dims, &Device::Cpu)?.to_dtype(value.dtype())?;
+    *value = updated.to_device(&value.device())?;
+    Ok(())
+}
+
+/// `dst = src` narrowed (`Element::slice_from_f32`), in contiguous pieces, one a thread, for a
+/// large slice: each element rounded alone, so the same bits whatever the split.
+fn round_into<T: tp_core::Element + Send>(src: &[f32], dst: &mut [T]) -> Result<()> {
+    const PARALLEL_MIN: usize = 1 << 18;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(src.len() / PARALLEL_MIN).max(1);
+    if threads == 1 {
+        T::slice_from_f32(src, dst);
+        return Ok(());
+    }
+    let piece = src.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for (d, x) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
+            s.spawn(move || T::slice_from_f32(x, d));
+        }
+    });
+    Ok(())
 }
 
 /// Size-1 pipeline and data-parallel groups on `tp`'s device (a step without either).

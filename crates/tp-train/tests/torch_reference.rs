@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use tp_comm::{DeviceGroup, Mesh, MeshShape};
 use tp_core::{Device, Tensor};
-use tp_layers::{Gather, gather_blocks, gather_full};
+use tp_layers::{Gather, gather_full};
 use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute, stage_parts, to_checkpoint_layout};
 use tp_train::data::Dataset;
 use tp_train::optim::AdamW;
@@ -154,17 +154,7 @@ fn train_mesh_ep(case: &str, shape: (usize, usize, usize), ep: usize, sp: bool, 
                                       into: &Mutex<BTreeMap<String, Tensor>>| {
                             let group = chunks[0].group().clone();
                             let params = chunks[0].params_mut().map_err(|x| e(&x))?;
-                            let items: Vec<_> = params
-                                .iter()
-                                .map(|p| {
-                                    let t = match what {
-                                        Gather::Values => Some(p.value.clone()),
-                                        Gather::Grads => p.grad.get().cloned(),
-                                    };
-                                    (p.placements.as_slice(), p.value.dims(), t)
-                                })
-                                .collect();
-                            let full = gather_blocks(&items, &group).map_err(|x| e(&x))?;
+                            let full = gather_full(&params, what, &group).map_err(|x| e(&x))?;
                             // Each expert-parallel replica holds other experts (zeros for the rest).
                             let full = sum_over_ep(full, experts).map_err(|x| e(&x))?;
                             if writer {

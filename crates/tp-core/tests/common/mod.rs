@@ -12,6 +12,17 @@ use tp_core::{DType, Device, Tensor, WeightLayout};
 #[allow(unused_imports)] // each test binary uses some
 pub use tp_testing::reference::ops::matmul_f64;
 
+/// The start of every GPU suite: sticky CUDA errors explained on panic, a device and the
+/// compiled kernels required (a suite FAILS, never skips, without them), allocations poisoned
+/// (NaN) so that an element a kernel does not write shows.
+pub fn gpu_setup() {
+    tp_kernels::note_sticky_errors_on_panic();
+    let n = tp_kernels::device_count().expect("the GPU suite needs a CUDA device and driver");
+    assert!(n > 0, "no CUDA device");
+    assert!(tp_kernels::NOT_COMPILED.is_none(), "kernels not compiled: {:?}", tp_kernels::NOT_COMPILED);
+    tp_kernels::set_poison_allocations(true);
+}
+
 /// Error bound of an f32-accumulated dot product of length `k` rounded once to `dtype`:
 /// `u_dtype·|ref| + (k + 2)·2^-24·Σ|x·w|` (the standard `γ_k` bound plus the output rounding),
 /// plus half the subnormal spacing of `dtype`, where relative rounding no longer holds.
