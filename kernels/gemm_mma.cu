@@ -5,6 +5,8 @@
 //                                               [K, N])
 //   TN (tp_gemm_mma_T_tn):  C (+)= A^T B, C f32 (weight gradient dW = dY^T X, accumulated in f32:
 //                                               beta = 1 adds to C, beta = 0 overwrites it)
+//   grouped NT (tp_gemm_mma_T_grouped): a mixture's experts in one launch, each expert's rows
+//                                               of A times its own weight (see the macro)
 //
 // Layouts (row-major, 64-bit offsets), T = __nv_bfloat16 or __half:
 //   A:    M x K (T); for TN K x M (K rows, e.g. tokens).
@@ -144,9 +146,11 @@ __device__ __forceinline__ void load_tile_t(T* s, const T* __restrict__ X, int64
 // The layouts: whether A is stored K x M (TN) and B K x N (NN, TN); the output type; bias or beta.
 enum Layout { NT, NN, TN };
 
+// One 128 x 128 tile of C, its first row m0 and column n0.
 template <typename T, typename OutT, bool ALIGNED, Layout L>
 __device__ __forceinline__ void gemm_mma(OutT* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
-                                         const T* __restrict__ bias, int64_t M, int64_t N, int64_t K, int beta) {
+                                         const T* __restrict__ bias, int64_t M, int64_t N, int64_t K, int beta,
+                                         int64_t m0, int64_t n0) {
     constexpr bool A_T = L == TN, B_T = L != NT;  // stored with K as the rows: staged [K][rows]
     constexpr int A_ELEMS = A_T ? K_ROWS_ELEMS : ROWS_K_ELEMS;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -154,7 +158,6 @@ __device__ __forceinline__ void gemm_mma(OutT* __restrict__ C, const T* __restri
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
-    const int64_t m0 = (int64_t)blockIdx.y * BM, n0 = (int64_t)blockIdx.x * BN;
     const int64_t ktiles = (K + BK - 1) / BK;
 
     auto stage_a = [&](int s) { return smem + s * STAGE_ELEMS; };
@@ -272,13 +275,33 @@ static_assert(SMEM_BYTES == 81920, "update MMA_SMEM_BYTES in tp-kernels");
 #define TP_GEMM_MMA(NAME, T, ALIGNED, L)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(T* C, const T* A, const T* B, const T* bias,   \
                                                                int64_t M, int64_t N, int64_t K) {              \
-        gemm_mma<T, T, ALIGNED, L>(C, A, B, bias, M, N, K, 0);                                                 \
+        gemm_mma<T, T, ALIGNED, L>(C, A, B, bias, M, N, K, 0, (int64_t)blockIdx.y * BM, (int64_t)blockIdx.x * BN); \
     }
 #define TP_GEMM_MMA_TN(NAME, T, ALIGNED)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(float* C, const T* A, const T* B, int64_t M,   \
                                                                int64_t N, int64_t K, int beta) {               \
-        gemm_mma<T, float, ALIGNED, TN>(C, A, B, nullptr, M, N, K, beta);                                      \
+        gemm_mma<T, float, ALIGNED, TN>(C, A, B, nullptr, M, N, K, beta, (int64_t)blockIdx.y * BM,              \
+                                        (int64_t)blockIdx.x * BN);                                              \
     }
+// The grouped NT product of a mixture's experts, one launch for all: expert e's rows
+// offsets[e] .. offsets[e + 1] of A (the tokens' rows sorted by expert) times its own [N, K]
+// weight B[e] (and bias[e], where bias and its entry are not null) into the same rows of C.
+// Block (x, y) is column tile x of row tile tiles[2y + 1] of expert tiles[2y]: each expert's
+// tiles are exactly those of its own NT product, so its rows get the bits a per-expert launch
+// gives them.
+#define TP_GEMM_MMA_GROUPED(NAME, T, ALIGNED)                                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                      \
+        NAME(T* C, const T* A, const T* const* B, const T* const* bias, const int64_t* offsets,               \
+             const int32_t* tiles, int64_t N, int64_t K) {                                                     \
+        const int e = tiles[2 * blockIdx.y], mt = tiles[2 * blockIdx.y + 1];                                   \
+        const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;                                                \
+        gemm_mma<T, T, ALIGNED, NT>(C + r0 * N, A + r0 * K, B[e], bias ? bias[e] : nullptr, M, N, K, 0,       \
+                                    (int64_t)mt * BM, (int64_t)blockIdx.x * BN);                               \
+    }
+TP_GEMM_MMA_GROUPED(tp_gemm_mma_bf16_grouped, __nv_bfloat16, true)
+TP_GEMM_MMA_GROUPED(tp_gemm_mma_f16_grouped, __half, true)
+TP_GEMM_MMA_GROUPED(tp_gemm_mma_bf16_grouped_unaligned, __nv_bfloat16, false)
+TP_GEMM_MMA_GROUPED(tp_gemm_mma_f16_grouped_unaligned, __half, false)
 TP_GEMM_MMA(tp_gemm_mma_bf16_nk, __nv_bfloat16, true, NT)
 TP_GEMM_MMA(tp_gemm_mma_f16_nk, __half, true, NT)
 TP_GEMM_MMA(tp_gemm_mma_bf16_nk_unaligned, __nv_bfloat16, false, NT)

@@ -54,10 +54,11 @@ pub use ops::{
     PagedAttentionSpec, PagedSeq, QuantKvBuffer, QuantWeight, RopeScaling, RotaryEmbedding, RouterKind, Routing,
     WeightLayout, adamw_step,
 };
-/// Mixture-of-experts routing ([`moe::route`]), the combine of the experts' outputs
-/// ([`moe::moe_combine`]) and the per-thread routing counts ([`moe::take_routed`]).
+/// Mixture-of-experts routing ([`moe::route`]), the experts' products in one
+/// ([`moe::grouped_linear`]), the combine of their outputs ([`moe::moe_combine`]) and the
+/// per-thread routing counts ([`moe::take_routed`]).
 pub mod moe {
-    pub use crate::ops::{moe_combine, route, softmax, take_routed};
+    pub use crate::ops::{grouped_linear, moe_combine, route, softmax, take_routed};
 }
 pub use shape::{MAX_TENSOR_BYTES, Shape};
 pub use shard::TensorShard;

@@ -1,4 +1,6 @@
-//! GPU test suite of a mixture of experts' kernels (`kernels/moe.cu`): the router against the
+//! GPU test suite of a mixture of experts' kernels (`kernels/moe.cu`, and the grouped GEMM of
+//! `kernels/gemm_mma.cu`): the grouped product bit for bit against a product per expert on the
+//! GPU and near the host's; the router against the
 //! host's routing (the same experts wherever the host's choice is clear of a near-tie, weights
 //! within a few f32 ulps: the softmax's sums run in another order) and the combine against the
 //! host's `moe_combine` bit for bit (the same products and sums in the same order), on random
@@ -11,7 +13,7 @@
 
 mod common;
 use common::gpu_setup;
-use tp_core::moe::{moe_combine, route};
+use tp_core::moe::{grouped_linear, moe_combine, route};
 use tp_core::{DType, Device, RouterKind, Tensor};
 
 const GPU: Device = Device::Cuda(0);
@@ -84,4 +86,55 @@ fn the_combine_is_the_hosts_bit_for_bit() {
     // A position past y's rows is refused before any launch.
     let y = Tensor::zeros(&[3, 4], DType::F32, &GPU).unwrap();
     assert!(moe_combine(&y, &[3], &[1.0], 1).is_err());
+}
+
+/// One launch for every expert gives each expert's rows the bits of its own launch (the same
+/// tiles; for experts of more rows than the decode kernel takes), and stays near the host's product: experts with no row, one row and rows past a
+/// tile, in and out of the cp.async path (k 72 and 37), biases on some experts.
+#[test]
+fn the_grouped_product_is_each_experts_own_launch() {
+    setup();
+    for dtype in [DType::BF16, DType::F16] {
+        for k in [72, 37] {
+            let n = 100;
+            let offsets = [0usize, 0, 1, 130, 130, 430];
+            let rows = offsets[offsets.len() - 1];
+            let x = Tensor::randn(&[rows, k], DType::F32, k as u64, &CPU).unwrap().to_dtype(dtype).unwrap();
+            let ws: Vec<Tensor> = (0..5)
+                .map(|e| Tensor::randn(&[n, k], DType::F32, 100 + e, &CPU).unwrap().to_dtype(dtype).unwrap())
+                .collect();
+            let b = Tensor::randn(&[n], DType::F32, 7, &CPU).unwrap().to_dtype(dtype).unwrap();
+            let (xg, bg) = (x.to_device(&GPU).unwrap(), b.to_device(&GPU).unwrap());
+            let wg: Vec<Tensor> = ws.iter().map(|w| w.to_device(&GPU).unwrap()).collect();
+            let bias = |e: usize| (e % 2 == 1).then_some(e);
+            let on_gpu: Vec<(&Tensor, Option<&Tensor>)> =
+                wg.iter().enumerate().map(|(e, w)| (w, bias(e).map(|_| &bg))).collect();
+            let on_host: Vec<(&Tensor, Option<&Tensor>)> =
+                ws.iter().enumerate().map(|(e, w)| (w, bias(e).map(|_| &b))).collect();
+            let got = grouped_linear(&xg, &on_gpu, &offsets).unwrap();
+            assert_eq!(got.device(), GPU);
+            let got = got.to_device(&CPU).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+            let host =
+                grouped_linear(&x, &on_host, &offsets).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+            let at = format!("{dtype:?} k {k}");
+            for (e, r) in offsets.windows(2).enumerate().filter(|(_, r)| r[1] > r[0]) {
+                let own = xg.narrow(0, r[0], r[1] - r[0]).unwrap().linear(&wg[e], bias(e).map(|_| &bg)).unwrap();
+                let own = own.to_device(&CPU).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+                let mine = &got[r[0] * n..r[1] * n];
+                // An expert of at most SMALL_M_MAX rows launches the decode kernel on its own.
+                if r[1] - r[0] > tp_kernels::SMALL_M_MAX {
+                    for (i, (g, o)) in mine.iter().zip(&own).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            o.to_bits(),
+                            "{at} expert {e} element {i}: {g} vs its own launch's {o}"
+                        );
+                    }
+                }
+            }
+            let scale = host.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = got.iter().zip(&host).map(|(g, h)| (g - h).abs()).fold(0f32, f32::max);
+            assert!(worst <= 0.02 * scale, "{at}: {worst} from the host's product (max {scale})");
+        }
+    }
 }

@@ -74,6 +74,9 @@ pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
             }
         }
         v.push(("gemm_wgmma", format!("tp_gemm_wgmma_{}", t.name())));
+        for aligned in [true, false] {
+            v.push(("gemm_mma", mma_grouped(t, aligned)));
+        }
     }
     for q in QUANT_FORMATS {
         for t in [ElemType::F32, ElemType::BF16] {
@@ -102,6 +105,9 @@ pub(crate) fn dequant(q: QuantFormat, t: ElemType) -> String {
 }
 pub(crate) fn quant_gemv(q: QuantFormat, t: ElemType) -> String {
     format!("tp_quant_gemv_{}_{}", q.kernel_name(), t.name())
+}
+pub(crate) fn mma_grouped(t: ElemType, aligned: bool) -> String {
+    format!("tp_gemm_mma_{}_grouped{}", t.name(), if aligned { "" } else { "_unaligned" })
 }
 pub(crate) fn mma(t: ElemType, aligned: bool) -> String {
     mma_layout(t, MmaLayout::Nk, aligned)

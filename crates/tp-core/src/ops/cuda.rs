@@ -588,3 +588,18 @@ pub(crate) fn moe_combine(
     y.gpu.moe_combine(&mut out, &y.buf, (&pos_d, pos), &w_d, (rows, k, h, y_rows), elem_type(y.dtype))?;
     Ok(parts.finish(out))
 }
+
+/// A mixture's experts' linear layers in one launch (`tp_gemm_mma_T_grouped`): `[rows, n]` of
+/// `x`'s dtype, expert `e`'s rows `offsets[e] .. offsets[e + 1]`.
+pub(crate) fn grouped_linear(
+    x: &CudaStorage,
+    experts: &[(&CudaStorage, Option<&CudaStorage>)],
+    offsets: &[usize],
+    (rows, n, k): (usize, usize, usize),
+) -> Result<CudaStorage> {
+    let (mut out, parts) = alloc_like(x, rows * n * x.dtype.size_in_bytes(), x.dtype)?;
+    let list: Vec<tp_kernels::GroupedExpert<'_>> =
+        experts.iter().map(|(w, b)| tp_kernels::GroupedExpert { weight: &w.buf, bias: b.map(|b| &*b.buf) }).collect();
+    x.gpu.gemm_mma_grouped(&mut out, &x.buf, &list, offsets, (n, k), elem_type(x.dtype))?;
+    Ok(parts.finish(out))
+}

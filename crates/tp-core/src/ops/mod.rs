@@ -28,7 +28,7 @@ pub use elementwise::Activation;
 pub use grad::{AdamwParam, AdamwStep, adamw_step};
 pub use kv_quant::{KvQuant, QuantKvBuffer};
 pub use matmul::{PackedWeight, WeightLayout};
-pub use moe::{RouterKind, Routing, moe_combine, route, softmax, take_routed};
+pub use moe::{RouterKind, Routing, grouped_linear, moe_combine, route, softmax, take_routed};
 pub use norm::NormStyle;
 pub use paged::{KvBuffer, PagedAttentionSpec, PagedSeq};
 pub use quant::QuantWeight;

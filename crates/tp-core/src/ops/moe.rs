@@ -191,6 +191,74 @@ pub fn softmax(x: &[f32]) -> Vec<f32> {
     exps.into_iter().map(|v| v / sum).collect()
 }
 
+/// A mixture's experts' linear layers over their rows in one product: `x: [rows, k]` holds the
+/// tokens' rows sorted by expert, expert `e`'s being `offsets[e] .. offsets[e + 1]`, and its
+/// rows of the result `[rows, n]` are `x_e W_e^T + b_e` (`experts[e]`: the `[n, k]` weight and
+/// its bias, if any). On a GPU with f16/bf16 operands one launch
+/// (`tp_gemm_mma_T_grouped`, the same bits as a product per expert); elsewhere a
+/// [`Tensor::linear`] per expert.
+///
+/// Errors: `offsets` not `E + 1` non-decreasing entries from 0 to `x`'s rows, weights of other
+/// shapes or dtypes than the first's, operands on different devices.
+pub fn grouped_linear(x: &Tensor, experts: &[(&Tensor, Option<&Tensor>)], offsets: &[usize]) -> Result<Tensor> {
+    const OP: &str = "grouped_linear";
+    let &[rows, k] = x.dims() else {
+        return Err(Error::RankMismatch { op: OP, expected: "2 ([rows, in])", dims: x.dims().to_vec() });
+    };
+    let Some(&(w0, _)) = experts.first() else {
+        return Err(Error::InvalidArgument { op: OP, why: "no expert".into() });
+    };
+    let &[n, k0] = w0.dims() else {
+        return Err(Error::RankMismatch { op: OP, expected: "2 ([out, in])", dims: w0.dims().to_vec() });
+    };
+    if k0 != k
+        || offsets.len() != experts.len() + 1
+        || offsets.first() != Some(&0)
+        || offsets.last() != Some(&rows)
+        || offsets.windows(2).any(|w| w[1] < w[0])
+        || experts.iter().any(|(w, b)| {
+            w.dims() != [n, k] || w.dtype() != x.dtype() || b.is_some_and(|b| b.dims() != [n] || b.dtype() != x.dtype())
+        })
+    {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            why: format!(
+                "{} experts of [{n}, {k0}] over {rows} rows of {k} split at {offsets:?} (need one shape and dtype, \
+                 E + 1 offsets from 0 to the rows)",
+                experts.len()
+            ),
+        });
+    }
+    if let Storage::Cuda(xs) = x.storage()
+        && matches!(x.dtype(), DType::F16 | DType::BF16)
+    {
+        let mut ws = Vec::with_capacity(experts.len());
+        for (w, b) in experts {
+            let Storage::Cuda(w) = w.storage() else {
+                return Err(Error::UnsupportedDevice { op: OP, device: w.device() });
+            };
+            let b = match b.map(|b| b.storage()) {
+                None => None,
+                Some(Storage::Cuda(b)) => Some(b),
+                Some(_) => return Err(Error::UnsupportedDevice { op: OP, device: Device::Cpu }),
+            };
+            ws.push((w, b));
+        }
+        let out = super::cuda::grouped_linear(xs, &ws, offsets, (rows, n, k))?;
+        return Ok(Tensor::from_cuda(Shape::new(&[rows, n])?, out));
+    }
+    let parts = experts
+        .iter()
+        .zip(offsets.windows(2))
+        .filter(|(_, w)| w[1] > w[0])
+        .map(|((w, b), r)| x.narrow(0, r[0], r[1] - r[0])?.linear(w, *b))
+        .collect::<Result<Vec<_>>>()?;
+    if parts.is_empty() {
+        return Tensor::zeros(&[0, n], x.dtype(), &x.device());
+    }
+    Tensor::cat(&parts, 0)
+}
+
 impl Tensor {
     /// `self[rows[i]] += scales[i] · src[i]` for every row `i` of `src: [n, H]`, in order of
     /// `i`, on an `f32` host tensor `self: [T, H]` (`src` of any float dtype, widened).
@@ -235,6 +303,39 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The grouped product is each expert's `x_e W_e^T + b_e` (float64 reference), experts
+    /// without rows included; bad splits and shapes are refused.
+    #[test]
+    fn the_grouped_product_is_each_experts_linear() {
+        let (k, n) = (19, 13);
+        let offsets = [0usize, 3, 3, 10, 11];
+        let x = Tensor::randn(&[11, k], DType::F32, 1, &Device::Cpu).unwrap();
+        let ws: Vec<Tensor> =
+            (0..4).map(|e| Tensor::randn(&[n, k], DType::F32, 10 + e, &Device::Cpu).unwrap()).collect();
+        let b = Tensor::randn(&[n], DType::F32, 99, &Device::Cpu).unwrap();
+        let experts: Vec<(&Tensor, Option<&Tensor>)> =
+            ws.iter().enumerate().map(|(e, w)| (w, (e % 2 == 0).then_some(&b))).collect();
+        let got = grouped_linear(&x, &experts, &offsets).unwrap().to_vec::<f32>().unwrap();
+        let (xv, bv) = (x.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        for (e, r) in offsets.windows(2).enumerate() {
+            let wv = ws[e].to_vec::<f32>().unwrap();
+            for row in r[0]..r[1] {
+                for j in 0..n {
+                    let mut want: f64 = (0..k).map(|c| f64::from(xv[row * k + c]) * f64::from(wv[j * k + c])).sum();
+                    if e % 2 == 0 {
+                        want += f64::from(bv[j]);
+                    }
+                    assert!((f64::from(got[row * n + j]) - want).abs() < 1e-4, "expert {e} row {row} col {j}");
+                }
+            }
+        }
+        assert!(grouped_linear(&x, &experts, &[0, 3, 3, 10]).is_err());
+        assert!(grouped_linear(&x, &experts, &[0, 3, 2, 10, 11]).is_err());
+        assert!(grouped_linear(&x, &experts, &[0, 3, 3, 10, 12]).is_err());
+        let wrong = Tensor::zeros(&[n, k + 1], DType::F32, &Device::Cpu).unwrap();
+        assert!(grouped_linear(&x, &[(&ws[0], None), (&wrong, None)], &[0, 5, 11]).is_err());
+    }
 
     /// The combine gives `add_rows_scaled`'s bits when each row's slots come in expert order
     /// (the order the host adds the experts in), skipped slots adding nothing; bad positions

@@ -134,7 +134,7 @@ impl Gpu {
 
     /// Refuses what `kernels/gemm_mma.cu` cannot run: a type other than f16/bf16, a device
     /// before sm_80 or without its shared memory.
-    fn mma_usable(&self, name: &'static str, ty: ElemType) -> Result<()> {
+    pub(super) fn mma_usable(&self, name: &'static str, ty: ElemType) -> Result<()> {
         if !matches!(ty, ElemType::F16 | ElemType::BF16) {
             return Err(invalid(name, "the mma.sync kernel takes f16 or bf16; use the SIMT kernel for f32"));
         }
