@@ -345,7 +345,13 @@ impl ParallelMoe {
             self.with_down_bias(expert, ye)
         };
         if x.device() != Device::Cpu {
-            let outputs = work.iter().map(run).collect::<Result<Vec<_>>>()?;
+            // The experts' outputs side by side, in expert order: one grouped launch per
+            // projection where it can, else a product per expert.
+            let outputs = match self.grouped_outputs(x, &work)? {
+                Some(ys) => ys,
+                None if work.is_empty() => Tensor::zeros(&[0, h], x.dtype(), &x.device())?,
+                None => Tensor::cat(&work.iter().map(run).collect::<Result<Vec<_>>>()?, 0)?,
+            };
             let partial = self.combine_on_device(x, &work, outputs)?;
             let y =
                 if self.group.world_size() == 1 { partial } else { self.group.all_reduce(&partial, ReduceOp::Sum)? };
@@ -399,16 +405,16 @@ impl ParallelMoe {
         &self,
         x: &Tensor,
         work: &[(&ParallelMlp, Vec<usize>, Vec<f32>)],
-        outputs: Vec<Tensor>,
+        outputs: Tensor,
     ) -> Result<Tensor> {
         let t = x.dims()[0];
         let mut slots: Vec<Vec<(i64, f32)>> = vec![Vec::new(); t];
         let mut at = 0i64;
-        for ((_, rows, weights), ye) in work.iter().zip(&outputs) {
+        for (_, rows, weights) in work {
             for (i, (&r, &w)) in rows.iter().zip(weights).enumerate() {
                 slots[r].push((at + i as i64, w));
             }
-            at += ye.dims()[0] as i64;
+            at += rows.len() as i64;
         }
         let k = slots.iter().map(Vec::len).max().unwrap_or(0);
         let (mut pos, mut w) = (Vec::with_capacity(t * k), Vec::with_capacity(t * k));
@@ -420,10 +426,10 @@ impl ParallelMoe {
             }
         }
         let h = x.dims()[1];
-        let mut partial = if outputs.is_empty() || k == 0 {
+        let mut partial = if work.is_empty() || k == 0 {
             Tensor::zeros(&[t, h], DType::F32, &x.device())?
         } else {
-            tp_core::moe::moe_combine(&Tensor::cat(&outputs, 0)?, &pos, &w, t)?
+            tp_core::moe::moe_combine(&outputs, &pos, &w, t)?
         };
         if let Some((expert, gate)) = &self.shared {
             let ys = expert.down().forward_partial(&expert.activation(x)?)?;
@@ -432,6 +438,39 @@ impl ParallelMoe {
             partial = partial.add(&tp_core::moe::moe_combine(&ys, &rows, &g, t)?)?;
         }
         Ok(partial)
+    }
+
+    /// The experts' partial outputs for `work`'s rows, side by side in expert order, from one
+    /// grouped launch per projection (`tp_core::moe::grouped_linear`): all their rows gathered
+    /// once, `[G|U]` for every expert, the activation over all of them, then down (its bias
+    /// where [`with_down_bias`](Self::with_down_bias) adds it). `None` where that launch does
+    /// not apply: f32, or an expert held as quantized blocks.
+    fn grouped_outputs(&self, x: &Tensor, work: &[(&ParallelMlp, Vec<usize>, Vec<f32>)]) -> Result<Option<Tensor>> {
+        let Some((first, _, _)) = work.first() else { return Ok(None) };
+        if !matches!(x.dtype(), DType::F16 | DType::BF16)
+            || work
+                .iter()
+                .any(|(e, _, _)| e.gate_up().local().weights().dense().is_err() || e.down().weights().dense().is_err())
+        {
+            return Ok(None);
+        }
+        let rows: Vec<usize> = work.iter().flat_map(|(_, r, _)| r.iter().copied()).collect();
+        let mut offsets = vec![0usize];
+        for (_, r, _) in work {
+            offsets.push(offsets[offsets.len() - 1] + r.len());
+        }
+        let gate_up: Vec<(&Tensor, Option<&Tensor>)> = work
+            .iter()
+            .map(|(e, _, _)| Ok((e.gate_up().local().weights().dense()?, e.gate_up().local().bias())))
+            .collect::<Result<_>>()?;
+        let gu = tp_core::moe::grouped_linear(&gather_rows(x, &rows)?, &gate_up, &offsets)?;
+        let act = gu.glu(first.act())?;
+        let adds_bias = self.placement.is_expert_parallel() || self.group.rank() == 0;
+        let down: Vec<(&Tensor, Option<&Tensor>)> = work
+            .iter()
+            .map(|(e, _, _)| Ok((e.down().weights().dense()?, e.down().bias().filter(|_| adds_bias))))
+            .collect::<Result<_>>()?;
+        Ok(Some(tp_core::moe::grouped_linear(&act, &down, &offsets)?))
     }
 }
 

@@ -107,3 +107,53 @@ fn newer_families_on_the_gpu_match_the_f64_forward() {
         }
     }
 }
+
+/// The mixtures of experts on the GPU (`tests/data/moe/`, transformers' float64 logits and
+/// greedy tokens): the router and the combine on the device (`kernels/moe.cu`), the experts'
+/// products per expert, at TP 1 and 2 with each expert split and with expert parallelism, f32
+/// and bf16, each keeping transformers' tokens (the fixtures' prompts route clear of ties).
+#[test]
+fn mixtures_of_experts_on_the_gpu_match_transformers() {
+    tp_kernels::note_sticky_errors_on_panic();
+    assert!(tp_kernels::device_count().expect("the GPU suite needs a CUDA device") > 0);
+    for name in ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"] {
+        let dir = moe_case(name);
+        let want = moe_reference(&dir);
+        let prompt: Vec<i64> = want["prompt"].iter().map(|&v| v as i64).collect();
+        let tokens: Vec<i64> = want["tokens"].iter().map(|&v| v as i64).collect();
+        for dtype in [DType::F32, DType::BF16] {
+            for (world, ep) in [(1, false), (2, false), (2, true)] {
+                let opts = ModelOptions::new().with_dtype(dtype).with_expert_parallel(ep);
+                let got = on_ranks(world, GPU, |g| {
+                    let mut lm = ParallelCausalLm::load(&dir, &g, &opts).unwrap();
+                    let logits = f64s(&lm.prefill(&prompt).unwrap());
+                    let out = lm.generate(&prompt, tokens.len(), &GenerateOptions::new().ignore_eos(true)).unwrap();
+                    (logits, out.tokens)
+                });
+                let at = format!("gpu {name} {dtype} TP {world} EP {ep}");
+                if dtype == DType::F32 {
+                    assert_close(&at, &got[0].0, &want["prefill"], 1e-4);
+                } else {
+                    // Per prompt position, within 1.5x transformers' own bf16 error (as the host
+                    // suite holds the host's bf16).
+                    let theirs = bf16_error(&dir);
+                    let v = want["prefill"].len() / prompt.len();
+                    for p in 0..prompt.len() {
+                        let (g, w) = (&got[0].0[p * v..(p + 1) * v], &want["prefill"][p * v..(p + 1) * v]);
+                        let scale = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+                        let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max) / scale;
+                        assert!(worst <= 1.5 * theirs, "{at} position {p}: {worst:e} against transformers' {theirs:e}");
+                    }
+                }
+                assert_eq!(got[0].1, tokens, "{at}: greedy tokens");
+            }
+        }
+    }
+}
+
+/// transformers' own bf16 error on a MoE case's prompt (`reference.json`).
+fn bf16_error(dir: &std::path::Path) -> f64 {
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    meta["transformers_bf16_error"].as_f64().unwrap()
+}

@@ -8,35 +8,12 @@
 mod common;
 
 use common::{CPU, on_ranks};
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tp_core::DType;
 use tp_models::{ModelOptions, ParallelCausalLm};
 
-fn case(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/moe").join(name)
-}
-
-/// The reference's tensors as f64 vectors (`prompt` and `tokens` as ids).
-fn reference(dir: &Path) -> BTreeMap<String, Vec<f64>> {
-    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(n, v)| {
-            let vals = match v.dtype() {
-                safetensors::Dtype::F64 => {
-                    v.data().chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect()
-                }
-                safetensors::Dtype::I64 => {
-                    v.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64).collect()
-                }
-                d => panic!("{n}: {d:?}"),
-            };
-            (n, vals)
-        })
-        .collect()
-}
+use common::moe_case as case;
+use common::moe_reference as reference;
 
 /// `max |got - want| / max |want|`.
 fn rel_err(got: &[f64], want: &[f64]) -> f64 {

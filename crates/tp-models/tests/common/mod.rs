@@ -58,3 +58,30 @@ pub fn argmax(row: &[f64]) -> usize {
 pub fn is_llama(c: &ModelConfig) -> bool {
     c.architecture == Architecture::Llama
 }
+
+/// The folder of `benches/reference/moe_fixtures.py`'s case `name` (`tests/data/moe/`).
+pub fn moe_case(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/moe").join(name)
+}
+
+/// A MoE case's transformers reference (`reference.safetensors`): each tensor as f64 values
+/// (`prompt` and `tokens` as ids).
+pub fn moe_reference(dir: &Path) -> std::collections::BTreeMap<String, Vec<f64>> {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            let vals = match v.dtype() {
+                safetensors::Dtype::F64 => {
+                    v.data().chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().unwrap())).collect()
+                }
+                safetensors::Dtype::I64 => {
+                    v.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64).collect()
+                }
+                d => panic!("{n}: {d:?}"),
+            };
+            (n, vals)
+        })
+        .collect()
+}
