@@ -110,12 +110,18 @@ fn train_opts(case: &str, world: usize, recompute: Recompute, sp: bool, opts: Mo
 /// thread per rank, each stage's layers split evenly, 1F1B over one-row micro-batches): what
 /// its first replica's first tensor-parallel ranks gathered (every stage's full tensors).
 fn train_mesh(case: &str, shape: (usize, usize, usize), sp: bool, opts: ModelOptions) -> Run {
-    train_mesh_ep(case, shape, 1, sp, opts)
+    train_mesh_ep(case, shape, 1, (sp, Recompute::None, ScheduleKind::OneFOneB), opts)
 }
 
 /// [`train_mesh`] with `ep` expert-parallel replicas out of the `dp` (experts placed over
 /// replicas, tokens dispatched by all-to-all).
-fn train_mesh_ep(case: &str, shape: (usize, usize, usize), ep: usize, sp: bool, opts: ModelOptions) -> Run {
+fn train_mesh_ep(
+    case: &str,
+    shape: (usize, usize, usize),
+    ep: usize,
+    (sp, recompute, schedule): (bool, Recompute, ScheduleKind),
+    opts: ModelOptions,
+) -> Run {
     let (dp, pp, tp) = shape;
     let dir = fixture(case);
     let reference = read_json(dir.join("reference.json"));
@@ -143,8 +149,9 @@ fn train_mesh_ep(case: &str, shape: (usize, usize, usize), ep: usize, sp: bool, 
                         let mut chunks = vec![chunk.map_err(|x| e(&x))?];
                         let mut data =
                             Dataset::open(&dir.join("data.jsonl"), config.vocab_size, 16, None).map_err(|x| e(&x))?;
-                        let mut cfg = self::config(hyper, Recompute::None, sp);
+                        let mut cfg = self::config(hyper, recompute, sp);
                         cfg.micro_batch_size = 1;
+                        cfg.pp_schedule = schedule;
                         let mut trainer = Trainer::new(cfg).map_err(|x| e(&x))?;
                         let groups = StepGroups::of_mesh(&mesh, None);
                         let writer = mesh.coords().dp == 0 && mesh.coords().tp == 0;
@@ -410,8 +417,18 @@ fn expert_parallel_mesh_training_matches_torch() {
     ] {
         let (dp, pp, tp) = shape;
         let at = format!("{case} dp {dp} (ep {ep}) x pp {pp} x tp {tp}{}", if sp { " SP" } else { "" });
-        check_run(case, &at, train_mesh_ep(case, shape, ep, sp, none));
+        check_run(case, &at, train_mesh_ep(case, shape, ep, (sp, Recompute::None, ScheduleKind::OneFOneB), none));
     }
+    // Full recompute runs each layer's exchanges again in the backward; ZB-H1 defers the
+    // experts' weight gradients; both keep torch's numbers.
+    let recompute = (false, Recompute::Full, ScheduleKind::OneFOneB);
+    check_run(
+        "qwen2_moe",
+        "qwen2_moe dp 2 (ep 2) recompute",
+        train_mesh_ep("qwen2_moe", (2, 1, 1), 2, recompute, none),
+    );
+    let zb = (false, Recompute::None, ScheduleKind::ZeroBubbleH1);
+    check_run("olmoe", "olmoe dp 2 (ep 2) x pp 2 zb-h1", train_mesh_ep("olmoe", (2, 2, 1), 2, zb, none));
 }
 
 #[test]
