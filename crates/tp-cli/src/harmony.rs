@@ -11,8 +11,9 @@
 //! A header is everything up to `<|message|>`: its channel follows `<|channel|>`, a recipient is
 //! `to=...` anywhere in it. The `analysis` channel is reasoning (`reasoning_content`), `final`
 //! and `commentary` without a recipient (a preamble the user sees) are content, and a message to
-//! `functions.NAME` is a call of `NAME` with its body as the arguments. A body ends at `<|end|>`,
-//! `<|return|>` or `<|call|>` (the last two stop generation, and may be cut from the text).
+//! `functions.NAME` (a name not empty) is a call of `NAME` with its body as the arguments. A
+//! body ends at `<|end|>`, `<|return|>` or `<|call|>` (the last two stop generation, and may be
+//! cut from the text).
 //! Text that opens with no header (a constrained answer, a model that skips the format) is all
 //! content. While streaming, a header not yet closed and text that may be the start of a
 //! special token are held back, so each part only grows.
@@ -62,11 +63,12 @@ pub fn parse(text: &str, done: bool) -> Harmony {
             }
         };
         let (channel, recipient) = header_fields(header);
-        match (channel, recipient) {
+        let function = recipient.and_then(|to| to.strip_prefix("functions.")).filter(|name| !name.is_empty());
+        match (channel, function) {
             ("analysis", _) => out.reasoning.push_str(body),
-            (_, Some(to)) if to.starts_with("functions.") => {
+            (_, Some(name)) => {
                 if closed {
-                    out.calls.push(call(&to["functions.".len()..], body));
+                    out.calls.push(call(name, body));
                 }
             }
             _ => out.content.push_str(body),
@@ -133,8 +135,10 @@ mod tests {
             (h.content.as_str(), h.calls[0].name.as_str(), h.calls[0].arguments.as_str()),
             ("Checking.", "f", "{}")
         );
-        // Text without a header is all content.
+        // Text without a header is all content; so is a message to a function with no name.
         assert_eq!(parse("{\"a\": 1}", true).content, "{\"a\": 1}");
+        let nameless = parse("<|channel|>commentary to=functions. json<|message|>{}<|call|>", true);
+        assert_eq!((nameless.content.as_str(), nameless.calls.len()), ("{}", 0));
     }
 
     /// Every prefix of the output splits into parts that are prefixes of the whole output's
