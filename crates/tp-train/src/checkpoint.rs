@@ -143,13 +143,13 @@ pub fn save_stages(
 /// Under expert parallelism over `experts`, every routed expert's full tensor (named
 /// `...experts.{e}...`, held by one replica, zeros on the others) summed over the group, so
 /// that each replica has every expert; the others unchanged.
-pub(crate) fn sum_experts(
+pub fn sum_experts(
     mut tensors: BTreeMap<String, Tensor>,
     experts: Option<&DeviceGroup>,
 ) -> Result<BTreeMap<String, Tensor>> {
     let Some(g) = experts.filter(|g| g.world_size() > 1) else { return Ok(tensors) };
     for (name, t) in tensors.iter_mut() {
-        if name.contains(".experts.") {
+        if crate::trainer::is_routed_expert_name(name) {
             *t = g.all_reduce(&t.to_device(&g.device())?, ReduceOp::Sum)?.to_device(&Device::Cpu)?;
         }
     }

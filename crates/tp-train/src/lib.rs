@@ -17,4 +17,6 @@ mod trainer;
 
 pub use error::{Result, TrainError};
 pub use run::{RunOptions, run, run_stages};
-pub use trainer::{Accumulated, ExpertGroups, ParamState, StepGroups, StepLog, TrainConfig, Trainer};
+pub use trainer::{
+    Accumulated, ExpertGroups, ParamState, StepGroups, StepLog, TrainConfig, Trainer, is_routed_expert_name,
+};

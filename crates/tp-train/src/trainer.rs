@@ -162,9 +162,15 @@ impl<'a> StepGroups<'a> {
     }
 }
 
-/// Whether `p` is a routed expert's parameter (`...experts.{e}...`, shared experts excluded).
+/// Whether `p` is a routed expert's parameter ([`is_routed_expert_name`]).
 pub(crate) fn is_routed_expert(p: &Param<'_>) -> bool {
-    p.placements.first().is_some_and(|pl| pl.name.contains(".experts."))
+    p.placements.first().is_some_and(|pl| is_routed_expert_name(&pl.name))
+}
+
+/// Whether the checkpoint name `name` is a routed expert's tensor (`...experts.{e}...`, shared
+/// experts excluded): what expert parallelism over replicas places on one replica each.
+pub fn is_routed_expert_name(name: &str) -> bool {
+    name.contains(".experts.")
 }
 
 /// The gradients of a step, accumulated and completed, before clipping and the update.

@@ -163,7 +163,7 @@ fn train_mesh_ep(
                             let params = chunks[0].params_mut().map_err(|x| e(&x))?;
                             let full = gather_full(&params, what, &group).map_err(|x| e(&x))?;
                             // Each expert-parallel replica holds other experts (zeros for the rest).
-                            let full = sum_over_ep(full, experts).map_err(|x| e(&x))?;
+                            let full = tp_train::checkpoint::sum_experts(full, experts).map_err(|x| e(&x))?;
                             if writer {
                                 into.lock().unwrap().extend(full);
                             }
@@ -203,20 +203,6 @@ fn train_mesh_ep(
         to_checkpoint_layout(config.architecture, m.into_inner().unwrap()).unwrap()
     };
     (logs.into_inner().unwrap(), layout(grads), layout(weights))
-}
-
-/// `tensors` with every routed expert's summed over `ep` (its holder's, zeros elsewhere).
-fn sum_over_ep(
-    mut tensors: BTreeMap<String, Tensor>,
-    ep: Option<&DeviceGroup>,
-) -> Result<BTreeMap<String, Tensor>, tp_comm::CommError> {
-    let Some(g) = ep else { return Ok(tensors) };
-    for (name, t) in tensors.iter_mut() {
-        if name.contains(".experts.") {
-            *t = g.all_reduce(t, tp_comm::ReduceOp::Sum)?;
-        }
-    }
-    Ok(tensors)
 }
 
 /// `max |a - b| <= atol + rtol · max |b|` over the tensor.
@@ -465,4 +451,34 @@ fn full_recompute_under_sequence_parallelism_gives_the_same_bits() {
     let b = train("gemma3", 4, Recompute::Full, true);
     assert_eq!(a.0, b.0);
     assert_eq!(a.1, b.1);
+}
+
+/// A stage of a mixture trained with its load-balancing loss refuses hidden states without the
+/// previous stage's router sums, sums of another shape, and sums given to the first stage, each
+/// naming the stage; no step runs.
+#[test]
+fn a_stage_refuses_missing_or_wrong_router_sums() {
+    use tp_models::{Handoff, TrainRow};
+    let dir = fixture("qwen2_moe");
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let parts = stage_parts(config.num_hidden_layers, 2, None).unwrap();
+    let g = DeviceGroup::local(1, tp_testing::ranks::timeout(), |_| Device::Cpu).unwrap().remove(0);
+    let row = TrainRow { input_ids: &[1, 2, 3], labels: &[1, 2, 3] };
+    let hidden = || Tensor::zeros(&[3, config.hidden_size], tp_core::DType::F32, &Device::Cpu).unwrap();
+    let mut second = ParallelCausalLm::load_part(&dir, &config, &g, &ModelOptions::new(), &parts[1]).unwrap();
+    let mb = second.micro_batch(&[row]).unwrap();
+    let dims = second.stage_router_sums_dims(&mb).unwrap().expect("the loss is on");
+    let bad_sums = Tensor::zeros(&[dims[0], dims[1] + 1], tp_core::DType::I64, &Device::Cpu).unwrap();
+    for (sums, why) in [(None, "needs the previous stage's router sums"), (Some(bad_sums), "router sums of shape")] {
+        let input = Handoff { hidden: hidden(), router_sums: sums };
+        let err = second.stage_forward(&mb, Some(input), 1.0, Recompute::None).unwrap_err().to_string();
+        assert!(err.contains(why), "{err}");
+    }
+    let mut first = ParallelCausalLm::load_part(&dir, &config, &g, &ModelOptions::new(), &parts[0]).unwrap();
+    let sums = Tensor::zeros(&dims, tp_core::DType::I64, &Device::Cpu).unwrap();
+    let err = first
+        .stage_forward(&mb, Some(Handoff { hidden: hidden(), router_sums: Some(sums) }), 1.0, Recompute::None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("first stage"), "{err}");
 }

@@ -220,9 +220,14 @@ impl ParallelCausalLm {
 
     /// The router sums this stage starts from: zeros on the first stage, else the previous
     /// stage's (`given`); `None` without a load-balancing loss.
-    fn router_sums_in(&self, mb: &MicroBatch, given: Option<Tensor>) -> Result<Option<RouterSums>> {
+    fn router_sums_in(
+        &self,
+        mb: &MicroBatch,
+        balancing: Option<(usize, usize)>,
+        given: Option<Tensor>,
+    ) -> Result<Option<RouterSums>> {
         let rows = mb.batch.lens().len();
-        match (self.load_balancing()?, self.embed.is_some(), given) {
+        match (balancing, self.embed.is_some(), given) {
             (None, _, None) => Ok(None),
             (None, _, Some(_)) => {
                 Err(self.stage_input_error("router sums given to a model trained without a load-balancing loss"))
@@ -262,7 +267,8 @@ impl ParallelCausalLm {
             Some(h) => (Some(h.hidden), h.router_sums),
             None => (None, None),
         };
-        let mut sums = self.router_sums_in(mb, sums_in)?;
+        let balancing = self.load_balancing()?;
+        let mut sums = self.router_sums_in(mb, balancing, sums_in)?;
         let mut x = match (&self.embed, input) {
             (Some(embed), None) => embed.forward_train(&mb.ids, batch)?,
             (None, Some(x)) => {
@@ -290,7 +296,7 @@ impl ParallelCausalLm {
             blocks.push((std::mem::replace(&mut x, y), keep));
         }
         // The loss is the last stage's (it holds the totals).
-        let aux_loss = match (&sums, self.load_balancing()?) {
+        let aux_loss = match (&sums, balancing) {
             (Some(s), Some((_, layers))) => s.loss(batch.lens(), layers, self.router_aux_coef_scale(mb)),
             _ => 0.0,
         };
@@ -364,7 +370,8 @@ impl ParallelCausalLm {
             Some(h) => (Some(h.hidden), h.router_sums),
             None => (None, None),
         };
-        let totals = match (self.load_balancing()?, saved.router_totals, sums_back) {
+        let balancing = self.load_balancing()?;
+        let totals = match (balancing, saved.router_totals, sums_back) {
             (None, None, None) => None,
             (Some(_), Some(t), None) => Some(t),
             (Some((e, _)), None, Some(t)) => Some(RouterSums::from_tensor(&t, batch.lens().len(), e)?),
@@ -373,7 +380,7 @@ impl ParallelCausalLm {
             }
             _ => return Err(self.stage_input_error("router sums given to the last stage's backward")),
         };
-        let prob_grad = match (&totals, self.load_balancing()?) {
+        let prob_grad = match (&totals, balancing) {
             (Some(t), Some((_, layers))) => Some(t.prob_grad(batch.lens(), layers, self.router_aux_coef_scale(mb))),
             _ => None,
         };
