@@ -18,9 +18,9 @@
 //! content. While streaming, a header not yet closed and text that may be the start of a
 //! special token are held back, so each part only grows.
 
-use crate::reasoning::partial_suffix;
+use crate::markers::partial_suffix;
 use crate::template::python_json;
-use crate::tools::Call;
+use crate::tools::call::Call;
 
 const START: &str = "<|start|>";
 const CHANNEL: &str = "<|channel|>";

@@ -7,6 +7,7 @@ mod detok;
 mod engine;
 mod error;
 mod harmony;
+mod markers;
 mod metrics;
 mod reasoning;
 mod request;

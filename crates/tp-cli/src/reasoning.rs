@@ -9,6 +9,7 @@
 //! * `openai_gptoss`: gpt-oss's harmony messages, the `analysis` channel as reasoning and the
 //!   `final` one as the answer (`harmony.rs`; the text keeps its special tokens).
 
+use crate::markers::partial_suffix;
 use std::borrow::Cow;
 
 /// Which reasoning format the model writes.
@@ -95,15 +96,6 @@ impl ReasoningParser {
     }
 }
 
-/// The length of the longest proper suffix of `text` that is a prefix of `tag` (text that may
-/// still become `tag`), cut back to a character boundary.
-pub fn partial_suffix(text: &str, tag: &str) -> usize {
-    (1..tag.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..]))
-        .unwrap_or(0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,13 +119,5 @@ mod tests {
         assert_eq!(p.split("<thi"), ("".into(), None, true));
         assert_eq!(p.split("Hi"), ("".into(), Some("Hi".into()), false));
         assert_eq!(p.split("<think>ab<"), ("ab".into(), None, true));
-    }
-
-    #[test]
-    fn partial_tags_are_held() {
-        assert_eq!(partial_suffix("abc<", "</think>"), 1);
-        assert_eq!(partial_suffix("abc</thin", "</think>"), 6);
-        assert_eq!(partial_suffix("abc", "</think>"), 0);
-        assert_eq!(partial_suffix("é", "</think>"), 0);
     }
 }

@@ -4,8 +4,11 @@
 //! ([`parse`]: Hermes/Qwen `<tool_call>{...}</tool_call>`, Llama 3 JSON, Mistral
 //! `[TOOL_CALLS]`), chosen from the chat template or `--tool-call-parser`.
 
+pub(crate) mod call;
 pub mod forced;
 pub mod stream;
+
+pub use call::Call;
 
 use crate::error::ApiError;
 use crate::template::python_json;
@@ -113,15 +116,6 @@ impl ToolParser {
 /// by `harmony.rs` (reasoning, content and calls), as vLLM reads gpt-oss's.
 pub fn is_harmony_template(source: &str) -> bool {
     source.contains("<|channel|>") && source.contains("<|message|>")
-}
-
-/// One parsed call: a name and its arguments as a JSON string (Python's `json.dumps`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Call {
-    /// The function.
-    pub name: String,
-    /// Its arguments, a JSON object as text.
-    pub arguments: String,
 }
 
 /// The output of one choice, split: content (if any) and calls.

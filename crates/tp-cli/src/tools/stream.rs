@@ -5,7 +5,8 @@
 
 use super::forced::{CallSyntax, parse_forced};
 use super::{Call, ToolChoice, ToolParser, parse};
-use crate::reasoning::{ReasoningParser, partial_suffix};
+use crate::markers::partial_suffix;
+use crate::reasoning::ReasoningParser;
 
 /// What a chat's output is read for.
 #[derive(Debug, Clone, PartialEq)]
