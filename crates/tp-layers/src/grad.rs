@@ -31,6 +31,9 @@ use tp_core::{DType, Device, Tensor};
 pub struct Grad {
     acc: Option<Tensor>,
     deferred: std::collections::VecDeque<Deferred>,
+    /// A LoRA adapter's accumulator, which [`frozen_base`](crate::lora::frozen_base) does not
+    /// stop.
+    adapter: bool,
 }
 
 /// A weight-gradient contribution kept for later.
@@ -65,8 +68,27 @@ fn deferring() -> bool {
 }
 
 impl Grad {
-    /// Adds `g` (converted to f32) to the accumulated gradient.
+    /// An adapter's accumulator: it keeps accumulating inside
+    /// [`frozen_base`](crate::lora::frozen_base), where every other one is frozen.
+    pub fn for_adapter() -> Grad {
+        Grad { adapter: true, ..Grad::default() }
+    }
+    /// Whether this is an adapter's accumulator ([`for_adapter`](Self::for_adapter)).
+    pub fn is_adapter(&self) -> bool {
+        self.adapter
+    }
+    /// Whether contributions are dropped now: a base parameter's, inside
+    /// [`frozen_base`](crate::lora::frozen_base).
+    fn frozen(&self) -> bool {
+        !self.adapter && crate::lora::base_frozen()
+    }
+
+    /// Adds `g` (converted to f32) to the accumulated gradient (nothing for a frozen base
+    /// parameter).
     pub fn add(&mut self, g: &Tensor) -> Result<()> {
+        if self.frozen() {
+            return Ok(());
+        }
         let g = g.to_dtype(DType::F32)?;
         match &mut self.acc {
             None => self.acc = Some(g),
@@ -86,6 +108,9 @@ impl Grad {
     /// `dW += dY^T X` of a linear layer (`x: [T, in]`, `dy: [T, out]`), or kept for later
     /// inside [`defer_weight_grads`].
     pub(crate) fn add_weight_grad(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
+        if self.frozen() {
+            return Ok(());
+        }
         if deferring() {
             self.deferred.push_back(Deferred::Weight { x: x.clone(), dy: dy.clone() });
             return Ok(());
@@ -97,6 +122,9 @@ impl Grad {
     /// the GEMM itself when there is one ([`Tensor::add_t_matmul`]: no `[out, in]` temporary,
     /// no fresh pages), else computed into a new one.
     pub(crate) fn accumulate_weight_grad(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
+        if self.frozen() {
+            return Ok(());
+        }
         match &mut self.acc {
             Some(acc) if acc.dtype() == DType::F32 && acc.device() == x.device() => {
                 Ok(acc.add_t_matmul(&dy.to_dtype(x.dtype())?, x)?)
@@ -120,6 +148,9 @@ impl Grad {
     }
     /// `db += Σ_t dY[t]`, or kept for later inside [`defer_weight_grads`].
     pub(crate) fn add_bias_grad(&mut self, dy: &Tensor) -> Result<()> {
+        if self.frozen() {
+            return Ok(());
+        }
         if deferring() {
             self.deferred.push_back(Deferred::Bias { dy: dy.clone() });
             return Ok(());

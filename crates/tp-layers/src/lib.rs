@@ -77,6 +77,7 @@ mod kv_cache;
 mod linear;
 mod lm_head;
 mod loader;
+pub mod lora;
 mod loss;
 mod merged;
 mod mlp;

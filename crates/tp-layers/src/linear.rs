@@ -3,6 +3,7 @@
 
 use crate::error::{LayerError, Result};
 use crate::grad::{Grad, Param, Placement};
+use crate::lora::Lora;
 use crate::weight::Weight;
 use tp_core::{Activation, DType, Device, Tensor};
 
@@ -15,6 +16,8 @@ pub struct Linear {
     /// fp32 gradients of the weight and the bias (training; empty until a backward runs).
     grad_weight: Grad,
     grad_bias: Grad,
+    /// LoRA adapters on the layer's modules, if any ([`crate::lora`]).
+    lora: Option<Box<Lora>>,
 }
 
 impl Linear {
@@ -25,7 +28,7 @@ impl Linear {
         if let Some(b) = &bias {
             check_bias(b, out, &weight, "Linear")?;
         }
-        Ok(Linear { weight, bias, grad_weight: Grad::default(), grad_bias: Grad::default() })
+        Ok(Linear { weight, bias, grad_weight: Grad::default(), grad_bias: Grad::default(), lora: None })
     }
 
     /// `[out, in]` as a tensor; an error for quantized blocks ([`Weight::dense`]).
@@ -57,9 +60,19 @@ impl Linear {
         self.weight.device()
     }
 
-    /// `x W^T + b` for `x: [.., in]`, giving `[.., out]`.
+    /// `x W^T + b` for `x: [.., in]`, giving `[.., out]`, plus the adapters' `s · (x A^T) B^T`
+    /// on their output columns when the layer has LoRA adapters.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.weight.linear(x, self.bias.as_ref())
+        let y = self.weight.linear(x, self.bias.as_ref())?;
+        match &self.lora {
+            Some(l) => l.forward(x, y),
+            None => Ok(y),
+        }
+    }
+
+    /// The layer's LoRA adapters, if any.
+    pub fn lora(&self) -> Option<&Lora> {
+        self.lora.as_deref()
     }
 
     /// `act(x G^T) ⊙ (x U^T)` for a quantized weight of two parts `[G; U]` without a bias,
@@ -67,7 +80,7 @@ impl Linear {
     /// ([`Tensor::linear_quant_glu`]): bitwise `self.forward(x)?.glu(act)`; `None` elsewhere.
     pub fn forward_glu(&self, x: &Tensor, act: Activation) -> Result<Option<Tensor>> {
         match (&self.weight, &self.bias) {
-            (Weight::Quant(q), None) => Ok(x.linear_quant_glu(q, act)?),
+            (Weight::Quant(q), None) if self.lora.is_none() => Ok(x.linear_quant_glu(q, act)?),
             _ => Ok(None),
         }
     }
@@ -97,13 +110,22 @@ impl Linear {
 impl Linear {
     /// `dx = dy W` in f32. For a 16-bit weight, `dy` is rounded to its dtype and the GEMM runs
     /// on the 16-bit operands (as torch's bf16 autograd), its f32 sums kept.
+    /// With adapters, their `Σ (s · dY_p B) A` is added.
     pub fn input_grad(&self, dy: &Tensor) -> Result<Tensor> {
-        grad_input(self.weight.dense()?, dy)
+        let dx = self.weight.input_grad(dy)?;
+        match &self.lora {
+            Some(l) => l.input_grad(dy, dx),
+            None => Ok(dx),
+        }
     }
 
     /// `dW += dy^T x` and, with a bias, `db += Σ_t dy[t]`, into the layer's fp32 gradients
     /// (`dy` rounded to `x`'s dtype first when that is 16-bit, so the GEMM runs on it).
+    /// The adapters' gradients too, when the layer has some.
     pub fn accumulate_grads(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
+        if let Some(l) = &mut self.lora {
+            l.accumulate(x, dy)?;
+        }
         self.grad_weight.add_weight_grad(x, dy)?;
         if self.bias.is_some() {
             self.grad_bias.add_bias_grad(dy)?;
@@ -120,13 +142,19 @@ impl Linear {
 
     /// The weight and (if any) the bias as trainable parameters, placed by `weight` and `bias`
     /// (the placements of each local tensor's blocks; see [`Placement`]). An error for
-    /// quantized blocks.
+    /// quantized blocks. With the base frozen ([`crate::lora::frozen_base`]), the layer's LoRA
+    /// adapters instead (attached first inside [`crate::lora::attaching`]), whatever the
+    /// weight's form.
     pub fn params<'a>(
         &'a mut self,
         weight: Vec<Placement>,
         bias: Vec<Placement>,
         f: &mut dyn FnMut(Param<'a>),
     ) -> Result<()> {
+        let local = (self.weight.out_features(), self.weight.in_features());
+        if crate::lora::visit(&mut self.lora, &weight, local, &self.weight.device(), f)? {
+            return Ok(());
+        }
         f(Param { value: self.weight.dense_mut()?, grad: &mut self.grad_weight, placements: weight });
         if let Some(b) = &mut self.bias {
             f(Param { value: b, grad: &mut self.grad_bias, placements: bias });

@@ -27,6 +27,8 @@ pub struct RowParallel {
     /// fp32 gradients of `A_r` and `b` (training).
     grad_weight: crate::Grad,
     grad_bias: crate::Grad,
+    /// A LoRA adapter on the layer, if any ([`crate::lora`]).
+    lora: Option<Box<crate::lora::Lora>>,
     shard: TensorShard,
     group: DeviceGroup,
 }
@@ -60,6 +62,7 @@ impl RowParallel {
             bias,
             grad_weight: crate::Grad::default(),
             grad_bias: crate::Grad::default(),
+            lora: None,
             shard,
             group: group.clone(),
         })
@@ -149,9 +152,19 @@ impl RowParallel {
         &self.group
     }
 
-    /// `X_r A_r^T`: this rank's partial product, before any communication.
+    /// `X_r A_r^T`: this rank's partial product, before any communication; with a LoRA
+    /// adapter, plus its partial `s · (X_r LA_r^T) LB^T`, which the same reduction completes.
     pub fn forward_partial(&self, x_local: &Tensor) -> Result<Tensor> {
-        self.weight.matmul_t(x_local)
+        let y = self.weight.matmul_t(x_local)?;
+        match &self.lora {
+            Some(l) => l.forward(x_local, y),
+            None => Ok(y),
+        }
+    }
+
+    /// The layer's LoRA adapter, if any.
+    pub fn lora(&self) -> Option<&crate::lora::Lora> {
+        self.lora.as_deref()
     }
 
     /// Packs the weight once into the host GEMM's panels (host weights only; a no-op on a GPU
@@ -197,8 +210,13 @@ impl RowParallel {
 
     /// `dX_r: [T, in_r]` (f32) from `dy: [T, out]`, accumulating `dA_r` and `db`; `x_local` is
     /// the forward's input block.
+    /// With a LoRA adapter, its `dA_r`, `dB` (partial) and `dX_r` share too.
     pub fn backward(&mut self, x_local: &Tensor, dy: &Tensor) -> Result<Tensor> {
-        let dx = crate::linear::grad_input(self.weight.dense()?, dy)?;
+        let mut dx = self.weight.input_grad(dy)?;
+        if let Some(l) = &mut self.lora {
+            dx = l.input_grad(dy, dx)?;
+            l.accumulate(x_local, dy)?;
+        }
         self.grad_weight.add_weight_grad(x_local, dy)?;
         if self.bias.is_some() {
             self.grad_bias.add_bias_grad(dy)?;
@@ -207,7 +225,8 @@ impl RowParallel {
     }
 
     /// `A_r` and `b` as parameters `{prefix}.weight` (columns `shard` of the full `[out, in]`)
-    /// and `{prefix}.bias` (replicated).
+    /// and `{prefix}.bias` (replicated). With the base frozen ([`crate::lora::frozen_base`]),
+    /// the layer's LoRA adapter instead (attached first inside [`crate::lora::attaching`]).
     pub fn params<'a>(&'a mut self, prefix: &str, f: &mut dyn FnMut(crate::Param<'a>)) -> Result<()> {
         let s = self.shard;
         let out = self.weight.out_features();
@@ -217,6 +236,10 @@ impl RowParallel {
             1,
             (0, s.start(), s.len()),
         );
+        let local = (out, s.len());
+        if crate::lora::visit(&mut self.lora, std::slice::from_ref(&w), local, &self.weight.device(), f)? {
+            return Ok(());
+        }
         f(crate::Param { value: self.weight.dense_mut()?, grad: &mut self.grad_weight, placements: vec![w] });
         if let Some(b) = &mut self.bias {
             // The bias is whole on every rank that holds the layer, and owned by one of them: rank

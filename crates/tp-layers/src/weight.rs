@@ -110,6 +110,16 @@ impl Weight {
         })
     }
 
+    /// `dY W` in f32 for `dy: [T, out]` (training's input gradient): a dense weight's GEMM
+    /// (the dense GEMM of `Linear::input_grad`); quantized blocks are dequantized for it (a frozen base
+    /// under LoRA), each element as ggml dequantizes it.
+    pub fn input_grad(&self, dy: &Tensor) -> Result<Tensor> {
+        match self {
+            Weight::Dense { tensor, .. } => crate::linear::grad_input(tensor, dy),
+            Weight::Quant(q) => crate::linear::grad_input(&q.dequantize()?, dy),
+        }
+    }
+
     /// `x W^T` for `x: [.., in]`.
     pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {

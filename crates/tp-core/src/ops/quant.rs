@@ -138,6 +138,20 @@ impl QuantWeight {
     pub fn device(&self) -> Device {
         Device::Cpu
     }
+
+    /// The weight as f32 `[out, width]`, each element as ggml (and the gguf package)
+    /// dequantizes it: what a frozen quantized layer's input gradient `dY W` multiplies by.
+    pub fn dequantize(&self) -> Result<Tensor> {
+        let (k, lead, width) = (self.k, self.lead, self.width);
+        let mut out = Vec::with_capacity(self.out_features() * width);
+        for p in &self.parts {
+            let rows = tp_cpu::quant::dequantize_part(&p.as_part(), k)?;
+            for row in rows.chunks_exact(k.max(1)) {
+                out.extend_from_slice(&row[lead..lead + width]);
+            }
+        }
+        Tensor::from_vec(out, &[self.out_features(), width], &Device::Cpu)
+    }
 }
 
 impl Tensor {

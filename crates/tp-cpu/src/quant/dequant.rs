@@ -30,6 +30,35 @@ pub fn dequantize(t: QuantType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// [`dequantize`] of a [`QuantPart`](super::QuantPart)'s rows of `k` elements, stored in any
+/// [`RowLayout`](super::RowLayout) (put back in ggml's order first): `rows * k` values.
+///
+/// Errors: as [`dequantize`], and a part whose bytes are not `rows` rows of `k` elements.
+pub fn dequantize_part(part: &super::QuantPart<'_>, k: usize) -> Result<Vec<f32>> {
+    let t = part.t;
+    let row_bytes = t.row_bytes(k).ok_or(Error::NotWholeBlocks {
+        ty: t.name(),
+        operand: "k",
+        len: k,
+        block: t.block_elems(),
+        unit: "elements",
+    })?;
+    if part.w.len() != part.rows * row_bytes {
+        return Err(Error::QuantLength {
+            ty: t.name(),
+            operand: "w",
+            unit: "bytes",
+            expected: part.rows * row_bytes,
+            got: part.w.len(),
+        });
+    }
+    let mut ggml = vec![0u8; part.w.len()];
+    super::interleave::to_ggml(t, part.layout, part.w, row_bytes, &mut ggml);
+    let mut out = vec![0f32; part.rows * k];
+    dequantize(t, &ggml, &mut out)?;
+    Ok(out)
+}
+
 /// [`dequantize`] without the checks: `src` holds whole blocks and `dst` their elements. Compiled
 /// twice, for the baseline and for AVX2 + F16C (the same operations, vectorised; the values are
 /// the same bits either way), as `kernel` allows (the caller's [`CpuKernel`], which pool tasks

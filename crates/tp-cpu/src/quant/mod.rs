@@ -39,7 +39,7 @@ mod igemm;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
-pub use dequant::dequantize;
+pub use dequant::{dequantize, dequantize_part};
 pub use interleave::{RowLayout, to_layout};
 pub use matmul::{PairEpilogue, QuantPart, quant_matmul, quant_matmul_paired, quant_matmul_parts};
 pub use types::QuantType;

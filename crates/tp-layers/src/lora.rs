@@ -1,0 +1,378 @@
+//! LoRA adapters (Hu et al., 2021) on the linear layers, as PEFT defines them.
+//!
+//! An adapted projection with frozen weight `W: [out, in]` computes
+//! `y = x W^T + b + s · (x A^T) B^T` with `A: [r, in]`, `B: [out, r]` and the scale
+//! `s = alpha / r` (rsLoRA: `alpha / sqrt(r)`). The adapter's pair is held and trained in f32
+//! whatever the base's dtype (f32, bf16 or a GGUF file's blocks); the product is added to the
+//! base's output in f32 and rounded to its dtype once, as PEFT does for an f32 adapter.
+//!
+//! Each rank holds the pair as it holds the base:
+//!
+//! * a **column-parallel** base (rows of `W` per rank: q/k/v, gate/up) holds its rows of `B`
+//!   and the whole `A`. The forward is local. In the backward `du = s · dY_r B_r` is this rank's
+//!   share of `A`'s input gradient, so `dA = du^T X` is a partial sum completed with the other
+//!   ranks' (`Placement::partial`, one all-reduce of `[r, in]` per step), and `du A` joins the
+//!   base's partial `dX`, which the base all-reduces anyway;
+//! * a **row-parallel** base (columns of `W`: o_proj, down_proj) holds its columns of `A` and
+//!   the whole `B`. Then `X_r A_r^T B^T` is a partial output like `X_r W_r^T`: it is added to
+//!   the base's partial before the base's all-reduce, which joins both (no collective of its
+//!   own). In the backward `du = s · dY B` is the same on every rank, `dA_r = du^T X_r` is this
+//!   rank's columns, and `dB = s · dY^T (X_r A_r^T)` is a partial sum over the ranks.
+//!
+//! Both are exact at any TP degree, uneven shards and replicated KV heads included: every
+//! gradient is the sum torch autograd forms, split where the base is split.
+//!
+//! The base is frozen inside [`frozen_base`]: its parameters get no gradient (its backward
+//! computes input gradients only) and the layers list only their adapters as parameters.
+//! Adapters are attached to the modules PEFT's `target_modules` name by visiting the layers'
+//! parameters inside [`attaching`], where each layer learns its placements.
+
+use crate::error::{LayerError, Result};
+use crate::grad::{Grad, Param, Placement, local_from_full};
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+use tp_core::{DType, Device, Tensor};
+
+/// The numbers of a LoRA adapter: rank `r`, `lora_alpha`, and whether the scale is rsLoRA's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoraSettings {
+    /// The rank `r` (columns of `B`, rows of `A`).
+    pub r: usize,
+    /// `lora_alpha`.
+    pub alpha: f64,
+    /// rsLoRA's scale `alpha / sqrt(r)` instead of `alpha / r`.
+    pub use_rslora: bool,
+}
+
+impl LoraSettings {
+    /// `s = alpha / r`, or `alpha / sqrt(r)` with rsLoRA (computed in f64, applied in f32).
+    pub fn scale(&self) -> f32 {
+        let r = self.r as f64;
+        (if self.use_rslora { self.alpha / r.sqrt() } else { self.alpha / r }) as f32
+    }
+}
+
+/// The projections every decoder block can adapt, by their Hugging Face module names: what
+/// PEFT's `all-linear` selects in the models tp runs (every linear layer but the LM head; a
+/// mixture's router and routed experts are not adapted).
+pub const ALL_LINEAR: [&str; 9] =
+    ["q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj"];
+
+/// Which modules get an adapter: PEFT's `target_modules`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoraTargets {
+    /// A module matches a name when its full name is the name or ends with `.name` (PEFT's
+    /// rule for a list).
+    Names(Vec<String>),
+    /// `all-linear`: the projections of [`ALL_LINEAR`].
+    AllLinear,
+}
+
+impl LoraTargets {
+    /// Whether the module `module` (a full name without `.weight`,
+    /// `model.layers.0.self_attn.q_proj`) gets an adapter. A mixture's routed experts
+    /// (`...mlp.experts.N...`) never do.
+    pub fn matches(&self, module: &str) -> bool {
+        if module.contains(".experts.") {
+            return false;
+        }
+        let ends = |t: &str| module == t || module.ends_with(&format!(".{t}"));
+        match self {
+            LoraTargets::Names(names) => names.iter().any(|t| ends(t)),
+            LoraTargets::AllLinear => ALL_LINEAR.iter().any(|t| ends(t)),
+        }
+    }
+}
+
+/// Where an adapter's starting values come from.
+#[derive(Debug, Clone)]
+pub enum LoraInit {
+    /// PEFT's default: `A` from Kaiming's uniform (`U(-1/sqrt(in), 1/sqrt(in))`, drawn per
+    /// module from `seed` and the module's name, so every rank draws the same `A`), `B = 0`.
+    Fresh {
+        /// The draw's seed.
+        seed: u64,
+    },
+    /// Full tensors by module: `{module}.lora_A.weight: [r, in]` and `{module}.lora_B.weight:
+    /// [out, r]` (an adapter file's, without PEFT's `base_model.model.` prefix).
+    Tensors(Arc<BTreeMap<String, Tensor>>),
+}
+
+/// What [`attaching`] attaches: the adapter's numbers, its targets and its starting values.
+#[derive(Debug, Clone)]
+pub struct LoraSpec {
+    /// Rank, alpha, scale kind.
+    pub settings: LoraSettings,
+    /// Which modules.
+    pub targets: LoraTargets,
+    /// Starting values.
+    pub init: LoraInit,
+}
+
+thread_local! {
+    static FROZEN: Cell<bool> = const { Cell::new(false) };
+    static ATTACH: RefCell<Option<Arc<LoraSpec>>> = const { RefCell::new(None) };
+}
+
+/// Restores a thread-local on drop (an early return or a panic leaves no mode behind).
+struct Restore<F: FnMut()>(F);
+impl<F: FnMut()> Drop for Restore<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+
+/// Runs `f` with the base frozen on this thread: backwards inside add no gradient to any
+/// parameter but the adapters' (input gradients still flow through every layer), and the
+/// layers' `params` list only adapters (`Linear`, `RowParallel`; a caller drops the other
+/// layers' parameters by [`Grad::is_adapter`]).
+pub fn frozen_base<R>(f: impl FnOnce() -> R) -> R {
+    let was = FROZEN.with(|c| c.replace(true));
+    let _restore = Restore(move || FROZEN.with(|c| c.set(was)));
+    f()
+}
+
+/// Whether the base is frozen on this thread ([`frozen_base`]).
+pub(crate) fn base_frozen() -> bool {
+    FROZEN.with(|c| c.get())
+}
+
+/// Runs `f` (a visit of a model's parameters) with the base frozen and `spec` attached: each
+/// linear layer visited gains an adapter on each of its modules `spec` targets (replacing one
+/// it had), its values cut from `spec`'s full tensors by the layer's placements.
+pub fn attaching<R>(spec: Arc<LoraSpec>, f: impl FnOnce() -> R) -> R {
+    let was = ATTACH.with(|c| c.replace(Some(spec)));
+    let _restore = Restore(move || ATTACH.with(|c| *c.borrow_mut() = was.clone()));
+    frozen_base(f)
+}
+
+/// One adapted module's pair, as this rank holds it.
+#[derive(Debug, Clone)]
+struct Pair {
+    /// `A` (f32): `[r, in]` whole beside a column-parallel base, `[r, in_r]` beside a
+    /// row-parallel one.
+    a: Tensor,
+    /// `B` (f32): this rank's rows `[rows, r]` beside a column-parallel base, `[out, r]` whole
+    /// beside a row-parallel one.
+    b: Tensor,
+    /// The layer's local output columns the pair adds to.
+    rows: Range<usize>,
+    scale: f32,
+    grad_a: Grad,
+    grad_b: Grad,
+    a_place: Vec<Placement>,
+    b_place: Vec<Placement>,
+}
+
+/// A layer's adapters: one pair per adapted module of the layer (a merged q/k/v layer has up
+/// to three, Phi-3's fused `qkv_proj` one).
+#[derive(Debug, Clone, Default)]
+pub struct Lora {
+    pairs: Vec<Pair>,
+}
+
+impl Lora {
+    /// `y + s · (x A^T) B^T` per pair, on the pair's output columns: `x: [T, in_local]` (any
+    /// float dtype), `y: [T, out_local]`; the sum in f32, rounded to `y`'s dtype.
+    pub(crate) fn forward(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        let x32 = x.to_dtype(DType::F32)?;
+        let dtype = y.dtype();
+        let mut y32 = y.to_dtype(DType::F32)?;
+        let last = y32.ndim().saturating_sub(1);
+        for p in &self.pairs {
+            let d = x32.matmul_t(&p.a)?.matmul_t(&p.b)?.scale(p.scale)?;
+            if p.rows.len() == y32.dims()[last] {
+                y32 = y32.add(&d)?;
+            } else {
+                let part = y32.narrow(last, p.rows.start, p.rows.len())?.add(&d)?;
+                y32.slice_set(&part, last, p.rows.start)?;
+            }
+        }
+        Ok(y32.to_dtype(dtype)?)
+    }
+
+    /// `dx + Σ_pairs (s · dY_p B) A` for the output gradient `dy: [T, out_local]` (f32) and the
+    /// base's input gradient `dx: [T, in_local]` (f32).
+    pub(crate) fn input_grad(&self, dy: &Tensor, mut dx: Tensor) -> Result<Tensor> {
+        for p in &self.pairs {
+            let du = self.du(p, dy)?;
+            dx.add_assign(&du.matmul(&p.a)?)?;
+        }
+        Ok(dx)
+    }
+
+    /// `dA += du^T X` and `dB += (s · dY_p)^T (X A^T)` per pair (deferred with the base's
+    /// weight gradients inside `defer_weight_grads`).
+    pub(crate) fn accumulate(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
+        let x32 = x.to_dtype(DType::F32)?;
+        for i in 0..self.pairs.len() {
+            let dys = self.scaled_dy(&self.pairs[i], dy)?;
+            let p = &mut self.pairs[i];
+            let u = x32.matmul_t(&p.a)?;
+            let du = dys.matmul(&p.b)?;
+            p.grad_b.add_weight_grad(&u, &dys)?;
+            p.grad_a.add_weight_grad(&x32, &du)?;
+        }
+        Ok(())
+    }
+
+    /// `s · dY` on the pair's output columns.
+    fn scaled_dy(&self, p: &Pair, dy: &Tensor) -> Result<Tensor> {
+        let dy = dy.to_dtype(DType::F32)?;
+        let last = dy.ndim().saturating_sub(1);
+        let dy = if p.rows.len() == dy.dims()[last] { dy } else { dy.narrow(last, p.rows.start, p.rows.len())? };
+        Ok(dy.scale(p.scale)?)
+    }
+
+    /// `du = s · dY_p B`: the gradient of the pair's `x A^T`.
+    fn du(&self, p: &Pair, dy: &Tensor) -> Result<Tensor> {
+        Ok(self.scaled_dy(p, dy)?.matmul(&p.b)?)
+    }
+
+    /// Every pair's `A` and `B` as parameters, named `{module}.lora_A.weight` and
+    /// `{module}.lora_B.weight` (PEFT's names without its `base_model.model.` prefix).
+    pub(crate) fn params<'a>(&'a mut self, f: &mut dyn FnMut(Param<'a>)) {
+        for p in &mut self.pairs {
+            f(Param { value: &mut p.a, grad: &mut p.grad_a, placements: p.a_place.clone() });
+            f(Param { value: &mut p.b, grad: &mut p.grad_b, placements: p.b_place.clone() });
+        }
+    }
+
+    /// Adapted modules.
+    pub fn modules(&self) -> usize {
+        self.pairs.len()
+    }
+}
+
+/// What a linear layer's `params` does with the base frozen: attaches adapters to `slot` when
+/// inside [`attaching`] (from the layer's weight placements `weight` and its local weight's
+/// `[out, in]`), then lists them. Returns false, doing nothing, when the base is not frozen.
+pub(crate) fn visit<'a>(
+    slot: &'a mut Option<Box<Lora>>,
+    weight: &[Placement],
+    local: (usize, usize),
+    device: &Device,
+    f: &mut dyn FnMut(Param<'a>),
+) -> Result<bool> {
+    if !base_frozen() {
+        return Ok(false);
+    }
+    if let Some(spec) = ATTACH.with(|c| c.borrow().clone()) {
+        let mut lora = attach(&spec, weight, local)?;
+        for p in &mut lora.pairs {
+            p.a = p.a.to_device(device)?;
+            p.b = p.b.to_device(device)?;
+        }
+        *slot = (lora.modules() > 0).then(|| Box::new(lora));
+    }
+    if let Some(l) = slot.as_deref_mut() {
+        l.params(f);
+    }
+    Ok(true)
+}
+
+/// The adapters `spec` gives a layer whose local weight `[out, in]` is placed by `weight`.
+fn attach(spec: &LoraSpec, weight: &[Placement], (out, width): (usize, usize)) -> Result<Lora> {
+    let mut modules: Vec<(&str, Vec<&Placement>)> = Vec::new();
+    for pl in weight {
+        let Some(module) = pl.name.strip_suffix(".weight") else { continue };
+        match modules.iter_mut().find(|(m, _)| *m == module) {
+            Some((_, v)) => v.push(pl),
+            None => modules.push((module, vec![pl])),
+        }
+    }
+    let mut pairs = Vec::new();
+    for (module, pls) in modules {
+        if spec.targets.matches(module) {
+            pairs.push(pair(spec, module, &pls, (out, width))?);
+        }
+    }
+    Ok(Lora { pairs })
+}
+
+/// The pair of `module`, whose blocks of the local weight are `pls`.
+fn pair(spec: &LoraSpec, module: &str, pls: &[&Placement], (out, width): (usize, usize)) -> Result<Pair> {
+    let r = spec.settings.r;
+    let (a_name, b_name) = (format!("{module}.lora_A.weight"), format!("{module}.lora_B.weight"));
+    let config = |why: String| LayerError::Config(format!("LoRA on {module}: {why}"));
+    let first = pls.first().ok_or_else(|| config("no weight blocks".into()))?;
+    // The rank holding the weight's first element owns the whole, replicated factor.
+    let origin = pls.iter().any(|p| p.owned && p.full_start == 0);
+    let replicated = |name: &str, dims: [usize; 2]| Placement {
+        name: name.to_string(),
+        full_dims: dims.to_vec(),
+        dim: 0,
+        local_start: 0,
+        full_start: 0,
+        len: dims[0],
+        owned: origin,
+        partial: true,
+    };
+    let (a_place, b_place, rows, a_dims, b_dims) = if pls.iter().all(|p| p.dim == 0) {
+        // Column-parallel: this rank's rows of B, all of A.
+        let lo = pls.iter().map(|p| p.local_start).min().unwrap_or(0);
+        let hi = pls.iter().map(|p| p.local_start + p.len).max().unwrap_or(0);
+        if pls.iter().map(|p| p.len).sum::<usize>() != hi - lo {
+            return Err(config("its rows are not contiguous in the layer".into()));
+        }
+        let b = pls
+            .iter()
+            .map(|p| Placement {
+                name: b_name.clone(),
+                full_dims: vec![p.full_dims[0], r],
+                local_start: p.local_start - lo,
+                ..(*p).clone()
+            })
+            .collect();
+        let in_full = first.full_dims[1];
+        (vec![replicated(&a_name, [r, in_full])], b, lo..hi, [r, width], [hi - lo, r])
+    } else if let [p] = pls
+        && p.dim == 1
+    {
+        // Row-parallel: this rank's columns of A, all of B.
+        let a = Placement { name: a_name.clone(), full_dims: vec![r, p.full_dims[1]], ..(*p).clone() };
+        let full_out = p.full_dims[0];
+        (vec![a], vec![replicated(&b_name, [full_out, r])], 0..out, [r, width], [out, r])
+    } else {
+        return Err(config("its weight is split in a way LoRA does not follow".into()));
+    };
+    let (a, b) = match &spec.init {
+        LoraInit::Tensors(full) => {
+            for name in [&a_name, &b_name] {
+                if !full.contains_key(name) {
+                    return Err(LayerError::MissingTensor { path: String::new(), name: name.clone() });
+                }
+            }
+            (local_from_full(&a_place, &a_dims, full)?, local_from_full(&b_place, &b_dims, full)?)
+        }
+        LoraInit::Fresh { seed } => {
+            let in_full = a_place[0].full_dims[1];
+            let mut full = BTreeMap::new();
+            full.insert(a_name.clone(), kaiming_uniform(*seed, module, [r, in_full])?);
+            full.insert(b_name.clone(), Tensor::zeros(&b_place[0].full_dims, DType::F32, &Device::Cpu)?);
+            (local_from_full(&a_place, &a_dims, &full)?, local_from_full(&b_place, &b_dims, &full)?)
+        }
+    };
+    Ok(Pair {
+        a,
+        b,
+        rows,
+        scale: spec.settings.scale(),
+        grad_a: Grad::for_adapter(),
+        grad_b: Grad::for_adapter(),
+        a_place,
+        b_place,
+    })
+}
+
+/// `[r, in]` uniform in `±1/sqrt(in)` (torch's `kaiming_uniform_(a = sqrt(5))`, PEFT's `A`),
+/// drawn from `seed` and `module`'s name (FNV-1a), so every rank draws the same tensor.
+fn kaiming_uniform(seed: u64, module: &str, [r, width]: [usize; 2]) -> Result<Tensor> {
+    let h = module.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    let mut rng = tp_core::rng::SplitMix64::new(seed ^ h);
+    let bound = 1.0 / (width.max(1) as f64).sqrt();
+    let v: Vec<f32> = (0..r * width).map(|_| rng.uniform(-bound, bound) as f32).collect();
+    Ok(Tensor::from_vec(v, &[r, width], &Device::Cpu)?)
+}
