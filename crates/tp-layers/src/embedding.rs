@@ -151,7 +151,11 @@ impl VocabParallelEmbedding {
 
     /// Accumulates `dE_r` from the forward's `ids: [T]` and the output gradient `dy` (this
     /// rank's rows of `batch`, all-gathered first under sequence parallelism).
+    /// Nothing with the base frozen ([`crate::lora::frozen_base`]).
     pub fn backward(&mut self, ids: &Tensor, dy: &Tensor, batch: &crate::SeqBatch) -> Result<()> {
+        if crate::lora::base_frozen() {
+            return Ok(());
+        }
         let dy = batch.gather(dy, &self.group)?;
         let dy = &dy;
         let ids = self.trained_ids(&ids.to_device(&tp_core::Device::Cpu)?)?;

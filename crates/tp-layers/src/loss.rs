@@ -56,7 +56,11 @@ impl ParallelLmHead {
         }
         let group = self.group().clone();
         let (start, len) = (self.shard().start(), self.shard().len());
-        let w = self.weights().dense()?.clone();
+        // A quantized head (a frozen GGUF base) is dequantized once for the input gradients.
+        let w = match self.weights() {
+            crate::Weight::Quant(q) => q.dequantize()?,
+            dense => dense.dense()?.clone(),
+        };
         let chunk = (CHUNK_LOGITS / vocab.max(1)).clamp(1, rows.max(1));
         let (mut loss_sum, mut count, mut dh_parts) = (0f64, 0usize, Vec::new());
         let mut forward_secs = 0f64;

@@ -37,6 +37,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod adapter;
 mod arch;
 mod blocks;
 mod checkpoint_layout;

@@ -132,6 +132,8 @@ pub struct ParallelCausalLm {
     kv_heads: usize,
     /// Training: norms and residuals on sequence shards.
     sequence_parallel: bool,
+    /// Training LoRA adapters on a frozen base ([`add_lora`](Self::add_lora)).
+    lora: Option<tp_layers::lora::LoraSettings>,
 }
 
 impl std::fmt::Debug for ParallelCausalLm {
@@ -319,6 +321,7 @@ impl ParallelCausalLm {
             caches,
             kv_heads: layout.kv_len,
             sequence_parallel: false,
+            lora: None,
         })
     }
 

@@ -4,6 +4,10 @@
 //! dtype, the fp32 master weights, every tensor full and named after its parameter, so a run
 //! may resume at another TP degree) and `trainer_state.json` (the step and the data position).
 //!
+//! A run training LoRA adapters on a frozen base writes a PEFT adapter folder instead of the
+//! model (`adapter_config.json`, `adapter_model.safetensors` in f32, what
+//! `PeftModel.from_pretrained` loads), with the same optimizer and state files beside it.
+//!
 //! Saving is collective (every rank gathers its shards; rank 0 writes). A checkpoint is written
 //! into a temporary folder beside its destination and moved into place with `trainer_state.json`
 //! last: a folder holding that file is complete, and a failed save leaves no partial checkpoint.
@@ -108,6 +112,7 @@ pub fn save_stages(
         return Err(err(dir, "no model chunk on this rank"));
     };
     let arch = chunks[0].config().architecture;
+    let lora = chunks[0].lora().copied();
     let (weights, optimizer) = gather(chunks, trainer, &tp)?;
     let (weights, optimizer) = (sum_experts(weights, experts)?, sum_experts(optimizer, experts)?);
     let (weights, optimizer) = (merge_stages(weights, pp, &tp)?, merge_stages(optimizer, pp, &tp)?);
@@ -116,11 +121,15 @@ pub fn save_stages(
         // The weights in the family's checkpoint layout (gpt-oss's experts fused, as transformers
         // loads them); the optimizer's tensors keep tp's per-parameter names.
         (|| {
+            let step = trainer.steps_done();
+            if let Some(settings) = lora {
+                return write(dir, |tmp| fill_adapter(tmp, &settings, weights, &optimizer, step, info));
+            }
             let mut weights = tp_models::to_checkpoint_layout(arch, weights)?;
             for t in weights.values_mut() {
                 *t = t.to_dtype(info.dtype)?;
             }
-            write(dir, &weights, &optimizer, trainer.steps_done(), info)
+            write(dir, |tmp| fill(tmp, &weights, &optimizer, step, info))
         })()
     } else {
         Ok(())
@@ -246,14 +255,8 @@ fn dtype_name(d: DType) -> &'static str {
     }
 }
 
-/// Rank 0's part: the files into a temporary folder, then moved into `dir`.
-fn write(
-    dir: &Path,
-    weights: &BTreeMap<String, Tensor>,
-    optimizer: &BTreeMap<String, Tensor>,
-    step: u64,
-    info: &SaveInfo<'_>,
-) -> Result<()> {
+/// Rank 0's part: the files (`fill`) into a temporary folder, then moved into `dir`.
+fn write(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| err(parent, e))?;
     let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "checkpoint".into());
@@ -262,7 +265,7 @@ fn write(
         std::fs::remove_dir_all(&tmp).map_err(|e| err(&tmp, e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| err(&tmp, e))?;
-    let result = fill(&tmp, weights, optimizer, step, info).and_then(|()| move_into(&tmp, dir));
+    let result = fill(&tmp).and_then(|()| move_into(&tmp, dir));
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
@@ -299,6 +302,37 @@ fn fill(
         }
     }
     write_json(&tmp.join("config.json"), &cfg)?;
+    copy_text_files(tmp, info)?;
+    write_state(tmp, step, info)
+}
+
+/// A LoRA run's checkpoint: the adapters (full, f32, PEFT's names) and their config, the
+/// optimizer's state, the tokenizer files and the state file.
+fn fill_adapter(
+    tmp: &Path,
+    settings: &tp_layers::lora::LoraSettings,
+    adapters: BTreeMap<String, Tensor>,
+    optimizer: &BTreeMap<String, Tensor>,
+    step: u64,
+    info: &SaveInfo<'_>,
+) -> Result<()> {
+    use tp_models::adapter;
+    let modules: Vec<&str> = adapters.keys().filter_map(|n| n.strip_suffix(".lora_A.weight")).collect();
+    let config = adapter::adapter_config(settings, &modules, 0.0, &info.source.display().to_string());
+    let named = adapter::peft_names(adapters.clone())?;
+    let named: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    tp_layers::save(tmp.join(adapter::ADAPTER_WEIGHTS), &named)?;
+    write_json(&tmp.join(adapter::ADAPTER_CONFIG), &config)?;
+    if !optimizer.is_empty() {
+        let named: Vec<(&str, &Tensor)> = optimizer.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        tp_layers::save(tmp.join(OPTIMIZER_FILE), &named)?;
+    }
+    copy_text_files(tmp, info)?;
+    write_state(tmp, step, info)
+}
+
+/// The model folder's tokenizer and generation files, copied.
+fn copy_text_files(tmp: &Path, info: &SaveInfo<'_>) -> Result<()> {
     for f in TEXT_FILES {
         let src = info.source.join(f);
         match std::fs::metadata(&src) {
@@ -311,6 +345,11 @@ fn fill(
             _ => {}
         }
     }
+    Ok(())
+}
+
+/// The state file (written last: it marks the checkpoint complete).
+fn write_state(tmp: &Path, step: u64, info: &SaveInfo<'_>) -> Result<()> {
     let state = serde_json::json!({
         "format": FORMAT,
         "version": 1,

@@ -118,7 +118,7 @@ fn save(
 }
 
 /// The first rank writes every parameter's full gradient (f32, checkpoint names and layout; a
-/// tied table once) to `path`: each stage gathers its own over its tensor-parallel group and sends them
+/// tied table once; a LoRA run's adapters under PEFT's names) to `path`: each stage gathers its own over its tensor-parallel group and sends them
 /// to stage 0.
 fn dump_grads(
     chunks: &mut [ParallelCausalLm],
@@ -135,10 +135,13 @@ fn dump_grads(
         grads.extend(full.into_iter().filter(|(n, _)| !(copy && n == "model.embed_tokens.weight")));
     }
     let arch = chunks[0].config().architecture;
+    let lora = chunks[0].lora().is_some();
     let grads = checkpoint::merge_stages(checkpoint::sum_experts(grads, experts)?, pp, &tp)?;
     if tp.rank() == 0 && pp.rank() == 0 && experts.is_none_or(|g| g.rank() == 0) {
         // The checkpoint's names and layout (gpt-oss's experts fused).
-        let grads = tp_models::to_checkpoint_layout(arch, grads)?;
+        // A LoRA run's: the adapters' under the names of PEFT's adapter_model.safetensors.
+        let grads =
+            if lora { tp_models::adapter::peft_names(grads)? } else { tp_models::to_checkpoint_layout(arch, grads)? };
         let named: Vec<(&str, &tp_core::Tensor)> = grads.iter().map(|(n, t)| (n.as_str(), t)).collect();
         tp_layers::save(path, &named)
             .map_err(|e| TrainError::Checkpoint { path: path.display().to_string(), why: e.to_string() })?;

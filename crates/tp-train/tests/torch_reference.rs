@@ -7,60 +7,17 @@
 //! their count) and must match.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Mutex;
 use tp_comm::{DeviceGroup, Mesh, MeshShape};
 use tp_core::{Device, Tensor};
 use tp_layers::{Gather, gather_full};
 use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute, stage_parts, to_checkpoint_layout};
 use tp_train::data::Dataset;
-use tp_train::optim::AdamW;
 use tp_train::pipeline::ScheduleKind;
-use tp_train::schedule::{LrSchedule, LrScheduleKind};
-use tp_train::{StepGroups, TrainConfig, Trainer};
+use tp_train::{StepGroups, Trainer};
 
-fn fixture(case: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(case)
-}
-
-fn read_json(path: PathBuf) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn read_tensors(path: PathBuf) -> BTreeMap<String, Vec<f64>> {
-    let bytes = std::fs::read(path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let v: Vec<f64> =
-                view.data().chunks_exact(4).map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect();
-            (name, v)
-        })
-        .collect()
-}
-
-fn config(hyper: &serde_json::Value, recompute: Recompute, sequence_parallel: bool) -> TrainConfig {
-    let f = |k: &str| hyper[k].as_f64().unwrap();
-    let u = |k: &str| hyper[k].as_u64().unwrap();
-    let kind: LrScheduleKind = hyper["lr_schedule"].as_str().unwrap().parse().unwrap();
-    TrainConfig {
-        micro_batch_size: u("micro_batch_size") as usize,
-        grad_accum: u("grad_accum") as usize,
-        adamw: AdamW {
-            beta1: f("adam_beta1"),
-            beta2: f("adam_beta2"),
-            eps: f("adam_eps"),
-            weight_decay: f("weight_decay"),
-        },
-        schedule: LrSchedule::new(kind, f("lr"), u("warmup_steps"), u("steps")).unwrap(),
-        max_grad_norm: f("max_grad_norm"),
-        recompute,
-        sequence_parallel,
-        pp_schedule: ScheduleKind::OneFOneB,
-        virtual_stages: 1,
-    }
-}
+mod common;
+use common::{close, config, fixture, read_json, read_tensors};
 
 /// What rank 0 saw: per-step (loss, grad_norm, lr, tokens), step 1's full gradients and the
 /// full weights at the end.
@@ -203,14 +160,6 @@ fn train_mesh_ep(
         to_checkpoint_layout(config.architecture, m.into_inner().unwrap()).unwrap()
     };
     (logs.into_inner().unwrap(), layout(grads), layout(weights))
-}
-
-/// `max |a - b| <= atol + rtol · max |b|` over the tensor.
-fn close(what: &str, got: &[f64], want: &[f64], rtol: f64, atol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
-    assert!(worst <= atol + rtol * scale, "{what}: max error {worst:e} against max |want| {scale:e}");
 }
 
 fn check_case(case: &str, worlds: &[usize]) {

@@ -258,6 +258,22 @@ impl ParallelCausalLm {
         loss_scale: f32,
         recompute: Recompute,
     ) -> Result<StageForward> {
+        self.frozen_if_lora(|m| m.stage_forward_inner(mb, input, loss_scale, recompute))
+    }
+
+    /// Runs `f` with the base frozen when training adapters ([`tp_layers::lora::frozen_base`]:
+    /// the loss's and the backward's weight gradients are the adapters' only).
+    fn frozen_if_lora<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        if self.lora.is_some() { tp_layers::lora::frozen_base(|| f(self)) } else { f(self) }
+    }
+
+    fn stage_forward_inner(
+        &mut self,
+        mb: &MicroBatch,
+        input: Option<Handoff>,
+        loss_scale: f32,
+        recompute: Recompute,
+    ) -> Result<StageForward> {
         if self.part.head {
             self.sync_tied_head()?;
         }
@@ -360,8 +376,19 @@ impl ParallelCausalLm {
         mb: &MicroBatch,
         saved: StageSaved,
         dy: Option<Handoff>,
+        after_block: Option<BlockHook<'_>>,
+    ) -> Result<(Option<Handoff>, f64)> {
+        self.frozen_if_lora(|m| m.stage_backward_inner(mb, saved, dy, after_block))
+    }
+
+    fn stage_backward_inner(
+        &mut self,
+        mb: &MicroBatch,
+        saved: StageSaved,
+        dy: Option<Handoff>,
         mut after_block: Option<BlockHook<'_>>,
     ) -> Result<(Option<Handoff>, f64)> {
+        let lora = self.lora.is_some();
         let started = std::time::Instant::now();
         let names = self.config.architecture.spec().names;
         let (sp, first) = (self.sequence_parallel, self.part.layers.start);
@@ -401,7 +428,11 @@ impl ParallelCausalLm {
             dx = layer.backward(s, &dx)?;
             if let Some(hook) = after_block.as_mut() {
                 let mut params = Vec::new();
-                layer.params(&format!("model.layers.{}", first + i), &names, sp, &mut |p| params.push(p))?;
+                layer.params(&format!("model.layers.{}", first + i), &names, sp, &mut |p| {
+                    if !lora || p.grad.is_adapter() {
+                        params.push(p)
+                    }
+                })?;
                 hook(&mut params)?;
             }
         }
@@ -460,8 +491,55 @@ impl ParallelCausalLm {
     /// the table as `model.embed_tokens.weight`, not owned (the first stage's counts; see
     /// [`holds_tied_copy`](Self::holds_tied_copy)).
     ///
-    /// Errors: quantized weights (a GGUF model loaded without a dtype cannot be trained).
+    /// Training adapters ([`add_lora`](Self::add_lora)), only the adapters are listed: every
+    /// `{module}.lora_A.weight` and `{module}.lora_B.weight`, in the same order.
+    ///
+    /// Errors: quantized weights (a GGUF model loaded without a dtype cannot be trained, but
+    /// can carry adapters).
     pub fn params_mut(&mut self) -> Result<Vec<Param<'_>>> {
+        if self.lora.is_some() {
+            let params = tp_layers::lora::frozen_base(|| self.layer_params())?;
+            return Ok(params.into_iter().filter(|p| p.grad.is_adapter()).collect());
+        }
+        self.all_params()
+    }
+
+    /// Attaches LoRA adapters to the modules `spec` targets and freezes everything else:
+    /// from here the training calls add gradients to the adapters only, the base's backward
+    /// computes input gradients only, and [`params_mut`](Self::params_mut) lists the adapters.
+    /// Returns how many modules this rank adapted (the same on every rank of a stage; zero on
+    /// a stage with no targeted module).
+    ///
+    /// Errors: an adapter tensor missing or of the wrong shape (naming it), a target whose
+    /// weight is split in a way LoRA does not follow.
+    pub fn add_lora(&mut self, spec: tp_layers::lora::LoraSpec) -> Result<usize> {
+        let settings = spec.settings;
+        let spec = std::sync::Arc::new(spec);
+        let params = tp_layers::lora::attaching(spec, || self.layer_params())?;
+        let pairs = params.iter().filter(|p| p.grad.is_adapter()).count() / 2;
+        self.lora = Some(settings);
+        Ok(pairs)
+    }
+
+    /// The adapters' settings when training LoRA adapters ([`add_lora`](Self::add_lora)).
+    pub fn lora(&self) -> Option<&tp_layers::lora::LoraSettings> {
+        self.lora.as_ref()
+    }
+
+    /// The blocks' parameters (what a frozen base lists: the blocks hold every adapted layer).
+    fn layer_params(&mut self) -> Result<Vec<Param<'_>>> {
+        let names = self.config.architecture.spec().names;
+        let sp = self.sequence_parallel;
+        let first = self.part.layers.start;
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            layer.params(&format!("model.layers.{}", first + i), &names, sp, &mut |p| out.push(p))?;
+        }
+        Ok(out)
+    }
+
+    /// Every parameter of the base.
+    fn all_params(&mut self) -> Result<Vec<Param<'_>>> {
         let names = self.config.architecture.spec().names;
         let sp = self.sequence_parallel;
         let tied_copy = self.holds_tied_copy();

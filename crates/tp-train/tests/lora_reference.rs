@@ -1,0 +1,205 @@
+//! LoRA training against PEFT + torch autograd: for the tiny model of each family,
+//! `benches/reference/lora_fixtures.py` wrote a starting adapter with PEFT's own
+//! `save_pretrained` (`tests/fixtures/<case>/lora/adapter_init`), then trained it three
+//! optimizer steps on the frozen base in float64 (losses, gradient norms over the adapters,
+//! step 1's gradients of every `lora_A` / `lora_B`, the adapters after step 3). Here tp reads
+//! that adapter folder, trains it on the same rows at TP 1, 2, 3 and the most the heads allow
+//! (uneven heads, KV heads replicated past their count), with sequence parallelism, full
+//! recompute, pipeline stages and data-parallel replicas, and must match.
+
+mod common;
+
+use common::{close, config, fixture, read_json, read_tensors};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use tp_comm::{Mesh, MeshShape};
+use tp_core::{Device, Tensor};
+use tp_layers::{Gather, gather_full};
+use tp_models::adapter::{PEFT_PREFIX, peft_names, read_adapter};
+use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute, stage_parts};
+use tp_train::data::Dataset;
+use tp_train::{StepGroups, Trainer};
+
+/// What the first rank saw: per-step (loss, grad_norm, lr, tokens), step 1's adapter
+/// gradients and the adapters after the last step (PEFT's names).
+type Run = (Vec<(f64, f64, f64, usize)>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>);
+
+/// A `(dp, pp, tp)` mesh trains the fixture's adapter on `case`'s frozen base.
+fn train(case: &str, (dp, pp, tp): (usize, usize, usize), sp: bool, recompute: Recompute) -> Run {
+    let dir = fixture(case);
+    let reference = read_json(dir.join("lora/reference.json"));
+    let hyper = &reference["hyper"];
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let adapter = read_adapter(&dir.join("lora/adapter_init"), config.num_hidden_layers).unwrap();
+    let parts = stage_parts(config.num_hidden_layers, pp, None).unwrap();
+    let meshes =
+        Mesh::local(MeshShape::new(dp, pp, tp).unwrap(), tp_testing::ranks::timeout(), |_| Device::Cpu).unwrap();
+    let (grads, weights, logs) = (Mutex::new(BTreeMap::new()), Mutex::new(BTreeMap::new()), Mutex::new(Vec::new()));
+    let rows_per_step = (hyper["micro_batch_size"].as_u64().unwrap() * hyper["grad_accum"].as_u64().unwrap()) as usize;
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = meshes
+            .into_iter()
+            .map(|mesh| {
+                let (config, parts, dir, grads, weights, logs, adapter) =
+                    (&config, &parts, &dir, &grads, &weights, &logs, &adapter);
+                s.spawn(move || -> Result<(), String> {
+                    let out = (|| -> Result<(), String> {
+                        let e = |e: &dyn std::fmt::Display| e.to_string();
+                        let part = &parts[mesh.coords().pp];
+                        let mut chunk = ParallelCausalLm::load_part(dir, config, mesh.tp(), &ModelOptions::new(), part)
+                            .map_err(|x| e(&x))?;
+                        chunk.set_sequence_parallel(sp);
+                        let adapted = chunk.add_lora(adapter.spec()).map_err(|x| e(&x))?;
+                        if adapted == 0 {
+                            return Err("no module adapted".into());
+                        }
+                        let mut chunks = vec![chunk];
+                        let mut data =
+                            Dataset::open(&dir.join("data.jsonl"), config.vocab_size, 16, None).map_err(|x| e(&x))?;
+                        let mut cfg = self::config(hyper, recompute, sp);
+                        if pp > 1 || dp > 1 {
+                            cfg.micro_batch_size = 1;
+                            cfg.grad_accum = rows_per_step / dp;
+                        }
+                        let mut trainer = Trainer::new(cfg).map_err(|x| e(&x))?;
+                        let groups = StepGroups::of_mesh(&mesh, None);
+                        let writer = mesh.coords().dp == 0 && mesh.coords().tp == 0;
+                        let gather = |chunks: &mut Vec<ParallelCausalLm>,
+                                      what: Gather,
+                                      into: &Mutex<BTreeMap<String, Tensor>>| {
+                            let group = chunks[0].group().clone();
+                            let params = chunks[0].params_mut().map_err(|x| e(&x))?;
+                            let full = gather_full(&params, what, &group).map_err(|x| e(&x))?;
+                            if writer {
+                                into.lock().unwrap().extend(peft_names(full).map_err(|x| e(&x))?);
+                            }
+                            Ok::<(), String>(())
+                        };
+                        for step in 1..=hyper["steps"].as_u64().unwrap() {
+                            let rows = data.next_rows(rows_per_step);
+                            let acc = trainer.accumulate_stages(&mut chunks, &groups, &rows).map_err(|x| e(&x))?;
+                            if step == 1 {
+                                gather(&mut chunks, Gather::Grads, grads)?;
+                            }
+                            let lr = trainer.apply_stages(&mut chunks, acc.grad_norm).map_err(|x| e(&x))?;
+                            if mesh.rank() == 0 {
+                                logs.lock().unwrap().push((
+                                    acc.loss_sum / acc.targets as f64,
+                                    acc.grad_norm,
+                                    lr,
+                                    acc.targets,
+                                ));
+                            }
+                        }
+                        gather(&mut chunks, Gather::Values, weights)
+                    })();
+                    if let Err(why) = &out {
+                        mesh.abort(&format!("rank {} failed: {why}", mesh.rank()));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().expect("rank panicked").err()).collect()
+    });
+    if let Some(e) = errors.first() {
+        panic!("{case} at dp {dp} x pp {pp} x tp {tp}: {e}");
+    }
+    (logs.into_inner().unwrap(), grads.into_inner().unwrap(), weights.into_inner().unwrap())
+}
+
+/// `run` against the PEFT fixture of `case`.
+fn check(case: &str, at: &str, (logs, grads, weights): Run) {
+    let dir = fixture(case).join("lora");
+    let reference = read_json(dir.join("reference.json"));
+    let want_grads = read_tensors(dir.join("grads.safetensors"));
+    let want_weights = read_tensors(dir.join("weights_after.safetensors"));
+    let before = read_tensors(dir.join("adapter_init/adapter_model.safetensors"));
+    assert_eq!(logs.len(), reference["steps"].as_array().unwrap().len(), "{at}: steps");
+    for (i, (loss, norm, lr, tokens)) in logs.iter().enumerate() {
+        let s = &reference["steps"][i];
+        let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
+        assert!(rel(*loss, s["loss"].as_f64().unwrap()) < 2e-6, "{at} step {}: loss {loss} vs {}", i + 1, s["loss"]);
+        assert!(
+            rel(*norm, s["grad_norm"].as_f64().unwrap()) < 2e-5,
+            "{at} step {}: grad_norm {norm} vs {}",
+            i + 1,
+            s["grad_norm"]
+        );
+        assert!((lr - s["lr"].as_f64().unwrap()).abs() < 1e-15, "{at} step {}: lr", i + 1);
+        assert_eq!(*tokens as u64, s["tokens"].as_u64().unwrap(), "{at} step {}: tokens", i + 1);
+    }
+    assert_eq!(grads.keys().collect::<Vec<_>>(), want_grads.keys().collect::<Vec<_>>(), "{at}: the adapters");
+    assert!(grads.keys().all(|k| k.starts_with(PEFT_PREFIX)));
+    for (name, want) in &want_grads {
+        close(&format!("{at} grad {name}"), &grads[name].to_f64_vec().unwrap(), want, 2e-5, 1e-9);
+    }
+    for (name, want) in &want_weights {
+        let got: Vec<f64> = weights[name].to_f64_vec().unwrap().iter().zip(&before[name]).map(|(a, b)| a - b).collect();
+        let delta: Vec<f64> = want.iter().zip(&before[name]).map(|(a, b)| a - b).collect();
+        close(&format!("{at} update of {name}"), &got, &delta, 2e-3, 1e-8);
+    }
+}
+
+fn check_tp(case: &str, worlds: &[usize]) {
+    for &tp in worlds {
+        check(case, &format!("{case} LoRA TP {tp}"), train(case, (1, 1, tp), false, Recompute::None));
+    }
+}
+
+#[test]
+fn llama_adapters_match_peft_at_tp_1_2_3_8() {
+    check_tp("llama", &[1, 2, 3, 8]);
+}
+
+#[test]
+fn adapters_on_biased_tied_llama_match_peft() {
+    check_tp("llama_tied_biases", &[1, 3, 8]);
+}
+
+#[test]
+fn qwen2_rslora_adapters_match_peft() {
+    check_tp("qwen2", &[1, 2, 3, 4]);
+}
+
+#[test]
+fn qwen3_adapters_match_peft() {
+    check_tp("qwen3", &[1, 3, 8]);
+}
+
+#[test]
+fn mistral_adapters_match_peft() {
+    check_tp("mistral", &[1, 3, 8]);
+}
+
+#[test]
+fn gemma3_rslora_adapters_match_peft() {
+    check_tp("gemma3", &[1, 3, 8]);
+}
+
+#[test]
+fn phi3_fused_projection_adapters_match_peft() {
+    check_tp("phi3", &[1, 2, 3, 4]);
+}
+
+#[test]
+fn olmo2_mlp_adapters_match_peft() {
+    check_tp("olmo2", &[1, 3, 4]);
+}
+
+#[test]
+fn moe_attention_adapters_match_peft() {
+    check_tp("qwen3_moe", &[1, 3, 8]);
+}
+
+#[test]
+fn adapters_train_with_sequence_parallelism_and_recompute() {
+    check("llama", "llama LoRA TP 3 SP", train("llama", (1, 1, 3), true, Recompute::None));
+    check("phi3", "phi3 LoRA TP 2 full recompute", train("phi3", (1, 1, 2), false, Recompute::Full));
+}
+
+#[test]
+fn adapters_train_over_pipeline_stages_and_replicas() {
+    check("llama", "llama LoRA dp 2 x pp 2 x tp 2", train("llama", (2, 2, 2), false, Recompute::None));
+    check("gemma3", "gemma3 LoRA pp 2 x tp 3", train("gemma3", (1, 2, 3), false, Recompute::None));
+}
