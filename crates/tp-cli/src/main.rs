@@ -19,6 +19,7 @@ mod template;
 mod text;
 mod tools;
 mod train;
+mod train_lora;
 
 use std::process::ExitCode;
 

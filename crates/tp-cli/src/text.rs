@@ -24,12 +24,6 @@ pub struct TextModel {
 }
 
 impl TextModel {
-    /// Reads `dir/tokenizer.json`, and the chat template if the folder has one.
-    pub fn load(dir: &Path) -> Result<TextModel, CliError> {
-        let source = tp_models::ModelSource::open(dir).map_err(|e| CliError::Model(e.to_string()))?;
-        Self::from_source(&source)
-    }
-
     /// The text side of a model already opened: a GGUF file's own tokenizer and template (read
     /// from the open file), unless a `tokenizer.json` lies beside it; else the folder's files.
     pub fn from_source(source: &tp_models::ModelSource) -> Result<TextModel, CliError> {

@@ -1,5 +1,5 @@
-//! `tp train MODEL --data FILE.jsonl [FLAGS]`: fine-tunes a Hugging Face model folder at any
-//! TP degree, ranks as threads of this process on the host backend (tp-train's loop on every
+//! `tp train MODEL --data FILE.jsonl [FLAGS]`: fine-tunes a Hugging Face model folder (or,
+//! with LoRA adapters on its frozen weights, a GGUF file) at any TP degree, ranks as threads of this process on the host backend (tp-train's loop on every
 //! rank). Flags follow transformers' `TrainingArguments` where they overlap, with their
 //! defaults (lr 5e-5, betas 0.9/0.999, eps 1e-8, no weight decay, clipping at 1.0, a linear
 //! schedule without warmup, 8 rows per micro-batch, three passes over the data).
@@ -163,9 +163,12 @@ pub struct TrainArgs {
     /// Also write SAVE/step-N every N steps.
     #[arg(long)]
     pub save_every: Option<u64>,
-    /// Continue from a checkpoint of this run (same flags).
+    /// Continue from a checkpoint of this run (same flags; a LoRA run's base stays MODEL).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// LoRA adapters on the frozen model.
+    #[command(flatten)]
+    pub lora: crate::train_lora::LoraArgs,
 }
 
 /// The model folder's tokenizer and chat template, as the data reader asks for them.
@@ -255,8 +258,19 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
     }
     let resumed = a.resume.as_deref().map(checkpoint::read_state).transpose().map_err(train_err)?;
     // The weights come from the checkpoint when resuming; its config, dtype and tokenizer too.
-    let weights_dir: &Path = a.resume.as_deref().unwrap_or(&a.model);
-    let config = ModelConfig::from_dir(weights_dir).map_err(model_err)?;
+    // A LoRA run's checkpoint holds the adapter: its base is MODEL still.
+    let lora = a.lora.active(a.resume.as_deref());
+    let weights_dir: &Path = if lora { &a.model } else { a.resume.as_deref().unwrap_or(&a.model) };
+    let source = tp_models::ModelSource::open(weights_dir).map_err(model_err)?;
+    let config = source.config().map_err(model_err)?;
+    let lora_spec = a.lora.spec(a.resume.as_deref(), &config, a.seed)?;
+    if source.gguf().is_some() && lora_spec.is_none() {
+        return Err(bad(format!(
+            "{}: a GGUF file trains LoRA adapters on its frozen weights (--lora-r R); full fine-tuning needs a \
+             Hugging Face folder",
+            weights_dir.display()
+        )));
+    }
     let n = a.tensor_parallel_size;
     tp_layers::QkvLayout::new(config.num_attention_heads, config.num_key_value_heads, config.head_dim, 0, n)
         .map_err(|e| bad(format!("--tensor-parallel-size {n}: {e}")))?;
@@ -288,19 +302,21 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
     let parts = stage_parts(config.num_hidden_layers, p * v, partition.as_deref())
         .map_err(|e| bad(format!("--pipeline-parallel-size {p} x --virtual-stages {v}: {e}")))?;
     let dtype = match a.dtype {
-        Some(TrainDType::F32) => DType::F32,
-        Some(TrainDType::Bf16) => DType::BF16,
+        Some(TrainDType::F32) => Some(DType::F32),
+        Some(TrainDType::Bf16) => Some(DType::BF16),
+        // A GGUF base stays in its blocks (its adapters train in f32).
+        None if source.gguf().is_some() => None,
         None => {
             let ckpt = tp_layers::Checkpoint::open(weights_dir).map_err(|e| CliError::Model(e.to_string()))?;
             match ckpt.param_info("model.embed_tokens.weight").map_err(|e| CliError::Model(e.to_string()))?.0 {
-                DType::BF16 => DType::BF16,
-                _ => DType::F32,
+                DType::BF16 => Some(DType::BF16),
+                _ => Some(DType::F32),
             }
         }
     };
     let seq_len = a.seq_len.unwrap_or(config.max_position_embeddings).min(config.max_position_embeddings);
-    let tokenizer = if weights_dir.join("tokenizer.json").is_file() {
-        Some(Tokenizer(TextModel::load(weights_dir)?))
+    let tokenizer = if weights_dir.join("tokenizer.json").is_file() || source.gguf().is_some() {
+        Some(Tokenizer(TextModel::from_source(&source)?))
     } else {
         None
     };
@@ -353,7 +369,8 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
     let log = Log::new(a.log_json.clone(), steps);
     let trace = a.trace.as_ref().map(|_| (Instant::now(), Mutex::new(Vec::new())));
     let errors: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
-    let resume = resumed.is_some();
+    let resume = resumed.is_some().then_some(a.resume.as_deref()).flatten();
+    let (lora_spec, source) = (&lora_spec, &source);
     std::thread::scope(|s| {
         for mesh in meshes {
             let (data, config_t, opts, log, errors, config, parts, trace) =
@@ -361,7 +378,18 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
             let rank = mesh.rank();
             let spawned = std::thread::Builder::new().name(format!("train-{rank}")).spawn_scoped(s, move || {
                 let expert_parallel = a.enable_expert_parallel;
-                let job = RankJob { dir: weights_dir, config, dtype, parts, opts, resume, log, trace, expert_parallel };
+                let job = RankJob {
+                    source,
+                    config,
+                    dtype,
+                    parts,
+                    opts,
+                    resume,
+                    log,
+                    trace,
+                    expert_parallel,
+                    lora: lora_spec.as_ref(),
+                };
                 let out = job.run(&mesh, config_t, data);
                 if let Err(e) = out {
                     mesh.abort(&format!("rank {rank} (stage {}) failed", mesh.coords().pp));
@@ -395,18 +423,22 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
 
 /// What every rank's thread shares.
 struct RankJob<'a> {
-    dir: &'a Path,
+    source: &'a tp_models::ModelSource,
     config: &'a ModelConfig,
-    dtype: DType,
+    /// The base's dtype (`None`: a GGUF file's blocks, as they are).
+    dtype: Option<DType>,
     /// Every virtual stage's part, in virtual-stage order.
     parts: &'a [StagePart],
     opts: &'a RunOptions,
-    resume: bool,
+    /// The checkpoint this run continues.
+    resume: Option<&'a Path>,
     log: &'a Log,
     /// The trace's origin and every rank's events.
     trace: &'a Option<(Instant, Mutex<Vec<TraceEvent>>)>,
     /// Experts whole on ranks.
     expert_parallel: bool,
+    /// LoRA adapters to attach (the base frozen).
+    lora: Option<&'a tp_layers::lora::LoraSpec>,
 }
 
 impl RankJob<'_> {
@@ -414,13 +446,16 @@ impl RankJob<'_> {
     /// resuming, run the loop.
     fn run(&self, mesh: &Mesh, config_t: TrainConfig, mut data: Dataset) -> Result<(), String> {
         let (p, s) = (mesh.shape().pp, mesh.coords().pp);
-        let opts = ModelOptions::new().with_dtype(self.dtype).with_expert_parallel(self.expert_parallel);
+        let mut opts = ModelOptions::new().with_expert_parallel(self.expert_parallel);
+        if let Some(d) = self.dtype {
+            opts = opts.with_dtype(d);
+        }
         let mut chunks = (0..self.parts.len() / p)
             .map(|c| {
                 let part = &self.parts[c * p + s];
                 if mesh.ep().world_size() > 1 {
                     ParallelCausalLm::load_part_expert_parallel(
-                        self.dir,
+                        self.source.path(),
                         self.config,
                         mesh.tp(),
                         mesh.ep(),
@@ -428,14 +463,23 @@ impl RankJob<'_> {
                         part,
                     )
                 } else {
-                    ParallelCausalLm::load_part(self.dir, self.config, mesh.tp(), &opts, part)
+                    ParallelCausalLm::load_part_from(self.source, self.config, mesh.tp(), &opts, part)
                 }
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| e.to_string())?;
+        if let Some(spec) = self.lora {
+            let mut adapted = 0;
+            for c in &mut chunks {
+                adapted += c.add_lora(spec.clone()).map_err(|e| e.to_string())?;
+            }
+            if adapted == 0 {
+                return Err(format!("LoRA: {:?} matched no module of this model", spec.targets));
+            }
+        }
         let mut trainer = Trainer::new(config_t).map_err(|e| e.to_string())?;
-        if self.resume {
-            tp_train::checkpoint::resume_stages(self.dir, &mut chunks, &mut trainer).map_err(|e| e.to_string())?;
+        if let Some(ckpt) = self.resume {
+            tp_train::checkpoint::resume_stages(ckpt, &mut chunks, &mut trainer).map_err(|e| e.to_string())?;
         }
         let rank = mesh.rank();
         // Every rank has loaded before the clock starts.

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod train;
+
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
