@@ -10,6 +10,8 @@ are) this writes crates/tp-train/tests/fixtures/<case>/lora/:
   grads.safetensors           float32 gradients of step 1 (before clipping), under the tensor names of PEFT's
                               adapter_model.safetensors (`base_model.model.<module>.lora_A.weight`)
   weights_after.safetensors   the adapters after all steps, same names
+  merged.safetensors          the adapted weights of PEFT's `merge_and_unload()` of the starting adapter on the
+                              f32 base (W + scaling * B A, in float32 as PEFT merges), checkpoint names
   logits.safetensors          `logits`: float32 logits of row 0 (truncated to seq_len) through the base with the
                               starting adapter (eval mode): what serving that adapter must give
   reference.json              {"torch", "transformers", "peft", "lora" (r, alpha, targets, rslora), "hyper",
@@ -32,7 +34,7 @@ import peft
 import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_fixtures as tf  # noqa: E402
@@ -69,6 +71,16 @@ def make_adapter(d, out, r, alpha, targets, rslora, seed):
                 p.copy_(0.2 * torch.randn_like(p))
     pm.save_pretrained(out)
     os.remove(os.path.join(out, "README.md"))  # PEFT's model card
+    # PEFT records target_modules from a set: sorted, so that reruns write the same file.
+    path = os.path.join(out, "adapter_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    if isinstance(cfg["target_modules"], list):
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+    cfg["base_model_name_or_path"] = os.path.relpath(d, tf.ROOT)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def train(m, rows, h):
@@ -104,6 +116,15 @@ def run_case(name, r, alpha, targets, rslora, seed, rows):
     os.makedirs(out)
     init = os.path.join(out, "adapter_init")
     make_adapter(d, init, r, alpha, targets, rslora, seed)
+
+    # PEFT's merge in float32: the adapted weights, under the checkpoint's names.
+    m32, _ = tf.load(d, torch.float32)
+    merged = PeftModel.from_pretrained(m32, init).merge_and_unload()
+    sd = merged.state_dict()
+    modules = sorted({k.split(".lora_")[0].removeprefix("base_model.model.")
+                      for k in load_file(os.path.join(init, "adapter_model.safetensors"))})
+    save_file({f"{mod}.weight": sd[f"{mod}.weight"].contiguous() for mod in modules},
+              os.path.join(out, "merged.safetensors"))
 
     # float64 throughout, the adapter read back by PEFT from the file it wrote.
     base, _ = tf.load(d, torch.float64)

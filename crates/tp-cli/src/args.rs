@@ -22,6 +22,8 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// Fine-tune a Hugging Face model folder on a JSONL file (tensor-parallel, on the host).
     Train(Box<crate::train::TrainArgs>),
+    /// Merge a LoRA adapter into a Hugging Face model folder (PEFT's merge_and_unload).
+    Merge(Box<crate::merge::MergeArgs>),
 }
 
 /// Weight and activation dtype.

@@ -8,6 +8,7 @@ mod engine;
 mod error;
 mod harmony;
 mod markers;
+mod merge;
 mod metrics;
 mod reasoning;
 mod request;
@@ -44,6 +45,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("tp train: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        args::Command::Merge(a) => match merge::merge_command(*a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("tp merge: {e}");
                 ExitCode::FAILURE
             }
         },

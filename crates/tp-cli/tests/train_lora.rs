@@ -130,3 +130,43 @@ fn bad_lora_flags_and_adapters_are_refused_in_one_line() {
     let adapter = init.display().to_string();
     assert!(run(&["--lora-adapter", &adapter, "--lora-r", "8"]).contains("fixes r 4"));
 }
+
+/// `tp merge` gives PEFT's `merge_and_unload` (f32, within 1e-5), every other tensor as it was,
+/// and the folder serves as a plain model.
+#[test]
+fn tp_merge_equals_peft_merge_and_unload() {
+    for case in ["llama", "phi3", "qwen2"] {
+        let base = fixture(case);
+        let out = scratch("merge").join("merged");
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_tp"))
+            .arg("merge")
+            .args([&base, &base.join("lora/adapter_init"), &out])
+            .output()
+            .unwrap();
+        ok(&run);
+        let (got, want, before) = (
+            tensors(&out.join("model.safetensors")),
+            tensors(&base.join("lora/merged.safetensors")),
+            tensors(&base.join("model.safetensors")),
+        );
+        assert_eq!(got.keys().collect::<Vec<_>>(), before.keys().collect::<Vec<_>>(), "{case}");
+        for (name, w) in &got {
+            match want.get(name) {
+                Some(m) => {
+                    let err = w.iter().zip(m).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+                    assert!(err <= 1e-5, "{case} {name}: {err:e}");
+                    assert!(w != &before[name], "{case} {name} unchanged");
+                }
+                None => assert_eq!(w, &before[name], "{case} {name}"),
+            }
+        }
+        assert!(out.join("config.json").is_file());
+        // A second merge into the same folder is refused.
+        let again = std::process::Command::new(env!("CARGO_BIN_EXE_tp"))
+            .arg("merge")
+            .args([&base, &base.join("lora/adapter_init"), &out])
+            .output()
+            .unwrap();
+        assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("not empty"));
+    }
+}

@@ -241,3 +241,41 @@ pub fn adapter_config(settings: &LoraSettings, modules: &[&str], dropout: f64, b
 pub fn peft_names(tensors: BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
     tensors.into_iter().map(|(n, t)| Ok((format!("{PEFT_PREFIX}{n}"), t.to_dtype(DType::F32)?))).collect()
 }
+
+/// Every tensor of `base` with the adapter merged in (PEFT's `merge_and_unload`): each adapted
+/// module's weight becomes `W + s · B A`, the product and the sum in f32, rounded to the
+/// weight's dtype; every other tensor as it is.
+///
+/// Errors: an adapted module whose weight the base lacks, or of another shape than `[B's rows,
+/// A's columns]`; the checkpoint's read errors.
+pub fn merge(base: &tp_layers::Checkpoint, adapter: &LoraAdapter) -> Result<BTreeMap<String, Tensor>> {
+    let s = adapter.settings.scale();
+    let mut out = BTreeMap::new();
+    let mut merged = 0;
+    for name in base.names() {
+        out.insert(name.to_string(), base.load(name, None, &Device::Cpu)?);
+    }
+    for module in adapter.modules() {
+        let (a, b) = (
+            &adapter.tensors[&format!("{module}.lora_A.weight")],
+            &adapter.tensors[&format!("{module}.lora_B.weight")],
+        );
+        let name = format!("{module}.weight");
+        let w = out.get_mut(&name).ok_or_else(|| {
+            ModelError::Layer(tp_layers::LayerError::MissingTensor { path: String::new(), name: name.clone() })
+        })?;
+        let want = [b.dims()[0], a.dims()[1]];
+        if w.dims() != want {
+            return Err(ModelError::Layer(tp_layers::LayerError::WrongShape {
+                name,
+                found: w.dims().to_vec(),
+                expected: want.to_vec(),
+            }));
+        }
+        let delta = b.matmul(a)?.scale(s)?;
+        *w = w.to_dtype(DType::F32)?.add(&delta)?.to_dtype(w.dtype())?;
+        merged += 1;
+    }
+    debug_assert_eq!(merged, adapter.modules().len());
+    Ok(out)
+}
