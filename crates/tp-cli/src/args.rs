@@ -462,7 +462,7 @@ mod tests {
         let cli = parse_cli(args.iter().map(std::ffi::OsString::from)).map_err(|e| e.to_string())?;
         match cli.command {
             Command::Serve(s) => s.split().map_err(|e| e.to_string()),
-            Command::Train(_) => Err("not tp serve".into()),
+            Command::Train(_) | Command::Merge(_) => Err("not tp serve".into()),
         }
     }
 
