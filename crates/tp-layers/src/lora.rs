@@ -22,6 +22,12 @@
 //! Both are exact at any TP degree, uneven shards and replicated KV heads included: every
 //! gradient is the sum torch autograd forms, split where the base is split.
 //!
+//! A layer holds adapters in numbered slots: slot 0 is the one [`attaching`] trains (and
+//! what a forward applies to every row by default); a server attaches more with
+//! [`attaching_as`] and picks each token's with [`with_token_adapters`], which groups the rows
+//! by adapter and runs one product per group (Punica's and S-LoRA's batched products): a row's
+//! result depends on its own adapter only.
+//!
 //! The base is frozen inside [`frozen_base`]: its parameters get no gradient (its backward
 //! computes input gradients only) and the layers list only their adapters as parameters.
 //! Adapters are attached to the modules PEFT's `target_modules` name by visiting the layers'
@@ -111,9 +117,24 @@ pub struct LoraSpec {
     pub init: LoraInit,
 }
 
+/// The slot [`attaching`] fills: the adapter a training run trains, applied to every row when
+/// no per-token adapters are given.
+pub const TRAINED: u32 = 0;
+
+/// What a visit inside [`attaching`] / [`attaching_as`] / [`detaching`] does to each layer.
+#[derive(Debug, Clone)]
+enum Change {
+    /// Attach `spec` in slot `id` (replacing what the slot held).
+    Attach(u32, Arc<LoraSpec>),
+    /// Empty slot `id`.
+    Detach(u32),
+}
+
 thread_local! {
     static FROZEN: Cell<bool> = const { Cell::new(false) };
-    static ATTACH: RefCell<Option<Arc<LoraSpec>>> = const { RefCell::new(None) };
+    static CHANGE: RefCell<Option<Change>> = const { RefCell::new(None) };
+    static TOKENS: RefCell<Option<Arc<[u32]>>> = const { RefCell::new(None) };
+    static ATTACHED: Cell<usize> = const { Cell::new(0) };
 }
 
 /// Restores a thread-local on drop (an early return or a panic leaves no mode behind).
@@ -142,10 +163,40 @@ pub(crate) fn base_frozen() -> bool {
 /// Runs `f` (a visit of a model's parameters) with the base frozen and `spec` attached: each
 /// linear layer visited gains an adapter on each of its modules `spec` targets (replacing one
 /// it had), its values cut from `spec`'s full tensors by the layer's placements.
-pub fn attaching<R>(spec: Arc<LoraSpec>, f: impl FnOnce() -> R) -> R {
-    let was = ATTACH.with(|c| c.replace(Some(spec)));
-    let _restore = Restore(move || ATTACH.with(|c| *c.borrow_mut() = was.clone()));
-    frozen_base(f)
+///
+/// Returns `f`'s result and how many modules the visit adapted.
+pub fn attaching<R>(spec: Arc<LoraSpec>, f: impl FnOnce() -> R) -> (R, usize) {
+    changing(Change::Attach(TRAINED, spec), f)
+}
+
+/// [`attaching`] into slot `id` (a served adapter; `id > 0`), the other slots kept.
+pub fn attaching_as<R>(id: u32, spec: Arc<LoraSpec>, f: impl FnOnce() -> R) -> (R, usize) {
+    changing(Change::Attach(id, spec), f)
+}
+
+/// Runs `f` (a visit of a model's parameters) emptying slot `id` of every layer visited.
+pub fn detaching<R>(id: u32, f: impl FnOnce() -> R) -> R {
+    changing(Change::Detach(id), f).0
+}
+
+fn changing<R>(change: Change, f: impl FnOnce() -> R) -> (R, usize) {
+    let was = CHANGE.with(|c| c.replace(Some(change)));
+    let count = ATTACHED.with(|c| c.replace(0));
+    let _restore = Restore(move || {
+        CHANGE.with(|c| *c.borrow_mut() = was.clone());
+        ATTACHED.with(|c| c.set(count));
+    });
+    let out = frozen_base(f);
+    (out, ATTACHED.with(|c| c.get()))
+}
+
+/// Runs `f` (forwards of a flat batch of tokens) with token `t`'s adapter `ids[t]`: 0 the base
+/// alone, `k > 0` the adapter in slot `k` (a layer without one there adds nothing). Each
+/// layer's adapters then run one product per adapter over that adapter's rows.
+pub fn with_token_adapters<R>(ids: Arc<[u32]>, f: impl FnOnce() -> R) -> R {
+    let was = TOKENS.with(|c| c.replace(Some(ids)));
+    let _restore = Restore(move || TOKENS.with(|c| *c.borrow_mut() = was.clone()));
+    f()
 }
 
 /// One adapted module's pair, as this rank holds it.
@@ -166,38 +217,84 @@ struct Pair {
     b_place: Vec<Placement>,
 }
 
-/// A layer's adapters: one pair per adapted module of the layer (a merged q/k/v layer has up
-/// to three, Phi-3's fused `qkv_proj` one).
+/// A layer's adapters, by slot: one pair per adapted module of the layer (a merged q/k/v
+/// layer has up to three, Phi-3's fused `qkv_proj` one).
 #[derive(Debug, Clone, Default)]
 pub struct Lora {
-    pairs: Vec<Pair>,
+    /// `(slot, pairs)`, slots ascending, none empty.
+    slots: Vec<(u32, Vec<Pair>)>,
 }
 
 impl Lora {
     /// `y + s · (x A^T) B^T` per pair, on the pair's output columns: `x: [T, in_local]` (any
-    /// float dtype), `y: [T, out_local]`; the sum in f32, rounded to `y`'s dtype.
+    /// float dtype), `y: [T, out_local]`; the sum in f32, rounded to `y`'s dtype. Every row
+    /// takes the [`TRAINED`] slot's pairs, or inside [`with_token_adapters`] its own
+    /// adapter's: the rows of each adapter gathered, one product per adapter, added back.
     pub(crate) fn forward(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        let tokens = TOKENS.with(|c| c.borrow().clone());
+        let rows = y.dims().first().copied().unwrap_or(0);
+        let groups: Vec<(&[Pair], Option<Vec<usize>>)> = match &tokens {
+            None => self.pairs_of(TRAINED).map(|p| (p, None)).into_iter().collect(),
+            Some(ids) if ids.len() != rows || y.ndim() != 2 => {
+                return Err(LayerError::Config(format!(
+                    "{} tokens' adapters given for a product of {:?}",
+                    ids.len(),
+                    y.dims()
+                )));
+            }
+            Some(ids) => self
+                .slots
+                .iter()
+                .filter(|(id, _)| *id != TRAINED)
+                .filter_map(|(id, pairs)| {
+                    let mine: Vec<usize> = (0..rows).filter(|&t| ids[t] == *id).collect();
+                    (!mine.is_empty()).then(|| (pairs.as_slice(), (mine.len() < rows).then_some(mine)))
+                })
+                .collect(),
+        };
+        if groups.is_empty() {
+            return Ok(y);
+        }
         let x32 = x.to_dtype(DType::F32)?;
         let dtype = y.dtype();
         let mut y32 = y.to_dtype(DType::F32)?;
         let last = y32.ndim().saturating_sub(1);
-        for p in &self.pairs {
-            let d = x32.matmul_t(&p.a)?.matmul_t(&p.b)?.scale(p.scale)?;
-            if p.rows.len() == y32.dims()[last] {
-                y32 = y32.add(&d)?;
-            } else {
-                let part = y32.narrow(last, p.rows.start, p.rows.len())?.add(&d)?;
-                y32.slice_set(&part, last, p.rows.start)?;
+        for (pairs, rows) in groups {
+            match rows {
+                None => add_pairs(pairs, &x32, &mut y32)?,
+                Some(rows) => {
+                    let xg = crate::moe::gather_rows(&x32, &rows)?;
+                    let mut d = Tensor::zeros(&[rows.len(), y32.dims()[last]], DType::F32, &y32.device())?;
+                    add_pairs(pairs, &xg, &mut d)?;
+                    y32.add_rows_scaled(&rows, &d, &vec![1.0; rows.len()])?;
+                }
             }
         }
         Ok(y32.to_dtype(dtype)?)
     }
 
+    /// Slot `id`'s pairs, if the layer has any there.
+    fn pairs_of(&self, id: u32) -> Option<&[Pair]> {
+        self.slots.iter().find(|(s, _)| *s == id).map(|(_, p)| p.as_slice())
+    }
+
+    /// The [`TRAINED`] slot's pairs (empty when there are none).
+    fn trained(&self) -> &[Pair] {
+        self.pairs_of(TRAINED).unwrap_or(&[])
+    }
+
+    fn trained_mut(&mut self) -> &mut [Pair] {
+        match self.slots.iter_mut().find(|(s, _)| *s == TRAINED) {
+            Some((_, p)) => p,
+            None => &mut [],
+        }
+    }
+
     /// `dx + Σ_pairs (s · dY_p B) A` for the output gradient `dy: [T, out_local]` (f32) and the
     /// base's input gradient `dx: [T, in_local]` (f32).
     pub(crate) fn input_grad(&self, dy: &Tensor, mut dx: Tensor) -> Result<Tensor> {
-        for p in &self.pairs {
-            let du = self.du(p, dy)?;
+        for p in self.trained() {
+            let du = scaled_dy(p, dy)?.matmul(&p.b)?;
             dx.add_assign(&du.matmul(&p.a)?)?;
         }
         Ok(dx)
@@ -207,9 +304,8 @@ impl Lora {
     /// weight gradients inside `defer_weight_grads`).
     pub(crate) fn accumulate(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
         let x32 = x.to_dtype(DType::F32)?;
-        for i in 0..self.pairs.len() {
-            let dys = self.scaled_dy(&self.pairs[i], dy)?;
-            let p = &mut self.pairs[i];
+        for p in self.trained_mut() {
+            let dys = scaled_dy(p, dy)?;
             let u = x32.matmul_t(&p.a)?;
             let du = dys.matmul(&p.b)?;
             p.grad_b.add_weight_grad(&u, &dys)?;
@@ -218,32 +314,48 @@ impl Lora {
         Ok(())
     }
 
-    /// `s · dY` on the pair's output columns.
-    fn scaled_dy(&self, p: &Pair, dy: &Tensor) -> Result<Tensor> {
-        let dy = dy.to_dtype(DType::F32)?;
-        let last = dy.ndim().saturating_sub(1);
-        let dy = if p.rows.len() == dy.dims()[last] { dy } else { dy.narrow(last, p.rows.start, p.rows.len())? };
-        Ok(dy.scale(p.scale)?)
-    }
-
-    /// `du = s · dY_p B`: the gradient of the pair's `x A^T`.
-    fn du(&self, p: &Pair, dy: &Tensor) -> Result<Tensor> {
-        Ok(self.scaled_dy(p, dy)?.matmul(&p.b)?)
-    }
-
     /// Every pair's `A` and `B` as parameters, named `{module}.lora_A.weight` and
     /// `{module}.lora_B.weight` (PEFT's names without its `base_model.model.` prefix).
+    /// Only the [`TRAINED`] slot's (the others are served, not trained).
     pub(crate) fn params<'a>(&'a mut self, f: &mut dyn FnMut(Param<'a>)) {
-        for p in &mut self.pairs {
+        for p in self.trained_mut() {
             f(Param { value: &mut p.a, grad: &mut p.grad_a, placements: p.a_place.clone() });
             f(Param { value: &mut p.b, grad: &mut p.grad_b, placements: p.b_place.clone() });
         }
     }
 
-    /// Adapted modules.
-    pub fn modules(&self) -> usize {
-        self.pairs.len()
+    /// Modules adapted in slot `id`.
+    pub fn modules(&self, id: u32) -> usize {
+        self.pairs_of(id).map_or(0, <[Pair]>::len)
     }
+
+    /// The slots holding adapters, ascending.
+    pub fn slots(&self) -> Vec<u32> {
+        self.slots.iter().map(|(s, _)| *s).collect()
+    }
+}
+
+/// `y += s · (x A^T) B^T` of each pair, on its output columns (`x`, `y` f32).
+fn add_pairs(pairs: &[Pair], x32: &Tensor, y32: &mut Tensor) -> Result<()> {
+    let last = y32.ndim().saturating_sub(1);
+    for p in pairs {
+        let d = x32.matmul_t(&p.a)?.matmul_t(&p.b)?.scale(p.scale)?;
+        if p.rows.len() == y32.dims()[last] {
+            y32.add_assign(&d)?;
+        } else {
+            let part = y32.narrow(last, p.rows.start, p.rows.len())?.add(&d)?;
+            y32.slice_set(&part, last, p.rows.start)?;
+        }
+    }
+    Ok(())
+}
+
+/// `s · dY` on the pair's output columns.
+fn scaled_dy(p: &Pair, dy: &Tensor) -> Result<Tensor> {
+    let dy = dy.to_dtype(DType::F32)?;
+    let last = dy.ndim().saturating_sub(1);
+    let dy = if p.rows.len() == dy.dims()[last] { dy } else { dy.narrow(last, p.rows.start, p.rows.len())? };
+    Ok(dy.scale(p.scale)?)
 }
 
 /// What a linear layer's `params` does with the base frozen: attaches adapters to `slot` when
@@ -259,13 +371,30 @@ pub(crate) fn visit<'a>(
     if !base_frozen() {
         return Ok(false);
     }
-    if let Some(spec) = ATTACH.with(|c| c.borrow().clone()) {
-        let mut lora = attach(&spec, weight, local)?;
-        for p in &mut lora.pairs {
-            p.a = p.a.to_device(device)?;
-            p.b = p.b.to_device(device)?;
+    let change = CHANGE.with(|c| c.borrow().clone());
+    let (id, pairs) = match change {
+        Some(Change::Attach(id, spec)) => {
+            let mut pairs = attach(&spec, weight, local)?;
+            for p in &mut pairs {
+                p.a = p.a.to_device(device)?;
+                p.b = p.b.to_device(device)?;
+            }
+            ATTACHED.with(|c| c.set(c.get() + pairs.len()));
+            (Some(id), pairs)
         }
-        *slot = (lora.modules() > 0).then(|| Box::new(lora));
+        Some(Change::Detach(id)) => (Some(id), Vec::new()),
+        None => (None, Vec::new()),
+    };
+    if let Some(id) = id {
+        let lora = slot.get_or_insert_with(Box::default);
+        lora.slots.retain(|(s, _)| *s != id);
+        if !pairs.is_empty() {
+            lora.slots.push((id, pairs));
+            lora.slots.sort_by_key(|(s, _)| *s);
+        }
+        if lora.slots.is_empty() {
+            *slot = None;
+        }
     }
     if let Some(l) = slot.as_deref_mut() {
         l.params(f);
@@ -274,7 +403,7 @@ pub(crate) fn visit<'a>(
 }
 
 /// The adapters `spec` gives a layer whose local weight `[out, in]` is placed by `weight`.
-fn attach(spec: &LoraSpec, weight: &[Placement], (out, width): (usize, usize)) -> Result<Lora> {
+fn attach(spec: &LoraSpec, weight: &[Placement], (out, width): (usize, usize)) -> Result<Vec<Pair>> {
     let mut modules: Vec<(&str, Vec<&Placement>)> = Vec::new();
     for pl in weight {
         let Some(module) = pl.name.strip_suffix(".weight") else { continue };
@@ -289,7 +418,7 @@ fn attach(spec: &LoraSpec, weight: &[Placement], (out, width): (usize, usize)) -
             pairs.push(pair(spec, module, &pls, (out, width))?);
         }
     }
-    Ok(Lora { pairs })
+    Ok(pairs)
 }
 
 /// The pair of `module`, whose blocks of the local weight are `pls`.

@@ -942,7 +942,7 @@ fn absent_experts(
 }
 
 /// Rows `rows` of `x: [T, H]`, in order.
-fn gather_rows(x: &Tensor, rows: &[usize]) -> Result<Tensor> {
+pub(crate) fn gather_rows(x: &Tensor, rows: &[usize]) -> Result<Tensor> {
     let ids: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
     let ids = Tensor::from_vec(ids, &[rows.len()], &Device::Cpu)?.to_device(&x.device())?;
     Ok(x.embedding(&ids, 0)?)

@@ -152,10 +152,11 @@ fn column_and_row_adapters_match_float64_at_every_world_size() {
                 let base = Linear::new(col.w.tensor(), None).unwrap();
                 let mut c = ColumnParallel::from_full(&base, &g).unwrap();
                 let mut rp = RowParallel::from_full(&row.w.tensor(), None, &g).unwrap();
-                attaching(spec.clone(), || {
+                let ((), adapted) = attaching(spec.clone(), || {
                     c.params("c", &mut |_| {}).unwrap();
                     rp.params("r", &mut |_| {}).unwrap();
                 });
+                assert_eq!(adapted, 2);
                 let cs = *c.shard();
                 let rs = *rp.shard();
                 let what = |w: &str| format!("{w} (rank {rank} of {world}, rslora {rslora})");
@@ -218,7 +219,10 @@ fn qkv_adapters_on_q_and_v_match_float64_with_replicated_kv_heads() {
             let layout = QkvLayout::new(nq, nkv, hd, g.rank(), world).unwrap();
             let lin = |m: &Module| Linear::new(m.w.tensor(), None).unwrap();
             let mut qkv = QkvParallel::from_full(&lin(&q), &lin(&k), &lin(&v), layout).unwrap();
-            attaching(spec.clone(), || qkv.params("attn", Projections::default(), &mut |_| {}).unwrap());
+            assert_eq!(
+                attaching(spec.clone(), || qkv.params("attn", Projections::default(), &mut |_| {}).unwrap()).1,
+                2
+            );
             let (yq, yk, yv) = qkv.forward(&x.tensor()).unwrap();
             let (qr, kr) = (
                 (layout.q_start * hd)..((layout.q_start + layout.q_len) * hd),
@@ -282,7 +286,7 @@ fn a_fused_projection_has_one_adapter_over_its_parts() {
             let up = Linear::new(m.w.row_block(inter..2 * inter).tensor(), None).unwrap();
             let mut layer = MergedColumnParallel::from_full(&[&gate, &up], &g).unwrap();
             let names = Projections::<2>::Fused("gate_up_proj");
-            attaching(spec.clone(), || layer.params("mlp", names, &mut |_| {}).unwrap());
+            assert_eq!(attaching(spec.clone(), || layer.params("mlp", names, &mut |_| {}).unwrap()).1, 1);
             let sh = layer.shards().to_vec();
             let (gr, ur) = (sh[0].start()..sh[0].end(), (inter + sh[1].start())..(inter + sh[1].end()));
             let want = Tensor::cat(&[y.cols(gr.clone()).tensor(), y.cols(ur.clone()).tensor()], 1).unwrap();
@@ -320,10 +324,10 @@ fn adapters_that_do_not_fit_the_base_are_refused_by_name() {
         let mut c = ColumnParallel::from_full(&Linear::new(m.w.tensor(), None).unwrap(), &g).unwrap();
         let mut full = BTreeMap::new();
         full.insert("c.lora_A.weight".to_string(), m.a.tensor());
-        let err = attaching(spec(2, 4.0, false, &["c"], full.clone()), || c.params("c", &mut |_| {})).unwrap_err();
+        let err = attaching(spec(2, 4.0, false, &["c"], full.clone()), || c.params("c", &mut |_| {})).0.unwrap_err();
         assert!(err.to_string().contains("c.lora_B.weight"), "{err}");
         full.insert("c.lora_B.weight".to_string(), m.b.tensor());
-        let err = attaching(spec(3, 4.0, false, &["c"], full), || c.params("c", &mut |_| {})).unwrap_err();
+        let err = attaching(spec(3, 4.0, false, &["c"], full), || c.params("c", &mut |_| {})).0.unwrap_err();
         assert!(err.to_string().contains("c.lora_A.weight"), "{err}");
         assert!(c.local().lora().is_none());
     });
@@ -343,7 +347,7 @@ fn fresh_adapters_start_at_the_base() {
     });
     let a_by_rank = on_ranks(3, Device::Cpu, |g| {
         let mut c = ColumnParallel::from_full(&Linear::new(m.w.tensor(), None).unwrap(), &g).unwrap();
-        attaching(spec.clone(), || c.params("model.layers.0.self_attn.q_proj", &mut |_| {}).unwrap());
+        attaching(spec.clone(), || c.params("model.layers.0.self_attn.q_proj", &mut |_| {}).unwrap()).0;
         let s = *c.shard();
         close(
             "fresh forward",
@@ -363,4 +367,92 @@ fn fresh_adapters_start_at_the_base() {
     });
     assert!(a_by_rank.windows(2).all(|w| w[0] == w[1]));
     let _ = DType::F32;
+}
+
+/// Two adapters served in slots 1 and 2 with the base: each row of a mixed batch gets its own
+/// adapter's result (against float64), and under batch invariance exactly the bits it gets in a
+/// batch of its adapter alone, at every world size.
+#[test]
+fn a_mixed_batch_gives_each_row_its_own_adapter() {
+    use tp_layers::lora::{attaching_as, detaching, with_token_adapters};
+    let (t, h, out, r) = (9, 11, 14, 3);
+    let mut rng = SplitMix64::new(21);
+    let (col, row) = (Module::new(out, h, r, &mut rng), Module::new(h, out, r, &mut rng));
+    let (col2, row2) = (Module::new(out, h, r, &mut rng), Module::new(h, out, r, &mut rng));
+    let x = M::rand(t, h, &mut rng);
+    let spec_of = |c: &Module, rw: &Module| {
+        let mut full = BTreeMap::new();
+        full.insert("c.lora_A.weight".to_string(), c.a.tensor());
+        full.insert("c.lora_B.weight".to_string(), c.b.tensor());
+        full.insert("r.lora_A.weight".to_string(), rw.a.tensor());
+        full.insert("r.lora_B.weight".to_string(), rw.b.tensor());
+        spec(r, 6.0, false, &["c", "r"], full)
+    };
+    let s = 6.0 / r as f64;
+    let ids: Arc<[u32]> = Arc::from(vec![1, 0, 2, 2, 1, 0, 0, 2, 1]);
+    // Float64: each row through its adapter (column then row layer).
+    let pick = |k: u32| -> (M, M) {
+        let (c, rw) = match k {
+            1 => (&col, &row),
+            2 => (&col2, &row2),
+            _ => (&col, &row),
+        };
+        let y = Module { w: col.w.clone(), a: c.a.clone(), b: c.b.clone() }.forward(&x, s, k > 0);
+        let z = Module { w: row.w.clone(), a: rw.a.clone(), b: rw.b.clone() }.forward(&y, s, k > 0);
+        (y, z)
+    };
+    let want: Vec<(M, M)> = (0..3).map(pick).collect();
+    for world in [1, 2, 3, 5] {
+        on_ranks(world, Device::Cpu, |g| {
+            tp_core::cpu::set_batch_invariant(true);
+            let mut c = ColumnParallel::from_full(&Linear::new(col.w.tensor(), None).unwrap(), &g).unwrap();
+            let mut rp = RowParallel::from_full(&row.w.tensor(), None, &g).unwrap();
+            for (k, sp) in [(1, spec_of(&col, &row)), (2, spec_of(&col2, &row2))] {
+                let ((), n) = attaching_as(k, sp, || {
+                    c.params("c", &mut |_| {}).unwrap();
+                    rp.params("r", &mut |_| {}).unwrap();
+                });
+                assert_eq!(n, 2);
+            }
+            let cs = *c.shard();
+            let run = |c: &ColumnParallel, rp: &RowParallel, ids: Arc<[u32]>| {
+                with_token_adapters(ids, || {
+                    let y = c.forward(&x.tensor()).unwrap();
+                    let yf = g.all_gather_balanced(&y, 1, out).unwrap();
+                    (y, rp.forward_split(&yf).unwrap())
+                })
+            };
+            let (y, z) = run(&c, &rp, ids.clone());
+            let (yv, zv) = (y.to_f64_vec().unwrap(), z.to_f64_vec().unwrap());
+            for (i, &k) in ids.iter().enumerate() {
+                let (wy, wz) = &want[k as usize];
+                let wy = wy.cols(cs.start()..cs.end()).row_block(i..i + 1);
+                close(&format!("row {i} (adapter {k}) column at {world}"), &y.narrow(0, i, 1).unwrap(), &wy, 1e-5);
+                close(
+                    &format!("row {i} (adapter {k}) row layer at {world}"),
+                    &z.narrow(0, i, 1).unwrap(),
+                    &wz.row_block(i..i + 1),
+                    1e-5,
+                );
+            }
+            // A batch of one adapter alone gives its rows the same bits.
+            for k in 0..3u32 {
+                let (ya, za) = run(&c, &rp, Arc::from(vec![k; t]));
+                let (ya, za) = (ya.to_f64_vec().unwrap(), za.to_f64_vec().unwrap());
+                for i in (0..t).filter(|&i| ids[i] == k) {
+                    assert_eq!(ya[i * cs.len()..(i + 1) * cs.len()], yv[i * cs.len()..(i + 1) * cs.len()], "row {i}");
+                    assert_eq!(za[i * h..(i + 1) * h], zv[i * h..(i + 1) * h], "row {i}");
+                }
+            }
+            // Detached, slot 2 adds nothing: its rows are the base's.
+            detaching(2, || {
+                c.params("c", &mut |_| {}).unwrap();
+                rp.params("r", &mut |_| {}).unwrap();
+            });
+            let (y2, _) = run(&c, &rp, Arc::from(vec![2; t]));
+            let (y0, _) = run(&c, &rp, Arc::from(vec![0; t]));
+            assert_eq!(y2.to_f64_vec().unwrap(), y0.to_f64_vec().unwrap());
+            assert_eq!(c.local().lora().unwrap().slots(), vec![1]);
+        });
+    }
 }

@@ -515,8 +515,8 @@ impl ParallelCausalLm {
     pub fn add_lora(&mut self, spec: tp_layers::lora::LoraSpec) -> Result<usize> {
         let settings = spec.settings;
         let spec = std::sync::Arc::new(spec);
-        let params = tp_layers::lora::attaching(spec, || self.layer_params())?;
-        let pairs = params.iter().filter(|p| p.grad.is_adapter()).count() / 2;
+        let (params, pairs) = tp_layers::lora::attaching(spec, || self.layer_params().map(|p| p.len()));
+        params?;
         self.lora = Some(settings);
         Ok(pairs)
     }
