@@ -347,7 +347,8 @@ fn fresh_adapters_start_at_the_base() {
     });
     let a_by_rank = on_ranks(3, Device::Cpu, |g| {
         let mut c = ColumnParallel::from_full(&Linear::new(m.w.tensor(), None).unwrap(), &g).unwrap();
-        attaching(spec.clone(), || c.params("model.layers.0.self_attn.q_proj", &mut |_| {}).unwrap()).0;
+        let ((), n) = attaching(spec.clone(), || c.params("model.layers.0.self_attn.q_proj", &mut |_| {}).unwrap());
+        assert_eq!(n, 1);
         let s = *c.shard();
         close(
             "fresh forward",
