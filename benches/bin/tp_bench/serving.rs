@@ -102,6 +102,7 @@ pub(crate) fn run_phased(
                 max_tokens,
                 stop_token_ids: vec![],
                 ignore_eos: true,
+                adapter: 0,
             };
             timed.push(Timed { submitted: Instant::now(), tokens: Vec::new() });
             h.submit(r, Box::new(Stamp(tx.clone(), next))).map_err(|e| anyhow::anyhow!("submit: {e}"))?;

@@ -186,6 +186,9 @@ pub struct ServeArgs {
     /// "prompt_lookup_max": N, "prompt_lookup_min": M}` (vLLM's).
     #[arg(long, value_name = "JSON")]
     pub speculative_config: Option<String>,
+    /// LoRA adapters served beside the model.
+    #[command(flatten)]
+    pub lora: crate::lora_serve::LoraServeArgs,
 }
 
 /// What the engine is started with (read by `engine::start_engine` alone).
@@ -229,6 +232,8 @@ pub struct EngineArgs {
     pub prepack_weights: bool,
     /// `--speculative-config`.
     pub speculative: Option<tp_engine::spec::NgramConfig>,
+    /// The LoRA adapters to serve.
+    pub lora: crate::lora_serve::LoraServing,
 }
 
 /// What the HTTP server is started with.
@@ -254,6 +259,8 @@ pub struct ServerArgs {
     pub tool_call_parser: Option<crate::tools::ToolParser>,
     /// `--reasoning-parser`.
     pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
+    /// The LoRA adapters served (names and slots).
+    pub lora: crate::lora_serve::LoraServing,
 }
 
 /// Parses `tp`'s arguments; vLLM's single-dash `-tp N` / `-tp=N` is read as
@@ -353,7 +360,9 @@ impl ServeArgs {
                 ))
             })?),
         };
+        let lora = self.lora.check()?;
         let engine = EngineArgs {
+            lora: lora.clone(),
             model_dir: self.model_dir.clone(),
             tensor_parallel_size: self.tensor_parallel_size,
             pipeline_parallel_size: self.pipeline_parallel_size,
@@ -390,6 +399,7 @@ impl ServeArgs {
             chat_template: self.chat_template,
             tool_call_parser,
             reasoning_parser,
+            lora,
         };
         Ok((engine, server))
     }

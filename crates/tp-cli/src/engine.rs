@@ -52,6 +52,13 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     o.expert_parallel = args.expert_parallel;
     o.prepack_weights = args.prepack_weights;
     o.speculative = args.speculative;
+    o.max_loras = args.lora.max_loras.max(1);
+    if !args.lora.modules.is_empty() {
+        let config = tp_models::ModelSource::open(&args.model_dir)
+            .and_then(|s| s.config())
+            .map_err(|e| CliError::Model(e.to_string()))?;
+        o.lora_adapters = args.lora.load(config.num_hidden_layers)?;
+    }
     o.timeout = tp_comm::LaunchEnv::timeout_from_lookup(|k| std::env::var(k).ok())
         .map_err(|e| CliError::Engine(e.to_string()))?;
     // For tests that need requests to stay open: a pause after each engine step.

@@ -106,6 +106,8 @@ pub struct ChoiceSpec {
     pub constraint: Option<Box<dyn TokenConstraint>>,
     /// Keep special tokens in the text (an output parser reads them).
     pub keep_special: bool,
+    /// The LoRA adapter's slot the request's `model` named (0: the base).
+    pub adapter: u32,
 }
 
 impl Choice {
@@ -124,6 +126,7 @@ impl Choice {
             max_tokens: spec.max_tokens,
             stop_token_ids: spec.stop_token_ids,
             ignore_eos: spec.ignore_eos,
+            adapter: spec.adapter,
         };
         let id = state.engine.submit_constrained(request, spec.constraint, Box::new(ChannelSink(tx)))?;
         state.track(id);

@@ -47,6 +47,7 @@ fn run() -> Result<(), String> {
                 max_tokens: tokens,
                 stop_token_ids: vec![],
                 ignore_eos: true,
+                adapter: 0,
             };
             h.submit(r, Box::new(Stamp(tx))).map(|_| rx).map_err(|e| e.to_string())
         })

@@ -83,6 +83,7 @@ fn run() -> Result<(), String> {
                 max_tokens: len,
                 stop_token_ids: vec![],
                 ignore_eos: true,
+                adapter: 0,
             })
             .collect();
         let base = tokens_at(&dir, 1, &reqs)?;

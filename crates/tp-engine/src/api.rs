@@ -28,6 +28,9 @@ pub struct Request {
     pub stop_token_ids: Vec<i64>,
     /// Keep going past the model's end-of-sequence ids.
     pub ignore_eos: bool,
+    /// The LoRA adapter's slot ([`EngineOptions::lora_adapters`](crate::EngineOptions::lora_adapters));
+    /// 0: the base model.
+    pub adapter: u32,
 }
 
 /// The chosen token's logprob and the most likely alternatives, from the raw logits.

@@ -12,7 +12,7 @@ mod pool;
 mod prefix;
 
 pub use pool::BlockPool;
-pub use prefix::{BlockRef, ChainLink};
+pub use prefix::{BlockRef, ChainLink, adapter_root};
 
 /// A block's index in the cache, `0..num_blocks`.
 pub type BlockId = u32;

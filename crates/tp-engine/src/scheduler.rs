@@ -35,6 +35,8 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     /// Most requests waiting before [`SubmitError::QueueFull`].
     pub max_waiting: usize,
+    /// Most distinct LoRA adapters among the running sequences (vLLM's `--max-loras`).
+    pub max_loras: usize,
 }
 
 /// One step's work.
@@ -143,6 +145,23 @@ impl Scheduler {
     /// `max_tokens` or an id already queued or running.
     pub fn add(&mut self, id: RequestId, prompt: Vec<i64>, max_tokens: usize) -> Result<(), SubmitError> {
         self.add_with(id, prompt, max_tokens, true)
+    }
+
+    /// [`add_with`](Self::add_with) of a request through LoRA adapter `adapter` (0: the base):
+    /// its cached blocks are shared only with requests of the same adapter.
+    pub fn add_adapted(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<i64>,
+        max_tokens: usize,
+        reuse_prefix: bool,
+        adapter: u32,
+    ) -> Result<(), SubmitError> {
+        self.add_with(id, prompt, max_tokens, reuse_prefix)?;
+        if let Some(seq) = self.waiting.back_mut() {
+            seq.adapter = adapter;
+        }
+        Ok(())
     }
 
     /// [`add`](Self::add); `reuse_prefix: false` computes every prompt position even where the

@@ -73,7 +73,7 @@ fn collect(rx: mpsc::Receiver<Event>) -> Outcome {
 }
 
 fn request(prompt: Vec<i64>, max_tokens: usize, params: SamplingParams) -> Request {
-    Request { prompt, params, max_tokens, stop_token_ids: Vec::new(), ignore_eos: true }
+    Request { prompt, params, max_tokens, stop_token_ids: Vec::new(), ignore_eos: true, adapter: 0 }
 }
 
 /// Submits every request at once and waits for all of them.

@@ -108,6 +108,7 @@ fn longrope_switches_and_recomputes_as_transformers() {
                     max_tokens: n,
                     stop_token_ids: Vec::new(),
                     ignore_eos: true,
+                    adapter: 0,
                 })
                 .collect();
             for (i, events) in run_all(&engine, &requests).iter().enumerate() {

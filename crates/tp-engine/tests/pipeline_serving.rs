@@ -95,6 +95,7 @@ fn requests() -> Vec<Request> {
                 max_tokens: 4 + i as usize,
                 stop_token_ids: Vec::new(),
                 ignore_eos: true,
+                adapter: 0,
             }
         })
         .collect()

@@ -103,6 +103,7 @@ fn prompt_logprobs_match_float64_at_every_layout() {
             max_tokens,
             stop_token_ids: Vec::new(),
             ignore_eos: true,
+            adapter: 0,
         };
         let mut reqs: Vec<Request> =
             prompts.iter().enumerate().map(|(i, p)| Request { prompt: p.clone(), ..scored([0, 3, 2, 0][i]) }).collect();
@@ -147,6 +148,7 @@ fn max_tokens_zero_needs_prompt_logprobs() {
         max_tokens: 0,
         stop_token_ids: Vec::new(),
         ignore_eos: false,
+        adapter: 0,
     };
     let e = h.submit(r, Box::new(tx)).unwrap_err();
     assert!(e.to_string().contains("max_tokens"), "{e}");
@@ -157,6 +159,7 @@ fn max_tokens_zero_needs_prompt_logprobs() {
         max_tokens: 1,
         stop_token_ids: Vec::new(),
         ignore_eos: false,
+        adapter: 0,
     };
     assert!(h.submit(bad, Box::new(tx)).unwrap_err().to_string().contains("prompt logprobs"));
 }

@@ -49,6 +49,7 @@ fn speculation_changes_no_token_at_any_layout() {
         max_tokens: 40,
         stop_token_ids: Vec::new(),
         ignore_eos: true,
+        adapter: 0,
     };
     let seeded =
         SamplingParams { temperature: 0.8, top_k: Some(20), seed: Some(7), logprobs: Some(2), ..Default::default() };

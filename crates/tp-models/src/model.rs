@@ -8,6 +8,7 @@
 //! for the greedy choice alone, a gather of each rank's `(max, index)` pair. Every rank computes
 //! the same tokens.
 
+mod adapters;
 mod batch;
 mod load_balancing;
 mod stage;

@@ -90,7 +90,7 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
     let fmt = Chat {
         id: st.response_id("chatcmpl"),
         created: super::now(),
-        model: st.model_name.clone(),
+        model: st.response_model(g.model.as_deref()),
         include_usage: g.include_usage,
         count,
         prompt_tokens,

@@ -70,7 +70,7 @@ async fn run(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Respon
     let mut fmt = Completions {
         id,
         created: super::now(),
-        model: st.model_name.clone(),
+        model: st.response_model(g.model.as_deref()),
         include_usage: g.include_usage,
         prompt_tokens,
         completion_tokens: 0,
@@ -143,6 +143,7 @@ pub fn start_choices(
         Some(c) => Some(tokio::task::block_in_place(|| st.grammars.compile(c, reasoning))?),
         None => None,
     };
+    let adapter = st.check_model(g.model.as_deref())?;
     let mut choices = Vec::with_capacity(prompts.len() * g.n);
     for (p, prompt) in prompts.iter().enumerate() {
         for i in 0..g.n {
@@ -157,6 +158,7 @@ pub fn start_choices(
                 stop_token_ids: g.stop_token_ids.clone(),
                 ignore_eos: g.ignore_eos,
                 keep_special,
+                adapter,
                 constraint: matcher.as_ref().map(|m| {
                     Box::new(GrammarConstraint::new(m.deep_clone(), st.metrics.clone())) as Box<dyn TokenConstraint>
                 }),

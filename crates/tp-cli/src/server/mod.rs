@@ -47,6 +47,8 @@ pub struct AppState {
     pub reasoning: Option<ReasoningParser>,
     /// The model's name in the API.
     pub model_name: String,
+    /// The LoRA adapters served beside it (`--lora-modules`).
+    pub lora: crate::lora_serve::LoraServing,
     api_key: Option<String>,
     max_body: usize,
     /// Engine requests not finished yet (aborted when the shutdown deadline passes).
@@ -86,6 +88,7 @@ impl AppState {
             // analysis channel, the answer on the final one.
             reasoning,
             model_name: args.served_model_name.clone(),
+            lora: args.lora.clone(),
             api_key: args.api_key.clone(),
             max_body: args.max_request_bytes,
             inflight: Mutex::new(HashSet::new()),
@@ -134,11 +137,21 @@ impl AppState {
         if same { Ok(()) } else { Err(ApiError::unauthorized()) }
     }
 
-    /// 404 unless `model` is absent or the served name.
-    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    /// The engine's adapter slot for a request's `model`: 0 for the served name (or none
+    /// given), a LoRA adapter's slot for its name; 404 (OpenAI's `model_not_found`) otherwise.
+    pub fn check_model(&self, model: Option<&str>) -> Result<u32, ApiError> {
         match model {
-            Some(m) if m != self.model_name => Err(ApiError::unknown_model(m)),
-            _ => Ok(()),
+            None => Ok(0),
+            Some(m) if m == self.model_name => Ok(0),
+            Some(m) => self.lora.find(m).map(|a| a.slot).ok_or_else(|| ApiError::unknown_model(m)),
+        }
+    }
+
+    /// The name a response gives as its `model`: the adapter's or the base's, as asked.
+    pub fn response_model(&self, model: Option<&str>) -> String {
+        match model {
+            Some(m) if self.lora.find(m).is_some() => m.to_string(),
+            _ => self.model_name.clone(),
         }
     }
 
@@ -198,16 +211,25 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-/// The one served model.
+/// The served model and each LoRA adapter (with its `parent`, as vLLM lists them).
 async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if let Err(e) = st.authorize(&headers) {
         return e.into_response();
     }
-    let body = json!({"object": "list", "data": [{
+    let max_model_len = st.engine.limits().max_model_len;
+    let mut data = vec![json!({
         "id": st.model_name, "object": "model", "created": st.created, "owned_by": "tp", "root": st.model_name,
-        "max_model_len": st.engine.limits().max_model_len,
-    }]});
-    json_response(StatusCode::OK, &body)
+        "parent": null, "max_model_len": max_model_len,
+    })];
+    for a in &st.lora.modules {
+        data.push(json!({
+            "id": a.name, "object": "model", "created": st.created, "owned_by": "tp",
+            "root": a.path.display().to_string(),
+            "parent": a.base_model_name.clone().unwrap_or_else(|| st.model_name.clone()),
+            "max_model_len": max_model_len,
+        }));
+    }
+    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
 /// Usage JSON.

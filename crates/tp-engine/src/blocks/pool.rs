@@ -186,12 +186,18 @@ impl BlockPool {
     /// `max_blocks` of them. Compares every block's tokens and parent, so a hash collision never
     /// matches. Changes nothing; [`acquire`](Self::acquire) each block to hold it.
     pub fn lookup(&self, tokens: &[i64], max_blocks: usize) -> Vec<ChainLink> {
+        self.lookup_from(None, tokens, max_blocks)
+    }
+
+    /// [`lookup`](Self::lookup) of a chain whose first block follows `root` (a LoRA adapter's,
+    /// [`adapter_root`](super::prefix::adapter_root); `None` for the base model's).
+    pub fn lookup_from(&self, root: Option<ChainLink>, tokens: &[i64], max_blocks: usize) -> Vec<ChainLink> {
         let mut chain: Vec<ChainLink> = Vec::new();
         if !self.caching {
             return chain;
         }
         for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            let parent = chain.last();
+            let parent = chain.last().or(root.as_ref());
             let key = block_key(parent, chunk);
             let hit = self.index.get(&key).and_then(|ids| {
                 ids.iter()

@@ -33,6 +33,18 @@ pub fn block_key(parent: Option<&ChainLink>, tokens: &[i64]) -> u64 {
     h.finish()
 }
 
+/// The chain a sequence of LoRA adapter `adapter` starts from (`None` for the base model): a
+/// root no real block has (block id `BlockId::MAX`, the adapter as its generation), so that
+/// blocks computed with different adapters, whose keys and values differ, are never shared.
+/// Adapter slots are never reused by another adapter, so a stale block cannot match.
+pub fn adapter_root(adapter: u32) -> Option<ChainLink> {
+    (adapter != 0).then(|| {
+        let mut h = DefaultHasher::new();
+        ("lora adapter", adapter).hash(&mut h);
+        ChainLink { key: h.finish(), block: BlockRef { id: BlockId::MAX, generation: u64::from(adapter) } }
+    })
+}
+
 /// What the cache stores with a full block, compared on every hit (a hash collision never
 /// shares a block whose tokens or prefix differ).
 #[derive(Debug, Clone)]
@@ -75,5 +87,15 @@ mod tests {
         assert!(!c.matches(None, &[5, 6]));
         let reused = ChainLink { key: 7, block: BlockRef { id: 3, generation: 3 } };
         assert!(!c.matches(Some(&reused), &[5, 6]));
+    }
+
+    #[test]
+    fn each_adapter_roots_its_own_chains() {
+        assert_eq!(adapter_root(0), None);
+        let (a, b) = (adapter_root(1).unwrap(), adapter_root(2).unwrap());
+        assert_ne!(a.key, b.key);
+        assert_ne!(block_key(Some(&a), &[1, 2]), block_key(None, &[1, 2]));
+        let c = CachedBlock { key: 1, parent: Some(a.block), tokens: vec![1, 2].into() };
+        assert!(c.matches(Some(&a), &[1, 2]) && !c.matches(Some(&b), &[1, 2]) && !c.matches(None, &[1, 2]));
     }
 }

@@ -272,7 +272,8 @@ impl Leader {
                 // A prompt scored (`prompt_logprobs`) is computed whole; `max_tokens: 0` still
                 // samples once (then the request ends without sending the token).
                 let reuse = request.params.prompt_logprobs.is_none();
-                if let Err(e) = self.scheduler.add_with(id, request.prompt.clone(), request.max_tokens.max(1), reuse) {
+                let (prompt, max_tokens) = (request.prompt.clone(), request.max_tokens.max(1));
+                if let Err(e) = self.scheduler.add_adapted(id, prompt, max_tokens, reuse, request.adapter) {
                     sink.send(Event::Failed(e.to_string()));
                     return;
                 }
@@ -291,6 +292,7 @@ impl Leader {
                     params: request.params.clone(),
                     prompt: request.prompt.clone(),
                     min_stop,
+                    adapter: request.adapter,
                 });
                 let prompt_logprobs = request.params.prompt_logprobs.map(|_| vec![None; request.prompt.len()]);
                 let live = Live {

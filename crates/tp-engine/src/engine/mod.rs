@@ -115,6 +115,11 @@ pub struct EngineOptions {
     pub step_delay: Duration,
     /// N-gram speculative decoding (`--speculative-config`), off by default.
     pub speculative: Option<crate::spec::NgramConfig>,
+    /// LoRA adapters served beside the base model (`--lora-modules`), each in its slot
+    /// (`> 0`; a request's [`Request::adapter`](crate::api::Request::adapter) names it).
+    pub lora_adapters: Vec<(u32, std::sync::Arc<tp_models::adapter::LoraAdapter>)>,
+    /// Most distinct adapters among the running requests (`--max-loras`); others wait.
+    pub max_loras: usize,
 }
 
 impl EngineOptions {
@@ -144,6 +149,8 @@ impl EngineOptions {
             fault: None,
             step_delay: Duration::ZERO,
             speculative: None,
+            lora_adapters: Vec::new(),
+            max_loras: 1,
         }
     }
 }
@@ -412,6 +419,11 @@ fn rank_main(
     {
         return fail(e.into(), group);
     }
+    for (id, adapter) in &opts.lora_adapters {
+        if let Err(e) = model.add_adapter(*id, adapter.spec()) {
+            return fail(EngineError::Config(format!("LoRA adapter {id}: {e}")), group);
+        }
+    }
     let num_blocks = match agree_on_blocks(&model, groups.world(), opts, max_model_len) {
         Ok(b) => b,
         Err(e) => return fail(e, group),
@@ -449,6 +461,7 @@ fn rank_main(
         // them, so cached prefixes are not shared.
         enable_prefix_caching: opts.enable_prefix_caching && longrope_switch(config).is_none(),
         max_waiting: opts.max_waiting,
+        max_loras: opts.max_loras.max(1),
     };
     let mut scheduler = match Scheduler::new(sched) {
         Ok(s) => s,

@@ -50,6 +50,8 @@ pub(crate) struct NewSeq {
     /// Ids the request may not draw before `params.min_tokens` tokens (its end-of-sequence and
     /// stop ids; empty without `min_tokens`).
     pub min_stop: Vec<i64>,
+    /// Its LoRA adapter's slot (0: the base model).
+    pub adapter: u32,
 }
 
 /// One step's message.
@@ -82,6 +84,7 @@ impl StepMsg {
             w.extend_from_slice(&n.prompt);
             w.push(n.min_stop.len() as i64);
             w.extend_from_slice(&n.min_stop);
+            w.push(i64::from(n.adapter));
         }
         w.push(self.drop.len() as i64);
         w.extend(self.drop.iter().map(|&d| d as i64));
@@ -114,7 +117,9 @@ impl StepMsg {
             let prompt = r.take(n)?.to_vec();
             let n = r.count()?;
             let min_stop = r.take(n)?.to_vec();
-            msg.new.push(NewSeq { id, seed, params, prompt, min_stop });
+            let adapter = r.word()?;
+            let adapter = u32::try_from(adapter).map_err(|_| format!("adapter slot {adapter} out of range"))?;
+            msg.new.push(NewSeq { id, seed, params, prompt, min_stop, adapter });
         }
         for _ in 0..r.count()? {
             msg.drop.push(r.word()? as u64);
@@ -263,7 +268,14 @@ mod tests {
         };
         let msg = StepMsg {
             kind: StepKind::Run,
-            new: vec![NewSeq { id: 7, seed: u64::MAX, params, prompt: vec![1, 2, 3], min_stop: vec![2, 0] }],
+            new: vec![NewSeq {
+                id: 7,
+                seed: u64::MAX,
+                params,
+                prompt: vec![1, 2, 3],
+                min_stop: vec![2, 0],
+                adapter: 3,
+            }],
             drop: vec![3, 4],
             seqs: vec![ScheduledSeq {
                 id: 7,

@@ -28,6 +28,8 @@ pub(crate) struct SeqState {
     pub output: Vec<i64>,
     /// Ids banned until `params.min_tokens` tokens are out.
     pub min_stop: Vec<i64>,
+    /// Its LoRA adapter's slot (0: the base model).
+    pub adapter: u32,
 }
 
 /// Where a step's structured-output masks come from: rank 0 computes them (the closure runs
@@ -136,6 +138,7 @@ impl RankWorker {
                 prompt: n.prompt.clone(),
                 output: Vec::new(),
                 min_stop: n.min_stop.clone(),
+                adapter: n.adapter,
             };
             self.seqs.insert(n.id, state);
         }
@@ -153,6 +156,7 @@ impl RankWorker {
             }
         }
         let mut ids = Vec::new();
+        let mut adapters: Vec<u32> = Vec::new();
         let mut batch_seqs = Vec::with_capacity(msg.seqs.len());
         let mut rows = Rows::default();
         for s in &msg.seqs {
@@ -161,6 +165,7 @@ impl RankWorker {
             };
             let base = ids.len();
             ids.extend_from_slice(&s.tokens);
+            adapters.extend(std::iter::repeat_n(state.adapter, s.tokens.len()));
             batch_seqs.push(BatchSeq { tokens: s.tokens.len(), context: s.context, blocks: s.blocks.clone() });
             // Prompt logprobs: the row of position p scores prompt token p + 1.
             if state.params.prompt_logprobs.is_some() {
@@ -191,7 +196,14 @@ impl RankWorker {
             msg.seqs.iter().map(|s| self.seqs.get(&s.id).map_or(0, |st| st.prompt.len() + st.output.len())).collect();
         let batch = TokenBatch::new(batch_seqs, self.block_size)?.with_rope_lens(&rope_lens);
         let started = std::time::Instant::now();
-        let out = self.forward_and_sample(&ids, &batch, &rows, msg, masks);
+        // Each token through its request's LoRA adapter, when any request has one.
+        let out = if adapters.iter().any(|&a| a != 0) {
+            tp_layers::lora::with_token_adapters(adapters.into(), || {
+                self.forward_and_sample(&ids, &batch, &rows, msg, masks)
+            })
+        } else {
+            self.forward_and_sample(&ids, &batch, &rows, msg, masks)
+        };
         self.busy_secs += started.elapsed().as_secs_f64();
         let result = match &self.pipeline {
             None => out?,

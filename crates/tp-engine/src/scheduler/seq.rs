@@ -26,6 +26,8 @@ pub(super) struct Seq {
     pub reuse_prefix: bool,
     /// How many tokens the sequence knew when its cache was last computed (LongRoPE regimes).
     pub computed_at_len: usize,
+    /// Its LoRA adapter's slot (0: the base model).
+    pub adapter: u32,
 }
 
 impl Seq {
@@ -42,6 +44,7 @@ impl Seq {
             cached_pending: 0,
             reuse_prefix: true,
             computed_at_len: 0,
+            adapter: 0,
         }
     }
 
@@ -78,7 +81,9 @@ impl Seq {
         while (self.full + 1) * bs <= self.computed && self.full < self.blocks.len() {
             let tokens = &self.tokens[self.full * bs..(self.full + 1) * bs];
             self.link = if self.full == 0 || self.link.is_some() {
-                pool.register_full(self.blocks[self.full], self.link.as_ref(), tokens)
+                // The first block follows its adapter's root (none for the base model).
+                let parent = if self.full == 0 { crate::blocks::adapter_root(self.adapter) } else { self.link };
+                pool.register_full(self.blocks[self.full], parent.as_ref(), tokens)
             } else {
                 None
             };

@@ -215,6 +215,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 num_blocks: nb,
                 enable_prefix_caching: caching,
                 max_waiting: 1000,
+                max_loras: usize::MAX,
             },
             reqs: reqs
                 .into_iter()
@@ -259,6 +260,7 @@ fn fixed(
             num_blocks: nb,
             enable_prefix_caching: caching,
             max_waiting: 1000,
+            max_loras: usize::MAX,
         },
         reqs: prompts.iter().map(|p| ReqSpec { prompt: p.clone(), max_tokens, arrive: 0, abort_at: None }).collect(),
     }

@@ -78,19 +78,27 @@ impl Scheduler {
     /// Admits waiting requests in order while the sequence cap, the budget and the free blocks
     /// allow, each reusing its longest chain of cached full blocks (all but its last token at
     /// most: that one is always computed, for its logits).
+    ///
+    /// With `max_loras`, a request whose LoRA adapter would make one adapter too many among
+    /// the running ones waits, and the first one after it that fits goes ahead.
     fn admit_waiting(&mut self, plan: &mut StepPlan, budget: &mut usize) {
         let bs = self.cfg.block_size;
         while self.running.len() < self.cfg.max_num_seqs && *budget > 0 {
-            let Some(seq) = self.waiting.front() else { return };
+            let mut adapters: Vec<u32> = self.running.iter().map(|s| s.adapter).filter(|&a| a != 0).collect();
+            adapters.sort_unstable();
+            adapters.dedup();
+            let fits = |a: u32| a == 0 || adapters.contains(&a) || adapters.len() < self.cfg.max_loras;
+            let Some(at) = self.waiting.iter().position(|s| fits(s.adapter)) else { return };
+            let seq = &self.waiting[at];
             let reusable = if seq.reuse_prefix { (seq.tokens.len() - 1) / bs } else { 0 };
-            let chain = self.pool.lookup(&seq.tokens, reusable);
+            let chain = self.pool.lookup_from(crate::blocks::adapter_root(seq.adapter), &seq.tokens, reusable);
             let hit = chain.len() * bs;
             let n = (seq.tokens.len() - hit).min(*budget);
             let need = (hit + n).div_ceil(bs) - chain.len();
             if need > self.pool.num_available() - self.pool.unreferenced_among(&chain) {
                 return;
             }
-            let Some(mut seq) = self.waiting.pop_front() else { return };
+            let Some(mut seq) = self.waiting.remove(at) else { return };
             for link in &chain {
                 self.pool.acquire(link.block.id);
             }

@@ -11,6 +11,7 @@ fn cfg(num_blocks: usize, block_size: usize, budget: usize, max_seqs: usize) -> 
         num_blocks,
         enable_prefix_caching: true,
         max_waiting: 8,
+        max_loras: usize::MAX,
     }
 }
 
@@ -223,4 +224,37 @@ fn a_missing_sample_feeds_the_last_token_again() {
     let p = s.schedule();
     assert_eq!(shape(&p), vec![(1, 4, 1, true)]);
     assert_eq!(p.seqs[0].tokens, vec![4]);
+}
+
+#[test]
+fn max_loras_holds_back_a_third_adapter_and_lets_later_requests_pass() {
+    let mut c = cfg(64, 4, 64, 8);
+    c.max_loras = 2;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_adapted(1, vec![1; 3], 2, true, 1).unwrap();
+    s.add_adapted(2, vec![2; 3], 2, true, 2).unwrap();
+    s.add_adapted(3, vec![3; 3], 2, true, 3).unwrap(); // a third adapter: waits
+    s.add_adapted(4, vec![4; 3], 2, true, 1).unwrap(); // adapter 1 again: goes ahead
+    s.add_adapted(5, vec![5; 3], 2, true, 0).unwrap(); // the base: goes ahead
+    let plan = s.schedule();
+    assert_eq!(plan.seqs.iter().map(|p| p.id).collect::<Vec<_>>(), vec![1, 2, 4, 5]);
+    complete(&mut s, &plan);
+    s.finish(2);
+    let plan = s.schedule();
+    assert!(plan.seqs.iter().any(|p| p.id == 3), "adapter 3 runs once adapter 2 is gone");
+}
+
+#[test]
+fn cached_blocks_are_shared_within_an_adapter_only() {
+    let mut s = sched(64, 4, 64, 8);
+    let prompt: Vec<i64> = (0..9).collect();
+    s.add_adapted(1, prompt.clone(), 2, true, 1).unwrap();
+    let plan = s.schedule();
+    complete(&mut s, &plan);
+    s.add_adapted(2, prompt.clone(), 2, true, 2).unwrap(); // another adapter: no hit
+    s.add_adapted(3, prompt.clone(), 2, true, 0).unwrap(); // the base: no hit
+    s.add_adapted(4, prompt, 2, true, 1).unwrap(); // the same adapter: two blocks hit
+    let plan = s.schedule();
+    let context = |id| plan.seqs.iter().find(|p| p.id == id).unwrap().context;
+    assert_eq!((context(2), context(3), context(4)), (0, 0, 8));
 }

@@ -504,40 +504,6 @@ impl ParallelCausalLm {
         self.all_params()
     }
 
-    /// Attaches LoRA adapters to the modules `spec` targets and freezes everything else:
-    /// from here the training calls add gradients to the adapters only, the base's backward
-    /// computes input gradients only, and [`params_mut`](Self::params_mut) lists the adapters.
-    /// Returns how many modules this rank adapted (the same on every rank of a stage; zero on
-    /// a stage with no targeted module).
-    ///
-    /// Errors: an adapter tensor missing or of the wrong shape (naming it), a target whose
-    /// weight is split in a way LoRA does not follow.
-    pub fn add_lora(&mut self, spec: tp_layers::lora::LoraSpec) -> Result<usize> {
-        let settings = spec.settings;
-        let spec = std::sync::Arc::new(spec);
-        let (params, pairs) = tp_layers::lora::attaching(spec, || self.layer_params().map(|p| p.len()));
-        params?;
-        self.lora = Some(settings);
-        Ok(pairs)
-    }
-
-    /// The adapters' settings when training LoRA adapters ([`add_lora`](Self::add_lora)).
-    pub fn lora(&self) -> Option<&tp_layers::lora::LoraSettings> {
-        self.lora.as_ref()
-    }
-
-    /// The blocks' parameters (what a frozen base lists: the blocks hold every adapted layer).
-    fn layer_params(&mut self) -> Result<Vec<Param<'_>>> {
-        let names = self.config.architecture.spec().names;
-        let sp = self.sequence_parallel;
-        let first = self.part.layers.start;
-        let mut out = Vec::new();
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            layer.params(&format!("model.layers.{}", first + i), &names, sp, &mut |p| out.push(p))?;
-        }
-        Ok(out)
-    }
-
     /// Every parameter of the base.
     fn all_params(&mut self) -> Result<Vec<Param<'_>>> {
         let names = self.config.architecture.spec().names;
