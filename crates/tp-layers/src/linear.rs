@@ -80,7 +80,10 @@ impl Linear {
     /// ([`Tensor::linear_quant_glu`]): bitwise `self.forward(x)?.glu(act)`; `None` elsewhere.
     pub fn forward_glu(&self, x: &Tensor, act: Activation) -> Result<Option<Tensor>> {
         match (&self.weight, &self.bias) {
-            (Weight::Quant(q), None) if self.lora.is_none() => Ok(x.linear_quant_glu(q, act)?),
+            // Not with adapters, nor while training them (the exact product of `forward`).
+            (Weight::Quant(q), None) if self.lora.is_none() && !crate::lora::base_frozen() => {
+                Ok(x.linear_quant_glu(q, act)?)
+            }
             _ => Ok(None),
         }
     }

@@ -101,11 +101,18 @@ impl Weight {
         }
     }
 
-    /// `x W^T (+ b)` for `x: [.., in]`.
+    /// `x W^T (+ b)` for `x: [.., in]`. Quantized blocks multiply `x` quantized to 8 bits per
+    /// block (the serving product), except while training adapters on them
+    /// ([`crate::lora::frozen_base`]): then the weight is dequantized for the product, as QLoRA
+    /// dequantizes its base, so that the gradients are those of the dequantized model.
     pub fn linear(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         Ok(match self {
             Weight::Dense { tensor, packed: Some(p) } => x.linear_packed(tensor, p, bias)?,
             Weight::Dense { tensor, packed: None } => x.linear(tensor, bias)?,
+            Weight::Quant(q) if crate::lora::base_frozen() => x
+                .to_dtype(DType::F32)?
+                .linear(&q.dequantize()?, bias.map(|b| b.to_dtype(DType::F32)).transpose()?.as_ref())?
+                .to_dtype(x.dtype())?,
             Weight::Quant(q) => x.linear_quant(q, bias)?,
         })
     }
@@ -120,8 +127,13 @@ impl Weight {
         }
     }
 
-    /// `x W^T` for `x: [.., in]`.
+    /// `x W^T` for `x: [.., in]` (quantized blocks as in [`linear`](Self::linear)).
     pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
+        if let Weight::Quant(_) = self
+            && crate::lora::base_frozen()
+        {
+            return self.linear(x, None);
+        }
         Ok(match self {
             Weight::Dense { tensor, packed: Some(p) } => x.linear_packed(tensor, p, None)?,
             Weight::Dense { tensor, packed: None } => x.matmul_t(tensor)?,
