@@ -203,3 +203,40 @@ fn adapters_train_over_pipeline_stages_and_replicas() {
     check("llama", "llama LoRA dp 2 x pp 2 x tp 2", train("llama", (2, 2, 2), false, Recompute::None));
     check("gemma3", "gemma3 LoRA pp 2 x tp 3", train("gemma3", (1, 2, 3), false, Recompute::None));
 }
+
+/// A PEFT adapter served by tp gives PEFT's logits: as the trained adapter (every row) and as
+/// a served slot chosen per token, at TP 1, 2 and 3.
+#[test]
+fn peft_adapters_give_peft_logits() {
+    for case in ["llama", "llama_tied_biases", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "olmo2", "qwen3_moe"] {
+        let dir = fixture(case);
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        let adapter = read_adapter(&dir.join("lora/adapter_init"), config.num_hidden_layers).unwrap();
+        let want = read_tensors(dir.join("lora/logits.safetensors"))["logits"].clone();
+        let rows: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("data.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let ids: Vec<i64> =
+            rows[0]["input_ids"].as_array().unwrap().iter().take(16).map(|v| v.as_i64().unwrap()).collect();
+        for world in [1, 2, 3] {
+            let got = tp_testing::ranks::on_ranks(world, Device::Cpu, |g| {
+                let mut lm = ParallelCausalLm::load(&dir, &g, &ModelOptions::new()).unwrap();
+                lm.add_adapter(3, adapter.spec()).unwrap();
+                let tokens: std::sync::Arc<[u32]> = vec![3; ids.len()].into();
+                let served = tp_layers::lora::with_token_adapters(tokens, || lm.prefill(&ids).unwrap());
+                lm.reset();
+                let base = lm.prefill(&ids).unwrap();
+                lm.reset();
+                lm.add_lora(adapter.spec()).unwrap();
+                let trained = lm.prefill(&ids).unwrap();
+                (served.to_f64_vec().unwrap(), trained.to_f64_vec().unwrap(), base.to_f64_vec().unwrap())
+            });
+            let (served, trained, base) = &got[0];
+            close(&format!("{case} TP {world} served adapter logits"), served, &want, 1e-5, 1e-6);
+            close(&format!("{case} TP {world} trained adapter logits"), trained, &want, 1e-5, 1e-6);
+            assert!(base.iter().zip(&want).any(|(a, b)| (a - b).abs() > 1e-3), "{case}: the adapter changes nothing");
+        }
+    }
+}
