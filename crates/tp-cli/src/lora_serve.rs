@@ -30,6 +30,10 @@ pub struct LoraServeArgs {
     /// Most adapters held in memory (default: --max-loras, at least the adapters given).
     #[arg(long)]
     pub max_cpu_loras: Option<usize>,
+    /// Serve `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (also on with vLLM's
+    /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
+    #[arg(long)]
+    pub allow_runtime_lora_updating: bool,
 }
 
 /// One served adapter, as the server names it.
@@ -54,6 +58,12 @@ pub struct LoraServing {
     pub max_loras: usize,
     /// `--max-lora-rank`.
     pub max_lora_rank: usize,
+    /// `--max-cpu-loras`: most adapters loaded at once.
+    pub max_cpu_loras: usize,
+    /// Whether adapters may be loaded and unloaded while serving.
+    pub runtime_updates: bool,
+    /// The base's decoder layers (what an adapter is checked against; set at start).
+    pub num_layers: usize,
 }
 
 fn bad(msg: impl Into<String>) -> CliError {
@@ -67,9 +77,11 @@ impl LoraServeArgs {
     /// nor the JSON form, a name given twice, `--max-loras` or `--max-lora-rank` of 0, more
     /// adapters than `--max-cpu-loras`, or `--max-cpu-loras` below `--max-loras`.
     pub fn check(&self) -> Result<LoraServing, CliError> {
+        let env =
+            std::env::var("VLLM_ALLOW_RUNTIME_LORA_UPDATING").is_ok_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
         if !self.enable_lora {
-            if !self.lora_modules.is_empty() {
-                return Err(bad("--lora-modules needs --enable-lora"));
+            if !self.lora_modules.is_empty() || self.allow_runtime_lora_updating {
+                return Err(bad("--lora-modules and --allow-runtime-lora-updating need --enable-lora"));
             }
             return Ok(LoraServing::default());
         }
@@ -92,7 +104,14 @@ impl LoraServeArgs {
             module.slot = u32::try_from(i + 1).map_err(|_| bad("--lora-modules: too many adapters"))?;
             modules.push(module);
         }
-        Ok(LoraServing { modules, max_loras: self.max_loras, max_lora_rank: self.max_lora_rank })
+        Ok(LoraServing {
+            modules,
+            max_loras: self.max_loras,
+            max_lora_rank: self.max_lora_rank,
+            max_cpu_loras: cpu,
+            runtime_updates: self.allow_runtime_lora_updating || env,
+            num_layers: 0,
+        })
     }
 }
 
@@ -126,21 +145,22 @@ impl LoraServing {
     pub fn load(&self, num_layers: usize) -> Result<Vec<(u32, Arc<LoraAdapter>)>, CliError> {
         self.modules
             .iter()
-            .map(|m| {
-                let a =
-                    read_adapter(&m.path, num_layers).map_err(|e| bad(format!("LoRA adapter {:?}: {e}", m.name)))?;
-                if a.settings.r > self.max_lora_rank {
-                    return Err(bad(format!(
-                        "LoRA adapter {:?} ({}): rank {} is over --max-lora-rank {}",
-                        m.name,
-                        m.path.display(),
-                        a.settings.r,
-                        self.max_lora_rank
-                    )));
-                }
-                Ok((m.slot, Arc::new(a)))
-            })
+            .map(|m| Ok((m.slot, Arc::new(self.read(&m.name, &m.path, num_layers).map_err(bad)?))))
             .collect()
+    }
+
+    /// The adapter `name` at `path`, read and checked against `--max-lora-rank`.
+    pub fn read(&self, name: &str, path: &std::path::Path, num_layers: usize) -> Result<LoraAdapter, String> {
+        let a = read_adapter(path, num_layers).map_err(|e| format!("LoRA adapter {name:?}: {e}"))?;
+        if a.settings.r > self.max_lora_rank {
+            return Err(format!(
+                "LoRA adapter {name:?} ({}): rank {} is over --max-lora-rank {}",
+                path.display(),
+                a.settings.r,
+                self.max_lora_rank
+            ));
+        }
+        Ok(a)
     }
 
     /// The adapter a request's `model` names, if any.

@@ -19,7 +19,7 @@ const ENGINE_STOP: Duration = Duration::from_secs(30);
 
 /// Runs the server for `args` until a signal; `Ok` after a clean shutdown.
 pub fn serve(args: ServeArgs) -> Result<(), CliError> {
-    let (engine_args, args) = args.split()?;
+    let (engine_args, mut args) = args.split()?;
     // A rank other than 0 of a `--backend nccl` job serves no HTTP: it runs its part of the
     // engine until rank 0 stops it.
     if let Some(r) = crate::engine::nccl_follower(&engine_args) {
@@ -28,6 +28,7 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
     // The model's files opened once: the tokenizer, the template and every rank read them.
     let source = tp_models::ModelSource::open(&args.model_dir).map_err(|e| CliError::Model(e.to_string()))?;
     let mut text = TextModel::from_source(&source)?;
+    args.lora.num_layers = source.config().map_err(|e| CliError::Model(e.to_string()))?.num_hidden_layers;
     if let Some(path) = &args.chat_template {
         text.replace_template(path)?;
     }

@@ -243,3 +243,80 @@ fn bad_adapters_stop_the_start_with_one_line() {
     assert!(err.contains("q_proj.lora_A.weight"), "{err}");
     assert!(run(&["--enable-lora", "--max-loras", "0"]).contains("--max-loras"));
 }
+
+/// vLLM's runtime endpoints: an adapter loaded while serving answers as one given at start, a
+/// bad one is refused with the others serving on, an unloaded one is gone (404), and loaded
+/// again it answers as before; without the flag the endpoints do not exist.
+#[test]
+fn adapters_load_and_unload_at_runtime() {
+    let root = adapter_root("runtime");
+    let adapters = adapters(&root);
+    let (name, path) = &adapters[0];
+    let module = format!("{name}={}", path.display());
+    let reference = Server::start_in(
+        &model_dir(),
+        &["--served-model-name", "base", "--enable-lora", "--lora-modules", &module],
+        &[],
+    );
+    let want: Vec<Vec<i64>> = requests(name).iter().map(|r| answer(&reference, r).1).collect();
+    drop(reference);
+
+    let server = Server::start_in(
+        &model_dir(),
+        &["--served-model-name", "base", "--enable-lora", "--allow-runtime-lora-updating", "--max-cpu-loras", "2"],
+        &[],
+    );
+    let load = |n: &str, p: &Path| {
+        let body = json!({"lora_name": n, "lora_path": p.display().to_string()}).to_string();
+        common::http(&server.addr, "POST", "/v1/load_lora_adapter", Some(body.as_bytes()), &[])
+    };
+    let unload = |n: &str| {
+        let body = json!({"lora_name": n}).to_string();
+        common::http(&server.addr, "POST", "/v1/unload_lora_adapter", Some(body.as_bytes()), &[])
+    };
+    let (status, text) = load(name, path);
+    assert_eq!((status, text.as_str()), (200, "Success: LoRA adapter 'all' added successfully."));
+    let got: Vec<Vec<i64>> = requests(name).iter().map(|r| answer(&server, r).1).collect();
+    assert_eq!(got, want, "loaded at runtime vs given at start");
+    assert_eq!(load(name, path).0, 400, "a name loaded twice");
+    // A bad adapter (ranks over the shapes): refused, and `all` serves on unchanged.
+    let wide = root.join("wide");
+    std::fs::create_dir_all(&wide).unwrap();
+    let bytes = vec![0u8; 4 * 2 * 64];
+    let a = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 64], &bytes).unwrap();
+    let b = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![64, 2], &bytes).unwrap();
+    safetensors::serialize_to_file(
+        vec![
+            ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight".to_string(), a),
+            ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight".to_string(), b),
+        ],
+        None,
+        &wide.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(
+        wide.join("adapter_config.json"),
+        json!({"r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}).to_string(),
+    )
+    .unwrap();
+    let (status, text) = load("wide", &wide);
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("q_proj.lora_A.weight"), "{text}");
+    let (status, _) = server.post("/v1/completions", &json!({"model": "wide", "prompt": [259, 72], "max_tokens": 2}));
+    assert_eq!(status, 404);
+    let again: Vec<Vec<i64>> = requests(name).iter().map(|r| answer(&server, r).1).collect();
+    assert_eq!(again, want, "after a refused load");
+    // Unloaded: gone; unloading again is a 404; loaded again it answers as before.
+    let (status, text) = unload(name);
+    assert_eq!((status, text.as_str()), (200, "Success: LoRA adapter 'all' removed successfully."));
+    assert_eq!(server.post("/v1/completions", &requests(name)[0]).0, 404);
+    assert_eq!(unload(name).0, 404);
+    assert_eq!(load(name, path).0, 200);
+    let reloaded: Vec<Vec<i64>> = requests(name).iter().map(|r| answer(&server, r).1).collect();
+    assert_eq!(reloaded, want, "loaded again");
+    drop(server);
+
+    let plain = Server::start_in(&model_dir(), &["--enable-lora"], &[]);
+    let body = json!({"lora_name": "x", "lora_path": path.display().to_string()}).to_string();
+    assert_eq!(common::http(&plain.addr, "POST", "/v1/load_lora_adapter", Some(body.as_bytes()), &[]).0, 404);
+}

@@ -4,6 +4,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod lora;
 pub mod sse;
 pub mod tokenize;
 
@@ -47,8 +48,10 @@ pub struct AppState {
     pub reasoning: Option<ReasoningParser>,
     /// The model's name in the API.
     pub model_name: String,
-    /// The LoRA adapters served beside it (`--lora-modules`).
-    pub lora: crate::lora_serve::LoraServing,
+    /// The LoRA adapters served beside it (`--lora-modules`, and those loaded since).
+    pub lora: std::sync::RwLock<crate::lora_serve::LoraServing>,
+    /// The next LoRA slot a loaded adapter takes (slots are never reused).
+    pub next_lora_slot: std::sync::atomic::AtomicU32,
     api_key: Option<String>,
     max_body: usize,
     /// Engine requests not finished yet (aborted when the shutdown deadline passes).
@@ -88,7 +91,8 @@ impl AppState {
             // analysis channel, the answer on the final one.
             reasoning,
             model_name: args.served_model_name.clone(),
-            lora: args.lora.clone(),
+            lora: std::sync::RwLock::new(args.lora.clone()),
+            next_lora_slot: std::sync::atomic::AtomicU32::new(args.lora.modules.len() as u32 + 1),
             api_key: args.api_key.clone(),
             max_body: args.max_request_bytes,
             inflight: Mutex::new(HashSet::new()),
@@ -143,14 +147,17 @@ impl AppState {
         match model {
             None => Ok(0),
             Some(m) if m == self.model_name => Ok(0),
-            Some(m) => self.lora.find(m).map(|a| a.slot).ok_or_else(|| ApiError::unknown_model(m)),
+            Some(m) => {
+                let lora = self.lora.read().map_err(|_| ApiError::internal("the adapter table is poisoned"))?;
+                lora.find(m).map(|a| a.slot).ok_or_else(|| ApiError::unknown_model(m))
+            }
         }
     }
 
     /// The name a response gives as its `model`: the adapter's or the base's, as asked.
     pub fn response_model(&self, model: Option<&str>) -> String {
         match model {
-            Some(m) if self.lora.find(m).is_some() => m.to_string(),
+            Some(m) if self.lora.read().is_ok_and(|l| l.find(m).is_some()) => m.to_string(),
             _ => self.model_name.clone(),
         }
     }
@@ -185,7 +192,15 @@ pub fn now() -> u64 {
 
 /// The server's routes over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let runtime_lora = state.lora.read().is_ok_and(|l| l.runtime_updates);
+    let router = Router::new();
+    // vLLM serves these only when runtime updates are allowed.
+    let router = if runtime_lora {
+        router.route("/v1/load_lora_adapter", post(lora::load)).route("/v1/unload_lora_adapter", post(lora::unload))
+    } else {
+        router
+    };
+    router
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
@@ -221,7 +236,11 @@ async fn models(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response
         "id": st.model_name, "object": "model", "created": st.created, "owned_by": "tp", "root": st.model_name,
         "parent": null, "max_model_len": max_model_len,
     })];
-    for a in &st.lora.modules {
+    let lora = match st.lora.read() {
+        Ok(l) => l.modules.clone(),
+        Err(_) => Vec::new(),
+    };
+    for a in &lora {
         data.push(json!({
             "id": a.name, "object": "model", "created": st.created, "owned_by": "tp",
             "root": a.path.display().to_string(),

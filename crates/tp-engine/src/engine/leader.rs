@@ -62,6 +62,8 @@ pub(crate) struct Leader {
     live: HashMap<RequestId, Live>,
     pending_new: Vec<NewSeq>,
     pending_drop: Vec<RequestId>,
+    /// LoRA slot changes waiting for a step (an unload waits until no live request uses it).
+    pending_adapters: Vec<(u32, Option<std::path::PathBuf>, crate::api::AdapterReply)>,
     totals: Stats,
 }
 
@@ -88,6 +90,7 @@ impl Leader {
             live: HashMap::new(),
             pending_new: Vec::new(),
             pending_drop: Vec::new(),
+            pending_adapters: Vec::new(),
             totals: Stats::default(),
         }
     }
@@ -153,15 +156,17 @@ impl Leader {
                 .filter(|s| s.sample && self.live.get(&s.id).is_some_and(|l| l.constraint.is_some()))
                 .map(|s| s.id)
                 .collect();
+            let (adapters, adapter_replies) = self.ready_adapters();
             let mut msg = StepMsg {
                 kind: StepKind::Run,
                 new: std::mem::take(&mut self.pending_new),
                 drop: std::mem::take(&mut self.pending_drop),
                 seqs: plan.seqs.clone(),
                 masked,
+                adapters,
             };
-            stalled = msg.seqs.is_empty();
-            if msg.seqs.is_empty() && msg.new.is_empty() && msg.drop.is_empty() {
+            stalled = msg.seqs.is_empty() && self.pending_adapters.is_empty();
+            if msg.seqs.is_empty() && msg.new.is_empty() && msg.drop.is_empty() && msg.adapters.is_empty() {
                 if last_sent.elapsed() < self.heartbeat {
                     continue;
                 }
@@ -197,6 +202,9 @@ impl Leader {
                 })?
             };
             let after = Instant::now();
+            for (reply, outcome) in adapter_replies.into_iter().zip(&sampled.adapters) {
+                let _ = reply.send(outcome.1.clone());
+            }
             for s in &plan.seqs {
                 if s.cached_tokens > 0
                     && let Some(l) = self.live.get_mut(&s.id)
@@ -306,7 +314,26 @@ impl Leader {
                 self.live.insert(id, live);
             }
             Command::Abort(id) => self.end(id, FinishReason::Abort),
+            Command::Adapter { slot, path, reply } => self.pending_adapters.push((slot, path, reply)),
         }
+    }
+
+    /// The adapter changes the next step makes (loads at once, unloads of slots no live request
+    /// uses), with where each outcome goes.
+    fn ready_adapters(&mut self) -> (Vec<(u32, Option<String>)>, Vec<crate::api::AdapterReply>) {
+        let (mut changes, mut replies) = (Vec::new(), Vec::new());
+        let mut waiting = Vec::new();
+        for (slot, path, reply) in std::mem::take(&mut self.pending_adapters) {
+            let in_use = path.is_none() && self.live.values().any(|l| l.request.adapter == slot);
+            if in_use {
+                waiting.push((slot, path, reply));
+            } else {
+                changes.push((slot, path.map(|p| p.to_string_lossy().into_owned())));
+                replies.push(reply);
+            }
+        }
+        self.pending_adapters = waiting;
+        (changes, replies)
     }
 
     /// Sends a sampled token and ends the request if it should.

@@ -64,12 +64,15 @@ pub(crate) struct StepMsg {
     /// The sampled sequences with a structured-output constraint, in `seqs` order: after the
     /// forward pass rank 0 broadcasts one mask per entry (`ceil(vocab / 64)` words each).
     pub masked: Vec<RequestId>,
+    /// LoRA slots to fill from an adapter folder (`Some(path)`) or empty (`None`), before the
+    /// step runs.
+    pub adapters: Vec<(u32, Option<String>)>,
 }
 
 impl StepMsg {
     /// A message of `kind` with nothing in it.
     pub(crate) fn empty(kind: StepKind) -> StepMsg {
-        StepMsg { kind, new: Vec::new(), drop: Vec::new(), seqs: Vec::new(), masked: Vec::new() }
+        StepMsg { kind, new: Vec::new(), drop: Vec::new(), seqs: Vec::new(), masked: Vec::new(), adapters: Vec::new() }
     }
 
     /// The payload words (the kind travels in the header).
@@ -102,6 +105,17 @@ impl StepMsg {
         }
         w.push(self.masked.len() as i64);
         w.extend(self.masked.iter().map(|&d| d as i64));
+        w.push(self.adapters.len() as i64);
+        for (slot, path) in &self.adapters {
+            w.push(i64::from(*slot));
+            match path {
+                None => w.push(-1),
+                Some(p) => {
+                    w.push(p.len() as i64);
+                    w.extend(p.bytes().map(i64::from));
+                }
+            }
+        }
         w
     }
 
@@ -145,6 +159,24 @@ impl StepMsg {
         }
         for _ in 0..r.count()? {
             msg.masked.push(r.word()? as u64);
+        }
+        for _ in 0..r.count()? {
+            let slot = r.word()?;
+            let slot = u32::try_from(slot).map_err(|_| format!("adapter slot {slot} out of range"))?;
+            let path = match r.word()? {
+                -1 => None,
+                _ => {
+                    r.at -= 1;
+                    let n = r.count()?;
+                    let bytes: Vec<u8> = r
+                        .take(n)?
+                        .iter()
+                        .map(|&b| u8::try_from(b).map_err(|_| format!("path byte {b} out of range")))
+                        .collect::<Result<_, _>>()?;
+                    Some(String::from_utf8(bytes).map_err(|_| "an adapter path is not UTF-8".to_string())?)
+                }
+            };
+            msg.adapters.push((slot, path));
         }
         if r.at != words.len() {
             return Err(format!("{} words left over after the message", words.len() - r.at));
@@ -287,6 +319,7 @@ mod tests {
                 draft: 1,
             }],
             masked: vec![7],
+            adapters: vec![(2, Some("/tmp/adapter é".into())), (1, None)],
         };
         let w = msg.encode();
         assert_eq!(StepMsg::decode(StepKind::Run, &w).unwrap(), msg);

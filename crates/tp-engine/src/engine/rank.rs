@@ -125,12 +125,53 @@ impl RankWorker {
         Ok(g.broadcast(&t, 0)?.to_i64_vec()?)
     }
 
+    /// Fills or empties LoRA slots (`changes`, from [`StepMsg::adapters`]): every rank reads the
+    /// adapter folder and attaches it to its layers, then the ranks agree (an all-reduce of a
+    /// failure flag over every rank); where any rank failed, every rank empties the slot again,
+    /// so a bad adapter leaves the model as it was. Returns each change's outcome.
+    fn change_adapters(
+        &mut self,
+        changes: &[(u32, Option<String>)],
+    ) -> Result<Vec<crate::api::AdapterOutcome>, EngineError> {
+        let mut out = Vec::new();
+        for (slot, path) in changes {
+            let mine: Result<(), String> = match path {
+                None => self.model.remove_adapter(*slot).map_err(|e| e.to_string()),
+                Some(p) => {
+                    let layers = self.model.config().num_hidden_layers;
+                    tp_models::adapter::read_adapter(std::path::Path::new(p), layers)
+                        .and_then(|a| self.model.add_adapter(*slot, a.spec()))
+                        .map_err(|e| e.to_string())
+                        .and_then(|n| {
+                            if n == 0 && self.pipeline.is_none() {
+                                Err("it adapts no module of this model".into())
+                            } else {
+                                Ok(())
+                            }
+                        })
+                }
+            };
+            let g = &self.world;
+            let flag = g.to_local(&Tensor::from_vec(vec![f32::from(u8::from(mine.is_err()))], &[1], &Device::Cpu)?)?;
+            let failed = g.all_reduce(&flag, tp_comm::ReduceOp::Max)?.to_f64_vec()?[0] > 0.0;
+            let outcome = if failed {
+                let _ = self.model.remove_adapter(*slot);
+                Err(mine.err().unwrap_or_else(|| "another rank could not load the adapter".into()))
+            } else {
+                Ok(())
+            };
+            out.push((*slot, outcome));
+        }
+        Ok(out)
+    }
+
     /// Runs one step: applies the announcements, runs the batch, samples every sequence that
     /// asks for it, appends the tokens to the outputs. Every rank returns the same list.
     pub(crate) fn execute(&mut self, msg: &StepMsg, masks: MaskSource<'_>) -> Result<StepResult, EngineError> {
         for d in &msg.drop {
             self.seqs.remove(d);
         }
+        let adapter_outcomes = self.change_adapters(&msg.adapters)?;
         for n in &msg.new {
             let state = SeqState {
                 params: n.params.clone(),
@@ -143,7 +184,7 @@ impl RankWorker {
             self.seqs.insert(n.id, state);
         }
         if msg.seqs.is_empty() {
-            return Ok(StepResult::default());
+            return Ok(StepResult { adapters: adapter_outcomes, ..StepResult::default() });
         }
         self.steps += 1;
         if let Some(f) = self.fault
@@ -218,7 +259,7 @@ impl RankWorker {
                 state.output.push(s.token);
             }
         }
-        Ok(result)
+        Ok(StepResult { adapters: adapter_outcomes, ..result })
     }
 
     /// This rank's stage of the step and, on the last stage, the sampling and prompt scoring
@@ -450,6 +491,9 @@ struct Rows {
 pub(crate) struct StepResult {
     pub sampled: Vec<(RequestId, Sampled)>,
     pub scored: Vec<(RequestId, usize, Vec<PromptLogprob>)>,
+    /// The outcome of each of the message's LoRA slot changes (every rank agrees on it; not
+    /// sent between ranks).
+    pub adapters: Vec<crate::api::AdapterOutcome>,
 }
 
 impl StepResult {
@@ -541,6 +585,7 @@ mod tests {
                 ),
             ],
             scored: vec![(9, 1, vec![PromptLogprob { logprob: -3.25, rank: 5000, top: vec![(2, -0.1)] }])],
+            adapters: Vec::new(),
         };
         let w = r.encode();
         assert_eq!(StepResult::decode(&w), Some(r));
