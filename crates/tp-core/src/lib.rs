@@ -54,6 +54,11 @@ pub use ops::{
     PagedAttentionSpec, PagedSeq, QuantKvBuffer, QuantWeight, RopeScaling, RotaryEmbedding, RouterKind, Routing,
     WeightLayout, adamw_step,
 };
+/// LoRA's batched multi-adapter product ([`lora::lora_product`]), each row through the
+/// adapter of its slot.
+pub mod lora {
+    pub use crate::ops::{LoraFactors, lora_product};
+}
 /// Mixture-of-experts routing ([`moe::route`]), the experts' products in one
 /// ([`moe::grouped_linear`]), the combine of their outputs ([`moe::moe_combine`]) and the
 /// per-thread routing counts ([`moe::take_routed`]).

@@ -59,6 +59,8 @@ pub(crate) static ALL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
         }
         v.push(("moe", format!("tp_moe_route_{}", t.name())));
         v.push(("moe", format!("tp_moe_combine_{}", t.name())));
+        v.push(("lora", format!("tp_lora_shrink_{}", t.name())));
+        v.push(("lora", format!("tp_lora_expand_{}", t.name())));
     }
     v.push(("grad", "tp_col_sum_finish".to_string()));
     v.push(("optim", "tp_adamw".to_string()));

@@ -35,8 +35,9 @@ pub use elem::ElemType;
 pub use error::{KernelError, Result, STICKY_ERROR_NOTE, note_sticky_errors_on_panic, sticky_error_note};
 pub use gpu::{Gpu, count_host_sync, device_count, driver_available, host_syncs, set_poison_allocations};
 pub use launch::{
-    AdamwFactors, AdamwTensor, AttentionShape, GemmArgs, GemmKernel, GemmShape, GemmTnArgs, GroupedExpert,
-    MAX_ROUTED_EXPERTS, NormSplit, PagedSequence, PagedShape, RowCopy, RowPenalties, TOP_K_MAX,
+    AdamwFactors, AdamwTensor, AttentionShape, GemmArgs, GemmKernel, GemmShape, GemmTnArgs, GroupedExpert, LoraFactor,
+    LoraShape, MAX_LORA_RANK, MAX_ROUTED_EXPERTS, NormSplit, PagedSequence, PagedShape, RowCopy, RowPenalties,
+    TOP_K_MAX,
 };
 pub use limits::{ATTENTION_MAX_HEAD_DIM, QUANT_GEMV_MAX_M, SMALL_M_MAX};
 pub use modules::{KernelModule, MODULES, NOT_COMPILED, module};

@@ -233,15 +233,20 @@ impl Lora {
     pub(crate) fn forward(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
         let tokens = TOKENS.with(|c| c.borrow().clone());
         let rows = y.dims().first().copied().unwrap_or(0);
+        if let Some(ids) = &tokens
+            && (ids.len() != rows || y.ndim() != 2)
+        {
+            return Err(LayerError::Config(format!(
+                "{} tokens' adapters given for a product of {:?}",
+                ids.len(),
+                y.dims()
+            )));
+        }
+        if x.device() != Device::Cpu {
+            return self.forward_device(x, y, tokens.as_deref());
+        }
         let groups: Vec<(&[Pair], Option<Vec<usize>>)> = match &tokens {
             None => self.pairs_of(TRAINED).map(|p| (p, None)).into_iter().collect(),
-            Some(ids) if ids.len() != rows || y.ndim() != 2 => {
-                return Err(LayerError::Config(format!(
-                    "{} tokens' adapters given for a product of {:?}",
-                    ids.len(),
-                    y.dims()
-                )));
-            }
             Some(ids) => self
                 .slots
                 .iter()
@@ -271,6 +276,55 @@ impl Lora {
             }
         }
         Ok(y32.to_dtype(dtype)?)
+    }
+
+    /// [`forward`](Self::forward) on a GPU: per block of output columns one batched product
+    /// over every token ([`tp_core::lora::lora_product`], `tp_lora_shrink` and
+    /// `tp_lora_expand`), each token through its own slot's pair (`tokens: None`: every token
+    /// through the [`TRAINED`] slot).
+    fn forward_device(&self, x: &Tensor, mut y: Tensor, tokens: Option<&[u32]>) -> Result<Tensor> {
+        let rows = y.dims().first().copied().unwrap_or(0);
+        let last = y.ndim().saturating_sub(1);
+        // The layer's slots in a table; each token's index into it (-1: none here).
+        let table: Vec<u32> = self.slots.iter().map(|(s, _)| *s).collect();
+        let index: Vec<i32> = match tokens {
+            None => vec![table.iter().position(|&s| s == TRAINED).map_or(-1, |i| i as i32); rows],
+            Some(ids) => ids
+                .iter()
+                .map(|id| if *id == TRAINED { -1 } else { table.iter().position(|s| s == id).map_or(-1, |i| i as i32) })
+                .collect(),
+        };
+        // Each (output columns, rank) of any slot's pairs: one product.
+        let mut blocks: Vec<(Range<usize>, usize)> = Vec::new();
+        for (_, pairs) in &self.slots {
+            for p in pairs {
+                let key = (p.rows.clone(), p.a.dims()[0]);
+                if !blocks.contains(&key) {
+                    blocks.push(key);
+                }
+            }
+        }
+        for (cols, rank) in blocks {
+            let factors: Vec<Option<tp_core::lora::LoraFactors<'_>>> =
+                self.slots
+                    .iter()
+                    .map(|(_, pairs)| {
+                        pairs
+                            .iter()
+                            .find(|p| p.rows == cols && p.a.dims()[0] == rank)
+                            .map(|p| tp_core::lora::LoraFactors { a: &p.a, b: &p.b, scale: p.scale })
+                    })
+                    .collect();
+            let whole = cols.len() == y.dims()[last];
+            let part = if whole { y.clone() } else { y.narrow(last, cols.start, cols.len())? };
+            let done = tp_core::lora::lora_product(x, &part, &factors, &index)?;
+            if whole {
+                y = done;
+            } else {
+                y.slice_set(&done, last, cols.start)?;
+            }
+        }
+        Ok(y)
     }
 
     /// Slot `id`'s pairs, if the layer has any there.

@@ -603,3 +603,36 @@ pub(crate) fn grouped_linear(
     x.gpu.gemm_mma_grouped(&mut out, &x.buf, &list, offsets, (n, k), elem_type(x.dtype))?;
     Ok(parts.finish(out))
 }
+
+/// One slot's `(A, B, scale)` on the GPU.
+pub(crate) type LoraDeviceFactors<'a> = (&'a CudaStorage, &'a CudaStorage, f32);
+
+/// LoRA's batched product on the GPU (`tp_lora_shrink`, `tp_lora_expand`): `y` copied, then
+/// every row of a slot with factors `(A, B, scale)` gets `scale · (x A^T) B^T` added; `(rows,
+/// in, out, rank)`.
+pub(crate) fn lora_product(
+    x: &CudaStorage,
+    y: &CudaStorage,
+    factors: &[Option<LoraDeviceFactors<'_>>],
+    slots: &[i32],
+    (rows, width, out, rank): (usize, usize, usize, usize),
+) -> Result<CudaStorage> {
+    let gpu = &x.gpu;
+    let bytes = rows * out * y.dtype.size_in_bytes();
+    let (mut yo, parts) = alloc_like(y, bytes, y.dtype)?;
+    if bytes > 0 {
+        let copy = RowCopy { rows: 1, row_bytes: bytes, src_pitch: bytes, src_off: 0, dst_pitch: bytes, dst_off: 0 };
+        gpu.row_copy(&mut yo, &y.buf, copy)?;
+    }
+    let slot_d = gpu.htod(bytemuck::cast_slice(slots))?;
+    let scales: Vec<f32> = factors.iter().map(|f| f.map_or(0.0, |f| f.2)).collect();
+    let scales_d = gpu.htod(bytemuck::cast_slice(&scales))?;
+    let mut u = gpu.alloc(rows * rank * 4)?;
+    let a: Vec<tp_kernels::LoraFactor<'_>> = factors.iter().map(|f| f.map(|f| &*f.0.buf)).collect();
+    let b: Vec<tp_kernels::LoraFactor<'_>> = factors.iter().map(|f| f.map(|f| &*f.1.buf)).collect();
+    let shrink = tp_kernels::LoraShape { rows, width, rank, ld: (width, 1) };
+    gpu.lora_shrink(&mut u, &x.buf, &a, &slot_d, shrink, 1.0, elem_type(x.dtype))?;
+    let expand = tp_kernels::LoraShape { rows, width: out, rank, ld: (rank, 1) };
+    gpu.lora_expand(&mut yo, &u, &b, &slot_d, &scales_d, expand, elem_type(y.dtype))?;
+    Ok(parts.finish(yo))
+}
