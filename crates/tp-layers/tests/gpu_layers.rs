@@ -181,3 +181,86 @@ fn forwards_over_nccl_issue_no_host_synchronisation() {
     });
     assert!(tp_kernels::host_syncs() > before);
 }
+
+/// LoRA adapters on a column- and a row-parallel layer on the GPU against the same layers on
+/// the host: two served slots and the base mixed per token (the batched kernels), and the
+/// trained slot's forward and backward (input gradient, adapter gradients), at world sizes 1-3.
+#[test]
+fn lora_layers_on_the_gpu_match_the_host() {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    use tp_layers::lora::{
+        LoraInit, LoraSettings, LoraSpec, LoraTargets, attaching, attaching_as, frozen_base, with_token_adapters,
+    };
+    setup();
+    let (t, h, out, r) = (9, 40, 72, 4);
+    let spec = |seed: u64| {
+        let mut full = BTreeMap::new();
+        full.insert("c.lora_A.weight".to_string(), Tensor::randn(&[r, h], DType::F32, seed, &CPU).unwrap());
+        full.insert("c.lora_B.weight".to_string(), Tensor::randn(&[out, r], DType::F32, seed + 1, &CPU).unwrap());
+        full.insert("r.lora_A.weight".to_string(), Tensor::randn(&[r, out], DType::F32, seed + 2, &CPU).unwrap());
+        full.insert("r.lora_B.weight".to_string(), Tensor::randn(&[h, r], DType::F32, seed + 3, &CPU).unwrap());
+        Arc::new(LoraSpec {
+            settings: LoraSettings { r, alpha: 8.0, use_rslora: false },
+            targets: LoraTargets::Names(vec!["c".into(), "r".into()]),
+            init: LoraInit::Tensors(Arc::new(full)),
+        })
+    };
+    let w_c = Tensor::randn(&[out, h], DType::F32, 11, &CPU).unwrap();
+    let w_r = Tensor::randn(&[h, out], DType::F32, 12, &CPU).unwrap();
+    let x = Tensor::randn(&[t, h], DType::F32, 13, &CPU).unwrap();
+    let dy = Tensor::randn(&[t, h], DType::F32, 14, &CPU).unwrap();
+    let ids: Arc<[u32]> = vec![1, 0, 2, 2, 1, 0, 1, 2, 0].into();
+    let run = |device: Device, world: usize| {
+        on_ranks(world, device, |g| {
+            let mut c = ColumnParallel::from_full(&tp_layers::Linear::new(w_c.clone(), None).unwrap(), &g).unwrap();
+            let mut rp = RowParallel::from_full(&w_r, None, &g).unwrap();
+            for (k, s) in [(1, spec(1)), (2, spec(5))] {
+                attaching_as(k, s, || {
+                    c.params("c", &mut |_| {}).unwrap();
+                    rp.params("r", &mut |_| {}).unwrap();
+                });
+            }
+            attaching(spec(9), || {
+                c.params("c", &mut |_| {}).unwrap();
+                rp.params("r", &mut |_| {}).unwrap();
+            });
+            let xd = x.to_device(&device).unwrap();
+            let forward = |c: &ColumnParallel, rp: &RowParallel| {
+                let y = c.forward(&xd).unwrap();
+                let yf = g.all_gather_balanced(&y, 1, out).unwrap();
+                rp.forward_split(&yf).unwrap()
+            };
+            let mixed = with_token_adapters(ids.clone(), || forward(&c, &rp));
+            let trained = forward(&c, &rp);
+            // The trained slot's backward through the row layer.
+            let y = g.all_gather_balanced(&c.forward(&xd).unwrap(), 1, out).unwrap();
+            let s = *rp.shard();
+            let y_local = y.narrow(1, s.start(), s.len()).unwrap();
+            let dx = frozen_base(|| rp.backward(&y_local, &dy.to_device(&device).unwrap()).unwrap());
+            let grads = frozen_base(|| {
+                let mut ps = Vec::new();
+                rp.params("r", &mut |p| ps.push(p)).unwrap();
+                tp_layers::sync_partial_grads(&mut ps, &g).unwrap();
+                tp_layers::gather_full(&ps, tp_layers::Gather::Grads, &g).unwrap()
+            });
+            (f64s(&mixed), f64s(&trained), f64s(&dx), f64s(&grads["r.lora_A.weight"]), f64s(&grads["r.lora_B.weight"]))
+        })
+    };
+    for world in [1, 2, 3] {
+        let (want, got) = (run(CPU, world), run(GPU, world));
+        for (rank, (w, g)) in want.iter().zip(&got).enumerate() {
+            let at = format!("LoRA rank {rank} of {world}");
+            for (name, gv, wv) in [
+                ("mixed", &g.0, &w.0),
+                ("trained", &g.1, &w.1),
+                ("dX", &g.2, &w.2),
+                ("dA", &g.3, &w.3),
+                ("dB", &g.4, &w.4),
+            ] {
+                let scale = wv.iter().fold(1f64, |m, v| m.max(v.abs()));
+                assert_close(&format!("{at} {name}"), gv, wv, |_| 1e-4 * scale);
+            }
+        }
+    }
+}
