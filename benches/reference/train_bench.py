@@ -54,7 +54,14 @@ child's ru_maxrss also counts its parent's RSS at the fork (Linux keeps the old 
 high-water mark across exec), so this parent never imports torch (the models are built in a child
 too) and records that floor as rss_floor_mib (the peak RSS os.wait4 reports for /bin/true).
 
-Needs torch and transformers (safetensors with them); not part of CI. Build tp first:
+With --lora R both sides train LoRA adapters of rank R (lora_alpha 2R, every linear projection of the
+blocks: PEFT's "all-linear", dropout 0) on the frozen model: torch through PEFT's get_peft_model (its
+default autocast keeps a bf16 model's adapters in f32, as tp does), AdamW over the adapters only, the
+gradient norm over them; tp with `--lora-r R --lora-alpha 2R --lora-target-modules all-linear`. A third
+side, tp's full fine-tune at TP 1 on the same rows, gives the memory the adapters save (the issue's
+"peak memory <= 0.6x tp's full fine-tune").
+
+Needs torch and transformers (safetensors with them; peft for --lora); not part of CI. Build tp first:
   cargo build --release -p tp-cli
 
 With --shape olmoe the model is instead a tiny OLMoE-shaped mixture of experts (OlmoeConfig: 64 experts,
@@ -206,8 +213,15 @@ def torch_worker(spec_path):
     model.train()
     load_s = time.perf_counter() - t0
     rss_load = vm_hwm_mib()
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    if spec.get("lora"):
+        from peft import LoraConfig, get_peft_model
+        r = spec["lora"]
+        model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear",
+                                                 lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+        model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.999), eps=1e-8,
                             fused=False)
@@ -232,7 +246,7 @@ def torch_worker(spec_path):
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        gn = torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -253,7 +267,7 @@ def torch_worker(spec_path):
            "rss_after_load_mib": rss_load, "rss_after_train_mib": rss_train,
            "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
            "torch": torch.__version__, "transformers": transformers.__version__,
-           "param_dtype": str(next(model.parameters()).dtype)}
+           "param_dtype": str(next(model.parameters()).dtype), "trainable_params": sum(p.numel() for p in trainable)}
     with open(spec["out"], "w") as f:
         json.dump(out, f)
 
@@ -279,11 +293,12 @@ def run_torch(a, case, model, data, work):
             os.remove(p)
     with open(spec_path, "w") as f:
         json.dump({"case": case, "model": model, "data": data, "threads": a.threads, "micro_batch": a.micro_batch,
-                   "steps": a.steps, "fwd_steps": a.fwd_steps, "weight_decay": a.weight_decay, "out": out_path}, f)
+                   "steps": a.steps, "fwd_steps": a.fwd_steps, "weight_decay": a.weight_decay, "out": out_path,
+                   "lora": a.lora}, f)
     load = os.getloadavg()
     rc, rss, wall, cpu = wait_child([sys.executable, os.path.abspath(__file__), "--torch-worker", spec_path],
                                     thread_env(a.threads), log_path)
-    row = {"case": case, "side": "torch", "loadavg_before": load, "peak_rss_mib": rss, "wall_s": wall, "cpu_s": cpu,
+    row = {"case": case, "side": "torch + PEFT" if a.lora else "torch", "loadavg_before": load, "peak_rss_mib": rss, "wall_s": wall, "cpu_s": cpu,
            "cores_busy": cpu / wall, "rc": rc, "log_file": log_path}
     if rc != 0 or not os.path.exists(out_path):
         row["error"] = tail(log_path)
@@ -306,8 +321,8 @@ def run_torch(a, case, model, data, work):
     return row
 
 
-def run_tp(a, case, tp, model, data, work):
-    tag = f"tp{tp}-{case}"
+def run_tp(a, case, tp, model, data, work, lora=None):
+    tag = f"tp{tp}-{case}" + ("-lora" if lora else "")
     log_json, log_path = os.path.join(work, f"{tag}.steps.jsonl"), os.path.join(work, f"{tag}.log")
     if os.path.exists(log_json):
         os.remove(log_json)
@@ -315,9 +330,12 @@ def run_tp(a, case, tp, model, data, work):
            "--seq-len", str(a.seq), "--micro-batch-size", str(a.micro_batch), "--grad-accum", "1",
            "--steps", str(a.steps), "--lr", str(LR), "--lr-schedule", "constant",
            "--weight-decay", str(a.weight_decay), "--log-json", log_json] + shlex.split(a.tp_extra)
+    if lora:
+        cmd += ["--lora-r", str(lora), "--lora-alpha", str(2 * lora), "--lora-target-modules", "all-linear"]
     load = os.getloadavg()
     rc, rss, wall, cpu = wait_child(cmd, thread_env(a.threads), log_path)
-    row = {"case": case, "side": f"tp TP{tp}", "tp": tp, "cmd": " ".join(shlex.quote(c) for c in cmd),
+    side = f"tp TP{tp}" + (" LoRA" if lora else (" full FT" if a.lora else ""))
+    row = {"case": case, "side": side, "tp": tp, "cmd": " ".join(shlex.quote(c) for c in cmd),
            "loadavg_before": load, "peak_rss_mib": rss, "wall_s": wall, "cpu_s": cpu, "cores_busy": cpu / wall,
            "rc": rc, "log_file": log_path}
     steps = []
@@ -379,7 +397,7 @@ def table(rows):
             "b/f"]
     body = []
     for case in CASES:
-        base = next((r.get("tokens_per_s") for r in rows if r["case"] == case and r["side"] == "torch"), None)
+        base = next((r.get("tokens_per_s") for r in rows if r["case"] == case and r["side"].startswith("torch")), None)
         for r in (r for r in rows if r["case"] == case):
             tps = r.get("tokens_per_s")
             ratio = tps / base if tps and base else None
@@ -419,6 +437,8 @@ def main():
     ap.add_argument("--tp-extra", default="", help='extra flags for tp train, e.g. "--recompute full"')
     ap.add_argument("--work", default=os.path.join(ROOT, "target", "train-bench"), help="cache and logs")
     ap.add_argument("--out", default=None, help="JSON results (default benches/results/train_bench-<date>.json)")
+    ap.add_argument("--lora", type=int, default=None, metavar="R",
+                    help="train LoRA adapters of rank R on both sides (PEFT on torch's), plus tp's full fine-tune")
     a = ap.parse_args()
     if a.torch_worker:
         return torch_worker(a.torch_worker)
@@ -440,7 +460,7 @@ def main():
     os.makedirs(a.work, exist_ok=True)
     day = datetime.date.today().isoformat()
     if a.out is None:
-        tag = "" if a.shape == "smollm2" else f"-{a.shape}"
+        tag = ("" if a.shape == "smollm2" else f"-{a.shape}") + (f"-lora{a.lora}" if a.lora else "")
         a.out = (os.path.join(a.work, f"train_bench{tag}-quick-{day}.json") if a.quick else
                  os.path.join(ROOT, "benches", "results", f"train_bench{tag}-{day}.json"))
 
@@ -453,7 +473,7 @@ def main():
     dirs = build_models(a.work, a.layers, a.shape)
     data = build_data(a.work, a.seq, a.steps * a.micro_batch, SHAPES[a.shape][3])
     env["rss_floor_mib"] = wait_child(["true"], dict(os.environ), os.path.join(a.work, "floor.log"))[1]
-    settings = {k: getattr(a, k) for k in ("shape", "quick", "layers", "seq", "micro_batch", "steps", "warmup", "threads",
+    settings = {k: getattr(a, k) for k in ("lora", "shape", "quick", "layers", "seq", "micro_batch", "steps", "warmup", "threads",
                                            "fwd_steps", "weight_decay", "tp_bin", "tp_extra")}
     settings.update({"grad_accum": 1, "lr": LR, "lr_schedule": "constant", "max_grad_norm": MAX_GRAD_NORM,
                      "tp_sizes": tps, "cases": cases, "data": data, "models": dirs})
@@ -467,7 +487,10 @@ def main():
         rows.append(run_torch(a, case, dirs[case], data, a.work))
         for tp in tps:
             print(f"[{case}] tp TP{tp} ...", flush=True)
-            rows.append(run_tp(a, case, tp, dirs[case], data, a.work))
+            rows.append(run_tp(a, case, tp, dirs[case], data, a.work, a.lora))
+        if a.lora:
+            print(f"[{case}] tp TP1 full fine-tune ...", flush=True)
+            rows.append(run_tp(a, case, 1, dirs[case], data, a.work))
 
     notes = [
         "tokens/s counts input tokens, B * seq per step, over the steps after --warmup.",

@@ -11,6 +11,7 @@
 //! beside torch (`train.rs`); `--only pipeline` (opt-in too) the measured bubble of each pipeline
 //! schedule beside its formula, with one step's timeline per schedule as an SVG (`pipeline.rs`);
 //! `--only moe` (opt-in) a 2B Qwen3-MoE-shaped GGUF file beside llama.cpp (`moe.rs`);
+//! `--only lora` (opt-in) 16 streams over 4 LoRA adapters beside the base alone (`lora.rs`);
 //! `--only kv-cache` (opt-in) the 8-bit KV caches' memory, speed and logits beside the model
 //! dtype's (`kv_cache.rs`; `--model FILE.gguf` runs a GGUF file in f32). Writes `results.json`, `results.csv` and `results.svg` (throughput against size,
 //! ours beside the reference, one panel per dtype) into DIR (default `target/bench`).
@@ -19,6 +20,7 @@ mod cpu;
 mod gguf;
 mod gpu;
 mod kv_cache;
+mod lora;
 mod model;
 mod moe;
 mod pipeline;
@@ -117,7 +119,7 @@ impl Args {
 }
 
 const USAGE: &str = "usage: tp-bench [--quick] [--cpu] [--dtype f32,f16,bf16] [--shapes all|squares|tp|MxNxK,..] \
-                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm,pipeline,kv-cache,moe] [--out DIR]\n       \
+                     [--model tinyllama|DIR|none] [--only gemm,model,serving,gguf,train-gemm,pipeline,kv-cache,moe,lora] [--out DIR]\n       \
                      tp-bench --write-model  (writes the TinyLlama-shaped checkpoint once and prints its folder)";
 
 fn parse_args() -> Result<Args> {
@@ -142,12 +144,14 @@ fn parse_args() -> Result<Args> {
             "--model" => model = Some(it.next().context("--model needs tinyllama, a folder or none")?),
             "--only" => {
                 let list = it.next().context(
-                    "--only needs gemm, model, serving, gguf, train-gemm, pipeline, kv-cache or moe (comma-separated)",
+                    "--only needs gemm, model, serving, gguf, train-gemm, pipeline, kv-cache, moe or lora (comma-separated)",
                 )?;
                 for t in list.split(',') {
-                    if !["gemm", "model", "serving", "gguf", "train-gemm", "pipeline", "kv-cache", "moe"].contains(&t) {
+                    if !["gemm", "model", "serving", "gguf", "train-gemm", "pipeline", "kv-cache", "moe", "lora"]
+                        .contains(&t)
+                    {
                         bail!(
-                            "--only takes gemm, model, serving, gguf, train-gemm, pipeline, kv-cache, moe; got {t:?}"
+                            "--only takes gemm, model, serving, gguf, train-gemm, pipeline, kv-cache, moe, lora; got {t:?}"
                         );
                     }
                     a.only.push(t.to_string());
@@ -230,6 +234,9 @@ fn run() -> Result<()> {
             } else {
                 rows.extend(serving::rows(&args, &dir)?);
             }
+        }
+        if device == tp_core::Device::Cpu && args.named("lora") {
+            rows.extend(lora::rows(&args, &model::dir_of(which)?)?);
         }
         if device == tp_core::Device::Cpu && args.named("kv-cache") {
             let dir = model::dir_of(which)?;

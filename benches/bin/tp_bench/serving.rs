@@ -86,6 +86,17 @@ pub(crate) fn run_phased(
     max_tokens: usize,
     offsets: &[Duration],
 ) -> Result<(Vec<Timed>, StepPhases)> {
+    run_adapted(engine, prompts, max_tokens, offsets, &[])
+}
+
+/// [`run_phased`] with request `i` through LoRA slot `adapters[i]` (0, or none given: the base).
+pub(crate) fn run_adapted(
+    engine: &Engine,
+    prompts: &[Vec<i64>],
+    max_tokens: usize,
+    offsets: &[Duration],
+    adapters: &[u32],
+) -> Result<(Vec<Timed>, StepPhases)> {
     let h = engine.handle();
     let mut with_second = 0;
     let mut at_second = None;
@@ -102,7 +113,7 @@ pub(crate) fn run_phased(
                 max_tokens,
                 stop_token_ids: vec![],
                 ignore_eos: true,
-                adapter: 0,
+                adapter: adapters.get(next).copied().unwrap_or(0),
             };
             timed.push(Timed { submitted: Instant::now(), tokens: Vec::new() });
             h.submit(r, Box::new(Stamp(tx.clone(), next))).map_err(|e| anyhow::anyhow!("submit: {e}"))?;
@@ -152,7 +163,7 @@ fn pcts(mut v: Vec<f64>) -> (f64, f64) {
 
 /// Output tokens/s, TTFT (p50, p99) and TPOT (p50, p99) in milliseconds.
 pub(crate) struct Summary {
-    tps: f64,
+    pub(crate) tps: f64,
     /// Tokens/s from the moment every request had its first token to the last token: the
     /// decode rate with the whole batch running, no prefill in between.
     pub(crate) steady: f64,
