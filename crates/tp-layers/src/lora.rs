@@ -262,7 +262,8 @@ impl Lora {
         }
         let x32 = x.to_dtype(DType::F32)?;
         let dtype = y.dtype();
-        let mut y32 = y.to_dtype(DType::F32)?;
+        // Moved, not shared, when already f32: the products add into it in place.
+        let mut y32 = if dtype == DType::F32 { y } else { y.to_dtype(DType::F32)? };
         let last = y32.ndim().saturating_sub(1);
         for (pairs, rows) in groups {
             match rows {
@@ -347,23 +348,39 @@ impl Lora {
     /// `dx + Σ_pairs (s · dY_p B) A` for the output gradient `dy: [T, out_local]` (f32) and the
     /// base's input gradient `dx: [T, in_local]` (f32).
     pub(crate) fn input_grad(&self, dy: &Tensor, mut dx: Tensor) -> Result<Tensor> {
-        for p in self.trained() {
-            let du = scaled_dy(p, dy)?.matmul(&p.b)?;
-            dx.add_assign(&du.matmul(&p.a)?)?;
+        let pairs = self.trained();
+        if pairs.is_empty() {
+            return Ok(dx);
         }
+        let st = Stacked::of(pairs, out_width(dy))?;
+        let du = st.du(dy)?;
+        // dx += du · A_cat, added by the GEMM itself.
+        dx.add_t_matmul(&du.transpose2d()?, &st.a)?;
         Ok(dx)
     }
 
     /// `dA += du^T X` and `dB += (s · dY_p)^T (X A^T)` per pair (deferred with the base's
     /// weight gradients inside `defer_weight_grads`).
     pub(crate) fn accumulate(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
+        let pairs = self.trained_mut();
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let st = Stacked::of(pairs, out_width(dy))?;
         let x32 = x.to_dtype(DType::F32)?;
-        for p in self.trained_mut() {
-            let dys = scaled_dy(p, dy)?;
-            let u = x32.matmul_t(&p.a)?;
-            let du = dys.matmul(&p.b)?;
-            p.grad_b.add_weight_grad(&u, &dys)?;
-            p.grad_a.add_weight_grad(&x32, &du)?;
+        // Every pair's u and du in one product each, then split by pair.
+        let us = x32.matmul_t(&st.a)?.scale(st.scale)?;
+        let du = st.du(dy)?;
+        let dy = dy.to_dtype(DType::F32)?;
+        let last = dy.ndim().saturating_sub(1);
+        let stacked = pairs.len() > 1;
+        for (i, p) in pairs.iter_mut().enumerate() {
+            let r = p.a.dims()[0];
+            let (us_p, du_p) = if stacked { (us.narrow(1, i * r, r)?, du.narrow(1, i * r, r)?) } else { (us.clone(), du.clone()) };
+            let dy_p = if p.rows.len() == dy.dims()[last] { dy.clone() } else { dy.narrow(last, p.rows.start, p.rows.len())? };
+            // dB = (s dY_p)^T u = dY_p^T (s u); dA = du^T X.
+            p.grad_b.add_weight_grad(&us_p, &dy_p)?;
+            p.grad_a.add_weight_grad(&x32, &du_p)?;
         }
         Ok(())
     }
@@ -389,27 +406,54 @@ impl Lora {
     }
 }
 
-/// `y += s · (x A^T) B^T` of each pair, on its output columns (`x`, `y` f32).
+/// `y += s · (x A^T) B^T` of each pair, on its output columns (`x`, `y` f32): one product
+/// for every pair's `x A^T` and one for their expansions, added into `y` by the GEMM.
 fn add_pairs(pairs: &[Pair], x32: &Tensor, y32: &mut Tensor) -> Result<()> {
-    let last = y32.ndim().saturating_sub(1);
-    for p in pairs {
-        let d = x32.matmul_t(&p.a)?.matmul_t(&p.b)?.scale(p.scale)?;
-        if p.rows.len() == y32.dims()[last] {
-            y32.add_assign(&d)?;
-        } else {
-            let part = y32.narrow(last, p.rows.start, p.rows.len())?.add(&d)?;
-            y32.slice_set(&part, last, p.rows.start)?;
-        }
-    }
-    Ok(())
+    let st = Stacked::of(pairs, out_width(y32))?;
+    let us = x32.matmul_t(&st.a)?.scale(st.scale)?;
+    Ok(y32.add_t_matmul(&us.transpose2d()?, &st.bt)?)
 }
 
-/// `s · dY` on the pair's output columns.
-fn scaled_dy(p: &Pair, dy: &Tensor) -> Result<Tensor> {
-    let dy = dy.to_dtype(DType::F32)?;
-    let last = dy.ndim().saturating_sub(1);
-    let dy = if p.rows.len() == dy.dims()[last] { dy } else { dy.narrow(last, p.rows.start, p.rows.len())? };
-    Ok(dy.scale(p.scale)?)
+/// The last dim of `t` (a layer's local output width).
+fn out_width(t: &Tensor) -> usize {
+    t.dims().last().copied().unwrap_or(0)
+}
+
+/// A slot's pairs of one layer stacked for single products: `a = [A_1; ..; A_P]`
+/// (`[P·r, in]`) and `bt`, the block-diagonal `[B_1 | 0 ..; 0 | B_2 ..]` transposed
+/// (`[P·r, out]`, `B_p^T` in rows `p·r..` and the pair's output columns, zeros elsewhere), so
+/// that `(x a^T) bt` is every pair's `(x A_p^T) B_p^T` on its own columns. The pairs of a slot
+/// come from one adapter: one rank, one scale.
+struct Stacked {
+    a: Tensor,
+    bt: Tensor,
+    scale: f32,
+}
+
+impl Stacked {
+    /// The stack of `pairs` for a layer of `width` local output columns.
+    fn of(pairs: &[Pair], width: usize) -> Result<Stacked> {
+        let scale = pairs.first().map_or(1.0, |p| p.scale);
+        if let [p] = pairs
+            && p.rows == (0..width)
+        {
+            return Ok(Stacked { a: p.a.clone(), bt: p.b.transpose2d()?, scale });
+        }
+        let mut blocks = Vec::with_capacity(pairs.len());
+        for p in pairs {
+            let r = p.a.dims()[0];
+            let mut blk = Tensor::zeros(&[r, width], DType::F32, &p.b.device())?;
+            blk.slice_set(&p.b.transpose2d()?, 1, p.rows.start)?;
+            blocks.push(blk);
+        }
+        let a = Tensor::cat(&pairs.iter().map(|p| p.a.clone()).collect::<Vec<_>>(), 0)?;
+        Ok(Stacked { a, bt: Tensor::cat(&blocks, 0)?, scale })
+    }
+
+    /// `du = s · dY B_bd` (`[T, P·r]`): every pair's `s · dY_p B_p` side by side.
+    fn du(&self, dy: &Tensor) -> Result<Tensor> {
+        Ok(dy.to_dtype(DType::F32)?.matmul_t(&self.bt)?.scale(self.scale)?)
+    }
 }
 
 /// What a linear layer's `params` does with the base frozen: attaches adapters to `slot` when
