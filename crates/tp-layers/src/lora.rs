@@ -199,6 +199,18 @@ pub fn with_token_adapters<R>(ids: Arc<[u32]>, f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f` (products over rows `start .. start + len` of the batch alone, as a layer that
+/// takes its rows in passes runs them) with the tokens' adapters of
+/// [`with_token_adapters`] cut to those rows; `f` as it is outside it.
+pub fn with_token_rows<R>(start: usize, len: usize, f: impl FnOnce() -> R) -> R {
+    let cut = TOKENS.with(|c| c.borrow().as_ref().map(|ids| ids.get(start..start + len).map(Arc::<[u32]>::from)));
+    match cut {
+        Some(Some(ids)) => with_token_adapters(ids, f),
+        // Rows past the batch: the product reports the mismatch itself.
+        Some(None) | None => f(),
+    }
+}
+
 /// One adapted module's pair, as this rank holds it.
 #[derive(Debug, Clone)]
 struct Pair {
@@ -376,8 +388,10 @@ impl Lora {
         let stacked = pairs.len() > 1;
         for (i, p) in pairs.iter_mut().enumerate() {
             let r = p.a.dims()[0];
-            let (us_p, du_p) = if stacked { (us.narrow(1, i * r, r)?, du.narrow(1, i * r, r)?) } else { (us.clone(), du.clone()) };
-            let dy_p = if p.rows.len() == dy.dims()[last] { dy.clone() } else { dy.narrow(last, p.rows.start, p.rows.len())? };
+            let (us_p, du_p) =
+                if stacked { (us.narrow(1, i * r, r)?, du.narrow(1, i * r, r)?) } else { (us.clone(), du.clone()) };
+            let dy_p =
+                if p.rows.len() == dy.dims()[last] { dy.clone() } else { dy.narrow(last, p.rows.start, p.rows.len())? };
             // dB = (s dY_p)^T u = dY_p^T (s u); dA = du^T X.
             p.grad_b.add_weight_grad(&us_p, &dy_p)?;
             p.grad_a.add_weight_grad(&x32, &du_p)?;

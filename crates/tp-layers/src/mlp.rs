@@ -181,7 +181,13 @@ impl ParallelMlp {
         let pass = rows.div_ceil(passes).next_multiple_of(16);
         let partials = (0..rows)
             .step_by(pass)
-            .map(|r0| self.down.forward_partial(&self.activation(&x.narrow(0, r0, pass.min(rows - r0))?)?))
+            .map(|r0| {
+                let n = pass.min(rows - r0);
+                // LoRA adapters chosen per token: those of this pass's rows.
+                crate::lora::with_token_rows(r0, n, || {
+                    self.down.forward_partial(&self.activation(&x.narrow(0, r0, n)?)?)
+                })
+            })
             .collect::<Result<Vec<_>>>()?;
         let partial = Tensor::cat(&partials, 0)?;
         self.down.add_bias(self.down.group().all_reduce(&partial, ReduceOp::Sum)?)

@@ -457,3 +457,41 @@ fn a_mixed_batch_gives_each_row_its_own_adapter() {
         });
     }
 }
+
+/// An MLP that takes its rows in passes (as the host does for long batches) gives each pass's
+/// rows their own adapters: the same result as in one pass, at world sizes 1-3.
+#[test]
+fn an_mlp_in_passes_keeps_each_rows_adapter() {
+    use tp_layers::lora::{attaching_as, with_token_adapters};
+    use tp_layers::{MlpNames, ParallelMlp};
+    let (t, h, inter, r) = (40, 12, 20, 2);
+    let mut rng = SplitMix64::new(31);
+    let (gate, up, down) =
+        (Module::new(inter, h, r, &mut rng), Module::new(inter, h, r, &mut rng), Module::new(h, inter, r, &mut rng));
+    let x = M::rand(t, h, &mut rng);
+    let mut full = BTreeMap::new();
+    for (name, m) in [("gate_proj", &gate), ("up_proj", &up), ("down_proj", &down)] {
+        full.insert(format!("mlp.{name}.lora_A.weight"), m.a.tensor());
+        full.insert(format!("mlp.{name}.lora_B.weight"), m.b.tensor());
+    }
+    let spec = spec(r, 4.0, false, &["gate_proj", "up_proj", "down_proj"], full);
+    let ids: Arc<[u32]> = (0..t).map(|i| [1, 0, 1, 1, 0][i % 5]).collect::<Vec<u32>>().into();
+    for world in 1..=3 {
+        on_ranks(world, Device::Cpu, |g| {
+            tp_core::cpu::set_batch_invariant(true);
+            let lin = |m: &Module| Linear::new(m.w.tensor(), None).unwrap();
+            let mut mlp =
+                ParallelMlp::from_full(&lin(&gate), &lin(&up), &lin(&down), tp_core::Activation::Silu, &g).unwrap();
+            let ((), n) =
+                attaching_as(1, spec.clone(), || mlp.params("mlp", MlpNames::default(), &mut |_| {}).unwrap());
+            assert_eq!(n, 3);
+            let xt = x.tensor();
+            let one = with_token_adapters(ids.clone(), || mlp.forward_in_passes(&xt, usize::MAX)).unwrap();
+            // Passes of 16 rows.
+            let passes = with_token_adapters(ids.clone(), || mlp.forward_in_passes(&xt, 16 * 2 * inter * 4)).unwrap();
+            assert_eq!(one.to_f64_vec().unwrap(), passes.to_f64_vec().unwrap(), "world {world}");
+            let base = mlp.forward_in_passes(&xt, usize::MAX).unwrap();
+            assert_ne!(one.to_f64_vec().unwrap(), base.to_f64_vec().unwrap());
+        });
+    }
+}
