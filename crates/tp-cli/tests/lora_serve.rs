@@ -51,6 +51,30 @@ fn write_adapter(dir: &Path, r: usize, alpha: f64, targets: &[&str], seed: u64) 
     dir.to_path_buf()
 }
 
+/// An adapter for a wider model (q_proj of 64 features): names and ranks fine, shapes not.
+fn write_wide_adapter(root: &Path) -> PathBuf {
+    let wide = root.join("wide");
+    std::fs::create_dir_all(&wide).unwrap();
+    let bytes = vec![0u8; 4 * 2 * 64];
+    let a = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 64], &bytes).unwrap();
+    let b = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![64, 2], &bytes).unwrap();
+    safetensors::serialize_to_file(
+        vec![
+            ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight".to_string(), a),
+            ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight".to_string(), b),
+        ],
+        None,
+        &wide.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(
+        wide.join("adapter_config.json"),
+        json!({"r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}).to_string(),
+    )
+    .unwrap();
+    wide
+}
+
 /// A fresh folder for adapters (outside the model folders, which a server deletes when it
 /// stops).
 fn adapter_root(test: &str) -> PathBuf {
@@ -220,25 +244,7 @@ fn bad_adapters_stop_the_start_with_one_line() {
     let err = run(&["--enable-lora", "--max-lora-rank", "8", "--lora-modules", &qv]);
     assert!(err.contains("\"qv\"") && err.contains("rank 16 is over --max-lora-rank 8"), "{err}");
     // An adapter of another shape (a wider model's): named with its tensor.
-    let wide = root.join("wide");
-    std::fs::create_dir_all(&wide).unwrap();
-    let bytes = vec![0u8; 4 * 2 * 64];
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 64], &bytes).unwrap();
-    let view_b = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![64, 2], &bytes).unwrap();
-    safetensors::serialize_to_file(
-        vec![
-            ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight".to_string(), view),
-            ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight".to_string(), view_b),
-        ],
-        None,
-        &wide.join("adapter_model.safetensors"),
-    )
-    .unwrap();
-    std::fs::write(
-        wide.join("adapter_config.json"),
-        json!({"r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}).to_string(),
-    )
-    .unwrap();
+    let wide = write_wide_adapter(&root);
     let err = run(&["--enable-lora", "--lora-modules", &format!("wide={}", wide.display())]);
     assert!(err.contains("q_proj.lora_A.weight"), "{err}");
     assert!(run(&["--enable-lora", "--max-loras", "0"]).contains("--max-loras"));
@@ -280,25 +286,7 @@ fn adapters_load_and_unload_at_runtime() {
     assert_eq!(got, want, "loaded at runtime vs given at start");
     assert_eq!(load(name, path).0, 400, "a name loaded twice");
     // A bad adapter (ranks over the shapes): refused, and `all` serves on unchanged.
-    let wide = root.join("wide");
-    std::fs::create_dir_all(&wide).unwrap();
-    let bytes = vec![0u8; 4 * 2 * 64];
-    let a = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 64], &bytes).unwrap();
-    let b = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![64, 2], &bytes).unwrap();
-    safetensors::serialize_to_file(
-        vec![
-            ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight".to_string(), a),
-            ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight".to_string(), b),
-        ],
-        None,
-        &wide.join("adapter_model.safetensors"),
-    )
-    .unwrap();
-    std::fs::write(
-        wide.join("adapter_config.json"),
-        json!({"r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}).to_string(),
-    )
-    .unwrap();
+    let wide = write_wide_adapter(&root);
     let (status, text) = load("wide", &wide);
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("q_proj.lora_A.weight"), "{text}");

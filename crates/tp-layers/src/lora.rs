@@ -235,6 +235,9 @@ struct Pair {
 pub struct Lora {
     /// `(slot, pairs)`, slots ascending, none empty.
     slots: Vec<(u32, Vec<Pair>)>,
+    /// Each served slot's pairs stacked once when attached (their weights never change; the
+    /// trained slot's are stacked at each use, since the optimizer updates them).
+    stacked: Vec<(u32, Stacked)>,
 }
 
 impl Lora {
@@ -257,15 +260,17 @@ impl Lora {
         if x.device() != Device::Cpu {
             return self.forward_device(x, y, tokens.as_deref());
         }
-        let groups: Vec<(&[Pair], Option<Vec<usize>>)> = match &tokens {
-            None => self.pairs_of(TRAINED).map(|p| (p, None)).into_iter().collect(),
+        // (slot, its pairs, its rows: `None` for every row).
+        type Group<'p> = (u32, &'p [Pair], Option<Vec<usize>>);
+        let groups: Vec<Group<'_>> = match &tokens {
+            None => self.pairs_of(TRAINED).map(|p| (TRAINED, p, None)).into_iter().collect(),
             Some(ids) => self
                 .slots
                 .iter()
                 .filter(|(id, _)| *id != TRAINED)
                 .filter_map(|(id, pairs)| {
                     let mine: Vec<usize> = (0..rows).filter(|&t| ids[t] == *id).collect();
-                    (!mine.is_empty()).then(|| (pairs.as_slice(), (mine.len() < rows).then_some(mine)))
+                    (!mine.is_empty()).then(|| (*id, pairs.as_slice(), (mine.len() < rows).then_some(mine)))
                 })
                 .collect(),
         };
@@ -277,13 +282,21 @@ impl Lora {
         // Moved, not shared, when already f32: the products add into it in place.
         let mut y32 = if dtype == DType::F32 { y } else { y.to_dtype(DType::F32)? };
         let last = y32.ndim().saturating_sub(1);
-        for (pairs, rows) in groups {
+        for (id, pairs, rows) in groups {
+            let fresh;
+            let st = match self.stacked.iter().find(|(s, _)| *s == id) {
+                Some((_, st)) => st,
+                None => {
+                    fresh = Stacked::of(pairs, y32.dims()[last])?;
+                    &fresh
+                }
+            };
             match rows {
-                None => add_pairs(pairs, &x32, &mut y32)?,
+                None => st.add_into(&x32, &mut y32)?,
                 Some(rows) => {
                     let xg = crate::moe::gather_rows(&x32, &rows)?;
                     let mut d = Tensor::zeros(&[rows.len(), y32.dims()[last]], DType::F32, &y32.device())?;
-                    add_pairs(pairs, &xg, &mut d)?;
+                    st.add_into(&xg, &mut d)?;
                     y32.add_rows_scaled(&rows, &d, &vec![1.0; rows.len()])?;
                 }
             }
@@ -420,14 +433,6 @@ impl Lora {
     }
 }
 
-/// `y += s · (x A^T) B^T` of each pair, on its output columns (`x`, `y` f32): one product
-/// for every pair's `x A^T` and one for their expansions, added into `y` by the GEMM.
-fn add_pairs(pairs: &[Pair], x32: &Tensor, y32: &mut Tensor) -> Result<()> {
-    let st = Stacked::of(pairs, out_width(y32))?;
-    let us = x32.matmul_t(&st.a)?.scale(st.scale)?;
-    Ok(y32.add_t_matmul(&us.transpose2d()?, &st.bt)?)
-}
-
 /// The last dim of `t` (a layer's local output width).
 fn out_width(t: &Tensor) -> usize {
     t.dims().last().copied().unwrap_or(0)
@@ -438,6 +443,7 @@ fn out_width(t: &Tensor) -> usize {
 /// (`[P·r, out]`, `B_p^T` in rows `p·r..` and the pair's output columns, zeros elsewhere), so
 /// that `(x a^T) bt` is every pair's `(x A_p^T) B_p^T` on its own columns. The pairs of a slot
 /// come from one adapter: one rank, one scale.
+#[derive(Debug, Clone)]
 struct Stacked {
     a: Tensor,
     bt: Tensor,
@@ -445,6 +451,13 @@ struct Stacked {
 }
 
 impl Stacked {
+    /// `y += s · (x A^T) B^T` of each pair, on its output columns (`x`, `y` f32): one product
+    /// for every pair's `x A^T` and one for their expansions, added into `y` by the GEMM.
+    fn add_into(&self, x32: &Tensor, y32: &mut Tensor) -> Result<()> {
+        let us = x32.matmul_t(&self.a)?.scale(self.scale)?;
+        Ok(y32.add_t_matmul(&us.transpose2d()?, &self.bt)?)
+    }
+
     /// The stack of `pairs` for a layer of `width` local output columns.
     fn of(pairs: &[Pair], width: usize) -> Result<Stacked> {
         let scale = pairs.first().map_or(1.0, |p| p.scale);
@@ -500,7 +513,11 @@ pub(crate) fn visit<'a>(
     if let Some(id) = id {
         let lora = slot.get_or_insert_with(Box::default);
         lora.slots.retain(|(s, _)| *s != id);
+        lora.stacked.retain(|(s, _)| *s != id);
         if !pairs.is_empty() {
+            if id != TRAINED && device == &Device::Cpu {
+                lora.stacked.push((id, Stacked::of(&pairs, local.0)?));
+            }
             lora.slots.push((id, pairs));
             lora.slots.sort_by_key(|(s, _)| *s);
         }

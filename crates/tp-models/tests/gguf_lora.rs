@@ -13,24 +13,6 @@ use tp_core::{Device, Tensor};
 use tp_layers::lora::{LoraInit, LoraSettings, LoraSpec, LoraTargets};
 use tp_layers::{Gather, gather_full};
 use tp_models::{Architecture, ModelOptions, ParallelCausalLm, Recompute, TrainRow};
-use tp_testing::synthetic::SyntheticModel;
-
-fn spec(architecture: Architecture, seed: u64) -> SyntheticModel {
-    SyntheticModel {
-        architecture,
-        vocab_size: 1001,
-        hidden_size: 256,
-        intermediate_size: 768,
-        num_hidden_layers: 2,
-        num_attention_heads: 8,
-        num_key_value_heads: 2,
-        head_dim: Some(32),
-        max_position_embeddings: 64,
-        files: 1,
-        seed,
-        ..SyntheticModel::tiny()
-    }
-}
 
 /// Random `A` and `B` (both non-zero) on every projection of the test model.
 fn adapter(seed: u64) -> LoraSpec {
@@ -87,7 +69,7 @@ fn adapters_on_a_quantized_gguf_base_train_as_on_its_dequantized_weights() {
     for (name, arch, qtype) in [("llama", Architecture::Llama, "Q4_K"), ("qwen2", Architecture::Qwen2, "Q8_0")] {
         let dir = tmpdir(&format!("gguf-lora-{name}"));
         let hf = dir.join("hf");
-        spec(arch, 31).write(&hf).unwrap();
+        gguf_spec(arch, false, 31).write(&hf).unwrap();
         let (gguf, reference) = (dir.join("model.gguf"), dir.join("ref"));
         write_gguf(&hf, &gguf, qtype, &reference, &[]);
         let lora = adapter(7);

@@ -37,21 +37,7 @@ use tp_testing::synthetic::SyntheticModel;
 const PROMPT: [i64; 9] = [1, 523, 17, 999, 1000, 4, 311, 77, 2];
 
 fn spec(architecture: Architecture, tie: bool, seed: u64) -> SyntheticModel {
-    SyntheticModel {
-        architecture,
-        vocab_size: 1001,
-        hidden_size: 256,
-        intermediate_size: 768,
-        num_hidden_layers: 2,
-        num_attention_heads: 8,
-        num_key_value_heads: 2,
-        head_dim: Some(32),
-        tie_word_embeddings: tie,
-        max_position_embeddings: 64,
-        files: 1,
-        seed,
-        ..SyntheticModel::tiny()
-    }
+    gguf_spec(architecture, tie, seed)
 }
 
 /// Gemma 3 with a sliding window of 4 (shorter than the prompt) on llama.cpp's default layers

@@ -85,3 +85,23 @@ pub fn moe_reference(dir: &Path) -> std::collections::BTreeMap<String, Vec<f64>>
         })
         .collect()
 }
+
+/// A small model with shapes off the quantized blocks at most TP degrees (8 query heads of 32
+/// over 2 KV heads, an intermediate size of 768, a vocabulary of 1001), 2 layers.
+pub fn gguf_spec(architecture: Architecture, tie: bool, seed: u64) -> tp_testing::synthetic::SyntheticModel {
+    tp_testing::synthetic::SyntheticModel {
+        architecture,
+        vocab_size: 1001,
+        hidden_size: 256,
+        intermediate_size: 768,
+        num_hidden_layers: 2,
+        num_attention_heads: 8,
+        num_key_value_heads: 2,
+        head_dim: Some(32),
+        tie_word_embeddings: tie,
+        max_position_embeddings: 64,
+        files: 1,
+        seed,
+        ..tp_testing::synthetic::SyntheticModel::tiny()
+    }
+}
