@@ -9,22 +9,14 @@
 
 mod common;
 
-use common::{close, config, fixture, read_json, read_tensors};
-use std::collections::BTreeMap;
-use std::sync::Mutex;
-use tp_comm::{Mesh, MeshShape};
-use tp_core::{Device, Tensor};
-use tp_layers::{Gather, gather_full};
+use common::{Run, close, config, fixture, read_json, read_tensors, run_mesh};
+use tp_comm::MeshShape;
+use tp_core::Device;
 use tp_models::adapter::{PEFT_PREFIX, peft_names, read_adapter};
 use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute, stage_parts};
-use tp_train::data::Dataset;
-use tp_train::{StepGroups, Trainer};
 
-/// What the first rank saw: per-step (loss, grad_norm, lr, tokens), step 1's adapter
-/// gradients and the adapters after the last step (PEFT's names).
-type Run = (Vec<(f64, f64, f64, usize)>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>);
-
-/// A `(dp, pp, tp)` mesh trains the fixture's adapter on `case`'s frozen base.
+/// A `(dp, pp, tp)` mesh trains the fixture's adapter on `case`'s frozen base: what the first
+/// rank saw, the adapters under PEFT's names.
 fn train(case: &str, (dp, pp, tp): (usize, usize, usize), sp: bool, recompute: Recompute) -> Run {
     let dir = fixture(case);
     let reference = read_json(dir.join("lora/reference.json"));
@@ -32,80 +24,25 @@ fn train(case: &str, (dp, pp, tp): (usize, usize, usize), sp: bool, recompute: R
     let config = ModelConfig::from_dir(&dir).unwrap();
     let adapter = read_adapter(&dir.join("lora/adapter_init"), config.num_hidden_layers).unwrap();
     let parts = stage_parts(config.num_hidden_layers, pp, None).unwrap();
-    let meshes =
-        Mesh::local(MeshShape::new(dp, pp, tp).unwrap(), tp_testing::ranks::timeout(), |_| Device::Cpu).unwrap();
-    let (grads, weights, logs) = (Mutex::new(BTreeMap::new()), Mutex::new(BTreeMap::new()), Mutex::new(Vec::new()));
-    let rows_per_step = (hyper["micro_batch_size"].as_u64().unwrap() * hyper["grad_accum"].as_u64().unwrap()) as usize;
-    let errors: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = meshes
-            .into_iter()
-            .map(|mesh| {
-                let (config, parts, dir, grads, weights, logs, adapter) =
-                    (&config, &parts, &dir, &grads, &weights, &logs, &adapter);
-                s.spawn(move || -> Result<(), String> {
-                    let out = (|| -> Result<(), String> {
-                        let e = |e: &dyn std::fmt::Display| e.to_string();
-                        let part = &parts[mesh.coords().pp];
-                        let mut chunk = ParallelCausalLm::load_part(dir, config, mesh.tp(), &ModelOptions::new(), part)
-                            .map_err(|x| e(&x))?;
-                        chunk.set_sequence_parallel(sp);
-                        let adapted = chunk.add_lora(adapter.spec()).map_err(|x| e(&x))?;
-                        if adapted == 0 {
-                            return Err("no module adapted".into());
-                        }
-                        let mut chunks = vec![chunk];
-                        let mut data =
-                            Dataset::open(&dir.join("data.jsonl"), config.vocab_size, 16, None).map_err(|x| e(&x))?;
-                        let mut cfg = self::config(hyper, recompute, sp);
-                        if pp > 1 || dp > 1 {
-                            cfg.micro_batch_size = 1;
-                            cfg.grad_accum = rows_per_step / dp;
-                        }
-                        let mut trainer = Trainer::new(cfg).map_err(|x| e(&x))?;
-                        let groups = StepGroups::of_mesh(&mesh, None);
-                        let writer = mesh.coords().dp == 0 && mesh.coords().tp == 0;
-                        let gather = |chunks: &mut Vec<ParallelCausalLm>,
-                                      what: Gather,
-                                      into: &Mutex<BTreeMap<String, Tensor>>| {
-                            let group = chunks[0].group().clone();
-                            let params = chunks[0].params_mut().map_err(|x| e(&x))?;
-                            let full = gather_full(&params, what, &group).map_err(|x| e(&x))?;
-                            if writer {
-                                into.lock().unwrap().extend(peft_names(full).map_err(|x| e(&x))?);
-                            }
-                            Ok::<(), String>(())
-                        };
-                        for step in 1..=hyper["steps"].as_u64().unwrap() {
-                            let rows = data.next_rows(rows_per_step);
-                            let acc = trainer.accumulate_stages(&mut chunks, &groups, &rows).map_err(|x| e(&x))?;
-                            if step == 1 {
-                                gather(&mut chunks, Gather::Grads, grads)?;
-                            }
-                            let lr = trainer.apply_stages(&mut chunks, acc.grad_norm).map_err(|x| e(&x))?;
-                            if mesh.rank() == 0 {
-                                logs.lock().unwrap().push((
-                                    acc.loss_sum / acc.targets as f64,
-                                    acc.grad_norm,
-                                    lr,
-                                    acc.targets,
-                                ));
-                            }
-                        }
-                        gather(&mut chunks, Gather::Values, weights)
-                    })();
-                    if let Err(why) = &out {
-                        mesh.abort(&format!("rank {} failed: {why}", mesh.rank()));
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().filter_map(|h| h.join().expect("rank panicked").err()).collect()
-    });
-    if let Some(e) = errors.first() {
-        panic!("{case} at dp {dp} x pp {pp} x tp {tp}: {e}");
+    let mut cfg = self::config(hyper, recompute, sp);
+    if pp > 1 || dp > 1 {
+        let rows = (hyper["micro_batch_size"].as_u64().unwrap() * hyper["grad_accum"].as_u64().unwrap()) as usize;
+        cfg.micro_batch_size = 1;
+        cfg.grad_accum = rows / dp;
     }
-    (logs.into_inner().unwrap(), grads.into_inner().unwrap(), weights.into_inner().unwrap())
+    let load = |mesh: &tp_comm::Mesh| {
+        let part = &parts[mesh.coords().pp];
+        let mut chunk = ParallelCausalLm::load_part(&dir, &config, mesh.tp(), &ModelOptions::new(), part)
+            .map_err(|e| e.to_string())?;
+        chunk.set_sequence_parallel(sp);
+        match chunk.add_lora(adapter.spec()).map_err(|e| e.to_string())? {
+            0 => Err("no module adapted".to_string()),
+            _ => Ok(chunk),
+        }
+    };
+    let (logs, grads, weights) = run_mesh(&dir, hyper, MeshShape::new(dp, pp, tp).unwrap(), cfg, false, &load)
+        .unwrap_or_else(|e| panic!("{case} at dp {dp} x pp {pp} x tp {tp}: {e}"));
+    (logs, peft_names(grads).unwrap(), peft_names(weights).unwrap())
 }
 
 /// `run` against the PEFT fixture of `case`.

@@ -7,21 +7,16 @@
 //! their count) and must match.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
-use tp_comm::{DeviceGroup, Mesh, MeshShape};
+use tp_comm::{DeviceGroup, MeshShape};
 use tp_core::{Device, Tensor};
 use tp_layers::{Gather, gather_full};
 use tp_models::{ModelConfig, ModelOptions, ParallelCausalLm, Recompute, stage_parts, to_checkpoint_layout};
+use tp_train::Trainer;
 use tp_train::data::Dataset;
 use tp_train::pipeline::ScheduleKind;
-use tp_train::{StepGroups, Trainer};
 
 mod common;
-use common::{close, config, fixture, read_json, read_tensors};
-
-/// What rank 0 saw: per-step (loss, grad_norm, lr, tokens), step 1's full gradients and the
-/// full weights at the end.
-type Run = (Vec<(f64, f64, f64, usize)>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>);
+use common::{Run, close, config, fixture, read_json, read_tensors, run_mesh};
 
 fn train(case: &str, world: usize, recompute: Recompute, sp: bool) -> Run {
     train_opts(case, world, recompute, sp, ModelOptions::new())
@@ -86,80 +81,22 @@ fn train_mesh_ep(
     let config = ModelConfig::from_dir(&dir).unwrap();
     let parts = stage_parts(config.num_hidden_layers, pp, None).unwrap();
     let mesh_shape = MeshShape::new(dp, pp, tp).unwrap().with_expert_parallel(ep).unwrap();
-    let meshes = Mesh::local(mesh_shape, tp_testing::ranks::timeout(), |_| Device::Cpu).unwrap();
-    let (grads, weights, logs) = (Mutex::new(BTreeMap::new()), Mutex::new(BTreeMap::new()), Mutex::new(Vec::new()));
-    let rows_per_step = (hyper["micro_batch_size"].as_u64().unwrap() * hyper["grad_accum"].as_u64().unwrap()) as usize;
-    let errors: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = meshes
-            .into_iter()
-            .map(|mesh| {
-                let (config, parts, dir, grads, weights, logs) = (&config, &parts, &dir, &grads, &weights, &logs);
-                s.spawn(move || -> Result<(), String> {
-                    let out = (|| -> Result<(), String> {
-                        let e = |e: &dyn std::fmt::Display| e.to_string();
-                        let part = &parts[mesh.coords().pp];
-                        let chunk = if ep > 1 {
-                            ParallelCausalLm::load_part_expert_parallel(dir, config, mesh.tp(), mesh.ep(), &opts, part)
-                        } else {
-                            ParallelCausalLm::load_part(dir, config, mesh.tp(), &opts, part)
-                        };
-                        let mut chunks = vec![chunk.map_err(|x| e(&x))?];
-                        let mut data =
-                            Dataset::open(&dir.join("data.jsonl"), config.vocab_size, 16, None).map_err(|x| e(&x))?;
-                        let mut cfg = self::config(hyper, recompute, sp);
-                        cfg.micro_batch_size = 1;
-                        cfg.pp_schedule = schedule;
-                        let mut trainer = Trainer::new(cfg).map_err(|x| e(&x))?;
-                        let groups = StepGroups::of_mesh(&mesh, None);
-                        let writer = mesh.coords().dp == 0 && mesh.coords().tp == 0;
-                        let experts = (ep > 1).then(|| mesh.ep());
-                        let gather = |chunks: &mut Vec<ParallelCausalLm>,
-                                      what: Gather,
-                                      into: &Mutex<BTreeMap<String, Tensor>>| {
-                            let group = chunks[0].group().clone();
-                            let params = chunks[0].params_mut().map_err(|x| e(&x))?;
-                            let full = gather_full(&params, what, &group).map_err(|x| e(&x))?;
-                            // Each expert-parallel replica holds other experts (zeros for the rest).
-                            let full = tp_train::checkpoint::sum_experts(full, experts).map_err(|x| e(&x))?;
-                            if writer {
-                                into.lock().unwrap().extend(full);
-                            }
-                            Ok::<(), String>(())
-                        };
-                        for step in 1..=hyper["steps"].as_u64().unwrap() {
-                            let rows = data.next_rows(rows_per_step);
-                            let acc = trainer.accumulate_stages(&mut chunks, &groups, &rows).map_err(|x| e(&x))?;
-                            if step == 1 {
-                                gather(&mut chunks, Gather::Grads, grads)?;
-                            }
-                            let lr = trainer.apply_stages(&mut chunks, acc.grad_norm).map_err(|x| e(&x))?;
-                            if mesh.rank() == 0 {
-                                logs.lock().unwrap().push((
-                                    acc.loss_sum / acc.targets as f64,
-                                    acc.grad_norm,
-                                    lr,
-                                    acc.targets,
-                                ));
-                            }
-                        }
-                        gather(&mut chunks, Gather::Values, weights)
-                    })();
-                    if let Err(why) = &out {
-                        mesh.abort(&format!("rank {} failed: {why}", mesh.rank()));
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().filter_map(|h| h.join().unwrap().err()).collect()
-    });
-    if let Some(e) = errors.into_iter().next() {
-        panic!("{case} at dp {dp} x pp {pp} x tp {tp}: {e}");
-    }
-    let layout = |m: Mutex<BTreeMap<String, Tensor>>| {
-        to_checkpoint_layout(config.architecture, m.into_inner().unwrap()).unwrap()
+    let mut cfg = self::config(hyper, recompute, sp);
+    cfg.micro_batch_size = 1;
+    cfg.pp_schedule = schedule;
+    let load = |mesh: &tp_comm::Mesh| {
+        let part = &parts[mesh.coords().pp];
+        let chunk = if ep > 1 {
+            ParallelCausalLm::load_part_expert_parallel(&dir, &config, mesh.tp(), mesh.ep(), &opts, part)
+        } else {
+            ParallelCausalLm::load_part(&dir, &config, mesh.tp(), &opts, part)
+        };
+        chunk.map_err(|e| e.to_string())
     };
-    (logs.into_inner().unwrap(), layout(grads), layout(weights))
+    let (logs, grads, weights) = run_mesh(&dir, hyper, mesh_shape, cfg, ep > 1, &load)
+        .unwrap_or_else(|e| panic!("{case} at dp {dp} x pp {pp} x tp {tp}: {e}"));
+    let layout = |m: BTreeMap<String, Tensor>| to_checkpoint_layout(config.architecture, m).unwrap();
+    (logs, layout(grads), layout(weights))
 }
 
 fn check_case(case: &str, worlds: &[usize]) {

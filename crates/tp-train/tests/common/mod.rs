@@ -60,3 +60,91 @@ pub fn close(what: &str, got: &[f64], want: &[f64], rtol: f64, atol: f64) {
     let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
     assert!(worst <= atol + rtol * scale, "{what}: max error {worst:e} against max |want| {scale:e}");
 }
+
+/// What rank 0 saw: per-step (loss, grad_norm, lr, tokens), step 1's full gradients and the
+/// full weights at the end (as gathered, before any renaming).
+pub type Run = (Vec<(f64, f64, f64, usize)>, BTreeMap<String, tp_core::Tensor>, BTreeMap<String, tp_core::Tensor>);
+
+/// Trains the fixture in `dir` (its `data.jsonl`, `hyper`'s steps and rows per step) on a mesh of
+/// `shape`, one thread per rank: each rank's chunk comes from `load` (its mesh and stage part),
+/// the trainer is set by `cfg`; with `experts`, each expert-parallel replica's routed experts
+/// are summed over the expert-parallel group before gathering. Returns what the first
+/// replica's first tensor-parallel ranks gathered (every stage's full tensors).
+pub fn run_mesh(
+    dir: &std::path::Path,
+    hyper: &serde_json::Value,
+    shape: tp_comm::MeshShape,
+    cfg: TrainConfig,
+    experts: bool,
+    load: &(dyn Fn(&tp_comm::Mesh) -> Result<tp_models::ParallelCausalLm, String> + Sync),
+) -> Result<Run, String> {
+    use std::sync::Mutex;
+    use tp_layers::{Gather, gather_full};
+    use tp_models::ParallelCausalLm;
+    let config = tp_models::ModelConfig::from_dir(dir).map_err(|e| e.to_string())?;
+    let meshes = tp_comm::Mesh::local(shape, tp_testing::ranks::timeout(), |_| tp_core::Device::Cpu)
+        .map_err(|e| e.to_string())?;
+    let (grads, weights, logs) = (Mutex::new(BTreeMap::new()), Mutex::new(BTreeMap::new()), Mutex::new(Vec::new()));
+    let rows_per_step = (hyper["micro_batch_size"].as_u64().unwrap() * hyper["grad_accum"].as_u64().unwrap()) as usize;
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = meshes
+            .into_iter()
+            .map(|mesh| {
+                let (config, grads, weights, logs, cfg) = (&config, &grads, &weights, &logs, cfg.clone());
+                s.spawn(move || -> Result<(), String> {
+                    let out = (|| -> Result<(), String> {
+                        let e = |e: &dyn std::fmt::Display| e.to_string();
+                        let mut chunks = vec![load(&mesh)?];
+                        let mut data =
+                            tp_train::data::Dataset::open(&dir.join("data.jsonl"), config.vocab_size, 16, None)
+                                .map_err(|x| e(&x))?;
+                        let mut trainer = tp_train::Trainer::new(cfg).map_err(|x| e(&x))?;
+                        let groups = tp_train::StepGroups::of_mesh(&mesh, None);
+                        let writer = mesh.coords().dp == 0 && mesh.coords().tp == 0;
+                        let ep = experts.then(|| mesh.ep());
+                        let gather =
+                            |chunks: &mut Vec<ParallelCausalLm>,
+                             what: Gather,
+                             into: &Mutex<BTreeMap<String, tp_core::Tensor>>| {
+                                let group = chunks[0].group().clone();
+                                let params = chunks[0].params_mut().map_err(|x| e(&x))?;
+                                let full = gather_full(&params, what, &group).map_err(|x| e(&x))?;
+                                // Each expert-parallel replica holds other experts (zeros for the rest).
+                                let full = tp_train::checkpoint::sum_experts(full, ep).map_err(|x| e(&x))?;
+                                if writer {
+                                    into.lock().unwrap().extend(full);
+                                }
+                                Ok::<(), String>(())
+                            };
+                        for step in 1..=hyper["steps"].as_u64().unwrap() {
+                            let rows = data.next_rows(rows_per_step);
+                            let acc = trainer.accumulate_stages(&mut chunks, &groups, &rows).map_err(|x| e(&x))?;
+                            if step == 1 {
+                                gather(&mut chunks, Gather::Grads, grads)?;
+                            }
+                            let lr = trainer.apply_stages(&mut chunks, acc.grad_norm).map_err(|x| e(&x))?;
+                            if mesh.rank() == 0 {
+                                logs.lock().unwrap().push((
+                                    acc.loss_sum / acc.targets as f64,
+                                    acc.grad_norm,
+                                    lr,
+                                    acc.targets,
+                                ));
+                            }
+                        }
+                        gather(&mut chunks, Gather::Values, weights)
+                    })();
+                    if let Err(why) = &out {
+                        mesh.abort(&format!("rank {} failed: {why}", mesh.rank()));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().expect("rank panicked").err()).collect()
+    });
+    if let Some(e) = errors.into_iter().next() {
+        return Err(e);
+    }
+    Ok((logs.into_inner().unwrap(), grads.into_inner().unwrap(), weights.into_inner().unwrap()))
+}
