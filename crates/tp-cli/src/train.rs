@@ -389,6 +389,7 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
                     trace,
                     expert_parallel,
                     lora: lora_spec.as_ref(),
+                    lora_dropout: (a.lora.lora_dropout as f32, a.seed),
                 };
                 let out = job.run(&mesh, config_t, data);
                 if let Err(e) = out {
@@ -439,6 +440,8 @@ struct RankJob<'a> {
     expert_parallel: bool,
     /// LoRA adapters to attach (the base frozen).
     lora: Option<&'a tp_layers::lora::LoraSpec>,
+    /// Their dropout rate and its seed.
+    lora_dropout: (f32, u64),
 }
 
 impl RankJob<'_> {
@@ -472,6 +475,7 @@ impl RankJob<'_> {
             let mut adapted = 0;
             for c in &mut chunks {
                 adapted += c.add_lora(spec.clone()).map_err(|e| e.to_string())?;
+                c.set_lora_dropout(self.lora_dropout.0, self.lora_dropout.1).map_err(|e| e.to_string())?;
             }
             if adapted == 0 {
                 return Err(format!("LoRA: {:?} matched no module of this model", spec.targets));

@@ -17,7 +17,8 @@ pub struct LoraArgs {
     /// The adapters' `lora_alpha` (scale alpha / r; PEFT's default 8).
     #[arg(long)]
     pub lora_alpha: Option<f64>,
-    /// Dropout on the adapters' input (PEFT's `lora_dropout`).
+    /// Dropout on the adapters' input while training (PEFT's `lora_dropout`; masks drawn from
+    /// --seed).
     #[arg(long, default_value_t = 0.0)]
     pub lora_dropout: f64,
     /// Modules to adapt, as PEFT's `target_modules`: names such as q_proj,v_proj (a module
@@ -53,12 +54,6 @@ impl LoraArgs {
     pub fn spec(&self, resume: Option<&Path>, config: &ModelConfig, seed: u64) -> Result<Option<LoraSpec>, CliError> {
         if !(0.0..1.0).contains(&self.lora_dropout) {
             return Err(bad(format!("--lora-dropout {} must be in [0, 1)", self.lora_dropout)));
-        }
-        if self.lora_dropout > 0.0 {
-            return Err(bad(format!(
-                "--lora-dropout {}: dropout on the adapters' input is not supported yet (train with 0)",
-                self.lora_dropout
-            )));
         }
         let from = match (resume.filter(|r| is_adapter_dir(r)), &self.lora_adapter) {
             (Some(_), Some(a)) => {

@@ -111,7 +111,7 @@ fn bad_lora_flags_and_adapters_are_refused_in_one_line() {
     };
     assert!(run(&["--lora-alpha", "16"]).contains("--lora-r"));
     assert!(run(&["--lora-r", "0"]).contains("--lora-r 0"));
-    assert!(run(&["--lora-r", "4", "--lora-dropout", "0.1"]).contains("--lora-dropout"));
+    assert!(run(&["--lora-r", "4", "--lora-dropout", "1.5"]).contains("--lora-dropout"));
     assert!(run(&["--lora-r", "4", "--lora-target-modules", "nope_proj"]).contains("matched no module"));
     let missing = dir.join("absent").display().to_string();
     assert!(run(&["--lora-adapter", &missing]).contains("absent"));
@@ -169,4 +169,35 @@ fn tp_merge_equals_peft_merge_and_unload() {
             .unwrap();
         assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("not empty"));
     }
+}
+
+/// `--lora-dropout`: the adapters' input is dropped while training (the loss moves off the
+/// undropped run's, the same on a second run and at another TP degree) and the saved config
+/// records the rate.
+#[test]
+fn lora_dropout_trains_reproducibly_and_is_recorded() {
+    let case = fixture("llama");
+    let dir = scratch("lora-dropout");
+    let flags = hyper_flags(&case.join("data.jsonl"));
+    let adapter = case.join("lora/adapter_init").display().to_string();
+    let run = |name: &str, extra: &[&str]| {
+        let log = dir.join(format!("{name}.jsonl"));
+        let log_s = log.display().to_string();
+        let mut args: Vec<&str> = flags.iter().map(String::as_str).collect();
+        args.extend(["--lora-adapter", &adapter, "--log-json", &log_s]);
+        args.extend(extra);
+        ok(&tp_train(&case, &args));
+        log_lines(&log)
+    };
+    let save = dir.join("saved").display().to_string();
+    let with = run("with", &["--lora-dropout", "0.1", "--tp", "2", "--save", &save]);
+    let again = run("again", &["--lora-dropout", "0.1", "--tp", "3"]);
+    let without = run("without", &[]);
+    for (a, b) in with.iter().zip(&again) {
+        assert_same_loss_and_norm("dropout at TP 2 and 3", a, b);
+    }
+    let (l1, l0) = (with[0]["loss"].as_f64().unwrap(), without[0]["loss"].as_f64().unwrap());
+    assert!((l1 - l0).abs() > 1e-4, "dropout changed nothing: {l1} vs {l0}");
+    let cfg = read_json(&dir.join("saved/adapter_config.json"));
+    assert!((cfg["lora_dropout"].as_f64().unwrap() - 0.1).abs() < 1e-6);
 }

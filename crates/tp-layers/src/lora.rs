@@ -135,6 +135,12 @@ thread_local! {
     static CHANGE: RefCell<Option<Change>> = const { RefCell::new(None) };
     static TOKENS: RefCell<Option<Arc<[u32]>>> = const { RefCell::new(None) };
     static ATTACHED: Cell<usize> = const { Cell::new(0) };
+    static DROPOUT: Cell<Option<(u64, f32)>> = const { Cell::new(None) };
+}
+
+/// The dropout in force on this thread ([`with_dropout`]).
+fn dropout() -> Option<(u64, f32)> {
+    DROPOUT.with(|c| c.get())
 }
 
 /// Restores a thread-local on drop (an early return or a panic leaves no mode behind).
@@ -227,6 +233,63 @@ struct Pair {
     grad_b: Grad,
     a_place: Vec<Placement>,
     b_place: Vec<Placement>,
+    /// The module's name hashed (FNV-1a): its dropout masks are its own.
+    key: u64,
+    /// The global input column of `A`'s first local column (dropout masks follow the full
+    /// input, so that every TP degree drops the same elements).
+    col0: usize,
+}
+
+/// The factor dropout multiplies input `(row, col)` of module `module` by (PEFT's
+/// `lora_dropout` before `A`): `1 / (1 - p)` for a kept element, 0 for a dropped one, drawn
+/// from `seed` (one per micro-batch), the module's name, the row and the global column by a
+/// counter-based hash, so the forward, the backward and a recompute draw the same mask on
+/// every rank.
+pub fn dropout_factor(seed: u64, module: &str, row: usize, col: usize, p: f32) -> f32 {
+    dropout_keyed(seed, fnv1a(module), row, col, p)
+}
+
+fn dropout_keyed(seed: u64, key: u64, row: usize, col: usize, p: f32) -> f32 {
+    let mut z = seed
+        ^ key.rotate_left(17)
+        ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (col as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let u = (z >> 40) as f32 / (1u64 << 24) as f32;
+    if u < p { 0.0 } else { 1.0 / (1.0 - p) }
+}
+
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Runs `f` (a micro-batch's training forward or backward) with the trained adapters' input
+/// dropped at rate `p` by the masks of `seed` ([`dropout_factor`]); `p = 0`: no dropout.
+pub fn with_dropout<R>(seed: u64, p: f32, f: impl FnOnce() -> R) -> R {
+    let was = DROPOUT.with(|c| c.replace((p > 0.0).then_some((seed, p))));
+    let _restore = Restore(move || DROPOUT.with(|c| c.set(was)));
+    f()
+}
+
+impl Pair {
+    /// `x` (f32, `[T, in_local]`) times this module's dropout mask.
+    fn dropped(&self, x32: &Tensor, (seed, p): (u64, f32)) -> Result<Tensor> {
+        let mut v = x32.to_vec::<f32>()?;
+        let w = out_width(x32).max(1);
+        self.mask(&mut v, w, (seed, p));
+        Ok(Tensor::from_vec(v, x32.dims(), &x32.device())?)
+    }
+
+    /// `v` (rows of `w` local input columns) times this module's dropout mask, in place.
+    fn mask(&self, v: &mut [f32], w: usize, (seed, p): (u64, f32)) {
+        for (row, chunk) in v.chunks_exact_mut(w).enumerate() {
+            for (j, e) in chunk.iter_mut().enumerate() {
+                *e *= dropout_keyed(seed, self.key, row, self.col0 + j, p);
+            }
+        }
+    }
 }
 
 /// A layer's adapters, by slot: one pair per adapted module of the layer (a merged q/k/v
@@ -282,6 +345,14 @@ impl Lora {
         // Moved, not shared, when already f32: the products add into it in place.
         let mut y32 = if dtype == DType::F32 { y } else { y.to_dtype(DType::F32)? };
         let last = y32.ndim().saturating_sub(1);
+        if let (Some(d), None) = (dropout(), &tokens) {
+            // The trained adapter under dropout: each module its own mask.
+            for p in self.trained() {
+                let xd = p.dropped(&x32, d)?;
+                Stacked::of(std::slice::from_ref(p), y32.dims()[last])?.add_into(&xd, &mut y32)?;
+            }
+            return Ok(y32.to_dtype(dtype)?);
+        }
         for (id, pairs, rows) in groups {
             let fresh;
             let st = match self.stacked.iter().find(|(s, _)| *s == id) {
@@ -377,6 +448,17 @@ impl Lora {
         if pairs.is_empty() {
             return Ok(dx);
         }
+        if let Some(d) = dropout() {
+            // dx += ((s dY_p B_p) A_p) ⊙ mask_p, module by module.
+            for p in pairs {
+                let st = Stacked::of(std::slice::from_ref(p), out_width(dy))?;
+                let g = st.du(dy)?.matmul(&p.a)?;
+                let mut gv = g.to_vec::<f32>()?;
+                p.mask(&mut gv, out_width(&g).max(1), d);
+                dx.add_assign(&Tensor::from_vec(gv, g.dims(), &g.device())?)?;
+            }
+            return Ok(dx);
+        }
         let st = Stacked::of(pairs, out_width(dy))?;
         let du = st.du(dy)?;
         // dx += du · A_cat, added by the GEMM itself.
@@ -389,6 +471,23 @@ impl Lora {
     pub(crate) fn accumulate(&mut self, x: &Tensor, dy: &Tensor) -> Result<()> {
         let pairs = self.trained_mut();
         if pairs.is_empty() {
+            return Ok(());
+        }
+        if let Some(d) = dropout() {
+            // Module by module, each with its dropped input.
+            let x32 = x.to_dtype(DType::F32)?;
+            let dy32 = dy.to_dtype(DType::F32)?;
+            let (width, last) = (out_width(dy), dy32.ndim().saturating_sub(1));
+            for p in pairs.iter_mut() {
+                let xd = p.dropped(&x32, d)?;
+                let st = Stacked::of(std::slice::from_ref(p), width)?;
+                let us = xd.matmul_t(&st.a)?.scale(st.scale)?;
+                let du = st.du(dy)?;
+                let dy_p =
+                    if p.rows.len() == width { dy32.clone() } else { dy32.narrow(last, p.rows.start, p.rows.len())? };
+                p.grad_b.add_weight_grad(&us, &dy_p)?;
+                p.grad_a.add_weight_grad(&xd, &du)?;
+            }
             return Ok(());
         }
         let st = Stacked::of(pairs, out_width(dy))?;
@@ -620,15 +719,17 @@ fn pair(spec: &LoraSpec, module: &str, pls: &[&Placement], (out, width): (usize,
         scale: spec.settings.scale(),
         grad_a: Grad::for_adapter(),
         grad_b: Grad::for_adapter(),
+        col0: a_place.first().map_or(0, |p| if p.dim == 1 { p.full_start } else { 0 }),
         a_place,
         b_place,
+        key: fnv1a(module),
     })
 }
 
 /// `[r, in]` uniform in `±1/sqrt(in)` (torch's `kaiming_uniform_(a = sqrt(5))`, PEFT's `A`),
 /// drawn from `seed` and `module`'s name (FNV-1a), so every rank draws the same tensor.
 fn kaiming_uniform(seed: u64, module: &str, [r, width]: [usize; 2]) -> Result<Tensor> {
-    let h = module.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    let h = fnv1a(module);
     let mut rng = tp_core::rng::SplitMix64::new(seed ^ h);
     let bound = 1.0 / (width.max(1) as f64).sqrt();
     let v: Vec<f32> = (0..r * width).map(|_| rng.uniform(-bound, bound) as f32).collect();

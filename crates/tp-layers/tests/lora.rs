@@ -495,3 +495,80 @@ fn an_mlp_in_passes_keeps_each_rows_adapter() {
         });
     }
 }
+
+/// Dropout on the adapters' input (PEFT's `lora_dropout`): the forward and backward against
+/// float64 on the input times `dropout_factor`'s mask, at world sizes 1 and 3 (the masks follow
+/// global columns, so every TP degree drops the same elements), and nothing dropped outside
+/// `with_dropout`.
+#[test]
+fn dropout_masks_the_adapters_input_the_same_at_every_world_size() {
+    use tp_layers::lora::{dropout_factor, with_dropout};
+    let (t, h, out, r, p, seed) = (6, 10, 14, 2, 0.3f32, 77u64);
+    let mut rng = SplitMix64::new(41);
+    let (col, row) = (Module::new(out, h, r, &mut rng), Module::new(h, out, r, &mut rng));
+    let (x, x2, gc, gr) =
+        (M::rand(t, h, &mut rng), M::rand(t, out, &mut rng), M::rand(t, out, &mut rng), M::rand(t, h, &mut rng));
+    let s = 4.0 / r as f64;
+    let mut full = BTreeMap::new();
+    full.insert("c.lora_A.weight".to_string(), col.a.tensor());
+    full.insert("c.lora_B.weight".to_string(), col.b.tensor());
+    full.insert("r.lora_A.weight".to_string(), row.a.tensor());
+    full.insert("r.lora_B.weight".to_string(), row.b.tensor());
+    let spec = spec(r, 4.0, false, &["c", "r"], full);
+    let masked = |m: &M, module: &str| M {
+        rows: m.rows,
+        cols: m.cols,
+        v: (0..m.v.len())
+            .map(|i| m.v[i] * f64::from(dropout_factor(seed, module, i / m.cols, i % m.cols, p)))
+            .collect(),
+    };
+    let (xd, x2d) = (masked(&x, "c"), masked(&x2, "r"));
+    let dropped = (0..t * h).filter(|&i| dropout_factor(seed, "c", i / h, i % h, p) == 0.0).count();
+    assert!(dropped > 0 && dropped < t * h, "{dropped} of {} dropped", t * h);
+    // y = x W^T + s (x_d A^T) B^T; dA = du^T x_d, dB = s dY^T (x_d A^T), dx = dY W + (du A) ⊙ mask.
+    let want_y = x.mul_t(&col.w).add(&xd.mul_t(&col.a).mul_t(&col.b).scale(s));
+    let du = gc.mul(&col.b).scale(s);
+    let want_dx = masked(&du.mul(&col.a), "c").add(&gc.mul(&col.w));
+    let (want_da, want_db) = (du.t().mul(&xd), gc.t().mul(&xd.mul_t(&col.a)).scale(s));
+    let du_r = gr.mul(&row.b).scale(s);
+    let want_dx2 = masked(&du_r.mul(&row.a), "r").add(&gr.mul(&row.w));
+    let (want_da2, want_db2) = (du_r.t().mul(&x2d), gr.t().mul(&x2d.mul_t(&row.a)).scale(s));
+    for world in [1, 3] {
+        on_ranks(world, Device::Cpu, |g| {
+            let mut c = ColumnParallel::from_full(&Linear::new(col.w.tensor(), None).unwrap(), &g).unwrap();
+            let mut rp = RowParallel::from_full(&row.w.tensor(), None, &g).unwrap();
+            attaching(spec.clone(), || {
+                c.params("c", &mut |_| {}).unwrap();
+                rp.params("r", &mut |_| {}).unwrap();
+            });
+            let (cs, rs) = (*c.shard(), *rp.shard());
+            let at = |w: &str| format!("{w} at {world}");
+            let y = with_dropout(seed, p, || c.forward(&x.tensor()).unwrap());
+            close(&at("forward"), &y, &want_y.cols(cs.start()..cs.end()), 1e-5);
+            let (dx, dx2) = frozen_base(|| {
+                with_dropout(seed, p, || {
+                    let x2_local = x2.cols(rs.start()..rs.end()).tensor();
+                    (
+                        c.backward(&x.tensor(), &gc.cols(cs.start()..cs.end()).tensor()).unwrap(),
+                        rp.backward(&x2_local, &gr.tensor()).unwrap(),
+                    )
+                })
+            });
+            close(&at("column dX"), &dx, &want_dx, 1e-5);
+            close(&at("row dX"), &dx2, &want_dx2.cols(rs.start()..rs.end()), 1e-5);
+            let grads = frozen_base(|| {
+                let mut ps = Vec::new();
+                c.params("c", &mut |p| ps.push(p)).unwrap();
+                rp.params("r", &mut |p| ps.push(p)).unwrap();
+                adapter_grads(&mut ps, &g)
+            });
+            close(&at("column dA"), &grads["c.lora_A.weight"], &want_da, 1e-5);
+            close(&at("column dB"), &grads["c.lora_B.weight"], &want_db, 1e-5);
+            close(&at("row dA"), &grads["r.lora_A.weight"], &want_da2, 1e-5);
+            close(&at("row dB"), &grads["r.lora_B.weight"], &want_db2, 1e-5);
+            // Outside with_dropout (serving, evaluation) nothing is dropped.
+            let plain = c.forward(&x.tensor()).unwrap();
+            close(&at("no dropout"), &plain, &col.forward(&x, s, true).cols(cs.start()..cs.end()), 1e-5);
+        });
+    }
+}

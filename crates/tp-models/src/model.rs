@@ -135,6 +135,10 @@ pub struct ParallelCausalLm {
     sequence_parallel: bool,
     /// Training LoRA adapters on a frozen base ([`add_lora`](Self::add_lora)).
     lora: Option<tp_layers::lora::LoraSettings>,
+    /// Dropout on the trained adapters' input: `(seed, p)` ([`set_lora_dropout`](Self::set_lora_dropout)).
+    lora_dropout: Option<(u64, f32)>,
+    /// Micro-batches made so far (each draws its own dropout masks).
+    micro_batches: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ParallelCausalLm {
@@ -323,6 +327,8 @@ impl ParallelCausalLm {
             kv_heads: layout.kv_len,
             sequence_parallel: false,
             lora: None,
+            lora_dropout: None,
+            micro_batches: std::sync::atomic::AtomicU64::new(0),
         })
     }
 

@@ -112,7 +112,7 @@ pub fn save_stages(
         return Err(err(dir, "no model chunk on this rank"));
     };
     let arch = chunks[0].config().architecture;
-    let lora = chunks[0].lora().copied();
+    let lora = chunks[0].lora().copied().map(|s| (s, f64::from(chunks[0].lora_dropout())));
     let (weights, optimizer) = gather(chunks, trainer, &tp)?;
     let (weights, optimizer) = (sum_experts(weights, experts)?, sum_experts(optimizer, experts)?);
     let (weights, optimizer) = (merge_stages(weights, pp, &tp)?, merge_stages(optimizer, pp, &tp)?);
@@ -122,8 +122,8 @@ pub fn save_stages(
         // loads them); the optimizer's tensors keep tp's per-parameter names.
         (|| {
             let step = trainer.steps_done();
-            if let Some(settings) = lora {
-                return write(dir, |tmp| fill_adapter(tmp, &settings, weights, &optimizer, step, info));
+            if let Some((settings, dropout)) = lora {
+                return write(dir, |tmp| fill_adapter(tmp, (&settings, dropout), weights, &optimizer, step, info));
             }
             let mut weights = tp_models::to_checkpoint_layout(arch, weights)?;
             for t in weights.values_mut() {
@@ -310,7 +310,7 @@ fn fill(
 /// optimizer's state, the tokenizer files and the state file.
 fn fill_adapter(
     tmp: &Path,
-    settings: &tp_layers::lora::LoraSettings,
+    (settings, dropout): (&tp_layers::lora::LoraSettings, f64),
     adapters: BTreeMap<String, Tensor>,
     optimizer: &BTreeMap<String, Tensor>,
     step: u64,
@@ -318,7 +318,7 @@ fn fill_adapter(
 ) -> Result<()> {
     use tp_models::adapter;
     let modules: Vec<&str> = adapters.keys().filter_map(|n| n.strip_suffix(".lora_A.weight")).collect();
-    let config = adapter::adapter_config(settings, &modules, 0.0, &info.source.display().to_string());
+    let config = adapter::adapter_config(settings, &modules, dropout, &info.source.display().to_string());
     let named = adapter::peft_names(adapters.clone())?;
     let named: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
     tp_layers::save(tmp.join(adapter::ADAPTER_WEIGHTS), &named)?;

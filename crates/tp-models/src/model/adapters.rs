@@ -26,6 +26,23 @@ impl ParallelCausalLm {
         Ok(pairs)
     }
 
+    /// Dropout on the trained adapters' input at rate `p` (PEFT's `lora_dropout`), its masks
+    /// drawn from `seed` and each micro-batch's number ([`tp_layers::lora::dropout_factor`]).
+    ///
+    /// Errors: `p` outside `[0, 1)`.
+    pub fn set_lora_dropout(&mut self, p: f32, seed: u64) -> Result<()> {
+        if !(0.0..1.0).contains(&p) {
+            return Err(ModelError::Request(format!("LoRA dropout {p} must be in [0, 1)")));
+        }
+        self.lora_dropout = (p > 0.0).then_some((seed, p));
+        Ok(())
+    }
+
+    /// The dropout rate on the trained adapters' input (0 without).
+    pub fn lora_dropout(&self) -> f32 {
+        self.lora_dropout.map_or(0.0, |(_, p)| p)
+    }
+
     /// The adapters' settings when training LoRA adapters ([`add_lora`](Self::add_lora)).
     pub fn lora(&self) -> Option<&tp_layers::lora::LoraSettings> {
         self.lora.as_ref()

@@ -79,6 +79,9 @@ pub struct MicroBatch {
     /// The weight of each row's load-balancing loss (`1 / rows` of the step: the loss is the
     /// mean over the step's rows; by default over this micro-batch's).
     router_aux_scale: f32,
+    /// The seed of its LoRA dropout masks (the same on every rank of a stage, which make their
+    /// micro-batches in the same order).
+    dropout_seed: u64,
 }
 
 impl MicroBatch {
@@ -184,7 +187,10 @@ impl ParallelCausalLm {
         let targets: Vec<Option<usize>> = rows.iter().flat_map(TrainRow::targets).collect();
         let ids = Tensor::from_vec(ids, &[targets.len()], &Device::Cpu)?;
         let batch = SeqBatch::new(&lens, self.sequence_parallel && self.group.world_size() > 1);
-        Ok(MicroBatch { ids, targets, batch, router_aux_scale: 1.0 / rows.len().max(1) as f32 })
+        let n = self.micro_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dropout_seed =
+            self.lora_dropout.map_or(0, |(seed, _)| seed).wrapping_add(n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        Ok(MicroBatch { ids, targets, batch, router_aux_scale: 1.0 / rows.len().max(1) as f32, dropout_seed })
     }
 
     /// The shape of the hidden states that enter and leave this stage for `mb` on this rank:
@@ -258,13 +264,18 @@ impl ParallelCausalLm {
         loss_scale: f32,
         recompute: Recompute,
     ) -> Result<StageForward> {
-        self.frozen_if_lora(|m| m.stage_forward_inner(mb, input, loss_scale, recompute))
+        self.frozen_if_lora(mb, |m| m.stage_forward_inner(mb, input, loss_scale, recompute))
     }
 
     /// Runs `f` with the base frozen when training adapters ([`tp_layers::lora::frozen_base`]:
-    /// the loss's and the backward's weight gradients are the adapters' only).
-    fn frozen_if_lora<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
-        if self.lora.is_some() { tp_layers::lora::frozen_base(|| f(self)) } else { f(self) }
+    /// the loss's and the backward's weight gradients are the adapters' only), and their input
+    /// dropped by `mb`'s masks when a dropout is set.
+    fn frozen_if_lora<R>(&mut self, mb: &MicroBatch, f: impl FnOnce(&mut Self) -> R) -> R {
+        if self.lora.is_none() {
+            return f(self);
+        }
+        let p = self.lora_dropout.map_or(0.0, |(_, p)| p);
+        tp_layers::lora::frozen_base(|| tp_layers::lora::with_dropout(mb.dropout_seed, p, || f(self)))
     }
 
     fn stage_forward_inner(
@@ -378,7 +389,7 @@ impl ParallelCausalLm {
         dy: Option<Handoff>,
         after_block: Option<BlockHook<'_>>,
     ) -> Result<(Option<Handoff>, f64)> {
-        self.frozen_if_lora(|m| m.stage_backward_inner(mb, saved, dy, after_block))
+        self.frozen_if_lora(mb, |m| m.stage_backward_inner(mb, saved, dy, after_block))
     }
 
     fn stage_backward_inner(
