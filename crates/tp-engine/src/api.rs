@@ -264,12 +264,15 @@ pub enum Command {
         /// The adapter folder, or `None` to unload.
         path: Option<std::path::PathBuf>,
         /// Where the outcome goes.
-        reply: mpsc::Sender<Result<(), String>>,
+        reply: AdapterReply,
     },
 }
 
 /// Where the outcome of a LoRA slot change goes ([`Command::Adapter`]).
 pub type AdapterReply = mpsc::Sender<Result<(), String>>;
+
+/// Where the outcome of a LoRA slot change arrives ([`EngineHandle::load_adapter`]).
+pub type AdapterReceiver = mpsc::Receiver<Result<(), String>>;
 
 /// The outcome of a LoRA slot change: its slot, and `Err` with why it was refused.
 pub type AdapterOutcome = (u32, Result<(), String>);
@@ -425,21 +428,19 @@ impl EngineHandle {
         Ok(id)
     }
 
-    /// Aborts request `id`: it gets [`FinishReason::Abort`] and its blocks are freed at the next
-    /// step. No effect on a request that already ended.
     /// Attaches the PEFT adapter at `path` in LoRA slot `slot` (`> 0`, never used before) on
     /// every rank, between steps; the receiver gets the outcome (an adapter that does not fit
     /// the model is refused on every rank, the running ones untouched).
-    pub fn load_adapter(&self, slot: u32, path: std::path::PathBuf) -> mpsc::Receiver<Result<(), String>> {
+    pub fn load_adapter(&self, slot: u32, path: std::path::PathBuf) -> AdapterReceiver {
         self.adapter_command(slot, Some(path))
     }
 
     /// Empties LoRA slot `slot` on every rank once no live request uses it.
-    pub fn unload_adapter(&self, slot: u32) -> mpsc::Receiver<Result<(), String>> {
+    pub fn unload_adapter(&self, slot: u32) -> AdapterReceiver {
         self.adapter_command(slot, None)
     }
 
-    fn adapter_command(&self, slot: u32, path: Option<std::path::PathBuf>) -> mpsc::Receiver<Result<(), String>> {
+    fn adapter_command(&self, slot: u32, path: Option<std::path::PathBuf>) -> AdapterReceiver {
         let (reply, rx) = mpsc::channel();
         if let Err(mpsc::SendError(Command::Adapter { reply, .. })) =
             self.tx.send(Command::Adapter { slot, path, reply })
@@ -449,7 +450,8 @@ impl EngineHandle {
         rx
     }
 
-    /// Aborts request `id` (no effect if it already ended).
+    /// Aborts request `id`: it gets [`FinishReason::Abort`] and its blocks are freed at the next
+    /// step. No effect on a request that already ended.
     pub fn abort(&self, id: RequestId) {
         let _ = self.tx.send(Command::Abort(id));
     }

@@ -250,13 +250,12 @@ pub fn dropout_factor(seed: u64, module: &str, row: usize, col: usize, p: f32) -
 }
 
 fn dropout_keyed(seed: u64, key: u64, row: usize, col: usize, p: f32) -> f32 {
-    let mut z = seed
+    // SplitMix64's output function over the element's coordinates (a counter-based draw).
+    let coords = seed
         ^ key.rotate_left(17)
         ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
         ^ (col as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
+    let z = tp_core::rng::SplitMix64::new(coords).next_u64();
     let u = (z >> 40) as f32 / (1u64 << 24) as f32;
     if u < p { 0.0 } else { 1.0 / (1.0 - p) }
 }
@@ -379,7 +378,12 @@ impl Lora {
     /// over every token ([`tp_core::lora::lora_product`], `tp_lora_shrink` and
     /// `tp_lora_expand`), each token through its own slot's pair (`tokens: None`: every token
     /// through the [`TRAINED`] slot).
+    ///
+    /// Errors: dropout on the trained adapter (its masks are drawn on the host only).
     fn forward_device(&self, x: &Tensor, mut y: Tensor, tokens: Option<&[u32]>) -> Result<Tensor> {
+        if tokens.is_none() && dropout().is_some() && !self.trained().is_empty() {
+            return Err(LayerError::Config("LoRA dropout is not implemented on a GPU (train with dropout 0)".into()));
+        }
         let rows = y.dims().first().copied().unwrap_or(0);
         let last = y.ndim().saturating_sub(1);
         // The layer's slots in a table; each token's index into it (-1: none here).

@@ -120,11 +120,9 @@ fn check_name(path: &Path, name: &str, num_layers: usize) -> Result<String> {
     };
     let layer: Option<usize> =
         module.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|n| n.parse().ok());
-    let proj = module.rsplit('.').next().unwrap_or("");
     match layer {
-        Some(l) if l < num_layers && ALL_LINEAR.contains(&proj) && !module.contains(".experts.") => {
-            Ok(rest.to_string())
-        }
+        // The modules `all-linear` adapts are the ones tp can.
+        Some(l) if l < num_layers && LoraTargets::AllLinear.matches(module) => Ok(rest.to_string()),
         Some(l) if l >= num_layers => refuse(&format!("layer {l}, but the base has {num_layers} layers")),
         _ => refuse(&format!("tp adapts the decoder layers' projections ({}) only", ALL_LINEAR.join(", "))),
     }

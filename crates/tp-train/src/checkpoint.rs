@@ -279,12 +279,8 @@ fn fill(
     step: u64,
     info: &SaveInfo<'_>,
 ) -> Result<()> {
-    let named: Vec<(&str, &Tensor)> = weights.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    tp_layers::save(tmp.join("model.safetensors"), &named)?;
-    if !optimizer.is_empty() {
-        let named: Vec<(&str, &Tensor)> = optimizer.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        tp_layers::save(tmp.join(OPTIMIZER_FILE), &named)?;
-    }
+    save_map(&tmp.join("model.safetensors"), weights)?;
+    save_optimizer(tmp, optimizer)?;
     let cfg_path = info.source.join("config.json");
     let text = tp_layers::read_text_file(&cfg_path, tp_models::MAX_CONFIG_BYTES)?;
     let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(&cfg_path, e))?;
@@ -319,16 +315,22 @@ fn fill_adapter(
     use tp_models::adapter;
     let modules: Vec<&str> = adapters.keys().filter_map(|n| n.strip_suffix(".lora_A.weight")).collect();
     let config = adapter::adapter_config(settings, &modules, dropout, &info.source.display().to_string());
-    let named = adapter::peft_names(adapters.clone())?;
-    let named: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    tp_layers::save(tmp.join(adapter::ADAPTER_WEIGHTS), &named)?;
+    save_map(&tmp.join(adapter::ADAPTER_WEIGHTS), &adapter::peft_names(adapters)?)?;
     write_json(&tmp.join(adapter::ADAPTER_CONFIG), &config)?;
-    if !optimizer.is_empty() {
-        let named: Vec<(&str, &Tensor)> = optimizer.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        tp_layers::save(tmp.join(OPTIMIZER_FILE), &named)?;
-    }
+    save_optimizer(tmp, optimizer)?;
     copy_text_files(tmp, info)?;
     write_state(tmp, step, info)
+}
+
+/// `tensors` as a safetensors file at `path`.
+fn save_map(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
+    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    Ok(tp_layers::save(path, &named)?)
+}
+
+/// The optimizer's tensors as [`OPTIMIZER_FILE`] in `tmp` (none before the first step).
+fn save_optimizer(tmp: &Path, optimizer: &BTreeMap<String, Tensor>) -> Result<()> {
+    if optimizer.is_empty() { Ok(()) } else { save_map(&tmp.join(OPTIMIZER_FILE), optimizer) }
 }
 
 /// The model folder's tokenizer and generation files, copied.

@@ -108,12 +108,10 @@ impl StepMsg {
         w.push(self.adapters.len() as i64);
         for (slot, path) in &self.adapters {
             w.push(i64::from(*slot));
-            match path {
-                None => w.push(-1),
-                Some(p) => {
-                    w.push(p.len() as i64);
-                    w.extend(p.bytes().map(i64::from));
-                }
+            w.push(i64::from(path.is_some()));
+            if let Some(p) = path {
+                w.push(p.len() as i64);
+                w.extend(p.bytes().map(i64::from));
             }
         }
         w
@@ -164,9 +162,8 @@ impl StepMsg {
             let slot = r.word()?;
             let slot = u32::try_from(slot).map_err(|_| format!("adapter slot {slot} out of range"))?;
             let path = match r.word()? {
-                -1 => None,
-                _ => {
-                    r.at -= 1;
+                0 => None,
+                1 => {
                     let n = r.count()?;
                     let bytes: Vec<u8> = r
                         .take(n)?
@@ -175,6 +172,7 @@ impl StepMsg {
                         .collect::<Result<_, _>>()?;
                     Some(String::from_utf8(bytes).map_err(|_| "an adapter path is not UTF-8".to_string())?)
                 }
+                w => return Err(format!("adapter change flag {w} is neither 0 nor 1")),
             };
             msg.adapters.push((slot, path));
         }
