@@ -52,6 +52,14 @@ pub enum CommError {
     /// An NCCL call failed; the text carries ncclGetErrorString and ncclGetLastError.
     #[error("NCCL error in {op}: {message}")]
     Nccl { op: &'static str, message: String },
+
+    /// The MPI library could not be loaded or initialised.
+    #[error("MPI unavailable: {0}")]
+    MpiUnavailable(String),
+
+    /// An MPI call failed; the text carries MPI_Error_string.
+    #[error("MPI error in {op}: {message}")]
+    Mpi { op: &'static str, message: String },
 }
 
 /// `source`'s message, prefixed with `op` unless it already begins with it (so a chain says

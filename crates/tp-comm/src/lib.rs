@@ -23,6 +23,9 @@
 //! * [`nccl`]: the NCCL backend, `libnccl.so.2` loaded at run time ([`nccl::Nccl`]) and a
 //!   [`Communicator`] over it ([`nccl::NcclComm`]); [`DeviceGroup::from_env`] sets it all up the
 //!   torchrun way.
+//! * [`mpi`]: the MPI backend, Open MPI loaded at run time ([`mpi::Mpi`]) and a
+//!   [`Communicator`] over it ([`mpi::MpiComm`]): ranks as processes of `mpirun` or `srun`, on
+//!   machines without GPUs; [`Mesh::from_mpi`] makes every group of a mesh from it.
 
 //! ```
 //! use std::time::Duration;
@@ -49,6 +52,7 @@ mod error;
 mod group;
 mod local;
 mod mesh;
+pub mod mpi;
 pub mod nccl;
 mod peer_text;
 mod port;

@@ -286,6 +286,44 @@ impl Mesh {
         }
     }
 
+    /// This process's rank of a mesh whose ranks are the processes of an MPI job (`mpirun`,
+    /// or `srun` with PMIx): the world is `MPI_COMM_WORLD`, and each axis group is a split of
+    /// it (`MPI_Comm_split` with the group's number as color and the rank's place on the axis
+    /// as key), made in the same order on every rank. Every rank computes on the host.
+    ///
+    /// Errors: [`CommError::MpiUnavailable`]; a job whose number of processes is not the
+    /// shape's ([`CommError::Env`], naming both); MPI errors.
+    pub fn from_mpi(shape: MeshShape, timeout: Duration) -> Result<Mesh> {
+        let world = crate::mpi::MpiComm::world(timeout)?;
+        use crate::Communicator;
+        if world.world_size() != shape.world_size() {
+            return Err(CommError::Env(format!(
+                "the MPI job has {} processes but the mesh needs {} x {} x {} = {} ranks (data x pipeline x tensor \
+                 parallel); launch it with -np {}",
+                world.world_size(),
+                shape.dp,
+                shape.pp,
+                shape.tp,
+                shape.world_size(),
+                shape.world_size()
+            )));
+        }
+        let rank = world.rank();
+        let mut groups = Vec::with_capacity(AXES.len());
+        for axis in AXES {
+            let comm = if shape.size(axis) == shape.world_size() {
+                world.clone()
+            } else {
+                world.split(shape.group_index(rank, axis), shape.axis_index(rank, axis))?
+            };
+            groups.push(DeviceGroup::new(Arc::new(comm), Device::Cpu));
+        }
+        let world = DeviceGroup::new(Arc::new(world), Device::Cpu);
+        let [tp, pp, dp, ep, edp] =
+            <[DeviceGroup; 5]>::try_from(groups).map_err(|_| CommError::Env("internal: five axes".into()))?;
+        Ok(Mesh { shape, rank, world, tp, pp, dp, ep, edp, _rendezvous: None })
+    }
+
     /// The world communicator, then one per axis (tp, pp, dp, ep, edp, the same order on every
     /// rank, as NCCL's blocking-until-all initialisation of each needs).
     fn nccl_mesh(

@@ -1,0 +1,638 @@
+//! [`MpiComm`]: a [`Communicator`] over MPI point-to-point messages.
+//!
+//! Messages of each call (every collective starts with every rank sending its header to every
+//! other rank, and checking all of them; see `mod.rs`):
+//!
+//! * `all_gather`: every rank sends its tensor to every other; each concatenates in rank order.
+//! * `all_reduce` of fewer than [`SPLIT_MIN_BYTES`] (or fewer elements than ranks): every rank
+//!   sends its tensor to every other and reduces all of them itself. Larger ones: the flat
+//!   tensor is cut into one balanced chunk per rank; chunk `j` of every rank goes to rank `j`,
+//!   which reduces it (a reduce-scatter), then sends the reduced chunk to every rank (an
+//!   all-gather), `2 (W - 1) / W` of the tensor in and out per rank, as a ring moves.
+//! * `reduce_scatter`: rank `j`'s shard (the balanced `TensorShard` along the dim) of every
+//!   rank's tensor goes to rank `j`, which reduces them.
+//! * `broadcast`: the root sends its tensor to every other rank.
+//! * `barrier`: the headers alone.
+//! * `send`/`recv`: a header then the payload on their own tags, matched in call order per pair
+//!   of ranks (MPI's non-overtaking rule); the receiver posts both receives at its call, sized
+//!   from the dims and dtype it expects, and a header that disagrees is a
+//!   [`CommError::Mismatch`] naming both shapes, after which the receiver aborts the group (the
+//!   sender's waits then fail with the reason). A send's work completes once MPI has taken
+//!   its buffer (for small messages that is before the receiver has them).
+//!
+//! Every reduction folds each element in rank order in `f32` (`reduce.rs`), so results are
+//! bit-identical on every rank and to the thread backend's.
+
+use super::round::{Owned, Round, backoff};
+use super::sys;
+use super::wire::{Header, Op, Words, reduce_arg};
+use super::{Mpi, is_finalized};
+use crate::communicator::{Communicator, ReduceOp};
+use crate::deadline::Deadline;
+use crate::error::tensor_err;
+use crate::work::{PendingWork, Work};
+use crate::{CommError, Result};
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tp_core::{DType, Device, Tensor, TensorShard};
+
+/// All-reduces of fewer bytes go whole to every rank (one step of messages instead of two).
+const SPLIT_MIN_BYTES: usize = 64 << 10;
+/// Tags: collective headers and data, point-to-point headers and data, abort notices.
+const TAG_HEADER: c_int = 0x7401;
+const TAG_DATA: c_int = 0x7402;
+const TAG_P2P_HEADER: c_int = 0x7403;
+const TAG_P2P_DATA: c_int = 0x7404;
+const TAG_ABORT: c_int = 0x7405;
+/// `MPI_ANY_SOURCE` in Open MPI.
+const ANY_SOURCE: c_int = -1;
+/// Longest abort notice, in bytes.
+const ABORT_BYTES: usize = 512;
+
+/// An `MPI_Comm` handle.
+#[derive(Clone, Copy)]
+pub(crate) struct Handle(pub(crate) sys::MPI_Comm);
+// SAFETY: a communicator handle is an opaque pointer that is only passed to MPI, under the
+// library's lock.
+unsafe impl Send for Handle {}
+// SAFETY: as above.
+unsafe impl Sync for Handle {}
+
+/// What every round and work of one communicator shares.
+pub(crate) struct Inner {
+    pub(crate) mpi: &'static Mpi,
+    pub(crate) comm: Handle,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    timeout: Duration,
+    /// The next collective's sequence number (every rank counts alike).
+    seq: AtomicU64,
+    /// Why the group failed, once it has.
+    poisoned: Mutex<Option<String>>,
+}
+
+impl Inner {
+    /// Runs `f` on the library under its lock, unless MPI has been finalised.
+    pub(crate) fn call<R>(&self, op: &'static str, f: impl FnOnce(&sys::MpiLib) -> R) -> Result<R> {
+        let _guard = self.mpi.lock();
+        if is_finalized(self.mpi) {
+            return Err(CommError::Mpi { op, message: "MPI has been finalized in this process".into() });
+        }
+        Ok(f(self.mpi.lib()))
+    }
+
+    /// [`CommError::Poisoned`] if the group has failed, here or (through an abort notice
+    /// waiting to be received) on any other rank.
+    pub(crate) fn check_poisoned(&self, op: &str) -> Result<()> {
+        if let Some(reason) = self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(CommError::Poisoned { op: op.into(), reason });
+        }
+        let notice = self.call("abort notice", |lib| -> Result<Option<String>> {
+            let mut flag: c_int = 0;
+            // SAFETY: MPI_Iprobe writes one int; the status is ignored.
+            let code =
+                unsafe { (lib.MPI_Iprobe)(ANY_SOURCE, TAG_ABORT, self.comm.0, &mut flag, sys::MPI_STATUS_IGNORE) };
+            self.mpi.check("MPI_Iprobe", code)?;
+            if flag == 0 {
+                return Ok(None);
+            }
+            let mut buf = [0u8; ABORT_BYTES];
+            // SAFETY: a message is waiting (probed above, under the same lock); it is at most
+            // ABORT_BYTES long (every notice is), received into a buffer of that size.
+            let code = unsafe {
+                (lib.MPI_Recv)(
+                    buf.as_mut_ptr().cast(),
+                    ABORT_BYTES as c_int,
+                    lib.byte,
+                    ANY_SOURCE,
+                    TAG_ABORT,
+                    self.comm.0,
+                    sys::MPI_STATUS_IGNORE,
+                )
+            };
+            self.mpi.check("MPI_Recv", code)?;
+            let end = buf.iter().position(|&b| b == 0).unwrap_or(ABORT_BYTES);
+            Ok(Some(crate::peer_text(&buf[..end])))
+        })??;
+        match notice {
+            Some(reason) => {
+                *self.poisoned.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
+                Err(CommError::Poisoned { op: op.into(), reason })
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the group failed and sends `reason` to every other rank (once), then gives the
+    /// notices up to a second to leave this process.
+    pub(crate) fn abort_with(self: &Arc<Self>, reason: &str) {
+        {
+            let mut p = self.poisoned.lock().unwrap_or_else(|p| p.into_inner());
+            if p.is_some() {
+                return;
+            }
+            *p = Some(reason.to_string());
+        }
+        let text = format!("rank {} aborted: {reason}", self.rank);
+        let mut notice = vec![0u8; ABORT_BYTES];
+        let n = text.len().min(ABORT_BYTES - 1);
+        notice[..n].copy_from_slice(&text.as_bytes()[..n]);
+        let mut round = Round::new(self, "abort");
+        let i = round.keep(Owned::Bytes(notice));
+        for peer in (0..self.size).filter(|&p| p != self.rank) {
+            if round.send(peer, TAG_ABORT, i, 0..ABORT_BYTES).is_err() {
+                break;
+            }
+        }
+        let deadline = Deadline::after(Duration::from_secs(1));
+        let mut polls = 0;
+        while !deadline.has_passed() {
+            match round.test() {
+                Ok(false) => backoff(&mut polls),
+                _ => break,
+            }
+        }
+    }
+}
+
+/// One rank's handle on an MPI communicator (the world, or a split of it).
+#[derive(Clone)]
+pub struct MpiComm {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MpiComm(rank {} of {})", self.inner.rank, self.inner.size)
+    }
+}
+
+impl MpiComm {
+    /// Every process of the job (`MPI_COMM_WORLD`), every wait bounded by `timeout`. Loads and
+    /// initialises MPI on first use.
+    ///
+    /// Errors: [`CommError::MpiUnavailable`]; [`CommError::Limit`] for a timeout past
+    /// [`MAX_TIMEOUT`](crate::MAX_TIMEOUT).
+    pub fn world(timeout: Duration) -> Result<MpiComm> {
+        if timeout > crate::MAX_TIMEOUT {
+            let why = format!("timeout {timeout:?} exceeds {:?}", crate::MAX_TIMEOUT);
+            return Err(CommError::Limit { op: "MpiComm::world", why });
+        }
+        let mpi = Mpi::get()?;
+        Self::wrap(mpi, Handle(mpi.lib().comm_world), timeout)
+    }
+
+    fn wrap(mpi: &'static Mpi, comm: Handle, timeout: Duration) -> Result<MpiComm> {
+        let (mut rank, mut size) = (0, 0);
+        let _guard = mpi.lock();
+        // SAFETY: a live communicator; each call writes one int.
+        let (a, b) =
+            unsafe { ((mpi.lib().MPI_Comm_rank)(comm.0, &mut rank), (mpi.lib().MPI_Comm_size)(comm.0, &mut size)) };
+        mpi.check("MPI_Comm_rank", a)?;
+        mpi.check("MPI_Comm_size", b)?;
+        let (rank, size) = (usize::try_from(rank).unwrap_or(0), usize::try_from(size).unwrap_or(0));
+        if size == 0 || size > crate::MAX_WORLD_SIZE {
+            return Err(CommError::Limit {
+                op: "MpiComm",
+                why: format!("MPI reports {size} processes (1..={} supported)", crate::MAX_WORLD_SIZE),
+            });
+        }
+        let inner = Inner { mpi, comm, rank, size, timeout, seq: AtomicU64::new(0), poisoned: Mutex::new(None) };
+        Ok(MpiComm { inner: Arc::new(inner) })
+    }
+
+    /// The sub-communicator of the ranks that pass the same `color`, ordered by `key`
+    /// (`MPI_Comm_split`; collective over this communicator, every rank calling it alike).
+    ///
+    /// Errors: [`CommError::Mpi`]; a color or key past `i32::MAX` is [`CommError::Limit`].
+    pub fn split(&self, color: usize, key: usize) -> Result<MpiComm> {
+        let inner = &self.inner;
+        inner.check_poisoned("MPI_Comm_split")?;
+        let (color, key) = match (c_int::try_from(color), c_int::try_from(key)) {
+            (Ok(c), Ok(k)) => (c, k),
+            _ => {
+                return Err(CommError::Limit {
+                    op: "MPI_Comm_split",
+                    why: format!("color {color} or key {key} too large"),
+                });
+            }
+        };
+        let mut out: sys::MPI_Comm = std::ptr::null_mut();
+        // MPI_Comm_split blocks inside MPI (it is collective); it runs after the headers'
+        // barrier below has shown that every rank is here, so it does not wait for a dead one.
+        self.barrier()?;
+        let code = inner.call("MPI_Comm_split", |lib| {
+            // SAFETY: a live communicator; the new handle is written through a valid pointer.
+            unsafe {
+                let c = (lib.MPI_Comm_split)(inner.comm.0, color, key, &mut out);
+                if c == sys::MPI_SUCCESS { (lib.MPI_Comm_set_errhandler)(out, lib.errors_return) } else { c }
+            }
+        })?;
+        inner.mpi.check("MPI_Comm_split", code)?;
+        Self::wrap(inner.mpi, Handle(out), inner.timeout)
+    }
+
+    /// The deadline of every wait.
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    fn next_seq(&self) -> u64 {
+        self.inner.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Step one of every collective: this rank's header to every other rank, theirs back, all
+    /// checked against this rank's with `compatible`; returns the headers in rank order.
+    fn exchange_headers(
+        &self,
+        name: &'static str,
+        mine: Header,
+        deadline: Deadline,
+        compatible: impl Fn(&Header, &Header) -> bool,
+    ) -> Result<Vec<Header>> {
+        let inner = &self.inner;
+        inner.check_poisoned(name)?;
+        if inner.size == 1 {
+            return Ok(vec![mine]);
+        }
+        let words = std::mem::size_of::<Words>();
+        let mut round = Round::new(inner, name);
+        let out = round.keep(Owned::Words(Box::new(mine.encode())));
+        let mut slots = vec![usize::MAX; inner.size];
+        for peer in (0..inner.size).filter(|&p| p != inner.rank) {
+            slots[peer] = round.keep(Owned::Words(Box::new([0; 16])));
+            round.recv(peer, TAG_HEADER, slots[peer], 0..words)?;
+            round.send(peer, TAG_HEADER, out, 0..words)?;
+        }
+        round.wait(deadline)?;
+        let mut headers = Vec::with_capacity(inner.size);
+        for (peer, &slot) in slots.iter().enumerate() {
+            if peer == inner.rank {
+                headers.push(mine.clone());
+                continue;
+            }
+            let Owned::Words(w) = round.owned(slot) else { unreachable!("header slots hold words") };
+            let h = Header::decode(name, peer, w)?;
+            if h.op != mine.op || h.seq != mine.seq || !compatible(&mine, &h) {
+                let err = CommError::Mismatch {
+                    op: name.into(),
+                    why: format!(
+                        "rank {} called {} but rank {peer} called {}",
+                        inner.rank,
+                        mine.describe(),
+                        h.describe()
+                    ),
+                };
+                *inner.poisoned.lock().unwrap_or_else(|p| p.into_inner()) = Some(err.to_string());
+                return Err(err);
+            }
+            headers.push(h);
+        }
+        Ok(headers)
+    }
+
+    fn deadline(&self) -> Deadline {
+        Deadline::after(self.inner.timeout)
+    }
+
+    fn host(op: &'static str, x: &Tensor) -> Result<()> {
+        if x.device() != Device::Cpu {
+            return Err(CommError::Tensor { op, source: tp_core::Error::UnsupportedDevice { op, device: x.device() } });
+        }
+        Ok(())
+    }
+
+    /// Sends `x` whole to every other rank and receives a tensor of `dims[r]` from every rank
+    /// `r` (in rank order; this rank's entry is `x` itself).
+    fn swap_whole(
+        &self,
+        name: &'static str,
+        x: &Tensor,
+        dims: &[Vec<usize>],
+        deadline: Deadline,
+    ) -> Result<Vec<Tensor>> {
+        let inner = &self.inner;
+        let mut round = Round::new(inner, name);
+        let out = round.keep(Owned::Tensor(x.clone()));
+        let mut slots = vec![usize::MAX; inner.size];
+        for peer in (0..inner.size).filter(|&p| p != inner.rank) {
+            let t = Tensor::zeros(&dims[peer], x.dtype(), &Device::Cpu).map_err(tensor_err(name))?;
+            let bytes = t.size_in_bytes();
+            slots[peer] = round.keep(Owned::Tensor(t));
+            round.recv(peer, TAG_DATA, slots[peer], 0..bytes)?;
+            round.send(peer, TAG_DATA, out, 0..x.size_in_bytes())?;
+        }
+        round.wait(deadline)?;
+        (0..inner.size)
+            .map(|p| {
+                if p == inner.rank {
+                    Ok(x.clone())
+                } else {
+                    round
+                        .take_tensor(slots[p])
+                        .ok_or_else(|| CommError::Mpi { op: name, message: "internal: buffer".into() })
+                }
+            })
+            .collect()
+    }
+
+    /// The reduction of every rank's `x`, large-tensor path (see the module docs).
+    fn all_reduce_split(&self, x: &Tensor, op: ReduceOp, deadline: Deadline) -> Result<Tensor> {
+        const NAME: &str = "all_reduce";
+        let inner = &self.inner;
+        let (n, w, me) = (x.numel(), inner.size, inner.rank);
+        let esize = x.dtype().size_in_bytes();
+        let flat = x.reshape(&[n]).map_err(tensor_err(NAME))?;
+        let shards = TensorShard::for_all_ranks(0, n, w).map_err(tensor_err(NAME))?;
+        let ranges: Vec<std::ops::Range<usize>> = shards.iter().map(|s| s.start()..s.start() + s.len()).collect();
+        // Reduce-scatter: chunk j of every rank to rank j.
+        let mut round = Round::new(inner, NAME);
+        let src = round.keep(Owned::Tensor(flat.clone()));
+        let mine = &ranges[me];
+        let mut slots = vec![usize::MAX; w];
+        for peer in (0..w).filter(|&p| p != me) {
+            let t = Tensor::zeros(&[mine.len()], x.dtype(), &Device::Cpu).map_err(tensor_err(NAME))?;
+            slots[peer] = round.keep(Owned::Tensor(t));
+            round.recv(peer, TAG_DATA, slots[peer], 0..mine.len() * esize)?;
+            let r = &ranges[peer];
+            round.send(peer, TAG_DATA, src, r.start * esize..r.end * esize)?;
+        }
+        round.wait(deadline)?;
+        let own = flat.narrow(0, mine.start, mine.len()).map_err(tensor_err(NAME))?;
+        let parts: Vec<Tensor> = (0..w)
+            .map(|p| if p == me { Ok(own.clone()) } else { round.take_tensor(slots[p]).ok_or_else(internal) })
+            .collect::<Result<_>>()?;
+        drop(round);
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        let reduced = crate::reduce::reduce(NAME, &refs, op)?;
+        // All-gather of the reduced chunks into the output.
+        let mut output = Tensor::zeros(&[n], x.dtype(), &Device::Cpu).map_err(tensor_err(NAME))?;
+        output
+            .as_bytes_mut()
+            .map_err(tensor_err(NAME))?
+            .get_mut(mine.start * esize..mine.end * esize)
+            .ok_or_else(internal)?
+            .copy_from_slice(reduced.as_bytes().map_err(tensor_err(NAME))?);
+        let mut round = Round::new(inner, NAME);
+        let out = round.keep(Owned::Tensor(output));
+        let red = round.keep(Owned::Tensor(reduced));
+        for peer in (0..w).filter(|&p| p != me) {
+            let r = &ranges[peer];
+            round.recv(peer, TAG_DATA, out, r.start * esize..r.end * esize)?;
+            round.send(peer, TAG_DATA, red, 0..mine.len() * esize)?;
+        }
+        round.wait(deadline)?;
+        let output = round.take_tensor(out).ok_or_else(internal)?;
+        output.reshape(x.dims()).map_err(tensor_err(NAME))
+    }
+}
+
+fn internal() -> CommError {
+    CommError::Mpi { op: "MpiComm", message: "internal: a round's buffer is missing".into() }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.size
+    }
+
+    fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
+        const NAME: &str = "all_gather";
+        Self::host(NAME, x)?;
+        x.shape().dim(NAME, dim).map_err(tensor_err(NAME))?;
+        let deadline = self.deadline();
+        let mine = Header::new(
+            NAME,
+            Op::AllGather,
+            self.next_seq(),
+            self.inner.rank,
+            Some((x.dtype(), x.dims())),
+            dim as u64,
+        )?;
+        let headers = self.exchange_headers(NAME, mine, deadline, |a, b| {
+            a.dtype == b.dtype
+                && a.arg == b.arg
+                && a.dims.len() == b.dims.len()
+                && a.dims.iter().zip(&b.dims).enumerate().all(|(d, (p, q))| d == dim || p == q)
+        })?;
+        let dims: Vec<Vec<usize>> = headers.iter().map(|h| h.dims.clone()).collect();
+        let parts = self.swap_whole(NAME, x, &dims, deadline)?;
+        Tensor::cat(&parts, dim).map_err(tensor_err(NAME))
+    }
+
+    fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        const NAME: &str = "all_reduce";
+        Self::host(NAME, x)?;
+        if !x.dtype().is_float() {
+            return Err(CommError::Tensor { op: NAME, source: tp_core::Error::NotFloat { dtype: x.dtype() } });
+        }
+        let deadline = self.deadline();
+        let mine = Header::new(
+            NAME,
+            Op::AllReduce,
+            self.next_seq(),
+            self.inner.rank,
+            Some((x.dtype(), x.dims())),
+            reduce_arg(op),
+        )?;
+        self.exchange_headers(NAME, mine, deadline, |a, b| a.dtype == b.dtype && a.dims == b.dims && a.arg == b.arg)?;
+        let w = self.inner.size;
+        if w == 1 {
+            return crate::reduce::reduce(NAME, &[x], op);
+        }
+        if x.size_in_bytes() < SPLIT_MIN_BYTES || x.numel() < w {
+            let dims = vec![x.dims().to_vec(); w];
+            let parts = self.swap_whole(NAME, x, &dims, deadline)?;
+            let refs: Vec<&Tensor> = parts.iter().collect();
+            return crate::reduce::reduce(NAME, &refs, op);
+        }
+        self.all_reduce_split(x, op, deadline)
+    }
+
+    fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        const NAME: &str = "reduce_scatter";
+        Self::host(NAME, x)?;
+        if !x.dtype().is_float() {
+            return Err(CommError::Tensor { op: NAME, source: tp_core::Error::NotFloat { dtype: x.dtype() } });
+        }
+        let len = x.shape().dim(NAME, dim).map_err(tensor_err(NAME))?;
+        let deadline = self.deadline();
+        let arg = reduce_arg(op) << 32 | dim as u64;
+        let mine =
+            Header::new(NAME, Op::ReduceScatter, self.next_seq(), self.inner.rank, Some((x.dtype(), x.dims())), arg)?;
+        self.exchange_headers(NAME, mine, deadline, |a, b| a.dtype == b.dtype && a.dims == b.dims && a.arg == b.arg)?;
+        let (w, me) = (self.inner.size, self.inner.rank);
+        let shards = TensorShard::for_all_ranks(dim, len, w).map_err(tensor_err(NAME))?;
+        let piece = |j: usize| x.narrow(dim, shards[j].start(), shards[j].len()).map_err(tensor_err(NAME));
+        let own = piece(me)?;
+        let mut round = Round::new(&self.inner, NAME);
+        let mut slots = vec![usize::MAX; w];
+        for peer in (0..w).filter(|&p| p != me) {
+            let t = Tensor::zeros(own.dims(), x.dtype(), &Device::Cpu).map_err(tensor_err(NAME))?;
+            slots[peer] = round.keep(Owned::Tensor(t));
+            round.recv(peer, TAG_DATA, slots[peer], 0..own.size_in_bytes())?;
+            let out = piece(peer)?;
+            let bytes = out.size_in_bytes();
+            let i = round.keep(Owned::Tensor(out));
+            round.send(peer, TAG_DATA, i, 0..bytes)?;
+        }
+        round.wait(deadline)?;
+        let parts: Vec<Tensor> = (0..w)
+            .map(|p| if p == me { Ok(own.clone()) } else { round.take_tensor(slots[p]).ok_or_else(internal) })
+            .collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        crate::reduce::reduce(NAME, &refs, op)
+    }
+
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
+        const NAME: &str = "broadcast";
+        Self::host(NAME, x)?;
+        let (w, me) = (self.inner.size, self.inner.rank);
+        if root >= w {
+            return Err(CommError::RankOutOfRange { op: NAME, rank: root, world_size: w });
+        }
+        let deadline = self.deadline();
+        let mine = Header::new(NAME, Op::Broadcast, self.next_seq(), me, Some((x.dtype(), x.dims())), root as u64)?;
+        self.exchange_headers(NAME, mine, deadline, |a, b| a.dtype == b.dtype && a.dims == b.dims && a.arg == b.arg)?;
+        if w == 1 {
+            return Ok(x.clone());
+        }
+        let mut round = Round::new(&self.inner, NAME);
+        let bytes = x.size_in_bytes();
+        let slot = if me == root {
+            let i = round.keep(Owned::Tensor(x.clone()));
+            for peer in (0..w).filter(|&p| p != me) {
+                round.send(peer, TAG_DATA, i, 0..bytes)?;
+            }
+            i
+        } else {
+            let t = Tensor::zeros(x.dims(), x.dtype(), &Device::Cpu).map_err(tensor_err(NAME))?;
+            let i = round.keep(Owned::Tensor(t));
+            round.recv(root, TAG_DATA, i, 0..bytes)?;
+            i
+        };
+        round.wait(deadline)?;
+        round.take_tensor(slot).ok_or_else(internal)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        const NAME: &str = "barrier";
+        let mine = Header::new(NAME, Op::Barrier, self.next_seq(), self.inner.rank, None, 0)?;
+        self.exchange_headers(NAME, mine, self.deadline(), |_, _| true).map(drop)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.inner.abort_with(reason);
+    }
+
+    fn send_async(&self, x: &Tensor, dst: usize) -> Result<Work> {
+        const NAME: &str = "send";
+        Self::host(NAME, x)?;
+        self.peer_check(NAME, dst)?;
+        self.inner.check_poisoned(NAME)?;
+        let header = Header::new(NAME, Op::Send, 0, self.inner.rank, Some((x.dtype(), x.dims())), 0)?;
+        let mut round = Round::new(&self.inner, NAME);
+        let h = round.keep(Owned::Words(Box::new(header.encode())));
+        let d = round.keep(Owned::Tensor(x.clone()));
+        round.send(dst, TAG_P2P_HEADER, h, 0..std::mem::size_of::<Words>())?;
+        round.send(dst, TAG_P2P_DATA, d, 0..x.size_in_bytes())?;
+        Ok(Work::pending(Box::new(P2p {
+            comm: self.inner.clone(),
+            round,
+            deadline: self.deadline(),
+            result: d,
+            expect: None,
+        })))
+    }
+
+    fn recv_async(&self, dims: &[usize], dtype: DType, src: usize) -> Result<Work> {
+        const NAME: &str = "recv";
+        self.peer_check(NAME, src)?;
+        self.inner.check_poisoned(NAME)?;
+        let expect = Header::new(NAME, Op::Send, 0, src, Some((dtype, dims)), 0)?;
+        let t = Tensor::zeros(dims, dtype, &Device::Cpu).map_err(tensor_err(NAME))?;
+        let bytes = t.size_in_bytes();
+        let mut round = Round::new(&self.inner, NAME);
+        let h = round.keep(Owned::Words(Box::new([0; 16])));
+        let d = round.keep(Owned::Tensor(t));
+        round.recv(src, TAG_P2P_HEADER, h, 0..std::mem::size_of::<Words>())?;
+        round.recv(src, TAG_P2P_DATA, d, 0..bytes)?;
+        Ok(Work::pending(Box::new(P2p {
+            comm: self.inner.clone(),
+            round,
+            deadline: self.deadline(),
+            result: d,
+            expect: Some((h, expect)),
+        })))
+    }
+}
+
+impl MpiComm {
+    fn peer_check(&self, op: &'static str, peer: usize) -> Result<()> {
+        let (w, me) = (self.inner.size, self.inner.rank);
+        if peer >= w {
+            return Err(CommError::RankOutOfRange { op, rank: peer, world_size: w });
+        }
+        if peer == me {
+            return Err(CommError::Mismatch {
+                op: op.into(),
+                why: format!("rank {me} cannot send to or receive from itself"),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A posted send or receive: its round, and for a receive the header it expects.
+struct P2p {
+    comm: Arc<Inner>,
+    round: Round,
+    deadline: Deadline,
+    result: usize,
+    expect: Option<(usize, Header)>,
+}
+
+impl PendingWork for P2p {
+    fn is_done(&mut self) -> bool {
+        self.round.test().unwrap_or(true)
+    }
+
+    fn wait(mut self: Box<Self>) -> Result<Tensor> {
+        let waited = self.round.wait(self.deadline);
+        // A wrong-sized payload is an MPI truncation error; the header says what was sent.
+        if let Some((h, expect)) = &self.expect {
+            let got = match self.round.owned(*h) {
+                Owned::Words(w) if w[0] != 0 => Some(Header::decode("recv", expect.from, w)),
+                _ => None,
+            };
+            match got {
+                Some(Ok(got)) if got.dtype != expect.dtype || got.dims != expect.dims => {
+                    let err = CommError::Mismatch {
+                        op: "recv".into(),
+                        why: format!(
+                            "rank {} expected {:?} {} from rank {} but it sent {:?} {}",
+                            self.comm.rank,
+                            expect.dims,
+                            expect.dtype.map_or("?".into(), |d| d.to_string()),
+                            expect.from,
+                            got.dims,
+                            got.dtype.map_or("?".into(), |d| d.to_string()),
+                        ),
+                    };
+                    self.comm.abort_with(&err.to_string());
+                    return Err(err);
+                }
+                Some(Err(e)) => return Err(e),
+                _ => {}
+            }
+        }
+        waited?;
+        self.round.take_tensor(self.result).ok_or_else(internal)
+    }
+}
