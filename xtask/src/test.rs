@@ -51,7 +51,7 @@ pub fn run(args: &[String]) -> Result<()> {
     ];
     let (passed, failed, ok) = cargo_test(
         &cargo,
-        &["test", "--workspace", "--locked", "--features", "tp-comm/nccl-tests,tp-comm/mpi-tests"],
+        &["test", "--workspace", "--locked", "--features", "tp-comm/nccl-tests,tp-comm/mpi-tests,tp-cli/mpi-tests"],
         &nccl_lib,
         &python,
     )?;
@@ -67,7 +67,7 @@ pub fn run(args: &[String]) -> Result<()> {
 
 /// Runs `cargo test`, echoing its output, and sums the `test result:` lines.
 /// Features compiled by clippy: the GPU suites (compiled, not run, here) and the NCCL tests.
-const FEATURES: &str = "tp-core/gpu-tests,tp-comm/gpu-tests,tp-comm/nccl-tests,tp-comm/mpi-tests,tp-layers/gpu-tests,tp-models/gpu-tests,tp-models/tokenizers,tp-benches/gpu";
+const FEATURES: &str = "tp-core/gpu-tests,tp-comm/gpu-tests,tp-comm/nccl-tests,tp-comm/mpi-tests,tp-cli/mpi-tests,tp-layers/gpu-tests,tp-models/gpu-tests,tp-models/tokenizers,tp-benches/gpu";
 
 /// The `openai` package the server's client test runs (with its dependencies).
 const OPENAI: &str = "openai==3.60.0";

@@ -169,6 +169,20 @@ pub struct TrainArgs {
     /// LoRA adapters on the frozen model.
     #[command(flatten)]
     pub lora: crate::train_lora::LoraArgs,
+    /// How the ranks talk: threads of this process, or (under `mpirun` or `srun`) each
+    /// process one rank over MPI.
+    #[arg(long, value_enum, default_value = "local")]
+    pub backend: TrainBackend,
+}
+
+/// `tp train --backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TrainBackend {
+    /// Every rank a thread of this process.
+    Local,
+    /// Each process of an `mpirun` or `srun` job one rank, over MPI (Open MPI, loaded at run
+    /// time).
+    Mpi,
 }
 
 /// The model folder's tokenizer and chat template, as the data reader asks for them.
@@ -365,33 +379,53 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
         source: weights_dir.to_path_buf(),
     };
     let timeout = tp_comm::LaunchEnv::timeout_from_lookup(|k| std::env::var(k).ok()).map_err(|e| bad(e.to_string()))?;
-    let meshes = Mesh::local(shape, timeout, |_| Device::Cpu).map_err(|e| CliError::Engine(e.to_string()))?;
-    let log = Log::new(a.log_json.clone(), steps);
-    let trace = a.trace.as_ref().map(|_| (Instant::now(), Mutex::new(Vec::new())));
-    let errors: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
     let resume = resumed.is_some().then_some(a.resume.as_deref()).flatten();
-    let (lora_spec, source) = (&lora_spec, &source);
+    let job = RankJob {
+        source: &source,
+        config: &config,
+        dtype,
+        parts: &parts,
+        opts: &opts,
+        resume,
+        expert_parallel: a.enable_expert_parallel,
+        lora: lora_spec.as_ref(),
+        lora_dropout: (a.lora.lora_dropout as f32, a.seed),
+    };
+    let log = Log::new(a.log_json.clone(), steps);
+    match a.backend {
+        TrainBackend::Local => run_threads(&a, shape, timeout, &job, &log, config_t, &data),
+        TrainBackend::Mpi => run_process(&a, shape, timeout, &job, &log, config_t, data),
+    }
+}
+
+/// The trace's origin and every rank's events (in this process).
+type Trace = Option<(Instant, Mutex<Vec<TraceEvent>>)>;
+
+/// Every rank as a thread of this process (`--backend local`).
+fn run_threads(
+    a: &TrainArgs,
+    shape: MeshShape,
+    timeout: std::time::Duration,
+    job: &RankJob<'_>,
+    log: &Log,
+    config_t: TrainConfig,
+    data: &Dataset,
+) -> Result<(), CliError> {
+    if let Some(launch) = launched_as_rank() {
+        return Err(bad(format!(
+            "this process is {launch}, but --backend local runs every rank as a thread of one process: pass \
+             --backend mpi to make each process a rank"
+        )));
+    }
+    let meshes = Mesh::local(shape, timeout, |_| Device::Cpu).map_err(|e| CliError::Engine(e.to_string()))?;
+    let trace: Trace = a.trace.as_ref().map(|_| (Instant::now(), Mutex::new(Vec::new())));
+    let errors: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for mesh in meshes {
-            let (data, config_t, opts, log, errors, config, parts, trace) =
-                (data.clone(), config_t.clone(), &opts, &log, &errors, &config, &parts, &trace);
+            let (data, config_t, errors, trace) = (data.clone(), config_t.clone(), &errors, &trace);
             let rank = mesh.rank();
             let spawned = std::thread::Builder::new().name(format!("train-{rank}")).spawn_scoped(s, move || {
-                let expert_parallel = a.enable_expert_parallel;
-                let job = RankJob {
-                    source,
-                    config,
-                    dtype,
-                    parts,
-                    opts,
-                    resume,
-                    log,
-                    trace,
-                    expert_parallel,
-                    lora: lora_spec.as_ref(),
-                    lora_dropout: (a.lora.lora_dropout as f32, a.seed),
-                };
-                let out = job.run(&mesh, config_t, data);
+                let out = job.run(&mesh, config_t, data, log, trace);
                 if let Err(e) = out {
                     mesh.abort(&format!("rank {rank} (stage {}) failed", mesh.coords().pp));
                     if let Ok(mut v) = errors.lock() {
@@ -408,10 +442,7 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
         }
     });
     if let (Some(path), Some((_, events))) = (&a.trace, trace) {
-        let mut events = events.into_inner().unwrap_or_default();
-        events.sort_by(|x, y| x.start_us.total_cmp(&y.start_us));
-        std::fs::write(path, tp_train::pipeline::chrome_trace_json(&events))
-            .map_err(|e| CliError::Io(format!("--trace {}: {e}", path.display())))?;
+        write_trace(path, events.into_inner().unwrap_or_default())?;
     }
     let mut errors = errors.into_inner().unwrap_or_default();
     errors.sort();
@@ -420,6 +451,109 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
         Some((_, e)) => Err(CliError::Model(e)),
         None => Ok(()),
     }
+}
+
+/// This process as one rank of an MPI job (`--backend mpi`, under `mpirun` or `srun`): the
+/// mesh's groups over MPI, this rank's loop here; rank 0 logs, writes the trace (every rank's
+/// events gathered to it) and the checkpoints. A failure aborts the mesh, so that every other
+/// rank stops within the deadline with this rank's reason.
+fn run_process(
+    a: &TrainArgs,
+    shape: MeshShape,
+    timeout: std::time::Duration,
+    job: &RankJob<'_>,
+    log: &Log,
+    config_t: TrainConfig,
+    data: Dataset,
+) -> Result<(), CliError> {
+    let mesh = Mesh::from_mpi(shape, timeout).map_err(|e| CliError::Engine(format!("--backend mpi: {e}")))?;
+    let rank = mesh.rank();
+    // Every process's trace clock starts as the mesh is complete.
+    mesh.world().barrier().map_err(|e| CliError::Engine(e.to_string()))?;
+    let trace: Trace = a.trace.as_ref().map(|_| (Instant::now(), Mutex::new(Vec::new())));
+    let failed = |e: String| {
+        let why = format!("rank {rank} (stage {}, replica {}) failed: {e}", mesh.coords().pp, mesh.coords().dp);
+        mesh.abort(&why);
+        CliError::Model(why)
+    };
+    job.run(&mesh, config_t, data, log, &trace).map_err(failed)?;
+    if let (Some(path), Some((_, events))) = (&a.trace, trace) {
+        let events = events.into_inner().unwrap_or_default();
+        let all = gather_trace(&mesh, &events).map_err(|e| failed(e.to_string()))?;
+        if rank == 0 {
+            write_trace(path, all)?;
+        }
+    }
+    mesh.world().barrier().map_err(|e| CliError::Engine(e.to_string()))?;
+    drop(mesh);
+    tp_comm::mpi::finalize().map_err(|e| CliError::Engine(e.to_string()))
+}
+
+/// `Some("rank 1 of 4 launched by mpirun")` when a launcher started this process as one rank
+/// of several.
+fn launched_as_rank() -> Option<String> {
+    let env = tp_comm::LaunchEnv::from_lookup(|k| match k {
+        // A torchrun-style set needs an address; these launch checks only need the sizes.
+        "MASTER_ADDR" => Some("127.0.0.1".into()),
+        "MASTER_PORT" => Some("1".into()),
+        k => std::env::var(k).ok(),
+    })
+    .ok()?;
+    let by = match env.launcher {
+        tp_comm::Launcher::Torchrun => "torchrun",
+        tp_comm::Launcher::Slurm => "srun",
+        tp_comm::Launcher::OpenMpi => "mpirun",
+    };
+    (env.world_size > 1).then(|| format!("rank {} of {} launched by {by}", env.rank, env.world_size))
+}
+
+/// Every rank's trace events, on every rank (an all-gather of their text over the world).
+fn gather_trace(mesh: &Mesh, events: &[TraceEvent]) -> Result<Vec<TraceEvent>, tp_comm::CommError> {
+    let opt = |v: Option<usize>| v.map_or(-1, |x| x as i64);
+    let text: String = events
+        .iter()
+        .map(|e| {
+            format!(
+                "{}\t{}\t{}\t{}\t{}\t{}\t{}\n",
+                e.rank,
+                e.stage,
+                e.name,
+                opt(e.mb),
+                opt(e.chunk),
+                e.start_us,
+                e.dur_us
+            )
+        })
+        .collect();
+    let bytes: Vec<i64> = text.bytes().map(i64::from).collect();
+    let n = bytes.len();
+    let t = tp_core::Tensor::from_vec(bytes, &[n], &Device::Cpu)?;
+    let all = mesh.world().all_gather(&t, 0)?.to_i64_vec()?;
+    let text: String = all.into_iter().map(|b| b as u8 as char).collect();
+    let back = |v: &str| v.parse::<i64>().ok().and_then(|x| usize::try_from(x).ok());
+    Ok(text
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split('\t').collect();
+            let [rank, stage, name, mb, chunk, start, dur] = f.as_slice() else { return None };
+            Some(TraceEvent {
+                rank: rank.parse().ok()?,
+                stage: stage.parse().ok()?,
+                name: name.to_string(),
+                mb: back(mb),
+                chunk: back(chunk),
+                start_us: start.parse().ok()?,
+                dur_us: dur.parse().ok()?,
+            })
+        })
+        .collect())
+}
+
+/// Writes `events` in start order as a Chrome trace.
+fn write_trace(path: &Path, mut events: Vec<TraceEvent>) -> Result<(), CliError> {
+    events.sort_by(|x, y| x.start_us.total_cmp(&y.start_us));
+    std::fs::write(path, tp_train::pipeline::chrome_trace_json(&events))
+        .map_err(|e| CliError::Io(format!("--trace {}: {e}", path.display())))
 }
 
 /// What every rank's thread shares.
@@ -433,9 +567,6 @@ struct RankJob<'a> {
     opts: &'a RunOptions,
     /// The checkpoint this run continues.
     resume: Option<&'a Path>,
-    log: &'a Log,
-    /// The trace's origin and every rank's events.
-    trace: &'a Option<(Instant, Mutex<Vec<TraceEvent>>)>,
     /// Experts whole on ranks.
     expert_parallel: bool,
     /// LoRA adapters to attach (the base frozen).
@@ -447,7 +578,15 @@ struct RankJob<'a> {
 impl RankJob<'_> {
     /// One rank: load its chunks (virtual stages `c·P + s`), restore the optimizer when
     /// resuming, run the loop.
-    fn run(&self, mesh: &Mesh, config_t: TrainConfig, mut data: Dataset) -> Result<(), String> {
+    /// Rank 0 reports to `log`; every rank adds its events to `trace`.
+    fn run(
+        &self,
+        mesh: &Mesh,
+        config_t: TrainConfig,
+        mut data: Dataset,
+        log: &Log,
+        trace: &Trace,
+    ) -> Result<(), String> {
         let (p, s) = (mesh.shape().pp, mesh.coords().pp);
         let mut opts = ModelOptions::new().with_expert_parallel(self.expert_parallel);
         if let Some(d) = self.dtype {
@@ -489,20 +628,20 @@ impl RankJob<'_> {
         // Every rank has loaded before the clock starts.
         mesh.world().barrier().map_err(|e| e.to_string())?;
         if rank == 0 {
-            self.log.start_now(); // elapsed_s counts training, not loading
+            log.start_now(); // elapsed_s counts training, not loading
         }
-        let clock = self.trace.as_ref().map(|(origin, _)| TraceClock { rank, origin: *origin });
+        let clock = trace.as_ref().map(|(origin, _)| TraceClock { rank, origin: *origin });
         let groups = StepGroups::of_mesh(mesh, clock);
         let mut failed = None;
         let mut on_step = |l: &StepLog, events: &[TraceEvent]| {
-            if let Some((_, all)) = self.trace
+            if let Some((_, all)) = trace
                 && let Ok(mut all) = all.lock()
             {
                 all.extend_from_slice(events);
             }
             if rank == 0
                 && failed.is_none()
-                && let Err(e) = self.log.step(l)
+                && let Err(e) = log.step(l)
             {
                 failed = Some(e);
             }

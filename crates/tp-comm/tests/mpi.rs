@@ -7,71 +7,25 @@
 //! that the job ends well before its deadline. Needs Open MPI and SLURM (`.ci/slurm.sh`
 //! installs both and starts the daemons; `cargo xtask test` runs it).
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tp_comm::mpi::MpiComm;
 use tp_comm::{CommError, Communicator, LocalGroup, Mesh, MeshShape, ReduceOp};
 use tp_core::{DType, Device, Tensor};
+use tp_testing::launch::{Finished, Launcher, run_bounded};
 
-#[derive(Clone, Copy, Debug)]
-enum Launcher {
-    Mpirun,
-    Srun,
-}
-
-/// Runs `rank_main` with case `case` as `n` processes; returns (success, stdout + stderr,
-/// elapsed). The launch itself is bounded: a job still running after `limit` is killed.
-fn launch(launcher: Launcher, n: usize, case: &str, limit: Duration) -> (bool, String, Duration) {
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = match launcher {
-        Launcher::Mpirun => {
-            let mut c = Command::new("mpirun");
-            c.args(["--allow-run-as-root", "--oversubscribe", "-np", &n.to_string()]);
-            c
-        }
-        Launcher::Srun => {
-            let mut c = Command::new("srun");
-            c.args(["--kill-on-bad-exit=1", "--mpi=pmix", "-n", &n.to_string()]);
-            c
-        }
-    };
-    cmd.arg(&exe)
-        .args(["rank_main", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("TP_MPI_CASE", case)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let started = Instant::now();
-    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {launcher:?} (run .ci/slurm.sh): {e}"));
-    let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let read = |mut r: Box<dyn std::io::Read + Send>| {
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = r.read_to_string(&mut s);
-            s
-        })
-    };
-    let (out, err) = (read(Box::new(out)), read(Box::new(err)));
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break Some(s);
-        }
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let elapsed = started.elapsed();
-    let text = format!("{}{}", out.join().unwrap(), err.join().unwrap());
-    assert!(status.is_some(), "{launcher:?} -n {n} {case} ran past {limit:?}:\n{text}");
-    (status.unwrap().success(), text, elapsed)
+/// Runs `rank_main` with case `case` as `n` processes, killed if still running after `limit`.
+fn launch(launcher: Launcher, n: usize, case: &str, limit: Duration) -> Finished {
+    let mut cmd = launcher.command(n, std::env::current_exe().unwrap());
+    cmd.args(["rank_main", "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env("TP_MPI_CASE", case);
+    let f = run_bounded(cmd, limit);
+    assert!(!f.killed, "{launcher:?} -n {n} {case} ran past {limit:?}:\n{}", f.output);
+    f
 }
 
 /// Launches `case` and checks that every rank printed its `ok` line.
 fn all_ok(launcher: Launcher, n: usize, case: &str) {
-    let (ok, text, _) = launch(launcher, n, case, Duration::from_secs(120));
+    let f = launch(launcher, n, case, Duration::from_secs(120));
+    let (ok, text) = (f.success, f.output);
     for r in 0..n {
         assert!(
             text.contains(&format!("rank {r}/{n} ok {case}")),
@@ -125,9 +79,10 @@ fn an_abort_reaches_every_waiting_rank_at_once() {
 
 #[test]
 fn a_killed_rank_ends_the_job_long_before_the_deadline() {
-    for launcher in [Launcher::Mpirun, Launcher::Srun] {
+    for launcher in Launcher::ALL {
         // The survivors wait in an all-reduce with a 60 s deadline; the launcher ends them.
-        let (ok, text, took) = launch(launcher, 3, "killed", Duration::from_secs(90));
+        let f = launch(launcher, 3, "killed", Duration::from_secs(90));
+        let (ok, text, took) = (f.success, f.output, f.elapsed);
         assert!(!ok, "{launcher:?}: a killed rank must fail the job:\n{text}");
         assert!(took < Duration::from_secs(30), "{launcher:?}: took {took:?}:\n{text}");
         assert!(

@@ -8,6 +8,7 @@
 //! * [`synthetic`]: random checkpoints in Hugging Face's layout.
 //! * [`ranks`]: ranks as threads of a `LocalGroup` or as processes of an NCCL job.
 
+pub mod launch;
 pub mod ranks;
 pub mod reference;
 pub mod synthetic;

@@ -1,0 +1,159 @@
+//! `tp train` and `tp serve` as processes of an MPI job (`--backend mpi`), under `mpirun` and
+//! `srun` (a one-node SLURM; `.ci/slurm.sh` brings both up): the same log and the same saved
+//! weights as one process with threads, bit for bit; bad launches refused in one line.
+
+mod common;
+
+use common::train::{fixture, log_lines, scratch};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+use tp_testing::launch::{Launcher, run_bounded};
+
+fn tp() -> &'static str {
+    env!("CARGO_BIN_EXE_tp")
+}
+
+/// The pipeline test's flags: 3 steps of 4 micro-batches of one row.
+fn train_args(data: &Path, layout: &[&str], out: &Path, name: &str) -> Vec<String> {
+    let mut v: Vec<String> = ["--steps", "3", "--micro-batch-size", "1", "--lr", "1e-3", "--seq-len", "16"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    v.extend(["--data".into(), data.display().to_string()]);
+    v.extend(["--log-json".into(), out.join(format!("{name}.jsonl")).display().to_string()]);
+    v.extend(["--save".into(), out.join(name).display().to_string()]);
+    v.extend(layout.iter().map(|s| s.to_string()));
+    v
+}
+
+/// `tp train MODEL ARGS` as `n` processes under `launcher` with `--backend mpi`.
+fn train_mpi(launcher: Launcher, n: usize, model: &Path, args: &[String]) -> common_out::Out {
+    let mut cmd = launcher.command(n, tp());
+    cmd.arg("train").arg(model).args(args).args(["--backend", "mpi"]);
+    common_out::run(cmd)
+}
+
+mod common_out {
+    use super::*;
+    pub struct Out {
+        pub success: bool,
+        pub output: String,
+        pub elapsed: Duration,
+    }
+    pub fn run(cmd: Command) -> Out {
+        let f = run_bounded(cmd, Duration::from_secs(240));
+        assert!(!f.killed, "ran past its limit:\n{}", f.output);
+        Out { success: f.success, output: f.output, elapsed: f.elapsed }
+    }
+}
+
+fn train_threads(model: &Path, args: &[String]) {
+    let out = Command::new(tp()).arg("train").arg(model).args(args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Loss, gradient norm, learning rate and tokens of every step, exactly.
+fn same_log(a: &Path, b: &Path, what: &str) {
+    let (a, b) = (log_lines(a), log_lines(b));
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().zip(&b) {
+        for k in ["step", "loss", "grad_norm", "lr", "tokens"] {
+            assert_eq!(x[k], y[k], "{what}: {k} of step {}", x["step"]);
+        }
+    }
+}
+
+fn same_weights(a: &Path, b: &Path, what: &str) {
+    let (x, y) =
+        (std::fs::read(a.join("model.safetensors")).unwrap(), std::fs::read(b.join("model.safetensors")).unwrap());
+    assert!(x == y, "{what}: the saved weights differ");
+}
+
+#[test]
+fn every_layout_across_processes_matches_one_process_with_threads() {
+    let case = fixture("llama");
+    let data = case.join("data.jsonl");
+    let dir = scratch("mpi-layouts");
+    let layouts: [(&str, Vec<&str>); 3] = [
+        ("tp2-pp2", vec!["-tp", "2", "-pp", "2", "--grad-accum", "4"]),
+        ("dp2-tp2", vec!["-dp", "2", "-tp", "2", "--grad-accum", "2"]),
+        ("dp2-pp2", vec!["-dp", "2", "-pp", "2", "--grad-accum", "2", "--pp-schedule", "zb-h1"]),
+    ];
+    for (name, layout) in &layouts {
+        let threads = format!("{name}-threads");
+        train_threads(&case, &train_args(&data, layout, &dir, &threads));
+        for launcher in Launcher::ALL {
+            let run = format!("{name}-{launcher:?}");
+            let out = train_mpi(launcher, 4, &case, &train_args(&data, layout, &dir, &run));
+            assert!(out.success, "{run}:\n{}", out.output);
+            same_log(&dir.join(format!("{threads}.jsonl")), &dir.join(format!("{run}.jsonl")), &run);
+            same_weights(&dir.join(&threads), &dir.join(&run), &run);
+            // Only rank 0 reports.
+            assert_eq!(out.output.matches("step 3/3").count(), 1, "{run}:\n{}", out.output);
+        }
+    }
+}
+
+#[test]
+fn checkpoints_and_traces_cross_processes_and_layouts() {
+    let case = fixture("llama");
+    let data = case.join("data.jsonl");
+    let dir = scratch("mpi-resume");
+    // Saved every step by 4 processes at tp2 x pp2; resumed from step 2 by 2 processes at dp 2.
+    let mut first = train_args(&data, &["-tp", "2", "-pp", "2", "--grad-accum", "4"], &dir, "first");
+    first.extend(["--save-every".into(), "1".into()]);
+    let trace = dir.join("trace.json");
+    first.extend(["--trace".into(), trace.display().to_string()]);
+    let out = train_mpi(Launcher::Mpirun, 4, &case, &first);
+    assert!(out.success, "{}", out.output);
+    let resumed_at: PathBuf = dir.join("first/step-2");
+    let mut second = train_args(&data, &["-dp", "2", "--grad-accum", "2"], &dir, "second");
+    second.extend(["--resume".into(), resumed_at.display().to_string()]);
+    let out = train_mpi(Launcher::Srun, 2, &case, &second);
+    assert!(out.success, "{}", out.output);
+    let (a, b) = (log_lines(&dir.join("first.jsonl")), log_lines(&dir.join("second.jsonl")));
+    assert_eq!(b.len(), 1, "the resumed run does step 3 only");
+    let (x, y) = (a[2]["loss"].as_f64().unwrap(), b[0]["loss"].as_f64().unwrap());
+    assert!((x - y).abs() <= 1e-6 * x.abs(), "step 3 loss {x} uninterrupted vs {y} resumed");
+    // The trace has every process's forwards (one track per rank).
+    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    for pid in 0..4 {
+        let n = events.iter().filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == "forward").count();
+        assert_eq!(n, 3 * 4, "rank {pid}: forwards in the trace");
+    }
+}
+
+#[test]
+fn bad_launches_are_refused_in_one_line_and_nothing_hangs() {
+    let case = fixture("llama");
+    let data = case.join("data.jsonl");
+    let dir = scratch("mpi-bad");
+    // Three processes for a mesh of four.
+    let out = train_mpi(Launcher::Mpirun, 3, &case, &train_args(&data, &["-tp", "2", "-pp", "2"], &dir, "a"));
+    assert!(!out.success && out.output.contains("3 processes") && out.output.contains("-np 4"), "{}", out.output);
+    // Each process of an MPI job running every rank as threads.
+    let mut cmd = Launcher::Mpirun.command(2, tp());
+    cmd.arg("train").arg(&case).args(train_args(&data, &["-tp", "2"], &dir, "b"));
+    let out = common_out::run(cmd);
+    assert!(!out.success && out.output.contains("pass --backend mpi"), "{}", out.output);
+    assert!(
+        out.output.contains("rank 1 of 2 launched by mpirun") || out.output.contains("rank 0 of 2"),
+        "{}",
+        out.output
+    );
+    assert!(!dir.join("b").exists(), "nothing saved");
+    // No MPI library: one line, no hang (a single process; no launcher needed to see it).
+    let out = Command::new(tp())
+        .arg("train")
+        .arg(&case)
+        .args(train_args(&data, &[], &dir, "c"))
+        .args(["--backend", "mpi"])
+        .env("TP_MPI_LIB", "/nonexistent/libmpi.so.40")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("MPI unavailable") && err.contains("openmpi-bin"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
