@@ -633,7 +633,17 @@ impl RankJob<'_> {
         let clock = trace.as_ref().map(|(origin, _)| TraceClock { rank, origin: *origin });
         let groups = StepGroups::of_mesh(mesh, clock);
         let mut failed = None;
+        // For tests of a rank that dies: TP_DEBUG_FAULT=RANK:STEP ends that rank's process
+        // (SIGABRT) once it has finished STEP, before that step's checkpoint.
+        let fault = std::env::var("TP_DEBUG_FAULT").ok().and_then(|v| {
+            let (r, s) = v.trim().split_once(':')?;
+            Some((r.parse::<usize>().ok()?, s.parse::<u64>().ok()?))
+        });
         let mut on_step = |l: &StepLog, events: &[TraceEvent]| {
+            if fault == Some((rank, l.step)) {
+                eprintln!("TP_DEBUG_FAULT: rank {rank} ends itself after step {}", l.step);
+                std::process::abort();
+            }
             if let Some((_, all)) = trace
                 && let Ok(mut all) = all.lock()
             {

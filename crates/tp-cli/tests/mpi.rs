@@ -8,7 +8,7 @@ use common::train::{fixture, log_lines, scratch};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
-use tp_testing::launch::{Launcher, run_bounded};
+use tp_testing::launch::{Finished, Launcher, run_bounded};
 
 fn tp() -> &'static str {
     env!("CARGO_BIN_EXE_tp")
@@ -28,24 +28,16 @@ fn train_args(data: &Path, layout: &[&str], out: &Path, name: &str) -> Vec<Strin
 }
 
 /// `tp train MODEL ARGS` as `n` processes under `launcher` with `--backend mpi`.
-fn train_mpi(launcher: Launcher, n: usize, model: &Path, args: &[String]) -> common_out::Out {
+fn train_mpi(launcher: Launcher, n: usize, model: &Path, args: &[String]) -> Finished {
     let mut cmd = launcher.command(n, tp());
     cmd.arg("train").arg(model).args(args).args(["--backend", "mpi"]);
-    common_out::run(cmd)
+    bounded(cmd)
 }
 
-mod common_out {
-    use super::*;
-    pub struct Out {
-        pub success: bool,
-        pub output: String,
-        pub elapsed: Duration,
-    }
-    pub fn run(cmd: Command) -> Out {
-        let f = run_bounded(cmd, Duration::from_secs(240));
-        assert!(!f.killed, "ran past its limit:\n{}", f.output);
-        Out { success: f.success, output: f.output, elapsed: f.elapsed }
-    }
+fn bounded(cmd: Command) -> Finished {
+    let f = run_bounded(cmd, Duration::from_secs(240));
+    assert!(!f.killed, "ran past its limit:\n{}", f.output);
+    f
 }
 
 fn train_threads(model: &Path, args: &[String]) {
@@ -136,7 +128,7 @@ fn bad_launches_are_refused_in_one_line_and_nothing_hangs() {
     // Each process of an MPI job running every rank as threads.
     let mut cmd = Launcher::Mpirun.command(2, tp());
     cmd.arg("train").arg(&case).args(train_args(&data, &["-tp", "2"], &dir, "b"));
-    let out = common_out::run(cmd);
+    let out = bounded(cmd);
     assert!(!out.success && out.output.contains("pass --backend mpi"), "{}", out.output);
     assert!(
         out.output.contains("rank 1 of 2 launched by mpirun") || out.output.contains("rank 0 of 2"),
@@ -156,4 +148,32 @@ fn bad_launches_are_refused_in_one_line_and_nothing_hangs() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("MPI unavailable") && err.contains("openmpi-bin"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn a_rank_killed_mid_run_ends_the_job_and_leaves_the_last_checkpoint_whole() {
+    let case = fixture("llama");
+    let data = case.join("data.jsonl");
+    for launcher in Launcher::ALL {
+        let dir = scratch("mpi-killed");
+        let mut args = train_args(&data, &["-tp", "2", "-pp", "2", "--grad-accum", "4"], &dir, "run");
+        args.extend(["--save-every".into(), "1".into()]);
+        // Rank 1 dies after step 2, while rank 0 gathers step 2's checkpoint; the others wait
+        // on it with a 60 s deadline, which the launcher's end of the job comes well before.
+        let mut cmd = launcher.command(4, tp());
+        cmd.arg("train").arg(&case).args(&args).args(["--backend", "mpi"]);
+        cmd.env("TP_DEBUG_FAULT", "1:2").env("TP_TIMEOUT_SECS", "60");
+        let out = bounded(cmd);
+        assert!(!out.success, "{launcher:?}:\n{}", out.output);
+        assert!(out.elapsed < Duration::from_secs(30), "{launcher:?}: {:?}\n{}", out.elapsed, out.output);
+        assert!(out.output.contains("rank 1 ends itself"), "{launcher:?}:\n{}", out.output);
+        // Step 1's checkpoint is whole; step 2's and the final one were never moved into place.
+        let step1 = dir.join("run/step-1");
+        for f in ["model.safetensors", "config.json"] {
+            assert!(step1.join(f).is_file(), "{launcher:?}: {f} of step 1");
+        }
+        assert!(!dir.join("run/step-2").exists() && !dir.join("run/model.safetensors").exists(), "{launcher:?}");
+        let bytes = std::fs::read(step1.join("model.safetensors")).unwrap();
+        safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    }
 }
