@@ -82,6 +82,9 @@ pub enum BackendArg {
     Local,
     /// One process per GPU over NCCL.
     Nccl,
+    /// Each process of an `mpirun` or `srun` job one rank, on the host, over MPI (Open MPI,
+    /// loaded at run time); rank 0 serves HTTP.
+    Mpi,
 }
 
 /// `tp serve MODEL_DIR [FLAGS]`.

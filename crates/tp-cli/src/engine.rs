@@ -102,9 +102,21 @@ pub fn start_engine(args: &EngineArgs, source: Option<tp_models::ModelSource>) -
     opts.source = source;
     let (engine, children) = match args.backend {
         BackendArg::Local => {
+            crate::launch::refuse_local_under_launcher()?;
             (tp_engine::start(&opts).map_err(|e| CliError::Engine(e.to_string()))?, Children(Vec::new()))
         }
         BackendArg::Nccl => start_nccl_leader(args, &opts)?,
+        BackendArg::Mpi => {
+            check_host_device(args)?;
+            let group =
+                tp_comm::DeviceGroup::new(std::sync::Arc::new(crate::launch::mpi_world()?), tp_core::Device::Cpu);
+            match tp_engine::start_process_rank(&opts, group).map_err(|e| CliError::Engine(e.to_string()))? {
+                tp_engine::ProcessRank::Leader(engine) => (engine, Children(Vec::new())),
+                tp_engine::ProcessRank::Follower => {
+                    return Err(CliError::Engine("MPI rank 0 did not lead the engine".into()));
+                }
+            }
+        }
     };
     tracing::info!(
         "engine ready: {} rank(s) ({} pipeline stage(s)), {} KV-cache blocks of {} positions per rank ({})",
@@ -138,6 +150,9 @@ pub fn start_engine(args: &EngineArgs, source: Option<tp_models::ModelSource>) -
 /// as torchrun or `tp serve` itself sets it): then it runs its part of the engine here, serving
 /// no HTTP, until rank 0 stops the engine, and the result is returned. `None` otherwise.
 pub fn nccl_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
+    if args.backend == BackendArg::Mpi {
+        return mpi_follower(args);
+    }
     if args.backend != BackendArg::Nccl {
         return None;
     }
@@ -154,6 +169,37 @@ pub fn nccl_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
             tp_engine::ProcessRank::Leader(_) => Err(CliError::Engine("RANK is not 0 but this process leads".into())),
         }
     })())
+}
+
+/// [`nccl_follower`] for `--backend mpi`: every process of the job but rank 0 (MPI's own
+/// numbering) runs its part of the engine here until rank 0 stops it, then ends MPI.
+fn mpi_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
+    let world = match crate::launch::mpi_world() {
+        Ok(w) => w,
+        Err(e) => return Some(Err(e)),
+    };
+    use tp_comm::Communicator;
+    if world.rank() == 0 {
+        return None;
+    }
+    Some((|| {
+        check_host_device(args)?;
+        let opts = engine_options(args)?;
+        let group = tp_comm::DeviceGroup::new(std::sync::Arc::new(world), tp_core::Device::Cpu);
+        match tp_engine::start_process_rank(&opts, group).map_err(|e| CliError::Engine(e.to_string()))? {
+            tp_engine::ProcessRank::Follower => crate::launch::mpi_finalize(),
+            tp_engine::ProcessRank::Leader(_) => Err(CliError::Engine("an MPI rank other than 0 leads".into())),
+        }
+    })())
+}
+
+fn check_host_device(args: &EngineArgs) -> Result<(), CliError> {
+    if args.device != DeviceArg::Cpu {
+        return Err(CliError::Engine(
+            "--backend mpi runs processes on the host: use --device cpu (--backend nccl for GPUs)".into(),
+        ));
+    }
+    Ok(())
 }
 
 fn check_nccl_device(args: &EngineArgs) -> Result<(), CliError> {

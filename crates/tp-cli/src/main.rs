@@ -7,6 +7,7 @@ mod detok;
 mod engine;
 mod error;
 mod harmony;
+mod launch;
 mod lora_serve;
 mod markers;
 mod merge;

@@ -122,6 +122,9 @@ pub fn serve(args: ServeArgs) -> Result<(), CliError> {
     (started.join)(Instant::now() + ENGINE_STOP).map_err(CliError::Stopped)?;
     rt.shutdown_timeout(Duration::from_secs(1));
     tracing::info!("stopped");
+    if engine_args.backend == crate::args::BackendArg::Mpi {
+        crate::launch::mpi_finalize()?;
+    }
     Ok(())
 }
 

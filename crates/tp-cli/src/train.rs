@@ -169,6 +169,12 @@ pub struct TrainArgs {
     /// LoRA adapters on the frozen model.
     #[command(flatten)]
     pub lora: crate::train_lora::LoraArgs,
+    /// The distributed optimizer (ZeRO stage 1, Megatron's --use-distributed-optimizer): 1
+    /// shares AdamW's moments and the fp32 master weights out over the data-parallel replicas
+    /// (gradients reduce-scattered, updated weights all-gathered); 0 keeps them whole on every
+    /// replica. Results are the same bits either way.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub zero: u8,
     /// How the ranks talk: threads of this process, or (under `mpirun` or `srun`) each
     /// process one rank over MPI.
     #[arg(long, value_enum, default_value = "local")]
@@ -220,6 +226,10 @@ fn check(a: &TrainArgs) -> Result<(), CliError> {
              over the tensor-parallel ranks: use one",
             a.expert_model_parallel_size
         )));
+    }
+    if a.zero == 1 && (a.expert_model_parallel_size > 1) {
+        return Err(bad("--zero 1 does not share out expert-parallel replicas yet: use --zero 0 with \
+             --expert-model-parallel-size"));
     }
     if a.virtual_stages > 1 && a.pp_schedule != ScheduleKind::Interleaved1F1B {
         return Err(bad(format!(
@@ -366,6 +376,7 @@ pub fn train(a: TrainArgs) -> Result<(), CliError> {
         sequence_parallel: a.sequence_parallel,
         pp_schedule: a.pp_schedule,
         virtual_stages: v,
+        zero: a.zero == 1,
     };
     Trainer::new(config_t.clone()).map_err(train_err)?;
     // The schedule's own checks (micro-batches against stages) before any rank starts.
@@ -411,12 +422,7 @@ fn run_threads(
     config_t: TrainConfig,
     data: &Dataset,
 ) -> Result<(), CliError> {
-    if let Some(launch) = launched_as_rank() {
-        return Err(bad(format!(
-            "this process is {launch}, but --backend local runs every rank as a thread of one process: pass \
-             --backend mpi to make each process a rank"
-        )));
-    }
+    crate::launch::refuse_local_under_launcher()?;
     let meshes = Mesh::local(shape, timeout, |_| Device::Cpu).map_err(|e| CliError::Engine(e.to_string()))?;
     let trace: Trace = a.trace.as_ref().map(|_| (Instant::now(), Mutex::new(Vec::new())));
     let errors: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
@@ -486,25 +492,7 @@ fn run_process(
     }
     mesh.world().barrier().map_err(|e| CliError::Engine(e.to_string()))?;
     drop(mesh);
-    tp_comm::mpi::finalize().map_err(|e| CliError::Engine(e.to_string()))
-}
-
-/// `Some("rank 1 of 4 launched by mpirun")` when a launcher started this process as one rank
-/// of several.
-fn launched_as_rank() -> Option<String> {
-    let env = tp_comm::LaunchEnv::from_lookup(|k| match k {
-        // A torchrun-style set needs an address; these launch checks only need the sizes.
-        "MASTER_ADDR" => Some("127.0.0.1".into()),
-        "MASTER_PORT" => Some("1".into()),
-        k => std::env::var(k).ok(),
-    })
-    .ok()?;
-    let by = match env.launcher {
-        tp_comm::Launcher::Torchrun => "torchrun",
-        tp_comm::Launcher::Slurm => "srun",
-        tp_comm::Launcher::OpenMpi => "mpirun",
-    };
-    (env.world_size > 1).then(|| format!("rank {} of {} launched by {by}", env.rank, env.world_size))
+    crate::launch::mpi_finalize()
 }
 
 /// Every rank's trace events, on every rank (an all-gather of their text over the world).
@@ -693,7 +681,7 @@ impl Log {
             }
             let line = serde_json::json!({
                 "step": l.step, "loss": l.loss, "grad_norm": l.grad_norm, "lr": l.lr, "tokens": l.tokens, "elapsed_s": elapsed,
-                "bubble": l.bubble,
+                "bubble": l.bubble, "optimizer_bytes": l.optimizer_bytes,
             });
             if let Some(f) = file.as_mut() {
                 writeln!(f, "{line}").and_then(|()| f.flush()).map_err(|e| format!("{}: {e}", path.display()))?;

@@ -5,6 +5,7 @@
 mod common;
 
 use common::train::{fixture, log_lines, scratch};
+use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -67,14 +68,21 @@ fn every_layout_across_processes_matches_one_process_with_threads() {
     let case = fixture("llama");
     let data = case.join("data.jsonl");
     let dir = scratch("mpi-layouts");
-    let layouts: [(&str, Vec<&str>); 3] = [
+    let layouts: [(&str, Vec<&str>); 5] = [
         ("tp2-pp2", vec!["-tp", "2", "-pp", "2", "--grad-accum", "4"]),
         ("dp2-tp2", vec!["-dp", "2", "-tp", "2", "--grad-accum", "2"]),
         ("dp2-pp2", vec!["-dp", "2", "-pp", "2", "--grad-accum", "2", "--pp-schedule", "zb-h1"]),
+        // The distributed optimizer, against threads without it: the same bits.
+        ("dp2-pp2-zero1", vec!["-dp", "2", "-pp", "2", "--grad-accum", "2", "--zero", "1"]),
+        ("dp4-bf16-zero1", vec!["-dp", "4", "--grad-accum", "1", "--dtype", "bf16", "--zero", "1"]),
     ];
     for (name, layout) in &layouts {
         let threads = format!("{name}-threads");
-        train_threads(&case, &train_args(&data, layout, &dir, &threads));
+        let unsharded: Vec<&str> = match layout.iter().position(|&f| f == "--zero") {
+            Some(i) => [&layout[..i], &layout[i + 2..]].concat(),
+            None => layout.clone(),
+        };
+        train_threads(&case, &train_args(&data, &unsharded, &dir, &threads));
         for launcher in Launcher::ALL {
             let run = format!("{name}-{launcher:?}");
             let out = train_mpi(launcher, 4, &case, &train_args(&data, layout, &dir, &run));
@@ -92,28 +100,42 @@ fn checkpoints_and_traces_cross_processes_and_layouts() {
     let case = fixture("llama");
     let data = case.join("data.jsonl");
     let dir = scratch("mpi-resume");
-    // Saved every step by 4 processes at tp2 x pp2; resumed from step 2 by 2 processes at dp 2.
-    let mut first = train_args(&data, &["-tp", "2", "-pp", "2", "--grad-accum", "4"], &dir, "first");
+    // Saved every step by 4 processes at dp2 x pp2 with the distributed optimizer (its state
+    // gathered whole into the checkpoint); resumed from step 2 by 2 processes at tp 2 without
+    // it, and at dp 2 with it.
+    let mut first = train_args(&data, &["-dp", "2", "-pp", "2", "--grad-accum", "2", "--zero", "1"], &dir, "first");
     first.extend(["--save-every".into(), "1".into()]);
     let trace = dir.join("trace.json");
     first.extend(["--trace".into(), trace.display().to_string()]);
     let out = train_mpi(Launcher::Mpirun, 4, &case, &first);
     assert!(out.success, "{}", out.output);
     let resumed_at: PathBuf = dir.join("first/step-2");
-    let mut second = train_args(&data, &["-dp", "2", "--grad-accum", "2"], &dir, "second");
-    second.extend(["--resume".into(), resumed_at.display().to_string()]);
-    let out = train_mpi(Launcher::Srun, 2, &case, &second);
-    assert!(out.success, "{}", out.output);
-    let (a, b) = (log_lines(&dir.join("first.jsonl")), log_lines(&dir.join("second.jsonl")));
-    assert_eq!(b.len(), 1, "the resumed run does step 3 only");
-    let (x, y) = (a[2]["loss"].as_f64().unwrap(), b[0]["loss"].as_f64().unwrap());
-    assert!((x - y).abs() <= 1e-6 * x.abs(), "step 3 loss {x} uninterrupted vs {y} resumed");
+    let a = log_lines(&dir.join("first.jsonl"));
+    for (name, launcher, layout) in [
+        ("tp2", Launcher::Srun, vec!["-tp", "2", "--grad-accum", "4"]),
+        ("dp2-zero1", Launcher::Mpirun, vec!["-dp", "2", "--grad-accum", "2", "--zero", "1"]),
+    ] {
+        let mut second = train_args(&data, &layout, &dir, name);
+        second.extend(["--resume".into(), resumed_at.display().to_string()]);
+        let out = train_mpi(launcher, 2, &case, &second);
+        assert!(out.success, "{name}: {}", out.output);
+        let b = log_lines(&dir.join(format!("{name}.jsonl")));
+        assert_eq!(b.len(), 1, "{name}: the resumed run does step 3 only");
+        let (x, y) = (a[2]["loss"].as_f64().unwrap(), b[0]["loss"].as_f64().unwrap());
+        assert!((x - y).abs() <= 1e-6 * x.abs(), "{name}: step 3 loss {x} uninterrupted vs {y} resumed");
+        let (x, y) = (a[2]["grad_norm"].as_f64().unwrap(), b[0]["grad_norm"].as_f64().unwrap());
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{name}: step 3 grad_norm {x} uninterrupted vs {y} resumed");
+    }
+    // Replica 0 held about half the optimizer state.
+    let solo = log_lines(&dir.join("tp2.jsonl"))[0]["optimizer_bytes"].as_f64().unwrap();
+    let shared = a[2]["optimizer_bytes"].as_f64().unwrap();
+    assert!(shared > 0.0 && shared < 0.75 * solo, "optimizer bytes {shared} (dp 2, pp 2, ZeRO-1) vs {solo} (tp 2)");
     // The trace has every process's forwards (one track per rank).
     let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     let events = t["traceEvents"].as_array().unwrap();
     for pid in 0..4 {
         let n = events.iter().filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == "forward").count();
-        assert_eq!(n, 3 * 4, "rank {pid}: forwards in the trace");
+        assert_eq!(n, 3 * 2, "rank {pid}: forwards in the trace");
     }
 }
 
@@ -176,4 +198,91 @@ fn a_rank_killed_mid_run_ends_the_job_and_leaves_the_last_checkpoint_whole() {
         let bytes = std::fs::read(step1.join("model.safetensors")).unwrap();
         safetensors::SafeTensors::deserialize(&bytes).unwrap();
     }
+}
+
+/// `tp serve` of `dir` as `n` processes (`--backend mpi -tp n`) under `launcher`, in a process
+/// group of its own so that the whole job is ended with the test.
+struct MpiServer(common::Server);
+
+impl MpiServer {
+    fn start(launcher: Launcher, n: usize, dir: &Path, extra: &[&str]) -> MpiServer {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = launcher.command(n, tp());
+        cmd.arg("serve").arg(dir).args(["--port", "0", "--backend", "mpi", "-tp", &n.to_string()]).args(extra);
+        cmd.process_group(0);
+        MpiServer(common::Server::spawn(dir, cmd))
+    }
+}
+
+impl Drop for MpiServer {
+    fn drop(&mut self) {
+        let pgid = i32::try_from(self.0.child.id()).expect("pid");
+        // SAFETY: kill(2) of the process group this test started (its launcher and ranks).
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+    }
+}
+
+#[test]
+fn serving_across_two_and_three_processes_answers_as_one_process() {
+    let greedy = json!({"prompt": "hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let sampled =
+        json!({"prompt": "hello", "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": true});
+    let answers = |s: &common::Server| {
+        let (st, a) = s.post("/v1/completions", &greedy);
+        assert_eq!(st, 200, "{a}");
+        let (st, b) = s.post("/v1/completions", &sampled);
+        assert_eq!(st, 200, "{b}");
+        (a["choices"][0]["text"].clone(), b["choices"][0]["text"].clone())
+    };
+    let want = answers(&common::Server::start_in(&common::model_dir(), &[], &[]));
+    for (launcher, n) in [(Launcher::Mpirun, 2), (Launcher::Mpirun, 3), (Launcher::Srun, 3)] {
+        let mut s = MpiServer::start(launcher, n, &common::model_dir(), &[]);
+        assert_eq!(answers(&s.0), want, "{launcher:?} with {n} processes");
+        // Only rank 0 listens; SIGTERM to the launcher (which passes it on) ends every process.
+        s.0.signal(libc::SIGTERM);
+        assert!(s.0.wait_exit(Duration::from_secs(30)).is_some(), "{launcher:?} -n {n}: the job did not end");
+    }
+}
+
+#[test]
+fn a_serving_rank_that_dies_ends_the_job_within_the_deadline() {
+    // Rank 1 dies at its third step; rank 0 answers with an error and every process exits.
+    let env_dir = common::model_dir();
+    let mut cmd = Launcher::Mpirun.command(3, tp());
+    cmd.arg("serve").arg(&env_dir).args(["--port", "0", "--backend", "mpi", "-tp", "3"]);
+    cmd.env("TP_DEBUG_FAULT", "1:3").env("TP_TIMEOUT_SECS", "20");
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0);
+    let mut s = MpiServer(common::Server::spawn(&env_dir, cmd));
+    let (st, _) = s.0.call(
+        "POST",
+        "/v1/completions",
+        Some(&json!({"prompt": "hello", "max_tokens": 40, "temperature": 0, "ignore_eos": true})),
+        &[],
+    );
+    assert_ne!(st, 200, "a request through a dead rank cannot succeed");
+    let code = s.0.wait_exit(Duration::from_secs(40));
+    assert!(matches!(code, Some(c) if c != 0), "the job must end, failing: {code:?}");
+}
+
+#[test]
+fn serving_refuses_a_gpu_and_a_job_of_the_wrong_size_in_one_line() {
+    let dir = common::model_dir();
+    let mut cmd = Launcher::Mpirun.command(2, tp());
+    cmd.arg("serve").arg(&dir).args(["--port", "0", "--backend", "mpi", "-tp", "3"]);
+    let out = bounded(cmd);
+    assert!(
+        !out.success && out.output.contains("2 processes") && out.output.contains("--tensor-parallel-size is 3"),
+        "{}",
+        out.output
+    );
+    let mut cmd = Launcher::Mpirun.command(2, tp());
+    cmd.arg("serve").arg(&dir).args(["--port", "0", "--backend", "mpi", "-tp", "2", "--device", "cuda"]);
+    let out = bounded(cmd);
+    assert!(!out.success && out.output.contains("--device cpu"), "{}", out.output);
+    // Each process of an MPI job serving every rank as threads: refused.
+    let mut cmd = Launcher::Mpirun.command(2, tp());
+    cmd.arg("serve").arg(&dir).args(["--port", "0", "-tp", "2"]);
+    let out = bounded(cmd);
+    assert!(!out.success && out.output.contains("pass --backend mpi"), "{}", out.output);
 }

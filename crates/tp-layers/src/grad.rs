@@ -362,39 +362,76 @@ pub fn sync_partial_grads(params: &mut [Param<'_>], group: &DeviceGroup) -> Resu
     Ok(())
 }
 
+/// Elements per chunk of a gradient's sum of squares ([`owned_chunk_squares`]).
+pub const NORM_CHUNK: usize = 256;
+
 /// The sum of squares (f64) of this rank's owned gradient elements; summed over the ranks (an
 /// all-reduce), it is the squared global norm with every element of the model counted once.
 /// Call after [`sync_partial_grads`].
+///
+/// Order: each parameter's flat gradient is cut into chunks of [`NORM_CHUNK`] elements; a
+/// chunk's owned squares are summed in f32 in element order and widened, the chunks summed in
+/// f64 in order ([`sum_chunks`]), and the parameters' totals in order. A rank that holds only
+/// some chunks' gradient (the distributed optimizer's shards) gets the same bits by gathering
+/// the chunk values of the others.
 pub fn owned_sum_squares(params: &[Param<'_>]) -> Result<f64> {
     let mut total = 0f64;
     for p in params {
-        let Some(g) = p.grad.get() else { continue };
-        let g = g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-        let (g, dims) = (g.as_slice::<f32>()?, p.value.dims());
-        for pl in p.placements.iter().filter(|pl| pl.owned) {
-            let (outer, lsize, inner) = around(dims, pl.dim);
-            for o in 0..outer {
-                let s = (o * lsize + pl.local_start) * inner;
-                total += sum_squares(&g[s..s + pl.len * inner]);
-            }
-        }
+        let chunks = p.value.numel().div_ceil(NORM_CHUNK);
+        total += sum_chunks(&owned_chunk_squares(p, 0..chunks)?);
     }
     Ok(total)
 }
 
-/// `Σ v²` in f64, over two threads when long (fixed halves, so the same bits every time).
-fn sum_squares(v: &[f32]) -> f64 {
-    let serial = |v: &[f32]| v.chunks(256).map(|c| f64::from(c.iter().map(|&x| x * x).sum::<f32>())).sum::<f64>();
-    if v.len() < 1 << 18 {
-        return serial(v);
+/// A parameter's total from its chunk values, in order.
+pub fn sum_chunks(values: &[f64]) -> f64 {
+    values.iter().fold(0f64, |a, &v| a + v)
+}
+
+/// The values of chunks `chunks` of `p`'s gradient (see [`owned_sum_squares`]): for each, the
+/// f32 sum in element order of the squares of the owned elements among its [`NORM_CHUNK`],
+/// widened to f64 (0 where `p` has no gradient). Long ranges run on two threads (split at a
+/// chunk boundary, so the same bits).
+pub fn owned_chunk_squares(p: &Param<'_>, chunks: std::ops::Range<usize>) -> Result<Vec<f64>> {
+    let Some(g) = p.grad.get() else { return Ok(vec![0.0; chunks.len()]) };
+    let g = g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+    let (g, dims) = (g.as_slice::<f32>()?, p.value.dims());
+    let mut segments: Vec<(usize, usize)> = Vec::new();
+    for pl in p.placements.iter().filter(|pl| pl.owned) {
+        let (outer, lsize, inner) = around(dims, pl.dim);
+        for o in 0..outer {
+            let s = (o * lsize + pl.local_start) * inner;
+            segments.push((s, s + pl.len * inner));
+        }
     }
-    let (a, b) = v.split_at(v.len() / 2);
-    let (sa, sb) = std::thread::scope(|s| {
-        let h = s.spawn(|| serial(a));
-        let sb = serial(b);
-        (h.join(), sb)
+    segments.sort_unstable();
+    let values = |range: std::ops::Range<usize>| -> Vec<f64> {
+        let mut acc = vec![0f32; range.len()];
+        let (lo, hi) = (range.start * NORM_CHUNK, (range.end * NORM_CHUNK).min(g.len()));
+        for &(s, e) in &segments {
+            let (mut i, e) = (s.max(lo), e.min(hi));
+            while i < e {
+                let c = i / NORM_CHUNK;
+                let end = ((c + 1) * NORM_CHUNK).min(e);
+                let a = &mut acc[c - range.start];
+                *a = g[i..end].iter().fold(*a, |a, &x| a + x * x);
+                i = end;
+            }
+        }
+        acc.into_iter().map(f64::from).collect()
+    };
+    if chunks.len() * NORM_CHUNK < 1 << 18 {
+        return Ok(values(chunks));
+    }
+    let mid = chunks.start + chunks.len() / 2;
+    let (a, b) = std::thread::scope(|s| {
+        let h = s.spawn(|| values(chunks.start..mid));
+        let b = values(mid..chunks.end);
+        (h.join(), b)
     });
-    sa.unwrap_or_else(|_| serial(a)) + sb
+    let mut a = a.unwrap_or_else(|_| values(chunks.start..mid));
+    a.extend(b);
+    Ok(a)
 }
 
 /// Which tensor of a parameter [`gather_full`] gathers.

@@ -103,8 +103,8 @@ pub use embedding::VocabParallelEmbedding;
 pub use error::{LayerError, Result};
 pub use gguf_tensors::{GgufPart, GgufTensor, RowOrder};
 pub use grad::{
-    Gather, Grad, Param, Placement, defer_weight_grads, gather_blocks, gather_full, local_from_full, owned_sum_squares,
-    sync_partial_grads,
+    Gather, Grad, NORM_CHUNK, Param, Placement, defer_weight_grads, gather_blocks, gather_full, local_from_full,
+    owned_chunk_squares, owned_sum_squares, sum_chunks, sync_partial_grads,
 };
 pub use kv_cache::KvCache;
 pub use linear::Linear;

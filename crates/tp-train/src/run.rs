@@ -78,28 +78,37 @@ pub fn run_stages(
         let acc = trainer.accumulate_stages(chunks, groups, &rows)?;
         let step = trainer.steps_done() + 1;
         if step == 1
-            && writer
             && let Some(path) = &opts.dump_grads
         {
-            dump_grads(chunks, groups.pp, experts, path)?;
+            // The distributed optimizer's replicas each hold a range of every gradient.
+            trainer.gather_grads(chunks, groups.dp)?;
+            if writer {
+                dump_grads(chunks, groups.pp, experts, path)?;
+            }
         }
         let started = std::time::Instant::now();
-        let lr = trainer.apply_stages(chunks, acc.grad_norm)?;
-        let log = StepLog::new(step, &acc, lr, started.elapsed().as_secs_f64());
+        let lr = trainer.apply_over(chunks, acc.grad_norm, groups.dp)?;
+        let mut log = StepLog::new(step, &acc, lr, started.elapsed().as_secs_f64());
+        log.optimizer_bytes = trainer.state_bytes();
         on_step(&log, &acc.events);
         if let (Some(dir), Some(every)) = (&opts.save, opts.save_every)
             && every > 0
             && step % every == 0
             && step < opts.steps
-            && writer
         {
-            save(chunks, (groups.pp, experts), trainer, data, opts, dtype, &dir.join(format!("step-{step}")))?;
+            let whole = trainer.unsharded(chunks, groups.dp)?;
+            if writer {
+                let t = whole.as_ref().unwrap_or(trainer);
+                save(chunks, (groups.pp, experts), t, data, opts, dtype, &dir.join(format!("step-{step}")))?;
+            }
         }
     }
-    if let Some(dir) = &opts.save
-        && writer
-    {
-        save(chunks, (groups.pp, experts), trainer, data, opts, dtype, dir)?;
+    if let Some(dir) = &opts.save {
+        // Under the distributed optimizer every replica sends its range; replica 0 writes.
+        let whole = trainer.unsharded(chunks, groups.dp)?;
+        if writer {
+            save(chunks, (groups.pp, experts), whole.as_ref().unwrap_or(trainer), data, opts, dtype, dir)?;
+        }
     }
     Ok(())
 }

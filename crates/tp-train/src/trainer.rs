@@ -47,6 +47,9 @@ pub struct TrainConfig {
     pub pp_schedule: ScheduleKind,
     /// Model chunks per pipeline rank (interleaved 1F1B; 1 otherwise).
     pub virtual_stages: usize,
+    /// The distributed optimizer (ZeRO stage 1, [`crate::zero`]): the optimizer state shared
+    /// out over the data-parallel replicas (nothing changes with one replica).
+    pub zero: bool,
 }
 
 /// A finished step, as `tp train --log-json` writes it.
@@ -73,6 +76,9 @@ pub struct StepLog {
     /// The pipeline's measured idle fraction: `1 - busy compute / (ranks x step time)` (see
     /// [`Accumulated::bubble`]).
     pub bubble: f64,
+    /// Bytes of optimizer state (moments and master weights) on the reporting rank after the
+    /// update: under the distributed optimizer, its replica's share.
+    pub optimizer_bytes: u64,
 }
 
 impl StepLog {
@@ -90,6 +96,7 @@ impl StepLog {
             backward_secs: acc.backward_secs,
             optimizer_secs: acc.sync_secs + update_secs,
             bubble: acc.bubble,
+            optimizer_bytes: 0,
         }
     }
 }
@@ -239,6 +246,47 @@ impl Trainer {
     pub fn states(&self) -> &[ParamState] {
         &self.states
     }
+    /// Bytes of optimizer state this rank holds (moments and master weights).
+    pub fn state_bytes(&self) -> u64 {
+        let floats: usize =
+            self.states.iter().map(|s| s.adam.m.len() + s.adam.v.len() + s.master.as_ref().map_or(0, Vec::len)).sum();
+        (floats * 4) as u64
+    }
+
+    /// Under the distributed optimizer, a copy of this trainer whose state is whole again
+    /// (gathered over `dp` from every replica's range), for a checkpoint: collective over `dp`.
+    /// `None` when the state is not shared out.
+    pub fn unsharded(&self, chunks: &mut [ParallelCausalLm], dp: &DeviceGroup) -> Result<Option<Trainer>> {
+        if !self.zero_over(dp) || self.states.is_empty() {
+            return Ok(None);
+        }
+        let mut numel = Vec::with_capacity(self.states.len());
+        for c in chunks.iter_mut() {
+            numel.extend(c.params_mut()?.iter().map(|p| p.value.numel()));
+        }
+        let states = crate::zero::unshard_states(&self.states, &numel, dp)?;
+        Ok(Some(Trainer { config: self.config.clone(), step: self.step, states, pipeline: None }))
+    }
+
+    /// Under the distributed optimizer, puts every replica's range of the gradients together,
+    /// so that each replica holds whole gradients (for a dump of them): collective over `dp`.
+    pub fn gather_grads(&self, chunks: &mut [ParallelCausalLm], dp: &DeviceGroup) -> Result<()> {
+        if !self.zero_over(dp) {
+            return Ok(());
+        }
+        for c in chunks.iter_mut() {
+            for p in c.params_mut()? {
+                let mut g = match p.grad.get() {
+                    Some(g) => g.clone(),
+                    None => Tensor::zeros(p.value.dims(), DType::F32, &p.value.device())?,
+                };
+                crate::zero::gather_value(&mut g, crate::zero::shard(&p, dp), dp)?;
+                p.grad.set(Some(g));
+            }
+        }
+        Ok(())
+    }
+
     /// Restores a saved state: `step` steps done, and the per-parameter state.
     pub fn restore(&mut self, step: u64, states: Vec<ParamState>) {
         self.step = step;
@@ -362,8 +410,11 @@ impl Trainer {
         let schedule = self.pipeline.as_ref().expect("built above");
         let scale = (1.0 / targets as f64) as f32;
         let recompute = self.config.recompute;
+        // The distributed optimizer reduce-scatters after the backward instead of summing each
+        // block's gradients during it.
+        let sums = (!self.zero_over(groups.dp)).then_some(*groups);
         let mut work: Vec<ModelChunk<'_>> =
-            chunks.iter_mut().map(|model| ModelChunk::new(model, &micro, scale, recompute, Some(*groups))).collect();
+            chunks.iter_mut().map(|model| ModelChunk::new(model, &micro, scale, recompute, sums)).collect();
         let ran = StageRunner { chunks: &mut work, pp: groups.pp, schedule, trace: groups.trace }.run(micro.len())?;
         let summed = work.into_iter().map(ModelChunk::finish).collect::<Result<Vec<_>>>()?;
 
@@ -378,6 +429,16 @@ impl Trainer {
         for (c, summed) in chunks.iter_mut().zip(&summed) {
             let mut params = c.params_mut()?;
             sync_partial_grads(&mut params, &tp)?;
+            if self.zero_over(groups.dp) {
+                if groups.experts.is_some() {
+                    return Err(TrainError::Model(
+                        "the distributed optimizer does not share out expert-parallel replicas yet".into(),
+                    ));
+                }
+                crate::zero::reduce_scatter_grads(&mut params, groups.dp)?;
+                local += crate::zero::sum_squares(&params, groups.dp)?;
+                continue;
+            }
             all_reduce_grads(&mut params, groups, summed)?;
             match groups.experts {
                 // Each expert-parallel replica holds other experts: their squares are summed
@@ -423,6 +484,24 @@ impl Trainer {
 
     /// [`apply`](Self::apply) to every chunk of this rank (their parameters in order).
     pub fn apply_stages(&mut self, chunks: &mut [ParallelCausalLm], grad_norm: f64) -> Result<f64> {
+        let single = match chunks.first() {
+            Some(c) => single_groups(c.group())?,
+            None => return Err(TrainError::Model("no model chunk on this rank".into())),
+        };
+        self.apply_over(chunks, grad_norm, &single)
+    }
+
+    /// Whether the optimizer state is shared out over `dp` (the distributed optimizer with
+    /// more than one replica).
+    fn zero_over(&self, dp: &DeviceGroup) -> bool {
+        self.config.zero && dp.world_size() > 1
+    }
+
+    /// [`apply_stages`](Self::apply_stages) on a rank whose data-parallel group is `dp`: with
+    /// the distributed optimizer, this replica updates its range of each parameter and the
+    /// ranges are all-gathered ([`crate::zero`]); every replica calls it alike.
+    pub fn apply_over(&mut self, chunks: &mut [ParallelCausalLm], grad_norm: f64, dp: &DeviceGroup) -> Result<f64> {
+        let sharded = self.zero_over(dp);
         let step = self.step + 1;
         let lr = self.config.schedule.lr(step);
         let coef = clip_coefficient(grad_norm, self.config.max_grad_norm) as f32;
@@ -431,8 +510,11 @@ impl Trainer {
         for c in chunks.iter_mut() {
             params.extend(c.params_mut()?);
         }
+        let range_of = |p: &Param<'_>| -> Result<std::ops::Range<usize>> {
+            Ok(if sharded { crate::zero::shard(p, dp) } else { 0..p.value.numel() })
+        };
         if self.states.is_empty() {
-            self.states = params.iter().map(|p| new_state(p)).collect::<Result<_>>()?;
+            self.states = params.iter().map(|p| new_state(p, range_of(p)?)).collect::<Result<_>>()?;
         }
         if self.states.len() != params.len() {
             return Err(TrainError::Model(format!(
@@ -444,18 +526,27 @@ impl Trainer {
         for (p, st) in params.iter_mut().zip(&mut self.states) {
             // torch skips parameters without a gradient. The gradient stays where it is: the next
             // step's `zero_grads` zeroes that buffer in place and accumulates into it again.
+            // (Under the distributed optimizer every parameter has one: the reduce-scatter
+            // counts a missing one as zeros, as the unsharded sum over replicas does.)
             let Some(g) = p.grad.get() else { continue };
+            let range = range_of(p)?;
+            if sharded {
+                crate::zero::take_shard(st, p.value.numel(), range.clone())?;
+            }
             let g = g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-            let (g, decay) = (g.as_slice::<f32>()?, p.decays());
+            let (g, decay) = (&g.as_slice::<f32>()?[range.clone()], p.decays());
             match &mut st.master {
                 None => {
-                    let value = p.value.as_mut_slice::<f32>()?;
+                    let value = &mut p.value.as_mut_slice::<f32>()?[range];
                     adamw.step_clipped(value, g, coef, &mut st.adam, step, lr, decay)?;
                 }
                 Some(master) => {
                     adamw.step_clipped(master, g, coef, &mut st.adam, step, lr, decay)?;
-                    store_master(p.value, master)?;
+                    store_master(p.value, master, range)?;
                 }
+            }
+            if sharded {
+                crate::zero::gather_value(p.value, range_of(p)?, dp)?;
             }
         }
         drop(params);
@@ -478,13 +569,16 @@ impl Trainer {
 /// `value = master` rounded to `value`'s dtype (round to nearest even, as `to_dtype`): a host
 /// bf16 or f16 weight in place, on the host's threads for a large one (no copy of the master,
 /// no fresh buffer whose pages fault in every step); elsewhere through a new tensor.
-fn store_master(value: &mut Tensor, master: &[f32]) -> Result<()> {
-    if value.device() == Device::Cpu && value.numel() == master.len() {
+fn store_master(value: &mut Tensor, master: &[f32], range: std::ops::Range<usize>) -> Result<()> {
+    if value.device() == Device::Cpu && range.len() == master.len() && range.end <= value.numel() {
         match value.dtype() {
-            DType::BF16 => return round_into(master, value.as_mut_slice::<tp_core::bf16>()?),
-            DType::F16 => return round_into(master, value.as_mut_slice::<tp_core::f16>()?),
+            DType::BF16 => return round_into(master, &mut value.as_mut_slice::<tp_core::bf16>()?[range]),
+            DType::F16 => return round_into(master, &mut value.as_mut_slice::<tp_core::f16>()?[range]),
             _ => {}
         }
+    }
+    if range.len() != value.numel() {
+        return Err(TrainError::Model("the distributed optimizer keeps bf16 or f16 weights on the host".into()));
     }
     let dims = value.dims().to_vec();
     let updated = Tensor::from_slice(master, &dims, &Device::Cpu)?.to_dtype(value.dtype())?;
@@ -671,8 +765,10 @@ fn measured_bubble(ran: &StageStep, groups: &[&DeviceGroup]) -> Result<f64> {
 }
 
 /// A fresh state for `p`: zero moments, and fp32 master weights unless it is f32 already.
-fn new_state(p: &Param<'_>) -> Result<ParamState> {
-    let n = p.value.numel();
+/// Fresh state for elements `range` of `p` (all of it, or a replica's range under the
+/// distributed optimizer).
+fn new_state(p: &Param<'_>, range: std::ops::Range<usize>) -> Result<ParamState> {
+    let n = range.len();
     let master = match p.value.dtype() {
         DType::F32 => {
             if p.value.device() != Device::Cpu {
@@ -680,7 +776,7 @@ fn new_state(p: &Param<'_>) -> Result<ParamState> {
             }
             None
         }
-        _ => Some(p.value.to_dtype(DType::F32)?.to_vec::<f32>()?),
+        _ => Some(p.value.to_dtype(DType::F32)?.to_vec::<f32>()?[range].to_vec()),
     };
     Ok(ParamState { master, adam: AdamState::new(n) })
 }

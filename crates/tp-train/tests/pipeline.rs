@@ -74,6 +74,8 @@ struct Run {
     bubble: f64,
     /// Rank 0's parameters whose data-parallel sum overlapped the backward, in step 1.
     overlapped: usize,
+    /// Rank 0's bytes of optimizer state at the end.
+    state_bytes: u64,
 }
 
 struct Setup<'a> {
@@ -86,6 +88,8 @@ struct Setup<'a> {
     steps: usize,
     sequence_parallel: bool,
     partition: Option<Vec<usize>>,
+    /// The distributed optimizer (ZeRO-1).
+    zero: bool,
 }
 
 impl Setup<'_> {
@@ -100,6 +104,7 @@ impl Setup<'_> {
             sequence_parallel: self.sequence_parallel,
             pp_schedule: self.kind,
             virtual_stages: self.virtual_stages,
+            zero: self.zero,
         }
     }
 
@@ -115,13 +120,14 @@ impl Setup<'_> {
         let weights = Mutex::new(BTreeMap::new());
         let logs = Mutex::new(Vec::new());
         let overlapped = Mutex::new(0usize);
+        let state_bytes = Mutex::new(0u64);
         let per_step = 2 * self.grad_accum * dp;
         let errors: Vec<String> = std::thread::scope(|s| {
             let handles: Vec<_> = meshes
                 .into_iter()
                 .map(|mesh| {
-                    let (config, parts, grads, weights, logs, overlapped) =
-                        (&config, &parts, &grads, &weights, &logs, &overlapped);
+                    let (config, parts, grads, weights, logs, overlapped, state_bytes) =
+                        (&config, &parts, &grads, &weights, &logs, &overlapped, &state_bytes);
                     s.spawn(move || -> Result<(), String> {
                         let out = (|| -> Result<(), String> {
                             let e = |e: &dyn std::fmt::Display| e.to_string();
@@ -146,12 +152,13 @@ impl Setup<'_> {
                                 let acc =
                                     trainer.accumulate_stages(&mut chunks, &groups, step_rows).map_err(|x| e(&x))?;
                                 if step == 0 {
+                                    trainer.gather_grads(&mut chunks, mesh.dp()).map_err(|x| e(&x))?;
                                     collect(&mut chunks, Gather::Grads, writer, grads)?;
                                     if mesh.rank() == 0 {
                                         *overlapped.lock().unwrap() = acc.overlapped_params;
                                     }
                                 }
-                                trainer.apply_stages(&mut chunks, acc.grad_norm).map_err(|x| e(&x))?;
+                                trainer.apply_over(&mut chunks, acc.grad_norm, mesh.dp()).map_err(|x| e(&x))?;
                                 if mesh.rank() == 0 {
                                     logs.lock().unwrap().push((
                                         acc.loss_sum / acc.targets as f64,
@@ -159,6 +166,9 @@ impl Setup<'_> {
                                         acc.bubble,
                                     ));
                                 }
+                            }
+                            if mesh.rank() == 0 {
+                                *state_bytes.lock().unwrap() = trainer.state_bytes();
                             }
                             collect(&mut chunks, Gather::Values, writer, weights)
                         })();
@@ -182,6 +192,7 @@ impl Setup<'_> {
             weights: weights.into_inner().unwrap(),
             bubble,
             overlapped: overlapped.into_inner().unwrap(),
+            state_bytes: state_bytes.into_inner().unwrap(),
         })
     }
 }
@@ -269,7 +280,37 @@ fn assert_same_run(what: &str, got: &Run, want: &Run) {
 }
 
 fn setup(dir: &Path, shape: (usize, usize, usize), kind: ScheduleKind, grad_accum: usize, steps: usize) -> Setup<'_> {
-    Setup { dir, shape, kind, virtual_stages: 1, grad_accum, steps, sequence_parallel: false, partition: None }
+    Setup {
+        dir,
+        shape,
+        kind,
+        virtual_stages: 1,
+        grad_accum,
+        steps,
+        sequence_parallel: false,
+        partition: None,
+        zero: false,
+    }
+}
+
+/// The distributed optimizer shares out the state and gives the unsharded optimizer's run bit
+/// for bit: losses, norms, step 1's gradients and the weights after three steps, at 2 and 3
+/// replicas (uneven ranges) with pipeline and tensor parallelism.
+#[test]
+fn the_distributed_optimizer_is_bitwise_the_unsharded_one() {
+    let dir = model_dir(true);
+    let data = rows(2 * 4 * 3 * 3);
+    for (dp, pp, tp) in [(2, 2, 2), (3, 1, 2), (2, 1, 1)] {
+        let base = setup(&dir, (dp, pp, tp), ScheduleKind::OneFOneB, 4, 3).run(&data).unwrap();
+        let zero = Setup { zero: true, ..setup(&dir, (dp, pp, tp), ScheduleKind::OneFOneB, 4, 3) }.run(&data).unwrap();
+        assert_eq!(zero.logs, base.logs, "dp {dp} pp {pp} tp {tp}: losses and norms");
+        assert_eq!(zero.grads, base.grads, "dp {dp} pp {pp} tp {tp}: step 1's gradients");
+        assert_eq!(zero.weights, base.weights, "dp {dp} pp {pp} tp {tp}: weights");
+        assert_eq!(zero.overlapped, 0, "the distributed optimizer reduce-scatters after the backward");
+        // Replica 0 holds its share: at most its chunks' (rounded up) of every parameter.
+        let share = zero.state_bytes as f64 / base.state_bytes as f64;
+        assert!(share < 1.0 / dp as f64 + 0.15, "dp {dp}: replica 0 holds {share:.2} of the state");
+    }
 }
 
 #[test]

@@ -170,6 +170,12 @@ impl Server {
         for (k, v) in env {
             cmd.env(k, v);
         }
+        Server::spawn(dir, cmd)
+    }
+
+    /// Starts `cmd` (a `tp serve` of `dir`, perhaps under a launcher), waiting (60 s at most)
+    /// for its listening line.
+    pub fn spawn(dir: &Path, mut cmd: Command) -> Server {
         let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start tp");
         let stderr = child.stderr.take();
         let (tx, log) = mpsc::channel();

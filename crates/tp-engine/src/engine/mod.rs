@@ -275,7 +275,7 @@ pub fn start_process_rank(opts: &EngineOptions, group: DeviceGroup) -> Result<Pr
     }
     if group.world_size() != opts.tensor_parallel_size {
         return Err(EngineError::Config(format!(
-            "the job has {} ranks (WORLD_SIZE) but --tensor-parallel-size is {}",
+            "the job has {} processes but --tensor-parallel-size is {}",
             group.world_size(),
             opts.tensor_parallel_size
         )));

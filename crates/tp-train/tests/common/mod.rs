@@ -50,6 +50,7 @@ pub fn config(hyper: &serde_json::Value, recompute: Recompute, sequence_parallel
         sequence_parallel,
         pp_schedule: ScheduleKind::OneFOneB,
         virtual_stages: 1,
+        zero: false,
     }
 }
 
