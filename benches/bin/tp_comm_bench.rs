@@ -11,7 +11,12 @@
 //! CPU backend: `world` processes on this machine, the same sizes, iterations and method) and
 //! printed beside ours.
 //!
-//! Usage: `tp-comm-bench [--backend local|nccl] [--world N] [--max-bytes B] [--iters N]`.
+//! With `--mpi-world N` it compares the MPI backend instead: this program as `N` processes under
+//! `mpirun` (`--backend mpi`, each process a rank), then gloo over `N` processes, all-reduce of
+//! f32 from 4 KiB to 64 MiB, one after the other.
+//!
+//! Usage: `tp-comm-bench [--backend local|nccl] [--world N] [--max-bytes B] [--iters N]`, or
+//! `tp-comm-bench --mpi-world N [--iters N] [--sizes B,B,..] [--out FILE.json]`.
 
 use anyhow::{Context, Result, bail};
 use std::time::{Duration, Instant};
@@ -21,6 +26,8 @@ use tp_core::{DType, Device, Tensor};
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Coll {
     AllReduce,
+    /// All-reduce into the input itself (torch.distributed's form).
+    AllReduceInto,
     AllGather,
     ReduceScatter,
     Broadcast,
@@ -30,7 +37,7 @@ impl Coll {
     fn bus_factor(self, n: usize) -> f64 {
         let n = n as f64;
         match self {
-            Coll::AllReduce => 2.0 * (n - 1.0) / n,
+            Coll::AllReduce | Coll::AllReduceInto => 2.0 * (n - 1.0) / n,
             Coll::AllGather | Coll::ReduceScatter => (n - 1.0) / n,
             Coll::Broadcast => 1.0,
         }
@@ -46,6 +53,7 @@ fn main() {
 
 fn run() -> Result<()> {
     let (mut backend, mut world, mut max_bytes, mut iters) = (None::<String>, 0usize, 0usize, 20usize);
+    let (mut mpi_world, mut sizes, mut out) = (0usize, None::<Vec<usize>>, None::<String>);
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut val = || it.next().context("flag needs a value");
@@ -54,14 +62,25 @@ fn run() -> Result<()> {
             "--world" => world = val()?.parse()?,
             "--max-bytes" => max_bytes = val()?.parse()?,
             "--iters" => iters = val()?.parse()?,
+            "--mpi-world" => mpi_world = val()?.parse()?,
+            "--sizes" => sizes = Some(val()?.split(',').map(str::parse).collect::<Result<_, _>>()?),
+            "--out" => out = Some(val()?),
             other => bail!("unknown argument {other:?}"),
         }
+    }
+    // 4 KiB to 64 MiB, doubling: the sizes the MPI comparison reports.
+    let mpi_sizes = || sizes.clone().unwrap_or_else(|| (12..=26).map(|p| 1usize << p).collect());
+    if backend.as_deref() == Some("mpi") {
+        return mpi_rank(&mpi_sizes(), iters);
+    }
+    if mpi_world > 0 {
+        return mpi_versus_gloo(mpi_world, &mpi_sizes(), iters, out.as_deref());
     }
     let gpus = tp_kernels::device_count().unwrap_or(0);
     let use_nccl = match backend.as_deref() {
         Some("nccl") => true,
         Some("local") => false,
-        Some(other) => bail!("unknown backend {other:?}: local or nccl"),
+        Some(other) => bail!("unknown backend {other:?}: local, nccl or mpi"),
         None => gpus > 0 && tp_comm::nccl::Nccl::get().is_ok(),
     };
     let timeout = Duration::from_secs(120);
@@ -253,43 +272,130 @@ fn gloo_all_reduce(world: usize, sizes: &[usize], iters: usize) -> Result<(Strin
 /// `bytes` is the size nccl-tests reports: the full buffer for all-reduce and broadcast, the
 /// gathered output for all-gather, the input for reduce-scatter.
 fn time(groups: &[DeviceGroup], coll: Coll, bytes: usize, iters: usize) -> Result<f64> {
-    let n = groups.len();
-    let count = (bytes / 4).max(1);
-    let per_rank = (count / n).max(1);
     let times: Vec<Result<Vec<f64>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = groups
-            .iter()
-            .map(|g| {
-                s.spawn(move || -> Result<Vec<f64>> {
-                    let len = if coll == Coll::AllGather { per_rank } else { count };
-                    let x = g.to_local(&Tensor::rand(&[len], DType::F32, g.rank() as u64, &Device::Cpu)?)?;
-                    let mut out = Vec::with_capacity(iters);
-                    for i in 0..iters + 2 {
-                        g.barrier()?;
-                        let t = Instant::now();
-                        let y = match coll {
-                            Coll::AllReduce => g.all_reduce(&x, ReduceOp::Sum)?,
-                            Coll::AllGather => g.all_gather(&x, 0)?,
-                            Coll::ReduceScatter => g.reduce_scatter(&x, 0, ReduceOp::Sum)?,
-                            Coll::Broadcast => g.broadcast(&x, 0)?,
-                        };
-                        std::hint::black_box(&y);
-                        // GPU collectives return once enqueued: time them to completion.
-                        if let Device::Cuda(o) = g.device() {
-                            tp_kernels::Gpu::get(o)?.synchronize()?;
-                        }
-                        if i >= 2 {
-                            out.push(t.elapsed().as_secs_f64());
-                        }
-                    }
-                    Ok(out)
-                })
-            })
-            .collect();
+        let hs: Vec<_> = groups.iter().map(|g| s.spawn(move || rank_times(g, coll, bytes, iters))).collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
     });
     let per_rank_times = times.into_iter().collect::<Result<Vec<_>>>()?;
     let mut slowest: Vec<f64> = (0..iters).map(|i| per_rank_times.iter().map(|t| t[i]).fold(0.0, f64::max)).collect();
     slowest.sort_by(f64::total_cmp);
     Ok(slowest[slowest.len() / 2])
+}
+
+/// This rank's seconds for each of `iters` runs of `coll` (after 2 warm-ups, a barrier before
+/// each run).
+fn rank_times(g: &DeviceGroup, coll: Coll, bytes: usize, iters: usize) -> Result<Vec<f64>> {
+    let n = g.world_size();
+    let count = (bytes / 4).max(1);
+    let per_rank = (count / n).max(1);
+    let len = if coll == Coll::AllGather { per_rank } else { count };
+    let mut x = g.to_local(&Tensor::rand(&[len], DType::F32, g.rank() as u64, &Device::Cpu)?)?;
+    let mut out = Vec::with_capacity(iters);
+    for i in 0..iters + 2 {
+        g.barrier()?;
+        let t = Instant::now();
+        let y = match coll {
+            Coll::AllReduce => g.all_reduce(&x, ReduceOp::Sum)?,
+            Coll::AllReduceInto => {
+                g.all_reduce_into(&mut x, ReduceOp::Sum)?;
+                x.clone()
+            }
+            Coll::AllGather => g.all_gather(&x, 0)?,
+            Coll::ReduceScatter => g.reduce_scatter(&x, 0, ReduceOp::Sum)?,
+            Coll::Broadcast => g.broadcast(&x, 0)?,
+        };
+        std::hint::black_box(&y);
+        // GPU collectives return once enqueued: time them to completion.
+        if let Device::Cuda(o) = g.device() {
+            tp_kernels::Gpu::get(o)?.synchronize()?;
+        }
+        if i >= 2 {
+            out.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(out)
+}
+
+/// One process of `mpirun -np N tp-comm-bench --backend mpi`: the all-reduce times of every
+/// size (slowest rank per run, median), printed by rank 0 as `mpi-allreduce BYTES SECONDS`.
+fn mpi_rank(sizes: &[usize], iters: usize) -> Result<()> {
+    let world = tp_comm::mpi::MpiComm::world(Duration::from_secs(300))?;
+    let g = DeviceGroup::new(std::sync::Arc::new(world), Device::Cpu);
+    if g.rank() == 0 {
+        println!("mpi-library {}", tp_comm::mpi::Mpi::get()?.version());
+    }
+    for &bytes in sizes {
+        for (coll, label) in [(Coll::AllReduceInto, "mpi-allreduce-into"), (Coll::AllReduce, "mpi-allreduce")] {
+            let mine = rank_times(&g, coll, bytes, iters)?;
+            let t = Tensor::from_vec(mine.iter().map(|&x| x as f32).collect::<Vec<f32>>(), &[iters], &Device::Cpu)?;
+            let mut slowest = g.all_reduce(&t, ReduceOp::Max)?.to_vec::<f32>()?;
+            slowest.sort_by(f32::total_cmp);
+            if g.rank() == 0 {
+                println!("{label} {bytes} {}", slowest[slowest.len() / 2]);
+            }
+        }
+    }
+    g.barrier()?;
+    drop(g);
+    tp_comm::mpi::finalize()?;
+    Ok(())
+}
+
+/// `tp-comm-bench --mpi-world N`: runs this program as `N` processes under mpirun (the MPI
+/// backend), then gloo's all-reduce over `N` processes (torch.distributed, the same sizes and
+/// method), one after the other so that neither runs beside the other; prints both and the
+/// ratio, and writes them as JSON to `--out FILE` if given.
+fn mpi_versus_gloo(world: usize, sizes: &[usize], iters: usize, out: Option<&str>) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    let run = std::process::Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &world.to_string()])
+        .arg(&exe)
+        .args(["--backend", "mpi", "--iters", &iters.to_string(), "--sizes"])
+        .arg(sizes.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(","))
+        .output()
+        .context("cannot run mpirun (apt-get install openmpi-bin)")?;
+    let text = String::from_utf8_lossy(&run.stdout);
+    if !run.status.success() {
+        bail!("mpirun failed: {}{}", text, String::from_utf8_lossy(&run.stderr));
+    }
+    let library = text.lines().find_map(|l| l.strip_prefix("mpi-library ")).unwrap_or("?").to_string();
+    let figures = |label: &str| -> Vec<f64> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(label))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .collect()
+    };
+    let (ours, fresh) = (figures("mpi-allreduce-into "), figures("mpi-allreduce "));
+    if ours.len() != sizes.len() || fresh.len() != sizes.len() {
+        bail!("mpirun printed {} and {} of {} sizes:\n{text}", ours.len(), fresh.len(), sizes.len());
+    }
+    let (version, gloo) = gloo_all_reduce(world, sizes, iters).map_err(|e| anyhow::anyhow!(e))?;
+    println!("all-reduce of f32 over {world} processes: tp --backend mpi ({library}) beside {version}");
+    println!("in place (all_reduce_into, as torch.distributed.all_reduce) and into a new tensor (all_reduce)");
+    println!(
+        "{:>12} {:>14} {:>12} {:>8} {:>14} {:>8}",
+        "size (B)", "in place (us)", "gloo (us)", "speedup", "new (us)", "speedup"
+    );
+    let mut rows = Vec::new();
+    for (((&bytes, &t), &f), &g) in sizes.iter().zip(&ours).zip(&fresh).zip(&gloo) {
+        println!("{:>12} {:>14.1} {:>12.1} {:>7.2}x {:>14.1} {:>7.2}x", bytes, t * 1e6, g * 1e6, g / t, f * 1e6, g / f);
+        rows.push(format!(
+            "{{\"bytes\": {bytes}, \"tp_mpi_in_place_us\": {:.2}, \"tp_mpi_new_tensor_us\": {:.2}, \"gloo_us\": {:.2}, \"speedup_in_place\": {:.3}, \"speedup_new_tensor\": {:.3}}}",
+            t * 1e6,
+            f * 1e6,
+            g * 1e6,
+            g / t,
+            g / f
+        ));
+    }
+    if let Some(path) = out {
+        let json = format!(
+            "{{\"collective\": \"all_reduce f32\", \"processes\": {world}, \"iters\": {iters}, \"mpi\": {:?}, \"reference\": {:?}, \"rows\": [\n  {}\n]}}\n",
+            library,
+            version,
+            rows.join(",\n  ")
+        );
+        std::fs::write(path, json).with_context(|| format!("writing {path}"))?;
+    }
+    Ok(())
 }

@@ -75,6 +75,40 @@ pub(crate) fn reduce_range<T: Element>(
     }
 }
 
+/// [`reduce_range`] over the ranks' same elements, where rank `me`'s are `own` and every
+/// other rank's are in `others` (rank order, `me` left out), written over `own`: the same order
+/// and bits as [`reduce_range`] into a separate output.
+pub(crate) fn reduce_in_place<T: Element>(own: &mut [T], me: usize, others: &[&[T]], op: ReduceOp) {
+    let world = (others.len() + 1) as f32;
+    let mut acc = [0f32; BLOCK];
+    let mut tmp = [0f32; BLOCK];
+    for (b, own) in own.chunks_mut(BLOCK).enumerate() {
+        let (start, len) = (b * BLOCK, own.len());
+        let (acc, tmp) = (&mut acc[..len], &mut tmp[..len]);
+        for r in 0..others.len() + 1 {
+            let src: &[T] = match r.cmp(&me) {
+                std::cmp::Ordering::Equal => own,
+                std::cmp::Ordering::Less => &others[r][start..start + len],
+                std::cmp::Ordering::Greater => &others[r - 1][start..start + len],
+            };
+            if r == 0 {
+                T::slice_to_f32(src, acc);
+                continue;
+            }
+            T::slice_to_f32(src, tmp);
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(&*tmp).for_each(|(a, v)| *a += v),
+                ReduceOp::Max => acc.iter_mut().zip(&*tmp).for_each(|(a, v)| *a = a.max(*v)),
+                ReduceOp::Min => acc.iter_mut().zip(&*tmp).for_each(|(a, v)| *a = a.min(*v)),
+            }
+        }
+        if op == ReduceOp::Avg {
+            acc.iter_mut().for_each(|a| *a /= world);
+        }
+        T::slice_from_f32(acc, own);
+    }
+}
+
 /// The whole reduction of `parts` (same shape and dtype, checked here) as a new host tensor.
 pub(crate) fn reduce(op_name: &'static str, parts: &[&Tensor], op: ReduceOp) -> Result<Tensor> {
     check(op_name, parts)?;
@@ -117,6 +151,28 @@ mod tests {
         let refs: Vec<&Tensor> = parts.iter().collect();
         let y = reduce("t", &refs, ReduceOp::Sum).unwrap();
         assert_eq!(y.as_slice::<bf16>().unwrap()[0], bf16::from_f64(1.0 + 2f64.powi(-7)));
+    }
+
+    #[test]
+    fn in_place_gives_the_separate_outputs_bits() {
+        let n = 2 * BLOCK + 5;
+        let parts: Vec<Vec<tp_core::bf16>> = (0..4)
+            .map(|r| (0..n).map(|i| bf16::from_f64(((i * 13 + r * 7) % 29) as f64 * 0.37 - 5.1)).collect())
+            .collect();
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
+            let refs: Vec<&[tp_core::bf16]> = parts.iter().map(Vec::as_slice).collect();
+            let mut want = Vec::with_capacity(n);
+            reduce_range(&refs, 0..n, op, &mut want.spare_capacity_mut()[..n]);
+            // SAFETY: all `n` elements written by `reduce_range`.
+            unsafe { want.set_len(n) };
+            for me in 0..4 {
+                let mut own = parts[me].clone();
+                let others: Vec<&[tp_core::bf16]> =
+                    parts.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, p)| p.as_slice()).collect();
+                reduce_in_place(&mut own, me, &others, op);
+                assert_eq!(own, want, "{op:?} rank {me}");
+            }
+        }
     }
 
     #[test]

@@ -206,6 +206,15 @@ fn collectives(world: &MpiComm) {
                 let got = world.all_reduce(&x, op).unwrap();
                 let want = local(n, |g| g.all_reduce(&input(seed, g.rank(), &dims, dtype), op).unwrap());
                 same_bits(&got, &want[me], &format!("all_reduce {op:?} {dtype} {dims:?}"));
+                // In place, the even ranks mixing it with the other form: the same bits.
+                let mut y = x.clone();
+                if me % 2 == 0 {
+                    world.all_reduce_into(&mut y, op).unwrap();
+                } else {
+                    y = world.all_reduce(&y, op).unwrap();
+                }
+                same_bits(&y, &want[me], &format!("all_reduce_into {op:?} {dtype} {dims:?}"));
+                assert!(x.as_bytes().unwrap() == input(seed, me, &dims, dtype).as_bytes().unwrap(), "x untouched");
                 if dtype == DType::F32 && op == ReduceOp::Sum {
                     let all: Vec<Vec<f64>> =
                         (0..n).map(|r| input(seed, r, &dims, dtype).to_f64_vec().unwrap()).collect();

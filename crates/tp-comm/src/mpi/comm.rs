@@ -71,9 +71,41 @@ pub(crate) struct Inner {
     seq: AtomicU64,
     /// Why the group failed, once it has.
     poisoned: Mutex<Option<String>>,
+    /// Receive buffers kept between calls (a fresh one would be faulted in page by page on
+    /// every large collective).
+    pool: Mutex<Vec<Vec<u64>>>,
 }
 
+/// Most receive buffers a communicator keeps for reuse.
+const POOL_BUFFERS: usize = 16;
+
 impl Inner {
+    /// A receive buffer of at least `bytes` (8-byte aligned) from the pool, or a new one.
+    pub(crate) fn scratch(&self, bytes: usize) -> Owned {
+        let words = bytes.div_ceil(8);
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        // The smallest buffer that fits.
+        let fit = (0..pool.len()).filter(|&i| pool[i].len() >= words).min_by_key(|&i| pool[i].len());
+        let buf = match fit {
+            Some(i) => pool.swap_remove(i),
+            None => vec![0u64; words],
+        };
+        Owned::Scratch(buf, bytes)
+    }
+
+    /// Returns a receive buffer to the pool; a full pool keeps the larger buffers (a large
+    /// collective after many small ones still finds its buffers).
+    pub(crate) fn give_back(&self, buf: Vec<u64>) {
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.len() < POOL_BUFFERS {
+            pool.push(buf);
+        } else if let Some(i) = (0..pool.len()).min_by_key(|&i| pool[i].len())
+            && pool[i].len() < buf.len()
+        {
+            pool[i] = buf;
+        }
+    }
+
     /// Runs `f` on the library under its lock, unless MPI has been finalised.
     pub(crate) fn call<R>(&self, op: &'static str, f: impl FnOnce(&sys::MpiLib) -> R) -> Result<R> {
         let _guard = self.mpi.lock();
@@ -199,7 +231,16 @@ impl MpiComm {
                 why: format!("MPI reports {size} processes (1..={} supported)", crate::MAX_WORLD_SIZE),
             });
         }
-        let inner = Inner { mpi, comm, rank, size, timeout, seq: AtomicU64::new(0), poisoned: Mutex::new(None) };
+        let inner = Inner {
+            mpi,
+            comm,
+            rank,
+            size,
+            timeout,
+            seq: AtomicU64::new(0),
+            poisoned: Mutex::new(None),
+            pool: Mutex::new(Vec::new()),
+        };
         Ok(MpiComm { inner: Arc::new(inner) })
     }
 
@@ -338,54 +379,177 @@ impl MpiComm {
             .collect()
     }
 
-    /// The reduction of every rank's `x`, large-tensor path (see the module docs).
-    fn all_reduce_split(&self, x: &Tensor, op: ReduceOp, deadline: Deadline) -> Result<Tensor> {
+    /// The element ranges of the ranks' chunks of `n` elements: all of `0..n` for every rank
+    /// when whole tensors go to every rank (small ones), else balanced chunks.
+    fn ranges(&self, x: &Tensor) -> Result<(bool, Vec<std::ops::Range<usize>>)> {
+        let (n, w) = (x.numel(), self.inner.size);
+        if x.size_in_bytes() < SPLIT_MIN_BYTES || n < w {
+            return Ok((true, vec![0..n; w]));
+        }
+        let shards = TensorShard::for_all_ranks(0, n, w).map_err(tensor_err("all_reduce"))?;
+        Ok((false, shards.iter().map(|s| s.start()..s.start() + s.len()).collect()))
+    }
+
+    /// Step 1 of an all-reduce: sends each peer its range of `x` (a handle on the caller's
+    /// tensor, released before `reduce` runs) and receives this rank's range of every peer's
+    /// into pooled buffers, then calls `reduce` with those (rank order, this rank left out).
+    fn reduce_my_range<T: tp_core::Element>(
+        &self,
+        x: Tensor,
+        ranges: &[std::ops::Range<usize>],
+        deadline: Deadline,
+        reduce: impl FnOnce(&[&[T]]) -> Result<()>,
+    ) -> Result<()> {
         const NAME: &str = "all_reduce";
         let inner = &self.inner;
-        let (n, w, me) = (x.numel(), inner.size, inner.rank);
-        let esize = x.dtype().size_in_bytes();
-        let flat = x.reshape(&[n]).map_err(tensor_err(NAME))?;
-        let shards = TensorShard::for_all_ranks(0, n, w).map_err(tensor_err(NAME))?;
-        let ranges: Vec<std::ops::Range<usize>> = shards.iter().map(|s| s.start()..s.start() + s.len()).collect();
-        // Reduce-scatter: chunk j of every rank to rank j.
+        let (w, me) = (inner.size, inner.rank);
+        let esize = std::mem::size_of::<T>();
+        let mine = ranges[me].clone();
         let mut round = Round::new(inner, NAME);
-        let src = round.keep(Owned::Tensor(flat.clone()));
-        let mine = &ranges[me];
+        let src = round.keep(Owned::Tensor(x));
         let mut slots = vec![usize::MAX; w];
         for peer in (0..w).filter(|&p| p != me) {
-            let t = Tensor::zeros(&[mine.len()], x.dtype(), &Device::Cpu).map_err(tensor_err(NAME))?;
-            slots[peer] = round.keep(Owned::Tensor(t));
+            slots[peer] = round.keep(inner.scratch(mine.len() * esize));
             round.recv(peer, TAG_DATA, slots[peer], 0..mine.len() * esize)?;
             let r = &ranges[peer];
             round.send(peer, TAG_DATA, src, r.start * esize..r.end * esize)?;
         }
         round.wait(deadline)?;
-        let own = flat.narrow(0, mine.start, mine.len()).map_err(tensor_err(NAME))?;
-        let parts: Vec<Tensor> = (0..w)
-            .map(|p| if p == me { Ok(own.clone()) } else { round.take_tensor(slots[p]).ok_or_else(internal) })
-            .collect::<Result<_>>()?;
-        drop(round);
-        let refs: Vec<&Tensor> = parts.iter().collect();
-        let reduced = crate::reduce::reduce(NAME, &refs, op)?;
-        // All-gather of the reduced chunks into the output.
-        let mut output = Tensor::zeros(&[n], x.dtype(), &Device::Cpu).map_err(tensor_err(NAME))?;
-        output
-            .as_bytes_mut()
-            .map_err(tensor_err(NAME))?
-            .get_mut(mine.start * esize..mine.end * esize)
-            .ok_or_else(internal)?
-            .copy_from_slice(reduced.as_bytes().map_err(tensor_err(NAME))?);
-        let mut round = Round::new(inner, NAME);
-        let out = round.keep(Owned::Tensor(output));
-        let red = round.keep(Owned::Tensor(reduced));
-        for peer in (0..w).filter(|&p| p != me) {
-            let r = &ranges[peer];
-            round.recv(peer, TAG_DATA, out, r.start * esize..r.end * esize)?;
-            round.send(peer, TAG_DATA, red, 0..mine.len() * esize)?;
+        // The sends are done: the caller's tensor has one owner again.
+        drop(round.take_tensor(src));
+        {
+            let others: Vec<&[T]> = (0..w)
+                .filter(|&p| p != me)
+                .map(|p| {
+                    let words = round.scratch(slots[p]).ok_or_else(internal)?;
+                    // SAFETY: the buffer is 8-byte aligned and holds at least `mine.len()`
+                    // elements of `T` (f32, f16 or bf16: 2 or 4 bytes, every bit pattern a
+                    // valid value), written by the completed receive; it is borrowed from
+                    // `round`, which outlives `others`.
+                    Ok(unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<T>(), mine.len()) })
+                })
+                .collect::<Result<_>>()?;
+            reduce(&others)?;
         }
+        for p in (0..w).filter(|&p| p != me) {
+            if let Some(buf) = round.take_scratch(slots[p]) {
+                inner.give_back(buf);
+            }
+        }
+        Ok(())
+    }
+
+    /// The reduction of every rank's `x` as a new tensor (see the module docs): the result is
+    /// assembled in place, this rank's range reduced straight into it and the others' received
+    /// into it.
+    fn all_reduce_t<T: tp_core::Element + Send + 'static>(
+        &self,
+        x: &Tensor,
+        op: ReduceOp,
+        deadline: Deadline,
+    ) -> Result<Tensor> {
+        const NAME: &str = "all_reduce";
+        let (n, me) = (x.numel(), self.inner.rank);
+        let esize = std::mem::size_of::<T>();
+        let (whole, ranges) = self.ranges(x)?;
+        let mine = ranges[me].clone();
+        let mut out: Vec<T> = Vec::with_capacity(n);
+        huge_pages(&mut out);
+        let dst = &mut out.spare_capacity_mut()[mine.clone()];
+        self.reduce_my_range::<T>(x.clone(), &ranges, deadline, |others| {
+            let own = &x.as_slice::<T>().map_err(tensor_err(NAME))?[mine.clone()];
+            let mut parts = others.to_vec();
+            parts.insert(me, own);
+            crate::reduce::reduce_range(&parts, 0..dst.len(), op, dst);
+            Ok(())
+        })?;
+        if whole {
+            // SAFETY: `reduce_range` initialised all `n` elements (`mine` is `0..n`).
+            unsafe { out.set_len(n) };
+            return Tensor::from_vec(out, x.dims(), &Device::Cpu).map_err(tensor_err(NAME));
+        }
+        // Step 2: every rank's reduced range into every rank's result.
+        let mut round = Round::new(&self.inner, NAME);
+        let ptr = out.as_mut_ptr().cast::<u8>();
+        let res = round.keep(Owned::Out(Box::new(out), ptr, n * esize));
+        self.share_ranges(&mut round, res, &ranges, esize)?;
         round.wait(deadline)?;
-        let output = round.take_tensor(out).ok_or_else(internal)?;
-        output.reshape(x.dims()).map_err(tensor_err(NAME))
+        let mut out = round.take_out(res).and_then(|b| b.downcast::<Vec<T>>().ok()).ok_or_else(internal)?;
+        // SAFETY: this rank's range was written by `reduce_range`, every other rank's range by
+        // its completed receive; the ranges cover `0..n`.
+        unsafe { out.set_len(n) };
+        Tensor::from_vec(*out, x.dims(), &Device::Cpu).map_err(tensor_err(NAME))
+    }
+
+    /// Step 2 of a split all-reduce: posts this rank's range of buffer `buf` to every peer and
+    /// the receive of every peer's range into it.
+    fn share_ranges(
+        &self,
+        round: &mut Round,
+        buf: usize,
+        ranges: &[std::ops::Range<usize>],
+        esize: usize,
+    ) -> Result<()> {
+        let me = self.inner.rank;
+        let mine = &ranges[me];
+        for peer in (0..self.inner.size).filter(|&p| p != me) {
+            let r = &ranges[peer];
+            round.recv(peer, TAG_DATA, buf, r.start * esize..r.end * esize)?;
+            round.send(peer, TAG_DATA, buf, mine.start * esize..mine.end * esize)?;
+        }
+        Ok(())
+    }
+
+    /// The all-reduce into `x` itself (what torch.distributed's `all_reduce` does): this
+    /// rank's range is reduced into a pooled buffer and copied into `x`, the others' ranges are
+    /// received into `x`. No new buffer of `x`'s size (whose pages a large collective would
+    /// otherwise fault in on every call).
+    fn all_reduce_into_t<T: tp_core::Element>(&self, x: &mut Tensor, op: ReduceOp, deadline: Deadline) -> Result<()> {
+        const NAME: &str = "all_reduce_into";
+        let me = self.inner.rank;
+        let esize = std::mem::size_of::<T>();
+        let (_, ranges) = self.ranges(x)?;
+        let mine = ranges[me].clone();
+        // This rank's range is reduced over itself (the sends from `x` are done by then).
+        let send_from = x.clone();
+        self.reduce_my_range::<T>(send_from, &ranges, deadline, |others| {
+            let own = &mut x.as_mut_slice::<T>().map_err(tensor_err(NAME))?[mine.clone()];
+            crate::reduce::reduce_in_place(own, me, others, op);
+            Ok(())
+        })?;
+        if ranges[me] == (0..x.numel()) {
+            return Ok(());
+        }
+        let dims = x.dims().to_vec();
+        let taken = std::mem::replace(x, Tensor::zeros(&[0], x.dtype(), &Device::Cpu).map_err(tensor_err(NAME))?);
+        let mut round = Round::new(&self.inner, NAME);
+        let buf = round.keep(Owned::Tensor(taken));
+        self.share_ranges(&mut round, buf, &ranges, esize)?;
+        let waited = round.wait(deadline);
+        match round.take_tensor(buf) {
+            Some(t) => *x = t,
+            // Still in MPI's hands (the round failed): `x` becomes zeros of its shape.
+            None => *x = Tensor::zeros(&dims, x.dtype(), &Device::Cpu).map_err(tensor_err(NAME))?,
+        }
+        waited
+    }
+}
+
+/// Asks the kernel for huge pages under a large fresh result buffer (`MADV_HUGEPAGE`): a
+/// result of tens of MiB is otherwise faulted in 4 KiB at a time on every call, which costs as
+/// much as moving it. A refusal (huge pages off) changes nothing.
+fn huge_pages<T>(v: &mut Vec<T>) {
+    const HUGE: usize = 2 << 20;
+    let bytes = v.capacity() * std::mem::size_of::<T>();
+    if bytes < 4 * HUGE {
+        return;
+    }
+    let start = v.as_mut_ptr() as usize;
+    let (lo, hi) = (start.next_multiple_of(HUGE), (start + bytes) / HUGE * HUGE);
+    if hi > lo {
+        // SAFETY: madvise only advises on pages inside this Vec's own allocation (rounded
+        // inward to 2 MiB); no memory is read or written, and a failure is ignored.
+        unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) };
     }
 }
 
@@ -442,17 +606,34 @@ impl Communicator for MpiComm {
             reduce_arg(op),
         )?;
         self.exchange_headers(NAME, mine, deadline, |a, b| a.dtype == b.dtype && a.dims == b.dims && a.arg == b.arg)?;
-        let w = self.inner.size;
-        if w == 1 {
+        if self.inner.size == 1 {
             return crate::reduce::reduce(NAME, &[x], op);
         }
-        if x.size_in_bytes() < SPLIT_MIN_BYTES || x.numel() < w {
-            let dims = vec![x.dims().to_vec(); w];
-            let parts = self.swap_whole(NAME, x, &dims, deadline)?;
-            let refs: Vec<&Tensor> = parts.iter().collect();
-            return crate::reduce::reduce(NAME, &refs, op);
+        tp_core::with_dtype!(x.dtype(), T => self.all_reduce_t::<T>(x, op, deadline))
+    }
+
+    fn all_reduce_into(&self, x: &mut Tensor, op: ReduceOp) -> Result<()> {
+        const NAME: &str = "all_reduce";
+        Self::host(NAME, x)?;
+        if !x.dtype().is_float() {
+            return Err(CommError::Tensor { op: NAME, source: tp_core::Error::NotFloat { dtype: x.dtype() } });
         }
-        self.all_reduce_split(x, op, deadline)
+        let deadline = self.deadline();
+        // The same header as `all_reduce`: ranks may mix the two forms.
+        let mine = Header::new(
+            NAME,
+            Op::AllReduce,
+            self.next_seq(),
+            self.inner.rank,
+            Some((x.dtype(), x.dims())),
+            reduce_arg(op),
+        )?;
+        self.exchange_headers(NAME, mine, deadline, |a, b| a.dtype == b.dtype && a.dims == b.dims && a.arg == b.arg)?;
+        if self.inner.size == 1 {
+            *x = crate::reduce::reduce(NAME, &[x], op)?;
+            return Ok(());
+        }
+        tp_core::with_dtype!(x.dtype(), T => self.all_reduce_into_t::<T>(x, op, deadline))
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {

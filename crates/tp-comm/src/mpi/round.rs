@@ -26,6 +26,12 @@ pub(crate) enum Owned {
     Words(Box<super::wire::Words>),
     /// Plain bytes (an abort notice).
     Bytes(Vec<u8>),
+    /// A reusable receive buffer (8-byte aligned: any element type can be read from it) and
+    /// the bytes of it in use ([`Inner::scratch`](super::comm::Inner::scratch)).
+    Scratch(Vec<u64>, usize),
+    /// A result being assembled: a `Vec<T>` (boxed as `Any`) whose spare capacity, at `ptr`
+    /// for `len` bytes, the round's receives and the caller fill.
+    Out(Box<dyn std::any::Any + Send>, *mut u8, usize),
 }
 
 /// A posted request and the peer at its other end.
@@ -84,6 +90,39 @@ impl Round {
         }
     }
 
+    /// Takes the scratch buffer kept at `i` once every request is done.
+    pub(crate) fn take_scratch(&mut self, i: usize) -> Option<Vec<u64>> {
+        if self.reqs.iter().any(|r| !r.done) {
+            return None;
+        }
+        match std::mem::replace(&mut self.owned[i], Owned::Bytes(Vec::new())) {
+            Owned::Scratch(v, _) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Takes the result buffer kept at `i` once every request is done.
+    pub(crate) fn take_out(&mut self, i: usize) -> Option<Box<dyn std::any::Any + Send>> {
+        if self.reqs.iter().any(|r| !r.done) {
+            return None;
+        }
+        match std::mem::replace(&mut self.owned[i], Owned::Bytes(Vec::new())) {
+            Owned::Out(b, _, _) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// The bytes in use of the scratch buffer kept at `i`, once every request is done.
+    pub(crate) fn scratch(&self, i: usize) -> Option<&[u64]> {
+        if self.reqs.iter().any(|r| !r.done) {
+            return None;
+        }
+        match &self.owned[i] {
+            Owned::Scratch(v, bytes) => Some(&v[..bytes.div_ceil(8)]),
+            _ => None,
+        }
+    }
+
     /// Base pointer and length of buffer `i` (mutable: a receive target; the tensor must not be
     /// shared, which `Arc::make_mut` inside `as_bytes_mut` guarantees by copying otherwise).
     fn bytes(&mut self, i: usize) -> Result<(*mut u8, usize)> {
@@ -94,6 +133,8 @@ impl Round {
             }
             Owned::Words(w) => Ok((w.as_mut_ptr().cast(), std::mem::size_of::<super::wire::Words>())),
             Owned::Bytes(b) => Ok((b.as_mut_ptr(), b.len())),
+            Owned::Scratch(v, bytes) => Ok((v.as_mut_ptr().cast(), *bytes)),
+            Owned::Out(_, ptr, len) => Ok((*ptr, *len)),
         }
     }
 
@@ -106,6 +147,8 @@ impl Round {
             }
             Owned::Words(w) => (w.as_ptr().cast::<u8>().cast_mut(), std::mem::size_of::<super::wire::Words>()),
             Owned::Bytes(b) => (b.as_ptr().cast_mut(), b.len()),
+            Owned::Scratch(v, bytes) => (v.as_ptr().cast::<u8>().cast_mut(), *bytes),
+            Owned::Out(_, ptr, len) => (*ptr, *len),
         };
         self.post(peer, tag, ptr, len, range, false)
     }
