@@ -4,7 +4,7 @@
 //!
 //! Each parameter of a rank (its tensor-parallel shard) is cut, flat, into chunks of
 //! [`NORM_CHUNK`] elements, and the chunks are split over the `D` replicas in balanced
-//! consecutive ranges ([`shard`]): replica `d` holds the optimizer state of its range only. A
+//! consecutive ranges ([`Layout`]): replica `d` holds the optimizer state of its range only. A
 //! step then
 //!
 //! 1. reduce-scatters every gradient over the data-parallel group (replica `d` receives the
@@ -17,7 +17,7 @@
 //!
 //! So a run with `--zero 1` logs and saves exactly what one without it does. Checkpoints stay
 //! layout-free: the shards are gathered back into whole tensors before a save
-//! ([`unshard_states`]), and a resumed run takes its range of the whole state it reads.
+//! (`unshard_states`), and a resumed run takes its range of the whole state it reads.
 
 use crate::trainer::ParamState;
 use crate::{Result, TrainError};

@@ -13,9 +13,9 @@
 //!
 //! * every wait has the group's deadline: requests are polled, never waited on inside MPI, and
 //!   a peer whose message has not come by then is named in the error;
-//! * a failed rank tells the others: [`Communicator::abort`] sends its reason to every rank of
+//! * a failed rank tells the others: [`Communicator::abort`](crate::Communicator::abort) sends its reason to every rank of
 //!   the group, and a rank waiting in any call of that group returns
-//!   [`CommError::Poisoned`](crate::CommError::Poisoned) with it at once;
+//!   [`CommError::Poisoned`] with it at once;
 //! * reductions give the thread backend's bits: element `i` is folded in rank order in `f32`
 //!   (see `reduce.rs`) by the rank that owns its chunk, and every rank receives those same
 //!   bytes, so `--backend mpi` and `--backend local` agree bit for bit, whatever the dtype.
@@ -23,7 +23,7 @@
 //! A collective is first an exchange of fixed-size headers between every pair of ranks (which
 //! collective, its sequence number, dtype, dims and argument), so ranks that call different
 //! collectives, or pass incompatible tensors, all return the same
-//! [`CommError::Mismatch`](crate::CommError::Mismatch) instead of hanging; then the data.
+//! [`CommError::Mismatch`] instead of hanging; then the data.
 //! See `comm.rs` for each collective's messages.
 
 mod comm;
