@@ -146,8 +146,8 @@ pub fn start_engine(args: &EngineArgs, source: Option<tp_models::ModelSource>) -
     Ok(StartedEngine { handle, join })
 }
 
-/// Whether this process is a rank other than 0 of a `--backend nccl` job (`RANK` set and not 0,
-/// as torchrun or `tp serve` itself sets it): then it runs its part of the engine here, serving
+/// Whether this process is a rank other than 0 of a `--backend nccl` job (started by torchrun,
+/// srun or mpirun, or by `tp serve` itself, with a rank other than 0): then it runs its part of the engine here, serving
 /// no HTTP, until rank 0 stops the engine, and the result is returned. `None` otherwise.
 pub fn nccl_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
     if args.backend == BackendArg::Mpi {
@@ -156,8 +156,10 @@ pub fn nccl_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
     if args.backend != BackendArg::Nccl {
         return None;
     }
-    let rank = std::env::var("RANK").ok()?;
-    if rank.trim() == "0" {
+    // Any launcher's rank (torchrun's RANK, srun's SLURM_PROCID, mpirun's
+    // OMPI_COMM_WORLD_RANK): rank 0 serves HTTP, every other process follows.
+    let launched = launched_rank()?;
+    if launched == 0 {
         return None;
     }
     Some((|| {
@@ -211,6 +213,13 @@ fn check_nccl_device(args: &EngineArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// This process's rank when a launcher (torchrun, srun, mpirun, or `tp serve` itself through
+/// `RANK`) started it as one of several processes; `None` otherwise.
+fn launched_rank() -> Option<usize> {
+    let env = tp_comm::LaunchEnv::from_env().ok()?;
+    (env.world_size > 1 || std::env::var_os("RANK").is_some()).then_some(env.rank)
+}
+
 /// The ranks `tp serve` started itself; killed if still running when dropped.
 struct Children(Vec<std::process::Child>);
 
@@ -236,14 +245,14 @@ impl Drop for Children {
     }
 }
 
-/// Rank 0 of a `--backend nccl` job. Under torchrun (`RANK=0` set) the other ranks are its
-/// processes; otherwise `tp serve` starts ranks `1..N` itself (this program with the same
+/// Rank 0 of a `--backend nccl` job. Under a launcher (torchrun, srun or mpirun with several
+/// processes, or `RANK` set) the other ranks are its processes; otherwise `tp serve` starts ranks `1..N` itself (this program with the same
 /// arguments and `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1` and a free
 /// `MASTER_PORT`), each on GPU `LOCAL_RANK`, and stops them when it stops.
 fn start_nccl_leader(args: &EngineArgs, opts: &EngineOptions) -> Result<(tp_engine::Engine, Children), CliError> {
     check_nccl_device(args)?;
     let n = opts.tensor_parallel_size;
-    let (env, children) = if std::env::var_os("RANK").is_some() {
+    let (env, children) = if launched_rank().is_some() || std::env::var_os("RANK").is_some() {
         (tp_comm::LaunchEnv::from_env().map_err(|e| CliError::Engine(e.to_string()))?, Children(Vec::new()))
     } else {
         let port =

@@ -286,3 +286,19 @@ fn serving_refuses_a_gpu_and_a_job_of_the_wrong_size_in_one_line() {
     let out = bounded(cmd);
     assert!(!out.success && out.output.contains("pass --backend mpi"), "{}", out.output);
 }
+
+/// `srun tp serve --backend nccl`: every task knows its rank from SLURM's variables, so task 0
+/// leads and the others follow; none starts ranks of its own (as a `tp serve` run by hand does).
+/// Without a GPU each of the two tasks fails once, quickly, with the reason.
+#[test]
+fn srun_tasks_of_an_nccl_server_lead_and_follow_by_their_slurm_rank() {
+    let dir = common::model_dir();
+    let mut cmd = Launcher::Srun.command(2, tp());
+    cmd.arg("serve").arg(&dir).args(["--port", "0", "--backend", "nccl", "--device", "cuda", "-tp", "2"]);
+    cmd.env("TP_TIMEOUT_SECS", "20");
+    let out = bounded(cmd);
+    assert!(!out.success, "{}", out.output);
+    let failures = out.output.lines().filter(|l| l.starts_with("tp serve:")).count();
+    assert_eq!(failures, 2, "one failure per srun task, no self-started ranks:\n{}", out.output);
+    assert!(out.elapsed < Duration::from_secs(30), "{:?}", out.elapsed);
+}

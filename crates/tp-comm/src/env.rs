@@ -112,6 +112,12 @@ pub const MAX_TIMEOUT_SECS: u64 = MAX_TIMEOUT.as_secs();
 /// Longest `MASTER_ADDR` (a DNS name is at most 253 characters).
 const MAX_ADDR_LEN: usize = 253;
 
+/// Whether torchrun's agent serves its store on `MASTER_PORT` (`TORCHELASTIC_USE_AGENT_STORE`
+/// true, as torchrun sets it for its workers).
+fn agent_store(get: &impl Fn(&str) -> Option<String>) -> bool {
+    get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "true" | "1"))
+}
+
 /// The error for a launch variable that is not set.
 fn missing(name: &str) -> CommError {
     CommError::Env(format!("{name} is not set (launch with torchrun, srun or mpirun, or set RANK and WORLD_SIZE)"))
@@ -208,7 +214,10 @@ impl LaunchEnv {
     /// wins). The local rank defaults to the rank, `MASTER_ADDR` to `127.0.0.1` (under SLURM:
     /// the first host of the step's node list, see the module docs),
     /// `MASTER_PORT` to `29500` (torchrun's defaults), `TP_TIMEOUT_SECS` to
-    /// [`DEFAULT_TIMEOUT_SECS`].
+    /// [`DEFAULT_TIMEOUT_SECS`]. The store's port is `TP_MASTER_PORT` when set, else
+    /// `MASTER_PORT`, except under a torchrun whose agent already serves its own store there
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`, torchrun's default since torch 2.4): then the next
+    /// port, `MASTER_PORT + 1`, the same on every rank.
     ///
     /// Limits, each a [`CommError::Env`] naming the variable: `1 <= WORLD_SIZE <=`
     /// [`MAX_WORLD_SIZE`], `RANK` below `WORLD_SIZE`, `MASTER_PORT` in
@@ -300,15 +309,33 @@ impl LaunchEnv {
                 peer_text(master_addr.as_bytes())
             )));
         }
-        let master_port: u16 = match get("MASTER_PORT") {
-            Some(v) => parse("MASTER_PORT", &v).map_err(|_| {
-                CommError::Env(format!("MASTER_PORT=\"{}\" is not a port (1..=65535)", peer_text(v.as_bytes())))
-            })?,
-            None => 29500,
+        let port = |name: &str| -> Result<Option<u16>> {
+            match get(name) {
+                Some(v) => match parse::<u16>(name, &v) {
+                    Ok(0) => Err(CommError::Env(format!("{name}=0 is not a port (1..=65535)"))),
+                    Ok(p) => Ok(Some(p)),
+                    Err(_) => {
+                        Err(CommError::Env(format!("{name}=\"{}\" is not a port (1..=65535)", peer_text(v.as_bytes()))))
+                    }
+                },
+                None => Ok(None),
+            }
         };
-        if master_port == 0 {
-            return Err(CommError::Env("MASTER_PORT=0 is not a port (1..=65535)".into()));
-        }
+        let master_port = match (port("TP_MASTER_PORT")?, port("MASTER_PORT")?) {
+            (Some(p), _) => p,
+            // torchrun's agent serves its own store on MASTER_PORT and tells its workers so:
+            // tp's store takes the next port.
+            (None, Some(p)) if chosen.launcher == Launcher::Torchrun && agent_store(&get) => {
+                p.checked_add(1).ok_or_else(|| {
+                    CommError::Env(format!(
+                        "MASTER_PORT={p} is torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) and tp's store \
+                         takes the next port, past 65535: set TP_MASTER_PORT"
+                    ))
+                })?
+            }
+            (None, Some(p)) => p,
+            (None, None) => 29500,
+        };
         let timeout = Self::timeout_from_lookup(&get)?;
         Ok(LaunchEnv { rank, world_size, local_rank, master_addr, master_port, timeout, launcher: chosen.launcher })
     }

@@ -308,3 +308,79 @@ fn every_launchers_values_are_checked_by_name() {
     let e = msg(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("TP_TIMEOUT_SECS", "0")]);
     assert!(e.contains("TP_TIMEOUT_SECS=0"), "{e}");
 }
+
+/// torchrun (since torch 2.4) serves its agent's store on MASTER_PORT and sets
+/// TORCHELASTIC_USE_AGENT_STORE=True for its workers: tp's store takes the next port, on every
+/// rank alike; TP_MASTER_PORT overrides both; outside torchrun the variable changes nothing.
+#[test]
+fn under_torchrun_s_agent_store_tp_takes_the_next_port() {
+    let torchrun = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "29400"), ("TORCHELASTIC_RUN_ID", "x")];
+    let with = |extra: &[(&str, &str)]| {
+        let mut v = torchrun.to_vec();
+        v.extend_from_slice(extra);
+        env_of(&v)
+    };
+    assert_eq!(with(&[]).unwrap().master_port, 29400);
+    assert_eq!(with(&[("TORCHELASTIC_USE_AGENT_STORE", "True")]).unwrap().master_port, 29401);
+    assert_eq!(with(&[("TORCHELASTIC_USE_AGENT_STORE", "False")]).unwrap().master_port, 29400);
+    assert_eq!(
+        with(&[("TORCHELASTIC_USE_AGENT_STORE", "True"), ("TP_MASTER_PORT", "31000")]).unwrap().master_port,
+        31000
+    );
+    let e = env_of(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_PORT", "65535"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+    ])
+    .unwrap_err();
+    assert!(e.to_string().contains("TP_MASTER_PORT"), "{e}");
+    let e = with(&[("TP_MASTER_PORT", "0")]).unwrap_err();
+    assert!(e.to_string().contains("TP_MASTER_PORT=0 is not a port"), "{e}");
+    // srun's variables with a stray agent-store flag: MASTER_PORT as given.
+    let e = env_of(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("MASTER_PORT", "29400"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+    ])
+    .unwrap();
+    assert_eq!(e.master_port, 29400);
+}
+
+/// The whole case on real processes: a listener holds MASTER_PORT (as torchrun's agent does),
+/// and two tp-probe workers with torchrun's variables still find each other.
+#[test]
+fn tp_probe_workers_join_beside_a_busy_agent_port() {
+    let agent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = agent.local_addr().unwrap().port();
+    if std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_err() {
+        // The next port is taken by something else on this machine: pick again.
+        return tp_probe_workers_join_beside_a_busy_agent_port();
+    }
+    let children: Vec<_> = (0..2)
+        .map(|r| {
+            std::process::Command::new(env!("CARGO_BIN_EXE_tp-probe"))
+                .env_clear()
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("TORCHELASTIC_RUN_ID", "test")
+                .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+                .env("TP_TIMEOUT_SECS", "20")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let children: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    drop(agent);
+    for (r, out) in children.iter().enumerate() {
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains(&format!("rank {r}: ok")), "rank {r}: {text}");
+        assert!(text.contains(&format!(":{}", port + 1)) || r != 0, "rank {r} joined another port: {text}");
+    }
+}

@@ -1,10 +1,12 @@
 //! The device mesh on real `LocalGroup`s: Megatron's rank order (rank = (dp · pp_size + pp) ·
-//! tp_size + tp), every rank's groups along each axis, all-reduces on every axis group and on
-//! the world with closed-form sums, an abort reaching the other ranks, and bad shapes refused.
+//! tp_size + tp), every rank's groups along each axis (and the module docs' table), all-reduces
+//! on every axis group and on the world with closed-form sums, an abort reaching the other
+//! ranks, and bad shapes and launches of the wrong size refused. (The mesh over processes is in
+//! `mpi.rs`.)
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
-use tp_comm::{Axis, CommError, Coords, DeviceGroup, MAX_WORLD_SIZE, Mesh, MeshShape, ReduceOp};
+use tp_comm::{Axis, CommError, Coords, DeviceGroup, LaunchEnv, Launcher, MAX_WORLD_SIZE, Mesh, MeshShape, ReduceOp};
 use tp_core::{Device, Tensor};
 
 const CPU: Device = Device::Cpu;
@@ -284,4 +286,53 @@ fn expert_parallel_groups_split_the_data_parallel_axis() {
     let err = MeshShape::new(4, 1, 1).unwrap().with_expert_parallel(3).unwrap_err().to_string();
     assert!(err.contains("expert parallelism of 3") && err.contains("4 data-parallel"), "{err}");
     assert!(MeshShape::new(4, 1, 1).unwrap().with_expert_parallel(0).is_err());
+}
+
+#[test]
+fn the_layout_of_the_doc_table() {
+    // dp 2 x pp 2 x tp 2, the table of the module docs.
+    let s = MeshShape::new(2, 2, 2).unwrap();
+    let rows: Vec<(usize, [usize; 3], [Vec<usize>; 3])> = (0..8)
+        .map(|r| {
+            let c = s.coords(r);
+            (
+                r,
+                [c.dp, c.pp, c.tp],
+                [s.group_ranks(r, Axis::Tp), s.group_ranks(r, Axis::Pp), s.group_ranks(r, Axis::Dp)],
+            )
+        })
+        .collect();
+    assert_eq!(rows[0], (0, [0, 0, 0], [vec![0, 1], vec![0, 2], vec![0, 4]]));
+    assert_eq!(rows[1], (1, [0, 0, 1], [vec![0, 1], vec![1, 3], vec![1, 5]]));
+    assert_eq!(rows[2], (2, [0, 1, 0], [vec![2, 3], vec![0, 2], vec![2, 6]]));
+    assert_eq!(rows[3], (3, [0, 1, 1], [vec![2, 3], vec![1, 3], vec![3, 7]]));
+    assert_eq!(rows[4], (4, [1, 0, 0], [vec![4, 5], vec![4, 6], vec![0, 4]]));
+    assert_eq!(rows[7], (7, [1, 1, 1], [vec![6, 7], vec![5, 7], vec![3, 7]]));
+    assert_eq!((s.size(Axis::Dp), s.size(Axis::Pp), s.size(Axis::Tp)), (2, 2, 2));
+    let s = MeshShape::new(3, 4, 5).unwrap();
+    assert_eq!((s.size(Axis::Dp), s.size(Axis::Pp), s.size(Axis::Tp)), (3, 4, 5));
+    assert_eq!(s.coords(59), Coords { dp: 2, pp: 3, tp: 4 });
+    assert_eq!(s.group_ranks(27, Axis::Pp), vec![22, 27, 32, 37]);
+}
+
+#[test]
+fn a_launch_of_the_wrong_size_is_refused_before_any_rendezvous() {
+    for (vars, launcher, size_var) in [
+        (vec![("RANK", "0"), ("WORLD_SIZE", "6")], Launcher::Torchrun, "WORLD_SIZE=6"),
+        (vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "6")], Launcher::Slurm, "SLURM_NTASKS=6"),
+        (
+            vec![("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "6")],
+            Launcher::OpenMpi,
+            "OMPI_COMM_WORLD_SIZE=6",
+        ),
+    ] {
+        let env = LaunchEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())).unwrap();
+        assert_eq!(env.launcher, launcher);
+        let started = Instant::now();
+        let e = Mesh::from_launch_env(&env, MeshShape::new(2, 2, 2).unwrap()).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(matches!(e, CommError::Env(_)), "{e:?}");
+        let e = e.to_string();
+        assert!(e.contains(size_var) && e.contains("2 x 2 x 2 = 8"), "{e}");
+    }
 }
