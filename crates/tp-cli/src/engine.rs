@@ -108,9 +108,7 @@ pub fn start_engine(args: &EngineArgs, source: Option<tp_models::ModelSource>) -
         BackendArg::Nccl => start_nccl_leader(args, &opts)?,
         BackendArg::Mpi => {
             check_host_device(args)?;
-            let group =
-                tp_comm::DeviceGroup::new(std::sync::Arc::new(crate::launch::mpi_world()?), tp_core::Device::Cpu);
-            match tp_engine::start_process_rank(&opts, group).map_err(|e| CliError::Engine(e.to_string()))? {
+            match tp_engine::start_process_mesh(&opts, mpi_mesh(&opts)?).map_err(|e| CliError::Engine(e.to_string()))? {
                 tp_engine::ProcessRank::Leader(engine) => (engine, Children(Vec::new())),
                 tp_engine::ProcessRank::Follower => {
                     return Err(CliError::Engine("MPI rank 0 did not lead the engine".into()));
@@ -184,15 +182,31 @@ fn mpi_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
     if world.rank() == 0 {
         return None;
     }
+    drop(world);
     Some((|| {
         check_host_device(args)?;
         let opts = engine_options(args)?;
-        let group = tp_comm::DeviceGroup::new(std::sync::Arc::new(world), tp_core::Device::Cpu);
-        match tp_engine::start_process_rank(&opts, group).map_err(|e| CliError::Engine(e.to_string()))? {
+        match tp_engine::start_process_mesh(&opts, mpi_mesh(&opts)?).map_err(|e| CliError::Engine(e.to_string()))? {
             tp_engine::ProcessRank::Follower => crate::launch::mpi_finalize(),
             tp_engine::ProcessRank::Leader(_) => Err(CliError::Engine("an MPI rank other than 0 leads".into())),
         }
     })())
+}
+
+/// The MPI job as the engine's `1 × pp × tp` mesh (its size checked against the flags).
+fn mpi_mesh(opts: &EngineOptions) -> Result<tp_comm::Mesh, CliError> {
+    let (p, n) = (opts.pipeline_parallel_size, opts.tensor_parallel_size);
+    let shape = tp_comm::MeshShape::new(1, p, n).map_err(|e| CliError::Engine(e.to_string()))?;
+    let world = crate::launch::mpi_world()?;
+    use tp_comm::Communicator;
+    if world.world_size() != p * n {
+        return Err(CliError::Engine(format!(
+            "the MPI job has {} processes but --pipeline-parallel-size {p} x --tensor-parallel-size {n} needs {}",
+            world.world_size(),
+            p * n
+        )));
+    }
+    tp_comm::Mesh::from_mpi(shape, world.timeout()).map_err(|e| CliError::Engine(format!("--backend mpi: {e}")))
 }
 
 fn check_host_device(args: &EngineArgs) -> Result<(), CliError> {

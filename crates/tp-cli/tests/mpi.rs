@@ -200,7 +200,8 @@ fn a_rank_killed_mid_run_ends_the_job_and_leaves_the_last_checkpoint_whole() {
     }
 }
 
-/// `tp serve` of `dir` as `n` processes (`--backend mpi -tp n`) under `launcher`, in a process
+/// `tp serve` of `dir` as `n` processes (`--backend mpi` and the layout flags `extra`) under
+/// `launcher`, in a process
 /// group of its own so that the whole job is ended with the test.
 struct MpiServer(common::Server);
 
@@ -208,7 +209,7 @@ impl MpiServer {
     fn start(launcher: Launcher, n: usize, dir: &Path, extra: &[&str]) -> MpiServer {
         use std::os::unix::process::CommandExt;
         let mut cmd = launcher.command(n, tp());
-        cmd.arg("serve").arg(dir).args(["--port", "0", "--backend", "mpi", "-tp", &n.to_string()]).args(extra);
+        cmd.arg("serve").arg(dir).args(["--port", "0", "--backend", "mpi"]).args(extra);
         cmd.process_group(0);
         MpiServer(common::Server::spawn(dir, cmd))
     }
@@ -235,9 +236,16 @@ fn serving_across_two_and_three_processes_answers_as_one_process() {
         (a["choices"][0]["text"].clone(), b["choices"][0]["text"].clone())
     };
     let want = answers(&common::Server::start_in(&common::model_dir(), &[], &[]));
-    for (launcher, n) in [(Launcher::Mpirun, 2), (Launcher::Mpirun, 3), (Launcher::Srun, 3)] {
-        let mut s = MpiServer::start(launcher, n, &common::model_dir(), &[]);
-        assert_eq!(answers(&s.0), want, "{launcher:?} with {n} processes");
+    for (launcher, n, extra) in [
+        (Launcher::Mpirun, 2, vec!["-tp", "2"]),
+        (Launcher::Mpirun, 3, vec!["-tp", "3"]),
+        (Launcher::Srun, 3, vec!["-tp", "3"]),
+        // Pipeline stages over processes: 2 stages of 2 ranks, and 3 stages of one.
+        (Launcher::Mpirun, 4, vec!["-tp", "2", "-pp", "2"]),
+        (Launcher::Srun, 3, vec!["-pp", "3"]),
+    ] {
+        let mut s = MpiServer::start(launcher, n, &common::model_dir(), &extra);
+        assert_eq!(answers(&s.0), want, "{launcher:?} with {n} processes ({extra:?})");
         // Only rank 0 listens; SIGTERM to the launcher (which passes it on) ends every process.
         s.0.signal(libc::SIGTERM);
         assert!(s.0.wait_exit(Duration::from_secs(30)).is_some(), "{launcher:?} -n {n}: the job did not end");
@@ -272,7 +280,7 @@ fn serving_refuses_a_gpu_and_a_job_of_the_wrong_size_in_one_line() {
     cmd.arg("serve").arg(&dir).args(["--port", "0", "--backend", "mpi", "-tp", "3"]);
     let out = bounded(cmd);
     assert!(
-        !out.success && out.output.contains("2 processes") && out.output.contains("--tensor-parallel-size is 3"),
+        !out.success && out.output.contains("2 processes") && out.output.contains("--tensor-parallel-size 3"),
         "{}",
         out.output
     );

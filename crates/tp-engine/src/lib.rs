@@ -23,5 +23,7 @@ pub mod scheduler;
 pub mod spec;
 
 pub use blocks::{BlockId, BlockPool};
-pub use engine::{DeviceKind, Engine, EngineError, EngineOptions, Fault, ProcessRank, start, start_process_rank};
+pub use engine::{
+    DeviceKind, Engine, EngineError, EngineOptions, Fault, ProcessRank, start, start_process_mesh, start_process_rank,
+};
 pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, StepPlan};

@@ -268,8 +268,8 @@ pub enum ProcessRank {
 pub fn start_process_rank(opts: &EngineOptions, group: DeviceGroup) -> Result<ProcessRank, EngineError> {
     if opts.pipeline_parallel_size != 1 {
         return Err(EngineError::Config(
-            "--pipeline-parallel-size runs its ranks as threads of one process; processes launched by torchrun \
-             serve without pipeline stages for now"
+            "--pipeline-parallel-size over processes takes an MPI job (start_process_mesh); processes launched \
+             by torchrun serve without pipeline stages for now"
                 .into(),
         ));
     }
@@ -286,6 +286,36 @@ pub fn start_process_rank(opts: &EngineOptions, group: DeviceGroup) -> Result<Pr
     }
     let (ready_tx, _ready_rx) = mpsc::channel();
     rank_main(RankGroups::Tp(group), opts, &settings, Arc::new(SharedStats::default()), ready_tx)?;
+    Ok(ProcessRank::Follower)
+}
+
+/// [`start_process_rank`] for a mesh of `1 × pp × tp` ranks that are processes (an MPI job's,
+/// [`Mesh::from_mpi`](tp_comm::Mesh::from_mpi)): with pipeline stages, each process holds its
+/// stage's blocks, the hidden states travel between the processes of consecutive stages, and
+/// rank 0 (the first stage's first rank) leads. Without stages it is [`start_process_rank`] on
+/// the mesh's tensor-parallel group.
+///
+/// Errors: as [`start`]; a mesh whose shape is not `1 × --pipeline-parallel-size ×
+/// --tensor-parallel-size`.
+pub fn start_process_mesh(opts: &EngineOptions, mesh: Mesh) -> Result<ProcessRank, EngineError> {
+    let shape = mesh.shape();
+    if shape.dp != 1 || shape.pp != opts.pipeline_parallel_size || shape.tp != opts.tensor_parallel_size {
+        return Err(EngineError::Config(format!(
+            "the job's mesh is {} x {} x {} (data x pipeline x tensor parallel) but the engine takes 1 x {} x {}",
+            shape.dp, shape.pp, shape.tp, opts.pipeline_parallel_size, opts.tensor_parallel_size
+        )));
+    }
+    if shape.pp == 1 {
+        return start_process_rank(opts, mesh.tp().clone());
+    }
+    let settings = checked_settings(opts)?;
+    let leader = mesh.rank() == 0;
+    let groups = RankGroups::Mesh(Box::new(mesh));
+    if leader {
+        return launch(vec![groups], opts, &settings).map(ProcessRank::Leader);
+    }
+    let (ready_tx, _ready_rx) = mpsc::channel();
+    rank_main(groups, opts, &settings, Arc::new(SharedStats::default()), ready_tx)?;
     Ok(ProcessRank::Follower)
 }
 
