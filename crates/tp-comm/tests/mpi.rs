@@ -243,6 +243,22 @@ fn collectives(world: &MpiComm) {
     let got = world.broadcast(&input(5, me, &[4, 9], DType::F16), n - 1).unwrap();
     same_bits(&got, &input(5, n - 1, &[4, 9], DType::F16), "broadcast");
     world.barrier().unwrap();
+    // All-to-all with uneven counts (some zero), i64 and bf16 rows: as the thread backend.
+    let counts = |r: usize| -> Vec<usize> { (0..n).map(|j| (r * 3 + j * 5) % 4).collect() };
+    let rows = |r: usize| counts(r).iter().sum::<usize>();
+    let rows_of = |r: usize, dtype: DType| match dtype {
+        DType::I64 => {
+            let v: Vec<i64> = (0..rows(r) * 3).map(|i| (r * 1_000_003 + i) as i64 - 7).collect();
+            Tensor::from_vec(v, &[rows(r), 3], &Device::Cpu).unwrap()
+        }
+        d => input(9, r, &[rows(r), 3], d),
+    };
+    for dtype in [DType::BF16, DType::I64] {
+        let (got, from) = world.all_to_all(&rows_of(me, dtype), &counts(me)).unwrap();
+        let want = local(n, |g| g.all_to_all(&rows_of(g.rank(), dtype), &counts(g.rank())).unwrap().0);
+        same_bits(&got, &want[me], &format!("all_to_all {dtype}"));
+        assert_eq!(from, (0..n).map(|r| counts(r)[me]).collect::<Vec<_>>());
+    }
     // Integers are not reduced.
     assert!(world.all_reduce(&ids, ReduceOp::Sum).is_err() || n == 0);
     // A split: even and odd ranks, each reduced on its own.

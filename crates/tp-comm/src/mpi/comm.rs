@@ -12,6 +12,8 @@
 //! * `reduce_scatter`: rank `j`'s shard (the balanced `TensorShard` along the dim) of every
 //!   rank's tensor goes to rank `j`, which reduces them.
 //! * `broadcast`: the root sends its tensor to every other rank.
+//! * `all_to_all`: the headers carry every rank's send counts, so each rank knows what it
+//!   receives; then each rank sends rank `j` only its chunk for `j` (no row moves twice).
 //! * `barrier`: the headers alone.
 //! * `send`/`recv`: a header then the payload on their own tags, matched in call order per pair
 //!   of ranks (MPI's non-overtaking rule); the receiver posts both receives at its call, sized
@@ -700,6 +702,67 @@ impl Communicator for MpiComm {
         };
         round.wait(deadline)?;
         round.take_tensor(slot).ok_or_else(internal)
+    }
+
+    fn all_to_all(&self, x: &Tensor, send_counts: &[usize]) -> Result<(Tensor, Vec<usize>)> {
+        const NAME: &str = "all_to_all";
+        Self::host(NAME, x)?;
+        let (w, me) = (self.inner.size, self.inner.rank);
+        let rows = x
+            .dims()
+            .first()
+            .copied()
+            .ok_or_else(|| CommError::Mismatch { op: NAME.into(), why: "a scalar has no rows to send".into() })?;
+        if send_counts.len() != w || send_counts.iter().sum::<usize>() != rows {
+            return Err(CommError::Mismatch {
+                op: NAME.into(),
+                why: format!(
+                    "rank {me} sends {rows} rows split as {send_counts:?}: needs {w} counts summing to the rows"
+                ),
+            });
+        }
+        let deadline = self.deadline();
+        let row_dims = &x.dims()[1..];
+        let mine = Header::new(NAME, Op::AllToAll, self.next_seq(), me, Some((x.dtype(), x.dims())), 0)?;
+        // Every rank's counts, as an all-gather of them (the headers check dtypes and row dims).
+        let counts = Tensor::from_vec(send_counts.iter().map(|&c| c as i64).collect::<Vec<i64>>(), &[w], &Device::Cpu)
+            .map_err(tensor_err(NAME))?;
+        self.exchange_headers(NAME, mine, deadline, |a, b| {
+            a.dtype == b.dtype && a.dims.len() == b.dims.len() && a.dims[1..] == b.dims[1..]
+        })?;
+        let matrix = self.all_gather(&counts, 0)?.to_i64_vec().map_err(tensor_err(NAME))?;
+        let from: Vec<usize> = (0..w).map(|r| matrix[r * w + me].max(0) as usize).collect();
+        let row_bytes = row_dims.iter().product::<usize>() * x.dtype().size_in_bytes();
+        let starts: Vec<usize> = send_counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let total: usize = from.iter().sum();
+        let mut out_dims = vec![total];
+        out_dims.extend_from_slice(row_dims);
+        let mut round = Round::new(&self.inner, NAME);
+        let src = round.keep(Owned::Tensor(x.clone()));
+        let out =
+            round.keep(Owned::Tensor(Tensor::zeros(&out_dims, x.dtype(), &Device::Cpu).map_err(tensor_err(NAME))?));
+        let mut at = 0;
+        for (r, &n) in from.iter().enumerate() {
+            if r != me && n > 0 {
+                round.recv(r, TAG_DATA, out, at * row_bytes..(at + n) * row_bytes)?;
+            }
+            at += n;
+        }
+        for (peer, (&start, &n)) in starts.iter().zip(send_counts).enumerate() {
+            if peer != me && n > 0 {
+                round.send(peer, TAG_DATA, src, start * row_bytes..(start + n) * row_bytes)?;
+            }
+        }
+        round.wait(deadline)?;
+        let mut result = round.take_tensor(out).ok_or_else(internal)?;
+        // This rank's own chunk, copied in place.
+        let own_at: usize = from[..me].iter().sum();
+        let own = x.as_bytes().map_err(tensor_err(NAME))?
+            [starts[me] * row_bytes..(starts[me] + send_counts[me]) * row_bytes]
+            .to_vec();
+        result.as_bytes_mut().map_err(tensor_err(NAME))?[own_at * row_bytes..(own_at + send_counts[me]) * row_bytes]
+            .copy_from_slice(&own);
+        Ok((result, from))
     }
 
     fn barrier(&self) -> Result<()> {

@@ -28,6 +28,7 @@ pub(crate) enum Op {
     Broadcast = 4,
     Barrier = 5,
     Send = 6,
+    AllToAll = 7,
 }
 
 impl Op {
@@ -39,6 +40,7 @@ impl Op {
             4 => "broadcast",
             5 => "barrier",
             6 => "send",
+            7 => "all_to_all",
             _ => "an unknown call",
         }
     }
