@@ -59,11 +59,7 @@ pub(crate) fn reduce_range<T: Element>(
         T::slice_to_f32(&inputs[0][start..start + len], acc);
         for x in &inputs[1..] {
             T::slice_to_f32(&x[start..start + len], tmp);
-            match op {
-                ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(&*tmp).for_each(|(a, v)| *a += v),
-                ReduceOp::Max => acc.iter_mut().zip(&*tmp).for_each(|(a, v)| *a = a.max(*v)),
-                ReduceOp::Min => acc.iter_mut().zip(&*tmp).for_each(|(a, v)| *a = a.min(*v)),
-            }
+            combine(acc, tmp, op);
         }
         if op == ReduceOp::Avg {
             acc.iter_mut().for_each(|a| *a /= world);
@@ -72,6 +68,15 @@ pub(crate) fn reduce_range<T: Element>(
         for (o, v) in out.iter_mut().zip(&*narrow) {
             o.write(*v);
         }
+    }
+}
+
+/// One more rank's values `v` folded into `acc` (the sum's next term, or the running max/min).
+fn combine(acc: &mut [f32], v: &[f32], op: ReduceOp) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(v).for_each(|(a, v)| *a += v),
+        ReduceOp::Max => acc.iter_mut().zip(v).for_each(|(a, v)| *a = a.max(*v)),
+        ReduceOp::Min => acc.iter_mut().zip(v).for_each(|(a, v)| *a = a.min(*v)),
     }
 }
 
@@ -96,11 +101,7 @@ pub(crate) fn reduce_in_place<T: Element>(own: &mut [T], me: usize, others: &[&[
                 continue;
             }
             T::slice_to_f32(src, tmp);
-            match op {
-                ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(&*tmp).for_each(|(a, v)| *a += v),
-                ReduceOp::Max => acc.iter_mut().zip(&*tmp).for_each(|(a, v)| *a = a.max(*v)),
-                ReduceOp::Min => acc.iter_mut().zip(&*tmp).for_each(|(a, v)| *a = a.min(*v)),
-            }
+            combine(acc, tmp, op);
         }
         if op == ReduceOp::Avg {
             acc.iter_mut().for_each(|a| *a /= world);

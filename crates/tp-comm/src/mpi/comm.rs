@@ -25,10 +25,11 @@
 //! Every reduction folds each element in rank order in `f32` (`reduce.rs`), so results are
 //! bit-identical on every rank and to the thread backend's.
 
-use super::round::{Owned, Round, backoff};
+use super::Mpi;
+use super::inner::{Handle, Inner};
+use super::round::{Owned, Round};
 use super::sys;
 use super::wire::{Header, Op, Words, reduce_arg};
-use super::{Mpi, is_finalized};
 use crate::communicator::{Communicator, ReduceOp};
 use crate::deadline::Deadline;
 use crate::error::tensor_err;
@@ -42,154 +43,12 @@ use tp_core::{DType, Device, Tensor, TensorShard};
 
 /// All-reduces of fewer bytes go whole to every rank (one step of messages instead of two).
 const SPLIT_MIN_BYTES: usize = 64 << 10;
-/// Tags: collective headers and data, point-to-point headers and data, abort notices.
+/// Tags: collective headers and data, point-to-point headers and data (abort notices have
+/// theirs in `inner.rs`).
 const TAG_HEADER: c_int = 0x7401;
 const TAG_DATA: c_int = 0x7402;
 const TAG_P2P_HEADER: c_int = 0x7403;
 const TAG_P2P_DATA: c_int = 0x7404;
-const TAG_ABORT: c_int = 0x7405;
-/// `MPI_ANY_SOURCE` in Open MPI.
-const ANY_SOURCE: c_int = -1;
-/// Longest abort notice, in bytes.
-const ABORT_BYTES: usize = 512;
-
-/// An `MPI_Comm` handle.
-#[derive(Clone, Copy)]
-pub(crate) struct Handle(pub(crate) sys::MPI_Comm);
-// SAFETY: a communicator handle is an opaque pointer that is only passed to MPI, under the
-// library's lock.
-unsafe impl Send for Handle {}
-// SAFETY: as above.
-unsafe impl Sync for Handle {}
-
-/// What every round and work of one communicator shares.
-pub(crate) struct Inner {
-    pub(crate) mpi: &'static Mpi,
-    pub(crate) comm: Handle,
-    pub(crate) rank: usize,
-    pub(crate) size: usize,
-    timeout: Duration,
-    /// The next collective's sequence number (every rank counts alike).
-    seq: AtomicU64,
-    /// Why the group failed, once it has.
-    poisoned: Mutex<Option<String>>,
-    /// Receive buffers kept between calls (a fresh one would be faulted in page by page on
-    /// every large collective).
-    pool: Mutex<Vec<Vec<u64>>>,
-}
-
-/// Most receive buffers a communicator keeps for reuse.
-const POOL_BUFFERS: usize = 16;
-
-impl Inner {
-    /// A receive buffer of at least `bytes` (8-byte aligned) from the pool, or a new one.
-    pub(crate) fn scratch(&self, bytes: usize) -> Owned {
-        let words = bytes.div_ceil(8);
-        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-        // The smallest buffer that fits.
-        let fit = (0..pool.len()).filter(|&i| pool[i].len() >= words).min_by_key(|&i| pool[i].len());
-        let buf = match fit {
-            Some(i) => pool.swap_remove(i),
-            None => vec![0u64; words],
-        };
-        Owned::Scratch(buf, bytes)
-    }
-
-    /// Returns a receive buffer to the pool; a full pool keeps the larger buffers (a large
-    /// collective after many small ones still finds its buffers).
-    pub(crate) fn give_back(&self, buf: Vec<u64>) {
-        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-        if pool.len() < POOL_BUFFERS {
-            pool.push(buf);
-        } else if let Some(i) = (0..pool.len()).min_by_key(|&i| pool[i].len())
-            && pool[i].len() < buf.len()
-        {
-            pool[i] = buf;
-        }
-    }
-
-    /// Runs `f` on the library under its lock, unless MPI has been finalised.
-    pub(crate) fn call<R>(&self, op: &'static str, f: impl FnOnce(&sys::MpiLib) -> R) -> Result<R> {
-        let _guard = self.mpi.lock();
-        if is_finalized(self.mpi) {
-            return Err(CommError::Mpi { op, message: "MPI has been finalized in this process".into() });
-        }
-        Ok(f(self.mpi.lib()))
-    }
-
-    /// [`CommError::Poisoned`] if the group has failed, here or (through an abort notice
-    /// waiting to be received) on any other rank.
-    pub(crate) fn check_poisoned(&self, op: &str) -> Result<()> {
-        if let Some(reason) = self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            return Err(CommError::Poisoned { op: op.into(), reason });
-        }
-        let notice = self.call("abort notice", |lib| -> Result<Option<String>> {
-            let mut flag: c_int = 0;
-            // SAFETY: MPI_Iprobe writes one int; the status is ignored.
-            let code =
-                unsafe { (lib.MPI_Iprobe)(ANY_SOURCE, TAG_ABORT, self.comm.0, &mut flag, sys::MPI_STATUS_IGNORE) };
-            self.mpi.check("MPI_Iprobe", code)?;
-            if flag == 0 {
-                return Ok(None);
-            }
-            let mut buf = [0u8; ABORT_BYTES];
-            // SAFETY: a message is waiting (probed above, under the same lock); it is at most
-            // ABORT_BYTES long (every notice is), received into a buffer of that size.
-            let code = unsafe {
-                (lib.MPI_Recv)(
-                    buf.as_mut_ptr().cast(),
-                    ABORT_BYTES as c_int,
-                    lib.byte,
-                    ANY_SOURCE,
-                    TAG_ABORT,
-                    self.comm.0,
-                    sys::MPI_STATUS_IGNORE,
-                )
-            };
-            self.mpi.check("MPI_Recv", code)?;
-            let end = buf.iter().position(|&b| b == 0).unwrap_or(ABORT_BYTES);
-            Ok(Some(crate::peer_text(&buf[..end])))
-        })??;
-        match notice {
-            Some(reason) => {
-                *self.poisoned.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
-                Err(CommError::Poisoned { op: op.into(), reason })
-            }
-            None => Ok(()),
-        }
-    }
-
-    /// Marks the group failed and sends `reason` to every other rank (once), then gives the
-    /// notices up to a second to leave this process.
-    pub(crate) fn abort_with(self: &Arc<Self>, reason: &str) {
-        {
-            let mut p = self.poisoned.lock().unwrap_or_else(|p| p.into_inner());
-            if p.is_some() {
-                return;
-            }
-            *p = Some(reason.to_string());
-        }
-        let text = format!("rank {} aborted: {reason}", self.rank);
-        let mut notice = vec![0u8; ABORT_BYTES];
-        let n = text.len().min(ABORT_BYTES - 1);
-        notice[..n].copy_from_slice(&text.as_bytes()[..n]);
-        let mut round = Round::new(self, "abort");
-        let i = round.keep(Owned::Bytes(notice));
-        for peer in (0..self.size).filter(|&p| p != self.rank) {
-            if round.send(peer, TAG_ABORT, i, 0..ABORT_BYTES).is_err() {
-                break;
-            }
-        }
-        let deadline = Deadline::after(Duration::from_secs(1));
-        let mut polls = 0;
-        while !deadline.has_passed() {
-            match round.test() {
-                Ok(false) => backoff(&mut polls),
-                _ => break,
-            }
-        }
-    }
-}
 
 /// One rank's handle on an MPI communicator (the world, or a split of it).
 #[derive(Clone)]
@@ -411,7 +270,7 @@ impl MpiComm {
         let src = round.keep(Owned::Tensor(x));
         let mut slots = vec![usize::MAX; w];
         for peer in (0..w).filter(|&p| p != me) {
-            slots[peer] = round.keep(inner.scratch(mine.len() * esize));
+            slots[peer] = round.keep(Owned::Scratch(inner.scratch(mine.len() * esize), mine.len() * esize));
             round.recv(peer, TAG_DATA, slots[peer], 0..mine.len() * esize)?;
             let r = &ranges[peer];
             round.send(peer, TAG_DATA, src, r.start * esize..r.end * esize)?;
@@ -594,20 +453,7 @@ impl Communicator for MpiComm {
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const NAME: &str = "all_reduce";
-        Self::host(NAME, x)?;
-        if !x.dtype().is_float() {
-            return Err(CommError::Tensor { op: NAME, source: tp_core::Error::NotFloat { dtype: x.dtype() } });
-        }
-        let deadline = self.deadline();
-        let mine = Header::new(
-            NAME,
-            Op::AllReduce,
-            self.next_seq(),
-            self.inner.rank,
-            Some((x.dtype(), x.dims())),
-            reduce_arg(op),
-        )?;
-        self.exchange_headers(NAME, mine, deadline, |a, b| a.dtype == b.dtype && a.dims == b.dims && a.arg == b.arg)?;
+        let deadline = self.begin_all_reduce(x, op)?;
         if self.inner.size == 1 {
             return crate::reduce::reduce(NAME, &[x], op);
         }
@@ -616,21 +462,8 @@ impl Communicator for MpiComm {
 
     fn all_reduce_into(&self, x: &mut Tensor, op: ReduceOp) -> Result<()> {
         const NAME: &str = "all_reduce";
-        Self::host(NAME, x)?;
-        if !x.dtype().is_float() {
-            return Err(CommError::Tensor { op: NAME, source: tp_core::Error::NotFloat { dtype: x.dtype() } });
-        }
-        let deadline = self.deadline();
         // The same header as `all_reduce`: ranks may mix the two forms.
-        let mine = Header::new(
-            NAME,
-            Op::AllReduce,
-            self.next_seq(),
-            self.inner.rank,
-            Some((x.dtype(), x.dims())),
-            reduce_arg(op),
-        )?;
-        self.exchange_headers(NAME, mine, deadline, |a, b| a.dtype == b.dtype && a.dims == b.dims && a.arg == b.arg)?;
+        let deadline = self.begin_all_reduce(x, op)?;
         if self.inner.size == 1 {
             *x = crate::reduce::reduce(NAME, &[x], op)?;
             return Ok(());
@@ -818,6 +651,20 @@ impl Communicator for MpiComm {
 }
 
 impl MpiComm {
+    /// The checks and the header exchange of an all-reduce (either form); its deadline.
+    fn begin_all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Deadline> {
+        const NAME: &str = "all_reduce";
+        Self::host(NAME, x)?;
+        if !x.dtype().is_float() {
+            return Err(CommError::Tensor { op: NAME, source: tp_core::Error::NotFloat { dtype: x.dtype() } });
+        }
+        let deadline = self.deadline();
+        let (seq, rank) = (self.next_seq(), self.inner.rank);
+        let mine = Header::new(NAME, Op::AllReduce, seq, rank, Some((x.dtype(), x.dims())), reduce_arg(op))?;
+        self.exchange_headers(NAME, mine, deadline, |a, b| a.dtype == b.dtype && a.dims == b.dims && a.arg == b.arg)?;
+        Ok(deadline)
+    }
+
     fn peer_check(&self, op: &'static str, peer: usize) -> Result<()> {
         let (w, me) = (self.inner.size, self.inner.rank);
         if peer >= w {

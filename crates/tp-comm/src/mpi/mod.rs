@@ -27,6 +27,7 @@
 //! See `comm.rs` for each collective's messages.
 
 mod comm;
+mod inner;
 mod round;
 pub mod sys;
 mod wire;

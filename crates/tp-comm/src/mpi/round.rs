@@ -6,13 +6,13 @@
 //! error, a timeout, an unwaited [`Work`](crate::Work)), its requests and buffers move to a
 //! process-wide list of orphans, which later rounds test and free as they complete.
 
-use super::comm::Inner;
+use super::inner::{Inner, backoff};
 use super::sys;
 use crate::deadline::Deadline;
 use crate::{CommError, Result};
 use std::os::raw::{c_int, c_void};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tp_core::Tensor;
 
 /// Largest single MPI message (counts are C `int`s); longer transfers go as several.
@@ -255,17 +255,6 @@ impl Round {
             }
             backoff(&mut polls);
         }
-    }
-}
-
-/// Between polls: spin briefly, then yield the core, then sleep (up to 200 µs), so that
-/// ranks sharing cores (more processes than cores) let each other run.
-pub(crate) fn backoff(polls: &mut u32) {
-    *polls = polls.saturating_add(1);
-    match *polls {
-        0..=64 => std::hint::spin_loop(),
-        65..=512 => std::thread::yield_now(),
-        n => std::thread::sleep(Duration::from_micros(u64::from((n - 512).min(200)))),
     }
 }
 
