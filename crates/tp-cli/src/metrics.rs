@@ -100,7 +100,7 @@ impl Metrics {
     }
 
     /// The Prometheus text of `s` and the server's own figures, for model `model`.
-    pub fn render(&self, s: &Stats, routed: &[u64], model: &str) -> String {
+    pub fn render(&self, s: &Stats, routed: &[u64], stages: &[f64], model: &str) -> String {
         let label = format!("model_name=\"{}\"", escape(model));
         let mut out = String::new();
         let mut one = |name: &str, kind: &str, help: &str, value: String| {
@@ -159,6 +159,17 @@ impl Metrics {
             "# HELP tp_request_failure_total Choices the engine failed.\n# TYPE tp_request_failure_total counter\n\
              tp_request_failure_total{{{label}}} {failed}"
         );
+        if !stages.is_empty() {
+            let _ = writeln!(
+                out,
+                "# HELP tp_stage_busy_seconds_total Seconds each pipeline stage computed (its first rank's forward \
+                 passes and sampling); against the wall clock, how much the stages overlap.\n\
+                 # TYPE tp_stage_busy_seconds_total counter"
+            );
+            for (stage, secs) in stages.iter().enumerate() {
+                let _ = writeln!(out, "tp_stage_busy_seconds_total{{{label},stage=\"{stage}\"}} {secs}");
+            }
+        }
         if !routed.is_empty() {
             let _ = writeln!(
                 out,
@@ -204,9 +215,11 @@ mod tests {
         }
         m.finished("length");
         let stats = Stats { running: 2, waiting: 5, kv_cache_usage: 0.25, generation_tokens: 9, ..Stats::default() };
-        let t = m.render(&stats, &[3, 0, 5], "a\"b");
+        let t = m.render(&stats, &[3, 0, 5], &[], "a\"b");
         assert_eq!(value(&t, "tp_moe_routed_tokens_total{model_name=\"a\\\"b\",expert=\"2\"}"), 5.0);
-        assert!(!m.render(&stats, &[], "m").contains("tp_moe_routed"));
+        assert!(!m.render(&stats, &[], &[], "m").contains("tp_moe_routed"));
+        let staged = m.render(&stats, &[], &[1.5, 0.25], "m");
+        assert_eq!(value(&staged, "tp_stage_busy_seconds_total{model_name=\"m\",stage=\"1\"}"), 0.25);
         assert_eq!(value(&t, "tp_num_requests_running{"), 2.0);
         assert_eq!(value(&t, "tp_num_requests_waiting{"), 5.0);
         assert_eq!(value(&t, "tp_kv_cache_usage_perc{"), 0.25);
@@ -220,7 +233,7 @@ mod tests {
         assert!((value(&t, "tp_time_to_first_token_seconds_sum") - 100.353).abs() < 1e-9);
         assert_eq!(value(&t, "tp_request_success_total{model_name=\"a\\\"b\",finished_reason=\"length\"}"), 1.0);
         m.observe_mask(2e-4);
-        let t = m.render(&stats, &[], "m");
+        let t = m.render(&stats, &[], &[], "m");
         assert_eq!(value(&t, "tp_structured_output_mask_seconds_bucket{model_name=\"m\",le=\"0.0001\"}"), 0.0);
         assert_eq!(value(&t, "tp_structured_output_mask_seconds_bucket{model_name=\"m\",le=\"0.0002\"}"), 1.0);
         assert_eq!(value(&t, "tp_structured_output_mask_seconds_count"), 1.0);

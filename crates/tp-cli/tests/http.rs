@@ -267,6 +267,13 @@ fn pipeline_stages_serve_the_same_text_as_one_rank() {
         assert_eq!(got["choices"][i]["text"], want["choices"][i]["text"], "choice {i}");
     }
     assert_eq!(got["usage"], want["usage"]);
+    // Every stage's busy time is in /metrics (each computed part of the step).
+    for stage in 0..3 {
+        let name = staged.dir.display();
+        let line = format!("tp_stage_busy_seconds_total{{model_name=\"{name}\",stage=\"{stage}\"}}");
+        let ok = staged.wait_metric(&line, |v| v > 0.0);
+        assert!(ok, "stage {stage}'s busy time");
+    }
     // More stages than layers is refused before the server listens.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tp"))
         .args(["serve", staged.dir.to_str().unwrap(), "--port", "0", "--pipeline-parallel-size", "4"])

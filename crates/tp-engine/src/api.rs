@@ -285,9 +285,20 @@ pub struct SharedStats {
     routed: Mutex<Vec<u64>>,
     stopped: Mutex<Option<String>>,
     stopping: AtomicBool,
+    /// Seconds each pipeline stage's first rank spent computing steps (ranks in this process).
+    stage_busy: Mutex<Vec<f64>>,
 }
 
 impl SharedStats {
+    /// Adds `secs` of compute to pipeline stage `stage`'s busy time.
+    pub fn add_stage_busy(&self, stage: usize, secs: f64) {
+        if let Ok(mut g) = self.stage_busy.lock() {
+            if g.len() <= stage {
+                g.resize(stage + 1, 0.0);
+            }
+            g[stage] += secs;
+        }
+    }
     /// Publishes the engine's current figures.
     pub fn publish(&self, s: Stats) {
         if let Ok(mut g) = self.stats.lock() {
@@ -383,6 +394,13 @@ impl EngineHandle {
     /// layers; empty for a dense model.
     pub fn routed_tokens(&self) -> Vec<u64> {
         self.stats.routed.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+
+    /// Seconds each pipeline stage spent computing steps (its first rank's forward passes and
+    /// sampling), indexed by stage; the stages whose ranks run in this process (every stage
+    /// when the ranks are threads, the first one when they are processes).
+    pub fn stage_busy_secs(&self) -> Vec<f64> {
+        self.stats.stage_busy.lock().map(|g| g.clone()).unwrap_or_default()
     }
 
     /// Why the engine stopped, if it has.

@@ -222,7 +222,8 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
 
 /// Prometheus text.
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
-    let text = st.metrics.render(&st.engine.stats(), &st.engine.routed_tokens(), &st.model_name);
+    let text =
+        st.metrics.render(&st.engine.stats(), &st.engine.routed_tokens(), &st.engine.stage_busy_secs(), &st.model_name);
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

@@ -468,6 +468,10 @@ fn rank_main(
         world: groups.world().clone(),
         pipeline,
         busy_secs: 0.0,
+        stage_stats: match &groups {
+            RankGroups::Tp(g) => (g.rank() == 0).then(|| (stats.clone(), 0)),
+            RankGroups::Mesh(m) => (m.coords().tp == 0).then(|| (stats.clone(), m.coords().pp)),
+        },
         phases: Default::default(),
         routed: Vec::new(),
         caches,

@@ -53,6 +53,9 @@ pub(crate) struct RankWorker {
     pub pipeline: Option<(DeviceGroup, usize)>,
     /// Seconds this rank spent computing steps (forward and sampling), for `/metrics`.
     pub busy_secs: f64,
+    /// Where the first rank of a pipeline stage adds its busy time (`/metrics`, per stage), and
+    /// its stage.
+    pub stage_stats: Option<(std::sync::Arc<crate::api::SharedStats>, usize)>,
     /// This rank's step time by phase (its `scheduler` and `steps` left to the leader).
     pub phases: crate::api::StepPhases,
     /// Tokens this rank's forward passes routed to each expert, summed over the MoE layers
@@ -245,7 +248,11 @@ impl RankWorker {
         } else {
             self.forward_and_sample(&ids, &batch, &rows, msg, masks)
         };
-        self.busy_secs += started.elapsed().as_secs_f64();
+        let busy = started.elapsed().as_secs_f64();
+        self.busy_secs += busy;
+        if let Some((stats, stage)) = &self.stage_stats {
+            stats.add_stage_busy(*stage, busy);
+        }
         let result = match &self.pipeline {
             None => out?,
             Some((_, root)) => {
