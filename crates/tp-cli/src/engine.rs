@@ -183,6 +183,7 @@ fn mpi_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
         return None;
     }
     drop(world);
+    ignore_stop_signals();
     Some((|| {
         check_host_device(args)?;
         let opts = engine_options(args)?;
@@ -191,6 +192,19 @@ fn mpi_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
             tp_engine::ProcessRank::Leader(_) => Err(CliError::Engine("an MPI rank other than 0 leads".into())),
         }
     })())
+}
+
+/// A following rank leaves when rank 0 stops the engine (or fails), not on a signal of its
+/// own: a launcher that passes SIGTERM or SIGINT to every process (`srun`, `mpirun`) would
+/// otherwise end the followers before rank 0 has finished its requests and told them.
+fn ignore_stop_signals() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: installs the ignore disposition for two signals, before any thread of this
+    // process depends on them; no memory is touched.
+    unsafe {
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+    }
 }
 
 /// The MPI job as the engine's `1 × pp × tp` mesh (its size checked against the flags).

@@ -246,10 +246,37 @@ fn serving_across_two_and_three_processes_answers_as_one_process() {
     ] {
         let mut s = MpiServer::start(launcher, n, &common::model_dir(), &extra);
         assert_eq!(answers(&s.0), want, "{launcher:?} with {n} processes ({extra:?})");
-        // Only rank 0 listens; SIGTERM to the launcher (which passes it on) ends every process.
-        s.0.signal(libc::SIGTERM);
-        assert!(s.0.wait_exit(Duration::from_secs(30)).is_some(), "{launcher:?} -n {n}: the job did not end");
+        // Only rank 0 listens. SIGTERM to it stops the engine, which stops the followers (they
+        // ignore the signal themselves), and the whole job exits 0.
+        let rank0 = rank_zero_pid(&s.0.dir).expect("rank 0's process");
+        // SAFETY: kill(2) of a process of the job this test started.
+        assert_eq!(unsafe { libc::kill(rank0, libc::SIGTERM) }, 0);
+        assert_eq!(s.0.wait_exit(Duration::from_secs(30)), Some(0), "{launcher:?} -n {n} ({extra:?}): the job's exit");
     }
+}
+
+/// The pid of rank 0 of the `tp serve` job over `dir` (the process whose command line names
+/// `dir` and whose environment holds OMPI_COMM_WORLD_RANK=0 or SLURM_PROCID=0: the launchers
+/// start their processes outside the test's process tree and group).
+fn rank_zero_pid(dir: &Path) -> Option<i32> {
+    let dir = dir.as_os_str().as_encoded_bytes();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            if !(args.iter().any(|a| *a == b"serve") && args.iter().any(|a| *a == dir)) {
+                continue;
+            }
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            if env.split(|&b| b == 0).any(|v| v == b"OMPI_COMM_WORLD_RANK=0" || v == b"SLURM_PROCID=0") {
+                return Some(pid);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
 }
 
 #[test]
