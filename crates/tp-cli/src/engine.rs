@@ -160,6 +160,7 @@ pub fn nccl_follower(args: &EngineArgs) -> Option<Result<(), CliError>> {
     if launched == 0 {
         return None;
     }
+    ignore_stop_signals();
     Some((|| {
         let opts = engine_options(args)?;
         check_nccl_device(args)?;
