@@ -266,7 +266,7 @@ fn rank_zero_pid(dir: &Path) -> Option<i32> {
             let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
-            if !(args.iter().any(|a| *a == b"serve") && args.iter().any(|a| *a == dir)) {
+            if !(args.iter().any(|a| *a == b"serve") && args.contains(&dir)) {
                 continue;
             }
             let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
