@@ -61,6 +61,8 @@ pub fn engine_options(args: &EngineArgs) -> Result<EngineOptions, CliError> {
     }
     o.timeout = tp_comm::LaunchEnv::timeout_from_lookup(|k| std::env::var(k).ok())
         .map_err(|e| CliError::Engine(e.to_string()))?;
+    // For measuring what pipelining gains: TP_PIPELINE_TURNS=1 runs one step at a time.
+    o.pipelined = std::env::var_os("TP_PIPELINE_TURNS").is_none();
     // For tests that need requests to stay open: a pause after each engine step.
     if let Some(ms) = std::env::var("TP_DEBUG_STEP_DELAY_MS").ok().and_then(|v| v.trim().parse::<u64>().ok()) {
         o.step_delay = std::time::Duration::from_millis(ms.min(10_000));

@@ -337,3 +337,39 @@ fn srun_tasks_of_an_nccl_server_lead_and_follow_by_their_slurm_rank() {
     assert_eq!(failures, 2, "one failure per srun task, no self-started ranks:\n{}", out.output);
     assert!(out.elapsed < Duration::from_secs(30), "{:?}", out.elapsed);
 }
+
+/// Pipelined serving over two processes (`-pp 2`, a stage each): 16 concurrent requests get,
+/// with batch invariance, exactly the texts one process gives them, and the same as the stages
+/// taking turns (`TP_PIPELINE_TURNS=1`).
+#[test]
+fn pipelined_stages_over_processes_answer_as_one_process() {
+    let body =
+        |i: usize| json!({"prompt": format!("stream {i}"), "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let texts = |s: &common::Server| -> Vec<serde_json::Value> {
+        let addr = s.addr.as_str();
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..16)
+                .map(|i| {
+                    sc.spawn(move || {
+                        let b = body(i).to_string();
+                        let (st, v) = common::http(addr, "POST", "/v1/completions", Some(b.as_bytes()), &[]);
+                        assert_eq!(st, 200, "{v}");
+                        serde_json::from_str::<serde_json::Value>(&v).unwrap()["choices"][0]["text"].clone()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let want = texts(&common::Server::start_in(&common::model_dir(), &["--batch-invariant"], &[]));
+    let s = MpiServer::start(Launcher::Mpirun, 2, &common::model_dir(), &["-pp", "2", "--batch-invariant"]);
+    assert_eq!(texts(&s.0), want, "pipelined");
+    drop(s);
+    let dir = common::model_dir();
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Launcher::Mpirun.command(2, tp());
+    cmd.arg("serve").arg(&dir).args(["--port", "0", "--backend", "mpi", "-pp", "2", "--batch-invariant"]);
+    cmd.env("TP_PIPELINE_TURNS", "1").process_group(0);
+    let s = MpiServer(common::Server::spawn(&dir, cmd));
+    assert_eq!(texts(&s.0), want, "stages taking turns");
+}

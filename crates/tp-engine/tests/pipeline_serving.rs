@@ -135,6 +135,10 @@ fn every_pipeline_layout_gives_the_single_stage_tokens_and_logprobs() {
             let got = run(&engine, requests());
             assert_eq!(got, base, "pp {pp} tp {tp}");
             stop(engine);
+            // The stages taking turns (one step at a time) give the same bits too.
+            let engine = tp_engine::start(&EngineOptions { pipelined: false, ..o.clone() }).expect("start");
+            assert_eq!(run(&engine, requests()), base, "pp {pp} tp {tp}, one step at a time");
+            stop(engine);
         }
     }
     let _ = std::fs::remove_dir_all(dir);
@@ -165,5 +169,70 @@ fn a_stage_that_fails_ends_every_request_with_an_error() {
     h.begin_shutdown();
     drop(h);
     assert!(engine.join(Instant::now() + Duration::from_secs(30)).is_err(), "the engine reports the failure");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// An abort of a request whose step is in flight (pipelined steps) waits for that step: the
+/// request ends, its blocks are not reused under the step, and every other request gets the
+/// tokens it gets without the abort.
+#[test]
+fn aborting_a_request_in_flight_leaves_the_others_alone() {
+    let dir = model_dir("abort");
+    let reqs = || -> Vec<Request> {
+        (0..6u64)
+            .map(|i| Request {
+                prompt: prompt(i + 11, 5 + 3 * i as usize),
+                params: SamplingParams::greedy(),
+                max_tokens: 24,
+                stop_token_ids: Vec::new(),
+                ignore_eos: true,
+                adapter: 0,
+            })
+            .collect()
+    };
+    // A pause after each step, so that the abort comes while the request still runs.
+    let engine = tp_engine::start(&EngineOptions { step_delay: Duration::from_millis(20), ..options(&dir, 2, 1) })
+        .expect("start");
+    let want = run(&engine, reqs());
+    // The same requests, request 2 aborted once its first token is out.
+    let h = engine.handle();
+    let mut rxs = Vec::new();
+    let mut ids = Vec::new();
+    for r in reqs() {
+        let (tx, rx) = mpsc::channel();
+        ids.push(h.submit(r, Box::new(tx)).expect("submit"));
+        rxs.push(rx);
+    }
+    let mut got: Vec<Vec<i64>> = vec![Vec::new(); rxs.len()];
+    let mut aborted = false;
+    // Request 2's stream first: its abort goes out at its first token.
+    for i in [2, 0, 1, 3, 4, 5] {
+        let rx = &rxs[i];
+        loop {
+            match rx.recv_timeout(Duration::from_secs(120)).expect("an event within 120 s") {
+                Event::Token { id, .. } => {
+                    got[i].push(id);
+                    if i == 2 && !aborted {
+                        h.abort(ids[2]);
+                        aborted = true;
+                    }
+                }
+                Event::Finished { .. } => break,
+                Event::Failed(why) => panic!("request {i} failed: {why}"),
+                Event::PromptLogprobs(_) => panic!("unasked prompt logprobs"),
+            }
+        }
+    }
+    assert!(got[2].len() < 24, "request 2 ran to its end: {:?}", got[2]);
+    for (i, w) in want.iter().enumerate() {
+        let w: Vec<i64> = w.as_ref().expect("served").iter().map(|t| t.0).collect();
+        if i == 2 {
+            assert_eq!(got[2], w[..got[2].len()], "request 2's tokens before the abort");
+        } else {
+            assert_eq!(got[i], w, "request {i}");
+        }
+    }
+    drop(h);
+    stop(engine);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -65,6 +65,22 @@ pub(crate) struct Leader {
     /// LoRA slot changes waiting for a step (an unload waits until no live request uses it).
     pending_adapters: Vec<(u32, Option<std::path::PathBuf>, crate::api::AdapterReply)>,
     totals: Stats,
+    /// Requests in a step still in flight (pipelined steps): not scheduled again, not ended
+    /// until their step is back.
+    busy: std::collections::HashSet<RequestId>,
+    /// Aborts of requests that were busy when they came.
+    deferred_aborts: Vec<RequestId>,
+}
+
+/// A step sent and begun but whose results have not come back (pipelined steps).
+struct InFlight {
+    plan: crate::scheduler::StepPlan,
+    drafts: Vec<(RequestId, usize)>,
+    adapter_replies: Vec<crate::api::AdapterReply>,
+    adapter_outcomes: Vec<crate::api::AdapterOutcome>,
+    mask_errors: Vec<(RequestId, String)>,
+    /// Rank 0's own time around the step (planning, sending).
+    own: Duration,
 }
 
 impl Leader {
@@ -92,6 +108,8 @@ impl Leader {
             pending_drop: Vec::new(),
             pending_adapters: Vec::new(),
             totals: Stats::default(),
+            busy: std::collections::HashSet::new(),
+            deferred_aborts: Vec::new(),
         }
     }
 
@@ -99,10 +117,11 @@ impl Leader {
     /// ranks to stop. On a failed step every request gets [`Event::Failed`] and the error is
     /// returned (the group is aborted so the other ranks leave their waits at once).
     pub(crate) fn run(mut self) -> Result<(), EngineError> {
-        let result = self.serve();
+        let result = if self.worker.pipelined { self.serve_pipelined() } else { self.serve() };
         match &result {
             Ok(()) => {
                 let _ = self.worker.send(&StepMsg::empty(StepKind::Stop));
+                let _ = self.worker.flush();
                 self.stats.set_stopped("the engine has stopped".into());
             }
             Err(e) => {
@@ -164,6 +183,7 @@ impl Leader {
                 seqs: plan.seqs.clone(),
                 masked,
                 adapters,
+                rope_lens: Vec::new(),
             };
             stalled = msg.seqs.is_empty() && self.pending_adapters.is_empty();
             if msg.seqs.is_empty() && msg.new.is_empty() && msg.drop.is_empty() && msg.adapters.is_empty() {
@@ -172,7 +192,7 @@ impl Leader {
                 }
                 msg.kind = StepKind::Idle;
             }
-            let mut own = planning.elapsed();
+            let own = planning.elapsed();
             self.worker.send(&msg)?;
             last_sent = Instant::now();
             let vocab = self.worker.model.config().vocab_size;
@@ -202,48 +222,172 @@ impl Leader {
                 })?
             };
             let after = Instant::now();
-            for (reply, outcome) in adapter_replies.into_iter().zip(&sampled.adapters) {
-                let _ = reply.send(outcome.1.clone());
+            let outcomes = sampled.adapters.clone();
+            let done = InFlight { plan, drafts, adapter_replies, adapter_outcomes: outcomes, mask_errors, own };
+            self.finish_step(done, sampled, after);
+        }
+    }
+
+    /// Pipelined steps (pipeline stages): up to one step per stage in flight, each over
+    /// sequences no other step in flight holds (at most `ceil(active / stages)` of them), so that
+    /// stage `s` runs one step while stage `s + 1` runs the one before. Rank 0 plans and sends a
+    /// step, runs its own (first) stage of it, and plans the next while the later stages work;
+    /// once as many steps are in flight as there are stages (or nothing more can run), it waits
+    /// for the oldest one's results from the last stage and finishes it as [`serve`] does.
+    fn serve_pipelined(&mut self) -> Result<(), EngineError> {
+        let depth = self.worker.pipeline.as_ref().map_or(1, |(pp, _)| pp.world_size()).max(1);
+        let mut flight: std::collections::VecDeque<InFlight> = std::collections::VecDeque::new();
+        let mut last_sent = Instant::now();
+        loop {
+            let wait = if !flight.is_empty() {
+                Duration::ZERO
+            } else if self.live.is_empty() {
+                self.heartbeat.saturating_sub(last_sent.elapsed())
+            } else {
+                Duration::from_millis(1)
+            };
+            if self.take_commands(wait).is_err() && self.live.is_empty() && flight.is_empty() {
+                return Ok(()); // every handle is gone
             }
-            for s in &plan.seqs {
-                if s.cached_tokens > 0
-                    && let Some(l) = self.live.get_mut(&s.id)
-                {
-                    l.cached_prompt_tokens = s.cached_tokens;
+            if self.stats.stopping() && self.live.is_empty() && flight.is_empty() {
+                return Ok(());
+            }
+            if flight.len() < depth
+                && let Some(step) = self.launch(depth)?
+            {
+                last_sent = Instant::now();
+                if step.plan.seqs.is_empty() {
+                    // Announcements alone: no results come back for it.
+                    self.finish_step(step, super::rank::StepResult::default(), Instant::now());
+                } else {
+                    flight.push_back(step);
                 }
+                continue;
             }
-            let pairs: Vec<(RequestId, i64)> = sampled.sampled.iter().map(|(id, s)| (*id, s.token)).collect();
-            self.scheduler.complete_step(&plan, &pairs);
-            for (id, first, lps) in sampled.scored {
-                if let Some(slots) = self.live.get_mut(&id).and_then(|l| l.prompt_logprobs.as_mut()) {
-                    for (p, lp) in (first..).zip(lps) {
-                        if let Some(slot) = slots.get_mut(p) {
-                            *slot = Some(lp);
-                        }
+            if let Some(done) = flight.pop_front() {
+                let sampled = self.worker.take_results()?;
+                let after = Instant::now();
+                for s in &done.plan.seqs {
+                    self.busy.remove(&s.id);
+                }
+                self.finish_step(done, super::rank::StepResult { adapters: Vec::new(), ..sampled }, after);
+                for id in std::mem::take(&mut self.deferred_aborts) {
+                    self.end(id, FinishReason::Abort);
+                }
+                continue;
+            }
+            if last_sent.elapsed() >= self.heartbeat {
+                self.worker.send(&StepMsg::empty(StepKind::Idle))?;
+                last_sent = Instant::now();
+            }
+        }
+    }
+
+    /// Plans, sends and begins one pipelined step beside those in flight (`None` when there is
+    /// nothing to run or announce).
+    fn launch(&mut self, depth: usize) -> Result<Option<InFlight>, EngineError> {
+        let planning = Instant::now();
+        let active = self.scheduler.num_running() + self.scheduler.num_waiting();
+        let mut plan = self.scheduler.schedule_beside(&self.busy, active.div_ceil(depth).max(1));
+        let drafts = self.draft(&mut plan);
+        let masked: Vec<RequestId> = plan
+            .seqs
+            .iter()
+            .filter(|s| s.sample && self.live.get(&s.id).is_some_and(|l| l.constraint.is_some()))
+            .map(|s| s.id)
+            .collect();
+        let (adapters, adapter_replies) = self.ready_adapters();
+        if plan.seqs.is_empty() && self.pending_new.is_empty() && self.pending_drop.is_empty() && adapters.is_empty() {
+            return Ok(None);
+        }
+        let rope_lens = plan.seqs.iter().map(|s| self.scheduler.tokens(s.id).map_or(0, <[i64]>::len)).collect();
+        let msg = StepMsg {
+            kind: StepKind::Run,
+            new: std::mem::take(&mut self.pending_new),
+            drop: std::mem::take(&mut self.pending_drop),
+            seqs: plan.seqs.clone(),
+            masked,
+            adapters,
+            rope_lens,
+        };
+        let own = planning.elapsed();
+        self.worker.send(&msg)?;
+        let vocab = self.worker.model.config().vocab_size;
+        let mut mask_errors = Vec::new();
+        let begun = {
+            let (worker, live) = (&mut self.worker, &mut self.live);
+            std::thread::scope(|scope| {
+                let source = if msg.masked.is_empty() {
+                    MaskSource::Follower
+                } else {
+                    let job = scope.spawn(|| compute_masks(live, &msg.masked, vocab));
+                    let errors = &mut mask_errors;
+                    let masked = &msg.masked;
+                    MaskSource::Leader(Box::new(move || {
+                        let (words, errs) = job.join().unwrap_or_else(|_| {
+                            let why = "the structured-output constraint panicked".to_string();
+                            (
+                                vec![u64::MAX; masked.len() * vocab.div_ceil(64)],
+                                masked.iter().map(|&id| (id, why.clone())).collect(),
+                            )
+                        });
+                        *errors = errs;
+                        words
+                    }))
+                };
+                worker.execute(&msg, source)
+            })?
+        };
+        self.busy.extend(plan.seqs.iter().map(|s| s.id));
+        Ok(Some(InFlight { plan, drafts, adapter_replies, adapter_outcomes: begun.adapters, mask_errors, own }))
+    }
+
+    /// A step's results applied: adapter replies, the scheduler's bookkeeping, prompt
+    /// logprobs, structured-output failures, speculation counts, the sampled tokens delivered,
+    /// the phases and the published figures.
+    fn finish_step(&mut self, done: InFlight, sampled: super::rank::StepResult, after: Instant) {
+        let InFlight { plan, drafts, adapter_replies, adapter_outcomes, mask_errors, mut own } = done;
+        for (reply, outcome) in adapter_replies.into_iter().zip(&adapter_outcomes) {
+            let _ = reply.send(outcome.1.clone());
+        }
+        for s in &plan.seqs {
+            if s.cached_tokens > 0
+                && let Some(l) = self.live.get_mut(&s.id)
+            {
+                l.cached_prompt_tokens = s.cached_tokens;
+            }
+        }
+        let pairs: Vec<(RequestId, i64)> = sampled.sampled.iter().map(|(id, s)| (*id, s.token)).collect();
+        self.scheduler.complete_step(&plan, &pairs);
+        for (id, first, lps) in sampled.scored {
+            if let Some(slots) = self.live.get_mut(&id).and_then(|l| l.prompt_logprobs.as_mut()) {
+                for (p, lp) in (first..).zip(lps) {
+                    if let Some(slot) = slots.get_mut(p) {
+                        *slot = Some(lp);
                     }
                 }
             }
-            for (id, why) in mask_errors {
-                self.fail(id, format!("structured output: {why}"));
-            }
-            for (id, n) in drafts {
-                let kept = sampled.sampled.iter().filter(|(i, _)| *i == id).count();
-                self.totals.spec_draft_tokens += n as u64;
-                self.totals.spec_accepted_tokens += kept.saturating_sub(1) as u64;
-            }
-            for (id, s) in sampled.sampled {
-                self.totals.generation_tokens += 1;
-                self.deliver(id, s.token, s.logprobs);
-            }
-            if !plan.seqs.is_empty() {
-                own += after.elapsed();
-                self.totals.phases.steps += 1;
-                self.totals.phases.scheduler += own.as_secs_f64();
-            }
-            self.publish();
-            if !plan.seqs.is_empty() && !self.step_delay.is_zero() {
-                std::thread::sleep(self.step_delay);
-            }
+        }
+        for (id, why) in mask_errors {
+            self.fail(id, format!("structured output: {why}"));
+        }
+        for (id, n) in drafts {
+            let kept = sampled.sampled.iter().filter(|(i, _)| *i == id).count();
+            self.totals.spec_draft_tokens += n as u64;
+            self.totals.spec_accepted_tokens += kept.saturating_sub(1) as u64;
+        }
+        for (id, s) in sampled.sampled {
+            self.totals.generation_tokens += 1;
+            self.deliver(id, s.token, s.logprobs);
+        }
+        if !plan.seqs.is_empty() {
+            own += after.elapsed();
+            self.totals.phases.steps += 1;
+            self.totals.phases.scheduler += own.as_secs_f64();
+        }
+        self.publish();
+        if !plan.seqs.is_empty() && !self.step_delay.is_zero() {
+            std::thread::sleep(self.step_delay);
         }
     }
 
@@ -313,6 +457,9 @@ impl Leader {
                 };
                 self.live.insert(id, live);
             }
+            // A request in a step still in flight ends when that step is back (its blocks are
+            // being written).
+            Command::Abort(id) if self.busy.contains(&id) => self.deferred_aborts.push(id),
             Command::Abort(id) => self.end(id, FinishReason::Abort),
             Command::Adapter { slot, path, reply } => self.pending_adapters.push((slot, path, reply)),
         }

@@ -71,6 +71,10 @@ pub struct EngineOptions {
     /// Pipeline stages (`--pipeline-parallel-size`): the layers split over them as vLLM splits
     /// them; `pipeline × tensor` ranks in all.
     pub pipeline_parallel_size: usize,
+    /// With pipeline stages, keep one step per stage in flight over disjoint requests, so that
+    /// the stages work at the same time (as vLLM's pipeline-parallel serving does); `false`:
+    /// one step at a time, the stages taking turns.
+    pub pipelined: bool,
     /// Compute dtype (`None`: the checkpoint's).
     pub dtype: Option<DType>,
     /// Where the ranks compute.
@@ -131,6 +135,7 @@ impl EngineOptions {
             source: None,
             tensor_parallel_size: 1,
             pipeline_parallel_size: 1,
+            pipelined: true,
             dtype: None,
             device: DeviceKind::Cpu,
             max_num_seqs: 256,
@@ -468,6 +473,8 @@ fn rank_main(
         world: groups.world().clone(),
         pipeline,
         busy_secs: 0.0,
+        pipelined: opts.pipelined && matches!(&groups, RankGroups::Mesh(m) if m.shape().pp > 1),
+        outbox: Vec::new(),
         stage_stats: match &groups {
             RankGroups::Tp(g) => (g.rank() == 0).then(|| (stats.clone(), 0)),
             RankGroups::Mesh(m) => (m.coords().tp == 0).then(|| (stats.clone(), m.coords().pp)),
@@ -546,7 +553,7 @@ fn follow(mut worker: RankWorker) -> Result<(), EngineError> {
             }
         };
         match msg.kind {
-            StepKind::Stop => return Ok(()),
+            StepKind::Stop => return worker.flush(),
             StepKind::Idle => {}
             StepKind::Run => {
                 if let Err(e) = worker.execute(&msg, rank::MaskSource::Follower) {

@@ -67,12 +67,24 @@ pub(crate) struct StepMsg {
     /// LoRA slots to fill from an adapter folder (`Some(path)`) or empty (`None`), before the
     /// step runs.
     pub adapters: Vec<(u32, Option<String>)>,
+    /// Each sequence's whole known length (prompt and output so far), in `seqs` order, when
+    /// the steps are pipelined: the ranks before the last stage do not see the sampled tokens,
+    /// so they take the lengths the rotary frequencies follow from here (empty otherwise).
+    pub rope_lens: Vec<usize>,
 }
 
 impl StepMsg {
     /// A message of `kind` with nothing in it.
     pub(crate) fn empty(kind: StepKind) -> StepMsg {
-        StepMsg { kind, new: Vec::new(), drop: Vec::new(), seqs: Vec::new(), masked: Vec::new(), adapters: Vec::new() }
+        StepMsg {
+            kind,
+            new: Vec::new(),
+            drop: Vec::new(),
+            seqs: Vec::new(),
+            masked: Vec::new(),
+            adapters: Vec::new(),
+            rope_lens: Vec::new(),
+        }
     }
 
     /// The payload words (the kind travels in the header).
@@ -114,6 +126,8 @@ impl StepMsg {
                 w.extend(p.bytes().map(i64::from));
             }
         }
+        w.push(self.rope_lens.len() as i64);
+        w.extend(self.rope_lens.iter().map(|&n| n as i64));
         w
     }
 
@@ -175,6 +189,12 @@ impl StepMsg {
                 w => return Err(format!("adapter change flag {w} is neither 0 nor 1")),
             };
             msg.adapters.push((slot, path));
+        }
+        for _ in 0..r.count()? {
+            msg.rope_lens.push(r.size()?);
+        }
+        if !msg.rope_lens.is_empty() && msg.rope_lens.len() != msg.seqs.len() {
+            return Err(format!("{} rotary lengths for {} sequences", msg.rope_lens.len(), msg.seqs.len()));
         }
         if r.at != words.len() {
             return Err(format!("{} words left over after the message", words.len() - r.at));
@@ -318,6 +338,7 @@ mod tests {
             }],
             masked: vec![7],
             adapters: vec![(2, Some("/tmp/adapter é".into())), (1, None)],
+            rope_lens: vec![4],
         };
         let w = msg.encode();
         assert_eq!(StepMsg::decode(StepKind::Run, &w).unwrap(), msg);

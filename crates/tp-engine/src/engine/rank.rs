@@ -56,6 +56,12 @@ pub(crate) struct RankWorker {
     /// Where the first rank of a pipeline stage adds its busy time (`/metrics`, per stage), and
     /// its stage.
     pub stage_stats: Option<(std::sync::Arc<crate::api::SharedStats>, usize)>,
+    /// Pipelined steps (with pipeline stages): step messages, masks and results travel as
+    /// point-to-point messages instead of broadcasts over every rank, so that a stage can run
+    /// one step while the next stage runs the one before (see `leader.rs`).
+    pub pipelined: bool,
+    /// Rank 0's point-to-point sends not yet known to be received (pipelined steps).
+    pub outbox: Vec<tp_comm::Work>,
     /// This rank's step time by phase (its `scheduler` and `steps` left to the leader).
     pub phases: crate::api::StepPhases,
     /// Tokens this rank's forward passes routed to each expert, summed over the MoE layers
@@ -97,10 +103,20 @@ impl RankWorker {
         }
     }
 
-    /// Rank 0: sends `msg` to every rank (header `[kind, len]`, then the payload).
-    pub(crate) fn send(&self, msg: &StepMsg) -> Result<(), EngineError> {
+    /// Rank 0: sends `msg` to every rank (header `[kind, len]`, then the payload): a
+    /// broadcast, or, pipelined, point-to-point messages that do not wait for the receivers.
+    pub(crate) fn send(&mut self, msg: &StepMsg) -> Result<(), EngineError> {
         let words = msg.encode();
         let header = [msg.kind.code(), words.len() as i64];
+        if self.pipelined {
+            for r in 1..self.world.world_size() {
+                self.post(&header, r)?;
+                if !words.is_empty() {
+                    self.post(&words, r)?;
+                }
+            }
+            return Ok(());
+        }
         self.broadcast(&header)?;
         if !words.is_empty() {
             self.broadcast(&words)?;
@@ -108,17 +124,82 @@ impl RankWorker {
         Ok(())
     }
 
+    /// Posts `words` to world rank `to` without waiting (pipelined steps); finished sends are
+    /// waited for (and their errors returned) as later ones are posted.
+    fn post(&mut self, words: &[i64], to: usize) -> Result<(), EngineError> {
+        let g = &self.world;
+        let t = g.to_local(&Tensor::from_vec(words.to_vec(), &[words.len()], &Device::Cpu)?)?;
+        let work = g.send_async(&t, to)?;
+        self.outbox.push(work);
+        let mut kept = Vec::with_capacity(self.outbox.len());
+        for mut w in std::mem::take(&mut self.outbox) {
+            if w.is_completed() {
+                w.wait()?;
+            } else {
+                kept.push(w);
+            }
+        }
+        self.outbox = kept;
+        Ok(())
+    }
+
+    /// Waits for every send still in the outbox (pipelined steps), within the deadline.
+    pub(crate) fn flush(&mut self) -> Result<(), EngineError> {
+        for w in std::mem::take(&mut self.outbox) {
+            w.wait()?;
+        }
+        Ok(())
+    }
+
+    /// `len` words from world rank `from` (pipelined steps).
+    fn take(&self, len: usize, from: usize) -> Result<Vec<i64>, EngineError> {
+        let g = &self.world;
+        Ok(g.recv(&[len], DType::I64, from)?.to_i64_vec()?)
+    }
+
     /// Other ranks: the next message from rank 0 (within the group's deadline).
     pub(crate) fn receive(&self) -> Result<StepMsg, EngineError> {
-        let header = self.broadcast(&[0, 0])?;
+        let header = if self.pipelined { self.take(2, 0)? } else { self.broadcast(&[0, 0])? };
         let kind = StepKind::from_code(header[0])
             .ok_or_else(|| EngineError::Protocol(format!("unknown step kind {}", header[0])))?;
         let len = usize::try_from(header[1])
             .ok()
             .filter(|&n| n <= MAX_MESSAGE_WORDS)
             .ok_or_else(|| EngineError::Protocol(format!("step message of {} words", header[1])))?;
-        let words = if len == 0 { Vec::new() } else { self.broadcast(&vec![0; len])? };
+        let words = match len {
+            0 => Vec::new(),
+            _ if self.pipelined => self.take(len, 0)?,
+            _ => self.broadcast(&vec![0; len])?,
+        };
         StepMsg::decode(kind, &words).map_err(EngineError::Protocol)
+    }
+
+    /// Whether this rank is on the last pipeline stage (or there are no stages).
+    fn last_stage(&self) -> bool {
+        self.pipeline.as_ref().is_none_or(|(pp, _)| pp.rank() + 1 == pp.world_size())
+    }
+
+    /// Rank 0 of pipelined steps: the results of its oldest step in flight, from the last
+    /// stage's first rank (world rank `root`).
+    pub(crate) fn take_results(&mut self) -> Result<StepResult, EngineError> {
+        let Some((_, root)) = self.pipeline.as_ref() else {
+            return Err(EngineError::Protocol("results by message without pipeline stages".into()));
+        };
+        let root = *root;
+        let len = self.take(1, root)?[0];
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&n| n <= MAX_MESSAGE_WORDS)
+            .ok_or_else(|| EngineError::Protocol(format!("step results of {len} words")))?;
+        let words = if len == 0 { Vec::new() } else { self.take(len, root)? };
+        let result =
+            StepResult::decode(&words).ok_or_else(|| EngineError::Protocol("truncated step results".into()))?;
+        for (id, s) in &result.sampled {
+            if let Some(state) = self.seqs.get_mut(id) {
+                state.output.push(s.token);
+            }
+        }
+        Ok(result)
     }
 
     /// Rank 0's `words` on every rank.
@@ -236,8 +317,11 @@ impl RankWorker {
             }
         }
         // Length-dependent rotary frequencies follow each sequence's whole known length.
-        let rope_lens: Vec<usize> =
-            msg.seqs.iter().map(|s| self.seqs.get(&s.id).map_or(0, |st| st.prompt.len() + st.output.len())).collect();
+        let rope_lens: Vec<usize> = if msg.rope_lens.is_empty() {
+            msg.seqs.iter().map(|s| self.seqs.get(&s.id).map_or(0, |st| st.prompt.len() + st.output.len())).collect()
+        } else {
+            msg.rope_lens.clone()
+        };
         let batch = TokenBatch::new(batch_seqs, self.block_size)?.with_rope_lens(&rope_lens);
         let started = std::time::Instant::now();
         // Each token through its request's LoRA adapter, when any request has one.
@@ -255,6 +339,23 @@ impl RankWorker {
         }
         let result = match &self.pipeline {
             None => out?,
+            // Pipelined: the last stage keeps its own results (every rank of it samples alike)
+            // and its first rank sends them to rank 0; the earlier stages go on to the next step.
+            Some((_, root)) if self.pipelined => {
+                let root = *root;
+                let out = out?;
+                if !self.last_stage() {
+                    return Ok(StepResult { adapters: adapter_outcomes, ..StepResult::default() });
+                }
+                if self.world.rank() == root {
+                    let words = out.encode();
+                    self.post(&[words.len() as i64], 0)?;
+                    if !words.is_empty() {
+                        self.post(&words, 0)?;
+                    }
+                }
+                out
+            }
             Some((_, root)) => {
                 let root = *root;
                 let mine = if self.world.rank() == root { Some(out?) } else { out.map(|_| None)? };
@@ -408,11 +509,36 @@ impl RankWorker {
     /// The step's structured-output masks on every rank (`ceil(vocab / 64)` words per entry of
     /// `msg.masked`, concatenated): rank 0's, broadcast over the world. Nothing when no sampled
     /// sequence is constrained.
-    fn exchange_masks(&self, msg: &StepMsg, source: MaskSource<'_>) -> Result<Vec<u64>, EngineError> {
+    fn exchange_masks(&mut self, msg: &StepMsg, source: MaskSource<'_>) -> Result<Vec<u64>, EngineError> {
         if msg.masked.is_empty() {
             return Ok(Vec::new());
         }
         let len = msg.masked.len() * self.model.config().vocab_size.div_ceil(64);
+        if let (true, Some((pp, root))) = (self.pipelined, self.pipeline.as_ref()) {
+            // Pipelined: rank 0 sends the masks to the last stage's ranks (world ranks
+            // `root ..`), which alone sample.
+            let (first, count) = (*root, self.world.world_size() - *root);
+            let _ = pp;
+            return match source {
+                MaskSource::Leader(compute) => {
+                    let m = compute();
+                    if m.len() != len {
+                        return Err(EngineError::Step(format!("{} mask words for {len}", m.len())));
+                    }
+                    let words: Vec<i64> = m.into_iter().map(|w| w as i64).collect();
+                    for r in first..first + count {
+                        if r != 0 {
+                            self.post(&words, r)?;
+                        }
+                    }
+                    Ok(Vec::new())
+                }
+                MaskSource::Follower if self.last_stage() => {
+                    Ok(self.take(len, 0)?.into_iter().map(|w| w as u64).collect())
+                }
+                MaskSource::Follower => Ok(Vec::new()),
+            };
+        }
         let words: Vec<i64> = match source {
             MaskSource::Leader(compute) => {
                 let m = compute();

@@ -11,26 +11,40 @@ impl Scheduler {
     /// preempts the most recently admitted running sequence, which returns to the front of the
     /// queue. Nothing new is admitted in a step that preempted. Empty when nothing can run.
     pub fn schedule(&mut self) -> StepPlan {
+        self.schedule_beside(&std::collections::HashSet::new(), usize::MAX)
+    }
+
+    /// [`schedule`](Self::schedule) beside steps still in flight (pipelined serving): the
+    /// sequences in `busy` are neither scheduled nor preempted, and the step takes at most
+    /// `max_seqs` sequences.
+    pub fn schedule_beside(&mut self, busy: &std::collections::HashSet<RequestId>, max_seqs: usize) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.cfg.max_num_batched_tokens;
-        let decodes = self.running.iter().filter(|s| s.is_decode()).map(|s| s.id);
+        let free = |s: &&super::Seq| !busy.contains(&s.id);
+        let decodes = self.running.iter().filter(free).filter(|s| s.is_decode()).map(|s| s.id);
         let order: Vec<RequestId> =
-            decodes.chain(self.running.iter().filter(|s| !s.is_decode()).map(|s| s.id)).collect();
+            decodes.chain(self.running.iter().filter(free).filter(|s| !s.is_decode()).map(|s| s.id)).collect();
         for id in order {
-            if budget == 0 {
+            if budget == 0 || plan.seqs.len() >= max_seqs {
                 break;
             }
-            self.schedule_running(id, &mut plan, &mut budget);
+            self.schedule_running(id, &mut plan, &mut budget, busy);
         }
         if plan.preempted.is_empty() {
-            self.admit_waiting(&mut plan, &mut budget);
+            self.admit_waiting(&mut plan, &mut budget, max_seqs);
         }
         plan
     }
 
     /// Plans the next chunk of running sequence `id` (if it was not preempted earlier in this
     /// step), preempting the newest running sequences until its blocks fit.
-    fn schedule_running(&mut self, id: RequestId, plan: &mut StepPlan, budget: &mut usize) {
+    fn schedule_running(
+        &mut self,
+        id: RequestId,
+        plan: &mut StepPlan,
+        budget: &mut usize,
+        busy: &std::collections::HashSet<RequestId>,
+    ) {
         let bs = self.cfg.block_size;
         if let (Some(at), Some(seq)) = (self.rope_switch, self.running.iter_mut().find(|s| s.id == id))
             && seq.computed > 0
@@ -57,15 +71,25 @@ impl Scheduler {
                 *budget -= n;
                 return;
             }
-            // Preempt the newest (possibly this very sequence, then it is done for this step).
-            self.preempt_last(plan, budget);
+            // Preempt the newest (possibly this very sequence, then it is done for this step);
+            // nothing to preempt beside the steps in flight: it waits.
+            if !self.preempt_last(plan, budget, busy) {
+                return;
+            }
         }
     }
 
     /// Sends the most recently admitted running sequence back to the front of the queue, freeing
     /// its blocks and dropping its part of `plan` (returning its tokens to the budget).
-    fn preempt_last(&mut self, plan: &mut StepPlan, budget: &mut usize) {
-        let Some(mut seq) = self.running.pop() else { return };
+    fn preempt_last(
+        &mut self,
+        plan: &mut StepPlan,
+        budget: &mut usize,
+        busy: &std::collections::HashSet<RequestId>,
+    ) -> bool {
+        // The newest not in a step in flight (its blocks are still being written).
+        let Some(at) = self.running.iter().rposition(|s| !busy.contains(&s.id)) else { return false };
+        let mut seq = self.running.remove(at);
         if let Some(p) = plan.seqs.iter().position(|s| s.id == seq.id) {
             *budget += plan.seqs.remove(p).tokens.len();
         }
@@ -73,6 +97,7 @@ impl Scheduler {
         plan.preempted.push(seq.id);
         self.preemptions += 1;
         self.waiting.push_front(seq);
+        true
     }
 
     /// Admits waiting requests in order while the sequence cap, the budget and the free blocks
@@ -81,9 +106,9 @@ impl Scheduler {
     ///
     /// With `max_loras`, a request whose LoRA adapter would make one adapter too many among
     /// the running ones waits, and the first one after it that fits goes ahead.
-    fn admit_waiting(&mut self, plan: &mut StepPlan, budget: &mut usize) {
+    fn admit_waiting(&mut self, plan: &mut StepPlan, budget: &mut usize, max_seqs: usize) {
         let bs = self.cfg.block_size;
-        while self.running.len() < self.cfg.max_num_seqs && *budget > 0 {
+        while self.running.len() < self.cfg.max_num_seqs && *budget > 0 && plan.seqs.len() < max_seqs {
             let mut adapters: Vec<u32> = self.running.iter().map(|s| s.adapter).filter(|&a| a != 0).collect();
             adapters.sort_unstable();
             adapters.dedup();
