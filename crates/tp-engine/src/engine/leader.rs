@@ -195,32 +195,7 @@ impl Leader {
             let own = planning.elapsed();
             self.worker.send(&msg)?;
             last_sent = Instant::now();
-            let vocab = self.worker.model.config().vocab_size;
-            let mut mask_errors = Vec::new();
-            let sampled = {
-                let (worker, live) = (&mut self.worker, &mut self.live);
-                std::thread::scope(|scope| {
-                    let source = if msg.masked.is_empty() {
-                        MaskSource::Follower
-                    } else {
-                        let job = scope.spawn(|| compute_masks(live, &msg.masked, vocab));
-                        let errors = &mut mask_errors;
-                        let masked = &msg.masked;
-                        MaskSource::Leader(Box::new(move || {
-                            let (words, errs) = job.join().unwrap_or_else(|_| {
-                                let why = "the structured-output constraint panicked".to_string();
-                                (
-                                    vec![u64::MAX; masked.len() * vocab.div_ceil(64)],
-                                    masked.iter().map(|&id| (id, why.clone())).collect(),
-                                )
-                            });
-                            *errors = errs;
-                            words
-                        }))
-                    };
-                    worker.execute(&msg, source)
-                })?
-            };
+            let (sampled, mask_errors) = self.execute(&msg)?;
             let after = Instant::now();
             let outcomes = sampled.adapters.clone();
             let done = InFlight { plan, drafts, adapter_replies, adapter_outcomes: outcomes, mask_errors, own };
@@ -312,34 +287,41 @@ impl Leader {
         };
         let own = planning.elapsed();
         self.worker.send(&msg)?;
-        let vocab = self.worker.model.config().vocab_size;
-        let mut mask_errors = Vec::new();
-        let begun = {
-            let (worker, live) = (&mut self.worker, &mut self.live);
-            std::thread::scope(|scope| {
-                let source = if msg.masked.is_empty() {
-                    MaskSource::Follower
-                } else {
-                    let job = scope.spawn(|| compute_masks(live, &msg.masked, vocab));
-                    let errors = &mut mask_errors;
-                    let masked = &msg.masked;
-                    MaskSource::Leader(Box::new(move || {
-                        let (words, errs) = job.join().unwrap_or_else(|_| {
-                            let why = "the structured-output constraint panicked".to_string();
-                            (
-                                vec![u64::MAX; masked.len() * vocab.div_ceil(64)],
-                                masked.iter().map(|&id| (id, why.clone())).collect(),
-                            )
-                        });
-                        *errors = errs;
-                        words
-                    }))
-                };
-                worker.execute(&msg, source)
-            })?
-        };
+        let (begun, mask_errors) = self.execute(&msg)?;
         self.busy.extend(plan.seqs.iter().map(|s| s.id));
         Ok(Some(InFlight { plan, drafts, adapter_replies, adapter_outcomes: begun.adapters, mask_errors, own }))
+    }
+
+    /// Rank 0's part of step `msg`: its structured-output masks computed on a thread beside
+    /// its forward pass (and broadcast or sent on once done), then `RankWorker::execute`; the
+    /// step's results (without stages, or empty but for the adapter outcomes when pipelined)
+    /// and the requests whose constraint failed.
+    fn execute(&mut self, msg: &StepMsg) -> Result<(super::rank::StepResult, Vec<(RequestId, String)>), EngineError> {
+        let vocab = self.worker.model.config().vocab_size;
+        let mut mask_errors = Vec::new();
+        let (worker, live) = (&mut self.worker, &mut self.live);
+        let result = std::thread::scope(|scope| {
+            let source = if msg.masked.is_empty() {
+                MaskSource::Follower
+            } else {
+                let job = scope.spawn(|| compute_masks(live, &msg.masked, vocab));
+                let errors = &mut mask_errors;
+                let masked = &msg.masked;
+                MaskSource::Leader(Box::new(move || {
+                    let (words, errs) = job.join().unwrap_or_else(|_| {
+                        let why = "the structured-output constraint panicked".to_string();
+                        (
+                            vec![u64::MAX; masked.len() * vocab.div_ceil(64)],
+                            masked.iter().map(|&id| (id, why.clone())).collect(),
+                        )
+                    });
+                    *errors = errs;
+                    words
+                }))
+            };
+            worker.execute(msg, source)
+        })?;
+        Ok((result, mask_errors))
     }
 
     /// A step's results applied: adapter replies, the scheduler's bookkeeping, prompt
