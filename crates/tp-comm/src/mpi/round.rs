@@ -77,14 +77,19 @@ impl Round {
         &self.owned[i]
     }
 
-    /// Takes the tensor kept at `i` once every request is done (a zero-length placeholder is
-    /// left behind).
+    /// Whether every request of the round has completed.
+    fn all_done(&self) -> bool {
+        self.reqs.iter().all(|r| r.done)
+    }
+
+    /// Takes the buffer kept at `i` once every request is done (an empty placeholder stays).
+    fn take(&mut self, i: usize) -> Option<Owned> {
+        self.all_done().then(|| std::mem::replace(&mut self.owned[i], Owned::Bytes(Vec::new())))
+    }
+
+    /// Takes the tensor kept at `i` once every request is done.
     pub(crate) fn take_tensor(&mut self, i: usize) -> Option<Tensor> {
-        if self.reqs.iter().any(|r| !r.done) {
-            return None;
-        }
-        let empty = Owned::Words(Box::new([0; 16]));
-        match std::mem::replace(&mut self.owned[i], empty) {
+        match self.take(i)? {
             Owned::Tensor(t) => Some(t),
             _ => None,
         }
@@ -92,10 +97,7 @@ impl Round {
 
     /// Takes the scratch buffer kept at `i` once every request is done.
     pub(crate) fn take_scratch(&mut self, i: usize) -> Option<Vec<u64>> {
-        if self.reqs.iter().any(|r| !r.done) {
-            return None;
-        }
-        match std::mem::replace(&mut self.owned[i], Owned::Bytes(Vec::new())) {
+        match self.take(i)? {
             Owned::Scratch(v, _) => Some(v),
             _ => None,
         }
@@ -103,10 +105,7 @@ impl Round {
 
     /// Takes the result buffer kept at `i` once every request is done.
     pub(crate) fn take_out(&mut self, i: usize) -> Option<Box<dyn std::any::Any + Send>> {
-        if self.reqs.iter().any(|r| !r.done) {
-            return None;
-        }
-        match std::mem::replace(&mut self.owned[i], Owned::Bytes(Vec::new())) {
+        match self.take(i)? {
             Owned::Out(b, _, _) => Some(b),
             _ => None,
         }
@@ -114,11 +113,8 @@ impl Round {
 
     /// The bytes in use of the scratch buffer kept at `i`, once every request is done.
     pub(crate) fn scratch(&self, i: usize) -> Option<&[u64]> {
-        if self.reqs.iter().any(|r| !r.done) {
-            return None;
-        }
-        match &self.owned[i] {
-            Owned::Scratch(v, bytes) => Some(&v[..bytes.div_ceil(8)]),
+        match (self.all_done(), &self.owned[i]) {
+            (true, Owned::Scratch(v, bytes)) => Some(&v[..bytes.div_ceil(8)]),
             _ => None,
         }
     }
@@ -260,7 +256,7 @@ impl Round {
 
 impl Drop for Round {
     fn drop(&mut self) {
-        if self.reqs.iter().all(|r| r.done) {
+        if self.all_done() {
             return;
         }
         let reqs = std::mem::take(&mut self.reqs).into_iter().filter(|r| !r.done).collect();

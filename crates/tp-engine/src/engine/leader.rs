@@ -167,26 +167,9 @@ impl Leader {
             }
             let planning = Instant::now();
             let mut plan = self.scheduler.schedule();
-            let drafts = self.draft(&mut plan);
-            // The sampled sequences with a constraint get a mask this step.
-            let masked = plan
-                .seqs
-                .iter()
-                .filter(|s| s.sample && self.live.get(&s.id).is_some_and(|l| l.constraint.is_some()))
-                .map(|s| s.id)
-                .collect();
-            let (adapters, adapter_replies) = self.ready_adapters();
-            let mut msg = StepMsg {
-                kind: StepKind::Run,
-                new: std::mem::take(&mut self.pending_new),
-                drop: std::mem::take(&mut self.pending_drop),
-                seqs: plan.seqs.clone(),
-                masked,
-                adapters,
-                rope_lens: Vec::new(),
-            };
+            let (mut msg, drafts, adapter_replies) = self.step_message(&mut plan, false);
             stalled = msg.seqs.is_empty() && self.pending_adapters.is_empty();
-            if msg.seqs.is_empty() && msg.new.is_empty() && msg.drop.is_empty() && msg.adapters.is_empty() {
+            if msg.is_empty() {
                 if last_sent.elapsed() < self.heartbeat {
                     continue;
                 }
@@ -264,18 +247,39 @@ impl Leader {
         let planning = Instant::now();
         let active = self.scheduler.num_running() + self.scheduler.num_waiting();
         let mut plan = self.scheduler.schedule_beside(&self.busy, active.div_ceil(depth).max(1));
-        let drafts = self.draft(&mut plan);
-        let masked: Vec<RequestId> = plan
+        let (msg, drafts, adapter_replies) = self.step_message(&mut plan, true);
+        if msg.is_empty() {
+            return Ok(None);
+        }
+        let own = planning.elapsed();
+        self.worker.send(&msg)?;
+        let (begun, mask_errors) = self.execute(&msg)?;
+        self.busy.extend(plan.seqs.iter().map(|s| s.id));
+        Ok(Some(InFlight { plan, drafts, adapter_replies, adapter_outcomes: begun.adapters, mask_errors, own }))
+    }
+
+    /// The message of a step running `plan`: its drafts added (speculation), the sampled
+    /// sequences with a constraint marked for masks, the pending announcements and ready
+    /// adapter changes taken, and, pipelined, every sequence's known length. Also the drafts
+    /// made and where the adapter changes' outcomes go.
+    fn step_message(
+        &mut self,
+        plan: &mut crate::scheduler::StepPlan,
+        pipelined: bool,
+    ) -> (StepMsg, Vec<(RequestId, usize)>, Vec<crate::api::AdapterReply>) {
+        let drafts = self.draft(plan);
+        let masked = plan
             .seqs
             .iter()
             .filter(|s| s.sample && self.live.get(&s.id).is_some_and(|l| l.constraint.is_some()))
             .map(|s| s.id)
             .collect();
         let (adapters, adapter_replies) = self.ready_adapters();
-        if plan.seqs.is_empty() && self.pending_new.is_empty() && self.pending_drop.is_empty() && adapters.is_empty() {
-            return Ok(None);
-        }
-        let rope_lens = plan.seqs.iter().map(|s| self.scheduler.tokens(s.id).map_or(0, <[i64]>::len)).collect();
+        let rope_lens = if pipelined {
+            plan.seqs.iter().map(|s| self.scheduler.tokens(s.id).map_or(0, <[i64]>::len)).collect()
+        } else {
+            Vec::new()
+        };
         let msg = StepMsg {
             kind: StepKind::Run,
             new: std::mem::take(&mut self.pending_new),
@@ -285,11 +289,7 @@ impl Leader {
             adapters,
             rope_lens,
         };
-        let own = planning.elapsed();
-        self.worker.send(&msg)?;
-        let (begun, mask_errors) = self.execute(&msg)?;
-        self.busy.extend(plan.seqs.iter().map(|s| s.id));
-        Ok(Some(InFlight { plan, drafts, adapter_replies, adapter_outcomes: begun.adapters, mask_errors, own }))
+        (msg, drafts, adapter_replies)
     }
 
     /// Rank 0's part of step `msg`: its structured-output masks computed on a thread beside

@@ -87,6 +87,11 @@ impl StepMsg {
         }
     }
 
+    /// Whether it runs nothing and announces nothing (an idle heartbeat could carry it).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.seqs.is_empty() && self.new.is_empty() && self.drop.is_empty() && self.adapters.is_empty()
+    }
+
     /// The payload words (the kind travels in the header).
     pub(crate) fn encode(&self) -> Vec<i64> {
         let mut w = Vec::new();
