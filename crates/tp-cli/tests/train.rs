@@ -515,6 +515,9 @@ fn bad_pipeline_flags_are_refused_before_anything_runs() {
         (vec!["-pp", "2", "--pp-schedule", "zero"], "zero"),
         (vec!["-pp", "2", "--pp-layer-partition", "1,2"], "sums to 3"),
         (vec!["-pp", "2", "--pp-layer-partition", "1,x"], "\"x\""),
+        // The distributed optimizer: stage 1 only, and not beside expert parallelism.
+        (vec!["--zero", "2"], "--zero"),
+        (vec!["--zero", "1", "-dp", "2", "-ep", "2"], "does not share out expert-parallel replicas"),
     ] {
         let mut all = vec!["--data", data.as_str(), "--steps", "1", "--seq-len", "16"];
         all.extend(&args);
