@@ -26,6 +26,29 @@ pub enum ReduceOp {
     Avg,
 }
 
+/// One message of a batch of point-to-point operations
+/// ([`Communicator::send_recv_async`], `torch.distributed.batch_isend_irecv`'s `P2POp`).
+#[derive(Debug, Clone, Copy)]
+pub enum P2p<'a> {
+    /// Send `x` to rank `peer`, as [`Communicator::send_async`].
+    Send {
+        /// The tensor sent.
+        x: &'a Tensor,
+        /// The receiving rank.
+        peer: usize,
+    },
+    /// Receive the next `dims` tensor of `dtype` from rank `peer`, as
+    /// [`Communicator::recv_async`].
+    Recv {
+        /// The dims the sender must send.
+        dims: &'a [usize],
+        /// The dtype the sender must send.
+        dtype: tp_core::DType,
+        /// The sending rank.
+        peer: usize,
+    },
+}
+
 /// A group of `world_size` ranks, seen from one of them.
 pub trait Communicator: Send + Sync {
     /// This rank, in `0..world_size`.
@@ -123,9 +146,9 @@ pub trait Communicator: Send + Sync {
     /// wrong aborts its communicator, and the sender's wait fails at the latest at its
     /// deadline (NCCL does not tell peers about an abort). On NCCL every operation of a rank
     /// runs in order on its one stream, so two ranks that both send to each other before
-    /// receiving may wait for each other until the deadline (NCCL needs such exchanges grouped);
-    /// order them (one side receives first). Backends without point-to-point return
-    /// [`CommError::Limit`].
+    /// receiving would wait for each other until the deadline on messages past NCCL's buffers:
+    /// post such exchanges together with [`send_recv_async`](Self::send_recv_async). Backends
+    /// without point-to-point return [`CommError::Limit`].
     fn send_async(&self, x: &Tensor, dst: usize) -> Result<Work> {
         let _ = (x, dst);
         Err(CommError::Limit { op: "send", why: "this backend has no point-to-point messages".into() })
@@ -137,10 +160,29 @@ pub trait Communicator: Send + Sync {
     /// the thread backend the tensor is where the sender had it;
     /// [`DeviceGroup::recv_async`](crate::DeviceGroup::recv_async) moves it to its own device.
     /// Dropping the work unwaited does not cancel the receive: its message is still taken.
-    /// On NCCL the call itself waits (within the deadline) for the sender's header.
+    /// On NCCL the header and the payload are received in one group and the header is checked
+    /// at the wait.
     fn recv_async(&self, dims: &[usize], dtype: tp_core::DType, src: usize) -> Result<Work> {
         let _ = (dims, dtype, src);
         Err(CommError::Limit { op: "recv", why: "this backend has no point-to-point messages".into() })
+    }
+
+    /// Several point-to-point operations posted together, one [`Work`] per operation in the
+    /// order given (`torch.distributed.batch_isend_irecv`). Matching, shapes, deadlines and
+    /// peers are those of [`send_async`](Self::send_async) and
+    /// [`recv_async`](Self::recv_async). This is how two ranks that both send to each other
+    /// before receiving (1F1B's neighbours) must post on NCCL, where every operation of a rank
+    /// runs in order on one stream: there the whole batch is one NCCL group, so the sends and
+    /// receives progress together. The thread and MPI backends post each operation in turn,
+    /// which never blocks. An error at one operation's call (a bad peer, a tensor on another
+    /// device) leaves the ones before it posted; their works are dropped unwaited.
+    fn send_recv_async(&self, ops: &[P2p<'_>]) -> Result<Vec<Work>> {
+        ops.iter()
+            .map(|op| match *op {
+                P2p::Send { x, peer } => self.send_async(x, peer),
+                P2p::Recv { dims, dtype, peer } => self.recv_async(dims, dtype, peer),
+            })
+            .collect()
     }
 
     /// [`all_reduce`](Self::all_reduce) into `x` itself (host tensors are overwritten in place).

@@ -306,6 +306,28 @@ impl DeviceGroup {
         self.recv_async(dims, dtype, src)?.wait()
     }
 
+    /// Sends and receives posted together, one work per operation in the order given (see
+    /// [`Communicator::send_recv_async`]): the form for neighbours that both send to each other
+    /// before receiving, as 1F1B's stages do. Each send is checked as in
+    /// [`send_async`](Self::send_async); each received tensor arrives on this rank's device.
+    pub fn send_recv_async(&self, ops: &[crate::P2p<'_>]) -> Result<Vec<crate::Work>> {
+        for op in ops {
+            if let crate::P2p::Send { x, .. } = op {
+                self.check("send", x)?;
+            }
+        }
+        let works = self.comm.send_recv_async(ops)?;
+        let device = self.device;
+        Ok(works
+            .into_iter()
+            .zip(ops)
+            .map(|(w, op)| match op {
+                crate::P2p::Send { .. } => w,
+                crate::P2p::Recv { .. } => w.map(move |t| t.to_device(&device).map_err(tensor_err("recv"))),
+            })
+            .collect())
+    }
+
     /// Moves `x` to this rank's device (a cheap clone when already there).
     pub fn to_local(&self, x: &Tensor) -> Result<Tensor> {
         x.to_device(&self.device).map_err(tensor_err("to_local"))

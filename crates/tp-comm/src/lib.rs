@@ -9,7 +9,8 @@
 //!   GPU). A rank that fails, panics or times out poisons the group; no wait is unbounded.
 //! * [`DeviceGroup`]: what a layer holds: a communicator and this rank's device. Point-to-point
 //!   `send_async` / `recv` between pipeline stages (ordered per pair of ranks, shapes checked
-//!   on both sides, every wait with the deadline).
+//!   on both sides, every wait with the deadline), and `send_recv_async` for exchanges that
+//!   must progress together (one NCCL group).
 //! * [`Mesh`]: a world of `dp × pp × tp` ranks (Megatron's order) and a group per axis.
 //!
 //! * [`LaunchEnv`] and [`Rendezvous`]: torchrun-style launching (`RANK`, `WORLD_SIZE`,
@@ -61,7 +62,7 @@ mod rendezvous;
 pub mod store;
 mod work;
 
-pub use communicator::{Communicator, ReduceOp};
+pub use communicator::{Communicator, P2p, ReduceOp};
 pub use deadline::{DEADLINE_SLACK, Deadline, MAX_TIMEOUT};
 pub use env::{DEFAULT_TIMEOUT_SECS, LaunchEnv, Launcher, MAX_TIMEOUT_SECS, MAX_WORLD_SIZE, first_host};
 pub use error::{CommError, Result};

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 use tp_comm::mpi::MpiComm;
-use tp_comm::{CommError, Communicator, LocalGroup, Mesh, MeshShape, ReduceOp};
+use tp_comm::{CommError, Communicator, LocalGroup, Mesh, MeshShape, P2p, ReduceOp};
 use tp_core::{DType, Device, Tensor};
 use tp_testing::launch::{Finished, Launcher, run_bounded};
 
@@ -304,6 +304,21 @@ fn p2p(world: &MpiComm) {
     same_bits(&rb.wait().unwrap(), &input(6, prev, &big, DType::F32), "first message");
     b.wait().unwrap();
     a.wait().unwrap();
+    // The same exchange as one batch (`send_recv_async`): a work per operation, in order.
+    let (x, y) = (input(9, me, &big, DType::F32), input(10, me, &[5, 3], DType::I64));
+    let ops = [
+        P2p::Send { x: &x, peer: next },
+        P2p::Recv { dims: &big, dtype: DType::F32, peer: prev },
+        P2p::Send { x: &y, peer: prev },
+        P2p::Recv { dims: &[5, 3], dtype: DType::I64, peer: next },
+    ];
+    let mut works = world.send_recv_async(&ops).unwrap();
+    assert_eq!(works.len(), 4);
+    same_bits(&works.remove(3).wait().unwrap(), &input(10, next, &[5, 3], DType::I64), "batched back");
+    same_bits(&works.remove(1).wait().unwrap(), &input(9, prev, &big, DType::F32), "batched forth");
+    for w in works {
+        w.wait().unwrap();
+    }
     // A receiver expecting another shape: an error naming both, on the receiver at once. (On a
     // communicator of its own: the abort that follows fails every call of that one.)
     let world = world.split(0, me).unwrap();

@@ -5,7 +5,7 @@
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use tp_comm::{CommError, DeviceGroup, ReduceOp};
+use tp_comm::{CommError, DeviceGroup, P2p, ReduceOp};
 use tp_core::{DType, Device, Tensor};
 
 const CPU: Device = Device::Cpu;
@@ -787,4 +787,52 @@ fn a_dropped_receive_still_takes_its_message_so_the_sender_and_later_messages_go
         }
     });
     assert_eq!(got[1], Some(first(&message(0, 3, &[1], DType::F32))));
+}
+
+#[test]
+fn a_batch_of_sends_and_receives_between_neighbours_that_both_send_first() {
+    // Every rank sends to both neighbours and receives from both in one batch, at every world
+    // size, with an uneven shape, several dtypes, and a bad operation refused at the call.
+    for n in 2..=8 {
+        let got = on_ranks(groups(n, LONG), |g| {
+            let (me, n) = (g.rank(), g.world_size());
+            let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+            let (fwd, back) = (message(me, 0, &[33, 17], DType::BF16), message(me, 1, &[5], DType::I64));
+            let ops = [
+                P2p::Send { x: &fwd, peer: next },
+                P2p::Send { x: &back, peer: prev },
+                P2p::Recv { dims: &[33, 17], dtype: DType::BF16, peer: prev },
+                P2p::Recv { dims: &[5], dtype: DType::I64, peer: next },
+            ];
+            let works = g.send_recv_async(&ops).unwrap();
+            assert_eq!(works.len(), 4);
+            let out: Vec<Tensor> = works.into_iter().map(|w| w.wait().unwrap()).collect();
+            let bad = g.send_recv_async(&[P2p::Recv { dims: &[1], dtype: DType::F32, peer: n }]).unwrap_err();
+            assert!(matches!(bad, CommError::RankOutOfRange { .. }), "{bad}");
+            (me, prev, next, out)
+        });
+        for (me, prev, next, out) in got {
+            assert_eq!(out[0].to_f64_vec().unwrap(), message(me, 0, &[33, 17], DType::BF16).to_f64_vec().unwrap());
+            assert_eq!(out[1].to_i64_vec().unwrap(), message(me, 1, &[5], DType::I64).to_i64_vec().unwrap());
+            let want_fwd = message(prev, 0, &[33, 17], DType::BF16).to_f64_vec().unwrap();
+            assert_eq!(out[2].to_f64_vec().unwrap(), want_fwd, "n={n} rank {me} from {prev}");
+            assert_eq!(out[3].to_i64_vec().unwrap(), message(next, 1, &[5], DType::I64).to_i64_vec().unwrap());
+        }
+    }
+}
+
+#[test]
+fn a_batched_receive_of_the_wrong_shape_is_a_mismatch_naming_both() {
+    let got = on_ranks(groups(2, LONG), |g| {
+        let peer = 1 - g.rank();
+        let x = message(g.rank(), 0, &[3, 4], DType::F32);
+        let works = g
+            .send_recv_async(&[P2p::Send { x: &x, peer }, P2p::Recv { dims: &[4, 3], dtype: DType::F32, peer }])
+            .unwrap();
+        works.into_iter().map(|w| w.wait().map(drop)).collect::<Vec<_>>()
+    });
+    for results in got {
+        let e = results.into_iter().find_map(|r| r.err()).expect("a mismatch on each rank");
+        assert!(e.to_string().contains("[4, 3]") && e.to_string().contains("[3, 4]"), "{e}");
+    }
 }

@@ -396,6 +396,14 @@ fn check_lengths(op: &'static str, rank: usize, world: usize, mine: usize, lengt
         .ok_or_else(|| CommError::Mismatch { op: op.into(), why: "lengths overflow when summed".into() })
 }
 
+/// The work of a batch of one operation.
+fn one(works: Vec<Work>) -> Result<Work> {
+    works
+        .into_iter()
+        .next()
+        .ok_or_else(|| CommError::Nccl { op: "send/recv", message: "no work for the operation".into() })
+}
+
 fn to_i32(v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| CommError::Nccl { op: "argument", message: format!("{v} does not fit in an int") })
 }
@@ -460,12 +468,18 @@ impl Communicator for NcclComm {
 
     /// `ncclSend` of a header and the payload in one group (the `p2p` module).
     fn send_async(&self, x: &Tensor, dst: usize) -> Result<Work> {
-        self.send_enqueue(x, dst)
+        one(self.batch_enqueue(&[crate::P2p::Send { x, peer: dst }])?)
     }
 
-    /// `ncclRecv` of the header, checked on the host, then of the payload (the `p2p` module).
+    /// `ncclRecv` of the header and the payload in one group; the header is checked at the
+    /// wait (the `p2p` module).
     fn recv_async(&self, dims: &[usize], dtype: DType, src: usize) -> Result<Work> {
-        self.recv_enqueue(dims, dtype, src)
+        one(self.batch_enqueue(&[crate::P2p::Recv { dims, dtype, peer: src }])?)
+    }
+
+    /// Every send's and receive's header and payload in one NCCL group (the `p2p` module).
+    fn send_recv_async(&self, ops: &[crate::P2p<'_>]) -> Result<Vec<Work>> {
+        self.batch_enqueue(ops)
     }
 
     fn world_size(&self) -> usize {

@@ -45,8 +45,6 @@ pub(super) struct Shared {
     /// Wakes the watchdog when work arrives or the communicator closes.
     pub(super) wake: Condvar,
     pub(super) stop: AtomicBool,
-    /// Held across one point-to-point receive's two NCCL calls (header, then payload).
-    pub(super) recv_order: Mutex<()>,
 }
 
 /// `m.lock()`, recovering the data of a poisoned lock (this module's code keeps it consistent).
@@ -66,7 +64,6 @@ impl Shared {
             pending: Mutex::new(VecDeque::new()),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
-            recv_order: Mutex::new(()),
         }
     }
 

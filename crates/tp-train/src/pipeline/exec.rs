@@ -8,6 +8,10 @@
 //! list, so their collectives line up. A forward keeps what its backward needs until the
 //! backward runs (the schedule bounds how many micro-batches are in flight); a send is posted
 //! and left to complete while the rank goes on, a receive waits (with the group's deadline).
+//! Sends are posted together with the receive that follows them (one batch, as Megatron's
+//! `send_forward_recv_backward`): in 1F1B both neighbours send before they receive, which on
+//! NCCL's one stream per rank must be one group; before any other action they are posted
+//! alone, so no send waits behind computation.
 //! `BackwardInput` runs the backward with the linear layers' weight gradients deferred
 //! ([`tp_layers::defer_weight_grads`]) and `BackwardWeight` computes them, one micro-batch's
 //! worth, in the same order, so a zero-bubble step has the bits of a 1F1B step.
@@ -21,7 +25,7 @@ use super::trace::TraceEvent;
 use crate::{Result, TrainError};
 use std::collections::HashMap;
 use std::time::Instant;
-use tp_comm::{DeviceGroup, Work};
+use tp_comm::{DeviceGroup, P2p, Work};
 use tp_core::{DType, Tensor};
 use tp_layers::Param;
 use tp_models::{Handoff, MicroBatch, ParallelCausalLm, Recompute, StageSaved};
@@ -267,6 +271,16 @@ pub struct StageRunner<'a, W: StageWork> {
 /// The key of a micro-batch on a chunk.
 type Key = (usize, usize);
 
+/// A receive the schedule asks for: micro-batch `mb` of `chunk`, `dims` of `dtype` from stage
+/// `peer`.
+struct Want {
+    chunk: usize,
+    mb: usize,
+    dims: Vec<usize>,
+    dtype: DType,
+    peer: usize,
+}
+
 impl<W: StageWork> StageRunner<'_, W> {
     /// Runs this rank's actions over the step's `micro_batches`.
     ///
@@ -303,8 +317,19 @@ impl<W: StageWork> StageRunner<'_, W> {
                 "pipeline stage {s}: {what} of micro-batch {mb}, chunk {chunk} is not there (the schedule is out of order)"
             ))
         };
+        // Sends not yet posted: (micro-batch and chunk, what, to which stage).
+        let mut queued: Vec<(Key, Handoff, usize)> = Vec::new();
         for &action in sched.rank_actions(s) {
             let t0 = Instant::now();
+            if !matches!(
+                action,
+                Action::SendActivation { .. }
+                    | Action::SendGrad { .. }
+                    | Action::RecvActivation { .. }
+                    | Action::RecvGrad { .. }
+            ) {
+                self.exchange(&mut queued, None, &mut sends)?;
+            }
             let (name, key) = match action {
                 Action::Forward { mb, chunk } => {
                     let key = (mb, chunk);
@@ -337,23 +362,27 @@ impl<W: StageWork> StageRunner<'_, W> {
                 }
                 Action::SendActivation { mb, chunk, peer } => {
                     let h = outputs.remove(&(mb, chunk)).ok_or_else(|| missing("the forward output", (mb, chunk)))?;
-                    self.send(h, (mb, chunk), peer, &mut sends)?;
+                    queued.push(((mb, chunk), h, peer));
                     continue;
                 }
                 Action::SendGrad { mb, chunk, peer } => {
                     let h = grads_out.remove(&(mb, chunk)).ok_or_else(|| missing("the input gradient", (mb, chunk)))?;
-                    self.send(h, (mb, chunk), peer, &mut sends)?;
+                    queued.push(((mb, chunk), h, peer));
                     continue;
                 }
                 Action::RecvActivation { mb, chunk, peer } => {
                     let (dims, dtype) = self.chunks[chunk].activation(mb)?;
-                    inputs.insert((mb, chunk), self.recv(chunk, mb, &dims, dtype, peer)?);
+                    let want = Want { chunk, mb, dims, dtype, peer };
+                    let got = self.exchange(&mut queued, Some(want), &mut sends)?;
+                    inputs.insert((mb, chunk), got.ok_or_else(|| missing("the received activation", (mb, chunk)))?);
                     out.wait_secs += t0.elapsed().as_secs_f64();
                     ("recv-wait", Some((mb, chunk)))
                 }
                 Action::RecvGrad { mb, chunk, peer } => {
                     let (dims, _) = self.chunks[chunk].activation(mb)?;
-                    grads_in.insert((mb, chunk), self.recv(chunk, mb, &dims, DType::F32, peer)?);
+                    let want = Want { chunk, mb, dims, dtype: DType::F32, peer };
+                    let got = self.exchange(&mut queued, Some(want), &mut sends)?;
+                    grads_in.insert((mb, chunk), got.ok_or_else(|| missing("the received gradient", (mb, chunk)))?);
                     out.wait_secs += t0.elapsed().as_secs_f64();
                     ("recv-wait", Some((mb, chunk)))
                 }
@@ -370,6 +399,7 @@ impl<W: StageWork> StageRunner<'_, W> {
             };
             self.record(&mut out.events, name, key, t0, t0.elapsed().as_secs_f64());
         }
+        self.exchange(&mut queued, None, &mut sends)?;
         for (_, w) in sends {
             w.wait()?;
         }
@@ -380,25 +410,55 @@ impl<W: StageWork> StageRunner<'_, W> {
         Ok(out)
     }
 
-    /// Posts the sends of `h` to `peer`: the hidden states (or their gradient), then the router
-    /// sums if there are any.
-    fn send(&self, h: Handoff, key: Key, peer: usize, sends: &mut Vec<(Key, Work)>) -> Result<()> {
-        sends.push((key, self.pp.send_async(&h.hidden, peer)?));
-        if let Some(sums) = &h.router_sums {
-            sends.push((key, self.pp.send_async(sums, peer)?));
-        }
-        Ok(())
-    }
-
-    /// Receives from `peer` what [`send`](Self::send) sent for `mb` on `chunk`: `dims` of
-    /// `dtype`, then the router sums where the chunk expects them.
-    fn recv(&self, chunk: usize, mb: usize, dims: &[usize], dtype: DType, peer: usize) -> Result<Handoff> {
-        let hidden = self.pp.recv(dims, dtype, peer)?;
-        let router_sums = match self.chunks[chunk].router_sums(mb)? {
-            Some(d) => Some(self.pp.recv(&d, DType::I64, peer)?),
+    /// Posts the `queued` sends (each hidden state or gradient, then its router sums if there
+    /// are any) together with the receive of `want` if given, as one batch; the sends' works go
+    /// to `sends`, and the receive is waited for and returned: `want`'s dims of its dtype, then
+    /// the router sums where the chunk expects them.
+    fn exchange(
+        &self,
+        queued: &mut Vec<(Key, Handoff, usize)>,
+        want: Option<Want>,
+        sends: &mut Vec<(Key, Work)>,
+    ) -> Result<Option<Handoff>> {
+        let sums = match &want {
+            Some(w) => self.chunks[w.chunk].router_sums(w.mb)?,
             None => None,
         };
-        Ok(Handoff { hidden, router_sums })
+        let mut ops = Vec::new();
+        let mut keys = Vec::new();
+        for (key, h, peer) in queued.iter() {
+            ops.push(P2p::Send { x: &h.hidden, peer: *peer });
+            keys.push(*key);
+            if let Some(s) = &h.router_sums {
+                ops.push(P2p::Send { x: s, peer: *peer });
+                keys.push(*key);
+            }
+        }
+        if let Some(w) = &want {
+            ops.push(P2p::Recv { dims: &w.dims, dtype: w.dtype, peer: w.peer });
+            if let Some(d) = &sums {
+                ops.push(P2p::Recv { dims: d, dtype: DType::I64, peer: w.peer });
+            }
+        }
+        if ops.is_empty() {
+            return Ok(None);
+        }
+        let mut works = self.pp.send_recv_async(&ops)?.into_iter();
+        drop(ops);
+        queued.clear();
+        let mut next = || works.next().ok_or_else(|| TrainError::Model("a batch returned too few works".into()));
+        for key in keys {
+            sends.push((key, next()?));
+        }
+        if want.is_none() {
+            return Ok(None);
+        }
+        let hidden = next()?.wait()?;
+        let router_sums = match sums {
+            Some(_) => Some(next()?.wait()?),
+            None => None,
+        };
+        Ok(Some(Handoff { hidden, router_sums }))
     }
 
     fn record(&self, events: &mut Vec<TraceEvent>, name: &str, key: Option<Key>, start: Instant, secs: f64) {
