@@ -117,16 +117,37 @@ impl Engine {
         e
     }
 
-    /// `c = A · B` for one `32 x 32` tile: `a` is 32 rows of `depth` pair lanes (row-major), `b`
-    /// is `depth` rows of 32 pair lanes; `depth` is a multiple of [`STEP`].
-    pub(crate) fn tile(&mut self, fp16: bool, depth: usize, a: &[u32], b: &[u32], c: &mut [f32; MR * NR]) {
-        match (self, fp16) {
-            #[cfg(target_arch = "x86_64")]
-            (Engine::Hardware(h), false) => tile::<_, false>(h, depth, a, b, c),
-            #[cfg(target_arch = "x86_64")]
-            (Engine::Hardware(h), true) => tile::<_, true>(h, depth, a, b, c),
-            (Engine::Model(m), false) => tile::<_, false>(&mut **m, depth, a, b, c),
-            (Engine::Model(m), true) => tile::<_, true>(&mut **m, depth, a, b, c),
+    /// `C = C0 + A · B` for one `32 x 32` tile: `a` is 32 rows of `depth` pair lanes, `a_ld`
+    /// lanes apart (a packed panel, `a_ld = depth`, or x's own rows), `b` is `depth` rows of 32
+    /// pair lanes; `depth` is a multiple of [`STEP`].
+    /// `C0` is zero, or read from `src` (32 rows of 32 `f32` at a stride of `src.1` floats);
+    /// `C` is written to `dst` (likewise). The accumulators stay in tiles for the whole depth,
+    /// so a block of `y` is loaded and stored once per depth block, with no pass on the side.
+    ///
+    /// # Safety
+    /// `src` (when given) is readable and `dst` writable for 32 rows of 32 `f32` at their
+    /// strides.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn tile(
+        &mut self,
+        fp16: bool,
+        depth: usize,
+        a: &[u32],
+        a_ld: usize,
+        b: &[u32],
+        src: Option<(*const f32, usize)>,
+        dst: (*mut f32, usize),
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match (self, fp16) {
+                #[cfg(target_arch = "x86_64")]
+                (Engine::Hardware(h), false) => tile::<_, false>(h, depth, a, a_ld, b, src, dst),
+                #[cfg(target_arch = "x86_64")]
+                (Engine::Hardware(h), true) => tile::<_, true>(h, depth, a, a_ld, b, src, dst),
+                (Engine::Model(m), false) => tile::<_, false>(&mut **m, depth, a, a_ld, b, src, dst),
+                (Engine::Model(m), true) => tile::<_, true>(&mut **m, depth, a, a_ld, b, src, dst),
+            }
         }
     }
 }
@@ -141,41 +162,70 @@ impl Drop for Engine {
     }
 }
 
-/// The micro-kernel, for any [`TileOps`]; see the module docs for the tile map.
-fn tile<X: TileOps, const FP16: bool>(x: &mut X, depth: usize, a: &[u32], b: &[u32], c: &mut [f32; MR * NR]) {
-    assert!(depth.is_multiple_of(STEP) && a.len() >= MR * depth && b.len() >= depth * NR, "amx tile: operands");
-    let a_stride = depth * 4; // bytes between rows of A
+/// The micro-kernel, for any [`TileOps`]; see the module docs for the tile map and
+/// [`Engine::tile`] for the contract.
+///
+/// # Safety
+/// As [`Engine::tile`].
+unsafe fn tile<X: TileOps, const FP16: bool>(
+    x: &mut X,
+    depth: usize,
+    a: &[u32],
+    a_ld: usize,
+    b: &[u32],
+    src: Option<(*const f32, usize)>,
+    (dst, ldd): (*mut f32, usize),
+) {
+    assert!(
+        depth.is_multiple_of(STEP) && a_ld >= depth && a.len() >= (MR - 1) * a_ld + depth && b.len() >= depth * NR,
+        "amx tile: operands"
+    );
+    let a_stride = a_ld * 4; // bytes between rows of A
     let b_stride = NR * 4; // bytes between pair rows of B
-    x.zero::<0>();
-    x.zero::<1>();
-    x.zero::<2>();
-    x.zero::<3>();
+    match src {
+        // SAFETY: each load reads 16 rows of 16 f32 (64 bytes) of the caller's 32 x 32 block at
+        // its stride: rows 0..16 / 16..32, columns 0..16 / 16..32.
+        Some((c, ld)) => unsafe {
+            x.load::<0>(c.cast(), ld * 4);
+            x.load::<1>(c.add(16).cast(), ld * 4);
+            x.load::<2>(c.add(16 * ld).cast(), ld * 4);
+            x.load::<3>(c.add(16 * ld + 16).cast(), ld * 4);
+        },
+        None => {
+            x.zero::<0>();
+            x.zero::<1>();
+            x.zero::<2>();
+            x.zero::<3>();
+        }
+    }
     for s in 0..depth / STEP {
         let a0 = a[s * STEP..].as_ptr().cast::<u8>();
-        let a1 = a[16 * depth + s * STEP..].as_ptr().cast::<u8>();
+        let a1 = a[16 * a_ld + s * STEP..].as_ptr().cast::<u8>();
         let b0 = b[s * STEP * NR..].as_ptr().cast::<u8>();
         let b1 = b[s * STEP * NR + 16..].as_ptr().cast::<u8>();
         // SAFETY: each load reads 16 rows of 64 bytes: A rows `r` (and `16 + r`) at lanes
-        // `s*16..s*16+16` of a row of `depth` lanes; B pair rows `s*16 + r` at lanes `0..16`
+        // `s*16..s*16+16` of rows `a_ld` lanes apart; B pair rows `s*16 + r` at lanes `0..16`
         // (and `16..32`) of a row of 32 lanes; all inside `a` and `b` (asserted above).
+        // Each load comes right before the first product that needs it, so that a product
+        // starts as soon as its operands arrive and the next step's loads wait only for the
+        // products that read the same tiles.
         unsafe {
             x.load::<4>(a0, a_stride);
-            x.load::<5>(a1, a_stride);
             x.load::<6>(b0, b_stride);
+            x.dot::<FP16, 0, 4, 6>();
             x.load::<7>(b1, b_stride);
+            x.dot::<FP16, 1, 4, 7>();
+            x.load::<5>(a1, a_stride);
         }
-        x.dot::<FP16, 0, 4, 6>();
-        x.dot::<FP16, 1, 4, 7>();
         x.dot::<FP16, 2, 5, 6>();
         x.dot::<FP16, 3, 5, 7>();
     }
-    let cp = c.as_mut_ptr();
-    // SAFETY: each store writes 16 rows of 64 bytes (16 f32) at a stride of one 32-float row of
-    // `c`: rows `0..16` / `16..32`, columns `0..16` / `16..32`, all inside `c`.
+    // SAFETY: each store writes 16 rows of 16 f32 of the caller's writable 32 x 32 block at its
+    // stride, as the loads above.
     unsafe {
-        x.store::<0>(cp.cast(), NR * 4);
-        x.store::<1>(cp.add(16).cast(), NR * 4);
-        x.store::<2>(cp.add(16 * NR).cast(), NR * 4);
-        x.store::<3>(cp.add(16 * NR + 16).cast(), NR * 4);
+        x.store::<0>(dst.cast(), ldd * 4);
+        x.store::<1>(dst.add(16).cast(), ldd * 4);
+        x.store::<2>(dst.add(16 * ldd).cast(), ldd * 4);
+        x.store::<3>(dst.add(16 * ldd + 16).cast(), ldd * 4);
     }
 }

@@ -35,6 +35,9 @@ pub trait Float: bytemuck::Pod + Send + Sync + 'static + sealed::Sealed {
     /// Exact widening of a whole slice (`dst.len() == src.len()`; extra elements of either are
     /// left alone), vectorised.
     fn widen_slice(src: &[Self], dst: &mut [f32]);
+    /// Rounds `src` to nearest even into `dst` (`dst.len() == src.len()`), NaNs kept NaN: the
+    /// rounding tp-core's tensors use, so a product rounded here has their bits.
+    fn narrow_slice(src: &[f32], dst: &mut [std::mem::MaybeUninit<Self>]);
 }
 
 impl Float for f32 {
@@ -46,6 +49,9 @@ impl Float for f32 {
         let n = src.len().min(dst.len());
         dst[..n].copy_from_slice(&src[..n]);
     }
+    fn narrow_slice(src: &[f32], dst: &mut [std::mem::MaybeUninit<Self>]) {
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = std::mem::MaybeUninit::new(s));
+    }
 }
 
 impl Float for f16 {
@@ -56,6 +62,9 @@ impl Float for f16 {
     fn widen_slice(src: &[Self], dst: &mut [f32]) {
         let n = src.len().min(dst.len());
         half::slice::HalfFloatSliceExt::convert_to_f32_slice(&src[..n], &mut dst[..n]);
+    }
+    fn narrow_slice(src: &[f32], dst: &mut [std::mem::MaybeUninit<Self>]) {
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = std::mem::MaybeUninit::new(f16::from_f32(s)));
     }
 }
 
@@ -69,6 +78,19 @@ impl Float for bf16 {
     fn widen_slice(src: &[Self], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+        }
+    }
+    /// A quiet NaN keeps its top bits; everything else rounds to nearest even on the low 16
+    /// bits (a plain loop, so it vectorises).
+    fn narrow_slice(src: &[f32], dst: &mut [std::mem::MaybeUninit<Self>]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            let bits = s.to_bits();
+            let out = if s.is_nan() {
+                (bits >> 16) as u16 | 0x0040
+            } else {
+                (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+            };
+            *d = std::mem::MaybeUninit::new(bf16::from_bits(out));
         }
     }
 }

@@ -58,7 +58,10 @@ mod weight_buf;
 pub use dispatch::{CpuKernel, with_kernel};
 pub use element::{Float, FloatKind};
 pub use error::{Error, Result};
-pub use matmul::{batch_invariant, matmul, matmul_packed, matmul_tn, matmul_tn_acc, set_batch_invariant};
+pub use matmul::{
+    batch_invariant, matmul, matmul_packed, matmul_packed_rounded, matmul_rounded, matmul_tn, matmul_tn_acc,
+    set_batch_invariant,
+};
 pub use packed::PackedWeight;
 pub use pool::{num_threads, par_row_groups, par_rows, par_tasks};
 pub use shape::{GemmShape, Layout};

@@ -49,7 +49,7 @@ pub fn matmul<T: Float>(
     shape: GemmShape,
     y: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
-    check_lengths(x, w, bias, shape, y)?;
+    check_lengths(x, w, bias, shape, y.len())?;
     let GemmShape { m, n, k } = shape;
     if k == 0 {
         for row in y.chunks_exact_mut(n.max(1)) {
@@ -86,7 +86,7 @@ pub fn matmul_packed<T: Float>(
     shape: GemmShape,
     y: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
-    check_lengths(x, w, bias, shape, y)?;
+    check_lengths(x, w, bias, shape, y.len())?;
     let GemmShape { m, n, k } = shape;
     let (kind, pn, pk) = packed.dims();
     if (kind, pn, pk) != (T::KIND, n, k) {
@@ -100,6 +100,75 @@ pub fn matmul_packed<T: Float>(
         }
         _ => matmul(x, w, Layout::Nk, bias, shape, y),
     }
+}
+
+/// [`matmul`] with the sums rounded once (to nearest even) to `T` into `y`, bitwise
+/// `matmul` followed by [`Float::narrow_slice`], but without an `f32` copy of the whole
+/// product: the packed GEMM rounds each panel's block of sums as soon as it is final, while it
+/// is still in cache. Same contract and errors as [`matmul`] (`y`'s length checked as `m * n`).
+pub fn matmul_rounded<T: Float>(
+    x: &[T],
+    w: &[T],
+    layout: Layout,
+    bias: Option<&[f32]>,
+    shape: GemmShape,
+    y: &mut [MaybeUninit<T>],
+) -> Result<()> {
+    rounded(x, w, bias, shape, y, |y32| matmul(x, w, layout, bias, shape, y32), BSource::Pack(w, layout))
+}
+
+/// [`matmul_packed`] rounded as [`matmul_rounded`] rounds [`matmul`].
+pub fn matmul_packed_rounded<T: Float>(
+    x: &[T],
+    w: &[T],
+    packed: &PackedWeight,
+    bias: Option<&[f32]>,
+    shape: GemmShape,
+    y: &mut [MaybeUninit<T>],
+) -> Result<()> {
+    let micro = Micro::choose(CpuKernel::current(), T::KIND);
+    let GemmShape { n, k, .. } = shape;
+    let panels = match packed.panels(micro) {
+        Some(p) if packed.dims() == (T::KIND, n, k) => p,
+        // Not built for this kernel (or mismatched, which matmul_packed reports): no panels.
+        _ => return rounded_via_f32(shape, y, |y32| matmul_packed(x, w, packed, bias, shape, y32)),
+    };
+    rounded(x, w, bias, shape, y, |y32| matmul_packed(x, w, packed, bias, shape, y32), BSource::Packed(panels))
+}
+
+/// The packed GEMM rounding into `y` where [`matmul`] would run it, else `f32` sums from
+/// `plain` rounded after.
+fn rounded<T: Float>(
+    x: &[T],
+    w: &[T],
+    bias: Option<&[f32]>,
+    shape: GemmShape,
+    y: &mut [MaybeUninit<T>],
+    plain: impl FnOnce(&mut [MaybeUninit<f32>]) -> Result<()>,
+    b: BSource<'_, T>,
+) -> Result<()> {
+    check_lengths(x, w, bias, shape, y.len())?;
+    let GemmShape { m, n, k } = shape;
+    if k == 0 || m == 0 || n == 0 || (m <= gemv::MAX_ROWS && !batch_invariant()) {
+        return rounded_via_f32(shape, y, plain);
+    }
+    let micro = Micro::choose(CpuKernel::current(), T::KIND);
+    gemm::gemm_rounded(micro, ASource::Rows(x), b, bias, m, k, n, y);
+    Ok(())
+}
+
+/// `f32` sums from `plain`, rounded into `y` (few rows, `k = 0`, or no panels to read).
+fn rounded_via_f32<T: Float>(
+    GemmShape { m, n, .. }: GemmShape,
+    y: &mut [MaybeUninit<T>],
+    plain: impl FnOnce(&mut [MaybeUninit<f32>]) -> Result<()>,
+) -> Result<()> {
+    let mut y32 = vec![MaybeUninit::new(0f32); m * n];
+    plain(&mut y32)?;
+    // SAFETY: `plain` succeeded, so every element was written (they were initialised anyway).
+    let y32: Vec<f32> = y32.into_iter().map(|v| unsafe { v.assume_init() }).collect();
+    T::narrow_slice(&y32, y);
+    Ok(())
 }
 
 /// `y = a^T · op(W) + bias` for `a` given as `[k, m]` row-major (so `a^T` is the `m x k`
@@ -116,7 +185,7 @@ pub fn matmul_tn<T: Float>(
     shape: GemmShape,
     y: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
-    check_lengths(a, w, bias, shape, y)?;
+    check_lengths(a, w, bias, shape, y.len())?;
     let GemmShape { m, n, k } = shape;
     if k == 0 || m == 0 || n == 0 {
         // Nothing is read from `a`: the plain product gives the bias (or zeros).
@@ -140,14 +209,35 @@ fn tn_gemm<T: Float>(
 ) {
     let micro = Micro::choose(CpuKernel::current(), T::KIND);
     if matches!(micro, Micro::Amx { .. }) {
-        let mut t = Vec::with_capacity(m * k);
-        for i in 0..m {
-            t.extend((0..k).map(|j| a[j * m + i]));
-        }
+        let t = transposed(a, k, m);
         gemm::gemm_into(micro, ASource::Rows(&t), BSource::Pack(w, layout), bias, m, k, n, y, accumulate);
     } else {
         gemm::gemm_into(micro, ASource::Cols(a), BSource::Pack(w, layout), bias, m, k, n, y, accumulate);
     }
+}
+
+/// `a: [rows, cols]` row-major, transposed into a new `[cols, rows]`: blocks of `B x B` (both
+/// in L1), the output's row groups spread over the pool. AMX's weight gradient reads it in
+/// place as x's rows (k a multiple of 32), so this is the one copy of `dY` it makes.
+fn transposed<T: Float>(a: &[T], rows: usize, cols: usize) -> Vec<T> {
+    const B: usize = 64;
+    let mut t = vec![T::zeroed(); rows * cols];
+    crate::pool::par_rows(&mut t, rows, |first, part| {
+        // `part` holds output rows first.. (input columns), `rows` elements each.
+        let out_rows = part.len() / rows.max(1);
+        for c0 in (0..out_rows).step_by(B) {
+            let c1 = (c0 + B).min(out_rows);
+            for r0 in (0..rows).step_by(B) {
+                for r in r0..(r0 + B).min(rows) {
+                    let src = &a[r * cols + first + c0..][..c1 - c0];
+                    for (c, &v) in src.iter().enumerate() {
+                        part[(c0 + c) * rows + r] = v;
+                    }
+                }
+            }
+        }
+    });
+    t
 }
 
 /// `y += a^T · op(W)` into an initialised `y: [m, n]`: [`matmul_tn`] accumulating in place (the
@@ -159,7 +249,7 @@ pub fn matmul_tn_acc<T: Float>(a: &[T], w: &[T], layout: Layout, shape: GemmShap
     // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and every value the GEMM writes through
     // this view is an initialised `f32` (it reads `y` and stores sums), so `y` stays initialised.
     let view = unsafe { std::slice::from_raw_parts_mut(y.as_mut_ptr().cast::<MaybeUninit<f32>>(), y.len()) };
-    check_lengths(a, w, None, shape, view)?;
+    check_lengths(a, w, None, shape, view.len())?;
     let GemmShape { m, n, k } = shape;
     if k == 0 || m == 0 || n == 0 {
         return Ok(());
@@ -169,13 +259,13 @@ pub fn matmul_tn_acc<T: Float>(a: &[T], w: &[T], layout: Layout, shape: GemmShap
 }
 
 /// Checks every buffer's length against `shape` (an `[N, K]` or `[K, N]` weight alike).
-fn check_lengths<T>(x: &[T], w: &[T], bias: Option<&[f32]>, shape: GemmShape, y: &[MaybeUninit<f32>]) -> Result<()> {
+fn check_lengths<T>(x: &[T], w: &[T], bias: Option<&[f32]>, shape: GemmShape, y_len: usize) -> Result<()> {
     let GemmShape { m, n, k } = shape;
     let size = |a: usize, b: usize| a.checked_mul(b).ok_or(Error::ShapeOverflow { m, n, k });
     let lengths = [
         ("x", x.len(), size(m, k)?),
         ("w", w.len(), size(n, k)?),
-        ("y", y.len(), size(m, n)?),
+        ("y", y_len, size(m, n)?),
         ("bias", bias.map_or(n, <[f32]>::len), n),
     ];
     match lengths.iter().find(|(_, got, want)| got != want) {
@@ -202,7 +292,9 @@ mod tests {
     #[test]
     fn products_match_a_triple_loop_on_every_kernel() {
         fn check<T: Float>(make: impl Fn(f32) -> T) {
-            for (m, n, k) in [(1, 5, 3), (8, 17, 33), (9, 17, 33), (40, 70, 100)] {
+            // (45, 70, 1024): AMX reads x in place (k a multiple of 32) over two depth blocks, the
+            // last 13 rows packed.
+            for (m, n, k) in [(1, 5, 3), (8, 17, 33), (9, 17, 33), (40, 70, 100), (45, 70, 1024)] {
                 let x: Vec<T> = (0..m * k).map(|i| make(((i * 7 + 3) % 9) as f32 - 4.0)).collect();
                 let w: Vec<T> = (0..n * k).map(|i| make(((i * 5 + 1) % 7) as f32 - 3.0)).collect();
                 let b: Vec<f32> = (0..n).map(|j| j as f32 - 2.0).collect();

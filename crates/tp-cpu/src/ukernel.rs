@@ -76,7 +76,7 @@ pub(crate) unsafe fn f32_avx2(depth: usize, a: &[u32], b: &[u32], t: Tile) {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use avx512::{bf16_avx512, f32_avx512};
+pub(crate) use avx512::{bf16_avx512, f32_avx512, f32_avx512_rows};
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
@@ -172,6 +172,42 @@ mod avx512 {
                     }
                 }
                 pa = pa.add(MR);
+                pb = pb.add(16 * NV);
+            }
+        }
+        // SAFETY: forwarded contract.
+        unsafe { finish(&acc, t) }
+    }
+
+    /// [`f32_avx512`] with A read in place from `MR` rows of x, `lda` lanes apart (no packed
+    /// panel): each step broadcasts one element of each row, so the rows are `MR` sequential
+    /// streams.
+    ///
+    /// # Safety
+    /// `a` must hold `(MR - 1) * lda + depth` lanes, `b` `depth * 48` lanes, 64-byte aligned;
+    /// `t` as in [`finish`]. The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(crate) unsafe fn f32_avx512_rows(depth: usize, a: &[u32], lda: usize, b: &[u32], t: Tile) {
+        debug_assert!(a.len() >= (MR - 1) * lda + depth && b.len() >= depth * 16 * NV);
+        prefetch_c(&t);
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        let pa = a.as_ptr().cast::<f32>();
+        let rows: [*const f32; MR] = std::array::from_fn(|i| pa.wrapping_add(i * lda));
+        let mut pb = b.as_ptr().cast::<f32>();
+        for d in 0..depth {
+            // SAFETY: row `i`'s element `d < depth` is inside `a`; B as in `f32_avx512`.
+            unsafe {
+                let mut bv = [_mm512_setzero_ps(); NV];
+                for (v, slot) in bv.iter_mut().enumerate() {
+                    _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(16 * (NV * PREFETCH_B + v)).cast());
+                    *slot = _mm512_load_ps(pb.add(16 * v));
+                }
+                for (row, &r) in acc.iter_mut().zip(&rows) {
+                    let ai = _mm512_set1_ps(*r.add(d));
+                    for (acc, &bb) in row.iter_mut().zip(&bv) {
+                        *acc = _mm512_fmadd_ps(ai, bb, *acc);
+                    }
+                }
                 pb = pb.add(16 * NV);
             }
         }

@@ -28,7 +28,8 @@ fn run_acc<T: Float>(a: &[T], w: &[T], layout: Layout, shape: GemmShape) -> Vec<
 }
 
 fn check<T: Float>(rng: &mut Rng, conv: impl Fn(f32) -> T, back: impl Fn(T) -> f64, tol: f64) {
-    for &(m, n, k) in &[(37, 53, 61), (1, 17, 5), (64, 48, 256), (131, 9, 300), (5, 200, 3)] {
+    // (70, 45, 1056): on AMX the transposed copy is read in place, over three depth blocks.
+    for &(m, n, k) in &[(37, 53, 61), (1, 17, 5), (64, 48, 256), (131, 9, 300), (5, 200, 3), (70, 45, 1056)] {
         let a: Vec<T> = (0..k * m).map(|_| conv(rng.unit())).collect();
         for layout in [Layout::Kn, Layout::Nk] {
             let w: Vec<T> = (0..k * n).map(|_| conv(rng.unit())).collect();

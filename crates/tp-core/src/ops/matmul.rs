@@ -236,7 +236,8 @@ fn widen<T: Element>(s: &[T]) -> Result<Cow<'_, [f32]>> {
 
 /// The host product ([`tp_cpu::matmul`]: decode shapes stream the weight, everything else runs
 /// the packed GEMM, on the kernel family [`CpuKernel::current`](crate::cpu::CpuKernel::current)
-/// picks for the dtype), rounded once to `T`.
+/// picks for the dtype), rounded once to `T` (by the GEMM itself for f16/bf16,
+/// [`tp_cpu::matmul_rounded`]).
 fn host_matmul<T: Element>(
     x: &[T],
     w: &[T],
@@ -255,11 +256,26 @@ fn host_matmul<T: Element>(
         }
         return narrow_output(y);
     }
-    let mut y: Vec<f32> = with_capacity(OP, m * n)?;
     let layout = match layout {
         WeightLayout::Nk => tp_cpu::Layout::Nk,
         WeightLayout::Kn => tp_cpu::Layout::Kn,
     };
+    if T::DTYPE != DType::F32 {
+        // Rounded by the GEMM itself, panel by panel: no f32 copy of the product.
+        let mut y: Vec<T> = with_capacity(OP, m * n)?;
+        let out = &mut y.spare_capacity_mut()[..m * n];
+        match packed {
+            Some(p) if layout == tp_cpu::Layout::Nk => {
+                tp_cpu::matmul_packed_rounded(x, w, &p.inner, bias.as_deref(), shape, out)?
+            }
+            _ => tp_cpu::matmul_rounded(x, w, layout, bias.as_deref(), shape, out)?,
+        }
+        // SAFETY: the rounded product succeeded, so it wrote every one of the `m * n` elements
+        // (its contract).
+        unsafe { y.set_len(m * n) };
+        return Ok(y);
+    }
+    let mut y: Vec<f32> = with_capacity(OP, m * n)?;
     let out = &mut y.spare_capacity_mut()[..m * n];
     match packed {
         Some(p) if layout == tp_cpu::Layout::Nk => tp_cpu::matmul_packed(x, w, &p.inner, bias.as_deref(), shape, out)?,
