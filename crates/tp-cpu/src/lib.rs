@@ -52,6 +52,7 @@ mod pool;
 pub mod quant;
 mod shape;
 mod tiles;
+mod transpose;
 mod ukernel;
 mod weight_buf;
 

@@ -209,35 +209,12 @@ fn tn_gemm<T: Float>(
 ) {
     let micro = Micro::choose(CpuKernel::current(), T::KIND);
     if matches!(micro, Micro::Amx { .. }) {
-        let t = transposed(a, k, m);
-        gemm::gemm_into(micro, ASource::Rows(&t), BSource::Pack(w, layout), bias, m, k, n, y, accumulate);
+        crate::transpose::with_transposed(a, k, m, |t| {
+            gemm::gemm_into(micro, ASource::Rows(t), BSource::Pack(w, layout), bias, m, k, n, y, accumulate)
+        });
     } else {
         gemm::gemm_into(micro, ASource::Cols(a), BSource::Pack(w, layout), bias, m, k, n, y, accumulate);
     }
-}
-
-/// `a: [rows, cols]` row-major, transposed into a new `[cols, rows]`: blocks of `B x B` (both
-/// in L1), the output's row groups spread over the pool. AMX's weight gradient reads it in
-/// place as x's rows (k a multiple of 32), so this is the one copy of `dY` it makes.
-fn transposed<T: Float>(a: &[T], rows: usize, cols: usize) -> Vec<T> {
-    const B: usize = 64;
-    let mut t = vec![T::zeroed(); rows * cols];
-    crate::pool::par_rows(&mut t, rows, |first, part| {
-        // `part` holds output rows first.. (input columns), `rows` elements each.
-        let out_rows = part.len() / rows.max(1);
-        for c0 in (0..out_rows).step_by(B) {
-            let c1 = (c0 + B).min(out_rows);
-            for r0 in (0..rows).step_by(B) {
-                for r in r0..(r0 + B).min(rows) {
-                    let src = &a[r * cols + first + c0..][..c1 - c0];
-                    for (c, &v) in src.iter().enumerate() {
-                        part[(c0 + c) * rows + r] = v;
-                    }
-                }
-            }
-        }
-    });
-    t
 }
 
 /// `y += a^T · op(W)` into an initialised `y: [m, n]`: [`matmul_tn`] accumulating in place (the
