@@ -128,9 +128,12 @@ mod tests {
     #[test]
     fn transposes_match_the_index_swap() {
         for (rows, cols) in [(2, 1), (6, 37), (64, 16), (33, 17), (1056, 70), (512, 300)] {
+            // Every bit pattern (NaNs included), compared as bits.
             let a: Vec<bf16> = (0..rows * cols).map(|i| bf16::from_bits((i * 7919 % 65521) as u16)).collect();
-            let want: Vec<bf16> = (0..cols * rows).map(|i| a[(i % rows) * cols + i / rows]).collect();
-            with_transposed(&a, rows, cols, |t| assert_eq!(t, &want[..], "bf16 {rows}x{cols}"));
+            let want: Vec<u16> = (0..cols * rows).map(|i| a[(i % rows) * cols + i / rows].to_bits()).collect();
+            with_transposed(&a, rows, cols, |t| {
+                assert_eq!(t.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "bf16 {rows}x{cols}")
+            });
             let a: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
             let want: Vec<f32> = (0..cols * rows).map(|i| a[(i % rows) * cols + i / rows]).collect();
             with_transposed(&a, rows, cols, |t| assert_eq!(t, &want[..], "f32 {rows}x{cols}"));
