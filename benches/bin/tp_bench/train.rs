@@ -1,7 +1,9 @@
 //! `tp-bench --only train-gemm`: the three host GEMM layouts of a training step, at the shapes
 //! of one SmolLM2-135M step (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, vocab
-//! 49152; 8 rows x 256 tokens = 2048 tokens, and a skinny 256-token step), tp beside torch in
-//! the same run:
+//! 49152; 8 rows x 256 tokens = 2048 tokens, and a skinny 256-token step), plus the weight
+//! gradients of q/o and gate/up over 4096 tokens and the LM heads of 128k (Llama 3.2 1B,
+//! hidden 2048) and 152k (Qwen2.5 0.5B, hidden 896) vocabularies at 256 tokens, tp beside
+//! torch in the same run:
 //!
 //! * forward `Y = X W^T`: `x.matmul_t(&w)` (torch `x @ w.T`), `[T, in] x [out, in]`;
 //! * dgrad `dX = dY W`: `dy.matmul_f32(&w, WeightLayout::Kn)` (torch `dy @ w`);
@@ -90,7 +92,14 @@ impl TrainGemm {
     }
 }
 
-/// The set: every projection at 2048 and 256 tokens (quick: every projection at 2048, and the
+/// The larger vocabularies' LM heads, (label, hidden, vocab): Llama 3.2 1B's 128256 x 2048 and
+/// Qwen2.5 0.5B's 151936 x 896, each pass at 256 tokens.
+const BIG_HEADS: [(&str, usize, usize); 2] = [("lm_head128k", 2048, 128_256), ("lm_head152k", 896, 151_936)];
+/// Tokens of the long weight-gradient rows (wgrad's depth): q/o and gate/up at 4096.
+const LONG_WGRAD: usize = 4096;
+
+/// The set: every projection at 2048 and 256 tokens, the wgrad of q/o and gate/up at 4096
+/// tokens, and the 128k and 152k LM heads at 256 (quick: every projection at 2048, and the
 /// LM head and gate/up at 256), each pass.
 fn train_set(quick: bool) -> Vec<TrainGemm> {
     let mut v = Vec::new();
@@ -101,6 +110,16 @@ fn train_set(quick: bool) -> Vec<TrainGemm> {
             }
             for pass in Pass::ALL {
                 v.push(TrainGemm { label, pass, tokens, inp, out });
+            }
+        }
+    }
+    if !quick {
+        for (label, inp, out) in PROJECTIONS.into_iter().filter(|p| matches!(p.0, "q/o" | "gate/up")) {
+            v.push(TrainGemm { label, pass: Pass::Wgrad, tokens: LONG_WGRAD, inp, out });
+        }
+        for (label, inp, out) in BIG_HEADS {
+            for pass in Pass::ALL {
+                v.push(TrainGemm { label, pass, tokens: TOKENS[1], inp, out });
             }
         }
     }
@@ -378,10 +397,14 @@ mod tests {
     #[test]
     fn the_lm_head_shapes_are_a_step_of_2048_tokens() {
         let set = train_set(false);
-        assert_eq!(set.len(), 2 * 5 * 3);
+        assert_eq!(set.len(), 2 * 5 * 3 + 2 + 2 * 3);
         let lm: Vec<String> =
             set.iter().filter(|g| g.label == "lm_head" && g.tokens == 2048).map(TrainGemm::shape).collect();
         assert_eq!(lm, ["2048x49152x576", "2048x576x49152", "49152x576x2048"]);
+        let big: Vec<String> = set.iter().filter(|g| g.label == "lm_head128k").map(TrainGemm::shape).collect();
+        assert_eq!(big, ["256x128256x2048", "256x2048x128256", "128256x2048x256"]);
+        let long: Vec<String> = set.iter().filter(|g| g.tokens == LONG_WGRAD).map(TrainGemm::shape).collect();
+        assert_eq!(long, ["576x576x4096", "1536x576x4096"]);
         assert!(train_set(true).len() < set.len());
     }
 
