@@ -14,7 +14,10 @@
 //!    (streamed from L2) while the x panel stays in L1, and the panel's `MR x NC` block of `y`
 //!    stays in cache from one depth block to the next.
 //! 3. The first depth block stores its tile plus the bias; later ones add into `y` (AMX loads
-//!    the block into its accumulator tiles and stores it back).
+//!    the block into its accumulator tiles and stores it back). A rounded product (bf16/f16
+//!    out) or a transposed one (`y^T`, for weight gradients on AMX) sums each panel's block in a
+//!    per-task scratch instead, and writes it out once, rounded or column by column, after its
+//!    last depth block.
 //!
 //! Packed buffers live in per-thread scratch that is kept between calls, so a steady stream of
 //! products (decode, layers) allocates nothing.
@@ -378,6 +381,21 @@ pub(crate) enum Dest<'a, T> {
     /// scratch that stays in cache, and rounds it into `y` once its last depth block is done,
     /// so no `f32` copy of the whole product exists.
     Rounded(&'a mut [MaybeUninit<T>]),
+    /// `f32` sums transposed into `y: [n, m]` (with `accumulate`, added to what it holds):
+    /// each task's block of sums, once final, is written (or added) column by column, each
+    /// column of a panel a contiguous run of `y`. For a weight gradient computed as `dW^T`.
+    F32T { y: &'a mut [MaybeUninit<f32>], accumulate: bool },
+}
+
+/// Where a task's finished sums go when they are not summed straight into `y`.
+#[derive(Clone, Copy)]
+enum Sink<T> {
+    /// Straight into `y` (no scratch).
+    Direct,
+    /// Rounded to `T` into this output.
+    Rounded(Out<T>),
+    /// Transposed into this `[n, m]` output, added with `accumulate`.
+    Transposed(Out<f32>, bool),
 }
 
 thread_local! {
@@ -434,7 +452,22 @@ pub(crate) fn gemm_into<T: Float>(
     gemm_dest(micro, x, b, bias, m, k, n, Dest::F32 { y, accumulate })
 }
 
-/// The driver behind [`gemm_into`] and [`gemm_rounded`].
+/// [`gemm_into`] with `y: [n, m]` receiving the product transposed ([`Dest::F32T`]); no bias.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_into_t<T: Float>(
+    micro: Micro,
+    x: ASource<'_, T>,
+    b: BSource<'_, T>,
+    m: usize,
+    k: usize,
+    n: usize,
+    y: &mut [MaybeUninit<f32>],
+    accumulate: bool,
+) {
+    gemm_dest(micro, x, b, None, m, k, n, Dest::F32T { y, accumulate })
+}
+
+/// The driver behind [`gemm_into`], [`gemm_rounded`] and [`gemm_into_t`].
 #[allow(clippy::too_many_arguments)]
 fn gemm_dest<T: Float>(
     micro: Micro,
@@ -446,11 +479,15 @@ fn gemm_dest<T: Float>(
     n: usize,
     dest: Dest<'_, T>,
 ) {
-    // Sums go to `y_out` (f32 output), or to a scratch per task rounded into `r_out`.
-    let (y_out, r_out, accumulate, y_len) = match dest {
-        Dest::F32 { y, accumulate } => (Out(y.as_mut_ptr().cast::<f32>()), None, accumulate, y.len()),
-        Dest::Rounded(y) => (Out(std::ptr::null_mut()), Some(Out(y.as_mut_ptr())), false, y.len()),
+    // Sums go to `y_out` (f32 output), or to a scratch per task finished into `sink`.
+    let (y_out, sink, accumulate, y_len) = match dest {
+        Dest::F32 { y, accumulate } => (Out(y.as_mut_ptr().cast::<f32>()), Sink::Direct, accumulate, y.len()),
+        Dest::Rounded(y) => (Out(std::ptr::null_mut()), Sink::Rounded(Out(y.as_mut_ptr())), false, y.len()),
+        Dest::F32T { y, accumulate } => {
+            (Out(std::ptr::null_mut()), Sink::Transposed(Out(y.as_mut_ptr().cast::<f32>()), accumulate), false, y.len())
+        }
     };
+    let scratch = !matches!(sink, Sink::Direct);
     assert!(!(accumulate && bias.is_some()), "gemm: a bias with accumulation");
     let (x, x_cols) = match x {
         ASource::Rows(x) => (x, false),
@@ -557,13 +594,13 @@ fn gemm_dest<T: Float>(
             // Rounded sums are kept for one x panel when every depth block is walked at once,
             // else for all of the task's panels (each revisited group after group).
             let c_rows = if group >= kblocks { mr } else { (p1 - p0) * mr };
-            let c_len = if r_out.is_some() { c_rows * ncols } else { 0 };
+            let c_len = if scratch { c_rows * ncols } else { 0 };
             with_scratch(&C_SCRATCH, c_len, |c_buf| {
                 let c_out = Out(c_buf.as_mut_ptr().cast::<f32>());
                 // Where row `i` (of y), column `j` of the sums is, and the row stride there.
-                let (c_at, ldc): (&dyn Fn(usize, usize) -> *mut f32, usize) = match r_out {
-                    None => (&|i, j| y_out.get().wrapping_add(i * n + j), n),
-                    Some(_) => (&|i, j| c_out.get().wrapping_add(((i - p0 * mr) % c_rows) * ncols + j - j0), ncols),
+                let (c_at, ldc): (&dyn Fn(usize, usize) -> *mut f32, usize) = match scratch {
+                    false => (&|i, j| y_out.get().wrapping_add(i * n + j), n),
+                    true => (&|i, j| c_out.get().wrapping_add(((i - p0 * mr) % c_rows) * ncols + j - j0), ncols),
                 };
                 let mut runner = Runner::new(micro);
                 // Every tile of the task, x panel by x panel: for each depth block in turn, the
@@ -604,7 +641,27 @@ fn gemm_dest<T: Float>(
                                 unsafe { runner.run(depth, a, a_ld, b, tile) };
                             }
                         }
-                        if let (Some(r), true) = (r_out, last) {
+                        if let (Sink::Transposed(yt, add), true) = (sink, last) {
+                            // The panel's sums are final: column `j` of them is row `j` of `y`
+                            // from element `i0`.
+                            let rows = mr.min(m - i0);
+                            for j in 0..ncols {
+                                let dst = yt.get().wrapping_add((j0 + j) * m + i0);
+                                let col = c_at(i0, j0 + j).cast_const();
+                                for i in 0..rows {
+                                    // SAFETY: element `i0 + i` of row `j0 + j < n` of the
+                                    // `[n, m]` output belongs to this task alone (its rows and
+                                    // columns of the product), initialised when adding; the
+                                    // scratch holds row `i < rows`, column `j < ncols` of the
+                                    // panel's sums.
+                                    unsafe {
+                                        let v = *col.add(i * ncols);
+                                        if add { *dst.add(i) += v } else { dst.add(i).write(v) }
+                                    }
+                                }
+                            }
+                        }
+                        if let (Sink::Rounded(r), true) = (sink, last) {
                             // The panel's sums are final: round them into `y`.
                             for i in 0..mr.min(m - i0) {
                                 // SAFETY: row `i0 + i < m`, columns `j0..j0 + ncols` of `y` are this

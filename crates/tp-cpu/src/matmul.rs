@@ -196,7 +196,8 @@ pub fn matmul_tn<T: Float>(
 }
 
 /// The GEMM of [`matmul_tn`] (storing) and [`matmul_tn_acc`] (`accumulate`): `a`'s panels
-/// packed from its columns, or on AMX (whose tiles take rows) from a transposed copy. `m`, `n`
+/// packed from its columns, or on AMX (whose tiles take rows along k) as `y^T = op(W)^T a`
+/// written back transposed, or from a transposed copy of `a`. `m`, `n`
 /// and `k` nonzero; lengths checked.
 fn tn_gemm<T: Float>(
     a: &[T],
@@ -208,7 +209,19 @@ fn tn_gemm<T: Float>(
     accumulate: bool,
 ) {
     let micro = Micro::choose(CpuKernel::current(), T::KIND);
-    if matches!(micro, Micro::Amx { .. }) {
+    if matches!(micro, Micro::Amx { .. }) && bias.is_none() && (layout == Layout::Nk || n < m) {
+        // AMX tiles take their left operand by rows along k, and `a` has its columns there. So
+        // compute `y^T = op(W)^T a` instead, written back transposed: an `[N, K]` weight's rows
+        // already run along k, and a `[K, N]` one is transposed, which is the smaller copy when
+        // `n < m` (a weight gradient against a vocabulary's worth of rows).
+        let yt = |wt: &[T], y: &mut [MaybeUninit<f32>]| {
+            gemm::gemm_into_t(micro, ASource::Rows(wt), BSource::Pack(a, Layout::Kn), n, k, m, y, accumulate)
+        };
+        match layout {
+            Layout::Nk => yt(w, y),
+            Layout::Kn => crate::transpose::with_transposed(w, k, n, |wt| yt(wt, y)),
+        }
+    } else if matches!(micro, Micro::Amx { .. }) {
         crate::transpose::with_transposed(a, k, m, |t| {
             gemm::gemm_into(micro, ASource::Rows(t), BSource::Pack(w, layout), bias, m, k, n, y, accumulate)
         });
