@@ -12,6 +12,7 @@ mod lora_serve;
 mod markers;
 mod merge;
 mod metrics;
+mod peak;
 mod reasoning;
 mod request;
 mod run;

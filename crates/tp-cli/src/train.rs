@@ -681,7 +681,7 @@ impl Log {
             }
             let line = serde_json::json!({
                 "step": l.step, "loss": l.loss, "grad_norm": l.grad_norm, "lr": l.lr, "tokens": l.tokens, "elapsed_s": elapsed,
-                "bubble": l.bubble, "optimizer_bytes": l.optimizer_bytes,
+                "bubble": l.bubble, "optimizer_bytes": l.optimizer_bytes, "peak_rss_bytes": crate::peak::take(),
             });
             if let Some(f) = file.as_mut() {
                 writeln!(f, "{line}").and_then(|()| f.flush()).map_err(|e| format!("{}: {e}", path.display()))?;

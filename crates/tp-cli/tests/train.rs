@@ -56,6 +56,9 @@ fn matches_torch_and_saves(name: &str, flags: &[&str]) {
         assert!(rel("loss") < 2e-6 && rel("grad_norm") < 2e-5, "{name} {flags:?}: {got} vs {want}");
         assert_eq!(got["lr"].as_f64(), want["lr"].as_f64());
         assert!(got["elapsed_s"].as_f64().unwrap() >= 0.0);
+        // The step's peak resident memory: at least the model's weights are held.
+        let peak = got["peak_rss_bytes"].as_u64().unwrap_or(0);
+        assert!(peak > 1 << 20, "{name}: peak_rss_bytes {}", got["peak_rss_bytes"]);
     }
 
     let (got, want) = (tensors(&grads), tensors(&case.join("grads.safetensors")));
@@ -87,11 +90,12 @@ fn matches_torch_and_saves(name: &str, flags: &[&str]) {
         .expect("tp loads the checkpoint");
 }
 
-/// A log line without its measured times (elapsed seconds, the pipeline's idle fraction).
+/// A log line without its measurements (elapsed seconds, the pipeline's idle fraction, peak memory).
 fn fields(v: &Value) -> Value {
     let mut v = v.clone();
     v.as_object_mut().unwrap().remove("elapsed_s");
     v.as_object_mut().unwrap().remove("bubble");
+    v.as_object_mut().unwrap().remove("peak_rss_bytes");
     v
 }
 
