@@ -222,14 +222,8 @@ impl Element for bf16 {
     /// Round to nearest even on the bit pattern (add `0x7fff` plus the lowest kept bit, then
     /// truncate); NaNs stay NaN (quieted). Same results as `bf16::from_f32`, but vectorizes.
     fn slice_from_f32(src: &[f32], dst: &mut [Self]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            let bits = s.to_bits();
-            let out = if s.is_nan() {
-                (bits >> 16) as u16 | 0x0040
-            } else {
-                (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16
-            };
-            *d = bf16::from_bits(out);
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = tp_cpu::bf16_rounded(s);
         }
     }
 }

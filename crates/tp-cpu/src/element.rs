@@ -80,19 +80,25 @@ impl Float for bf16 {
             *d = f32::from_bits(u32::from(s.to_bits()) << 16);
         }
     }
-    /// A quiet NaN keeps its top bits; everything else rounds to nearest even on the low 16
-    /// bits (a plain loop, so it vectorises).
+    /// [`bf16_rounded`] element by element (a plain loop, so it vectorises).
     fn narrow_slice(src: &[f32], dst: &mut [std::mem::MaybeUninit<Self>]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            let bits = s.to_bits();
-            let out = if s.is_nan() {
-                (bits >> 16) as u16 | 0x0040
-            } else {
-                (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16
-            };
-            *d = std::mem::MaybeUninit::new(bf16::from_bits(out));
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = std::mem::MaybeUninit::new(bf16_rounded(s));
         }
     }
+}
+
+/// `v` rounded to nearest even on its low 16 bits; a NaN keeps its top bits, made quiet: the
+/// one bf16 rounding of tp's host code (tp-core's tensors use it too).
+#[inline]
+pub fn bf16_rounded(v: f32) -> bf16 {
+    let bits = v.to_bits();
+    let out = if v.is_nan() {
+        (bits >> 16) as u16 | 0x0040
+    } else {
+        (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+    };
+    bf16::from_bits(out)
 }
 
 #[cfg(test)]

@@ -403,21 +403,6 @@ thread_local! {
     static C_SCRATCH: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// [`gemm`] rounding the sums once to `T` ([`Dest::Rounded`]).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_rounded<T: Float>(
-    micro: Micro,
-    x: ASource<'_, T>,
-    b: BSource<'_, T>,
-    bias: Option<&[f32]>,
-    m: usize,
-    k: usize,
-    n: usize,
-    y: &mut [MaybeUninit<T>],
-) {
-    gemm_dest(micro, x, b, bias, m, k, n, Dest::Rounded(y))
-}
-
 /// `y[m x n] = x[m x k] · op(W) + bias`, `op(W) = W^T` for an `[N, K]` weight, W's panels from
 /// `b`. `y` need not be initialised: every element is written. `k > 0`.
 #[allow(clippy::too_many_arguments)]
@@ -452,24 +437,9 @@ pub(crate) fn gemm_into<T: Float>(
     gemm_dest(micro, x, b, bias, m, k, n, Dest::F32 { y, accumulate })
 }
 
-/// [`gemm_into`] with `y: [n, m]` receiving the product transposed ([`Dest::F32T`]); no bias.
+/// The driver: [`gemm`] into any [`Dest`].
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_into_t<T: Float>(
-    micro: Micro,
-    x: ASource<'_, T>,
-    b: BSource<'_, T>,
-    m: usize,
-    k: usize,
-    n: usize,
-    y: &mut [MaybeUninit<f32>],
-    accumulate: bool,
-) {
-    gemm_dest(micro, x, b, None, m, k, n, Dest::F32T { y, accumulate })
-}
-
-/// The driver behind [`gemm_into`], [`gemm_rounded`] and [`gemm_into_t`].
-#[allow(clippy::too_many_arguments)]
-fn gemm_dest<T: Float>(
+pub(crate) fn gemm_dest<T: Float>(
     micro: Micro,
     x: ASource<'_, T>,
     b: BSource<'_, T>,

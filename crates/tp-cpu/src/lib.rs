@@ -57,7 +57,7 @@ mod ukernel;
 mod weight_buf;
 
 pub use dispatch::{CpuKernel, with_kernel};
-pub use element::{Float, FloatKind};
+pub use element::{Float, FloatKind, bf16_rounded};
 pub use error::{Error, Result};
 pub use matmul::{
     batch_invariant, matmul, matmul_packed, matmul_packed_rounded, matmul_rounded, matmul_tn, matmul_tn_acc,

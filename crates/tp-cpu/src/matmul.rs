@@ -153,7 +153,7 @@ fn rounded<T: Float>(
         return rounded_via_f32(shape, y, plain);
     }
     let micro = Micro::choose(CpuKernel::current(), T::KIND);
-    gemm::gemm_rounded(micro, ASource::Rows(x), b, bias, m, k, n, y);
+    gemm::gemm_dest(micro, ASource::Rows(x), b, bias, m, k, n, gemm::Dest::Rounded(y));
     Ok(())
 }
 
@@ -215,7 +215,16 @@ fn tn_gemm<T: Float>(
         // already run along k, and a `[K, N]` one is transposed, which is the smaller copy when
         // `n < m` (a weight gradient against a vocabulary's worth of rows).
         let yt = |wt: &[T], y: &mut [MaybeUninit<f32>]| {
-            gemm::gemm_into_t(micro, ASource::Rows(wt), BSource::Pack(a, Layout::Kn), n, k, m, y, accumulate)
+            gemm::gemm_dest(
+                micro,
+                ASource::Rows(wt),
+                BSource::Pack(a, Layout::Kn),
+                None,
+                n,
+                k,
+                m,
+                gemm::Dest::F32T { y, accumulate },
+            )
         };
         match layout {
             Layout::Nk => yt(w, y),

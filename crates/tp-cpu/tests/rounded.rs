@@ -4,6 +4,8 @@
 //! GEMM row counts, shapes off every tile multiple (and k a multiple of 32, where AMX reads x in
 //! place), and lengths checked before anything is written.
 
+mod common;
+
 use half::{bf16, f16};
 use std::mem::MaybeUninit;
 use tp_cpu::{
@@ -11,16 +13,10 @@ use tp_cpu::{
     matmul_rounded, set_batch_invariant, with_kernel,
 };
 
+/// `len` values in [-4, 4) from seed `seed` (inexact in every dtype, so rounding shows).
 fn random<T: Float>(len: usize, seed: u64, make: impl Fn(f32) -> T) -> Vec<T> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            make(((s >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0)
-        })
-        .collect()
+    let mut rng = common::Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    (0..len).map(|_| make(4.0 * rng.unit())).collect()
 }
 
 fn init<T: Copy>(y: Vec<MaybeUninit<T>>) -> Vec<T> {

@@ -1,4 +1,4 @@
-//! Shared by the quant tests: a seeded generator of values and block scales.
+//! Shared by the tests: a seeded generator of values and block scales.
 #![allow(dead_code)] // each test binary uses some of it
 
 /// xorshift64.
