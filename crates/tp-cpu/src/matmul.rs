@@ -196,9 +196,9 @@ pub fn matmul_tn<T: Float>(
 }
 
 /// The GEMM of [`matmul_tn`] (storing) and [`matmul_tn_acc`] (`accumulate`): `a`'s panels
-/// packed from its columns, or on AMX (whose tiles take rows along k) as `y^T = op(W)^T a`
-/// written back transposed, or from a transposed copy of `a`. `m`, `n`
-/// and `k` nonzero; lengths checked.
+/// packed from its columns; or as `y^T = op(W)^T a` written back transposed, on AMX (whose
+/// tiles take rows along k) and for tall products (`m >= 4n`, where `a` is the big operand);
+/// or on AMX from a transposed copy of `a`. `m`, `n` and `k` nonzero; lengths checked.
 fn tn_gemm<T: Float>(
     a: &[T],
     w: &[T],
@@ -230,6 +230,15 @@ fn tn_gemm<T: Float>(
             Layout::Nk => yt(w, y),
             Layout::Kn => crate::transpose::with_transposed(w, k, n, |wt| yt(wt, y)),
         }
+    } else if !matches!(micro, Micro::Amx { .. }) && bias.is_none() && 4 * n <= m {
+        // A tall product (a weight gradient against a vocabulary's worth of rows): `y^T =
+        // op(W)^T a` too, so that the big `a` streams through the tasks' L2-sized panels of W's
+        // place instead of being packed whole as x, and the small operand is packed once.
+        let wt = match layout {
+            Layout::Nk => ASource::Rows(w),
+            Layout::Kn => ASource::Cols(w),
+        };
+        gemm::gemm_dest(micro, wt, BSource::Pack(a, Layout::Kn), None, n, k, m, gemm::Dest::F32T { y, accumulate });
     } else if matches!(micro, Micro::Amx { .. }) {
         crate::transpose::with_transposed(a, k, m, |t| {
             gemm::gemm_into(micro, ASource::Rows(t), BSource::Pack(w, layout), bias, m, k, n, y, accumulate)
