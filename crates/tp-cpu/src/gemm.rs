@@ -480,14 +480,10 @@ pub(crate) fn gemm_dest<T: Float>(
     let blocks = KBlocks::new(micro, k);
     let (kc_depth, kc_elems, kblocks) = (blocks.depth, blocks.elems, blocks.count);
     let mpanels = m.div_ceil(mr);
-    let a_len = mpanels * mr * blocks.total_depth(micro, k);
     let parallel = 2 * m * n * k >= PARALLEL_MIN_FLOPS && pool::num_threads() > 1;
     let run = |tasks: usize, f: &(dyn Fn(usize) + Sync)| {
         if parallel { pool::run(tasks, f) } else { (0..tasks).for_each(f) }
     };
-    // Where the depth block `kb` of panel `p` starts in packed x.
-    let a_at =
-        |kb: usize, p: usize| mpanels * mr * kb * kc_depth + p * mr * micro.depth(kc_elems.min(k - kb * kc_elems));
     // AMX tiles load x's rows in place when they are whole pairs of whole tile steps (k a
     // multiple of 32, 4-byte aligned), and the AVX-512 f32 kernel broadcasts from them: only a
     // last panel of fewer than `MR` rows is packed. An element is `1 / per_lane` lanes.
@@ -498,13 +494,20 @@ pub(crate) fn gemm_dest<T: Float>(
         _ => None,
     };
     let per_lane = if lanes == Lanes::F32 { 1 } else { 2 };
+    // Panels `packed_from..mpanels` are packed (all of them unless x is read in place).
     let packed_from = if direct.is_some() { m / mr } else { 0 };
+    let packed_panels = mpanels - packed_from;
+    let a_len = packed_panels * mr * blocks.total_depth(micro, k);
+    // Where the depth block `kb` of packed panel `p` starts in packed x.
+    let a_at = |kb: usize, p: usize| {
+        packed_panels * mr * kb * kc_depth + (p - packed_from) * mr * micro.depth(kc_elems.min(k - kb * kc_elems))
+    };
 
     with_scratch(&A_SCRATCH, a_len, |a_buf| {
         // 1. Pack x: tasks of (depth block, 8 panels).
         {
             let a_out = Out(a_buf.as_mut_ptr());
-            let groups = (mpanels - packed_from).div_ceil(8);
+            let groups = packed_panels.div_ceil(8);
             run(kblocks * groups, &|t| {
                 let (kb, g) = (t / groups, t % groups);
                 let (k0, len, depth) = blocks.block(micro, k, kb);

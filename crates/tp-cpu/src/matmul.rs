@@ -61,7 +61,7 @@ pub fn matmul<T: Float>(
         return Ok(());
     }
     let kernel = CpuKernel::current();
-    if layout == Layout::Nk && m <= gemv::MAX_ROWS && !batch_invariant() {
+    if decodes(layout, m) {
         gemv::gemv(kernel, x, w, bias, m, k, n, y);
     } else {
         gemm::gemm(Micro::choose(kernel, T::KIND), ASource::Rows(x), BSource::Pack(w, layout), bias, m, k, n, y);
@@ -94,12 +94,18 @@ pub fn matmul_packed<T: Float>(
     }
     let micro = Micro::choose(CpuKernel::current(), T::KIND);
     match packed.panels(micro) {
-        Some(panels) if k > 0 && (m > gemv::MAX_ROWS || batch_invariant()) => {
+        Some(panels) if k > 0 && !decodes(Layout::Nk, m) => {
             gemm::gemm(micro, ASource::Rows(x), BSource::Packed(panels), bias, m, k, n, y);
             Ok(())
         }
         _ => matmul(x, w, Layout::Nk, bias, shape, y),
     }
+}
+
+/// Whether an `m`-row product with a weight in `layout` runs the decode kernel (few rows of an
+/// `[N, K]` weight, not batch-invariant) rather than the packed GEMM.
+fn decodes(layout: Layout, m: usize) -> bool {
+    layout == Layout::Nk && m <= gemv::MAX_ROWS && !batch_invariant()
 }
 
 /// [`matmul`] with the sums rounded once (to nearest even) to `T` into `y`, bitwise
@@ -149,7 +155,11 @@ fn rounded<T: Float>(
 ) -> Result<()> {
     check_lengths(x, w, bias, shape, y.len())?;
     let GemmShape { m, n, k } = shape;
-    if k == 0 || m == 0 || n == 0 || (m <= gemv::MAX_ROWS && !batch_invariant()) {
+    let layout = match b {
+        BSource::Pack(_, layout) => layout,
+        BSource::Packed(_) => Layout::Nk,
+    };
+    if k == 0 || m == 0 || n == 0 || decodes(layout, m) {
         return rounded_via_f32(shape, y, plain);
     }
     let micro = Micro::choose(CpuKernel::current(), T::KIND);
@@ -163,10 +173,11 @@ fn rounded_via_f32<T: Float>(
     y: &mut [MaybeUninit<T>],
     plain: impl FnOnce(&mut [MaybeUninit<f32>]) -> Result<()>,
 ) -> Result<()> {
-    let mut y32 = vec![MaybeUninit::new(0f32); m * n];
-    plain(&mut y32)?;
-    // SAFETY: `plain` succeeded, so every element was written (they were initialised anyway).
-    let y32: Vec<f32> = y32.into_iter().map(|v| unsafe { v.assume_init() }).collect();
+    let mut y32: Vec<f32> = Vec::with_capacity(m * n);
+    plain(&mut y32.spare_capacity_mut()[..m * n])?;
+    // SAFETY: `plain` (a product with `matmul`'s contract) succeeded, so it wrote every one of
+    // the `m * n` elements.
+    unsafe { y32.set_len(m * n) };
     T::narrow_slice(&y32, y);
     Ok(())
 }
@@ -209,37 +220,25 @@ fn tn_gemm<T: Float>(
     accumulate: bool,
 ) {
     let micro = Micro::choose(CpuKernel::current(), T::KIND);
-    if matches!(micro, Micro::Amx { .. }) && bias.is_none() && (layout == Layout::Nk || n < m) {
-        // AMX tiles take their left operand by rows along k, and `a` has its columns there. So
-        // compute `y^T = op(W)^T a` instead, written back transposed: an `[N, K]` weight's rows
-        // already run along k, and a `[K, N]` one is transposed, which is the smaller copy when
-        // `n < m` (a weight gradient against a vocabulary's worth of rows).
-        let yt = |wt: &[T], y: &mut [MaybeUninit<f32>]| {
-            gemm::gemm_dest(
-                micro,
-                ASource::Rows(wt),
-                BSource::Pack(a, Layout::Kn),
-                None,
-                n,
-                k,
-                m,
-                gemm::Dest::F32T { y, accumulate },
-            )
+    let amx = matches!(micro, Micro::Amx { .. });
+    // `y^T = op(W)^T a`, written back transposed: AMX tiles take their left operand by rows
+    // along k, where `a` has its columns, and an `[N, K]` weight's rows already run along k
+    // while a `[K, N]` one is transposed, the smaller copy when `n < m`; on the vector kernels,
+    // for a tall product (`m >= 4n`, a weight gradient against a vocabulary's worth of rows)
+    // the big `a` then streams through the tasks' L2-sized panels instead of being packed
+    // whole, and the small operand is packed once.
+    let transposed = bias.is_none() && if amx { layout == Layout::Nk || n < m } else { 4 * n <= m };
+    if transposed {
+        let yt = |wt: ASource<'_, T>, y: &mut [MaybeUninit<f32>]| {
+            let dest = gemm::Dest::F32T { y, accumulate };
+            gemm::gemm_dest(micro, wt, BSource::Pack(a, Layout::Kn), None, n, k, m, dest)
         };
-        match layout {
-            Layout::Nk => yt(w, y),
-            Layout::Kn => crate::transpose::with_transposed(w, k, n, |wt| yt(wt, y)),
+        match (layout, amx) {
+            (Layout::Nk, _) => yt(ASource::Rows(w), y),
+            (Layout::Kn, false) => yt(ASource::Cols(w), y),
+            (Layout::Kn, true) => crate::transpose::with_transposed(w, k, n, |wt| yt(ASource::Rows(wt), y)),
         }
-    } else if !matches!(micro, Micro::Amx { .. }) && bias.is_none() && 4 * n <= m {
-        // A tall product (a weight gradient against a vocabulary's worth of rows): `y^T =
-        // op(W)^T a` too, so that the big `a` streams through the tasks' L2-sized panels of W's
-        // place instead of being packed whole as x, and the small operand is packed once.
-        let wt = match layout {
-            Layout::Nk => ASource::Rows(w),
-            Layout::Kn => ASource::Cols(w),
-        };
-        gemm::gemm_dest(micro, wt, BSource::Pack(a, Layout::Kn), None, n, k, m, gemm::Dest::F32T { y, accumulate });
-    } else if matches!(micro, Micro::Amx { .. }) {
+    } else if amx {
         crate::transpose::with_transposed(a, k, m, |t| {
             gemm::gemm_into(micro, ASource::Rows(t), BSource::Pack(w, layout), bias, m, k, n, y, accumulate)
         });

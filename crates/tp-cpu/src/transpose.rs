@@ -17,24 +17,16 @@ thread_local! {
     static T_SCRATCH: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `f(t)` with `t`, `a: [rows, cols]` transposed into `[cols, rows]` (in this thread's scratch
-/// when the element is 16 or 32 bits, else a new buffer).
+/// `f(t)` with `t`, `a: [rows, cols]` transposed into `[cols, rows]`, in this thread's
+/// scratch.
 pub(crate) fn with_transposed<T: Float, R>(a: &[T], rows: usize, cols: usize, f: impl FnOnce(&[T]) -> R) -> R {
     assert_eq!(a.len(), rows * cols, "transposed: operand");
-    let lanes = (rows * cols * size_of::<T>()).div_ceil(4);
-    crate::gemm::with_scratch(&T_SCRATCH, lanes, |buf| {
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
-        match bytemuck::try_cast_slice_mut::<u8, T>(&mut bytes[..rows * cols * size_of::<T>()]) {
-            Ok(t) => {
-                fill(a, rows, cols, t);
-                f(t)
-            }
-            Err(_) => {
-                let mut t = vec![T::zeroed(); rows * cols];
-                fill(a, rows, cols, &mut t);
-                f(&t)
-            }
-        }
+    let bytes = rows * cols * size_of::<T>();
+    crate::gemm::with_scratch(&T_SCRATCH, bytes.div_ceil(4), |buf| {
+        // A float is 2 or 4 bytes: a run of 4-byte lanes holds whole, aligned elements.
+        let t: &mut [T] = bytemuck::cast_slice_mut(&mut bytemuck::cast_slice_mut::<u32, u8>(buf)[..bytes]);
+        fill(a, rows, cols, t);
+        f(t)
     })
 }
 
